@@ -1,0 +1,46 @@
+"""retrysafe: make retries safe. One side effect and the same answer, however often a call is retried."""
+
+from __future__ import annotations
+
+from ._decorator import idempotent
+from ._engine import DEFAULT_LEASE, DEFAULT_TTL, Attempt, Claim, Engine, Replay
+from ._errors import (
+    FingerprintMismatchError,
+    IdempotencyError,
+    InProgressError,
+    InvalidKeyError,
+    LeaseLostError,
+    StoreUnavailableError,
+)
+from ._keys import canonical_json, fingerprint, key_hash, validate_key
+from ._record import ClaimResult, Outcome, Record, Status
+from .stores import Store, open_store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_LEASE",
+    "DEFAULT_TTL",
+    "Attempt",
+    "Claim",
+    "ClaimResult",
+    "Engine",
+    "FingerprintMismatchError",
+    "IdempotencyError",
+    "InProgressError",
+    "InvalidKeyError",
+    "LeaseLostError",
+    "Outcome",
+    "Record",
+    "Replay",
+    "Status",
+    "Store",
+    "StoreUnavailableError",
+    "__version__",
+    "canonical_json",
+    "fingerprint",
+    "idempotent",
+    "key_hash",
+    "open_store",
+    "validate_key",
+]

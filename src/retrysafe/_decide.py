@@ -1,0 +1,52 @@
+"""The engine's decisions: what a found record means. Plain functions, no I/O.
+
+The stores that run in Python (memory, SQLite) call :func:`claimable` inside
+their atomic section; the Redis script and the PostgreSQL function hold the same
+rule in their own language, and the conformance suite checks that they agree.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+from ._record import Record, Status
+
+__all__ = ["Verdict", "claimable", "retry_after", "verdict"]
+
+
+class Verdict(enum.Enum):
+    """What to do about a live record that could not be claimed."""
+
+    REPLAY = "replay"
+    IN_PROGRESS = "in_progress"
+    CONFLICT = "conflict"
+
+
+def claimable(record: Record | None, fingerprint: str, now: float) -> bool:
+    """True when a claim may (over)write ``record``.
+
+    Absent or expired records are free. A live record is taken over only by the
+    same request: a retry after a retryable failure, or after its lease ran out.
+    """
+    if record is None or record.expires_at <= now:
+        return True
+    if record.fingerprint != fingerprint:
+        return False
+    if record.status is Status.FAILED:
+        return not record.final
+    return record.status is Status.PROCESSING and record.lease_until <= now
+
+
+def verdict(record: Record, fingerprint: str) -> Verdict:
+    """The answer for a live record that the claim did not take."""
+    if record.fingerprint != fingerprint:
+        return Verdict.CONFLICT
+    if record.status is Status.PROCESSING:
+        return Verdict.IN_PROGRESS
+    return Verdict.REPLAY
+
+
+def retry_after(record: Record, now: float) -> float:
+    """Seconds a caller should wait before retrying an in-flight key (at least 1)."""
+    return float(max(1, math.ceil(record.lease_until - now)))

@@ -1,0 +1,173 @@
+"""``@idempotent``: the function front door."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+from ._engine import Engine, Replay
+from ._errors import IdempotencyError, InvalidKeyError
+from ._keys import fingerprint, validate_key
+from ._record import Outcome
+from .stores import Store
+
+__all__ = ["idempotent"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+KeySpec = str | Callable[..., str] | None
+StoreSpec = Store[Any] | Engine | str | None
+
+
+class _Call:
+    """What one call of a decorated function turns into: key, scope, fingerprint."""
+
+    def __init__(
+        self, func: Callable[..., Any], key: KeySpec, scope: str | Callable[..., str] | None
+    ) -> None:
+        self.signature = inspect.signature(func)
+        params = list(self.signature.parameters)
+        # A method's receiver is not part of the request.
+        self.skip = params[0] if params and params[0] in {"self", "cls"} else None
+        self.key = key
+        self.scope = scope
+
+    def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        if self.skip is not None:
+            arguments.pop(self.skip, None)
+        return arguments
+
+    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, str, str]:
+        """(key, scope, fingerprint) for this call, or :class:`InvalidKeyError`."""
+        arguments = self.arguments(args, kwargs)
+        fp = fingerprint(arguments)
+        spec = self.key
+        if spec is None:
+            key = fp  # the whole canonical argument set is the key
+        elif isinstance(spec, str):
+            try:
+                key = spec.format(**arguments)
+            except (KeyError, IndexError, AttributeError, TypeError, ValueError) as exc:
+                raise InvalidKeyError(
+                    f"key template {spec!r} does not fit the arguments: {exc!r}"
+                ) from None
+        else:
+            key = spec(*args, **kwargs)
+        scope = self.scope(*args, **kwargs) if callable(self.scope) else (self.scope or "")
+        return validate_key(key), scope, fp
+
+
+def _replayed(replay: Replay) -> Any:
+    if replay.failed:
+        raise IdempotencyError("an earlier attempt with this key failed finally")
+    outcome = replay.outcome
+    return None if outcome is None else outcome.value
+
+
+@overload
+def idempotent(func: F, /) -> F: ...
+@overload
+def idempotent(
+    func: None = None,
+    /,
+    *,
+    store: StoreSpec = None,
+    key: KeySpec = None,
+    ttl: float | None = None,
+    lease: float | None = None,
+    wait: float | None = None,
+    operation: str | None = None,
+    version: str | int | None = None,
+    scope: str | Callable[..., str] | None = None,
+) -> Callable[[F], F]: ...
+
+
+def idempotent(
+    func: F | None = None,
+    /,
+    *,
+    store: StoreSpec = None,
+    key: KeySpec = None,
+    ttl: float | None = None,
+    lease: float | None = None,
+    wait: float | None = None,
+    operation: str | None = None,
+    version: str | int | None = None,
+    scope: str | Callable[..., str] | None = None,
+) -> Any:
+    """Run a function once per key; repeated calls return the stored result.
+
+    ``store``: a Store, a URL or an :class:`Engine` (default: ``RETRYSAFE_STORE``
+    or the embedded SQLite file). ``key``: a ``str.format`` template over the
+    bound arguments (``"{order[id]}"``), a callable taking the function's own
+    arguments, or omitted to key on all arguments. The fingerprint covers every
+    argument, so the same key with other arguments raises
+    :class:`FingerprintMismatchError`. ``operation`` and ``version`` name the
+    function in the key hash (default: its qualified name); ``scope`` (a str or
+    a callable over the arguments) separates principals. Results must be JSON
+    values; they replay as decoded JSON (tuples as lists). Works on plain and
+    ``async def`` functions.
+    """
+    if func is None:
+        return lambda f: idempotent(
+            f, store=store, key=key, ttl=ttl, lease=lease, wait=wait,
+            operation=operation, version=version, scope=scope,
+        )  # fmt: skip
+    if key is not None and not isinstance(key, str) and not callable(key):
+        raise TypeError("key must be a str.format template or a callable")
+    call = _Call(func, key, scope)
+    op = operation or f"{func.__module__}.{func.__qualname__}"
+    if version is not None:
+        op = f"{op}#v{version}"
+    lock = threading.Lock()
+    engine: Engine | None = store if isinstance(store, Engine) else None
+
+    def get_engine() -> Engine:
+        nonlocal engine
+        if engine is None:
+            with lock:
+                if engine is None:
+                    engine = Engine(store)  # type: ignore[arg-type]
+        return engine
+
+    def options(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        k, s, fp = call.prepare(args, kwargs)
+        return k, {"operation": op, "scope": s, "fingerprint": fp, "ttl": ttl,
+                   "lease": lease, "wait": wait}  # fmt: skip
+
+    if inspect.iscoroutinefunction(func):
+
+        @functools.wraps(func)
+        async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+            k, opts = options(args, kwargs)
+            async with get_engine().attempt(k, **opts) as att:
+                if att.replay is not None:
+                    return _replayed(att.replay)
+                value = await func(*args, **kwargs)
+                att.outcome = Outcome.json(value)
+                return value
+
+        wrapper: Any = async_wrapper
+    else:
+
+        @functools.wraps(func)
+        def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
+            k, opts = options(args, kwargs)
+            with get_engine().attempt(k, **opts) as att:
+                if att.replay is not None:
+                    return _replayed(att.replay)
+                value = func(*args, **kwargs)
+                att.outcome = Outcome.json(value)
+                return value
+
+        wrapper = sync_wrapper
+    wrapper.engine = get_engine
+    wrapper.operation = op
+    return wrapper
+
+

@@ -1,0 +1,73 @@
+"""Typed errors. Every error carries a machine ``code`` for problem+json answers."""
+
+from __future__ import annotations
+
+__all__ = [
+    "FingerprintMismatchError",
+    "IdempotencyError",
+    "InProgressError",
+    "InvalidKeyError",
+    "LeaseLostError",
+    "StoreUnavailableError",
+]
+
+
+class IdempotencyError(Exception):
+    """Base class of every retrysafe error."""
+
+    code: str = "idempotency_error"
+
+
+class InvalidKeyError(IdempotencyError, ValueError):
+    """The idempotency key is missing or malformed. Nothing was written."""
+
+    code = "idempotency_key_invalid"
+
+
+class InProgressError(IdempotencyError):
+    """Another attempt with this key holds a live lease."""
+
+    code = "idempotency_in_flight"
+
+    def __init__(self, message: str, *, key: str = "", retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.key = key
+        self.retry_after = retry_after
+
+
+class FingerprintMismatchError(IdempotencyError):
+    """The key was used before with a different request."""
+
+    code = "idempotency_conflict"
+
+    def __init__(
+        self, message: str, *, key: str = "", original_fingerprint: str = "", fingerprint: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.original_fingerprint = original_fingerprint
+        self.fingerprint = fingerprint
+
+
+class LeaseLostError(IdempotencyError):
+    """A completion or renewal was refused: this attempt no longer owns the key.
+
+    Its lease ran out and another attempt took the key over (fencing). The
+    record was left as the new owner wrote it.
+    """
+
+    code = "idempotency_lease_lost"
+
+    def __init__(self, message: str, *, key: str = "") -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class StoreUnavailableError(IdempotencyError):
+    """The store could not be reached or failed; the operation had no effect."""
+
+    code = "idempotency_store_unavailable"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -1,0 +1,98 @@
+"""Key validation, key hashing and request fingerprints."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import datetime as _dt
+import decimal
+import hashlib
+import json
+import re
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from ._errors import InvalidKeyError
+
+__all__ = ["MAX_KEY_LENGTH", "canonical_json", "fingerprint", "key_hash", "validate_key"]
+
+MAX_KEY_LENGTH = 255
+_KEY_RE = re.compile(r"[\x20-\x7e]{1,255}")
+
+
+def validate_key(key: object) -> str:
+    """Return ``key`` if it is 1–255 characters of visible ASCII or space.
+
+    Raises :class:`InvalidKeyError` (with a reason) for anything else.
+    """
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"idempotency key must be a str, not {type(key).__name__}")
+    if _KEY_RE.fullmatch(key):
+        return key
+    if not key:
+        raise InvalidKeyError("idempotency key is empty")
+    if len(key) > MAX_KEY_LENGTH:
+        raise InvalidKeyError(
+            f"idempotency key is {len(key)} characters long; the limit is {MAX_KEY_LENGTH}"
+        )
+    bad = next(c for c in key if not " " <= c <= "~")
+    raise InvalidKeyError(
+        f"idempotency key contains {bad!r}: only visible ASCII characters and space are allowed"
+    )
+
+
+def key_hash(scope: str, operation: str, key: str) -> str:
+    """SHA-256 (hex) over scope, operation and key, each length-prefixed.
+
+    Two scopes (principals), two operations or two function versions never
+    share a record, and no choice of parts can collide with another.
+    """
+    h = hashlib.sha256()
+    for part in (scope, operation, key):
+        raw = part.encode()
+        h.update(b"%d:" % len(raw))
+        h.update(raw)
+    return h.hexdigest()
+
+
+def _default(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=canonical_json)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"$bytes": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, (_dt.datetime, _dt.date, _dt.time)):
+        return value.isoformat()
+    if isinstance(value, (decimal.Decimal, uuid.UUID)):
+        return str(value)
+    if isinstance(value, Mapping):
+        return dict(value)
+    dump = getattr(value, "model_dump", None)  # pydantic v2
+    if callable(dump):
+        return dump(mode="json")
+    raise TypeError(
+        f"cannot fingerprint a {type(value).__name__}: give the decorator a key and "
+        "JSON-friendly arguments, or pass fingerprint= explicitly"
+    )
+
+
+def canonical_json(value: Any) -> bytes:
+    """Canonical JSON: sorted keys, no whitespace, UTF-8; tuples as lists.
+
+    Equal data gives equal bytes whatever its key order.
+    """
+    return json.dumps(
+        value,
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,
+        default=_default,
+    ).encode()
+
+
+def fingerprint(*parts: Any) -> str:
+    """SHA-256 (hex) of the canonical JSON of ``parts``."""
+    return hashlib.sha256(canonical_json(list(parts))).hexdigest()

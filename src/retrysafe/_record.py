@@ -1,0 +1,108 @@
+"""The stored record, its states, and the outcome it replays."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ClaimResult", "Outcome", "Record", "Status"]
+
+
+class Status(enum.StrEnum):
+    """The three states of a record (an absent or expired record has none)."""
+
+    PROCESSING = "processing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+JSON_MEDIA_TYPE = "application/json"
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What an attempt produced, stored and replayed byte for byte.
+
+    ``status`` and ``headers`` are used by the HTTP front doors; functions store
+    a JSON value (see :meth:`json`).
+    """
+
+    body: bytes = b""
+    status: int | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    media_type: str = "application/octet-stream"
+
+    @classmethod
+    def json(
+        cls, value: Any, *, status: int | None = None, headers: tuple[tuple[str, str], ...] = ()
+    ) -> Outcome:
+        """An outcome holding ``value`` as compact JSON (raises ``TypeError`` if not JSON)."""
+        body = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return cls(body.encode(), status, headers, JSON_MEDIA_TYPE)
+
+    @property
+    def value(self) -> Any:
+        """The JSON value of a :meth:`json` outcome; the raw body otherwise."""
+        if self.media_type == JSON_MEDIA_TYPE:
+            return json.loads(self.body) if self.body else None
+        return self.body
+
+    def headers_json(self) -> str:
+        """The headers as a JSON array of pairs (the stores' column form)."""
+        return json.dumps([list(h) for h in self.headers], separators=(",", ":"))
+
+    @staticmethod
+    def parse_headers(text: str | bytes | None) -> tuple[tuple[str, str], ...]:
+        """Inverse of :meth:`headers_json`."""
+        if not text:
+            return ()
+        return tuple((str(k), str(v)) for k, v in json.loads(text))
+
+
+@dataclass(slots=True)
+class Record:
+    """One idempotency record, as every store keeps it.
+
+    Times are seconds since the epoch, taken from the engine's clock.
+    """
+
+    key_hash: str
+    key: str
+    scope: str
+    operation: str
+    fingerprint: str
+    status: Status
+    token: str
+    lease_until: float
+    expires_at: float
+    created_at: float
+    updated_at: float
+    completed_at: float | None = None
+    attempts: int = 1
+    request_id: str | None = None
+    final: bool = False
+    outcome: Outcome | None = None
+    request_payload: bytes | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def metadata_json(self) -> str:
+        """Metadata as compact JSON (the stores' column form)."""
+        return json.dumps(self.metadata, separators=(",", ":"), sort_keys=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    """What a store's claim-or-read returned.
+
+    ``claimed``: the caller now owns the key; ``attempts`` is its attempt number
+    and ``took_over`` the status it replaced (``processing`` after a lease ran
+    out, ``failed`` on a retry), if any. Not claimed: ``record`` is the live
+    record that stood in the way.
+    """
+
+    claimed: bool
+    record: Record | None = None
+    attempts: int = 1
+    took_over: Status | None = None

@@ -1,0 +1,46 @@
+"""Stores behind one protocol, opened by URL with :func:`open_store`."""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from typing import Any
+
+from ._base import Store
+
+__all__ = ["DEFAULT_STORE_URL", "Store", "open_store"]
+
+#: The embedded default when neither an argument nor ``RETRYSAFE_STORE`` names a store.
+DEFAULT_STORE_URL = "sqlite:///retrysafe.db"
+
+
+def open_store(url: str | None = None, **options: Any) -> Store[Any]:
+    """Open a store by URL; never connects (the first operation does).
+
+    ``memory://``, ``sqlite:///path/to.db``, ``redis://host:port/db``,
+    ``rediss://…``, ``redis+cluster://host:port``, ``postgresql://user@host:port/db``.
+    Without ``url``, ``RETRYSAFE_STORE`` or :data:`DEFAULT_STORE_URL` is used.
+    Extra keyword options go to the store's constructor.
+    """
+    url = url or os.environ.get("RETRYSAFE_STORE") or DEFAULT_STORE_URL
+    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    if scheme == "memory":
+        from .memory import MemoryStore
+
+        return MemoryStore(url, **options)
+    if scheme == "sqlite":
+        from .sqlite import SQLiteStore
+
+        return SQLiteStore(url, **options)
+    if scheme in {"redis", "rediss", "redis+cluster", "unix"}:
+        from .redis import RedisStore
+
+        return RedisStore(url, **options)
+    if scheme in {"postgresql", "postgres"}:
+        from .postgres import PostgresStore
+
+        return PostgresStore(url, **options)
+    raise ValueError(
+        f"unknown store URL {url!r}: use memory://, sqlite:///path, redis://, rediss://, "
+        "redis+cluster:// or postgresql://"
+    )

@@ -1,0 +1,120 @@
+"""``memory://``: an in-process store, thread-safe and asyncio-safe, bounded (LRU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from .._decide import claimable
+from .._record import ClaimResult, Outcome, Record, Status
+from ._base import Store
+
+__all__ = ["MemoryStore"]
+
+_Op = Callable[[], Any]
+
+
+class MemoryStore(Store[_Op]):
+    """Records in a dict guarded by a lock; the least recently used go past ``max_size``.
+
+    For tests and single-process services: nothing survives the process, and an
+    evicted record is forgotten (a later retry of it runs again).
+    """
+
+    def __init__(self, url: str = "memory://", *, max_size: int = 100_000) -> None:
+        if max_size < 1:
+            raise ValueError("max_size must be at least 1")
+        self.url = url
+        self.max_size = max_size
+        self._records: OrderedDict[str, Record] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    # Ops are closures: the lock is held only for dict work, never across an await.
+    def _run(self, op: _Op) -> Any:
+        with self._lock:
+            return op()
+
+    async def _arun(self, op: _Op) -> Any:
+        with self._lock:
+            return op()
+
+    def _live(self, key_hash: str, token: str) -> Record | None:
+        cur = self._records.get(key_hash)
+        if cur is None or cur.token != token or cur.status is not Status.PROCESSING:
+            return None
+        self._records.move_to_end(key_hash)
+        return cur
+
+    def _claim(self, record: Record) -> _Op:
+        def op() -> ClaimResult:
+            now = record.updated_at
+            cur = self._records.get(record.key_hash)
+            if not claimable(cur, record.fingerprint, now):
+                assert cur is not None
+                self._records.move_to_end(record.key_hash)
+                return ClaimResult(False, record=dataclasses.replace(cur))
+            new = dataclasses.replace(record)
+            took_over = None
+            if cur is not None and cur.expires_at > now:
+                took_over = cur.status
+                new.attempts = cur.attempts + 1
+                new.created_at = cur.created_at
+            self._records[new.key_hash] = new
+            self._records.move_to_end(new.key_hash)
+            while len(self._records) > self.max_size:
+                self._records.popitem(last=False)
+            return ClaimResult(True, attempts=new.attempts, took_over=took_over)
+
+        return op
+
+    def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
+        def op() -> bool:
+            cur = self._live(key_hash, token)
+            if cur is None:
+                return False
+            cur.status, cur.outcome = Status.COMPLETED, outcome
+            cur.completed_at = cur.updated_at = now
+            return True
+
+        return op
+
+    def _fail(
+        self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
+    ) -> _Op:
+        def op() -> bool:
+            cur = self._live(key_hash, token)
+            if cur is None:
+                return False
+            cur.status, cur.outcome, cur.final, cur.updated_at = Status.FAILED, outcome, final, now
+            return True
+
+        return op
+
+    def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
+        def op() -> bool:
+            cur = self._live(key_hash, token)
+            if cur is None:
+                return False
+            cur.lease_until, cur.updated_at = lease_until, now
+            return True
+
+        return op
+
+    def _get(self, key_hash: str) -> _Op:
+        def op() -> Record | None:
+            cur = self._records.get(key_hash)
+            return None if cur is None else dataclasses.replace(cur)
+
+        return op
+
+    def _delete(self, key_hash: str) -> _Op:
+        return lambda: self._records.pop(key_hash, None) is not None
+
+    def close(self) -> None:
+        """Nothing to release; records stay until the store is dropped."""

@@ -1,0 +1,227 @@
+"""``sqlite:///path``: the embedded default store (WAL, safe across processes on one host)."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+from .._decide import claimable
+from .._errors import IdempotencyError, StoreUnavailableError
+from .._record import ClaimResult, Outcome, Record
+from ._base import Store
+from ._sql import COLUMNS, outcome_params, record_from_row, record_params
+
+__all__ = ["SCHEMA_VERSION", "SQLiteStore"]
+
+SCHEMA_VERSION = 1
+_Op = Callable[[sqlite3.Connection], Any]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS retrysafe_records (
+    key_hash TEXT PRIMARY KEY,
+    key TEXT NOT NULL,
+    scope TEXT NOT NULL,
+    operation TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    status TEXT NOT NULL,
+    token TEXT NOT NULL,
+    lease_until REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    completed_at REAL,
+    attempts INTEGER NOT NULL,
+    request_id TEXT,
+    final INTEGER NOT NULL DEFAULT 0,
+    response_status INTEGER,
+    response_headers TEXT,
+    response_media_type TEXT,
+    response_body BLOB,
+    request_payload BLOB,
+    metadata TEXT NOT NULL DEFAULT '{}'
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS retrysafe_records_expires_at ON retrysafe_records (expires_at);
+CREATE INDEX IF NOT EXISTS retrysafe_records_status ON retrysafe_records (status, lease_until);
+"""
+#: Migrations by the version they lead to; v1 is the initial schema.
+MIGRATIONS: dict[int, str] = {1: _SCHEMA}
+
+_COLS = ", ".join(COLUMNS)
+_SELECT = f"SELECT {_COLS} FROM retrysafe_records WHERE key_hash = ?"
+_UPSERT = f"INSERT OR REPLACE INTO retrysafe_records ({_COLS}) VALUES ({', '.join('?' * len(COLUMNS))})"
+_CAS = " WHERE key_hash = ? AND token = ? AND status = 'processing'"
+_COMPLETE = (
+    "UPDATE retrysafe_records SET status = 'completed', response_status = ?, "
+    "response_headers = ?, response_media_type = ?, response_body = ?, "
+    "completed_at = ?, updated_at = ?" + _CAS
+)
+_FAIL = (
+    "UPDATE retrysafe_records SET status = 'failed', response_status = ?, "
+    "response_headers = ?, response_media_type = ?, response_body = ?, "
+    "final = ?, updated_at = ?" + _CAS
+)
+_RENEW = "UPDATE retrysafe_records SET lease_until = ?, updated_at = ?" + _CAS
+_DELETE = "DELETE FROM retrysafe_records WHERE key_hash = ?"
+
+
+def _path_from_url(url: str) -> tuple[str, dict[str, str]]:
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "sqlite":
+        raise ValueError(f"not a sqlite:// URL: {url!r}")
+    path = parts.netloc + parts.path
+    # sqlite:///rel.db → "rel.db"; sqlite:////abs/x.db → "/abs/x.db"
+    path = path[1:] if path.startswith("/") else path
+    if not path or path == ":memory:":
+        raise ValueError("sqlite:// needs a file path (use memory:// for an in-process store)")
+    return path, dict(urllib.parse.parse_qsl(parts.query))
+
+
+class SQLiteStore(Store[_Op]):
+    """Records in one SQLite file, shared by every thread and process on the host.
+
+    WAL mode, one connection per thread; each write is a short ``BEGIN IMMEDIATE``
+    transaction. Replays and in-flight answers are plain reads that take no lock.
+    ``?synchronous=normal`` in the URL trades durability of the last commits on
+    power loss for speed (default ``full``); ``?timeout=SECONDS`` is how long a
+    writer waits for the lock (default 10).
+    """
+
+    def __init__(self, url: str, *, timeout: float | None = None, synchronous: str | None = None):
+        path, options = _path_from_url(url)
+        self.url = url
+        self.path = path
+        self.timeout = float(timeout if timeout is not None else options.get("timeout", 10))
+        sync = (synchronous or options.get("synchronous", "full")).upper()
+        if sync not in {"OFF", "NORMAL", "FULL", "EXTRA"}:
+            raise ValueError(f"synchronous must be off, normal, full or extra, not {sync!r}")
+        self.synchronous = sync
+        self._local = threading.local()
+        self._generation = 0  # bumped by close(): threads reopen their connection
+        self._migrated = False
+
+    # -- connections ---------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False
+        )
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={self.synchronous}")
+        if not self._migrated:
+            self._migrate(conn)
+        return conn
+
+    def _conn(self) -> sqlite3.Connection:
+        local = self._local
+        if getattr(local, "generation", None) != self._generation:
+            local.conn = self._connect()
+            local.generation = self._generation
+        return local.conn
+
+    def _migrate(self, conn: sqlite3.Connection) -> None:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise IdempotencyError(
+                f"{self.path}: schema version {version} is newer than this retrysafe "
+                f"({SCHEMA_VERSION}); upgrade retrysafe"
+            )
+        if version < SCHEMA_VERSION:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                version = conn.execute("PRAGMA user_version").fetchone()[0]
+                for target in range(version + 1, SCHEMA_VERSION + 1):
+                    for statement in MIGRATIONS[target].split(";"):
+                        if statement.strip():
+                            conn.execute(statement)
+                    conn.execute(f"PRAGMA user_version={target}")
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        self._migrated = True
+
+    def migrate(self) -> int:
+        """Create or upgrade the schema; return its version."""
+        self._run(lambda conn: None)
+        return SCHEMA_VERSION
+
+    def close(self) -> None:
+        """Close this thread's connection; other threads reopen theirs on next use."""
+        conn = getattr(self._local, "conn", None)
+        self._generation += 1
+        self._local.__dict__.pop("conn", None)
+        if conn is not None:
+            conn.close()
+
+    # -- executors -----------------------------------------------------------
+
+    def _run(self, op: _Op) -> Any:
+        try:
+            return op(self._conn())
+        except sqlite3.OperationalError as exc:
+            raise StoreUnavailableError(f"SQLite store {self.path}: {exc}") from exc
+        except sqlite3.DatabaseError as exc:  # corrupt file, not a database, …
+            raise StoreUnavailableError(f"SQLite store {self.path}: {exc}") from exc
+
+    async def _arun(self, op: _Op) -> Any:
+        return await asyncio.to_thread(self._run, op)
+
+    # -- operations ------------------------------------------------------------
+
+    def _claim(self, record: Record) -> _Op:
+        def op(conn: sqlite3.Connection) -> ClaimResult:
+            now = record.updated_at
+            row = conn.execute(_SELECT, (record.key_hash,)).fetchone()
+            cur = None if row is None else record_from_row(row)
+            if cur is not None and not claimable(cur, record.fingerprint, now):
+                return ClaimResult(False, record=cur)  # replay or in flight: no lock taken
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                row = conn.execute(_SELECT, (record.key_hash,)).fetchone()
+                cur = None if row is None else record_from_row(row)
+                if not claimable(cur, record.fingerprint, now):
+                    conn.execute("COMMIT")
+                    return ClaimResult(False, record=cur)
+                took_over = None
+                if cur is not None and cur.expires_at > now:
+                    took_over = cur.status
+                    record.attempts = cur.attempts + 1
+                    record.created_at = cur.created_at
+                conn.execute(_UPSERT, record_params(record))
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            return ClaimResult(True, attempts=record.attempts, took_over=took_over)
+
+        return op
+
+    @staticmethod
+    def _write(sql: str, params: tuple[Any, ...]) -> _Op:
+        return lambda conn: conn.execute(sql, params).rowcount == 1
+
+    def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
+        return self._write(_COMPLETE, (*outcome_params(outcome), now, now, key_hash, token))
+
+    def _fail(
+        self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
+    ) -> _Op:
+        return self._write(_FAIL, (*outcome_params(outcome), final, now, key_hash, token))
+
+    def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
+        return self._write(_RENEW, (lease_until, now, key_hash, token))
+
+    def _get(self, key_hash: str) -> _Op:
+        def op(conn: sqlite3.Connection) -> Record | None:
+            row = conn.execute(_SELECT, (key_hash,)).fetchone()
+            return None if row is None else record_from_row(row)
+
+        return op
+
+    def _delete(self, key_hash: str) -> _Op:
+        return self._write(_DELETE, (key_hash,))
+
