@@ -1,0 +1,486 @@
+"""Start and stop real Redis and PostgreSQL servers on loopback for tests.
+
+Stdlib only. Every server started by this process is stopped (and its
+temporary directory removed) at interpreter exit or on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Protocol, Self
+
+__all__ = ["PostgresServer", "RedisServer", "ServerError", "free_port"]
+
+_HOST = "127.0.0.1"
+_START_TIMEOUT = 10.0
+_STOP_TIMEOUT = 5.0
+_PG_USER_CANDIDATES = ("postgres", "retrysafe-pg")
+
+
+class ServerError(RuntimeError):
+    """A test server failed to start or stop."""
+
+
+class _Stoppable(Protocol):
+    def close(self) -> None: ...
+
+
+_live: list[_Stoppable] = []
+_live_lock = threading.Lock()
+_hooks_installed = False
+
+
+def _close_all() -> None:
+    with _live_lock:
+        servers = list(reversed(_live))
+    for server in servers:
+        with contextlib.suppress(Exception):
+            server.close()
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    _close_all()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _track(server: _Stoppable) -> None:
+    global _hooks_installed
+    with _live_lock:
+        if server not in _live:
+            _live.append(server)
+        if _hooks_installed:
+            return
+        _hooks_installed = True
+    atexit.register(_close_all)
+    if threading.current_thread() is threading.main_thread() and (
+        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    ):
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _untrack(server: _Stoppable) -> None:
+    with _live_lock:
+        if server in _live:
+            _live.remove(server)
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((_HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def _log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"<no log at {path}: {exc}>"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class RedisServer:
+    """A throwaway ``redis-server`` without persistence on 127.0.0.1."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self._auto_port = port is None
+        self._port = port if port is not None else free_port()
+        self._dir: Path | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def port(self) -> int:
+        """TCP port the server listens on."""
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """Connection URL for database 0."""
+        return f"redis://{_HOST}:{self._port}/0"
+
+    @property
+    def running(self) -> bool:
+        """Whether the server process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def log_path(self) -> Path | None:
+        """Path of the server's stdout/stderr log, once started."""
+        return None if self._dir is None else self._dir / "redis.log"
+
+    def start(self) -> None:
+        """Start the server and wait until it answers PING."""
+        if self.running:
+            return
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise ServerError("redis-server not found on PATH")
+        if self._dir is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="retrysafe-redis-"))
+        _track(self)
+        # An automatically chosen port may be taken between free_port() and
+        # bind(); retry with a fresh one, but only before the first success.
+        attempts = 3 if self._auto_port else 1
+        for attempt in range(attempts):
+            try:
+                self._spawn(exe)
+                break
+            except ServerError:
+                if attempt == attempts - 1:
+                    raise
+                self._port = free_port()
+        self._auto_port = False
+
+    def _spawn(self, exe: str) -> None:
+        assert self._dir is not None
+        log_path = self._dir / "redis.log"
+        cmd = [
+            exe,
+            "--port", str(self._port),
+            "--bind", _HOST,
+            "--save", "",
+            "--appendonly", "no",
+            "--daemonize", "no",
+            "--dir", str(self._dir),
+        ]  # fmt: skip
+        with open(log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self._dir,
+            )
+        deadline = time.monotonic() + _START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                break
+            if self._ping():
+                return
+            time.sleep(0.02)
+        self._terminate()
+        raise ServerError(
+            f"redis-server on port {self._port} did not answer PING within "
+            f"{_START_TIMEOUT:.0f}s; log tail:\n{_log_tail(log_path)}"
+        )
+
+    def _ping(self) -> bool:
+        try:
+            with socket.create_connection((_HOST, self._port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def _terminate(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=_STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, SIGKILL after 5s); keep its directory."""
+        self._terminate()
+
+    def restart(self) -> None:
+        """Stop and start again on the same port."""
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        """Stop the server and remove its temporary directory."""
+        self._terminate()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+        _untrack(self)
+
+    cleanup = close
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _pg_version(bin_dir: Path) -> int:
+    version = bin_dir.parent.name
+    return int(version) if version.isdigit() else 0
+
+
+def _pg_bin(name: str) -> str:
+    """Locate a PostgreSQL binary, preferring initdb's directory over PATH."""
+    dirs: list[Path] = []
+    initdb = shutil.which("initdb")
+    if initdb is not None:
+        dirs.append(Path(initdb).resolve().parent)
+    dirs.extend(sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=_pg_version, reverse=True))
+    for d in dirs:
+        candidate = d / name
+        if os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        raise ServerError(f"PostgreSQL binary {name!r} not found")
+    return found
+
+
+def _pg_os_user() -> str | None:
+    """Unprivileged user to run PostgreSQL as, or None when not root."""
+    if os.geteuid() != 0:
+        return None
+    for name in _PG_USER_CANDIDATES:
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            continue
+        return name
+    name = _PG_USER_CANDIDATES[-1]
+    subprocess.run(
+        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+        check=True,
+        capture_output=True,
+    )
+    return name
+
+
+class PostgresServer:
+    """A throwaway PostgreSQL cluster on 127.0.0.1 with trust auth.
+
+    Superuser and database are both ``retrysafe``. When run as root the
+    cluster runs as an unprivileged OS user (``postgres`` or ``retrysafe-pg``).
+    """
+
+    user = "retrysafe"
+    database = "retrysafe"
+
+    def __init__(self, port: int | None = None) -> None:
+        self._auto_port = port is None
+        self._port = port if port is not None else free_port()
+        self._base: Path | None = None
+        self._os_user: str | None = None
+        self._has_cluster = False
+        self._has_database = False
+        self._started = False
+
+    @property
+    def port(self) -> int:
+        """TCP port the server listens on."""
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """Connection URL (libpq format)."""
+        return f"postgresql://{self.user}@{_HOST}:{self._port}/{self.database}"
+
+    @property
+    def os_user(self) -> str | None:
+        """OS user the server runs as when started by root, else None."""
+        return self._os_user
+
+    @property
+    def log_path(self) -> Path | None:
+        """Path of the server log, once created."""
+        return None if self._base is None else self._base / "postgres.log"
+
+    @property
+    def running(self) -> bool:
+        """Whether the postmaster process is alive."""
+        if not self._started or self._base is None:
+            return False
+        try:
+            pid = int((self._base / "data" / "postmaster.pid").read_text().split()[0])
+            os.kill(pid, 0)
+        except (OSError, ValueError, IndexError):
+            return False
+        return True
+
+    def _run(self, *args: str, timeout: float = 120.0) -> None:
+        assert self._base is not None
+        cmd = list(args)
+        if self._os_user is not None:
+            cmd = ["runuser", "-u", self._os_user, "--", *cmd]
+        proc = subprocess.run(
+            cmd,
+            cwd=self._base,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if proc.returncode != 0:
+            log_path = self._base / "postgres.log"
+            raise ServerError(
+                f"{' '.join(cmd)} failed with exit code {proc.returncode}:\n"
+                f"{proc.stdout}{proc.stderr}\nserver log tail:\n{_log_tail(log_path)}"
+            )
+
+    def _init_cluster(self) -> None:
+        self._os_user = _pg_os_user()
+        # mkdtemp gives 0700; the unprivileged user must own and traverse it.
+        base = Path(tempfile.mkdtemp(prefix="retrysafe-pg-", dir="/tmp"))
+        self._base = base
+        base.chmod(0o755)
+        (base / "sock").mkdir()
+        if self._os_user is not None:
+            pw = pwd.getpwnam(self._os_user)
+            for p in (base, base / "sock"):
+                os.chown(p, pw.pw_uid, pw.pw_gid)
+        self._run(
+            _pg_bin("initdb"),
+            "-D", str(base / "data"),
+            "-U", self.user,
+            "--auth=trust",
+            "-E", "UTF8",
+            "--no-locale",
+            "--no-sync",
+        )  # fmt: skip
+        self._has_cluster = True
+
+    def _pg_ctl_start(self) -> None:
+        assert self._base is not None
+        opts = (
+            f"-p {self._port} -k {self._base / 'sock'} -c listen_addresses={_HOST}"
+            " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+            " -c max_connections=200"
+        )
+        self._run(
+            _pg_bin("pg_ctl"),
+            "-D", str(self._base / "data"),
+            "-o", opts,
+            "-l", str(self._base / "postgres.log"),
+            "-w", "-t", "60",
+            "start",
+        )  # fmt: skip
+
+    def start(self) -> None:
+        """Start the server, creating the cluster and database on first use."""
+        if self.running:
+            return
+        _track(self)
+        if not self._has_cluster:
+            self._init_cluster()
+        # An automatically chosen port may be taken between free_port() and
+        # bind(); retry with a fresh one, but only before the first success.
+        attempts = 3 if self._auto_port else 1
+        for attempt in range(attempts):
+            try:
+                self._pg_ctl_start()
+                break
+            except ServerError:
+                if attempt == attempts - 1:
+                    raise
+                self._port = free_port()
+        self._auto_port = False
+        self._started = True
+        if not self._has_database:
+            self._run(
+                _pg_bin("createdb"),
+                "-h", _HOST,
+                "-p", str(self._port),
+                "-U", self.user,
+                self.database,
+            )  # fmt: skip
+            self._has_database = True
+
+    def stop(self) -> None:
+        """Stop the server (fast shutdown); keep the cluster for a restart."""
+        if self._base is None or not self.running:
+            self._started = False
+            return
+        data = str(self._base / "data")
+        try:
+            self._run(_pg_bin("pg_ctl"), "-D", data, "-m", "fast", "-w", "-t", "30", "stop")
+        except (ServerError, subprocess.TimeoutExpired):
+            self._run(_pg_bin("pg_ctl"), "-D", data, "-m", "immediate", "-w", "stop")
+        self._started = False
+
+    def restart(self) -> None:
+        """Stop and start the same cluster on the same port."""
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        """Stop the server and remove its temporary directory."""
+        try:
+            self.stop()
+        finally:
+            if self._base is not None:
+                shutil.rmtree(self._base, ignore_errors=True)
+                self._base = None
+            self._has_cluster = self._has_database = False
+            _untrack(self)
+
+    cleanup = close
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+if __name__ == "__main__":
+    import psycopg
+    import redis
+
+    def _check(rs: RedisServer, pg: PostgresServer, value: str) -> None:
+        client = redis.Redis.from_url(rs.url)
+        client.set("smoke", value)
+        assert client.get("smoke") == value.encode()
+        client.close()
+        with psycopg.connect(pg.url) as conn:
+            row = conn.execute("SELECT current_user, current_database(), %s", (value,)).fetchone()
+            assert row == ("retrysafe", "retrysafe", value), row
+
+    t0 = time.monotonic()
+    with RedisServer() as rs:
+        print(f"redis    {rs.url} up in {time.monotonic() - t0:.2f}s")
+        t0 = time.monotonic()
+        with PostgresServer() as pg:
+            print(f"postgres {pg.url} up in {time.monotonic() - t0:.2f}s (os user {pg.os_user})")
+            _check(rs, pg, "one")
+            t0 = time.monotonic()
+            rs.restart()
+            print(f"redis restarted in {time.monotonic() - t0:.2f}s, running={rs.running}")
+            t0 = time.monotonic()
+            pg.restart()
+            print(f"postgres restarted in {time.monotonic() - t0:.2f}s, running={pg.running}")
+            _check(rs, pg, "two")
+            ports = (rs.port, pg.port)
+        assert not pg.running
+    assert not rs.running
+    print(f"ok: ports {ports} stopped")

@@ -1,0 +1,143 @@
+"""Shared fixtures: real Redis and PostgreSQL servers, one store per test, a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _servers import PostgresServer, RedisServer
+
+from retrysafe import Engine, Store, open_store
+
+STORES = ["memory", "sqlite", "redis", "postgres"]
+SHARED_STORES = ["sqlite", "redis", "postgres"]  # visible to several processes
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    with PostgresServer() as server:
+        yield server
+
+
+@dataclass
+class StoreSpec:
+    """How to open one test's store, in this process or another."""
+
+    name: str
+    url: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def open(self) -> Store[Any]:
+        return open_store(self.url, **self.options)
+
+
+def make_spec(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> StoreSpec:
+    """A store of kind ``name`` with a namespace of its own (file, prefix or table)."""
+    tag = uuid.uuid4().hex[:12]
+    if name == "memory":
+        return StoreSpec(name, "memory://")
+    if name == "sqlite":
+        return StoreSpec(name, f"sqlite:///{tmp_path}/retrysafe.db?synchronous=normal")
+    if name == "redis":
+        server = request.getfixturevalue("redis_server")
+        return StoreSpec(name, server.url, {"prefix": f"test-{tag}:"})
+    if name == "postgres":
+        server = request.getfixturevalue("postgres_server")
+        return StoreSpec(name, server.url, {"table": f"t_{tag}"})
+    raise AssertionError(name)
+
+
+@pytest.fixture(params=STORES)
+def store_spec(request: pytest.FixtureRequest, tmp_path: Path) -> StoreSpec:
+    return make_spec(request.param, request, tmp_path)
+
+
+@pytest.fixture(params=SHARED_STORES)
+def shared_spec(request: pytest.FixtureRequest, tmp_path: Path) -> StoreSpec:
+    return make_spec(request.param, request, tmp_path)
+
+
+@pytest.fixture
+def store(store_spec: StoreSpec) -> Iterator[Store[Any]]:
+    s = store_spec.open()
+    yield s
+    s.close()
+
+
+class Clock:
+    """A clock the test moves by hand, so leases and TTLs expire without sleeping."""
+
+    def __init__(self, start: float = 1_800_000_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+class Api:
+    """The engine's sync API, or its async API run on a loop of this test's own.
+
+    The conformance tests call ``api.begin(...)`` and run unchanged in both modes.
+    """
+
+    def __init__(self, engine: Engine, mode: str) -> None:
+        self.engine = engine
+        self.mode = mode
+        self.loop = asyncio.new_event_loop() if mode == "async" else None
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if self.loop is None:
+            return getattr(self.engine, name)
+        method = getattr(self.engine, "a" + name)
+        loop = self.loop
+        return lambda *args, **kwargs: loop.run_until_complete(method(*args, **kwargs))
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.run_until_complete(self.engine.store.aclose())
+            self.loop.close()
+
+
+@pytest.fixture(params=["sync", "async"])
+def mode(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def make_api(store: Store[Any], clock: Clock, mode: str) -> Iterator[Callable[..., Api]]:
+    """``make_api(**engine_options)``: an :class:`Api` over this test's store and clock."""
+    made: list[Api] = []
+
+    def make(**options: Any) -> Api:
+        options.setdefault("clock", clock)
+        api = Api(Engine(store, **options), mode)
+        made.append(api)
+        return api
+
+    yield make
+    for api in made:
+        api.close()
+
+
+@pytest.fixture
+def api(make_api: Callable[..., Api]) -> Api:
+    return make_api()
