@@ -54,7 +54,9 @@ def test_state_machine(api: Api, store: Store[Any], clock: Clock) -> None:
     again = replay(api.begin("k1", operation=OP, fingerprint="fp", request_id="req_2"))
     record = again.record
     assert record.status is Status.COMPLETED and not again.failed
-    assert again.outcome == Outcome(b'{"charge":"ch_1"}', 201, (("content-type", "application/json"),))
+    assert again.outcome == Outcome(
+        b'{"charge":"ch_1"}', 201, (("content-type", "application/json"),)
+    )
     assert record.request_id == "req_1"  # the original request, not the retry
     assert record.completed_at == clock.now and record.created_at == clock.now - 2
     assert record.key == "k1" and record.operation == OP and record.fingerprint == "fp"
@@ -111,7 +113,9 @@ def test_failure_is_retryable_by_default(api: Api, store: Store[Any]) -> None:
     assert record is not None and record.status is Status.PROCESSING
     assert record.outcome is None, "the failed attempt's outcome must not survive a new claim"
     api.complete(retry, Outcome.json("second time lucky"))
-    assert replay(api.begin("k", operation=OP, fingerprint="f")).outcome.value == "second time lucky"
+    assert (
+        replay(api.begin("k", operation=OP, fingerprint="f")).outcome.value == "second time lucky"
+    )
 
 
 def test_final_failure_is_replayed(make_api: Any) -> None:
@@ -210,7 +214,14 @@ BAD_KEYS: list[Any] = [
     "", "x" * 256, "tab\there", "new\nline", "nul\x00", "del\x7f", "caf\u00e9",
     "emoji\U0001f600", "\u200b", None, 42, b"bytes", ["k"],
 ]  # fmt: skip
-GOOD_KEYS = [" ", "~", "x" * 255, "order:789/2999 USD", '"quoted"', "550e8400-e29b-41d4-a716-446655440000"]
+GOOD_KEYS = [
+    " ",
+    "~",
+    "x" * 255,
+    "order:789/2999 USD",
+    '"quoted"',
+    "550e8400-e29b-41d4-a716-446655440000",
+]
 
 
 class SpyStore:

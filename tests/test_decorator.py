@@ -95,7 +95,9 @@ def test_other_arguments_conflict(h: Harness, engine: Engine) -> None:
     f("o1", 100)
     with pytest.raises(FingerprintMismatchError) as err:
         f("o1", 200)
-    assert err.value.original_fingerprint and err.value.original_fingerprint != err.value.fingerprint
+    assert (
+        err.value.original_fingerprint and err.value.original_fingerprint != err.value.fingerprint
+    )
 
 
 def test_callable_key_and_default_key(h: Harness, engine: Engine) -> None:

@@ -1,4 +1,7 @@
-"""retrysafe: make retries safe. One side effect and the same answer, however often a call is retried."""
+"""retrysafe: make retries safe.
+
+One side effect and the same answer, however often a call is retried.
+"""
 
 from __future__ import annotations
 

@@ -169,5 +169,3 @@ def idempotent(
     wrapper.engine = get_engine
     wrapper.operation = op
     return wrapper
-
-

@@ -9,8 +9,9 @@ generators make are the plain functions of :mod:`retrysafe._decide`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import secrets
+import os
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ class Claim:
     request_id: str | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Replay:
     """A finished record to answer with instead of running again."""
 
@@ -71,6 +72,28 @@ class Replay:
     def failed(self) -> bool:
         """True when the record is a final failure (replayed like a result)."""
         return self.record.status is Status.FAILED
+
+
+class _Tokens:
+    """Fencing tokens: a random per-process prefix and a counter (fresh after fork).
+
+    Tokens must never repeat; they need not be secret (they never leave the
+    store). This is four times cheaper than a random token per claim.
+    """
+
+    def __init__(self) -> None:
+        self.reseed()
+        os.register_at_fork(after_in_child=self.reseed)
+
+    def reseed(self) -> None:
+        self.prefix = os.urandom(10).hex()
+        self.counter = itertools.count()
+
+    def __call__(self) -> str:
+        return f"{self.prefix}{next(self.counter):x}"
+
+
+_new_token = _Tokens()
 
 
 def _drive(flow: _Flow, store: Store[Any]) -> Any:
@@ -185,11 +208,10 @@ class Engine:
         delay = 0.01
         while True:
             now = self.clock()
-            token = secrets.token_hex(16)
+            token = _new_token()
             record = Record(
-                kh, key, scope, operation, fingerprint, Status.PROCESSING, token,
-                now + lease, now + ttl, now, now,
-                request_id=request_id, request_payload=request_payload, metadata=meta,
+                kh, key, scope, operation, fingerprint, Status.PROCESSING, token, now + lease,
+                now + ttl, now, now, None, 1, request_id, False, None, request_payload, meta,
             )  # fmt: skip
             result: ClaimResult = yield ("claim", (record,))
             if result.claimed:
@@ -289,7 +311,9 @@ class Engine:
         """Store the outcome; :class:`LeaseLostError` if the claim no longer owns the key."""
         _drive(self._complete(claim, outcome), self.store)
 
-    def fail(self, claim: Claim, outcome: Outcome | None = None, *, final: bool | None = None) -> None:
+    def fail(
+        self, claim: Claim, outcome: Outcome | None = None, *, final: bool | None = None
+    ) -> None:
         """Mark the attempt failed: retryable unless ``final`` (default: the engine's policy)."""
         _drive(self._fail(claim, outcome, final), self.store)
 

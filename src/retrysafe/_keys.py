@@ -22,7 +22,7 @@ _KEY_RE = re.compile(r"[\x20-\x7e]{1,255}")
 
 
 def validate_key(key: object) -> str:
-    """Return ``key`` if it is 1–255 characters of visible ASCII or space.
+    """Return ``key`` if it is 1-255 characters of visible ASCII or space.
 
     Raises :class:`InvalidKeyError` (with a reason) for anything else.
     """
@@ -48,12 +48,8 @@ def key_hash(scope: str, operation: str, key: str) -> str:
     Two scopes (principals), two operations or two function versions never
     share a record, and no choice of parts can collide with another.
     """
-    h = hashlib.sha256()
-    for part in (scope, operation, key):
-        raw = part.encode()
-        h.update(b"%d:" % len(raw))
-        h.update(raw)
-    return h.hexdigest()
+    text = f"{len(scope)}:{scope}{len(operation)}:{operation}{len(key)}:{key}"
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _default(value: Any) -> Any:

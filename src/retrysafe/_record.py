@@ -87,12 +87,21 @@ class Record:
     request_payload: bytes | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
 
+    def copy(self) -> Record:
+        """A shallow copy (faster than ``dataclasses.replace``)."""
+        return Record(
+            self.key_hash, self.key, self.scope, self.operation, self.fingerprint, self.status,
+            self.token, self.lease_until, self.expires_at, self.created_at, self.updated_at,
+            self.completed_at, self.attempts, self.request_id, self.final, self.outcome,
+            self.request_payload, self.metadata,
+        )  # fmt: skip
+
     def metadata_json(self) -> str:
         """Metadata as compact JSON (the stores' column form)."""
         return json.dumps(self.metadata, separators=(",", ":"), sort_keys=True)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ClaimResult:
     """What a store's claim-or-read returned.
 

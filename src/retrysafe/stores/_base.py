@@ -65,7 +65,7 @@ class Store(abc.ABC, Generic[OpT]):
     async def _arun(self, op: OpT) -> Any:
         """Execute one op from a coroutine."""
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Release connections (the store reconnects if used again)."""
 
     async def aclose(self) -> None:

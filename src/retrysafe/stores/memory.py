@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -58,8 +57,8 @@ class MemoryStore(Store[_Op]):
             if not claimable(cur, record.fingerprint, now):
                 assert cur is not None
                 self._records.move_to_end(record.key_hash)
-                return ClaimResult(False, record=dataclasses.replace(cur))
-            new = dataclasses.replace(record)
+                return ClaimResult(False, record=cur.copy())
+            new = record  # the engine hands the record over; reads return copies
             took_over = None
             if cur is not None and cur.expires_at > now:
                 took_over = cur.status
@@ -109,7 +108,7 @@ class MemoryStore(Store[_Op]):
     def _get(self, key_hash: str) -> _Op:
         def op() -> Record | None:
             cur = self._records.get(key_hash)
-            return None if cur is None else dataclasses.replace(cur)
+            return None if cur is None else cur.copy()
 
         return op
 

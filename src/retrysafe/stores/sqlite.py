@@ -52,7 +52,9 @@ MIGRATIONS: dict[int, str] = {1: _SCHEMA}
 
 _COLS = ", ".join(COLUMNS)
 _SELECT = f"SELECT {_COLS} FROM retrysafe_records WHERE key_hash = ?"
-_UPSERT = f"INSERT OR REPLACE INTO retrysafe_records ({_COLS}) VALUES ({', '.join('?' * len(COLUMNS))})"
+_UPSERT = (
+    f"INSERT OR REPLACE INTO retrysafe_records ({_COLS}) VALUES ({', '.join('?' * len(COLUMNS))})"
+)
 _CAS = " WHERE key_hash = ? AND token = ? AND status = 'processing'"
 _COMPLETE = (
     "UPDATE retrysafe_records SET status = 'completed', response_status = ?, "
@@ -224,4 +226,3 @@ class SQLiteStore(Store[_Op]):
 
     def _delete(self, key_hash: str) -> _Op:
         return self._write(_DELETE, (key_hash,))
-
