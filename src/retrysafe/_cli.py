@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Errors are reported once, below; connection pools must not add their own.
+    logging.basicConfig(level=logging.WARNING, format="retrysafe: %(message)s")
+    logging.getLogger("psycopg").setLevel(logging.CRITICAL)
     try:
         return int(args.func(args))
     except (IdempotencyError, ValueError, TypeError, ImportError, OSError) as exc:

@@ -1,0 +1,183 @@
+"""Keys, fingerprints, store URLs, the memory store's bound, SQLite's schema version."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import decimal
+import sqlite3
+import uuid
+from pathlib import Path
+
+import pytest
+
+from retrysafe import (
+    Claim,
+    Engine,
+    IdempotencyError,
+    Outcome,
+    Replay,
+    canonical_json,
+    fingerprint,
+    key_hash,
+    open_store,
+)
+from retrysafe._decide import Verdict, claimable, retry_after, verdict
+from retrysafe._record import Record, Status
+from retrysafe.stores.memory import MemoryStore
+from retrysafe.stores.sqlite import SQLiteStore
+
+
+def test_key_hash_separates_its_parts() -> None:
+    hashes = {
+        key_hash("", "ab", "c"),
+        key_hash("", "a", "bc"),
+        key_hash("a", "b", "c"),
+        key_hash("ab", "", "c"),
+        key_hash("", "", "abc"),
+    }
+    assert len(hashes) == 5
+    assert key_hash("s", "o", "k") == key_hash("s", "o", "k")
+    assert len(key_hash("s", "o", "k")) == 64
+
+
+def test_canonical_json_ignores_key_order_and_whitespace() -> None:
+    a = {"b": [1, 2, {"y": 1, "x": 2}], "a": "é"}
+    b = {"a": "é", "b": [1, 2, {"x": 2, "y": 1}]}
+    assert canonical_json(a) == canonical_json(b) == '{"a":"é","b":[1,2,{"x":2,"y":1}]}'.encode()
+    assert fingerprint(a) == fingerprint(b) != fingerprint({**a, "a": "e"})
+
+
+def test_canonical_json_of_common_types() -> None:
+    @dataclasses.dataclass
+    class Item:
+        sku: str
+        qty: int
+
+    value = {
+        "item": Item("x", 2),
+        "tags": {"b", "a"},
+        "raw": b"\x00\xff",
+        "when": dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC),
+        "price": decimal.Decimal("29.99"),
+        "id": uuid.UUID(int=1),
+    }
+    text = canonical_json(value).decode()
+    assert '"item":{"qty":2,"sku":"x"}' in text and '"tags":["a","b"]' in text
+    assert '"price":"29.99"' in text and "2026-01-02T03:04:05+00:00" in text
+    with pytest.raises(TypeError, match="cannot fingerprint"):
+        canonical_json({"x": object()})
+    with pytest.raises(ValueError):
+        canonical_json(float("nan"))
+
+
+def _record(**changes: object) -> Record:
+    base = Record("h", "k", "", "op", "fp", Status.PROCESSING, "t", 10.0, 100.0, 0.0, 0.0)
+    return dataclasses.replace(base, **changes)
+
+
+@pytest.mark.parametrize(
+    ("record", "fp", "now", "expected"),
+    [
+        (None, "fp", 5.0, True),
+        (_record(), "fp", 5.0, False),  # lease alive
+        (_record(), "fp", 10.0, True),  # lease ran out
+        (_record(), "other", 10.0, False),  # …but another request never takes over
+        (_record(), "other", 100.0, True),  # expired: free for anyone
+        (_record(status=Status.FAILED), "fp", 5.0, True),
+        (_record(status=Status.FAILED, final=True), "fp", 5.0, False),
+        (_record(status=Status.COMPLETED), "fp", 50.0, False),
+        (_record(status=Status.COMPLETED), "fp", 100.0, True),
+    ],
+)
+def test_claimable(record: Record | None, fp: str, now: float, expected: bool) -> None:
+    assert claimable(record, fp, now) is expected
+
+
+def test_verdict_and_retry_after() -> None:
+    assert verdict(_record(), "other") is Verdict.CONFLICT
+    assert verdict(_record(), "fp") is Verdict.IN_PROGRESS
+    assert verdict(_record(status=Status.COMPLETED), "fp") is Verdict.REPLAY
+    assert retry_after(_record(), 0.0) == 10.0
+    assert retry_after(_record(), 9.5) == 1.0
+    assert retry_after(_record(), 50.0) == 1.0
+
+
+def test_outcome_json_round_trip() -> None:
+    out = Outcome.json({"a": [1, None]}, status=201, headers=(("x-a", "1"),))
+    assert out.value == {"a": [1, None]} and out.status == 201
+    assert Outcome.parse_headers(out.headers_json()) == (("x-a", "1"),)
+    assert Outcome(b"raw").value == b"raw"
+    with pytest.raises(TypeError):
+        Outcome.json(object())
+
+
+@pytest.mark.parametrize(
+    ("url", "kind"),
+    [
+        ("memory://", "MemoryStore"),
+        ("sqlite:///x.db", "SQLiteStore"),
+        ("sqlite:////tmp/x.db", "SQLiteStore"),
+        ("redis://127.0.0.1:1/0", "RedisStore"),
+        ("rediss://127.0.0.1:1/0", "RedisStore"),
+        ("redis+cluster://127.0.0.1:1", "RedisStore"),
+        ("postgresql://u@127.0.0.1:1/db", "PostgresStore"),
+        ("postgres://u@127.0.0.1:1/db", "PostgresStore"),
+    ],
+)
+def test_open_store_by_url(url: str, kind: str) -> None:
+    store = open_store(url)
+    assert type(store).__name__ == kind and store.url == url
+    store.close()
+
+
+def test_sqlite_paths() -> None:
+    assert SQLiteStore("sqlite:///rel/x.db").path == "rel/x.db"
+    assert SQLiteStore("sqlite:////abs/x.db").path == "/abs/x.db"
+    for bad in ("sqlite://", "sqlite:///:memory:", "sqlite:///x.db?synchronous=sometimes"):
+        with pytest.raises(ValueError):
+            SQLiteStore(bad)
+
+
+@pytest.mark.parametrize("url", ["bogus://x", "http://example", "", "redis"])
+def test_unknown_urls(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RETRYSAFE_STORE", "bogus://from-env")
+    with pytest.raises(ValueError, match="unknown store URL"):
+        open_store(url)
+
+
+def test_env_names_the_default_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RETRYSAFE_STORE", "memory://")
+    assert isinstance(open_store(), MemoryStore)
+    assert isinstance(Engine().store, MemoryStore)
+
+
+def test_memory_store_is_bounded_lru() -> None:
+    engine = Engine(MemoryStore(max_size=3))
+    claims = []
+    for key in "abc":
+        claim = engine.begin(key)
+        assert isinstance(claim, Claim)
+        engine.complete(claim, Outcome.json(key))
+        claims.append(claim)
+    assert isinstance(engine.begin("a"), Replay)  # touch a: b is now the oldest
+    assert isinstance(engine.begin("d"), Claim)
+    assert len(engine.store) == 3  # type: ignore[arg-type]
+    assert engine.store.get(claims[1].key_hash) is None
+    assert engine.store.get(claims[0].key_hash) is not None
+    with pytest.raises(ValueError):
+        MemoryStore(max_size=0)
+
+
+def test_sqlite_schema_is_versioned(tmp_path: Path) -> None:
+    path = tmp_path / "v.db"
+    store = SQLiteStore(f"sqlite:///{path}")
+    assert store.migrate() == 1
+    store.close()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        conn.execute("PRAGMA user_version = 99")
+    newer = SQLiteStore(f"sqlite:///{path}")
+    with pytest.raises(IdempotencyError, match="newer"):
+        newer.get("x")
