@@ -93,9 +93,15 @@ def _log_tail(path: Path, lines: int = 30) -> str:
 
 
 class RedisServer:
-    """A throwaway ``redis-server`` without persistence on 127.0.0.1."""
+    """A throwaway ``redis-server`` on 127.0.0.1.
 
-    def __init__(self, port: int | None = None) -> None:
+    ``durable=True`` turns on the append-only file with an fsync per write, as a
+    production store of idempotency records is configured, so that data
+    survives :meth:`restart`.
+    """
+
+    def __init__(self, port: int | None = None, *, durable: bool = False) -> None:
+        self.durable = durable
         self._auto_port = port is None
         self._port = port if port is not None else free_port()
         self._dir: Path | None = None
@@ -152,7 +158,8 @@ class RedisServer:
             "--port", str(self._port),
             "--bind", _HOST,
             "--save", "",
-            "--appendonly", "no",
+            "--appendonly", "yes" if self.durable else "no",
+            "--appendfsync", "always",
             "--daemonize", "no",
             "--dir", str(self._dir),
         ]  # fmt: skip

@@ -24,8 +24,9 @@ from retrysafe import (
 class Harness:
     """Decorates a plain function as sync or async, and calls it the same way in both modes."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, store: Store[Any]) -> None:
         self.mode = mode
+        self.store = store
         self.loop = asyncio.new_event_loop() if mode == "async" else None
 
     def wrap(self, body: Callable[..., Any], **options: Any) -> Callable[..., Any]:
@@ -45,12 +46,13 @@ class Harness:
 
     def close(self) -> None:
         if self.loop is not None:
+            self.loop.run_until_complete(self.store.aclose())  # this loop's connections
             self.loop.close()
 
 
 @pytest.fixture
-def h(mode: str) -> Any:
-    harness = Harness(mode)
+def h(mode: str, store: Store[Any]) -> Any:
+    harness = Harness(mode, store)
     yield harness
     harness.close()
 

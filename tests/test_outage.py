@@ -29,8 +29,8 @@ from retrysafe import (
 
 @pytest.fixture(params=["redis", "postgres"])
 def server(request: pytest.FixtureRequest) -> Iterator[Any]:
-    cls = RedisServer if request.param == "redis" else PostgresServer
-    with cls() as srv:
+    srv = RedisServer(durable=True) if request.param == "redis" else PostgresServer()
+    with srv:
         yield srv
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
@@ -111,11 +112,26 @@ class SQLiteStore(Store[_Op]):
         conn = sqlite3.connect(
             self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False
         )
-        conn.execute("PRAGMA journal_mode=WAL")
+        self._set_wal(conn)
         conn.execute(f"PRAGMA synchronous={self.synchronous}")
         if not self._migrated:
             self._migrate(conn)
         return conn
+
+    def _set_wal(self, conn: sqlite3.Connection) -> None:
+        # Switching a new file to WAL needs a moment alone with it, and SQLite
+        # reports "locked" at once instead of waiting: retry within the timeout.
+        deadline = time.monotonic() + self.timeout
+        delay = 0.001
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
 
     def _conn(self) -> sqlite3.Connection:
         local = self._local
