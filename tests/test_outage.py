@@ -122,5 +122,5 @@ def test_sqlite_file_that_is_not_a_database(tmp_path: Path) -> None:
     path = tmp_path / "garbage.db"
     path.write_bytes(b"this is not a database" * 100)
     engine = Engine(open_store(f"sqlite:///{path}"))
-    with pytest.raises(StoreUnavailableError, match="garbage.db"):
+    with pytest.raises(StoreUnavailableError, match=r"garbage\.db"):
         engine.begin("k", operation="op")

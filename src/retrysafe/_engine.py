@@ -1,9 +1,9 @@
 """The engine: one state machine for every front door, sync and async.
 
-Each operation is written once, as a generator that yields store calls
-(``("claim", args)``) and sleeps (``("sleep", seconds)``); :func:`_drive` runs
-it with blocking calls and :func:`_adrive` with awaits. The decisions the
-generators make are the plain functions of :mod:`retrysafe._decide`.
+Everything that decides is written once, as plain code with no I/O: ``_Plan``
+validates a call and turns what the store returned into an answer, and the
+helpers below build the store calls and check their results. The sync and
+async methods are thin shells around them that differ only in ``await``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeAlias
+from typing import Any, TypedDict, Unpack
 
 from ._decide import Verdict, retry_after, verdict
 from ._errors import (
@@ -25,11 +25,19 @@ from ._errors import (
     LeaseLostError,
     StoreUnavailableError,
 )
-from ._keys import key_hash, validate_key
+from ._keys import _KEY_RE, key_hash, validate_key
 from ._record import ClaimResult, Outcome, Record, Status
 from .stores import Store, open_store
 
-__all__ = ["DEFAULT_LEASE", "DEFAULT_TTL", "Attempt", "Claim", "Engine", "Replay"]
+__all__ = [
+    "DEFAULT_LEASE",
+    "DEFAULT_TTL",
+    "Attempt",
+    "BeginOptions",
+    "Claim",
+    "Engine",
+    "Replay",
+]
 
 log = logging.getLogger("retrysafe")
 
@@ -37,8 +45,19 @@ DEFAULT_TTL = 24 * 3600.0
 DEFAULT_LEASE = 30.0
 DEFAULT_MAX_BODY = 1 << 20
 
-_Effect: TypeAlias = tuple[str, tuple[Any, ...]]
-_Flow: TypeAlias = Generator[_Effect, Any, Any]
+
+class BeginOptions(TypedDict, total=False):
+    """Keyword options of :meth:`Engine.begin` (and of ``attempt``)."""
+
+    operation: str
+    scope: str
+    fingerprint: str
+    request_id: str | None
+    ttl: float | None
+    lease: float | None
+    wait: float | None
+    metadata: dict[str, Any] | None
+    request_payload: bytes | None
 
 
 @dataclass(slots=True)
@@ -96,51 +115,10 @@ class _Tokens:
 _new_token = _Tokens()
 
 
-def _drive(flow: _Flow, store: Store[Any]) -> Any:
-    """Run a flow with blocking store calls; store errors are thrown into it."""
-    send: Callable[[Any], _Effect] = flow.send
-    value: Any = None
-    while True:
-        try:
-            name, args = send(value)
-        except StopIteration as stop:
-            return stop.value
-        try:
-            value = time.sleep(*args) if name == "sleep" else getattr(store, name)(*args)
-            send = flow.send
-        except Exception as exc:
-            value, send = exc, flow.throw
-
-
-async def _adrive(flow: _Flow, store: Store[Any]) -> Any:
-    """Run a flow from a coroutine; the twin of :func:`_drive`."""
-    send: Callable[[Any], _Effect] = flow.send
-    value: Any = None
-    while True:
-        try:
-            name, args = send(value)
-        except StopIteration as stop:
-            return stop.value
-        try:
-            if name == "sleep":
-                value = await asyncio.sleep(*args)
-            else:
-                value = await getattr(store, "a" + name)(*args)
-            send = flow.send
-        except Exception as exc:
-            value, send = exc, flow.throw
-
-
 def _positive(name: str, value: float) -> float:
     value = float(value)
     if not value > 0:
         raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
-    return value
-
-
-def _str(name: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, not {type(value).__name__}")
     return value
 
 
@@ -180,94 +158,25 @@ class Engine:
     def __repr__(self) -> str:
         return f"<Engine store={self.store!r} ttl={self.ttl:g}s lease={self.lease:g}s>"
 
-    # -- the flows (written once) ----------------------------------------------
+    # -- shared, I/O-free pieces -----------------------------------------------
 
-    def _begin(
-        self,
-        key: str,
-        operation: str,
-        scope: str,
-        fingerprint: str,
-        request_id: str | None,
-        ttl: float | None,
-        lease: float | None,
-        wait: float | None,
-        metadata: dict[str, Any] | None,
-        request_payload: bytes | None,
-    ) -> _Flow:
-        validate_key(key)
-        _str("operation", operation)
-        _str("scope", scope)
-        _str("fingerprint", fingerprint)
-        ttl = self.ttl if ttl is None else min(_positive("ttl", ttl), self.ttl)
-        lease = min(self.lease if lease is None else _positive("lease", lease), ttl)
-        wait = self.wait if wait is None else max(0.0, float(wait))
-        kh = key_hash(scope, operation, key)
-        meta = dict(metadata) if metadata else {}
-        deadline: float | None = None
-        delay = 0.01
-        while True:
-            now = self.clock()
-            token = _new_token()
-            record = Record(
-                kh, key, scope, operation, fingerprint, Status.PROCESSING, token, now + lease,
-                now + ttl, now, now, None, 1, request_id, False, None, request_payload, meta,
-            )  # fmt: skip
-            result: ClaimResult = yield ("claim", (record,))
-            if result.claimed:
-                return Claim(
-                    key, kh, scope, operation, fingerprint, token, record.lease_until,
-                    record.expires_at, result.attempts, result.took_over, request_id,
-                )  # fmt: skip
-            found = result.record
-            assert found is not None
-            decision = verdict(found, fingerprint)
-            if decision is Verdict.REPLAY:
-                return Replay(found)
-            if decision is Verdict.CONFLICT:
-                raise FingerprintMismatchError(
-                    "idempotency key was already used with a different request",
-                    key=key,
-                    original_fingerprint=found.fingerprint,
-                    fingerprint=fingerprint,
-                )
-            deadline = now + wait if deadline is None else deadline
-            if now >= deadline:
-                raise InProgressError(
-                    "a request with this idempotency key is still in progress",
-                    key=key,
-                    retry_after=retry_after(found, now),
-                )
-            yield ("sleep", (min(delay, deadline - now, max(found.lease_until - now, 0.001)),))
-            delay = min(delay * 2, 0.25)
-
-    def _complete(self, claim: Claim, outcome: Outcome) -> _Flow:
+    def _outcome_error(self, outcome: Outcome) -> ValueError | None:
+        """Why ``outcome`` cannot be stored (the attempt is then failed), or None."""
         if not isinstance(outcome, Outcome):
             raise TypeError(f"outcome must be an Outcome, not {type(outcome).__name__}")
         if len(outcome.body) > self.max_body:
-            yield from self._fail(claim, None, None)
-            raise ValueError(
+            return ValueError(
                 f"outcome body of {len(outcome.body)} bytes exceeds max_body={self.max_body}; "
                 "the attempt was marked failed"
             )
-        ok = yield ("complete", (claim.key_hash, claim.token, outcome, self.clock()))
-        if not ok:
-            self._lost(claim, "completion")
+        return None
 
-    def _fail(self, claim: Claim, outcome: Outcome | None, final: bool | None) -> _Flow:
-        final = self.final_failures if final is None else final
-        ok = yield ("fail", (claim.key_hash, claim.token, outcome, final, self.clock()))
-        if not ok:
-            self._lost(claim, "failure")
+    def _final(self, final: bool | None) -> bool:
+        return self.final_failures if final is None else bool(final)
 
-    def _renew(self, claim: Claim, lease: float | None) -> _Flow:
-        now = self.clock()
-        lease_until = min(now + (self.lease if lease is None else _positive("lease", lease)),
-                          claim.expires_at)  # fmt: skip
-        ok = yield ("renew", (claim.key_hash, claim.token, lease_until, now))
-        if not ok:
-            self._lost(claim, "renewal")
-        claim.lease_until = lease_until
+    def _lease_until(self, claim: Claim, lease: float | None, now: float) -> float:
+        lease = self.lease if lease is None else _positive("lease", lease)
+        return min(now + lease, claim.expires_at)
 
     @staticmethod
     def _lost(claim: Claim, what: str) -> None:
@@ -282,85 +191,88 @@ class Engine:
 
     # -- sync API ------------------------------------------------------------
 
-    def begin(
-        self,
-        key: str,
-        *,
-        operation: str = "",
-        scope: str = "",
-        fingerprint: str = "",
-        request_id: str | None = None,
-        ttl: float | None = None,
-        lease: float | None = None,
-        wait: float | None = None,
-        metadata: dict[str, Any] | None = None,
-        request_payload: bytes | None = None,
-    ) -> Claim | Replay:
-        """Claim ``key``; a :class:`Claim` means run now, a :class:`Replay` means answer with it.
+    def begin(self, key: str, **options: Unpack[BeginOptions]) -> Claim | Replay:
+        """Claim ``key``: a :class:`Claim` means run now, a :class:`Replay` means answer with it.
 
-        Raises :class:`InvalidKeyError` (nothing written), :class:`InProgressError`,
+        Options (all keyword): ``operation``, ``scope``, ``fingerprint``,
+        ``request_id``, ``ttl`` (may only narrow the engine's), ``lease``,
+        ``wait``, ``metadata``, ``request_payload``. Raises
+        :class:`InvalidKeyError` (nothing written), :class:`InProgressError`,
         :class:`FingerprintMismatchError` or :class:`StoreUnavailableError`.
         """
-        return _drive(
-            self._begin(key, operation, scope, fingerprint, request_id, ttl, lease, wait,
-                        metadata, request_payload),
-            self.store,
-        )  # fmt: skip
+        plan = _Plan(self, key, **options)
+        while True:
+            record = plan.record(self.clock())
+            answer = plan.settle(self.store.claim(record), record)
+            if answer.__class__ is not float:
+                return answer  # type: ignore[return-value]
+            time.sleep(answer)  # type: ignore[arg-type]
 
     def complete(self, claim: Claim, outcome: Outcome) -> None:
         """Store the outcome; :class:`LeaseLostError` if the claim no longer owns the key."""
-        _drive(self._complete(claim, outcome), self.store)
+        error = self._outcome_error(outcome)
+        if error is not None:
+            self.fail(claim)
+            raise error
+        if not self.store.complete(claim.key_hash, claim.token, outcome, self.clock()):
+            self._lost(claim, "completion")
 
     def fail(
         self, claim: Claim, outcome: Outcome | None = None, *, final: bool | None = None
     ) -> None:
         """Mark the attempt failed: retryable unless ``final`` (default: the engine's policy)."""
-        _drive(self._fail(claim, outcome, final), self.store)
+        ok = self.store.fail(claim.key_hash, claim.token, outcome, self._final(final), self.clock())
+        if not ok:
+            self._lost(claim, "failure")
 
     def renew(self, claim: Claim, lease: float | None = None) -> None:
         """Extend a live lease by ``lease`` seconds from now (never past the record's expiry)."""
-        _drive(self._renew(claim, lease), self.store)
+        now = self.clock()
+        until = self._lease_until(claim, lease, now)
+        if not self.store.renew(claim.key_hash, claim.token, until, now):
+            self._lost(claim, "renewal")
+        claim.lease_until = until
 
-    # -- async API -------------------------------------------------------------
+    # -- async API: the same shells with await -----------------------------------
 
-    async def abegin(
-        self,
-        key: str,
-        *,
-        operation: str = "",
-        scope: str = "",
-        fingerprint: str = "",
-        request_id: str | None = None,
-        ttl: float | None = None,
-        lease: float | None = None,
-        wait: float | None = None,
-        metadata: dict[str, Any] | None = None,
-        request_payload: bytes | None = None,
-    ) -> Claim | Replay:
+    async def abegin(self, key: str, **options: Unpack[BeginOptions]) -> Claim | Replay:
         """Async :meth:`begin`."""
-        return await _adrive(
-            self._begin(key, operation, scope, fingerprint, request_id, ttl, lease, wait,
-                        metadata, request_payload),
-            self.store,
-        )  # fmt: skip
+        plan = _Plan(self, key, **options)
+        while True:
+            record = plan.record(self.clock())
+            answer = plan.settle(await self.store.aclaim(record), record)
+            if answer.__class__ is not float:
+                return answer  # type: ignore[return-value]
+            await asyncio.sleep(answer)  # type: ignore[arg-type]
 
     async def acomplete(self, claim: Claim, outcome: Outcome) -> None:
         """Async :meth:`complete`."""
-        await _adrive(self._complete(claim, outcome), self.store)
+        error = self._outcome_error(outcome)
+        if error is not None:
+            await self.afail(claim)
+            raise error
+        if not await self.store.acomplete(claim.key_hash, claim.token, outcome, self.clock()):
+            self._lost(claim, "completion")
 
     async def afail(
         self, claim: Claim, outcome: Outcome | None = None, *, final: bool | None = None
     ) -> None:
         """Async :meth:`fail`."""
-        await _adrive(self._fail(claim, outcome, final), self.store)
+        final = self._final(final)
+        if not await self.store.afail(claim.key_hash, claim.token, outcome, final, self.clock()):
+            self._lost(claim, "failure")
 
     async def arenew(self, claim: Claim, lease: float | None = None) -> None:
         """Async :meth:`renew`."""
-        await _adrive(self._renew(claim, lease), self.store)
+        now = self.clock()
+        until = self._lease_until(claim, lease, now)
+        if not await self.store.arenew(claim.key_hash, claim.token, until, now):
+            self._lost(claim, "renewal")
+        claim.lease_until = until
 
     # -- context manager -----------------------------------------------------
 
-    def attempt(self, key: str, **options: Any) -> Attempt:
+    def attempt(self, key: str, **options: Unpack[BeginOptions]) -> Attempt:
         """``with`` / ``async with`` form of begin → complete | fail.
 
         ::
@@ -383,58 +295,156 @@ class Engine:
         await self.store.aclose()
 
 
+class _Plan:
+    """One ``begin``: its validated inputs, and what a claim's result means."""
+
+    __slots__ = (
+        "deadline", "delay", "fingerprint", "key", "key_hash", "lease", "metadata",
+        "operation", "request_id", "request_payload", "scope", "ttl", "wait",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        engine: Engine,
+        key: str,
+        *,
+        operation: str = "",
+        scope: str = "",
+        fingerprint: str = "",
+        request_id: str | None = None,
+        ttl: float | None = None,
+        lease: float | None = None,
+        wait: float | None = None,
+        metadata: dict[str, Any] | None = None,
+        request_payload: bytes | None = None,
+    ) -> None:
+        if type(key) is not str or not _KEY_RE.fullmatch(key):
+            validate_key(key)  # raises with the reason
+        if type(operation) is not str or type(scope) is not str or type(fingerprint) is not str:
+            raise TypeError("operation, scope and fingerprint must be str")
+        if ttl is None:
+            self.ttl = engine.ttl
+        else:
+            self.ttl = min(_positive("ttl", ttl), engine.ttl)
+        self.lease = engine.lease if lease is None else _positive("lease", lease)
+        if self.lease > self.ttl:
+            self.lease = self.ttl
+        self.wait = engine.wait if wait is None else max(0.0, float(wait))
+        self.key, self.operation, self.scope, self.fingerprint = key, operation, scope, fingerprint
+        self.key_hash = key_hash(scope, operation, key)
+        self.request_id, self.request_payload = request_id, request_payload
+        self.metadata = dict(metadata) if metadata else {}
+        self.deadline: float | None = None
+        self.delay = 0.01
+
+    def record(self, now: float) -> Record:
+        """The processing record a claim at ``now`` writes (a fresh fencing token each time)."""
+        return Record(
+            self.key_hash, self.key, self.scope, self.operation, self.fingerprint,
+            Status.PROCESSING, _new_token(), now + self.lease, now + self.ttl, now, now, None, 1,
+            self.request_id, False, None, self.request_payload, self.metadata,
+        )  # fmt: skip
+
+    def settle(self, result: ClaimResult, record: Record) -> Claim | Replay | float:
+        """The answer to a claim, or how long to sleep before claiming again (a float)."""
+        if result.claimed:
+            return Claim(
+                self.key, self.key_hash, self.scope, self.operation, self.fingerprint,
+                record.token, record.lease_until, record.expires_at, result.attempts,
+                result.took_over, self.request_id,
+            )  # fmt: skip
+        found = result.record
+        assert found is not None
+        decision = verdict(found, self.fingerprint)
+        if decision is Verdict.REPLAY:
+            return Replay(found)
+        if decision is Verdict.CONFLICT:
+            raise FingerprintMismatchError(
+                "idempotency key was already used with a different request",
+                key=self.key,
+                original_fingerprint=found.fingerprint,
+                fingerprint=self.fingerprint,
+            )
+        now = record.updated_at
+        if self.deadline is None:
+            self.deadline = now + self.wait
+        if now >= self.deadline:
+            raise InProgressError(
+                "a request with this idempotency key is still in progress",
+                key=self.key,
+                retry_after=retry_after(found, now),
+            )
+        pause = min(self.delay, self.deadline - now, max(found.lease_until - now, 0.001))
+        self.delay = min(self.delay * 2, 0.25)
+        return float(pause)
+
+
 class Attempt:
     """One attempt at an operation; see :meth:`Engine.attempt`."""
 
     __slots__ = ("_engine", "_key", "_options", "claim", "outcome", "replay")
 
-    def __init__(self, engine: Engine, key: str, options: dict[str, Any]) -> None:
+    def __init__(self, engine: Engine, key: str, options: BeginOptions) -> None:
         self._engine, self._key, self._options = engine, key, options
         self.claim: Claim | None = None
         self.replay: Replay | None = None
         self.outcome: Outcome | None = None
 
-    def _start(self) -> _Flow:
-        o = self._options
-        result = yield from self._engine._begin(
-            self._key, o.get("operation", ""), o.get("scope", ""), o.get("fingerprint", ""),
-            o.get("request_id"), o.get("ttl"), o.get("lease"), o.get("wait"),
-            o.get("metadata"), o.get("request_payload"),
-        )  # fmt: skip
-        if isinstance(result, Replay):
-            self.replay = result
+    def _started(self, answer: Claim | Replay) -> Attempt:
+        if isinstance(answer, Replay):
+            self.replay = answer
         else:
-            self.claim = result
+            self.claim = answer
         return self
 
-    def _settle(self, exc: BaseException | None) -> _Flow:
-        claim, engine = self.claim, self._engine
-        if claim is None:
-            return
-        if exc is None and self.outcome is not None:
-            yield from engine._complete(claim, self.outcome)
-            return
-        try:
-            yield from engine._fail(claim, None, None)
-        except (LeaseLostError, StoreUnavailableError) as err:
+    def _commit(self, exc: BaseException | None) -> bool:
+        """True when leaving the block should complete (not fail) the claim."""
+        return exc is None and self.outcome is not None
+
+    @staticmethod
+    def _failed(exc: BaseException | None, error: Exception | None) -> None:
+        """After failing the claim: report a failure to fail, or a missing outcome."""
+        if error is not None:
             if exc is None:
-                raise
-            log.warning("retrysafe: could not mark a failed attempt: %s", err)
+                raise error
+            log.warning("retrysafe: could not mark a failed attempt: %s", error)
         if exc is None:
             raise RuntimeError("attempt left without an outcome; it was marked failed")
 
     def __enter__(self) -> Attempt:
-        return _drive(self._start(), self._engine.store)
+        return self._started(self._engine.begin(self._key, **self._options))
 
     def __exit__(
         self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        _drive(self._settle(exc), self._engine.store)
+        claim = self.claim
+        if claim is None:
+            return
+        if self._commit(exc):
+            self._engine.complete(claim, self.outcome)  # type: ignore[arg-type]
+            return
+        error = None
+        try:
+            self._engine.fail(claim)
+        except (LeaseLostError, StoreUnavailableError) as err:
+            error = err
+        self._failed(exc, error)
 
     async def __aenter__(self) -> Attempt:
-        return await _adrive(self._start(), self._engine.store)
+        return self._started(await self._engine.abegin(self._key, **self._options))
 
     async def __aexit__(
         self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await _adrive(self._settle(exc), self._engine.store)
+        claim = self.claim
+        if claim is None:
+            return
+        if self._commit(exc):
+            await self._engine.acomplete(claim, self.outcome)  # type: ignore[arg-type]
+            return
+        error = None
+        try:
+            await self._engine.afail(claim)
+        except (LeaseLostError, StoreUnavailableError) as err:
+            error = err
+        self._failed(exc, error)

@@ -21,7 +21,10 @@ class Status(enum.StrEnum):
 JSON_MEDIA_TYPE = "application/json"
 
 
-@dataclass(frozen=True, slots=True)
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+
+
+@dataclass(slots=True)
 class Outcome:
     """What an attempt produced, stored and replayed byte for byte.
 
@@ -39,8 +42,7 @@ class Outcome:
         cls, value: Any, *, status: int | None = None, headers: tuple[tuple[str, str], ...] = ()
     ) -> Outcome:
         """An outcome holding ``value`` as compact JSON (raises ``TypeError`` if not JSON)."""
-        body = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        return cls(body.encode(), status, headers, JSON_MEDIA_TYPE)
+        return cls(_JSON(value).encode(), status, headers, JSON_MEDIA_TYPE)
 
     @property
     def value(self) -> Any:
@@ -51,12 +53,12 @@ class Outcome:
 
     def headers_json(self) -> str:
         """The headers as a JSON array of pairs (the stores' column form)."""
-        return json.dumps([list(h) for h in self.headers], separators=(",", ":"))
+        return _JSON(self.headers) if self.headers else "[]"
 
     @staticmethod
     def parse_headers(text: str | bytes | None) -> tuple[tuple[str, str], ...]:
         """Inverse of :meth:`headers_json`."""
-        if not text:
+        if not text or text == "[]":
             return ()
         return tuple((str(k), str(v)) for k, v in json.loads(text))
 
@@ -98,7 +100,7 @@ class Record:
 
     def metadata_json(self) -> str:
         """Metadata as compact JSON (the stores' column form)."""
-        return json.dumps(self.metadata, separators=(",", ":"), sort_keys=True)
+        return _JSON(self.metadata) if self.metadata else "{}"
 
 
 @dataclass(slots=True)

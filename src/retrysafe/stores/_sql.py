@@ -67,35 +67,26 @@ def record_params(r: Record) -> tuple[Any, ...]:
     )
 
 
+_STATUS = {s.value: s for s in Status}
+
+
 def record_from_row(row: Sequence[Any]) -> Record:
     """A :class:`Record` from a row in :data:`COLUMNS` order."""
     body = row[18]
     outcome = None
     if body is not None:
         outcome = Outcome(
-            body=bytes(body),
-            status=row[15],
-            headers=Outcome.parse_headers(row[16]),
-            media_type=row[17] or "application/octet-stream",
+            bytes(body),
+            row[15],
+            Outcome.parse_headers(row[16]),
+            row[17] or "application/octet-stream",
         )
-    payload = row[19]
+    payload, metadata, completed_at = row[19], row[20], row[11]
     return Record(
-        key_hash=row[0],
-        key=row[1],
-        scope=row[2],
-        operation=row[3],
-        fingerprint=row[4],
-        status=Status(row[5]),
-        token=row[6],
-        lease_until=float(row[7]),
-        expires_at=float(row[8]),
-        created_at=float(row[9]),
-        updated_at=float(row[10]),
-        completed_at=None if row[11] is None else float(row[11]),
-        attempts=int(row[12]),
-        request_id=row[13],
-        final=bool(row[14]),
-        outcome=outcome,
-        request_payload=None if payload is None else bytes(payload),
-        metadata=json.loads(row[20]) if row[20] else {},
-    )
+        row[0], row[1], row[2], row[3], row[4], _STATUS[row[5]], row[6],
+        float(row[7]), float(row[8]), float(row[9]), float(row[10]),
+        None if completed_at is None else float(completed_at),
+        int(row[12]), row[13], bool(row[14]), outcome,
+        None if payload is None else bytes(payload),
+        json.loads(metadata) if metadata and metadata != "{}" else {},
+    )  # fmt: skip

@@ -52,23 +52,24 @@ class MemoryStore(Store[_Op]):
 
     def _claim(self, record: Record) -> _Op:
         def op() -> ClaimResult:
+            records, key_hash = self._records, record.key_hash
+            cur = records.get(key_hash)
+            if cur is None:  # the common first call
+                records[key_hash] = record  # the engine hands the record over
+                if len(records) > self.max_size:
+                    records.popitem(last=False)
+                return ClaimResult(True)
+            records.move_to_end(key_hash)
             now = record.updated_at
-            cur = self._records.get(record.key_hash)
             if not claimable(cur, record.fingerprint, now):
-                assert cur is not None
-                self._records.move_to_end(record.key_hash)
-                return ClaimResult(False, record=cur.copy())
-            new = record  # the engine hands the record over; reads return copies
+                return ClaimResult(False, record=cur.copy())  # reads get copies
             took_over = None
-            if cur is not None and cur.expires_at > now:
+            if cur.expires_at > now:
                 took_over = cur.status
-                new.attempts = cur.attempts + 1
-                new.created_at = cur.created_at
-            self._records[new.key_hash] = new
-            self._records.move_to_end(new.key_hash)
-            while len(self._records) > self.max_size:
-                self._records.popitem(last=False)
-            return ClaimResult(True, attempts=new.attempts, took_over=took_over)
+                record.attempts = cur.attempts + 1
+                record.created_at = cur.created_at
+            records[key_hash] = record
+            return ClaimResult(True, attempts=record.attempts, took_over=took_over)
 
         return op
 

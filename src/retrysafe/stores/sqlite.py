@@ -53,8 +53,20 @@ MIGRATIONS: dict[int, str] = {1: _SCHEMA}
 
 _COLS = ", ".join(COLUMNS)
 _SELECT = f"SELECT {_COLS} FROM retrysafe_records WHERE key_hash = ?"
-_UPSERT = (
-    f"INSERT OR REPLACE INTO retrysafe_records ({_COLS}) VALUES ({', '.join('?' * len(COLUMNS))})"
+_MARKS = ", ".join("?" * len(COLUMNS))
+_INSERT = f"INSERT INTO retrysafe_records ({_COLS}) VALUES ({_MARKS}) ON CONFLICT DO NOTHING"
+# Take over a claimable record: the predicate of _decide.claimable, re-checked
+# atomically on the current row; attempts and created_at carry over from a live one.
+# Parameters: ?1..?21 the new record in COLUMNS order (?1 key_hash, ?5 fingerprint,
+# ?11 updated_at, the claim's now).
+_NUMBERED = ", ".join(f"?{i + 1}" for i in range(len(COLUMNS)))
+_TAKEOVER = (
+    f"UPDATE retrysafe_records SET ({_COLS}) = ({_NUMBERED}), "
+    "attempts = CASE WHEN expires_at > ?11 THEN attempts + 1 ELSE 1 END, "
+    "created_at = CASE WHEN expires_at > ?11 THEN created_at ELSE ?11 END "
+    "WHERE key_hash = ?1 AND (expires_at <= ?11 OR (fingerprint = ?5 AND "
+    "((status = 'failed' AND final = 0) OR (status = 'processing' AND lease_until <= ?11)))) "
+    "RETURNING attempts"
 )
 _CAS = " WHERE key_hash = ? AND token = ? AND status = 'processing'"
 _COMPLETE = (
@@ -191,30 +203,26 @@ class SQLiteStore(Store[_Op]):
     # -- operations ------------------------------------------------------------
 
     def _claim(self, record: Record) -> _Op:
+        # A plain read answers replays and in-flight keys without a lock; an
+        # absent key is inserted, a claimable one taken over, each by one
+        # atomic statement that re-checks the rule. Losing a race reads again.
         def op(conn: sqlite3.Connection) -> ClaimResult:
-            now = record.updated_at
-            row = conn.execute(_SELECT, (record.key_hash,)).fetchone()
-            cur = None if row is None else record_from_row(row)
-            if cur is not None and not claimable(cur, record.fingerprint, now):
-                return ClaimResult(False, record=cur)  # replay or in flight: no lock taken
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+            params = record_params(record)
+            while True:
                 row = conn.execute(_SELECT, (record.key_hash,)).fetchone()
-                cur = None if row is None else record_from_row(row)
-                if not claimable(cur, record.fingerprint, now):
-                    conn.execute("COMMIT")
+                if row is None:
+                    if conn.execute(_INSERT, params).rowcount == 1:
+                        return ClaimResult(True)
+                    continue
+                cur = record_from_row(row)
+                if not claimable(cur, record.fingerprint, record.updated_at):
                     return ClaimResult(False, record=cur)
-                took_over = None
-                if cur is not None and cur.expires_at > now:
-                    took_over = cur.status
-                    record.attempts = cur.attempts + 1
-                    record.created_at = cur.created_at
-                conn.execute(_UPSERT, record_params(record))
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            return ClaimResult(True, attempts=record.attempts, took_over=took_over)
+                taken = conn.execute(_TAKEOVER, params).fetchone()
+                if taken is not None:
+                    live = cur.expires_at > record.updated_at
+                    return ClaimResult(
+                        True, attempts=taken[0], took_over=cur.status if live else None
+                    )
 
         return op
 
