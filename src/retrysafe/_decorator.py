@@ -6,7 +6,7 @@ import functools
 import inspect
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar
 
 from ._engine import Engine, Replay
 from ._errors import IdempotencyError, InvalidKeyError
@@ -69,12 +69,7 @@ def _replayed(replay: Replay) -> Any:
     return None if outcome is None else outcome.value
 
 
-@overload
-def idempotent(func: F, /) -> F: ...
-@overload
 def idempotent(
-    func: None = None,
-    /,
     *,
     store: StoreSpec = None,
     key: KeySpec = None,
@@ -84,22 +79,7 @@ def idempotent(
     operation: str | None = None,
     version: str | int | None = None,
     scope: str | Callable[..., str] | None = None,
-) -> Callable[[F], F]: ...
-
-
-def idempotent(
-    func: F | None = None,
-    /,
-    *,
-    store: StoreSpec = None,
-    key: KeySpec = None,
-    ttl: float | None = None,
-    lease: float | None = None,
-    wait: float | None = None,
-    operation: str | None = None,
-    version: str | int | None = None,
-    scope: str | Callable[..., str] | None = None,
-) -> Any:
+) -> Callable[[F], F]:
     """Run a function once per key; repeated calls return the stored result.
 
     ``store``: a Store, a URL or an :class:`Engine` (default: ``RETRYSAFE_STORE``
@@ -113,59 +93,59 @@ def idempotent(
     values; they replay as decoded JSON (tuples as lists). Works on plain and
     ``async def`` functions.
     """
-    if func is None:
-        return lambda f: idempotent(
-            f, store=store, key=key, ttl=ttl, lease=lease, wait=wait,
-            operation=operation, version=version, scope=scope,
-        )  # fmt: skip
     if key is not None and not isinstance(key, str) and not callable(key):
         raise TypeError("key must be a str.format template or a callable")
-    call = _Call(func, key, scope)
-    op = operation or f"{func.__module__}.{func.__qualname__}"
-    if version is not None:
-        op = f"{op}#v{version}"
     lock = threading.Lock()
-    engine: Engine | None = store if isinstance(store, Engine) else None
+    shared: Engine | None = store if isinstance(store, Engine) else None
 
-    def get_engine() -> Engine:
-        nonlocal engine
-        if engine is None:
-            with lock:
-                if engine is None:
-                    engine = Engine(store)  # type: ignore[arg-type]
-        return engine
+    def decorate(func: F) -> F:
+        call = _Call(func, key, scope)
+        op = operation or f"{func.__module__}.{func.__qualname__}"
+        if version is not None:
+            op = f"{op}#v{version}"
+        engine = shared
 
-    def options(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        k, s, fp = call.prepare(args, kwargs)
-        return k, {"operation": op, "scope": s, "fingerprint": fp, "ttl": ttl,
-                   "lease": lease, "wait": wait}  # fmt: skip
+        def get_engine() -> Engine:
+            nonlocal engine
+            if engine is None:
+                with lock:
+                    if engine is None:
+                        engine = Engine(store)  # type: ignore[arg-type]
+            return engine
 
-    if inspect.iscoroutinefunction(func):
+        def options(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+            k, s, fp = call.prepare(args, kwargs)
+            return k, {"operation": op, "scope": s, "fingerprint": fp, "ttl": ttl,
+                       "lease": lease, "wait": wait}  # fmt: skip
 
-        @functools.wraps(func)
-        async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-            k, opts = options(args, kwargs)
-            async with get_engine().attempt(k, **opts) as att:
-                if att.replay is not None:
-                    return _replayed(att.replay)
-                value = await func(*args, **kwargs)
-                att.outcome = Outcome.json(value)
-                return value
+        if inspect.iscoroutinefunction(func):
 
-        wrapper: Any = async_wrapper
-    else:
+            @functools.wraps(func)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                k, opts = options(args, kwargs)
+                async with get_engine().attempt(k, **opts) as att:
+                    if att.replay is not None:
+                        return _replayed(att.replay)
+                    value = await func(*args, **kwargs)
+                    att.outcome = Outcome.json(value)
+                    return value
 
-        @functools.wraps(func)
-        def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
-            k, opts = options(args, kwargs)
-            with get_engine().attempt(k, **opts) as att:
-                if att.replay is not None:
-                    return _replayed(att.replay)
-                value = func(*args, **kwargs)
-                att.outcome = Outcome.json(value)
-                return value
+            wrapper: Any = async_wrapper
+        else:
 
-        wrapper = sync_wrapper
-    wrapper.engine = get_engine
-    wrapper.operation = op
-    return wrapper
+            @functools.wraps(func)
+            def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
+                k, opts = options(args, kwargs)
+                with get_engine().attempt(k, **opts) as att:
+                    if att.replay is not None:
+                        return _replayed(att.replay)
+                    value = func(*args, **kwargs)
+                    att.outcome = Outcome.json(value)
+                    return value
+
+            wrapper = sync_wrapper
+        wrapper.engine = get_engine
+        wrapper.operation = op
+        return wrapper  # type: ignore[no-any-return]
+
+    return decorate
