@@ -92,7 +92,40 @@ def _log_tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-class RedisServer:
+class _Server:
+    """What both servers share: start/stop/close, and ``with`` to start and close."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def restart(self) -> None:
+        """Stop and start again on the same port, keeping the data directory."""
+        self.stop()
+        self.start()
+
+    def cleanup(self) -> None:
+        self.close()
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class RedisServer(_Server):
     """A throwaway ``redis-server`` on 127.0.0.1.
 
     ``durable=True`` turns on the append-only file with an fsync per write, as a
@@ -208,11 +241,6 @@ class RedisServer:
         """Stop the server (SIGTERM, SIGKILL after 5s); keep its directory."""
         self._terminate()
 
-    def restart(self) -> None:
-        """Stop and start again on the same port."""
-        self.stop()
-        self.start()
-
     def close(self) -> None:
         """Stop the server and remove its temporary directory."""
         self._terminate()
@@ -221,19 +249,6 @@ class RedisServer:
             self._dir = None
         _untrack(self)
 
-    cleanup = close
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _pg_version(bin_dir: Path) -> int:
@@ -277,7 +292,7 @@ def _pg_os_user() -> str | None:
     return name
 
 
-class PostgresServer:
+class PostgresServer(_Server):
     """A throwaway PostgreSQL cluster on 127.0.0.1 with trust auth.
 
     Superuser and database are both ``retrysafe``. When run as root the
@@ -429,11 +444,6 @@ class PostgresServer:
             self._run(_pg_bin("pg_ctl"), "-D", data, "-m", "immediate", "-w", "stop")
         self._started = False
 
-    def restart(self) -> None:
-        """Stop and start the same cluster on the same port."""
-        self.stop()
-        self.start()
-
     def close(self) -> None:
         """Stop the server and remove its temporary directory."""
         try:
@@ -445,19 +455,6 @@ class PostgresServer:
             self._has_cluster = self._has_database = False
             _untrack(self)
 
-    cleanup = close
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 if __name__ == "__main__":
