@@ -250,7 +250,6 @@ class RedisServer(_Server):
         _untrack(self)
 
 
-
 def _pg_version(bin_dir: Path) -> int:
     version = bin_dir.parent.name
     return int(version) if version.isdigit() else 0
@@ -454,7 +453,6 @@ class PostgresServer(_Server):
                 self._base = None
             self._has_cluster = self._has_database = False
             _untrack(self)
-
 
 
 if __name__ == "__main__":
