@@ -7,6 +7,8 @@ modes; nothing here knows which store it talks to.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ from conftest import Api, Clock
 
 from retrysafe import (
     Claim,
+    Engine,
     FingerprintMismatchError,
     InProgressError,
     InvalidKeyError,
@@ -295,3 +298,68 @@ def test_attempt_context_manager(api: Api, mode: str) -> None:
     with pytest.raises(RuntimeError, match="without an outcome"):
         run("c", lambda att: None)
     assert run("c", ok) == "ran"
+
+
+class SeesInFlight:
+    """Wraps a real store; ``busy`` is set once a claim found the key in flight."""
+
+    def __init__(self, inner: Store[Any]) -> None:
+        self.inner = inner
+        self.busy = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _seen(self, result: Any) -> Any:
+        if not result.claimed:
+            self.busy.set()
+        return result
+
+    def claim(self, record: Any) -> Any:
+        return self._seen(self.inner.claim(record))
+
+    async def aclaim(self, record: Any) -> Any:
+        return self._seen(await self.inner.aclaim(record))
+
+
+def test_wait_gets_the_first_attempts_answer(api: Api) -> None:
+    first = claim(api.begin("k", operation=OP, fingerprint="f"))
+    spy = SeesInFlight(api.engine.store)
+    api.engine.store = spy  # type: ignore[assignment]
+    owner = Engine(spy.inner)
+
+    def finish() -> None:
+        spy.busy.wait(10)  # the waiter has seen the key in flight
+        owner.complete(first, Outcome.json("first answer"))
+
+    finisher = threading.Thread(target=finish)
+    finisher.start()
+    answer = replay(api.begin("k", operation=OP, fingerprint="f", wait=10))
+    finisher.join()
+    assert spy.busy.is_set() and answer.outcome.value == "first answer"
+
+
+def test_wait_takes_over_after_a_failure(api: Api) -> None:
+    first = claim(api.begin("k", operation=OP, fingerprint="f"))
+    spy = SeesInFlight(api.engine.store)
+    api.engine.store = spy  # type: ignore[assignment]
+    owner = Engine(spy.inner)
+
+    def give_up() -> None:
+        spy.busy.wait(10)
+        owner.fail(first)
+
+    thread = threading.Thread(target=give_up)
+    thread.start()
+    retry = claim(api.begin("k", operation=OP, fingerprint="f", wait=10))
+    thread.join()
+    assert retry.took_over is Status.FAILED and retry.attempts == 2
+
+
+def test_wait_is_bounded(make_api: Any) -> None:
+    api = make_api(clock=time.time)
+    claim(api.begin("k", operation=OP))
+    started = time.monotonic()
+    with pytest.raises(InProgressError):
+        api.begin("k", operation=OP, wait=0.3)
+    assert 0.3 <= time.monotonic() - started < 5
