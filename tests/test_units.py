@@ -181,3 +181,30 @@ def test_sqlite_schema_is_versioned(tmp_path: Path) -> None:
     newer = SQLiteStore(f"sqlite:///{path}")
     with pytest.raises(IdempotencyError, match="newer"):
         newer.get("x")
+
+
+def test_sqlite_store_survives_a_fork(tmp_path: Path) -> None:
+    import os
+
+    store = SQLiteStore(f"sqlite:///{tmp_path}/f.db")
+    engine = Engine(store)
+    first = engine.begin("before-fork")
+    parent_conn = store._conn()
+    assert isinstance(first, Claim)
+    engine.complete(first, Outcome.json("parent"))
+    pid = os.fork()
+    if pid == 0:  # the child uses its own connection, not the parent's
+        code = 1
+        try:
+            replay = engine.begin("before-fork")
+            child = engine.begin("in-child")
+            own = store._conn() is not parent_conn
+            if own and isinstance(replay, Replay) and isinstance(child, Claim):
+                engine.complete(child, Outcome.json("child"))
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    again = engine.begin("in-child")
+    assert isinstance(again, Replay) and again.outcome.value == "child"

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +97,13 @@ def _path_from_url(url: str) -> tuple[str, dict[str, str]]:
     return path, dict(urllib.parse.parse_qsl(parts.query))
 
 
+def _forget_connections(ref: weakref.ref[SQLiteStore]) -> None:
+    store = ref()
+    if store is not None:
+        store._local = threading.local()
+        store._generation += 1
+
+
 class SQLiteStore(Store[_Op]):
     """Records in one SQLite file, shared by every thread and process on the host.
 
@@ -117,6 +126,10 @@ class SQLiteStore(Store[_Op]):
         self._local = threading.local()
         self._generation = 0  # bumped by close(): threads reopen their connection
         self._migrated = False
+        # A connection must not cross a fork (gunicorn --preload, multiprocessing):
+        # the child opens its own. The hook holds the store only weakly.
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _forget_connections(ref))
 
     # -- connections ---------------------------------------------------------
 
