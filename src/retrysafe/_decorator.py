@@ -28,19 +28,37 @@ class _Call:
         self, func: Callable[..., Any], key: KeySpec, scope: str | Callable[..., str] | None
     ) -> None:
         self.signature = inspect.signature(func)
-        params = list(self.signature.parameters)
+        params = list(self.signature.parameters.values())
         # A method's receiver is not part of the request.
-        self.skip = params[0] if params and params[0] in {"self", "cls"} else None
+        self.skip = params[0].name if params and params[0].name in {"self", "cls"} else None
+        # Plain parameters (no *args, **kwargs or keyword-only) bind without inspect.
+        plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
+        self.names = tuple(p.name for p in params) if plain else None
+        self.defaults = {p.name: p.default for p in params if p.default is not p.empty}
         self.key = key
         self.scope = scope
 
     def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
+        """The bound arguments, defaults applied, the receiver left out."""
+        names = self.names
+        if names is not None and len(args) <= len(names) and not kwargs.keys() & names[: len(args)]:
+            arguments = dict(zip(names, args, strict=False))
+            arguments.update(kwargs)
+            if len(arguments) < len(names):
+                for name, default in self.defaults.items():
+                    arguments.setdefault(name, default)
+            if len(arguments) != len(names) or not arguments.keys() <= set(names):
+                arguments = self._bind(args, kwargs)  # raises TypeError as a call would
+        else:
+            arguments = self._bind(args, kwargs)
         if self.skip is not None:
             arguments.pop(self.skip, None)
         return arguments
+
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
 
     def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, str, str]:
         """(key, scope, fingerprint) for this call, or :class:`InvalidKeyError`."""

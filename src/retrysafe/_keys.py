@@ -74,19 +74,17 @@ def _default(value: Any) -> Any:
     )
 
 
+_CANONICAL = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_default
+).encode
+
+
 def canonical_json(value: Any) -> bytes:
     """Canonical JSON: sorted keys, no whitespace, UTF-8; tuples as lists.
 
     Equal data gives equal bytes whatever its key order.
     """
-    return json.dumps(
-        value,
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=False,
-        allow_nan=False,
-        default=_default,
-    ).encode()
+    return _CANONICAL(value).encode()
 
 
 def fingerprint(*parts: Any) -> str:
