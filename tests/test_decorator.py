@@ -250,3 +250,30 @@ async def test_async_takeover_and_late_completion_refused(engine: Engine, clock:
     with pytest.raises(LeaseLostError):
         await work(1)
     assert await work(1) == "second" and runs == ["run", "run"]
+
+
+def test_wrong_calls_raise_like_the_function_and_write_nothing(store: Store[Any]) -> None:
+    calls: list[Any] = []
+
+    @idempotent(store=Engine(store), key="k")
+    def fn(a: int, b: int = 2) -> int:
+        calls.append((a, b))
+        return a + b
+
+    for args, kwargs in (((1, 2, 3), {}), ((), {}), ((1,), {"a": 2}), ((1,), {"zzz": 2})):
+        with pytest.raises(TypeError):
+            fn(*args, **kwargs)
+    assert calls == []
+    assert fn(1) == fn(a=1) == fn(1, b=2) == 3 and calls == [(1, 2)]
+
+
+def test_varargs_and_keyword_only_bind(store: Store[Any]) -> None:
+    calls: list[Any] = []
+
+    @idempotent(store=Engine(store))
+    def fn(a: int, *rest: int, scale: int = 1, **extra: Any) -> int:
+        calls.append(a)
+        return (a + sum(rest)) * scale
+
+    assert fn(1, 2, 3, scale=2) == fn(1, 2, 3, scale=2) == 12
+    assert fn(1, 2, 3) == 6 and len(calls) == 2
