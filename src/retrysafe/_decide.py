@@ -1,8 +1,9 @@
 """The engine's decisions: what a found record means. Plain functions, no I/O.
 
-The stores that run in Python (memory, SQLite) call :func:`claimable` inside
-their atomic section; the Redis script and the PostgreSQL function hold the same
-rule in their own language, and the conformance suite checks that they agree.
+Every store applies :func:`claimable` to what it read; the statements that
+write a claim (the Redis script, the SQLite and PostgreSQL takeover UPDATEs)
+re-check the same rule atomically in their own language, and the conformance
+suite checks that they agree.
 """
 
 from __future__ import annotations

@@ -1,15 +1,30 @@
-"""``postgresql://``: records in one PostgreSQL table; claim-or-read is one function call.
+"""``postgresql://``: records in one PostgreSQL table, one statement per operation.
 
-The claim is a PL/pgSQL function created by the schema migration: it reads the
-row and, only when :func:`retrysafe._decide.claimable` allows it, inserts or
-overwrites it, all in one round trip and correct under READ COMMITTED
-concurrency. Completion, failure and renewal are single compare-and-set
-``UPDATE`` statements on the fencing token. Every statement runs in autocommit
-mode, so an error never leaves anything half-written.
+A claim is one plain SQL statement (no server-side function). It reads the row
+by primary key and, only when there is none, inserts the new record with ``ON
+CONFLICT (key_hash) DO NOTHING``, all from one snapshot. A new key is claimed;
+an existing row comes back without a lock or a write, and Python applies
+:func:`retrysafe._decide.claimable` to it, so a replay, an in-flight key or a
+conflict is answered in that one round trip. When a concurrent insert committed
+after the snapshot, the statement returns no row and runs again.
+
+A row that may be taken over (expired, failed and retryable, or its lease ran
+out) needs a second statement: a compare-and-set ``UPDATE`` on the token and
+status that were read, which re-checks the rule on the current row. That extra
+round trip is the price of keeping the common cases to one. Only retries and
+crash recovery pay it, while a single statement that could also overwrite would
+make every replay cost more on the server. If the ``UPDATE`` loses a race, the
+claim starts over.
+
+Completion, failure and renewal are single compare-and-set ``UPDATE``
+statements on the fencing token. Every statement runs in autocommit mode, so an
+error never leaves anything half-written.
 
 Connections come from ``psycopg_pool``: one thread-safe pool for the sync
 methods and one pool per running event loop for the async ones, all created on
-first use, so constructing a store never connects.
+first use, so constructing a store never connects. Checking out a connection
+costs no round trip. Statements are composed once, and psycopg prepares each
+one on a connection after a few uses.
 """
 
 from __future__ import annotations
@@ -21,6 +36,7 @@ import select
 import threading
 import weakref
 from collections.abc import Callable, Generator, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 from urllib.parse import unquote
 
@@ -33,6 +49,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "the PostgreSQL store needs psycopg 3 and psycopg_pool: pip install 'retrysafe[postgres]'"
     ) from exc
 
+from .._decide import claimable
 from .._errors import StoreUnavailableError
 from .._record import ClaimResult, Outcome, Record, Status
 from ._base import Store
@@ -46,7 +63,11 @@ class SchemaVersionError(StoreUnavailableError):
 
 
 class _Op(NamedTuple):
-    """One statement and how to read its result: ``parse(rowcount, first_row)``."""
+    """One statement and how to read its result: ``parse(rowcount, first_row)``.
+
+    ``parse`` may return another op, which the executor then runs on the same
+    connection (a claim's takeover, or its retry after a lost race).
+    """
 
     query: str
     params: Sequence[Any]
@@ -81,15 +102,6 @@ _V1_COLUMNS: tuple[tuple[str, str, bool], ...] = (
 )
 if tuple(c[0] for c in _V1_COLUMNS) != COLUMNS:  # pragma: no cover - a schema change needs v2
     raise ImportError("retrysafe.stores.postgres: the schema does not match _sql.COLUMNS")
-_TYPES = {name: type_ for name, type_, _ in _V1_COLUMNS}
-
-# The claimable rule of retrysafe._decide over row alias {r} and claim time p_updated_at.
-_CLAIMABLE = """(
-    {r}.expires_at <= p_updated_at
-    OR ({r}.fingerprint = p_fingerprint AND (
-        ({r}.status = 'failed' AND NOT {r}.final)
-        OR ({r}.status = 'processing' AND {r}.lease_until <= p_updated_at)))
-)"""
 
 _V1_TABLE = """
 CREATE TABLE {table} (
@@ -99,80 +111,18 @@ CREATE TABLE {table} (
 ) WITH (fillfactor = 90)
 """
 _V1_INDEX = "CREATE INDEX {index} ON {table} (expires_at)"
-_V1_CLAIM = """
-CREATE OR REPLACE FUNCTION {fn}(
-    {params})
-RETURNS {table} LANGUAGE plpgsql VOLATILE AS $retrysafe$
--- Claim-or-read. Not claimed: returns the live record that stands in the way.
--- Claimed: returns a row whose key_hash is NULL, attempts is this attempt's number
--- and status the status taken over (NULL for a new or expired key).
-DECLARE
-    cur {table}%ROWTYPE;
-    claimed {table}%ROWTYPE;
-    live boolean;
-BEGIN
-    LOOP
-        SELECT * INTO cur FROM {table} AS r WHERE r.key_hash = p_key_hash;
-        IF NOT FOUND THEN
-            INSERT INTO {table} AS r ({columns}) VALUES ({values})
-                ON CONFLICT (key_hash) DO NOTHING;
-            IF FOUND THEN
-                claimed.attempts := p_attempts;
-                RETURN claimed;
-            END IF;
-        ELSIF NOT {cur_claimable} THEN
-            RETURN cur;
-        ELSE
-            live := cur.expires_at > p_updated_at;
-            UPDATE {table} AS r SET {assignments}
-                WHERE r.key_hash = p_key_hash AND r.token = cur.token
-                    AND r.status = cur.status AND {r_claimable};
-            IF FOUND THEN
-                IF live THEN
-                    claimed.attempts := cur.attempts + 1;
-                    claimed.status := cur.status;
-                ELSE
-                    claimed.attempts := p_attempts;
-                END IF;
-                RETURN claimed;
-            END IF;
-        END IF;
-        -- A concurrent claim, completion or delete got there first: look again.
-    END LOOP;
-END
-$retrysafe$
-"""
 
 #: The version this code writes and understands.
 SCHEMA_VERSION = 1
 
 
-def _v1(table: sql.Identifier, fn: sql.Identifier, base: str) -> list[sql.Composable]:
-    """Schema v1: the table, its expiry index and the claim function."""
+def _v1(table: sql.Identifier, base: str) -> list[sql.Composable]:
+    """Schema v1: the table and its expiry index."""
     columns = sql.SQL(",\n    ").join(
         sql.SQL("{} {}{}").format(
             sql.Identifier(name), sql.SQL(type_), sql.SQL("" if nullable else " NOT NULL")
         )
         for name, type_, nullable in _V1_COLUMNS
-    )
-    special = {
-        "created_at": "CASE WHEN live THEN cur.created_at ELSE p_created_at END",
-        "attempts": "CASE WHEN live THEN cur.attempts + 1 ELSE p_attempts END",
-    }
-    assignments = sql.SQL(", ").join(
-        sql.SQL("{} = {}").format(sql.Identifier(c), sql.SQL(special.get(c, f"p_{c}")))
-        for c in COLUMNS
-        if c != "key_hash"
-    )
-    claim = sql.SQL(_V1_CLAIM).format(
-        fn=fn,
-        table=table,
-        params=sql.SQL(",\n    ").join(sql.SQL(f"p_{c} {_TYPES[c]}") for c in COLUMNS),
-        columns=sql.SQL(", ").join(map(sql.Identifier, COLUMNS)),
-        values=sql.SQL(", ").join(sql.SQL(f"p_{c}") for c in COLUMNS),
-        assignments=assignments,
-        cur_claimable=sql.SQL(_CLAIMABLE.format(r="cur")),
-        r_claimable=sql.SQL(_CLAIMABLE.format(r="r")),
     )
     return [
         sql.SQL(_V1_TABLE).format(
@@ -182,15 +132,32 @@ def _v1(table: sql.Identifier, fn: sql.Identifier, base: str) -> list[sql.Compos
             status_check=sql.Identifier(f"{base}_status_check"),
         ),
         sql.SQL(_V1_INDEX).format(index=sql.Identifier(f"{base}_expires_at"), table=table),
-        claim,
     ]
 
 
 #: Migrations by the version they lead to (index 0 → v1). Append, never edit.
-_MIGRATIONS: tuple[Callable[[sql.Identifier, sql.Identifier, str], list[sql.Composable]], ...] = (
-    _v1,
-)
+_MIGRATIONS: tuple[Callable[[sql.Identifier, str], list[sql.Composable]], ...] = (_v1,)
 assert len(_MIGRATIONS) == SCHEMA_VERSION
+
+# -- statement pieces --------------------------------------------------------------
+
+#: A SELECT of a whole record, in :data:`COLUMNS` order, over alias ``t``. Empty
+#: metadata and headers come back as NULL, which the row decoder reads as empty
+#: without ``json.loads``.
+_SELECT_COLUMNS = ", ".join(
+    {
+        "response_headers": "NULLIF(t.response_headers, '[]')",
+        "metadata": "NULLIF(t.metadata, '{}')",
+    }.get(c, f"t.{c}")
+    for c in COLUMNS
+)
+
+#: :func:`retrysafe._decide.claimable` over the current row ``t``; its placeholders
+#: are, in order: claim time, fingerprint, claim time.
+_CLAIMABLE = (
+    "(t.expires_at <= %s OR (t.fingerprint = %s AND ("
+    "(t.status = 'failed' AND NOT t.final) OR (t.status = 'processing' AND t.lease_until <= %s))))"
+)
 
 # -- URL handling ------------------------------------------------------------------
 
@@ -297,16 +264,25 @@ def _record_or_none(rowcount: int, row: Sequence[Any] | None) -> Record | None:
     return None if row is None else record_from_row(row)
 
 
-_ATTEMPTS = COLUMNS.index("attempts")
-_STATUS = COLUMNS.index("status")
+#: Where a claim's row says whether the claim inserted the record (after the columns).
+_INSERTED = len(COLUMNS)
+#: Claim statements one claim may run before it gives up (each further one means
+#: that a concurrent writer changed the row in between).
+_MAX_CLAIM_STATEMENTS = 100
+#: Columns that a takeover of a live record keeps (``attempts`` counts on).
+_KEPT_WHEN_LIVE = {"created_at": "t.created_at", "attempts": "t.attempts + 1"}
 
 
-def _claim_result(rowcount: int, row: Sequence[Any] | None) -> ClaimResult:
-    assert row is not None
-    if row[0] is None:  # the claim function's answer for "claimed": no key_hash
-        took_over = None if row[_STATUS] is None else Status(row[_STATUS])
-        return ClaimResult(True, attempts=row[_ATTEMPTS], took_over=took_over)
-    return ClaimResult(False, record=record_from_row(row))
+def _takeover_params(record: Record, found: Record) -> list[Any]:
+    """Parameters of the takeover ``UPDATE`` that writes ``record`` over ``found``."""
+    now = record.updated_at
+    params: list[Any] = []
+    for column, value in zip(COLUMNS[1:], record_params(record)[1:], strict=True):
+        if column in _KEPT_WHEN_LIVE:
+            params.append(now)
+        params.append(value)
+    params += (record.key_hash, found.token, found.status.value, now, record.fingerprint, now)
+    return params
 
 
 # A migration is a generator of (query, params) that receives each statement's first row.
@@ -363,9 +339,15 @@ class _AsyncConnection(psycopg.AsyncConnection[Any]):
         return cur
 
 
-class _LoopPool(NamedTuple):
-    pool: AsyncConnectionPool[_AsyncConnection]
-    migrate_lock: asyncio.Lock
+class _LoopPool:
+    """The async pool of one event loop, closed by ``aclose()`` or when the loop shuts down."""
+
+    __slots__ = ("guard", "migrate_lock", "pool")
+
+    def __init__(self, pool: AsyncConnectionPool[_AsyncConnection]) -> None:
+        self.pool = pool
+        self.migrate_lock = asyncio.Lock()
+        self.guard: asyncio.Task[None] | None = None
 
 
 class PostgresStore(Store[_Op]):
@@ -438,7 +420,6 @@ class PostgresStore(Store[_Op]):
         """Compose every statement once; the executors only bind parameters."""
         *schema, base = parts
         table = sql.Identifier(*parts)
-        fn = sql.Identifier(*schema, f"{base}_claim")
         versions = sql.Identifier(*schema, f"{base}_schema")
         cols = sql.SQL(", ").join(map(sql.Identifier, COLUMNS))
         cas = sql.SQL(" WHERE key_hash = %s AND token = %s AND status = 'processing'")
@@ -446,10 +427,39 @@ class PostgresStore(Store[_Op]):
         def text(query: sql.Composable) -> str:
             return query.as_string(None)
 
+        select_cols = sql.SQL(_SELECT_COLUMNS)
+        # Read the row from the statement's snapshot (no lock, no write) and insert
+        # only when there is none: one row with the inserted flag last, or no row when
+        # a concurrent insert committed after the snapshot.
         self._q_claim = text(
-            sql.SQL("SELECT {} FROM {}({})").format(
-                cols, fn, sql.SQL(", ").join(sql.SQL(f"%s::{_TYPES[c]}") for c in COLUMNS)
+            sql.SQL(
+                "WITH cur AS (SELECT {select_cols} FROM {table} AS t WHERE t.key_hash = %s), "
+                "ins AS (INSERT INTO {table} ({cols}) SELECT {values} "
+                "WHERE NOT EXISTS (SELECT FROM cur) ON CONFLICT (key_hash) DO NOTHING RETURNING 1) "
+                "SELECT {nulls}, true FROM ins UNION ALL SELECT *, false FROM cur"
+            ).format(
+                table=table,
+                cols=cols,
+                values=sql.SQL(", ").join(sql.SQL("%s") for _ in COLUMNS),
+                nulls=sql.SQL(", ").join(sql.SQL("NULL") for _ in COLUMNS),
+                select_cols=select_cols,
             )
+        )
+        # Take over a claimable row: compare-and-set on the row the claim read (token
+        # and status) with the rule re-checked on the current row.
+        assignments = []
+        for c in COLUMNS[1:]:
+            value = sql.SQL("%s")
+            if c in _KEPT_WHEN_LIVE:
+                value = sql.SQL("CASE WHEN t.expires_at > %s THEN {} ELSE %s END").format(
+                    sql.SQL(_KEPT_WHEN_LIVE[c])
+                )
+            assignments.append(sql.SQL("{} = {}").format(sql.Identifier(c), value))
+        self._q_takeover = text(
+            sql.SQL(
+                "UPDATE {} AS t SET {} WHERE t.key_hash = %s AND t.token = %s AND t.status = %s "
+                "AND {} RETURNING t.attempts"
+            ).format(table, sql.SQL(", ").join(assignments), sql.SQL(_CLAIMABLE))
         )
         outcome = sql.SQL(
             "response_status = %s, response_headers = %s, response_media_type = %s, "
@@ -466,7 +476,9 @@ class PostgresStore(Store[_Op]):
         self._q_renew = text(
             sql.SQL("UPDATE {} SET lease_until = %s, updated_at = %s").format(table) + cas
         )
-        self._q_get = text(sql.SQL("SELECT {} FROM {} WHERE key_hash = %s").format(cols, table))
+        self._q_get = text(
+            sql.SQL("SELECT {} FROM {} AS t WHERE t.key_hash = %s").format(select_cols, table)
+        )
         self._q_delete = text(sql.SQL("DELETE FROM {} WHERE key_hash = %s").format(table))
 
         self._q_versions_exist = "SELECT to_regclass(%s) IS NOT NULL"
@@ -483,9 +495,7 @@ class PostgresStore(Store[_Op]):
             ).format(versions)
         )
         self._q_set_version = text(sql.SQL("INSERT INTO {} (version) VALUES (%s)").format(versions))
-        self._migrations = [
-            [text(q) for q in migration(table, fn, base)] for migration in _MIGRATIONS
-        ]
+        self._migrations = [[text(q) for q in migration(table, base)] for migration in _MIGRATIONS]
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {_redact(self.url)} table={self.table}>"
@@ -580,9 +590,24 @@ class PostgresStore(Store[_Op]):
             pool = AsyncConnectionPool(
                 self._conninfo, connection_class=_AsyncConnection, **self._pool_kwargs()
             )
-            entry = self._apools[loop] = _LoopPool(pool, asyncio.Lock())
+            entry = self._apools[loop] = _LoopPool(pool)
+            entry.guard = loop.create_task(self._close_at_shutdown(loop, entry))
             await pool.open(wait=False)
         return entry
+
+    async def _close_at_shutdown(self, loop: asyncio.AbstractEventLoop, entry: _LoopPool) -> None:
+        """Close ``entry``'s pool when its loop shuts down without ``aclose()``.
+
+        ``asyncio.run()`` and pytest-asyncio cancel every task before closing a loop;
+        a psycopg_pool worker that is connecting at that moment swallows the
+        cancellation and would block the shutdown until its pool is closed.
+        """
+        try:
+            await loop.create_future()
+        finally:
+            if self._apools.get(loop) is entry:
+                del self._apools[loop]
+                await entry.pool.close()
 
     # The two executors: take a live pooled connection (skipping idle ones the server
     # dropped, see _closed_by_server), migrate once if due, run the op's statement.
@@ -604,13 +629,16 @@ class PostgresStore(Store[_Op]):
                             _drive(conn, self._migration())
                             self._migrated = True
                 cur = conn.store_cursor()
-                cur.execute(op.query, op.params)
-                rowcount, row = cur.rowcount, cur.fetchone() if _has_rows(cur) else None
+                while True:
+                    cur.execute(op.query, op.params)
+                    result = op.parse(cur.rowcount, cur.fetchone() if _has_rows(cur) else None)
+                    if result.__class__ is not _Op:
+                        return result
+                    op = result
             finally:
                 pool.putconn(conn)
         except _UNAVAILABLE as exc:
             raise self._unavailable(exc) from exc
-        return op.parse(rowcount, row)
 
     async def _arun(self, op: _Op) -> Any:
         try:
@@ -630,13 +658,17 @@ class PostgresStore(Store[_Op]):
                             await _adrive(conn, self._migration())
                             self._migrated = True
                 cur = conn.store_cursor()
-                await cur.execute(op.query, op.params)
-                rowcount, row = cur.rowcount, await cur.fetchone() if _has_rows(cur) else None
+                while True:
+                    await cur.execute(op.query, op.params)
+                    row = await cur.fetchone() if _has_rows(cur) else None
+                    result = op.parse(cur.rowcount, row)
+                    if result.__class__ is not _Op:
+                        return result
+                    op = result
             finally:
                 await pool.putconn(conn)
         except _UNAVAILABLE as exc:
             raise self._unavailable(exc) from exc
-        return op.parse(rowcount, row)
 
     def close(self) -> None:
         """Close the sync pool (and forget async pools of closed loops); reopens on use."""
@@ -651,14 +683,62 @@ class PostgresStore(Store[_Op]):
         """Close the running loop's pool and the sync pool; reopens on use."""
         entry = self._apools.pop(asyncio.get_running_loop(), None)
         if entry is not None:
+            if entry.guard is not None:
+                entry.guard.cancel()
             await entry.pool.close()
         if self._pool is not None:
             await asyncio.to_thread(self.close)
 
     # -- operations ------------------------------------------------------------------
 
-    def _claim(self, record: Record) -> _Op:
-        return _Op(self._q_claim, record_params(record), _claim_result)
+    def _claim(self, record: Record, statements: int = 1) -> _Op:
+        params = (record.key_hash, *record_params(record))
+        return _Op(self._q_claim, params, partial(self._claimed, record, statements))
+
+    def _claimed(
+        self, record: Record, statements: int, rowcount: int, row: Sequence[Any] | None
+    ) -> ClaimResult | _Op:
+        """The claim statement's answer, or the statement to run next."""
+        if row is None:  # a concurrent insert committed after the snapshot: look again
+            return self._claim_again(record, statements)
+        if row[_INSERTED]:
+            return ClaimResult(True, attempts=record.attempts)
+        found = record_from_row(row)
+        now = record.updated_at
+        if not claimable(found, record.fingerprint, now):
+            return ClaimResult(False, record=found)
+        self._check_statements(statements)
+        took_over = found.status if found.expires_at > now else None
+        params = _takeover_params(record, found)
+        return _Op(
+            self._q_takeover, params, partial(self._took_over, record, statements + 1, took_over)
+        )
+
+    def _took_over(
+        self,
+        record: Record,
+        statements: int,
+        took_over: Status | None,
+        rowcount: int,
+        row: Sequence[Any] | None,
+    ) -> ClaimResult | _Op:
+        """The takeover's answer; when it lost a race, the claim starts over."""
+        if row is None:  # a concurrent claim, completion, renewal or delete came first
+            return self._claim_again(record, statements)
+        return ClaimResult(True, attempts=row[0], took_over=took_over)
+
+    def _claim_again(self, record: Record, statements: int) -> _Op:
+        self._check_statements(statements)
+        return self._claim(record, statements + 1)
+
+    def _check_statements(self, statements: int) -> None:
+        """Give up on a claim that keeps losing races (a bug, or a pathological writer)."""
+        if statements >= _MAX_CLAIM_STATEMENTS:
+            raise StoreUnavailableError(
+                f"PostgreSQL store at {self._where}: a claim ran {statements} statements "
+                "without settling (concurrent writers kept changing the key)",
+                retry_after=1.0,
+            )
 
     def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
         params = (*outcome_params(outcome), now, now, key_hash, token)
