@@ -1,34 +1,78 @@
-"""Redis (and Redis Cluster) store: one hash per record, one Lua script per write.
+"""Redis (and Redis Cluster) store: one string per record; claims are one native SET.
 
-Each record is a Redis hash under ``<prefix>{<key_hash>}``: the whole key hash is
-the cluster hash tag, so a record and any companion key share one slot. Claim,
-complete, fail and renew are each one EVALSHA of a script that touches only that
-key; like redis-py's ``Lock``, a write acts only when the fencing token matches.
-A claim that is refused returns the live record in the same reply. get is one
-HMGET, delete one DEL. The key's physical TTL (PEXPIRE, set at claim) follows
+Each record is one Redis string under ``<prefix>{<key_hash>}`` (the whole key hash
+is the cluster hash tag). Its physical TTL (PX, set at claim) follows
 ``expires_at`` so Redis drops expired records by itself; the engine's ``now``
 decides what is logically expired.
 
-Hash fields (see :data:`FIELDS`; an absent field is ``None``)::
+* claim: ``SET key value NX GET PX ttl`` (Redis >= 7.0): writes the new record if
+  the key is free and returns nothing, or writes nothing and returns the live
+  record. If that record is claimable (see :func:`retrysafe._decide.claimable`:
+  expired, a retryable failure, a lease that ran out) a second round trip runs
+  the claim script, which re-checks and takes it over atomically. On servers
+  without ``SET NX GET`` every claim runs the script (one round trip).
+* complete / fail / renew: one EVALSHA each; like redis-py's ``Lock``, a write
+  acts only on a processing record whose fencing token matches, and keeps the TTL
+  (``SET KEEPTTL``, Redis >= 6.0).
+* get: one GET; delete: one DEL.
 
-    hash key scope op fp status token lease exp created updated final meta
-    attempts completed rid payload                  -- the record
-    code headers mime body                          -- the outcome (no body: none)
+Layout, version 1. A fixed 60-byte header (``struct`` :data:`HEADER`,
+``>cIddd?c?ddIII``, big-endian), then the variable parts back to back::
 
-Floats are stored as ``repr(float)`` (exact round trip), booleans as ``"1"``/``"0"``,
-headers and metadata as the JSON of ``Outcome.headers_json``/``Record.metadata_json``.
+    offset  size  field
+         0     1  layout version, b"1" (:data:`LAYOUT_VERSION`)
+         1     4  attempts (uint32)
+         5     8  created_at    (IEEE-754 double, seconds since the epoch)
+        13     8  expires_at    (double)
+        21     8  lease_until   (double)
+        29     1  final         (0 or 1)
+        30     1  status        b"p" processing, b"c" completed, b"f" failed
+        31     1  has completed_at (0: completed_at is None)
+        32     8  updated_at    (double)
+        40     8  completed_at  (double; 0.0 when absent)
+        48     4  F: fingerprint length in bytes (uint32)
+        52     4  C: claim blob length in bytes (uint32)
+        56     4  T: token length in bytes (uint32)
+        60     T  fencing token (UTF-8)
+      60+T     F  fingerprint (UTF-8)
+    60+T+F     C  claim blob
+  60+T+F+C     -  outcome blob, to the end (empty: no outcome)
+
+Times are doubles, so they round-trip exactly. The fields a write changes are
+adjacent: complete replaces bytes 30-47 in one piece, and the outcome; fail
+replaces the final flag, status and updated_at (and the outcome); renew
+lease_until and updated_at; a takeover copies attempts + 1 and created_at from the
+record it replaces. Needs Redis >= 6.0 (``KEEPTTL``).
+
+Claim blob, written once at claim: fields separated by NUL::
+
+    flags NUL key NUL scope NUL operation NUL request_id NUL metadata [NUL payload]
+
+``flags`` is one ASCII digit, a bit set: 1 request_id present (else None); 2
+request payload present (else None; the payload is the raw rest of the blob); 4
+key, scope, operation and request_id are JSON strings (only when one holds a NUL).
+``metadata`` is the JSON of ``Record.metadata_json``, or empty for ``{}``.
+
+Outcome blob: ``JSON [status, media_type, headers]`` (ASCII; headers a list of
+pairs), NUL, then the body bytes.
+
+A record whose first byte is not :data:`LAYOUT_VERSION`, or a key that is not a
+string, is never overwritten; reading it raises
+:class:`~retrysafe.StoreUnavailableError`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import math
+import struct
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, TypeAlias
 from urllib.parse import unquote_plus, urlsplit, urlunsplit
 
 try:
@@ -50,11 +94,12 @@ try:  # redis-py >= 7
 except ImportError:  # pragma: no cover - older redis-py
     MaintNotificationsConfig = None
 
+from .._decide import claimable
 from .._errors import StoreUnavailableError
 from .._record import ClaimResult, Outcome, Record, Status
 from ._base import Store
 
-__all__ = ["FIELDS", "REQUIRED_FIELDS", "RedisStore", "record_from_values"]
+__all__ = ["HEADER", "LAYOUT_VERSION", "RedisStore", "record_from_value"]
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PREFIX = "retrysafe:"
@@ -79,243 +124,313 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     OSError,  # includes asyncio.TimeoutError
 )
 
-# -- layout and Lua ----------------------------------------------------------------
+# -- layout --------------------------------------------------------------------------
 
-#: Fields every record has, in the order a claim sends their values.
-REQUIRED_FIELDS: tuple[str, ...] = (
-    "hash", "key", "scope", "op", "fp", "status", "token",
-    "lease", "exp", "created", "updated", "final", "meta",
-)  # fmt: skip
-#: Every field, in the order of :func:`record_from_values` (HMGET replies).
-FIELDS: tuple[str, ...] = (
-    *REQUIRED_FIELDS,
-    "attempts", "completed", "rid", "payload", "code", "headers", "mime", "body",
-)  # fmt: skip
-_L = {name: i + 1 for i, name in enumerate(FIELDS)}  # 1-based Lua positions
-_NR = len(REQUIRED_FIELDS)
+#: First byte of every record; a new layout gets a new version.
+LAYOUT_VERSION = b"1"
+#: The fixed part of a record (see the module docstring).
+HEADER = struct.Struct(">cIddd?c?ddIII")
 
-# KEYS[1] record key
-# ARGV[1] pexpire ms ("0": no TTL); ARGV[2..1+NR] REQUIRED_FIELDS values (their
-# "updated" is the claim's now); then optional field/value pairs.
-# Claimed: returns {attempts, took_over status or ""}. Not claimed: the live record
-# as HMGET of FIELDS. Mirrors retrysafe._decide.claimable exactly.
-_CLAIM = f"""
+_FIXED = HEADER.size  # 60
+_DONE = struct.Struct(">c?dd")  # complete: status, has completed_at, updated_at, completed_at
+_FAILED = struct.Struct(">?c")  # fail: final, status
+_DOUBLE = struct.Struct(">d")
+_U32 = struct.Struct(">I")
+
+_STATUS_BYTE: dict[Status, bytes] = {
+    Status.PROCESSING: b"p",
+    Status.COMPLETED: b"c",
+    Status.FAILED: b"f",
+}
+_STATUS: dict[bytes, Status] = {v: k for k, v in _STATUS_BYTE.items()}
+_TOOK: tuple[Status | None, ...] = (None, Status.PROCESSING, Status.FAILED, None)
+
+# -- Lua -----------------------------------------------------------------------------
+# 1-based positions in a record: attempts 2, created 6, expires 14, lease 22, final 30,
+# status 31 (p=112 c=99 f=102), has completed 32, updated 33, completed 41, lengths
+# F C T at 49 53 57, token 61. A claim's own record carries the claim's ``now`` as
+# its updated_at.
+
+# KEYS[1] record key; ARGV[1] the new record (attempts 1, created = now), ARGV[2]
+# its fingerprint, ARGV[3] PX ms ("0": no TTL). Mirrors retrysafe._decide.claimable.
+# Claimed: returns attempts * 4 + took_over (0 none, 1 processing, 2 failed).
+# Not claimed: returns the live record.
+_CLAIM = """
 local key = KEYS[1]
-local F = {{{", ".join(f"'{f}'" for f in FIELDS)}}}
-local cur = redis.call('HMGET', key, unpack(F))
-local now = tonumber(ARGV[{1 + _L["updated"]}])
+local v = redis.call('GET', key)
+local new = ARGV[1]
 local attempts = 1
-local took = ''
-local created = ARGV[{1 + _L["created"]}]
-if cur[{_L["exp"]}] then
-  if tonumber(cur[{_L["exp"]}]) > now then
-    local status = cur[{_L["status"]}]
-    local ok = false
-    if cur[{_L["fp"]}] == ARGV[{1 + _L["fp"]}] then
-      if status == 'failed' then
-        ok = cur[{_L["final"]}] ~= '1'
-      elseif status == 'processing' then
-        ok = tonumber(cur[{_L["lease"]}]) <= now
-      end
-    end
-    if not ok then
-      return cur
-    end
-    attempts = tonumber(cur[{_L["attempts"]}]) + 1
-    created = cur[{_L["created"]}]
-    took = status
+local took = 0
+if v then
+  if string.byte(v, 1) ~= 49 then
+    return v
   end
-  redis.call('DEL', key)
+  local now = struct.unpack('>d', new, 33)
+  if struct.unpack('>d', v, 14) > now then
+    local status = string.byte(v, 31)
+    if status ~= 112 and status ~= 102 then
+      return v
+    end
+    local f, c, t = struct.unpack('>I4I4I4', v, 49)
+    if string.sub(v, 61 + t, 60 + t + f) ~= ARGV[2] then
+      return v
+    end
+    if status == 102 then
+      if string.byte(v, 30) ~= 0 then
+        return v
+      end
+      took = 2
+    elseif struct.unpack('>d', v, 22) > now then
+      return v
+    else
+      took = 1
+    end
+    attempts = struct.unpack('>I4', v, 2) + 1
+    new = '1' .. struct.pack('>I4', attempts) .. string.sub(v, 6, 13) .. string.sub(new, 14)
+  end
 end
-local args = {{}}
-for i = 1, {_NR} do
-  args[2 * i - 1] = F[i]
-  args[2 * i] = ARGV[i + 1]
+if ARGV[3] == '0' then
+  redis.call('SET', key, new)
+else
+  redis.call('SET', key, new, 'PX', ARGV[3])
 end
-args[{2 * _L["created"]}] = created
-args[{2 * _NR + 1}] = 'attempts'
-args[{2 * _NR + 2}] = attempts
-for i = {_NR + 2}, #ARGV do
-  args[#args + 1] = ARGV[i]
-end
-redis.call('HSET', key, unpack(args))
-if ARGV[1] ~= '0' then
-  redis.call('PEXPIRE', key, ARGV[1])
-end
-return {{attempts, took}}
+return attempts * 4 + took
 """
 
-# KEYS[1] record key
-# ARGV[1] token, ARGV[2] n, ARGV[3..2+n] fields to delete, ARGV[3+n..] field/value pairs.
-# Acts only on a processing record owned by the token. Returns 1 if written, else 0.
+# The compare-and-set scripts: KEYS[1] record key, ARGV[1] token length (uint32) ..
+# token. They act only on a processing record owned by the token, keep its TTL, and
+# return 1 if they wrote, else 0. ``e`` is where the claim blob ends.
 _CAS = """
-local key = KEYS[1]
-local cur = redis.call('HMGET', key, 'status', 'token')
-if cur[1] ~= 'processing' or cur[2] ~= ARGV[1] then
+local v = redis.call('GET', KEYS[1])
+local t = ARGV[1]
+if not v or string.byte(v, 31) ~= 112 or string.sub(v, 57, 56 + #t) ~= t then
   return 0
 end
-local n = tonumber(ARGV[2])
-if n > 0 then
-  redis.call('HDEL', key, unpack(ARGV, 3, 2 + n))
-end
-redis.call('HSET', key, unpack(ARGV, 3 + n))
+"""
+_END = """local f, c, t = struct.unpack('>I4I4I4', v, 49)
+local e = 60 + f + c + t
+"""
+
+# ARGV[2] bytes 31-48 (status c, has completed_at, updated_at, completed_at),
+# ARGV[3] the outcome blob.
+_COMPLETE = f"""{_CAS}{_END}
+local new = string.sub(v, 1, 30) .. ARGV[2] .. string.sub(v, 49, e) .. ARGV[3]
+redis.call('SET', KEYS[1], new, 'KEEPTTL')
 return 1
 """
 
-_SCRIPTS = {"claim": _CLAIM, "cas": _CAS}
+# ARGV[2] bytes 30-31 (final, status f), ARGV[3] updated_at, ARGV[4] the outcome
+# blob (absent: no outcome).
+_FAIL = f"""{_CAS}{_END}
+local new = string.sub(v, 1, 29) .. ARGV[2] .. string.sub(v, 32, 32) .. ARGV[3]
+  .. string.sub(v, 41, e) .. (ARGV[4] or '')
+redis.call('SET', KEYS[1], new, 'KEEPTTL')
+return 1
+"""
 
-_OUTCOME_FIELDS = ("code", "headers", "mime", "body")
-_NO_CODE = ("code",)
-_MAX_PEXPIRE_MS = 10**15  # ~31,000 years; keeps PEXPIRE far from its overflow error
-_DEFAULT_MEDIA_TYPE = "application/octet-stream"
-
-_STATUS: dict[bytes, Status] = {s.value.encode(): s for s in Status}
-
-
-# -- ops ---------------------------------------------------------------------------
-
-
-class _Op(NamedTuple):
-    """One round trip: a script name (or a plain command), its key and args, a parser."""
-
-    command: str
-    key: str
-    args: Sequence[Any]
-    parse: Callable[[Any], Any]
+# ARGV[2] lease_until, ARGV[3] updated_at.
+_RENEW = f"""{_CAS}
+local new = string.sub(v, 1, 21) .. ARGV[2] .. string.sub(v, 30, 32) .. ARGV[3]
+  .. string.sub(v, 41)
+redis.call('SET', KEYS[1], new, 'KEEPTTL')
+return 1
+"""
 
 
-class _Conn(NamedTuple):
-    """A client and its registered scripts (sync ``Script`` or ``AsyncScript``)."""
-
-    client: Any
-    scripts: dict[str, Any]
+def _sha(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()
 
 
-def _send(conn: _Conn, op: _Op) -> Any:
-    """Issue ``op`` on ``conn``: the reply, or an awaitable of it for async clients."""
-    script = conn.scripts.get(op.command)
-    if script is not None:
-        return script((op.key,), op.args)
-    return conn.client.execute_command(op.command, op.key, *op.args)
+_CLAIM_SHA, _COMPLETE_SHA, _FAIL_SHA, _RENEW_SHA = map(_sha, (_CLAIM, _COMPLETE, _FAIL, _RENEW))
+#: Script text by SHA-1, to load a script the server does not know (NOSCRIPT).
+_SCRIPTS: dict[str, str] = {
+    _CLAIM_SHA: _CLAIM,
+    _COMPLETE_SHA: _COMPLETE,
+    _FAIL_SHA: _FAIL,
+    _RENEW_SHA: _RENEW,
+}
 
 
-# -- encoding ----------------------------------------------------------------------
+# -- ops -----------------------------------------------------------------------------
 
 
-def _f(value: float) -> str:
-    return repr(float(value))
+#: One round trip: (command args, reply parser, key hash, claim record, redis-py options).
+#: ``parse(reply, op)`` returns the answer, or another op to run next (a claim that
+#: found a claimable record). A plain tuple: the cheapest thing to build per call.
+_Op: TypeAlias = tuple[Sequence[Any], Callable[..., Any], str, Record | None, dict[str, Any]]
+_NO_OPTIONS: dict[str, Any] = {}  # never mutated
+
+
+# -- encoding ------------------------------------------------------------------------
+
+_SET_GET: dict[str, Any] = {"get": True}  # SET ... GET replies with the old value
+_MAX_PEXPIRE_MS = 10**15  # ~31,000 years; keeps PX far from its overflow error
+_FLAG_CHARS = "01234567"
+_encode_json = json.JSONEncoder(separators=(",", ":")).encode
+_encode_meta = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode  # metadata_json
+_CACHE_MAX = 256
+#: Outcome prefixes (JSON + NUL) of header-less outcomes by (status, media type), and
+#: back: the common ones (``Outcome.json``, a bare 200) are a dict lookup each way.
+_PREFIX_OF: dict[tuple[int | None, str], bytes] = {}
+_PREFIX: dict[bytes, tuple[int | None, str]] = {}
 
 
 def _ttl_ms(expires_at: float, now: float) -> int:
-    """Physical TTL in ms for PEXPIRE (at least 1); 0 means "no TTL" (infinite)."""
+    """Physical TTL in ms for PX (at least 1); 0 means "no TTL" (infinite)."""
     delta = (expires_at - now) * 1000.0
+    if 1.0 <= delta <= _MAX_PEXPIRE_MS:
+        return math.ceil(delta)
     if not math.isfinite(delta):
         return 0 if delta > 0 else 1
     return min(max(1, math.ceil(delta)), _MAX_PEXPIRE_MS)
 
 
-def _outcome_args(outcome: Outcome) -> list[Any]:
-    args: list[Any] = [
-        "headers",
-        outcome.headers_json(),
-        "mime",
-        outcome.media_type,
-        "body",
-        outcome.body,
-    ]
-    if outcome.status is not None:
-        args += ("code", outcome.status)
-    return args
+def _token(token: str) -> bytes:
+    """Token length (uint32) and token, as a record holds them from offset 56."""
+    raw = token.encode()
+    return _U32.pack(len(raw)) + raw
 
 
-def _claim_args(r: Record) -> list[Any]:
-    """PEXPIRE ms, the REQUIRED_FIELDS values, then optional field/value pairs."""
-    args: list[Any] = [
-        _ttl_ms(r.expires_at, r.updated_at),
-        r.key_hash,
-        r.key,
-        r.scope,
-        r.operation,
-        r.fingerprint,
-        r.status.value,
-        r.token,
-        _f(r.lease_until),
-        _f(r.expires_at),
-        _f(r.created_at),
-        _f(r.updated_at),
-        "1" if r.final else "0",
-        r.metadata_json() if r.metadata else "{}",
-    ]
-    if r.completed_at is not None:
-        args += ("completed", _f(r.completed_at))
-    if r.request_id is not None:
-        args += ("rid", r.request_id)
-    if r.request_payload is not None:
-        args += ("payload", r.request_payload)
-    if r.outcome is not None:
-        args += _outcome_args(r.outcome)
-    return args
+def _record_value(r: Record) -> bytes:
+    """The stored form of a record being claimed (attempts 1; a takeover patches it)."""
+    token = r.token.encode()
+    fp = r.fingerprint.encode()
+    blob = _claim_blob(r)
+    completed = r.completed_at
+    fixed = HEADER.pack(
+        LAYOUT_VERSION, 1, r.created_at, r.expires_at, r.lease_until, r.final,
+        _STATUS_BYTE[r.status], completed is not None, r.updated_at,
+        0.0 if completed is None else completed, len(fp), len(blob), len(token),
+    )  # fmt: skip
+    if r.outcome is None:
+        return b"".join((fixed, token, fp, blob))
+    return b"".join((fixed, token, fp, blob, _outcome_blob(r.outcome)))
 
 
-def _cas_args(token: str, delete: Sequence[str], pairs: Sequence[Any]) -> tuple[Any, ...]:
-    return (token, len(delete), *delete, *pairs)
+def _claim_blob(r: Record) -> bytes:
+    rid = r.request_id
+    payload = r.request_payload
+    flags = (rid is not None) | (payload is not None) << 1
+    text = f"{r.key}\x00{r.scope}\x00{r.operation}\x00{'' if rid is None else rid}\x00"
+    if text.count("\x00") != 4:  # a NUL inside a field: JSON strings instead
+        flags |= 4
+        text = "".join(f"{json.dumps(s)}\x00" for s in (r.key, r.scope, r.operation, rid or ""))
+    meta = _encode_meta(r.metadata) if r.metadata else ""
+    blob = f"{_FLAG_CHARS[flags]}\x00{text}{meta}".encode()
+    if payload is None:
+        return blob
+    return b"".join((blob, b"\x00", payload))
 
 
-# -- parsing -----------------------------------------------------------------------
+def _outcome_blob(outcome: Outcome) -> bytes:
+    headers = outcome.headers
+    if headers:
+        prefix = _outcome_prefix(outcome.status, outcome.media_type, headers)
+    else:
+        key = (outcome.status, outcome.media_type)
+        prefix = _PREFIX_OF.get(key)
+        if prefix is None:
+            prefix = _outcome_prefix(outcome.status, outcome.media_type, ())
+            if len(_PREFIX_OF) < _CACHE_MAX:
+                _PREFIX_OF[key] = prefix
+    return b"".join((prefix, outcome.body))
 
 
-def record_from_values(values: Sequence[Any]) -> Record | None:
-    """A :class:`Record` from an HMGET of :data:`FIELDS` (``None`` if there is none)."""
-    (
-        key_hash, key, scope, op, fp, status, token, lease, exp, created, updated,
-        final, meta, attempts, completed, rid, payload, code, headers, mime, body,
-    ) = values  # fmt: skip
-    if exp is None:
+def _outcome_prefix(status: int | None, media_type: str, headers: Sequence[Any]) -> bytes:
+    pairs = [[k, v] for k, v in headers]
+    return _encode_json([status, media_type, pairs]).encode() + b"\x00"
+
+
+# -- parsing -------------------------------------------------------------------------
+
+
+def record_from_value(value: bytes | None, key_hash: str) -> Record | None:
+    """A :class:`Record` from a stored value (``None`` if there is none)."""
+    if value is None:
         return None
-    outcome = None
-    if body is not None:
-        outcome = Outcome(
-            body=body,
-            status=None if code is None else int(code),
-            headers=_headers(headers),
-            media_type=mime.decode() if mime else _DEFAULT_MEDIA_TYPE,
+    (version, attempts, created, expires, lease, final, status, has_completed, updated,
+     completed, fp_len, blob_len, token_len) = HEADER.unpack_from(value)  # fmt: skip
+    if version != LAYOUT_VERSION:
+        raise StoreUnavailableError(
+            f"Redis record {key_hash} has layout version {version!r}; this retrysafe "
+            f"reads version {LAYOUT_VERSION!r} (a newer retrysafe wrote it?)"
         )
+    fp_at = _FIXED + token_len
+    blob_at = fp_at + fp_len
+    end = blob_at + blob_len
+    flags = value[blob_at]
+    if flags == 48 or flags == 49:  # no payload, no JSON fields: decode the text at once
+        text = value[_FIXED:end].decode()
+        if text.isascii():  # byte offsets are character offsets
+            blob_at -= _FIXED
+            token, fp = text[:token_len], text[token_len:blob_at]
+            _, key, scope, operation, rid, meta = text[blob_at:].split("\x00")
+            return Record(
+                key_hash, key, scope, operation, fp, _STATUS[status], token, lease, expires,
+                created, updated, completed if has_completed else None, attempts,
+                rid if flags == 49 else None, final,
+                _outcome(value, end) if len(value) > end else None, None,
+                json.loads(meta) if meta else {},
+            )  # fmt: skip
+    parts = value[blob_at:end].split(b"\x00", 6)
+    if flags & 4:
+        key, scope, operation, rid = (json.loads(p) for p in parts[1:5])
+    else:
+        key, scope, operation, rid = (
+            parts[1].decode(), parts[2].decode(), parts[3].decode(), parts[4].decode()
+        )  # fmt: skip
+    meta = parts[5]
     return Record(
-        key_hash=key_hash.decode(),
-        key=key.decode(),
-        scope=scope.decode(),
-        operation=op.decode(),
-        fingerprint=fp.decode(),
-        status=_STATUS[status],
-        token=token.decode(),
-        lease_until=float(lease),
-        expires_at=float(exp),
-        created_at=float(created),
-        updated_at=float(updated),
-        completed_at=None if completed is None else float(completed),
-        attempts=int(attempts),
-        request_id=None if rid is None else rid.decode(),
-        final=final == b"1",
-        outcome=outcome,
-        request_payload=payload,
-        metadata=json.loads(meta) if meta and meta != b"{}" else {},
+        key_hash, key, scope, operation, value[fp_at:blob_at].decode(), _STATUS[status],
+        value[_FIXED:fp_at].decode(), lease, expires, created, updated,
+        completed if has_completed else None, attempts, rid if flags & 1 else None, final,
+        _outcome(value, end) if len(value) > end else None, parts[6] if flags & 2 else None,
+        json.loads(meta) if meta else {},
+    )  # fmt: skip
+
+
+def _outcome(value: bytes, start: int) -> Outcome:
+    cut = value.index(b"\x00", start)
+    prefix = value[start:cut]
+    known = _PREFIX.get(prefix)
+    if known is not None:
+        return Outcome(value[cut + 1 :], known[0], (), known[1])
+    status, media_type, pairs = json.loads(prefix)
+    if not pairs and len(_PREFIX) < _CACHE_MAX:
+        _PREFIX[prefix] = (status, media_type)
+    return Outcome(value[cut + 1 :], status, tuple((k, v) for k, v in pairs), media_type)
+
+
+def _parse_set_claim(reply: Any, op: _Op) -> ClaimResult | _Op:
+    """The reply of ``SET NX GET``: claimed, a live record, or the claim script to run."""
+    if reply is None:
+        return ClaimResult(True)
+    args, _, key_hash, r, _ = op  # args: SET key value NX GET [PX ms]
+    found = record_from_value(reply, key_hash)
+    assert r is not None
+    if not claimable(found, r.fingerprint, r.updated_at):
+        return ClaimResult(False, found)
+    ttl = args[6] if len(args) > 5 else 0
+    return (
+        ("EVALSHA", _CLAIM_SHA, 1, args[1], args[2], r.fingerprint, ttl),
+        _parse_claim,
+        key_hash,
+        None,
+        _NO_OPTIONS,
     )
 
 
-def _headers(raw: bytes | None) -> tuple[tuple[str, str], ...]:
-    if not raw or raw == b"[]":
-        return ()
-    return tuple((k, v) for k, v in json.loads(raw))
+def _parse_claim(reply: Any, op: _Op) -> ClaimResult:
+    if type(reply) is int:
+        return ClaimResult(True, None, reply >> 2, _TOOK[reply & 3])
+    return ClaimResult(False, record_from_value(reply, op[2]))
 
 
-def _parse_claim(reply: list[Any]) -> ClaimResult:
-    first = reply[0]
-    if type(first) is int:
-        return ClaimResult(claimed=True, attempts=first, took_over=_STATUS.get(reply[1]))
-    return ClaimResult(claimed=False, record=record_from_values(reply))
+def _parse_get(reply: Any, op: _Op) -> Record | None:
+    return record_from_value(reply, op[2])
 
 
-def _parse_bool(reply: Any) -> bool:
+def _parse_bool(reply: Any, op: _Op) -> bool:
     return bool(reply)
 
 
@@ -365,7 +480,7 @@ def _parse_url(url: str, prefix: str) -> tuple[str, bool, str]:
     return client_url, cluster, prefix
 
 
-# -- the store ---------------------------------------------------------------------
+# -- the store -----------------------------------------------------------------------
 
 
 class RedisStore(Store[_Op]):
@@ -394,8 +509,9 @@ class RedisStore(Store[_Op]):
             "socket_connect_timeout": connect_timeout,
         }
         self._lock = threading.Lock()
-        self._sync: _Conn | None = None
-        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Conn] = (
+        self._set_claims = True  # claims use SET NX GET until the server refuses it
+        self._sync: Any = None
+        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -406,56 +522,106 @@ class RedisStore(Store[_Op]):
     # -- ops ---------------------------------------------------------------------
 
     def _claim(self, record: Record) -> _Op:
-        args = _claim_args(record)
-        return _Op("claim", self.record_key(record.key_hash), args, _parse_claim)
+        kh = record.key_hash
+        key = f"{self.prefix}{{{kh}}}"
+        value = _record_value(record)
+        ttl = _ttl_ms(record.expires_at, record.updated_at)
+        if not self._set_claims:  # the server has no SET NX GET
+            args: Sequence[Any] = ("EVALSHA", _CLAIM_SHA, 1, key, value, record.fingerprint, ttl)
+            return (args, _parse_claim, kh, None, _NO_OPTIONS)
+        if ttl:
+            args = ("SET", key, value, "NX", "GET", "PX", ttl)
+        else:
+            args = ("SET", key, value, "NX", "GET")
+        return (args, _parse_set_claim, kh, record, _SET_GET)
 
     def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
-        t = _f(now)
-        pairs = ["status", Status.COMPLETED.value, "completed", t, "updated", t]
-        pairs += _outcome_args(outcome)
-        delete = _NO_CODE if outcome.status is None else ()
-        return _Op("cas", self.record_key(key_hash), _cas_args(token, delete, pairs), _parse_bool)
+        args = (
+            "EVALSHA", _COMPLETE_SHA, 1, f"{self.prefix}{{{key_hash}}}", _token(token),
+            _DONE.pack(b"c", True, now, now), _outcome_blob(outcome),
+        )  # fmt: skip
+        return (args, _parse_bool, key_hash, None, _NO_OPTIONS)
 
     def _fail(
         self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
     ) -> _Op:
-        pairs: list[Any] = ["status", Status.FAILED.value, "final", "1" if final else "0"]
-        pairs += ("updated", _f(now))
-        if outcome is None:
-            delete: Sequence[str] = _OUTCOME_FIELDS
-        else:
-            pairs += _outcome_args(outcome)
-            delete = _NO_CODE if outcome.status is None else ()
-        return _Op("cas", self.record_key(key_hash), _cas_args(token, delete, pairs), _parse_bool)
+        args: list[Any] = [
+            "EVALSHA", _FAIL_SHA, 1, self.record_key(key_hash), _token(token),
+            _FAILED.pack(final, b"f"), _DOUBLE.pack(now),
+        ]  # fmt: skip
+        if outcome is not None:
+            args.append(_outcome_blob(outcome))
+        return (args, _parse_bool, key_hash, None, _NO_OPTIONS)
 
     def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
-        pairs = ("lease", _f(lease_until), "updated", _f(now))
-        return _Op("cas", self.record_key(key_hash), _cas_args(token, (), pairs), _parse_bool)
+        args = (
+            "EVALSHA", _RENEW_SHA, 1, self.record_key(key_hash), _token(token),
+            _DOUBLE.pack(lease_until), _DOUBLE.pack(now),
+        )  # fmt: skip
+        return (args, _parse_bool, key_hash, None, _NO_OPTIONS)
 
     def _get(self, key_hash: str) -> _Op:
-        return _Op("HMGET", self.record_key(key_hash), FIELDS, record_from_values)
+        return (("GET", self.record_key(key_hash)), _parse_get, key_hash, None, _NO_OPTIONS)
 
     def _delete(self, key_hash: str) -> _Op:
-        return _Op("DEL", self.record_key(key_hash), (), _parse_bool)
+        return (("DEL", self.record_key(key_hash)), _parse_bool, key_hash, None, _NO_OPTIONS)
 
     # -- executors ---------------------------------------------------------------
 
     def _run(self, op: _Op) -> Any:
-        try:
-            conn = self._sync or self._sync_conn()
-            reply = _send(conn, op)
-        except _UNAVAILABLE as exc:
-            raise self._unavailable(exc) from exc
-        return op.parse(reply)
+        while True:
+            try:
+                client = self._sync or self._sync_client()
+                try:
+                    reply = client.execute_command(*op[0], **op[4])
+                except _rx.NoScriptError:  # a new or flushed server: load, then run once
+                    client.script_load(_SCRIPTS[op[0][1]])
+                    reply = client.execute_command(*op[0], **op[4])
+            except _UNAVAILABLE as exc:
+                raise self._unavailable(exc) from exc
+            except _rx.ResponseError as exc:
+                op = self._refused(op, exc)
+                continue
+            result = op[1](reply, op)
+            if type(result) is not tuple:
+                return result
+            op = result
 
     async def _arun(self, op: _Op) -> Any:
         loop = asyncio.get_running_loop()
-        try:
-            conn = self._async.get(loop) or self._async_conn(loop)
-            reply = await _send(conn, op)
-        except _UNAVAILABLE as exc:
-            raise self._unavailable(exc) from exc
-        return op.parse(reply)
+        while True:
+            try:
+                client = self._async.get(loop) or self._async_client(loop)
+                try:
+                    reply = await client.execute_command(*op[0], **op[4])
+                except _rx.NoScriptError:
+                    await client.script_load(_SCRIPTS[op[0][1]])
+                    reply = await client.execute_command(*op[0], **op[4])
+            except _UNAVAILABLE as exc:
+                raise self._unavailable(exc) from exc
+            except _rx.ResponseError as exc:
+                op = self._refused(op, exc)
+                continue
+            result = op[1](reply, op)
+            if type(result) is not tuple:
+                return result
+            op = result
+
+    def _refused(self, op: _Op, exc: _rx.ResponseError) -> _Op:
+        """The op to run instead of one the server refused, or the error to raise."""
+        text = str(exc)
+        args, parse, _, record, _ = op
+        if parse is _parse_set_claim and "syntax error" in text:
+            # Redis < 7.0 has no SET NX GET: claim with the script from now on.
+            self._set_claims = False
+            assert record is not None
+            return self._claim(record)
+        if "WRONGTYPE" in text:
+            raise StoreUnavailableError(
+                f"Redis store {self._safe_url}: {args[3 if args[0] == 'EVALSHA' else 1]}"
+                " is not a retrysafe record (another program's key, or an older layout)"
+            ) from exc
+        raise exc
 
     def _unavailable(self, exc: BaseException) -> StoreUnavailableError:
         detail = str(exc) or type(exc).__name__
@@ -472,53 +638,47 @@ class RedisStore(Store[_Op]):
             options["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
         return options
 
-    def _sync_conn(self) -> _Conn:
+    def _sync_client(self) -> Any:
         with self._lock:
             if self._sync is None:
                 options = self._client_options(Retry(NoBackoff(), 0))
                 cls = redis.cluster.RedisCluster if self.cluster else redis.Redis
                 # A cluster client connects here (topology discovery); a plain one lazily.
-                client = cls.from_url(self._client_url, **options)
-                self._sync = _Conn(client, _register(client))
+                self._sync = cls.from_url(self._client_url, **options)
             return self._sync
 
-    def _async_conn(self, loop: asyncio.AbstractEventLoop) -> _Conn:
+    def _async_client(self, loop: asyncio.AbstractEventLoop) -> Any:
         with self._lock:
-            conn = self._async.get(loop)
-            if conn is None:
+            client = self._async.get(loop)
+            if client is None:
                 # A client pins its loop (so the weak key never dies by itself):
                 # forget the clients of loops that were closed.
                 for old in [lp for lp in self._async if lp.is_closed()]:
                     del self._async[old]
                 options = self._client_options(redis.asyncio.retry.Retry(NoBackoff(), 0))
                 cls = redis.asyncio.cluster.RedisCluster if self.cluster else redis.asyncio.Redis
-                client = cls.from_url(self._client_url, **options)
-                conn = self._async[loop] = _Conn(client, _register(client))
-            return conn
+                client = self._async[loop] = cls.from_url(self._client_url, **options)
+            return client
 
     def close(self) -> None:
         """Close the sync client and forget clients of closed event loops."""
         with self._lock:
-            conn, self._sync = self._sync, None
+            client, self._sync = self._sync, None
             for old in [lp for lp in self._async if lp.is_closed()]:
                 del self._async[old]
-        if conn is not None:
+        if client is not None:
             with contextlib.suppress(Exception):
-                conn.client.close()
+                client.close()
 
     async def aclose(self) -> None:
         """Close the current event loop's client, then as :meth:`close`."""
         loop = asyncio.get_running_loop()
         with self._lock:
-            conn = self._async.pop(loop, None)
-        if conn is not None:
+            client = self._async.pop(loop, None)
+        if client is not None:
             with contextlib.suppress(Exception):
-                await conn.client.aclose()
+                await client.aclose()
         self.close()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._safe_url}>"
-
-
-def _register(client: Any) -> dict[str, Any]:
-    return {name: client.register_script(text) for name, text in _SCRIPTS.items()}
