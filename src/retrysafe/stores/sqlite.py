@@ -48,7 +48,6 @@ CREATE TABLE IF NOT EXISTS retrysafe_records (
     metadata TEXT NOT NULL DEFAULT '{}'
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS retrysafe_records_expires_at ON retrysafe_records (expires_at);
-CREATE INDEX IF NOT EXISTS retrysafe_records_status ON retrysafe_records (status, lease_until);
 """
 #: Migrations by the version they lead to; v1 is the initial schema.
 MIGRATIONS: dict[int, str] = {1: _SCHEMA}
