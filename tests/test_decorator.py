@@ -233,6 +233,7 @@ async def test_async_in_progress_raises(engine: Engine) -> None:
         await slow(3)
     release.set()
     assert await first == 3 and await slow(3) == 3
+    await engine.aclose()  # this loop's connections
 
 
 async def test_async_takeover_and_late_completion_refused(engine: Engine, clock: Clock) -> None:
@@ -250,6 +251,7 @@ async def test_async_takeover_and_late_completion_refused(engine: Engine, clock:
     with pytest.raises(LeaseLostError):
         await work(1)
     assert await work(1) == "second" and runs == ["run", "run"]
+    await engine.aclose()  # this loop's connections
 
 
 def test_wrong_calls_raise_like_the_function_and_write_nothing(store: Store[Any]) -> None:

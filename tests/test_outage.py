@@ -34,14 +34,17 @@ def server(request: pytest.FixtureRequest) -> Iterator[Any]:
         yield srv
 
 
-def run_both(mode: str) -> Callable[[Engine, str, Any], Any]:
-    """Call engine.<name> (sync) or engine.a<name> (async, on one loop)."""
+def run_both(mode: str) -> Callable[..., Any]:
+    """Call engine.<name> (sync) or engine.a<name> (async, on one loop of its own)."""
     loop = asyncio.new_event_loop() if mode == "async" else None
 
     def call(engine: Engine, name: str, *args: Any, **kwargs: Any) -> Any:
         if loop is None:
             return getattr(engine, name)(*args, **kwargs)
-        return loop.run_until_complete(getattr(engine, "a" + name)(*args, **kwargs))
+        result = loop.run_until_complete(getattr(engine, "a" + name)(*args, **kwargs))
+        if name == "close":
+            loop.close()
+        return result
 
     return call
 
@@ -83,7 +86,7 @@ def test_server_stopped_mid_test(server: Any, mode: str) -> None:
     call(engine, "complete", pending, Outcome.json("now"))
     fresh = call(engine, "begin", "during", operation="op")
     assert isinstance(fresh, Claim) and fresh.attempts == 1
-    engine.close()
+    call(engine, "close")
 
 
 def test_opening_never_connects() -> None:
