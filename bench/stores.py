@@ -120,6 +120,7 @@ class Contender:
     detail: str = ""
     batch: int = 1
     samples: list[float] = field(default_factory=list)
+    cpu_us: list[float] = field(default_factory=list)  # this process's CPU time per operation
 
     @property
     def label(self) -> str:
@@ -131,6 +132,7 @@ class Contender:
         ran_before = self.executions() if self.executions else 0
         run, batch, done = self.run, self.batch, 0
         clock = time.perf_counter
+        cpu_start = time.process_time()
         start = clock()
         deadline = start + seconds
         while True:
@@ -147,11 +149,18 @@ class Contender:
                     f"{self.label}: the function ran {ran} times for {done} calls "
                     f"(expected {expected})"
                 )
+        self.cpu_us.append((time.process_time() - cpu_start) / done * 1e6)
         return done / (now - start)
 
     @property
     def median(self) -> float:
         return statistics.median(self.samples)
+
+    @property
+    def cpu(self) -> float:
+        """Median client CPU time per operation (us): the work this process does, which
+        other load on the machine barely changes, unlike the wall-clock rate."""
+        return statistics.median(self.cpu_us)
 
 
 def run_rounds(contenders: Sequence[Contender], rounds: int, seconds: float, warmup: float) -> None:
@@ -724,15 +733,20 @@ def _spread(c: Contender) -> str:
 def results_table(comps: Sequence[Comparison], reference: str) -> list[str]:
     lines = [
         f"| store | workload | retrysafe ops/s (median) | rounds min-max | {reference} ops/s "
-        f"(median) | rounds min-max | retrysafe / {reference} |",
-        "|---|---|--:|--:|--:|--:|--:|",
+        f"(median) | rounds min-max | retrysafe / {reference} | client CPU us/call, "
+        f"retrysafe / {reference} |",
+        "|---|---|--:|--:|--:|--:|--:|--:|",
     ]
     for comp in comps:
-        ref = comp.reference
-        theirs = f"{ref.median:,.0f} | {_spread(ref)} | {comp.ratio:.2f}x" if ref else "- | - | -"
+        ref, sub = comp.reference, comp.subject
+        theirs = (
+            f"{ref.median:,.0f} | {_spread(ref)} | {comp.ratio:.2f}x | "
+            f"{sub.cpu:.1f} / {ref.cpu:.1f}"
+            if ref
+            else f"- | - | - | {sub.cpu:.1f} / -"
+        )
         lines.append(
-            f"| {comp.section} | {comp.workload} | {comp.subject.median:,.0f} | "
-            f"{_spread(comp.subject)} | {theirs} |"
+            f"| {comp.section} | {comp.workload} | {sub.median:,.0f} | {_spread(sub)} | {theirs} |"
         )
     return lines
 
