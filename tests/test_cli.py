@@ -40,6 +40,16 @@ def test_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
         assert result.stderr.startswith("retrysafe ") and "error:" in result.stderr
 
 
+def test_passwords_never_printed(tmp_path: Path) -> None:
+    for args in (
+        ("migrate", "--store", "postgresql://u:s3cret@127.0.0.1:1/db"),
+        ("migrate", "--store", "redis://:s3cret@127.0.0.1:1/0"),
+        ("demo", "--store", "bogus://u:s3cret@x"),
+    ):
+        result = run(*args, cwd=tmp_path)
+        assert "s3cret" not in result.stdout + result.stderr, args
+
+
 def test_migrate_and_inspect(tmp_path: Path, capsys: object) -> None:
     url = f"sqlite:///{tmp_path}/x.db"
     assert main(["migrate", "--store", url]) == 0

@@ -6,6 +6,7 @@ modes; nothing here knows which store it talks to.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -203,14 +204,19 @@ def test_one_mebibyte_body_round_trip(api: Api) -> None:
     assert got is not None and got.body == body and got.status == 200
 
 
-def test_body_over_the_cap_fails_the_attempt(make_api: Any, store: Store[Any]) -> None:
+def test_an_outcome_that_cannot_be_stored_fails_finally(make_api: Any, store: Store[Any]) -> None:
+    """The handler ran: a retry must get the failure, not run the side effect again."""
     api = make_api(max_body=1000)
     c = claim(api.begin("big", operation=OP))
     with pytest.raises(ValueError, match="max_body"):
         api.complete(c, Outcome(b"x" * 1001))
     record = store.get(c.key_hash)
-    assert record is not None and record.status is Status.FAILED
-    claim(api.begin("big", operation=OP))  # and a retry may run
+    assert record is not None and record.status is Status.FAILED and record.final
+    assert replay(api.begin("big", operation=OP)).failed
+    c = claim(api.begin("not-an-outcome", operation=OP))
+    with pytest.raises(TypeError, match="Outcome"):
+        api.complete(c, {"not": "an Outcome"})
+    assert replay(api.begin("not-an-outcome", operation=OP)).failed
 
 
 BAD_KEYS: list[Any] = [
@@ -258,7 +264,9 @@ def test_bad_arguments_touch_nothing(api: Api) -> None:
     spy = SpyStore(api.engine.store)
     api.engine.store = spy  # type: ignore[assignment]
     for kwargs in ({"operation": 5}, {"scope": None}, {"fingerprint": b"x"}, {"ttl": 0},
-                   {"lease": -1}):  # fmt: skip
+                   {"lease": -1}, {"request_payload": "text, not bytes"}, {"request_id": 7},
+                   {"metadata": {"when": object()}}, {"metadata": {"x": float("nan")}},
+                   {"metadata": ["not", "a", "dict"]}, {"nonsense": 1}):  # fmt: skip
         with pytest.raises((TypeError, ValueError)):
             api.begin("k", **kwargs)
     assert spy.calls == []
@@ -356,10 +364,90 @@ def test_wait_takes_over_after_a_failure(api: Api) -> None:
     assert retry.took_over is Status.FAILED and retry.attempts == 2
 
 
-def test_wait_is_bounded(make_api: Any) -> None:
-    api = make_api(clock=time.time)
+@pytest.mark.parametrize("real_clock", [True, False], ids=["real-clock", "frozen-clock"])
+def test_wait_is_bounded(make_api: Any, real_clock: bool) -> None:
+    api = make_api(clock=time.time) if real_clock else make_api()  # the fake clock never moves
     claim(api.begin("k", operation=OP))
     started = time.monotonic()
     with pytest.raises(InProgressError):
         api.begin("k", operation=OP, wait=0.3)
     assert 0.3 <= time.monotonic() - started < 5
+
+
+class Stalls:
+    """Wraps a real store: the named async call does its work, then waits on ``release``."""
+
+    def __init__(self, inner: Store[Any], name: str) -> None:
+        self.inner, self.name = inner, name
+        self.reached, self.release, self.failed = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def _stall(self, result: Any) -> Any:
+        self.reached.set()
+        await self.release.wait()
+        return result
+
+    async def aclaim(self, record: Any) -> Any:
+        result = await self.inner.aclaim(record)
+        return await self._stall(result) if self.name == "aclaim" else result
+
+    async def acomplete(self, *args: Any) -> Any:
+        if self.name == "acomplete":
+            await self._stall(None)
+        return await self.inner.acomplete(*args)
+
+    async def afail(self, *args: Any) -> Any:
+        result = await self.inner.afail(*args)
+        self.failed.set()
+        return result
+
+
+async def test_cancelled_during_completion_still_completes(store: Store[Any]) -> None:
+    """A client that disconnects cancels the task; the side effect that ran is recorded."""
+    stalls = Stalls(store, "acomplete")
+    engine = Engine(store)
+    engine.store = stalls  # type: ignore[assignment]
+    runs: list[int] = []
+
+    async def handler() -> None:
+        async with engine.attempt("k", operation=OP) as att:
+            runs.append(1)
+            att.outcome = Outcome.json("charged once")
+
+    task = asyncio.create_task(handler())
+    await stalls.reached.wait()  # completion under way
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    stalls.release.set()
+    engine.store = store  # type: ignore[assignment]
+    for _ in range(200):  # the shielded completion finishes on its own
+        result = await engine.abegin("k", operation=OP, wait=5)
+        if isinstance(result, Replay):
+            break
+    assert result.outcome.value == "charged once" and runs == [1]
+    await store.aclose()
+
+
+async def test_cancelled_during_claim_releases_the_key(store: Store[Any]) -> None:
+    """A claim that lands after its task was cancelled is failed, not left in flight."""
+    stalls = Stalls(store, "aclaim")
+    engine = Engine(store)
+    engine.store = stalls  # type: ignore[assignment]
+
+    async def handler() -> None:
+        async with engine.attempt("k", operation=OP) as att:
+            att.outcome = Outcome.json("never")
+
+    task = asyncio.create_task(handler())
+    await stalls.reached.wait()  # the claim is written; its answer is on the way
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    stalls.release.set()
+    await asyncio.wait_for(stalls.failed.wait(), 10)
+    retry = await Engine(store).abegin("k", operation=OP)
+    assert isinstance(retry, Claim) and retry.took_over is Status.FAILED
+    await store.aclose()

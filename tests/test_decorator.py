@@ -13,11 +13,13 @@ from conftest import Clock
 from retrysafe import (
     Engine,
     FingerprintMismatchError,
+    IdempotencyError,
     InProgressError,
     InvalidKeyError,
     LeaseLostError,
     Store,
     idempotent,
+    key_hash,
 )
 
 
@@ -184,17 +186,27 @@ def test_bad_key_runs_nothing(h: Harness, engine: Engine) -> None:
     assert calls == []
 
 
-def test_unserialisable_result_fails_the_record(h: Harness, engine: Engine) -> None:
+def test_unserialisable_result_fails_the_record_finally(h: Harness, engine: Engine) -> None:
     calls: list[int] = []
 
     def fn(n: int) -> Any:
         calls.append(n)
-        return object() if len(calls) == 1 else "fine"
+        return object()  # the side effect ran; its answer cannot be stored
 
     f = h.wrap(fn, store=engine, key="{n}")
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="JSON value"):
         f(1)
-    assert f(1) == "fine" and calls == [1, 1]
+    with pytest.raises(IdempotencyError, match="failed finally"):
+        f(1)  # a retry is told, and runs nothing
+    assert calls == [1]
+
+
+def test_decorator_ttl_sets_the_engines_ttl(h: Harness, store: Store[Any], clock: Clock) -> None:
+    week = 7 * 24 * 3600.0
+    f = h.wrap(lambda n: n, store=store, key="{n}", ttl=week, operation="weekly")
+    assert f(1) == 1
+    record = store.get(key_hash("", "weekly", "1"))
+    assert record is not None and record.expires_at - record.created_at == pytest.approx(week)
 
 
 def test_store_as_url(h: Harness, tmp_path: Any) -> None:

@@ -15,6 +15,7 @@ from retrysafe import (
     Claim,
     Engine,
     IdempotencyError,
+    InProgressError,
     Outcome,
     Replay,
     canonical_json,
@@ -167,6 +168,16 @@ def test_memory_store_is_bounded_lru() -> None:
     assert engine.store.get(claims[0].key_hash) is not None
     with pytest.raises(ValueError):
         MemoryStore(max_size=0)
+
+
+def test_memory_store_never_evicts_a_live_lease() -> None:
+    engine = Engine(MemoryStore(max_size=1))
+    first = engine.begin("in-flight")
+    assert isinstance(first, Claim)
+    assert isinstance(engine.begin("other"), Claim)  # over the bound, but a is still running
+    with pytest.raises(InProgressError):
+        engine.begin("in-flight")  # not forgotten: no second owner
+    engine.complete(first, Outcome.json(1))
 
 
 def test_sqlite_schema_is_versioned(tmp_path: Path) -> None:

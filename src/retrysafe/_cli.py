@@ -5,15 +5,18 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from ._engine import Engine
 from ._errors import IdempotencyError
 from ._keys import key_hash
-from .stores import DEFAULT_STORE_URL, open_store
+from .stores import DEFAULT_STORE_URL, open_store, redact
 
 __all__ = ["main"]
+
+DEMO_STORE_URL = "sqlite:///retrysafe-demo.db"
 
 
 def _store_arg(parser: argparse.ArgumentParser) -> None:
@@ -27,11 +30,11 @@ def _store_arg(parser: argparse.ArgumentParser) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from ._demo import retry_storm
 
-    url = args.store or "sqlite:///retrysafe-demo.db"
+    url = args.store or os.environ.get("RETRYSAFE_STORE") or DEMO_STORE_URL
     engine = Engine(url)
     report = retry_storm(engine, payments=args.payments, clients=args.clients, retries=args.retries)
     engine.close()
-    print(report.render(url))
+    print(report.render(redact(url)))
     return 0 if report.exactly_once else 1
 
 
@@ -39,11 +42,11 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
     store = open_store(args.store)
     migrate = getattr(store, "migrate", None)
     if migrate is None:
-        print(f"{store.url}: nothing to migrate (this store has no schema)")
+        print(f"{redact(store.url)}: nothing to migrate (this store has no schema)")
         return 0
     version = migrate()
     store.close()
-    print(f"{store.url}: schema at version {version}")
+    print(f"{redact(store.url)}: schema at version {version}")
     return 0
 
 
@@ -82,7 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a retry storm through the engine and report")
-    _store_arg(demo)
+    demo.add_argument(
+        "--store", default=None,
+        help=f"store URL (default: $RETRYSAFE_STORE or {DEMO_STORE_URL})",
+    )  # fmt: skip
     demo.add_argument("--payments", type=int, default=50)
     demo.add_argument("--clients", type=int, default=16)
     demo.add_argument("--retries", type=int, default=6)

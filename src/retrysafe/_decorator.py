@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._engine import Engine, Replay
+from ._engine import DEFAULT_LEASE, DEFAULT_TTL, Attempt, Engine, Replay
 from ._errors import IdempotencyError, InvalidKeyError
 from ._keys import fingerprint, validate_key
 from ._record import Outcome
-from .stores import Store
+from .stores import DEFAULT_STORE_URL, Store, open_store
 
 __all__ = ["idempotent"]
 
@@ -80,9 +81,39 @@ class _Call:
         return validate_key(key), scope, fp
 
 
+_stores: dict[str, Store[Any]] = {}
+_stores_lock = threading.Lock()
+
+
+def _shared_store(store: Store[Any] | str | None) -> Store[Any]:
+    """One store (one pool) per URL for every decorated function that names it."""
+    if isinstance(store, Store):
+        return store
+    url = store or os.environ.get("RETRYSAFE_STORE") or DEFAULT_STORE_URL
+    with _stores_lock:
+        if url not in _stores:
+            _stores[url] = open_store(url)
+        return _stores[url]
+
+
+def _outcome(att: Attempt, value: Any) -> Outcome:
+    """The stored form of a result. The function has run: if its result cannot be
+    stored, the failure is final, so a retry gets the error, not a second run."""
+    try:
+        return Outcome.json(value)
+    except (TypeError, ValueError) as exc:
+        att.final = True
+        raise TypeError(
+            f"the result of an @idempotent function must be a JSON value: {exc}; "
+            "the attempt was marked failed (final), so retries will not run it again"
+        ) from exc
+
+
 def _replayed(replay: Replay) -> Any:
     if replay.failed:
-        raise IdempotencyError("an earlier attempt with this key failed finally")
+        raise IdempotencyError(
+            "an earlier attempt with this key failed finally; it is not run again"
+        )
     outcome = replay.outcome
     return None if outcome is None else outcome.value
 
@@ -115,6 +146,10 @@ def idempotent(
         raise TypeError("key must be a str.format template or a callable")
     lock = threading.Lock()
     shared: Engine | None = store if isinstance(store, Engine) else None
+    # An engine made here keeps records for this decorator's ttl (a given
+    # engine's ttl can only be narrowed per call).
+    own_ttl = DEFAULT_TTL if ttl is None else ttl
+    own_lease = DEFAULT_LEASE if lease is None else lease
 
     def decorate(func: F) -> F:
         call = _Call(func, key, scope)
@@ -128,7 +163,7 @@ def idempotent(
             if engine is None:
                 with lock:
                     if engine is None:
-                        engine = Engine(store)  # type: ignore[arg-type]
+                        engine = Engine(_shared_store(store), ttl=own_ttl, lease=own_lease)
             return engine
 
         def options(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -145,7 +180,7 @@ def idempotent(
                     if att.replay is not None:
                         return _replayed(att.replay)
                     value = await func(*args, **kwargs)
-                    att.outcome = Outcome.json(value)
+                    att.outcome = _outcome(att, value)
                     return value
 
             wrapper: Any = async_wrapper
@@ -158,7 +193,7 @@ def idempotent(
                     if att.replay is not None:
                         return _replayed(att.replay)
                     value = func(*args, **kwargs)
-                    att.outcome = Outcome.json(value)
+                    att.outcome = _outcome(att, value)
                     return value
 
             wrapper = sync_wrapper

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import os
 import time
@@ -115,6 +116,9 @@ class _Tokens:
 _new_token = _Tokens()
 
 
+_json_check = json.JSONEncoder(allow_nan=False).encode
+
+
 def _positive(name: str, value: float) -> float:
     value = float(value)
     if not value > 0:
@@ -160,14 +164,21 @@ class Engine:
 
     # -- shared, I/O-free pieces -----------------------------------------------
 
-    def _outcome_error(self, outcome: Outcome) -> ValueError | None:
-        """Why ``outcome`` cannot be stored (the attempt is then failed), or None."""
+    def _outcome_error(self, outcome: Outcome) -> Exception | None:
+        """Why ``outcome`` cannot be stored, or None.
+
+        The handler has run by then, so the attempt is failed *finally*: a retry
+        gets the failure replayed instead of running the side effect again.
+        """
         if not isinstance(outcome, Outcome):
-            raise TypeError(f"outcome must be an Outcome, not {type(outcome).__name__}")
+            return TypeError(
+                f"outcome must be an Outcome, not {type(outcome).__name__}; "
+                "the attempt was marked failed (final)"
+            )
         if len(outcome.body) > self.max_body:
             return ValueError(
                 f"outcome body of {len(outcome.body)} bytes exceeds max_body={self.max_body}; "
-                "the attempt was marked failed"
+                "the attempt was marked failed (final)"
             )
         return None
 
@@ -212,7 +223,7 @@ class Engine:
         """Store the outcome; :class:`LeaseLostError` if the claim no longer owns the key."""
         error = self._outcome_error(outcome)
         if error is not None:
-            self.fail(claim)
+            self.fail(claim, final=True)
             raise error
         if not self.store.complete(claim.key_hash, claim.token, outcome, self.clock()):
             self._lost(claim, "completion")
@@ -249,7 +260,7 @@ class Engine:
         """Async :meth:`complete`."""
         error = self._outcome_error(outcome)
         if error is not None:
-            await self.afail(claim)
+            await self.afail(claim, final=True)
             raise error
         if not await self.store.acomplete(claim.key_hash, claim.token, outcome, self.clock()):
             self._lost(claim, "completion")
@@ -332,8 +343,17 @@ class _Plan:
         self.wait = engine.wait if wait is None else max(0.0, float(wait))
         self.key, self.operation, self.scope, self.fingerprint = key, operation, scope, fingerprint
         self.key_hash = key_hash(scope, operation, key)
+        if request_id is not None and type(request_id) is not str:
+            raise TypeError("request_id must be a str or None")
+        if request_payload is not None and type(request_payload) is not bytes:
+            raise TypeError("request_payload must be bytes or None")
         self.request_id, self.request_payload = request_id, request_payload
-        self.metadata = dict(metadata) if metadata else {}
+        self.metadata = {}
+        if metadata:
+            if not isinstance(metadata, dict):
+                raise TypeError("metadata must be a dict of JSON values")
+            self.metadata = dict(metadata)
+            _json_check(self.metadata)  # every store must be able to keep it
         self.deadline: float | None = None
         self.delay = 0.01
 
@@ -366,29 +386,37 @@ class _Plan:
                 fingerprint=self.fingerprint,
             )
         now = record.updated_at
+        # The wait is bounded on the monotonic clock: the engine's clock may be frozen.
+        tick = time.monotonic()
         if self.deadline is None:
-            self.deadline = now + self.wait
-        if now >= self.deadline:
+            self.deadline = tick + self.wait
+        if tick >= self.deadline:
             raise InProgressError(
                 "a request with this idempotency key is still in progress",
                 key=self.key,
                 retry_after=retry_after(found, now),
             )
-        pause = min(self.delay, self.deadline - now, max(found.lease_until - now, 0.001))
+        pause = min(self.delay, self.deadline - tick, max(found.lease_until - now, 0.001))
         self.delay = min(self.delay * 2, 0.25)
         return float(pause)
 
 
 class Attempt:
-    """One attempt at an operation; see :meth:`Engine.attempt`."""
+    """One attempt at an operation; see :meth:`Engine.attempt`.
 
-    __slots__ = ("_engine", "_key", "_options", "claim", "outcome", "replay")
+    Set ``outcome`` to complete the claim on leaving the block. ``final = True``
+    makes a failure on leaving (an exception) final instead of the engine's
+    policy: for a handler that ran but whose answer cannot be stored.
+    """
+
+    __slots__ = ("_engine", "_key", "_options", "claim", "final", "outcome", "replay")
 
     def __init__(self, engine: Engine, key: str, options: BeginOptions) -> None:
         self._engine, self._key, self._options = engine, key, options
         self.claim: Claim | None = None
         self.replay: Replay | None = None
         self.outcome: Outcome | None = None
+        self.final: bool | None = None
 
     def _started(self, answer: Claim | Replay) -> Attempt:
         if isinstance(answer, Replay):
@@ -425,13 +453,31 @@ class Attempt:
             return
         error = None
         try:
-            self._engine.fail(claim)
+            self._engine.fail(claim, final=self.final)
         except (LeaseLostError, StoreUnavailableError) as err:
             error = err
         self._failed(exc, error)
 
+    # Async: the store calls are shielded from cancellation (a client that
+    # disconnects cancels its request's task). A claim that lands after its task
+    # was cancelled is failed at once, so retries are not told "in flight" for a
+    # whole lease; a completion under way finishes, so the side effect that ran
+    # is recorded and never runs again.
+
     async def __aenter__(self) -> Attempt:
-        return self._started(await self._engine.abegin(self._key, **self._options))
+        task = _keep(self._engine.abegin(self._key, **self._options))
+        try:
+            return self._started(await asyncio.shield(task))
+        except asyncio.CancelledError:
+            task.add_done_callback(self._release_orphan)
+            raise
+
+    def _release_orphan(self, task: asyncio.Future[Claim | Replay]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return
+        claim = task.result()
+        if isinstance(claim, Claim):
+            _keep(self._engine.afail(claim))
 
     async def __aexit__(
         self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -440,11 +486,29 @@ class Attempt:
         if claim is None:
             return
         if self._commit(exc):
-            await self._engine.acomplete(claim, self.outcome)  # type: ignore[arg-type]
+            await asyncio.shield(_keep(self._engine.acomplete(claim, self.outcome)))  # type: ignore[arg-type]
             return
         error = None
         try:
-            await self._engine.afail(claim)
+            await asyncio.shield(_keep(self._engine.afail(claim, final=self.final)))
         except (LeaseLostError, StoreUnavailableError) as err:
             error = err
         self._failed(exc, error)
+
+
+#: Store calls that must finish even if their caller was cancelled.
+_pending: set[asyncio.Future[Any]] = set()
+
+
+def _keep(coro: Any) -> asyncio.Future[Any]:
+    """A task for ``coro`` that runs to its end whoever waits for it (failures logged)."""
+    task = asyncio.ensure_future(coro)
+    _pending.add(task)
+    task.add_done_callback(_settled)
+    return task
+
+
+def _settled(task: asyncio.Future[Any]) -> None:
+    _pending.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("retrysafe: store call of a cancelled attempt failed: %r", task.exception())

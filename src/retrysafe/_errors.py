@@ -64,7 +64,12 @@ class LeaseLostError(IdempotencyError):
 
 
 class StoreUnavailableError(IdempotencyError):
-    """The store could not be reached or failed; the operation had no effect."""
+    """The store could not be reached or failed.
+
+    Nothing is half-written. Whether a write that was sent before the failure
+    landed is unknown (as after any network timeout); the fencing token keeps a
+    retry safe either way.
+    """
 
     code = "idempotency_store_unavailable"
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import urllib.parse
 from typing import Any
 
 from ._base import Store
 
-__all__ = ["DEFAULT_STORE_URL", "Store", "open_store"]
+__all__ = ["DEFAULT_STORE_URL", "Store", "open_store", "redact"]
 
 #: The embedded default when neither an argument nor ``RETRYSAFE_STORE`` names a store.
 DEFAULT_STORE_URL = "sqlite:///retrysafe.db"
@@ -32,7 +33,7 @@ def open_store(url: str | None = None, **options: Any) -> Store[Any]:
         from .sqlite import SQLiteStore
 
         return SQLiteStore(url, **options)
-    if scheme in {"redis", "rediss", "redis+cluster", "unix"}:
+    if scheme in {"redis", "rediss", "redis+cluster", "rediss+cluster", "unix"}:
         from .redis import RedisStore
 
         return RedisStore(url, **options)
@@ -41,6 +42,15 @@ def open_store(url: str | None = None, **options: Any) -> Store[Any]:
 
         return PostgresStore(url, **options)
     raise ValueError(
-        f"unknown store URL {url!r}: use memory://, sqlite:///path, redis://, rediss://, "
-        "redis+cluster:// or postgresql://"
+        f"unknown store URL {redact(url)!r}: use memory://, sqlite:///path, redis://, "
+        "rediss://, redis+cluster:// or postgresql://"
     )
+
+
+_PASSWORD_IN_URL = re.compile(r"(://[^:/@?#]*:)[^@/?#]*@")
+_PASSWORD_PARAM = re.compile(r"(?i)([?&]password=)[^&#]*")
+
+
+def redact(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for messages and logs)."""
+    return _PASSWORD_PARAM.sub(r"\1***", _PASSWORD_IN_URL.sub(r"\1***@", url))

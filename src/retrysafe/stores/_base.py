@@ -23,8 +23,8 @@ class Store(abc.ABC, Generic[OpT]):
 
     * ``claim(record)``: atomically write ``record`` (status processing) if the
       key is claimable (see :func:`retrysafe._decide.claimable`), else return
-      the live record. ``record.attempts`` and ``created_at`` are filled in by
-      the store when it takes over a live record.
+      the live record. Taking over a live record keeps its ``created_at`` and
+      counts ``attempts`` on; the result carries the new attempt number.
     * ``complete`` / ``fail`` / ``renew``: compare-and-set on the fencing
       token of a processing record; ``False`` when the token no longer owns it.
     * ``get`` / ``delete``: read or remove one record by key hash.

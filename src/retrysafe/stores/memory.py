@@ -20,7 +20,8 @@ class MemoryStore(Store[_Op]):
     """Records in a dict guarded by a lock; the least recently used go past ``max_size``.
 
     For tests and single-process services: nothing survives the process, and an
-    evicted record is forgotten (a later retry of it runs again).
+    evicted record is forgotten (a later retry of it runs again). Records whose
+    lease is alive are never evicted.
     """
 
     def __init__(self, url: str = "memory://", *, max_size: int = 100_000) -> None:
@@ -43,6 +44,17 @@ class MemoryStore(Store[_Op]):
         with self._lock:
             return op()
 
+    def _evict(self, now: float) -> None:
+        """Forget the least recently used record, but never one whose lease is alive
+        (that would let a second attempt run beside it); look at most 16 deep and
+        stay over the bound rather than break that rule."""
+        records = self._records
+        for _ in range(min(16, len(records))):
+            key_hash, oldest = records.popitem(last=False)
+            if oldest.status is not Status.PROCESSING or oldest.lease_until <= now:
+                return
+            records[key_hash] = oldest  # in flight: keep it, try the next one
+
     def _live(self, key_hash: str, token: str) -> Record | None:
         cur = self._records.get(key_hash)
         if cur is None or cur.token != token or cur.status is not Status.PROCESSING:
@@ -57,7 +69,7 @@ class MemoryStore(Store[_Op]):
             if cur is None:  # the common first call
                 records[key_hash] = record  # the engine hands the record over
                 if len(records) > self.max_size:
-                    records.popitem(last=False)
+                    self._evict(record.updated_at)
                 return ClaimResult(True)
             records.move_to_end(key_hash)
             now = record.updated_at

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._decide import claimable
-from .._errors import IdempotencyError, StoreUnavailableError
+from .._errors import StoreUnavailableError
 from .._record import ClaimResult, Outcome, Record
 from ._base import Store
 from ._sql import COLUMNS, outcome_params, record_from_row, record_params
@@ -54,6 +54,9 @@ MIGRATIONS: dict[int, str] = {1: _SCHEMA}
 
 _COLS = ", ".join(COLUMNS)
 _SELECT = f"SELECT {_COLS} FROM retrysafe_records WHERE key_hash = ?"
+#: Reads and writes one claim may take before it gives up (each retry means a
+#: concurrent writer changed the key in between).
+_MAX_CLAIM_STATEMENTS = 100
 _MARKS = ", ".join("?" * len(COLUMNS))
 _INSERT = f"INSERT INTO retrysafe_records ({_COLS}) VALUES ({_MARKS}) ON CONFLICT DO NOTHING"
 # Take over a claimable record: the predicate of _decide.claimable, re-checked
@@ -106,8 +109,9 @@ def _forget_connections(ref: weakref.ref[SQLiteStore]) -> None:
 class SQLiteStore(Store[_Op]):
     """Records in one SQLite file, shared by every thread and process on the host.
 
-    WAL mode, one connection per thread; each write is a short ``BEGIN IMMEDIATE``
-    transaction. Replays and in-flight answers are plain reads that take no lock.
+    WAL mode, one connection per thread (reopened in a forked child); every write
+    is one atomic statement. Replays and in-flight answers are plain reads that
+    take no lock.
     ``?synchronous=normal`` in the URL trades durability of the last commits on
     power loss for speed (default ``full``); ``?timeout=SECONDS`` is how long a
     writer waits for the lock (default 10).
@@ -167,9 +171,9 @@ class SQLiteStore(Store[_Op]):
     def _migrate(self, conn: sqlite3.Connection) -> None:
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
-            raise IdempotencyError(
-                f"{self.path}: schema version {version} is newer than this retrysafe "
-                f"({SCHEMA_VERSION}); upgrade retrysafe"
+            raise StoreUnavailableError(
+                f"SQLite store {self.path}: schema version {version} is newer than this "
+                f"retrysafe supports ({SCHEMA_VERSION}); upgrade retrysafe"
             )
         if version < SCHEMA_VERSION:
             conn.execute("BEGIN IMMEDIATE")
@@ -220,7 +224,7 @@ class SQLiteStore(Store[_Op]):
         # atomic statement that re-checks the rule. Losing a race reads again.
         def op(conn: sqlite3.Connection) -> ClaimResult:
             params = record_params(record)
-            while True:
+            for _ in range(_MAX_CLAIM_STATEMENTS):
                 row = conn.execute(_SELECT, (record.key_hash,)).fetchone()
                 if row is None:
                     if conn.execute(_INSERT, params).rowcount == 1:
