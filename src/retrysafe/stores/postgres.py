@@ -24,13 +24,15 @@ Connections come from ``psycopg_pool``: one thread-safe pool for the sync
 methods and one pool per running event loop for the async ones, all created on
 first use, so constructing a store never connects. Checking out a connection
 costs no round trip. Statements are composed once, and psycopg prepares each
-one on a connection after a few uses.
+one on a connection after a few uses. A forked child never uses its parent's
+pools: it forgets them (without closing them) and makes its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import re
 import select
 import threading
@@ -350,6 +352,23 @@ class _LoopPool:
         self.guard: asyncio.Task[None] | None = None
 
 
+#: Pools a forked child inherited from its parent. They are kept referenced, never
+#: closed: closing (or a finalizer) would send Terminate on the parent's connections,
+#: and their worker threads did not survive the fork. One entry per store and fork.
+_INHERITED: list[Any] = []
+
+
+def _forget_pools(ref: weakref.ref[PostgresStore]) -> None:
+    """After ``fork()``, in the child: drop the parent's pools and locks (see ``__init__``)."""
+    store = ref()
+    if store is None:
+        return
+    _INHERITED.append((store._pool, list(store._apools.values())))
+    store._pool = None
+    store._apools = weakref.WeakKeyDictionary()
+    store._lock = threading.Lock()
+
+
 class PostgresStore(Store[_Op]):
     """Records in one PostgreSQL table (default ``retrysafe_records``).
 
@@ -415,6 +434,12 @@ class PostgresStore(Store[_Op]):
         self._lock = threading.Lock()
         self._migrated = not auto_migrate
         self._build_sql(_table_parts(table))
+        # A pool must not cross a fork (gunicorn --preload, multiprocessing, Celery):
+        # the child would share the parent's sockets (each reading the other's
+        # replies) and wait on pool workers that did not survive the fork. The child
+        # makes fresh pools on first use. The hook holds the store only weakly.
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _forget_pools(ref))
 
     def _build_sql(self, parts: tuple[str, ...]) -> None:
         """Compose every statement once; the executors only bind parameters."""

@@ -56,9 +56,11 @@ key, scope, operation and request_id are JSON strings (only when one holds a NUL
 Outcome blob: ``JSON [status, media_type, headers]`` (ASCII; headers a list of
 pairs), NUL, then the body bytes.
 
-A record whose first byte is not :data:`LAYOUT_VERSION`, or a key that is not a
+A record whose first byte is not :data:`LAYOUT_VERSION`, a value this layout
+cannot decode (another program's, truncated or corrupt), or a key that is not a
 string, is never overwritten; reading it raises
-:class:`~retrysafe.StoreUnavailableError`.
+:class:`~retrysafe.StoreUnavailableError` naming the key. So does an error reply
+(NOPERM, BUSY, a script error). A forked child never uses its parent's clients.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import struct
 import threading
 import weakref
@@ -122,6 +125,17 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     _rx.ReadOnlyError,  # a write reached a replica during failover
     _rx.OutOfMemoryError,  # maxmemory reached; the script wrote nothing
     OSError,  # includes asyncio.TimeoutError
+)
+
+#: What decoding a value that is not a well-formed record raises (another program's
+#: key, a truncated or corrupt value): struct.error, IndexError, KeyError, ValueError
+#: (UnicodeDecodeError, json.JSONDecodeError, a wrong field count), TypeError.
+_MALFORMED: tuple[type[BaseException], ...] = (
+    struct.error,
+    IndexError,
+    KeyError,
+    ValueError,
+    TypeError,
 )
 
 # -- layout --------------------------------------------------------------------------
@@ -358,6 +372,8 @@ def record_from_value(value: bytes | None, key_hash: str) -> Record | None:
     fp_at = _FIXED + token_len
     blob_at = fp_at + fp_len
     end = blob_at + blob_len
+    if len(value) < end or blob_len == 0:
+        raise ValueError(f"truncated: {len(value)} bytes, the header announces at least {end}")
     flags = value[blob_at]
     if flags == 48 or flags == 49:  # no payload, no JSON fields: decode the text at once
         text = value[_FIXED:end].decode()
@@ -426,6 +442,12 @@ def _parse_claim(reply: Any, op: _Op) -> ClaimResult:
     return ClaimResult(False, record_from_value(reply, op[2]))
 
 
+def _op_key(args: Sequence[Any]) -> str:
+    """The record key an op's command acts on (EVALSHA sha 1 key …, or CMD key …)."""
+    key = args[3] if args[0] == "EVALSHA" else args[1]
+    return key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+
+
 def _parse_get(reply: Any, op: _Op) -> Record | None:
     return record_from_value(reply, op[2])
 
@@ -482,6 +504,21 @@ def _parse_url(url: str, prefix: str) -> tuple[str, bool, str]:
 
 # -- the store -----------------------------------------------------------------------
 
+#: Clients a forked child inherited from its parent, kept referenced and never closed
+#: (a finalizer must not touch the parent's connections). One entry per store and fork.
+_INHERITED: list[Any] = []
+
+
+def _forget_clients(ref: weakref.ref[RedisStore]) -> None:
+    """After ``fork()``, in the child: drop the parent's clients and lock (see ``__init__``)."""
+    store = ref()
+    if store is None:
+        return
+    _INHERITED.append((store._sync, list(store._async.values())))
+    store._sync = None
+    store._async = weakref.WeakKeyDictionary()
+    store._lock = threading.Lock()
+
 
 class RedisStore(Store[_Op]):
     """Records in Redis or Redis Cluster; see the module docstring for the layout.
@@ -514,6 +551,12 @@ class RedisStore(Store[_Op]):
         self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
             weakref.WeakKeyDictionary()
         )
+        # Clients must not cross a fork: redis-py's asyncio pools do not notice one
+        # (a child would share the parent's sockets and read its replies), a cluster
+        # client holds locks, and so does this store. The child makes its own clients
+        # on first use. The hook holds the store only weakly.
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _forget_clients(ref))
 
     def record_key(self, key_hash: str) -> str:
         """The Redis key of a record."""
@@ -582,7 +625,12 @@ class RedisStore(Store[_Op]):
             except _rx.ResponseError as exc:
                 op = self._refused(op, exc)
                 continue
-            result = op[1](reply, op)
+            except _rx.RedisError as exc:  # anything else redis-py raises
+                raise self._unavailable(exc) from exc
+            try:
+                result = op[1](reply, op)
+            except _MALFORMED as exc:
+                raise self._malformed(op, exc) from exc
             if type(result) is not tuple:
                 return result
             op = result
@@ -602,7 +650,12 @@ class RedisStore(Store[_Op]):
             except _rx.ResponseError as exc:
                 op = self._refused(op, exc)
                 continue
-            result = op[1](reply, op)
+            except _rx.RedisError as exc:  # anything else redis-py raises
+                raise self._unavailable(exc) from exc
+            try:
+                result = op[1](reply, op)
+            except _MALFORMED as exc:
+                raise self._malformed(op, exc) from exc
             if type(result) is not tuple:
                 return result
             op = result
@@ -616,12 +669,26 @@ class RedisStore(Store[_Op]):
             self._set_claims = False
             assert record is not None
             return self._claim(record)
+        key = _op_key(args)
         if "WRONGTYPE" in text:
             raise StoreUnavailableError(
-                f"Redis store {self._safe_url}: {args[3 if args[0] == 'EVALSHA' else 1]}"
-                " is not a retrysafe record (another program's key, or an older layout)"
+                f"Redis store {self._safe_url}: {key} is not a retrysafe record "
+                "(another program's key, or an older layout)"
             ) from exc
-        raise exc
+        # NOPERM, BUSY, a script error (the script met a value it cannot read), …
+        detail = text.strip() or type(exc).__name__
+        raise StoreUnavailableError(
+            f"Redis store {self._safe_url} refused {args[0]} on {key}: {detail}"
+        ) from exc
+
+    def _malformed(self, op: _Op, exc: BaseException) -> StoreUnavailableError:
+        """The error for a reply that is not a well-formed record (left as it is)."""
+        detail = str(exc) or type(exc).__name__
+        return StoreUnavailableError(
+            f"Redis store {self._safe_url}: {_op_key(op[0])} holds a value that is not "
+            f"a readable retrysafe record ({type(exc).__name__}: {detail}); it was not "
+            "overwritten: delete it if it is stale"
+        )
 
     def _unavailable(self, exc: BaseException) -> StoreUnavailableError:
         detail = str(exc) or type(exc).__name__

@@ -1,0 +1,128 @@
+"""RedisStore against values it did not write, and commands the server refuses.
+
+Whatever sits under a record key (another program's value, a truncated or corrupt
+record, another type), and whatever the server answers with an error, a call
+raises :class:`StoreUnavailableError` naming the key, never a raw decoding or
+redis-py error, and never overwrites the value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from conftest import make_spec
+
+from retrysafe import Claim, Engine, StoreUnavailableError, key_hash
+from retrysafe.stores.redis import RedisStore
+
+OP = "foreign"
+KEY = "the-key"
+
+
+@pytest.fixture
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RedisStore]:
+    s = make_spec("redis", request, tmp_path).open()
+    assert isinstance(s, RedisStore)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def raw(redis_server: Any) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+def _valid_record(engine: Engine, raw: redis.Redis, store: RedisStore) -> bytes:
+    """The stored bytes of a live processing record (of another key)."""
+    claim = engine.begin("source", operation=OP, fingerprint="fp")
+    assert isinstance(claim, Claim)
+    value = raw.get(store.record_key(claim.key_hash))
+    assert isinstance(value, bytes)
+    return value
+
+
+#: name → how to put a foreign value under a key: (raw client, key, a valid record).
+WRITERS: dict[str, Callable[[redis.Redis, str, bytes], None]] = {
+    "garbage": lambda r, k, valid: r.set(k, b"garbage"),
+    "empty": lambda r, k, valid: r.set(k, b""),
+    "foreign-text": lambda r, k, valid: r.set(k, b"another program's value " * 4),
+    "truncated-header": lambda r, k, valid: r.set(k, valid[:40]),
+    "truncated-body": lambda r, k, valid: r.set(k, valid[:-5]),
+    "bad-status": lambda r, k, valid: r.set(k, valid[:30] + b"x" + valid[31:]),
+    "bad-utf8": lambda r, k, valid: r.set(k, valid[:60] + b"\xff" + valid[61:]),
+    "hash": lambda r, k, valid: r.hset(k, mapping={"a": "b"}),
+}
+
+
+def _dump(raw: redis.Redis, key: str) -> Any:
+    kind = raw.type(key)
+    return kind, raw.hgetall(key) if kind == b"hash" else raw.get(key)
+
+
+@pytest.mark.parametrize("claims", ["set", "script"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("value", sorted(WRITERS))
+def test_foreign_value_is_refused_and_kept(
+    store: RedisStore, raw: redis.Redis, value: str, mode: str, claims: str
+) -> None:
+    engine = Engine(store)
+    valid = _valid_record(engine, raw, store)
+    store._set_claims = claims == "set"  # "script": the path of Redis < 7.0
+    kh = key_hash("", OP, KEY)
+    rkey = store.record_key(kh)
+    WRITERS[value](raw, rkey, valid)
+    before = _dump(raw, rkey)
+
+    with pytest.raises(StoreUnavailableError) as info:
+        if mode == "sync":
+            engine.begin(KEY, operation=OP, fingerprint="fp")
+        else:
+
+            async def begin() -> None:
+                try:
+                    await engine.abegin(KEY, operation=OP, fingerprint="fp")
+                finally:
+                    await store.aclose()
+
+            asyncio.run(begin())
+    assert kh in str(info.value)  # the key hash or the whole key name
+    if value != "foreign-text":  # a wrong layout version is detected, not raised by decoding
+        assert info.value.__cause__ is not None
+    assert _dump(raw, rkey) == before, "the foreign value was overwritten"
+
+    with pytest.raises(StoreUnavailableError, match=kh):
+        store.get(kh)
+    assert _dump(raw, rkey) == before
+
+
+def test_refused_command_is_unavailable_without_password(
+    store: RedisStore, raw: redis.Redis, redis_server: Any
+) -> None:
+    """NOPERM (an ACL that forbids SET and EVALSHA) comes out as StoreUnavailableError."""
+    user = f"retrysafe-{uuid.uuid4().hex[:8]}"
+    password = f"secret-{uuid.uuid4().hex}"
+    raw.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "+@all", "-set",
+                        "-evalsha")  # fmt: skip
+    try:
+        url = redis_server.url.replace("redis://", f"redis://{user}:{password}@", 1)
+        limited = RedisStore(url, prefix=store.prefix)
+        try:
+            with pytest.raises(StoreUnavailableError) as info:
+                Engine(limited).begin(KEY, operation=OP, fingerprint="fp")
+        finally:
+            limited.close()
+    finally:
+        raw.execute_command("ACL", "DELUSER", user)
+    message = str(info.value)
+    assert "NOPERM" in message or "permission" in message.lower()
+    assert password not in message
+    assert "***" in message
+    assert raw.get(store.record_key(key_hash("", OP, KEY))) is None
