@@ -75,6 +75,13 @@ def store(store_spec: StoreSpec) -> Iterator[Store[Any]]:
     s.close()
 
 
+@pytest.fixture
+def shared_store(shared_spec: StoreSpec) -> Iterator[Store[Any]]:
+    s = shared_spec.open()
+    yield s
+    s.close()
+
+
 class Clock:
     """A clock the test moves by hand, so leases and TTLs expire without sleeping."""
 

@@ -15,12 +15,11 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import StoreSpec, make_spec
 
 from retrysafe import Claim, Engine, Outcome, Replay, Store
 
@@ -31,18 +30,6 @@ DEADLINE = 60.0
 OP = "fork"
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork()")
-
-
-@pytest.fixture(params=["sqlite", "redis", "postgres"])
-def fork_spec(request: pytest.FixtureRequest, tmp_path: Path) -> StoreSpec:
-    return make_spec(request.param, request, tmp_path)
-
-
-@pytest.fixture
-def fork_store(fork_spec: StoreSpec) -> Iterator[Store[Any]]:
-    store = fork_spec.open()
-    yield store
-    store.close()
 
 
 def _replays(result: Claim | Replay, value: Any, what: str) -> None:
@@ -133,8 +120,8 @@ def _wait_children(pids: list[int], errors: Path) -> None:
         pytest.fail(f"{len(failed)} of {len(pids)} children failed:\n{reports}")
 
 
-def test_fork_sync(fork_store: Store[Any], tmp_path: Path) -> None:
-    engine = Engine(fork_store)
+def test_fork_sync(shared_store: Store[Any], tmp_path: Path) -> None:
+    engine = Engine(shared_store)
     _claim_and_replay(engine, "parent", "from-parent")  # the parent's pool is now live
 
     def child(i: int) -> None:
@@ -154,13 +141,13 @@ def test_fork_sync(fork_store: Store[Any], tmp_path: Path) -> None:
         _replays(engine.begin(key, operation=OP, fingerprint=key), [i, KEYS - 1, pid], key)
 
 
-def test_fork_async(fork_store: Store[Any], tmp_path: Path) -> None:
+def test_fork_async(shared_store: Store[Any], tmp_path: Path) -> None:
     """The async API in children (each on a loop of its own) after the parent used it.
 
     A child must not run the parent's event loop: its selector (an epoll instance)
     and default executor do not survive a fork, whatever the store does.
     """
-    engine = Engine(fork_store)
+    engine = Engine(shared_store)
     loop = asyncio.new_event_loop()
     try:
         loop.run_until_complete(_aclaim_and_replay(engine, "parent", "from-parent"))
@@ -188,5 +175,5 @@ def test_fork_async(fork_store: Store[Any], tmp_path: Path) -> None:
 
         loop.run_until_complete(after())
     finally:
-        loop.run_until_complete(fork_store.aclose())
+        loop.run_until_complete(shared_store.aclose())
         loop.close()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import StoreSpec, make_spec
+from conftest import StoreSpec
 
 from retrysafe import Claim, Engine, Outcome, Replay
 
@@ -37,11 +37,6 @@ def race_once(engine: Engine, key: str, effects: Path, who: str) -> tuple[str, A
     return "claim", who
 
 
-@pytest.fixture(params=["memory", "sqlite", "redis", "postgres"])
-def any_spec(request: pytest.FixtureRequest, tmp_path: Path) -> StoreSpec:
-    return make_spec(request.param, request, tmp_path)
-
-
 def check(results: list[tuple[str, Any]], effects: Path, racers: int) -> None:
     roles = [role for role, _ in results]
     assert roles.count("claim") == 1, f"{roles.count('claim')} racers executed"
@@ -52,8 +47,8 @@ def check(results: list[tuple[str, Any]], effects: Path, racers: int) -> None:
 
 
 @pytest.mark.parametrize("round_", range(3))
-def test_threads_race(any_spec: StoreSpec, tmp_path: Path, round_: int) -> None:
-    store = any_spec.open()
+def test_threads_race(store_spec: StoreSpec, tmp_path: Path, round_: int) -> None:
+    store = store_spec.open()
     engine = Engine(store)
     effects = tmp_path / f"effects-{round_}"
     effects.touch()
@@ -69,8 +64,8 @@ def test_threads_race(any_spec: StoreSpec, tmp_path: Path, round_: int) -> None:
     check(results, effects, THREADS)
 
 
-async def test_tasks_race(any_spec: StoreSpec, tmp_path: Path) -> None:
-    store = any_spec.open()
+async def test_tasks_race(store_spec: StoreSpec, tmp_path: Path) -> None:
+    store = store_spec.open()
     engine = Engine(store)
     effects = tmp_path / "effects"
     effects.touch()
@@ -113,13 +108,8 @@ def _process_racer(
     store.close()
 
 
-@pytest.fixture(params=["sqlite", "redis", "postgres"])
-def shared(request: pytest.FixtureRequest, tmp_path: Path) -> StoreSpec:
-    return make_spec(request.param, request, tmp_path)
-
-
 @pytest.mark.parametrize("round_", range(2))
-def test_processes_race(shared: StoreSpec, tmp_path: Path, round_: int) -> None:
+def test_processes_race(shared_spec: StoreSpec, tmp_path: Path, round_: int) -> None:
     ctx = mp.get_context("spawn")
     effects = tmp_path / "effects"
     effects.touch()
@@ -129,7 +119,7 @@ def test_processes_race(shared: StoreSpec, tmp_path: Path, round_: int) -> None:
     procs = [
         ctx.Process(
             target=_process_racer,
-            args=(shared, f"key-{round_}", str(effects), barrier, threads, queue),
+            args=(shared_spec, f"key-{round_}", str(effects), barrier, threads, queue),
         )
         for _ in range(PROCESSES)
     ]
