@@ -266,7 +266,9 @@ def test_bad_arguments_touch_nothing(api: Api) -> None:
     for kwargs in ({"operation": 5}, {"scope": None}, {"fingerprint": b"x"}, {"ttl": 0},
                    {"lease": -1}, {"request_payload": "text, not bytes"}, {"request_id": 7},
                    {"metadata": {"when": object()}}, {"metadata": {"x": float("nan")}},
-                   {"metadata": ["not", "a", "dict"]}, {"nonsense": 1}):  # fmt: skip
+                   {"metadata": ["not", "a", "dict"]}, {"nonsense": 1}, {"ttl": "10"},
+                   {"lease": True}, {"ttl": float("nan")}, {"wait": -1},
+                   {"wait": "1"}):  # fmt: skip
         with pytest.raises((TypeError, ValueError)):
             api.begin("k", **kwargs)
     assert spy.calls == []

@@ -120,8 +120,10 @@ _json_check = json.JSONEncoder(allow_nan=False).encode
 
 
 def _positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
     value = float(value)
-    if not value > 0:
+    if not value > 0 or value == float("inf"):
         raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
     return value
 
@@ -340,7 +342,12 @@ class _Plan:
         self.lease = engine.lease if lease is None else _positive("lease", lease)
         if self.lease > self.ttl:
             self.lease = self.ttl
-        self.wait = engine.wait if wait is None else max(0.0, float(wait))
+        if wait is None:
+            self.wait = engine.wait
+        elif isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
+            raise ValueError(f"wait must be a number of seconds >= 0, not {wait!r}")
+        else:
+            self.wait = float(wait)
         self.key, self.operation, self.scope, self.fingerprint = key, operation, scope, fingerprint
         self.key_hash = key_hash(scope, operation, key)
         if request_id is not None and type(request_id) is not str:
