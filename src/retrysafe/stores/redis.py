@@ -611,6 +611,10 @@ class RedisStore(Store[_Op]):
 
     # -- executors ---------------------------------------------------------------
 
+    # Both executors send an op, hand a failed send to _retry_or_raise and a reply
+    # to _settle; either may answer with the op to run next (a takeover, a fallback
+    # to script claims). Only the send differs, by an await.
+
     def _run(self, op: _Op) -> Any:
         while True:
             try:
@@ -620,17 +624,10 @@ class RedisStore(Store[_Op]):
                 except _rx.NoScriptError:  # a new or flushed server: load, then run once
                     client.script_load(_SCRIPTS[op[0][1]])
                     reply = client.execute_command(*op[0], **op[4])
-            except _UNAVAILABLE as exc:
-                raise self._unavailable(exc) from exc
-            except _rx.ResponseError as exc:
-                op = self._refused(op, exc)
+            except (_rx.RedisError, OSError) as exc:
+                op = self._retry_or_raise(op, exc)
                 continue
-            except _rx.RedisError as exc:  # anything else redis-py raises
-                raise self._unavailable(exc) from exc
-            try:
-                result = op[1](reply, op)
-            except _MALFORMED as exc:
-                raise self._malformed(op, exc) from exc
+            result = self._settle(op, reply)
             if type(result) is not tuple:
                 return result
             op = result
@@ -645,20 +642,28 @@ class RedisStore(Store[_Op]):
                 except _rx.NoScriptError:
                     await client.script_load(_SCRIPTS[op[0][1]])
                     reply = await client.execute_command(*op[0], **op[4])
-            except _UNAVAILABLE as exc:
-                raise self._unavailable(exc) from exc
-            except _rx.ResponseError as exc:
-                op = self._refused(op, exc)
+            except (_rx.RedisError, OSError) as exc:
+                op = self._retry_or_raise(op, exc)
                 continue
-            except _rx.RedisError as exc:  # anything else redis-py raises
-                raise self._unavailable(exc) from exc
-            try:
-                result = op[1](reply, op)
-            except _MALFORMED as exc:
-                raise self._malformed(op, exc) from exc
+            result = self._settle(op, reply)
             if type(result) is not tuple:
                 return result
             op = result
+
+    def _retry_or_raise(self, op: _Op, exc: BaseException) -> _Op:
+        """The op to run after a failed send, or StoreUnavailableError."""
+        if isinstance(exc, _UNAVAILABLE):
+            raise self._unavailable(exc) from exc
+        if isinstance(exc, _rx.ResponseError):
+            return self._refused(op, exc)
+        raise self._unavailable(exc) from exc  # anything else redis-py raises
+
+    def _settle(self, op: _Op, reply: Any) -> Any:
+        """The op's parsed reply (or the next op); a malformed record is unavailable."""
+        try:
+            return op[1](reply, op)
+        except _MALFORMED as exc:
+            raise self._malformed(op, exc) from exc
 
     def _refused(self, op: _Op, exc: _rx.ResponseError) -> _Op:
         """The op to run instead of one the server refused, or the error to raise."""
