@@ -93,7 +93,16 @@ def _log_tail(path: Path, lines: int = 30) -> str:
 
 
 class _Server:
-    """What both servers share: start/stop/close, and ``with`` to start and close."""
+    """What both servers share: a port, start/stop/close, and ``with`` to start and close."""
+
+    def __init__(self, port: int | None) -> None:
+        self._auto_port = port is None  # a port we chose may be retried with another
+        self._port = port if port is not None else free_port()
+
+    @property
+    def port(self) -> int:
+        """TCP port the server listens on."""
+        return self._port
 
     def start(self) -> None:
         raise NotImplementedError
@@ -134,16 +143,10 @@ class RedisServer(_Server):
     """
 
     def __init__(self, port: int | None = None, *, durable: bool = False) -> None:
+        super().__init__(port)
         self.durable = durable
-        self._auto_port = port is None
-        self._port = port if port is not None else free_port()
         self._dir: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def port(self) -> int:
-        """TCP port the server listens on."""
-        return self._port
 
     @property
     def url(self) -> str:
@@ -302,18 +305,12 @@ class PostgresServer(_Server):
     database = "retrysafe"
 
     def __init__(self, port: int | None = None) -> None:
-        self._auto_port = port is None
-        self._port = port if port is not None else free_port()
+        super().__init__(port)
         self._base: Path | None = None
         self._os_user: str | None = None
         self._has_cluster = False
         self._has_database = False
         self._started = False
-
-    @property
-    def port(self) -> int:
-        """TCP port the server listens on."""
-        return self._port
 
     @property
     def url(self) -> str:
