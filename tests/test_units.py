@@ -219,3 +219,24 @@ def test_sqlite_store_survives_a_fork(tmp_path: Path) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     again = engine.begin("in-child")
     assert isinstance(again, Replay) and again.outcome.value == "child"
+
+
+async def test_sqlite_aclose_closes_the_worker_threads_connections(tmp_path: Path) -> None:
+    import asyncio
+    import os
+
+    path = tmp_path / "a.db"
+    store = SQLiteStore(f"sqlite:///{path}")
+    engine = Engine(store)
+
+    def open_handles() -> int:
+        fds = os.listdir("/proc/self/fd")
+        return sum(1 for fd in fds if os.path.realpath(f"/proc/self/fd/{fd}") == str(path))
+
+    results = await asyncio.gather(*(engine.abegin(f"k{i}") for i in range(20)))
+    assert all(isinstance(r, Claim) for r in results)
+    assert open_handles() >= 1
+    await engine.aclose()
+    assert open_handles() == 0
+    with pytest.raises(InProgressError):  # reopens on use; the record survived the close
+        await engine.abegin("k0")

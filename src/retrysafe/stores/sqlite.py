@@ -101,9 +101,11 @@ def _path_from_url(url: str) -> tuple[str, dict[str, str]]:
 
 def _forget_connections(ref: weakref.ref[SQLiteStore]) -> None:
     store = ref()
-    if store is not None:
+    if store is not None:  # the parent's connections are the parent's: forget, never close
         store._local = threading.local()
         store._generation += 1
+        store._conns = []
+        store._conns_lock = threading.Lock()
 
 
 class SQLiteStore(Store[_Op]):
@@ -128,6 +130,8 @@ class SQLiteStore(Store[_Op]):
         self.synchronous = sync
         self._local = threading.local()
         self._generation = 0  # bumped by close(): threads reopen their connection
+        self._conns: list[sqlite3.Connection] = []  # every thread's, for close()
+        self._conns_lock = threading.Lock()
         self._migrated = False
         # A connection must not cross a fork (gunicorn --preload, multiprocessing):
         # the child opens its own. The hook holds the store only weakly.
@@ -144,6 +148,8 @@ class SQLiteStore(Store[_Op]):
         conn.execute(f"PRAGMA synchronous={self.synchronous}")
         if not self._migrated:
             self._migrate(conn)
+        with self._conns_lock:
+            self._conns.append(conn)
         return conn
 
     def _set_wal(self, conn: sqlite3.Connection) -> None:
@@ -196,11 +202,16 @@ class SQLiteStore(Store[_Op]):
         return SCHEMA_VERSION
 
     def close(self) -> None:
-        """Close this thread's connection; other threads reopen theirs on next use."""
-        conn = getattr(self._local, "conn", None)
-        self._generation += 1
+        """Close every thread's connection (call it when no operation is running).
+
+        Async operations run on worker threads, so this closes theirs too; any
+        thread reopens a connection on its next use.
+        """
+        with self._conns_lock:
+            self._generation += 1
+            conns, self._conns = self._conns, []
         self._local.__dict__.pop("conn", None)
-        if conn is not None:
+        for conn in conns:
             conn.close()
 
     # -- executors -----------------------------------------------------------
