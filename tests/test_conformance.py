@@ -332,7 +332,9 @@ class SeesInFlight:
         return self._seen(await self.inner.aclaim(record))
 
 
-def test_wait_gets_the_first_attempts_answer(api: Api) -> None:
+@pytest.mark.parametrize("first_attempt_ends", ["completes", "fails"])
+def test_wait_ends_with_the_first_attempt(api: Api, first_attempt_ends: str) -> None:
+    """A waiter gets the first attempt's answer, or takes the key over when it failed."""
     first = claim(api.begin("k", operation=OP, fingerprint="f"))
     spy = SeesInFlight(api.engine.store)
     api.engine.store = spy  # type: ignore[assignment]
@@ -340,30 +342,21 @@ def test_wait_gets_the_first_attempts_answer(api: Api) -> None:
 
     def finish() -> None:
         spy.busy.wait(10)  # the waiter has seen the key in flight
-        owner.complete(first, Outcome.json("first answer"))
+        if first_attempt_ends == "completes":
+            owner.complete(first, Outcome.json("first answer"))
+        else:
+            owner.fail(first)
 
     finisher = threading.Thread(target=finish)
     finisher.start()
-    answer = replay(api.begin("k", operation=OP, fingerprint="f", wait=10))
+    answer = api.begin("k", operation=OP, fingerprint="f", wait=10)
     finisher.join()
-    assert spy.busy.is_set() and answer.outcome.value == "first answer"
-
-
-def test_wait_takes_over_after_a_failure(api: Api) -> None:
-    first = claim(api.begin("k", operation=OP, fingerprint="f"))
-    spy = SeesInFlight(api.engine.store)
-    api.engine.store = spy  # type: ignore[assignment]
-    owner = Engine(spy.inner)
-
-    def give_up() -> None:
-        spy.busy.wait(10)
-        owner.fail(first)
-
-    thread = threading.Thread(target=give_up)
-    thread.start()
-    retry = claim(api.begin("k", operation=OP, fingerprint="f", wait=10))
-    thread.join()
-    assert retry.took_over is Status.FAILED and retry.attempts == 2
+    assert spy.busy.is_set()
+    if first_attempt_ends == "completes":
+        assert replay(answer).outcome.value == "first answer"
+    else:
+        retry = claim(answer)
+        assert retry.took_over is Status.FAILED and retry.attempts == 2
 
 
 @pytest.mark.parametrize("real_clock", [True, False], ids=["real-clock", "frozen-clock"])
