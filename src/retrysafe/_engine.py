@@ -414,9 +414,13 @@ class Attempt:
     Set ``outcome`` to complete the claim on leaving the block. ``final = True``
     makes a failure on leaving (an exception) final instead of the engine's
     policy: for a handler that ran but whose answer cannot be stored.
+
+    A front door that must record the outcome before the block ends (before the
+    last byte of an answer leaves) calls :meth:`complete` or :meth:`fail` (or
+    their async twins) inside it; leaving the block then writes nothing more.
     """
 
-    __slots__ = ("_engine", "_key", "_options", "claim", "final", "outcome", "replay")
+    __slots__ = ("_engine", "_key", "_options", "claim", "final", "outcome", "replay", "settled")
 
     def __init__(self, engine: Engine, key: str, options: BeginOptions) -> None:
         self._engine, self._key, self._options = engine, key, options
@@ -424,6 +428,29 @@ class Attempt:
         self.replay: Replay | None = None
         self.outcome: Outcome | None = None
         self.final: bool | None = None
+        self.settled = False
+
+    def _owned(self) -> Claim:
+        if self.claim is None or self.settled:
+            raise RuntimeError("this attempt holds no unsettled claim")
+        self.settled = True  # even if the store call fails: the block must not retry it
+        return self.claim
+
+    def complete(self, outcome: Outcome) -> None:
+        """Store ``outcome`` now (see :meth:`Engine.complete`)."""
+        self._engine.complete(self._owned(), outcome)
+
+    def fail(self, outcome: Outcome | None = None, *, final: bool | None = None) -> None:
+        """Mark the attempt failed now (see :meth:`Engine.fail`)."""
+        self._engine.fail(self._owned(), outcome, final=final)
+
+    async def acomplete(self, outcome: Outcome) -> None:
+        """Async :meth:`complete`, shielded from cancellation."""
+        await asyncio.shield(_keep(self._engine.acomplete(self._owned(), outcome)))
+
+    async def afail(self, outcome: Outcome | None = None, *, final: bool | None = None) -> None:
+        """Async :meth:`fail`, shielded from cancellation."""
+        await asyncio.shield(_keep(self._engine.afail(self._owned(), outcome, final=final)))
 
     def _started(self, answer: Claim | Replay) -> Attempt:
         if isinstance(answer, Replay):
@@ -453,7 +480,7 @@ class Attempt:
         self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         claim = self.claim
-        if claim is None:
+        if claim is None or self.settled:
             return
         if self._commit(exc):
             self._engine.complete(claim, self.outcome)  # type: ignore[arg-type]
@@ -490,7 +517,7 @@ class Attempt:
         self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         claim = self.claim
-        if claim is None:
+        if claim is None or self.settled:
             return
         if self._commit(exc):
             await asyncio.shield(_keep(self._engine.acomplete(claim, self.outcome)))  # type: ignore[arg-type]

@@ -1,0 +1,552 @@
+"""The HTTP core shared by every HTTP front door (ASGI, WSGI, Django, gateway).
+
+Everything here is plain code with no I/O: reading the key header, the request
+fingerprint, the principal's scope, which response headers are stored, and the
+answers (replays and RFC 9457 problems). The adapters only move bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ._engine import DEFAULT_MAX_BODY, Claim, Engine, Replay
+from ._errors import (
+    FingerprintMismatchError,
+    IdempotencyError,
+    InProgressError,
+    InvalidKeyError,
+    StoreUnavailableError,
+)
+from ._keys import _KEY_RE, canonical_json, validate_key
+from ._record import Outcome
+from .stores import Store
+
+__all__ = [
+    "BodyError",
+    "Headers",
+    "HttpPolicy",
+    "HttpRequest",
+    "Response",
+    "problem",
+]
+
+log = logging.getLogger("retrysafe.http")
+
+DEFAULT_HEADERS = ("Idempotency-Key", "X-Idempotency-Key")
+DEFAULT_MAX_REQUEST_BODY = 10 << 20
+REPLAYED = ("idempotent-replayed", "true")
+PROBLEM_TYPE = "application/problem+json"
+#: The stored media type of an answer whose body was over ``max_body``.
+OMITTED = "application/vnd.retrysafe.body-omitted"
+
+#: Never stored unless named in ``store_headers``: they carry credentials.
+SENSITIVE = frozenset({"set-cookie", "authorization", "proxy-authorization", "cookie"})
+#: Never stored at all: they describe one connection, not the answer.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-connection", "te", "trailer",
+    "transfer-encoding", "upgrade", "idempotent-replayed",
+})  # fmt: skip
+#: Headers that describe a body; an omitted body is replayed without them.
+REPRESENTATION = frozenset({"content-length", "content-type", "content-encoding", "etag",
+                            "content-range", "content-md5", "digest", "last-modified"})  # fmt: skip
+
+
+@dataclass(slots=True)
+class Response:
+    """An answer the core gives instead of running the handler."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+class BodyError(IdempotencyError):
+    """The request body cannot be fingerprinted (malformed JSON, or too large)."""
+
+    code = "idempotency_body_invalid"
+
+    def __init__(self, message: str, *, status: int = 400, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        if code is not None:
+            self.code = code
+
+
+class Headers:
+    """A read-only, case-insensitive view of request headers (repeats kept)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Iterable[tuple[str, str]]) -> None:
+        self._items = [(k.lower(), v) for k, v in items]
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        name = name.lower()
+        for k, v in self._items:
+            if k == name:
+                return v
+        return default
+
+    def getlist(self, name: str) -> list[str]:
+        name = name.lower()
+        return [v for k, v in self._items if k == name]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.get(name) is not None
+
+    def items(self) -> list[tuple[str, str]]:
+        return list(self._items)
+
+    def __repr__(self) -> str:
+        return f"Headers({[k for k, _ in self._items]!r})"
+
+
+@dataclass(slots=True)
+class HttpRequest:
+    """The request as ``scope=`` and ``require_key=`` callables see it.
+
+    ``native`` is the framework's own object: the ASGI scope, the WSGI environ
+    or the Django ``HttpRequest``.
+    """
+
+    method: str
+    path: str
+    query: str
+    headers: Headers
+    native: Any = None
+
+
+# -- the key header ----------------------------------------------------------------
+
+# RFC 8941 parameters after an sf-string item: ;key[=bare-item]
+_BARE = r'(?:-?\d+(?:\.\d+)?|"(?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*"|[A-Za-z*][!#$%&\'*+\-.^_`|~:/\w]*|:[A-Za-z0-9+/=]*:|\?[01])'  # noqa: E501
+_PARAMS = re.compile(rf"(?:;[ ]*[a-z*][a-z0-9_\-.*]*(?:={_BARE})?)*[ \t]*")
+_MEMBER = re.compile(r'[ \t]*("(?:[^"\\]|\\.)*"?|[^,]*)')
+
+
+def _sf_string(member: str) -> str:
+    """The value of an RFC 8941 sf-string item (parameters allowed, then ignored)."""
+    out = []
+    i, n = 1, len(member)
+    while i < n:
+        c = member[i]
+        if c == "\\":
+            if i + 1 < n and member[i + 1] in '"\\':
+                out.append(member[i + 1])
+                i += 2
+                continue
+            raise InvalidKeyError("malformed quoted idempotency key: bad escape")
+        if c == '"':
+            if not _PARAMS.fullmatch(member, i + 1):
+                raise InvalidKeyError(
+                    "malformed quoted idempotency key: unexpected text after the closing quote"
+                )
+            return "".join(out)
+        if not " " <= c <= "~":
+            raise InvalidKeyError(
+                f"malformed quoted idempotency key: {c!r} is not allowed in an sf-string"
+            )
+        out.append(c)
+        i += 1
+    raise InvalidKeyError("malformed quoted idempotency key: no closing quote")
+
+
+def parse_key(values: list[str]) -> str | None:
+    """The one key carried by the key header's field lines, or None if there is none.
+
+    A member that starts with ``"`` is an RFC 8941 sf-string; any other member is
+    the key as it stands. Commas outside quotes separate members (servers fold
+    repeated header lines into one comma-separated value), so a bare key cannot
+    hold a comma: quote it. Several members must all be the same key.
+    """
+    if len(values) == 1:
+        value = values[0].strip(" \t")
+        if value and value[0] != '"' and "," not in value:
+            if _KEY_RE.fullmatch(value):
+                return value
+            return validate_key(value)  # raises with the reason
+    keys: list[str] = []
+    for value in values:
+        pos, n = 0, len(value)
+        while True:
+            m = _MEMBER.match(value, pos)
+            assert m is not None
+            member = m.group(1).strip(" \t")
+            pos = m.end()
+            # A quoted member may be followed by parameters up to the next comma.
+            if member.startswith('"'):
+                rest = value.find(",", pos)
+                tail = value[pos:] if rest < 0 else value[pos:rest]
+                member += tail
+                pos = n if rest < 0 else rest
+                keys.append(_sf_string(member.rstrip(" \t")))
+            elif not member:
+                if not value.strip(" \t") and len(values) == 1:
+                    raise InvalidKeyError("idempotency key is empty")
+                raise InvalidKeyError("idempotency key header has an empty member")
+            else:
+                keys.append(member)
+            if pos >= n:
+                break
+            pos += 1  # the comma
+    if not keys:
+        return None
+    if any(k != keys[0] for k in keys):
+        raise InvalidKeyError("the request carries more than one idempotency key")
+    return validate_key(keys[0])
+
+
+# -- fingerprint and scope -------------------------------------------------------------
+
+
+def _is_json(content_type: str | None) -> bool:
+    if not content_type:
+        return False
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+def request_fingerprint(
+    method: str, path: str, query: str, content_type: str | None, body: bytes
+) -> str:
+    """SHA-256 over method, path, query and body; JSON bodies in canonical form.
+
+    Raises :class:`BodyError` for a body declared as JSON that does not parse.
+    """
+    if body and _is_json(content_type):
+        try:
+            body = canonical_json(json.loads(body))
+        except (ValueError, RecursionError, TypeError) as exc:
+            raise BodyError(f"the request body is not valid JSON: {exc}") from None
+        kind = b"j"
+    else:
+        kind = b"b"
+    h = hashlib.sha256()
+    for part in (method.encode(), path.encode("utf-8", "surrogateescape"), query.encode()):
+        h.update(b"%d:" % len(part))
+        h.update(part)
+    h.update(kind)
+    h.update(body)
+    return h.hexdigest()
+
+
+def credentials_scope(authorization: str | None) -> str:
+    """The default scope: a hash of the ``Authorization`` header, else none."""
+    if not authorization:
+        return ""
+    return "auth:" + hashlib.sha256(authorization.encode("latin-1")).hexdigest()[:32]
+
+
+# -- answers ----------------------------------------------------------------------
+
+_TITLES = {
+    "idempotency_key_required": "Idempotency key required",
+    "idempotency_key_invalid": "Invalid idempotency key",
+    "idempotency_in_flight": "Request in progress",
+    "idempotency_conflict": "Idempotency key reused",
+    "idempotency_store_unavailable": "Idempotency store unavailable",
+    "idempotency_body_invalid": "Request body cannot be fingerprinted",
+    "idempotency_body_too_large": "Request body too large",
+    "idempotency_failed": "Request failed",
+}
+
+
+def problem(
+    status: int,
+    code: str,
+    detail: str,
+    *,
+    headers: Iterable[tuple[str, str]] = (),
+    **extra: Any,
+) -> Response:
+    """An RFC 9457 ``application/problem+json`` answer with a machine ``code``."""
+    doc = {
+        "type": f"urn:retrysafe:problem:{code}",
+        "title": _TITLES.get(code, code),
+        "status": status,
+        "detail": detail,
+        "code": code,
+        **extra,
+    }
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    out = [("content-type", PROBLEM_TYPE), ("content-length", str(len(body)))]
+    out.extend(headers)
+    return Response(status, out, body)
+
+
+def _retry_after(seconds: float) -> tuple[str, str]:
+    return ("retry-after", str(max(1, math.ceil(seconds))))
+
+
+# -- the policy ---------------------------------------------------------------------
+
+ScopeSpec = Callable[[HttpRequest], str | None] | None
+RequireSpec = bool | Callable[[HttpRequest], bool]
+
+
+class HttpPolicy:
+    """The options every HTTP front door takes, validated once, and its decisions.
+
+    See :class:`retrysafe.asgi.IdempotencyMiddleware` for what each option means.
+    """
+
+    def __init__(
+        self,
+        store: Store[Any] | Engine | str | None = None,
+        *,
+        methods: Collection[str] = ("POST", "PATCH"),
+        require_key: RequireSpec = False,
+        header: str | Collection[str] = DEFAULT_HEADERS,
+        scope: ScopeSpec = None,
+        operation: str = "http",
+        ttl: float | None = None,
+        lease: float | None = None,
+        wait: float | None = None,
+        duplicate_response: Literal["replay", "no_content"] = "replay",
+        fail_mode: Literal["closed", "open"] = "closed",
+        final_failures: bool = False,
+        max_body: int = DEFAULT_MAX_BODY,
+        max_request_body: int = DEFAULT_MAX_REQUEST_BODY,
+        store_headers: Collection[str] | None = None,
+        drop_headers: Collection[str] = (),
+    ) -> None:
+        if isinstance(store, Engine):
+            self.engine = store
+        else:
+            kwargs: dict[str, Any] = {"max_body": max(int(max_body), DEFAULT_MAX_BODY)}
+            if ttl is not None:
+                kwargs["ttl"] = ttl
+            if lease is not None:
+                kwargs["lease"] = lease
+            self.engine = Engine(store, **kwargs)
+        self.methods = frozenset(m.upper() for m in methods)
+        if not callable(require_key) and not isinstance(require_key, bool):
+            raise TypeError("require_key must be a bool or a callable taking the request")
+        self.require_key = require_key
+        names = (header,) if isinstance(header, str) else tuple(header)
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError("header must name at least one header")
+        self.header = names[0]
+        self.header_names = frozenset(n.lower() for n in names)
+        # What WSGI servers call them: HTTP_IDEMPOTENCY_KEY.
+        self.environ_names = tuple("HTTP_" + n.upper().replace("-", "_") for n in names)
+        if scope is not None and not callable(scope):
+            raise TypeError("scope must be a callable taking the request (or None)")
+        self.scope = scope
+        if not isinstance(operation, str):
+            raise TypeError("operation must be a str")
+        self.operation = operation
+        self.ttl, self.lease, self.wait = ttl, lease, wait
+        if duplicate_response not in ("replay", "no_content"):
+            raise ValueError('duplicate_response must be "replay" or "no_content"')
+        self.no_content = duplicate_response == "no_content"
+        if fail_mode not in ("closed", "open"):
+            raise ValueError('fail_mode must be "closed" or "open"')
+        self.fail_open = fail_mode == "open"
+        self.final_failures = bool(final_failures)
+        if int(max_body) < 0 or int(max_request_body) < 0:
+            raise ValueError("max_body and max_request_body must not be negative")
+        self.max_body = int(max_body)
+        self.max_request_body = int(max_request_body)
+        self.store_headers = (
+            None if store_headers is None else frozenset(h.lower() for h in store_headers)
+        )
+        self.drop_headers = frozenset(h.lower() for h in drop_headers) | HOP_BY_HOP
+
+    # -- the request -------------------------------------------------------------
+
+    def key(self, values: list[str]) -> str | None:
+        """The request's key from the key header lines (:class:`InvalidKeyError` if bad)."""
+        return parse_key(values) if values else None
+
+    def missing(self, request: Callable[[], HttpRequest]) -> Response | None:
+        """The answer to a request without a key: 400 if one is required, else None."""
+        required = self.require_key
+        if callable(required):
+            required = bool(required(request()))
+        if not required:
+            return None
+        return problem(
+            400,
+            "idempotency_key_required",
+            f"this request needs an {self.header} header",
+        )
+
+    def check_length(self, length: int) -> None:
+        if length > self.max_request_body:
+            raise BodyError(
+                f"the request body is over {self.max_request_body} bytes, the most that is "
+                "fingerprinted for an idempotent request",
+                status=413,
+                code="idempotency_body_too_large",
+            )
+
+    def begin_options(
+        self,
+        method: str,
+        path: str,
+        query: str,
+        content_type: str | None,
+        body: bytes,
+        request: Callable[[], HttpRequest],
+        authorization: str | None,
+        request_id: str | None,
+    ) -> dict[str, Any]:
+        """The engine options of a keyed request (:class:`BodyError` for a bad body)."""
+        self.check_length(len(body))
+        fp = request_fingerprint(method, path, query, content_type, body)
+        if self.scope is None:
+            scope = credentials_scope(authorization)
+        else:
+            scope = self.scope(request())
+            if scope is None:
+                scope = ""
+            elif not isinstance(scope, str):
+                raise TypeError(f"scope= must return a str or None, not {type(scope).__name__}")
+        return {
+            "operation": self.operation, "scope": scope, "fingerprint": fp,
+            "request_id": request_id, "ttl": self.ttl, "lease": self.lease, "wait": self.wait,
+        }  # fmt: skip
+
+    # -- answers instead of the handler --------------------------------------------
+
+    def refusal(self, error: Exception) -> Response | None:
+        """The answer to an error of the key, the body or the engine; None to fail open."""
+        if isinstance(error, InvalidKeyError):
+            return problem(400, "idempotency_key_invalid", str(error))
+        if isinstance(error, BodyError):
+            return problem(error.status, error.code, str(error))
+        if isinstance(error, InProgressError):
+            return problem(
+                409, "idempotency_in_flight", str(error),
+                headers=[_retry_after(error.retry_after)], retry_after=error.retry_after,
+            )  # fmt: skip
+        if isinstance(error, FingerprintMismatchError):
+            return problem(422, "idempotency_conflict", str(error))
+        if isinstance(error, StoreUnavailableError):
+            if self.fail_open:
+                log.warning(
+                    "retrysafe: store unavailable; serving without idempotency (fail open): %s",
+                    error,
+                )
+                return None
+            log.error("retrysafe: store unavailable, answering 503: %s", error)
+            return problem(
+                503, "idempotency_store_unavailable",
+                "the idempotency store cannot be reached; retry with the same key",
+                headers=[_retry_after(error.retry_after)],
+            )  # fmt: skip
+        raise error
+
+    def replay(self, replay: Replay) -> Response:
+        """The stored answer, marked ``Idempotent-Replayed: true``."""
+        outcome = replay.outcome
+        if outcome is None:  # a final failure without an answer (the handler raised)
+            return problem(
+                500, "idempotency_failed",
+                "an earlier attempt with this key failed finally; it is not run again",
+                headers=[REPLAYED],
+            )  # fmt: skip
+        status = outcome.status or 200
+        if self.no_content and 200 <= status < 300 and not replay.failed:
+            return Response(204, [REPLAYED], b"")
+        headers = list(outcome.headers)
+        if outcome.media_type == OMITTED:
+            headers = [(k, v) for k, v in headers if k not in REPRESENTATION]
+            headers.append(("idempotent-body-omitted", "true"))
+            headers.append(("content-length", "0"))
+        headers.append(REPLAYED)
+        return Response(status, headers, outcome.body)
+
+    # -- the handler's answer ----------------------------------------------------------
+
+    def stored_headers(self, headers: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+        """The response headers kept for replay: lower-cased, sensitive ones left out."""
+        allow, drop = self.store_headers, self.drop_headers
+        out = []
+        for name, value in headers:
+            name = name.lower()
+            if name in drop:
+                continue
+            if allow is None:
+                if name in SENSITIVE:
+                    continue
+            elif name not in allow:
+                continue
+            out.append((name, value))
+        return tuple(out)
+
+    def is_failure(self, status: int) -> bool:
+        """A 5xx answer fails the attempt (retryable unless ``final_failures``)."""
+        return status >= 500
+
+    def outcome(
+        self, status: int, headers: Iterable[tuple[str, str]], body: bytes, size: int
+    ) -> Outcome:
+        """The stored form of an answer; ``size`` is the whole body's length.
+
+        A body over ``max_body`` is not kept: status and headers are, and a replay
+        answers them with an empty body and ``Idempotent-Body-Omitted: true``.
+        """
+        kept = self.stored_headers(headers)
+        if size > self.max_body:
+            return Outcome(b"", status, kept, OMITTED)
+        media = next((v for k, v in kept if k == "content-type"), "application/octet-stream")
+        return Outcome(body, status, kept, media)
+
+    async def asettle(self, att: Any, status: int, outcome: Outcome) -> None:
+        """Record the answer (before its last byte leaves); never raises."""
+        try:
+            if self.is_failure(status):
+                await att.afail(outcome, final=self.final_failures)
+            else:
+                await att.acomplete(outcome)
+        except IdempotencyError as exc:
+            _unrecorded(att.claim, exc)
+
+    def settle(self, att: Any, status: int, outcome: Outcome) -> None:
+        """Sync :meth:`asettle`."""
+        try:
+            if self.is_failure(status):
+                att.fail(outcome, final=self.final_failures)
+            else:
+                att.complete(outcome)
+        except IdempotencyError as exc:
+            _unrecorded(att.claim, exc)
+
+
+def _unrecorded(claim: Claim | None, exc: Exception) -> None:
+    """The handler ran but its answer could not be recorded: the client still gets it."""
+    log.error(
+        "retrysafe: the answer was sent but not recorded (%s); a retry after the lease "
+        "runs out may run the handler again (key_hash=%s)",
+        exc, claim.key_hash[:16] if claim else "-",
+    )  # fmt: skip
+
+
+class Capture:
+    """A copy of a streamed body, kept up to ``limit`` bytes; the size is always counted."""
+
+    __slots__ = ("chunks", "limit", "size")
+
+    def __init__(self, limit: int) -> None:
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.limit = limit
+
+    def add(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size <= self.limit:
+            self.chunks.append(chunk)
+        elif self.chunks:
+            self.chunks = []  # over the limit: the copy is dropped, memory stays flat
+
+    def body(self) -> bytes:
+        return b"".join(self.chunks) if self.size <= self.limit else b""

@@ -1,0 +1,239 @@
+"""Idempotency for any ASGI application (Starlette, FastAPI, Quart, plain ASGI).
+
+::
+
+    from retrysafe.asgi import IdempotencyMiddleware
+
+    app = IdempotencyMiddleware(app, store="redis://localhost:6379/0")
+    # or, in Starlette / FastAPI:
+    app.add_middleware(IdempotencyMiddleware, store="sqlite:///idempotency.db")
+
+Pure ASGI: it needs no framework, and requests that carry no key (or use a
+method it does not protect) go straight to the app.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from ._engine import Attempt
+from ._errors import IdempotencyError
+from ._http import (
+    Capture,
+    Headers,
+    HttpPolicy,
+    HttpRequest,
+    Response,
+)
+
+__all__ = ["IdempotencyMiddleware"]
+
+log = logging.getLogger("retrysafe.http")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class IdempotencyMiddleware:
+    """Run each keyed request once; answer its retries with the stored response.
+
+    Options (the same in :mod:`retrysafe.wsgi` and :mod:`retrysafe.django`):
+
+    - ``store``: a :class:`~retrysafe.Store`, a store URL or an
+      :class:`~retrysafe.Engine` (default ``$RETRYSAFE_STORE`` or SQLite).
+    - ``methods``: the methods protected (default POST and PATCH).
+    - ``require_key``: answer 400 to a protected request without a key; a bool
+      or a callable taking an :class:`~retrysafe.http.HttpRequest`.
+    - ``header``: the key header, or several names (default ``Idempotency-Key``
+      and ``X-Idempotency-Key``).
+    - ``scope``: a callable taking the request and returning the principal
+      (tenant, workspace, user id). Default: a hash of ``Authorization``.
+    - ``operation``: the operation name in the key hash (default ``"http"``).
+    - ``ttl``, ``lease``, ``wait``: seconds a record is kept, an attempt owns
+      its key, a duplicate waits for the attempt in flight (default 0: 409).
+    - ``duplicate_response``: ``"replay"`` (default) or ``"no_content"`` (204
+      for a replayed 2xx answer, as seed 003's mobile API does).
+    - ``fail_mode``: ``"closed"`` (503 + ``Retry-After`` when the store is
+      down, default) or ``"open"`` (serve without idempotency, logged).
+    - ``final_failures``: record 5xx answers and exceptions as final (replayed)
+      instead of retryable.
+    - ``max_body``: the largest response body stored (1 MiB); a larger one is
+      streamed to the client, and replayed as its status and headers with an
+      empty body and ``Idempotent-Body-Omitted: true``.
+    - ``max_request_body``: the largest keyed request body accepted (10 MiB;
+      413 above it).
+    - ``store_headers``: only these response headers are stored (default: all
+      but ``Set-Cookie``, ``Authorization`` and hop-by-hop headers; naming a
+      sensitive header here allows it). ``drop_headers``: never stored.
+    """
+
+    def __init__(self, app: ASGIApp, store: Any = None, **options: Any) -> None:
+        self.app = app
+        self.policy = HttpPolicy(store, **options)
+        self._names = frozenset(n.encode("latin-1") for n in self.policy.header_names)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        policy = self.policy
+        if scope["type"] != "http" or scope["method"] not in policy.methods:
+            await self.app(scope, receive, send)
+            return
+        names = self._names
+        values: list[str] = []
+        ctype = auth = rid = clen = None
+        for name, value in scope["headers"]:
+            if name in names:
+                values.append(value.decode("latin-1"))
+            elif name == b"content-type":
+                ctype = value.decode("latin-1")
+            elif name == b"authorization":
+                auth = value.decode("latin-1")
+            elif name == b"content-length":
+                clen = value
+            elif name == b"x-request-id":
+                rid = value.decode("latin-1")
+
+        def request() -> HttpRequest:
+            return _request(scope)
+
+        try:
+            key = policy.key(values) if values else None
+            if key is None:
+                refusal = policy.missing(request)
+                if refusal is None:
+                    await self.app(scope, receive, send)
+                else:
+                    await _answer(send, refusal)
+                return
+            if clen is not None and clen.isdigit():
+                policy.check_length(int(clen))
+            body = await _read_body(receive, policy)
+            if body is None:
+                return  # the client left before sending its body
+            options = policy.begin_options(
+                scope["method"], scope["path"], scope["query_string"].decode("latin-1"),
+                ctype, body, request, auth, rid,
+            )  # fmt: skip
+        except IdempotencyError as exc:
+            await _answer(send, policy.refusal(exc))  # type: ignore[arg-type]
+            return
+
+        sent = False
+
+        async def replay_receive() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        attempt = policy.engine.attempt(key, **options)
+        entered = False
+        try:
+            async with attempt as att:
+                entered = True
+                if att.replay is not None:
+                    await _answer(send, policy.replay(att.replay))
+                    return
+                recorder = _Recorder(send, policy, att)
+                await self.app(scope, replay_receive, recorder.send)
+                if not att.settled:
+                    log.warning("retrysafe: the app returned without a complete response")
+                    await att.afail()
+        except IdempotencyError as exc:
+            if entered:
+                raise
+            refusal = policy.refusal(exc)
+            if refusal is None:  # fail open
+                await self.app(scope, replay_receive, send)
+            else:
+                await _answer(send, refusal)
+
+
+class _Recorder:
+    """Wraps ``send``: copies the answer and records it before its last byte leaves.
+
+    A client that disconnects does not stop the recording: the app runs to its
+    end and its answer is stored, so the client's retry gets the replay.
+    """
+
+    __slots__ = ("att", "capture", "connected", "down", "policy", "start", "started")
+
+    def __init__(self, send: Send, policy: HttpPolicy, att: Attempt) -> None:
+        self.down, self.policy, self.att = send, policy, att
+        self.start: Message | None = None
+        self.capture = Capture(policy.max_body)
+        self.connected = True
+        self.started = False
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.start = message  # held until the first body message
+            return
+        if kind == "http.response.body" and self.start is not None:
+            start = self.start
+            capture = self.capture
+            capture.add(message.get("body", b""))
+            if not message.get("more_body", False):
+                status = start["status"]
+                headers = [
+                    (k.decode("latin-1"), v.decode("latin-1")) for k, v in start.get("headers", ())
+                ]
+                outcome = self.policy.outcome(status, headers, capture.body(), capture.size)
+                await self.policy.asettle(self.att, status, outcome)
+            if not self.started:
+                self.started = True
+                await self._forward(start)
+            await self._forward(message)
+            return
+        await self._forward(message)
+
+    async def _forward(self, message: Message) -> None:
+        if not self.connected:
+            return
+        try:
+            await self.down(message)
+        except OSError as exc:  # the client went away; finish and record anyway
+            self.connected = False
+            log.info("retrysafe: client disconnected; the answer is still recorded (%s)", exc)
+
+
+async def _read_body(receive: Receive, policy: HttpPolicy) -> bytes | None:
+    """The whole request body (at most ``max_request_body``), or None on disconnect."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            policy.check_length(size)
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _answer(send: Send, response: Response) -> None:
+    await send({
+        "type": "http.response.start",
+        "status": response.status,
+        "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers],
+    })  # fmt: skip
+    await send({"type": "http.response.body", "body": response.body})
+
+
+def _request(scope: Scope) -> HttpRequest:
+    return HttpRequest(
+        scope["method"],
+        scope["path"],
+        scope["query_string"].decode("latin-1"),
+        Headers((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]),
+        scope,
+    )
