@@ -28,7 +28,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_until_up(url: str, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_until_up(
+    url: str, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None
+) -> None:
     """Poll ``url`` until it answers at all (any status)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -100,7 +102,10 @@ class Process:
     def __init__(self, argv: list[str], port: int, env: dict[str, str] | None = None,
                  health: str = "/") -> None:  # fmt: skip
         self.argv, self.port, self.health = argv, port, health
-        self.env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        }
         self.env.update(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -280,7 +280,9 @@ def test_a_malformed_json_body_is_refused(door: Door, client: httpx.Client, tid:
     assert client.post("/orders", json={"a": 1}, headers=keyed(tid)).status_code == 201
 
 
-def test_a_reused_key_after_refusal_is_still_free(door: Door, client: httpx.Client, tid: str) -> None:
+def test_a_reused_key_after_refusal_is_still_free(
+    door: Door, client: httpx.Client, tid: str
+) -> None:
     problem(client.post("/orders", json={}, headers={"x-test-id": tid, "idempotency-key": b""}),
             400, "idempotency_key_invalid")  # fmt: skip
     assert client.post("/orders", json={}, headers=keyed(tid)).status_code == 201
