@@ -24,6 +24,7 @@ from typing import Any
 
 # FastAPI reads handler annotations at runtime: its Request must be a module global.
 from fastapi import Request as FastAPIRequest
+from fastapi.responses import Response as FastAPIResponse
 
 FRAMEWORKS = ["starlette", "fastapi", "flask", "django"]
 
@@ -132,37 +133,44 @@ def fastapi_app(counter: Counter) -> Any:
 
     app = FastAPI()
 
-    @app.api_route("/orders", methods=["POST", "PATCH", "PUT"], status_code=201)
-    async def orders(request: FastAPIRequest) -> Response:
+    async def orders(request: FastAPIRequest) -> FastAPIResponse:
         n = counter.hit(request.headers.get("x-test-id"))
         body = _json(await request.body())
         return JSONResponse(
             {"n": n, "body": body}, 201, headers={"x-order": str(n), "set-cookie": COOKIE}
         )
 
+    for method in ("POST", "PATCH", "PUT"):
+        app.add_api_route(
+            "/orders", orders, methods=[method], status_code=201,
+            operation_id=f"orders_{method.lower()}",
+        )  # fmt: skip
+
     @app.post("/raw")
-    async def raw(request: FastAPIRequest) -> Response:
+    async def raw(request: FastAPIRequest) -> FastAPIResponse:
         counter.hit(request.headers.get("x-test-id"))
         return Response(await request.body(), 200, media_type="application/octet-stream")
 
     @app.post("/status/{code}")
-    async def status(code: int, request: FastAPIRequest) -> Response:
+    async def status(code: int, request: FastAPIRequest) -> FastAPIResponse:
         n = counter.hit(request.headers.get("x-test-id"))
         return JSONResponse({"n": n, "status": code}, code)
 
     @app.post("/boom")
-    async def boom(request: FastAPIRequest) -> Response:
+    async def boom(request: FastAPIRequest) -> FastAPIResponse:
         counter.hit(request.headers.get("x-test-id"))
         raise RuntimeError("boom")
 
     @app.post("/slow")
-    async def slow(request: FastAPIRequest, ms: int = 500) -> Response:
+    async def slow(request: FastAPIRequest, ms: int = 500) -> FastAPIResponse:
         await asyncio.sleep(ms / 1000)
         n = counter.hit(request.headers.get("x-test-id"))
         return JSONResponse({"n": n}, 200)
 
     @app.post("/stream")
-    async def stream(request: FastAPIRequest, chunks: int = 10, size: int = 1000) -> Response:
+    async def stream(
+        request: FastAPIRequest, chunks: int = 10, size: int = 1000
+    ) -> FastAPIResponse:
         counter.hit(request.headers.get("x-test-id"))
 
         async def body() -> Any:

@@ -1,0 +1,110 @@
+"""FastAPI: the ASGI middleware, plus the key header in the OpenAPI schema.
+
+::
+
+    from fastapi import FastAPI
+    from retrysafe.fastapi import install
+
+    app = FastAPI()
+    install(app, store="redis://localhost:6379/0", require_key=True)
+
+Every operation whose method the middleware protects then documents the
+``Idempotency-Key`` header, the ``Idempotent-Replayed`` answer header and the
+problem answers (400, 409, 422, 503).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from ._http import DEFAULT_HEADERS, PROBLEM_TYPE
+from .asgi import IdempotencyMiddleware
+
+__all__ = ["document", "install"]
+
+_PROBLEMS = {
+    "400": "Missing or malformed idempotency key, or a body that cannot be fingerprinted "
+    "(`idempotency_key_required`, `idempotency_key_invalid`, `idempotency_body_invalid`)",
+    "409": "A request with this key is still in progress (`idempotency_in_flight`); "
+    "retry after `Retry-After` seconds with the same key",
+    "422": "The key was used before with a different request (`idempotency_conflict`)",
+    "503": "The idempotency store is unavailable (`idempotency_store_unavailable`); "
+    "retry after `Retry-After` seconds with the same key",
+}
+
+_PROBLEM_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "type": {"type": "string"},
+        "title": {"type": "string"},
+        "status": {"type": "integer"},
+        "detail": {"type": "string"},
+        "code": {"type": "string"},
+    },
+    "required": ["type", "title", "status", "detail", "code"],
+}
+
+
+def install(app: Any, store: Any = None, **options: Any) -> None:
+    """Add :class:`~retrysafe.asgi.IdempotencyMiddleware` to ``app`` and document it."""
+    app.add_middleware(IdempotencyMiddleware, store=store, **options)
+    header = options.get("header", DEFAULT_HEADERS)
+    document(
+        app,
+        methods=options.get("methods", ("POST", "PATCH")),
+        header=header if isinstance(header, str) else next(iter(header)),
+        required=options.get("require_key", False) is True,
+    )
+
+
+def document(
+    app: Any,
+    *,
+    methods: Collection[str] = ("POST", "PATCH"),
+    header: str = DEFAULT_HEADERS[0],
+    required: bool = False,
+) -> None:
+    """Add the key header and the idempotency answers to ``app``'s OpenAPI schema."""
+    protected = {m.lower() for m in methods}
+    build = app.openapi
+    done = False
+
+    def openapi() -> dict[str, Any]:
+        nonlocal done
+        schema: dict[str, Any] = build()
+        if not done:
+            for item in schema.get("paths", {}).values():
+                for method, operation in item.items():
+                    if method in protected:
+                        _describe(operation, header, required)
+            done = True
+        return schema
+
+    app.openapi = openapi
+
+
+def _describe(operation: dict[str, Any], header: str, required: bool) -> None:
+    params = operation.setdefault("parameters", [])
+    if not any(p.get("in") == "header" and p.get("name", "").lower() == header.lower()
+               for p in params):  # fmt: skip
+        params.append({
+            "name": header,
+            "in": "header",
+            "required": required,
+            "description": "A unique key for this operation (e.g. a UUID); send the same key "
+            "on every retry to get the first answer instead of a second side effect.",
+            "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+        })  # fmt: skip
+    responses = operation.setdefault("responses", {})
+    for status, description in _PROBLEMS.items():
+        responses.setdefault(status, {
+            "description": description,
+            "content": {PROBLEM_TYPE: {"schema": _PROBLEM_SCHEMA}},
+        })  # fmt: skip
+    for status, answer in responses.items():
+        if status not in _PROBLEMS and isinstance(answer, dict):
+            answer.setdefault("headers", {}).setdefault("Idempotent-Replayed", {
+                "description": "`true` when this is the stored answer of an earlier request",
+                "schema": {"type": "string", "enum": ["true"]},
+            })  # fmt: skip
