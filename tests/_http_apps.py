@@ -99,7 +99,7 @@ def starlette_app(counter: Counter) -> Any:
         await request.body()
         await asyncio.sleep(int(request.query_params.get("ms", 500)) / 1000)
         n = counter.hit(request.headers.get("x-test-id"))
-        return JSONResponse({"n": n}, 200)
+        return JSONResponse({"n": n}, 200, headers={"x-pid": str(os.getpid())})
 
     async def stream(request: Request) -> Response:
         counter.hit(request.headers.get("x-test-id"))
@@ -225,7 +225,9 @@ def flask_app(counter: Counter) -> Any:
         request.get_data()
         time.sleep(int(request.args.get("ms", 500)) / 1000)
         n = counter.hit(tid())
-        return Response(json.dumps({"n": n}), 200, mimetype="application/json")
+        return Response(
+            json.dumps({"n": n}), 200, {"x-pid": str(os.getpid())}, mimetype="application/json"
+        )
 
     @app.post("/stream")
     def stream() -> Response:
@@ -283,7 +285,7 @@ def _django_views() -> list[Any]:
 
     def slow(request: Any) -> HttpResponse:
         time.sleep(int(request.GET.get("ms", 500)) / 1000)
-        return JsonResponse({"n": hit(request)})
+        return JsonResponse({"n": hit(request)}, headers={"x-pid": str(os.getpid())})
 
     def stream(request: Any) -> HttpResponse:
         hit(request)
@@ -339,3 +341,35 @@ def __getattr__(name: str) -> Any:  # Django's URLconf, built on first use
 def upstream_from_env() -> Any:
     """The Starlette test API with no middleware: the gateway's upstream process."""
     return starlette_app(Counter(os.environ["RETRYSAFE_TEST_COUNTERS"]))
+
+
+def _env() -> tuple[Counter, dict[str, Any]]:
+    return Counter(os.environ["RETRYSAFE_TEST_COUNTERS"]), {
+        "store": os.environ["RETRYSAFE_TEST_STORE"]
+    }
+
+
+def starlette_from_env() -> Any:
+    """The protected Starlette API, for worker processes (uvicorn --factory)."""
+    from retrysafe.asgi import IdempotencyMiddleware
+
+    counter, options = _env()
+    app = starlette_app(counter)
+    app.add_middleware(IdempotencyMiddleware, **options)
+    return app
+
+
+def flask_from_env() -> Any:
+    """The protected Flask API, for worker processes (gunicorn)."""
+    from retrysafe.wsgi import IdempotencyMiddleware
+
+    counter, options = _env()
+    app = flask_app(counter)
+    app.wsgi_app = IdempotencyMiddleware(app.wsgi_app, **options)
+    return app
+
+
+def django_from_env() -> Any:
+    """The protected Django API, for worker processes (gunicorn)."""
+    counter, options = _env()
+    return django_app(counter, options)

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _http_apps import Counter
+from _http_servers import Process, free_port, uvicorn_argv
 from _servers import PostgresServer, RedisServer
 
 from retrysafe import Engine, Store, open_store
@@ -148,3 +150,22 @@ def make_api(store: Store[Any], clock: Clock, mode: str) -> Iterator[Callable[..
 @pytest.fixture
 def api(make_api: Callable[..., Api]) -> Api:
     return make_api()
+
+
+# -- HTTP front doors -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def counter(tmp_path_factory: pytest.TempPathFactory) -> Counter:
+    """Run counts of the test API's handlers, shared with its worker processes."""
+    return Counter(tmp_path_factory.mktemp("counters"))
+
+
+@pytest.fixture(scope="session")
+def upstream(counter: Counter) -> Iterator[str]:
+    """The test API, bare, in a process of its own: what the gateway fronts."""
+    port = free_port()
+    argv = uvicorn_argv("_http_apps:upstream_from_env", port)
+    env = {"RETRYSAFE_TEST_COUNTERS": str(counter.root)}
+    with Process(argv, port, env, health="/count/none") as proc:
+        yield proc.url

@@ -21,27 +21,12 @@ from typing import Any
 import httpx
 import pytest
 from _http_apps import Counter, django_app, fastapi_app, flask_app, starlette_app
-from _http_servers import Process, ThreadServer, free_port, uvicorn_argv
+from _http_servers import ThreadServer
 from conftest import STORES, StoreSpec, make_spec
 
 from retrysafe import Store
 
 DOORS = ["starlette", "fastapi", "flask", "django", "gateway"]
-
-
-@pytest.fixture(scope="session")
-def counter(tmp_path_factory: pytest.TempPathFactory) -> Counter:
-    return Counter(tmp_path_factory.mktemp("counters"))
-
-
-@pytest.fixture(scope="session")
-def upstream(counter: Counter) -> Iterator[str]:
-    """The test API, bare, in a process of its own: what the gateway fronts."""
-    port = free_port()
-    argv = uvicorn_argv("_http_apps:upstream_from_env", port)
-    env = {"RETRYSAFE_TEST_COUNTERS": str(counter.root)}
-    with Process(argv, port, env, health="/count/none") as proc:
-        yield proc.url
 
 
 def build(door: str, counter: Counter, store: Store[Any], upstream: str | None,
@@ -482,4 +467,24 @@ def test_fifty_concurrent_duplicates_with_wait_all_get_the_answer(door: Door, ti
     assert len({r.content for r in answers}) == 1
     assert json.loads(answers[0].content) == {"n": 1}
     assert sum("idempotent-replayed" not in r.headers for r in answers) == 1
+    assert door.counter.count(tid) == 1
+
+
+def test_a_client_that_gave_up_gets_the_replay(door: Door, tid: str) -> None:
+    """A timeout on the client's side does not lose the answer: the retry replays it."""
+    from retrysafe import Status, key_hash
+
+    headers = keyed(tid)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(door.url + "/slow?ms=700", json={}, headers=headers, timeout=0.2)
+    h = key_hash("", "http", headers["idempotency-key"])
+    for _ in range(2000):
+        record = door.store.get(h)
+        if record is not None and record.status is Status.COMPLETED:
+            break
+        time.sleep(0.005)
+    else:
+        raise AssertionError(f"the abandoned request was never recorded: {record}")
+    again = httpx.post(door.url + "/slow?ms=700", json={}, headers=headers, timeout=30)
+    assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
     assert door.counter.count(tid) == 1

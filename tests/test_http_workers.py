@@ -1,0 +1,76 @@
+"""Four worker processes on one shared store: still one run per key.
+
+Starlette on ``uvicorn --workers 4``, Flask and Django on ``gunicorn -w 4``
+and the gateway on ``retrysafe gateway --workers 4``, each on SQLite, Redis
+and PostgreSQL; duplicates race across processes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from _http_apps import Counter
+from _http_servers import Process, free_port, gunicorn_argv, uvicorn_argv
+from conftest import SHARED_STORES
+
+WORKERS = 4
+
+
+def _store_url(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    tag = uuid.uuid4().hex[:12]
+    if name == "sqlite":
+        return f"sqlite:///{tmp_path}/shared.db"
+    if name == "redis":
+        return f"{request.getfixturevalue('redis_server').url}?prefix=w{tag}:"
+    return f"{request.getfixturevalue('postgres_server').url}?table=w_{tag}"
+
+
+def _argv(door: str, port: int, store: str, upstream: str | None) -> list[str]:
+    if door == "starlette":
+        return uvicorn_argv("_http_apps:starlette_from_env", port, WORKERS)
+    if door in ("flask", "django"):
+        return gunicorn_argv(f"_http_apps:{door}_from_env()", port, WORKERS)
+    assert upstream is not None
+    return [
+        sys.executable, "-m", "retrysafe", "gateway", "--upstream", upstream, "--store", store,
+        "--listen", f"127.0.0.1:{port}", "--workers", str(WORKERS),
+    ]  # fmt: skip
+
+
+@pytest.fixture(
+    params=[(d, s) for d in ("starlette", "flask", "django", "gateway") for s in SHARED_STORES],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
+def workers(request: pytest.FixtureRequest, counter: Counter, tmp_path: Path) -> Iterator[str]:
+    door, store_name = request.param
+    store = _store_url(store_name, request, tmp_path)
+    upstream = request.getfixturevalue("upstream") if door == "gateway" else None
+    port = free_port()
+    env = {"RETRYSAFE_TEST_COUNTERS": str(counter.root), "RETRYSAFE_TEST_STORE": store}
+    health = "/_retrysafe/health" if door == "gateway" else "/count/none"
+    with Process(_argv(door, port, store, upstream), port, env, health=health) as proc:
+        yield proc.url
+
+
+def test_duplicates_across_worker_processes_run_once(workers: str, counter: Counter) -> None:
+    """20 keys, 10 concurrent copies each, 50 at a time, over 4 processes."""
+    tids = [uuid.uuid4().hex for _ in range(20)]
+    jobs = [tid for tid in tids for _ in range(10)]
+
+    def send(tid: str) -> httpx.Response:
+        headers = {"x-test-id": tid, "idempotency-key": f"k-{tid}"}
+        return httpx.post(f"{workers}/slow?ms=200", json={"t": tid}, headers=headers, timeout=60)
+
+    with concurrent.futures.ThreadPoolExecutor(50) as pool:
+        answers = list(pool.map(send, jobs))
+    assert {r.status_code for r in answers} <= {200, 409}, [r.text for r in answers][:3]
+    assert [counter.count(tid) for tid in tids] == [1] * len(tids)
+    ran = [r for r in answers if r.status_code == 200 and "idempotent-replayed" not in r.headers]
+    assert len(ran) == len(tids)
+    assert len({r.headers["x-pid"] for r in ran}) >= 2, "the load never reached a second worker"
