@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from _http_apps import Counter, django_app, fastapi_app, flask_app, starlette_app
-from _http_servers import ThreadServer
+from _http_servers import ThreadServer, free_port
 from conftest import STORES, StoreSpec, make_spec
 
 from retrysafe import Store
@@ -488,3 +488,24 @@ def test_a_client_that_gave_up_gets_the_replay(door: Door, tid: str) -> None:
     again = httpx.post(door.url + "/slow?ms=700", json={}, headers=headers, timeout=30)
     assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
     assert door.counter.count(tid) == 1
+
+
+@pytest.mark.parametrize("name", DOORS)
+def test_a_store_that_is_down(name: str, counter: Counter, request: pytest.FixtureRequest) -> None:
+    """Fail closed: 503 + Retry-After and nothing runs. Fail open: served, unprotected."""
+    from retrysafe import open_store
+
+    upstream = request.getfixturevalue("upstream") if name == "gateway" else None
+    dead = open_store(f"redis://127.0.0.1:{free_port()}/0")
+    door = Door(name, StoreSpec("redis", "down"), dead, counter, upstream)
+    tid = uuid.uuid4().hex
+    with door.serve() as url:
+        response = httpx.post(url + "/orders", json={}, headers=keyed(tid), timeout=30)
+        problem(response, 503, "idempotency_store_unavailable")
+        assert int(response.headers["retry-after"]) >= 1
+        assert counter.count(tid) == 0
+    with door.serve(fail_mode="open") as url:
+        for n in (1, 2):
+            response = httpx.post(url + "/orders", json={}, headers=keyed(tid), timeout=30)
+            assert response.status_code == 201 and response.json()["n"] == n
+    dead.close()

@@ -1,0 +1,152 @@
+"""The HTTP core without a server: the key header, fingerprints, stored headers, answers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from retrysafe import InvalidKeyError, Outcome, Record, Replay, Status
+from retrysafe._http import (
+    OMITTED,
+    BodyError,
+    HttpPolicy,
+    credentials_scope,
+    parse_key,
+    request_fingerprint,
+)
+
+KEYS = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=255)
+
+
+def sf_string(key: str) -> str:
+    return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@given(KEYS)
+def test_any_key_round_trips_as_an_sf_string(key: str) -> None:
+    assert parse_key([sf_string(key)]) == key
+
+
+@given(KEYS.filter(lambda k: "," not in k and not k.startswith('"') and k.strip() == k))
+def test_a_bare_key_is_taken_as_it_stands(key: str) -> None:
+    assert parse_key([key]) == key
+    assert parse_key([key, key]) == key  # a repeated line with the same key is one key
+    assert parse_key([f"{key}, {sf_string(key)}"]) == key  # folded by a server
+
+
+@given(st.lists(st.text(max_size=30), min_size=1, max_size=3))
+def test_parse_key_only_ever_raises_invalid_key(values: list[str]) -> None:
+    try:
+        key = parse_key(values)
+    except InvalidKeyError:
+        return
+    assert key is None or 1 <= len(key) <= 255
+
+
+@pytest.mark.parametrize(
+    "value, key",
+    [
+        ('"abc";v=1;x', "abc"),
+        ('"a\\"b"', 'a"b'),
+        ('"a\\\\b"', "a\\b"),
+        ("  padded  ", "padded"),
+        ('"with, comma"', "with, comma"),
+        ('"x" ; a=?1', None),  # a space before ';' is not RFC 8941
+    ],
+)
+def test_sf_string_forms(value: str, key: str | None) -> None:
+    if key is None:
+        with pytest.raises(InvalidKeyError):
+            parse_key([value])
+    else:
+        assert parse_key([value]) == key
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[""], ["a", "b"], ["a,b"], ['"a", "b"'], ['"a'], ['"a\\n"'], ['"é"'], ["é"], ["k" * 256],
+     ['"a" b'], ["a,"], [",a"], ["a\x00"]],
+)  # fmt: skip
+def test_malformed_key_headers(values: list[str]) -> None:
+    with pytest.raises(InvalidKeyError):
+        parse_key(values)
+
+
+def test_no_header_is_no_key() -> None:
+    assert HttpPolicy("memory://").key([]) is None
+
+
+def test_fingerprint_canonicalises_json_only() -> None:
+    fp = request_fingerprint
+    j = "application/json; charset=utf-8"
+    assert fp("POST", "/a", "", j, b'{"x":1,"y":2}') == fp("POST", "/a", "", j, b'{ "y":2, "x":1 }')
+    assert fp("POST", "/a", "", "application/vnd.api+json", b'{"x":1}') == fp(
+        "POST", "/a", "", j, b'{ "x": 1 }'
+    )
+    assert fp("POST", "/a", "", "text/plain", b'{"x":1}') != fp("POST", "/a", "", "text/plain",
+                                                               b'{ "x":1}')  # fmt: skip
+    # Every part counts, and parts cannot be shifted into one another.
+    base = fp("POST", "/a", "q=1", None, b"body")
+    assert len({base, fp("PATCH", "/a", "q=1", None, b"body"), fp("POST", "/a/", "q=1", None,
+               b"body"), fp("POST", "/a", "q=2", None, b"body"), fp("POST", "/a", "q=1", None,
+               b"bodz"), fp("POST", "/aq=1", "", None, b"body")}) == 6  # fmt: skip
+
+
+@pytest.mark.parametrize("body", [b"{", b"[1,", b"NaN", b'{"a": NaN}', b"[" * 100_000])
+def test_bad_json_bodies_are_refused(body: bytes) -> None:
+    with pytest.raises(BodyError) as info:
+        request_fingerprint("POST", "/", "", "application/json", body)
+    assert info.value.code == "idempotency_body_invalid" and info.value.status == 400
+
+
+def test_the_default_scope_hides_the_credential() -> None:
+    scope = credentials_scope("Bearer secret-token")
+    assert scope.startswith("auth:") and "secret" not in scope
+    assert scope != credentials_scope("Bearer other") and credentials_scope(None) == ""
+
+
+def test_sensitive_headers_are_not_stored_unless_allowed() -> None:
+    headers = [("Set-Cookie", "a=b"), ("Authorization", "x"), ("X-Id", "1"),
+               ("Transfer-Encoding", "chunked"), ("Content-Type", "text/plain")]  # fmt: skip
+    assert HttpPolicy("memory://").stored_headers(headers) == (
+        ("x-id", "1"), ("content-type", "text/plain"),
+    )  # fmt: skip
+    allowed = HttpPolicy("memory://", store_headers=["set-cookie", "x-id"])
+    assert allowed.stored_headers(headers) == (("set-cookie", "a=b"), ("x-id", "1"))
+    dropped = HttpPolicy("memory://", drop_headers=["X-Id"])
+    assert dropped.stored_headers(headers) == (("content-type", "text/plain"),)
+
+
+def _replay(outcome: Outcome | None, status: Status = Status.COMPLETED) -> Replay:
+    return Replay(Record("h", "k", "", "http", "fp", status, "t", 0, 1, 0, 0, outcome=outcome))
+
+
+def test_answers_for_replays() -> None:
+    policy = HttpPolicy("memory://", max_body=4)
+    stored = policy.outcome(201, [("content-type", "text/plain"), ("x-a", "1")], b"abc", 3)
+    answer = policy.replay(_replay(stored))
+    assert (answer.status, answer.body) == (201, b"abc")
+    assert answer.headers == [("content-type", "text/plain"), ("x-a", "1"),
+                              ("idempotent-replayed", "true")]  # fmt: skip
+    big = policy.outcome(200, [("content-type", "text/plain"), ("x-a", "1")], b"", 5)
+    assert big.media_type == OMITTED and big.body == b""
+    answer = policy.replay(_replay(big))
+    assert answer.body == b"" and ("idempotent-body-omitted", "true") in answer.headers
+    assert ("content-type", "text/plain") not in answer.headers and ("x-a", "1") in answer.headers
+    final = policy.replay(_replay(None, Status.FAILED))
+    assert final.status == 500 and json.loads(final.body)["code"] == "idempotency_failed"
+    no_content = HttpPolicy("memory://", duplicate_response="no_content")
+    assert no_content.replay(_replay(stored)).status == 204
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"duplicate_response": "ignore"}, {"fail_mode": "maybe"}, {"header": ""}, {"header": []},
+     {"require_key": "yes"}, {"scope": "tenant"}, {"max_body": -1}, {"ttl": 0}],
+)  # fmt: skip
+def test_bad_options_fail_at_construction(options: dict[str, object]) -> None:
+    with pytest.raises((TypeError, ValueError)):
+        HttpPolicy("memory://", **options)  # type: ignore[arg-type]
