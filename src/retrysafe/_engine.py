@@ -9,12 +9,13 @@ async methods are thin shells around them that differ only in ``await``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypedDict, Unpack
@@ -446,11 +447,11 @@ class Attempt:
 
     async def acomplete(self, outcome: Outcome) -> None:
         """Async :meth:`complete`, shielded from cancellation."""
-        await asyncio.shield(_keep(self._engine.acomplete(self._owned(), outcome)))
+        await _shielded(self._engine.acomplete(self._owned(), outcome))
 
     async def afail(self, outcome: Outcome | None = None, *, final: bool | None = None) -> None:
         """Async :meth:`fail`, shielded from cancellation."""
-        await asyncio.shield(_keep(self._engine.afail(self._owned(), outcome, final=final)))
+        await _shielded(self._engine.afail(self._owned(), outcome, final=final))
 
     def _started(self, answer: Claim | Replay) -> Attempt:
         if isinstance(answer, Replay):
@@ -499,7 +500,9 @@ class Attempt:
     # is recorded and never runs again.
 
     async def __aenter__(self) -> Attempt:
-        task = _keep(self._engine.abegin(self._key, **self._options))
+        task = _start(self._engine.abegin(self._key, **self._options))
+        if not isinstance(task, asyncio.Future):
+            return self._started(task)  # answered without suspending: nothing to shield
         try:
             return self._started(await asyncio.shield(task))
         except asyncio.CancelledError:
@@ -520,11 +523,11 @@ class Attempt:
         if claim is None or self.settled:
             return
         if self._commit(exc):
-            await asyncio.shield(_keep(self._engine.acomplete(claim, self.outcome)))  # type: ignore[arg-type]
+            await _shielded(self._engine.acomplete(claim, self.outcome))  # type: ignore[arg-type]
             return
         error = None
         try:
-            await asyncio.shield(_keep(self._engine.afail(claim, final=self.final)))
+            await _shielded(self._engine.afail(claim, final=self.final))
         except (LeaseLostError, StoreUnavailableError) as err:
             error = err
         self._failed(exc, error)
@@ -532,6 +535,51 @@ class Attempt:
 
 #: Store calls that must finish even if their caller was cancelled.
 _pending: set[asyncio.Future[Any]] = set()
+
+
+def _start(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``coro`` up to its first suspension.
+
+    A call that needs no I/O wait (the memory store, a cached answer) returns
+    its result here, with no task and no extra turn of the event loop. One that
+    suspends goes on in a task of its own (see :func:`_keep`) that no
+    cancellation reaches; that task is returned.
+    """
+    try:
+        waiting = coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    except BaseException:
+        coro.close()
+        raise
+    return _keep(_resume(coro, waiting))
+
+
+async def _resume(coro: Coroutine[Any, Any, Any], waiting: Any) -> Any:
+    """Drive a started coroutine to its end, as a task would."""
+    while True:
+        if waiting is None:  # a bare yield (asyncio.sleep(0))
+            await asyncio.sleep(0)
+        else:
+            waiting._asyncio_future_blocking = False
+            # Its outcome reaches ``coro`` when it resumes: ignore it here.
+            with contextlib.suppress(BaseException):
+                await waiting
+        try:
+            if waiting is None or waiting.done():
+                waiting = coro.send(None)
+            else:  # this task itself was cancelled (the loop is closing)
+                waiting = coro.throw(asyncio.CancelledError())
+        except StopIteration as stop:
+            return stop.value
+
+
+async def _shielded(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Await ``coro``; if the caller is cancelled meanwhile, ``coro`` still runs to its end."""
+    started = _start(coro)
+    if isinstance(started, asyncio.Future):
+        return await asyncio.shield(started)
+    return started
 
 
 def _keep(coro: Any) -> asyncio.Future[Any]:
