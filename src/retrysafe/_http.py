@@ -228,13 +228,9 @@ def request_fingerprint(
         kind = b"j"
     else:
         kind = b"b"
-    h = hashlib.sha256()
-    for part in (method.encode(), path.encode("utf-8", "surrogateescape"), query.encode()):
-        h.update(b"%d:" % len(part))
-        h.update(part)
-    h.update(kind)
-    h.update(body)
-    return h.hexdigest()
+    m, p, q = method.encode(), path.encode("utf-8", "surrogateescape"), query.encode()
+    head = b"%d:%s%d:%s%d:%s%s" % (len(m), m, len(p), p, len(q), q, kind)
+    return hashlib.sha256(head + body).hexdigest()
 
 
 def credentials_scope(authorization: str | None) -> str:

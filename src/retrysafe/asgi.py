@@ -48,7 +48,7 @@ class IdempotencyMiddleware:
       :class:`~retrysafe.Engine` (default ``$RETRYSAFE_STORE`` or SQLite).
     - ``methods``: the methods protected (default POST and PATCH).
     - ``require_key``: answer 400 to a protected request without a key; a bool
-      or a callable taking an :class:`~retrysafe.http.HttpRequest`.
+      or a callable taking a :class:`retrysafe.http.HttpRequest`.
     - ``header``: the key header, or several names (default ``Idempotency-Key``
       and ``X-Idempotency-Key``).
     - ``scope``: a callable taking the request and returning the principal
