@@ -1,0 +1,442 @@
+"""The gateway: a reverse proxy that makes the retries of any HTTP API safe.
+
+::
+
+    from retrysafe.gateway import create_app
+
+    app = create_app("http://127.0.0.1:9000", store="sqlite:///retrysafe.db")
+
+or ``retrysafe gateway --upstream http://127.0.0.1:9000``. Each request goes
+through :class:`retrysafe.asgi.IdempotencyMiddleware` to the upstream, so a
+keyed request runs upstream once and its retries get the stored answer. Paths
+under ``/_retrysafe/`` are the gateway's own (``GET /_retrysafe/health``) and
+never reach the upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import re
+import urllib.parse
+from collections.abc import AsyncIterator
+from http.cookiejar import CookieJar, DefaultCookiePolicy
+from typing import Any
+
+import httpx
+
+from ._http import Response, problem
+from .asgi import ASGIApp, IdempotencyMiddleware, Receive, Scope, Send, _answer
+from .stores import Store, redact
+
+__all__ = [
+    "ADMIN_PREFIX",
+    "DEFAULT_TIMEOUT",
+    "ENV_REQUIRE_KEY",
+    "ENV_TIMEOUT",
+    "ENV_UPSTREAM",
+    "HEALTH_PATH",
+    "Gateway",
+    "app_from_env",
+    "create_app",
+    "parse_upstream",
+    "probe_store",
+]
+
+log = logging.getLogger("retrysafe.gateway")
+
+#: Seconds to connect to, send to, or wait for the next bytes from the upstream.
+DEFAULT_TIMEOUT = 60.0
+ADMIN_PREFIX = "/_retrysafe/"
+HEALTH_PATH = "/_retrysafe/health"
+#: The environment that :func:`app_from_env` reads (with ``RETRYSAFE_STORE``).
+ENV_UPSTREAM = "RETRYSAFE_GATEWAY_UPSTREAM"
+ENV_REQUIRE_KEY = "RETRYSAFE_GATEWAY_REQUIRE_KEY"
+ENV_TIMEOUT = "RETRYSAFE_GATEWAY_TIMEOUT"
+
+# A key hash that no record has: reading it is the store's cheapest round trip.
+_PROBE_KEY = "0" * 64
+_PROBE_TIMEOUT = 5.0
+# RFC 9110 7.6.1: headers of one connection, never forwarded (names listed in
+# Connection too). Expect is answered by the gateway's own server.
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"expect",
+    }
+)
+_FORWARDED = frozenset({b"host", b"x-forwarded-for", b"x-forwarded-host", b"x-forwarded-proto"})
+_NO_BODY = frozenset({b"content-length"})
+_NOT_VCHAR = re.compile(rb"[^\x21-\x7e]")
+_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+_BOOLS = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+    "": False,
+}
+
+
+def parse_upstream(url: str) -> httpx.URL:
+    """The upstream's base URL, checked: ``http(s)://host[:port][/base/path]``.
+
+    Raises ValueError saying what is wrong (passwords redacted).
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError("the upstream URL is empty: give one like http://127.0.0.1:9000")
+    shown = redact(url)
+    try:
+        parsed = httpx.URL(url.strip())
+    except (httpx.InvalidURL, TypeError) as exc:
+        raise ValueError(f"bad upstream URL {shown!r}: {exc}") from None
+    if parsed.scheme not in ("http", "https"):
+        raise ValueError(f"bad upstream URL {shown!r}: it must start with http:// or https://")
+    if not parsed.host:
+        raise ValueError(f"bad upstream URL {shown!r}: it has no host")
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        raise ValueError(f"bad upstream URL {shown!r}: port {parsed.port} is out of range")
+    if parsed.userinfo:
+        raise ValueError(f"bad upstream URL {shown!r}: credentials in the URL are not supported")
+    if parsed.query or parsed.fragment:
+        raise ValueError(f"bad upstream URL {shown!r}: it must not have a query or fragment")
+    return parsed
+
+
+def probe_store(store: Store[Any]) -> None:
+    """One cheap read of ``store``; raises StoreUnavailableError if it cannot be reached."""
+    store.get(_PROBE_KEY)
+
+
+class _Target(httpx.URL):
+    """An upstream URL whose request target is sent byte for byte.
+
+    httpx normalises a path it is given (``/a/../b`` becomes ``/b``, ``{`` becomes
+    ``%7B``); a proxy must pass it as the client sent it.
+    """
+
+    def __init__(self, base: httpx.URL, target: bytes) -> None:
+        super().__init__(base)
+        self._target = target
+
+    @property
+    def raw_path(self) -> bytes:
+        return self._target
+
+
+class _ClientGone(Exception):
+    """The client disconnected while its request body was being forwarded."""
+
+
+def _connection_tokens(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """The header names a ``Connection`` header lists (hop-by-hop as well)."""
+    values = [v for k, v in headers if k.lower() == b"connection"]
+    return frozenset(t.strip().lower() for v in values for t in v.split(b",") if t.strip())
+
+
+def _end_to_end(
+    headers: list[tuple[bytes, bytes]], skip: frozenset[bytes] = frozenset()
+) -> list[tuple[bytes, bytes]]:
+    """``headers`` (lower-cased names, repeats kept) without hop-by-hop ones and ``skip``."""
+    drop = _HOP_BY_HOP | _connection_tokens(headers) | skip
+    out = []
+    for name, value in headers:
+        name = name.lower()
+        if name not in drop and not name.startswith(b"proxy-"):
+            out.append((name, value))
+    return out
+
+
+class _Proxy:
+    """The plain ASGI app that forwards a request to the upstream and streams the answer."""
+
+    def __init__(self, upstream: httpx.URL, timeout: float) -> None:
+        self.upstream = upstream
+        self.prefix = upstream.raw_path.rstrip(b"/")
+        self.host = upstream.netloc
+        self.timeout = httpx.Timeout(timeout)
+        self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+
+    def client(self) -> httpx.AsyncClient:
+        """The running event loop's pooled client (made on first use)."""
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None:
+            for old in [lp for lp in self._clients if lp.is_closed()]:
+                del self._clients[old]
+            # Upstream cookies are the client's business: the pool keeps none.
+            jar = CookieJar(DefaultCookiePolicy(allowed_domains=[]))
+            client = self._clients[loop] = httpx.AsyncClient(
+                timeout=self.timeout,
+                limits=_LIMITS,
+                trust_env=False,
+                cookies=jar,
+            )
+        return client
+
+    async def aclose(self) -> None:
+        """Close the running event loop's client."""
+        client = self._clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.aclose()
+
+    def target(self, scope: Scope) -> bytes:
+        """The request target for the upstream: base path, raw path and raw query."""
+        raw = scope.get("raw_path")
+        if not raw or not raw.startswith(b"/"):
+            raw = urllib.parse.quote(scope["path"], safe="/:@!$&'()*+,;=~").encode()
+        query = scope.get("query_string", b"")
+        target = self.prefix + raw + (b"?" + query if query else b"")
+        # Bytes no HTTP/1.1 request line may carry are percent-encoded; nothing else changes.
+        return _NOT_VCHAR.sub(lambda m: b"%%%02X" % m.group()[0], target)
+
+    def headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
+        """The request headers for the upstream, with ``Host`` and ``X-Forwarded-*``."""
+        headers = scope["headers"]
+        out = [(b"host", self.host), *_end_to_end(headers, _FORWARDED)]
+        chain = [v for k, v in headers if k.lower() == b"x-forwarded-for" and v.strip()]
+        client = scope.get("client")
+        if client:
+            chain.append(str(client[0]).encode("latin-1"))
+        if chain:
+            out.append((b"x-forwarded-for", b", ".join(chain)))
+        host = next((v for k, v in headers if k.lower() == b"host"), None)
+        if host:
+            out.append((b"x-forwarded-host", host))
+        out.append((b"x-forwarded-proto", scope.get("scheme", "http").encode("latin-1")))
+        return out
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        try:
+            request = httpx.Request(
+                scope["method"],
+                self.upstream,
+                headers=self.headers(scope),
+                content=await _body(receive),
+            )
+            request.url = _Target(self.upstream, self.target(scope))  # Request() would copy it
+            response = await self.client().send(request, stream=True)
+        except _ClientGone:
+            return
+        except httpx.TimeoutException as exc:
+            log.warning(
+                "retrysafe gateway: upstream timed out: %s %s: %r",
+                scope["method"],
+                scope["path"],
+                exc,
+            )
+            await _answer(send, _upstream_problem(504, "upstream_timeout", exc))
+            return
+        except httpx.RequestError as exc:
+            log.warning(
+                "retrysafe gateway: upstream unavailable: %s %s: %r",
+                scope["method"],
+                scope["path"],
+                exc,
+            )
+            await _answer(send, _upstream_problem(502, "upstream_unavailable", exc))
+            return
+        try:
+            status = response.status_code
+            # A 204 or 304 has no body, whatever its Content-Length says (RFC 9110 8.6).
+            skip = _NO_BODY if status in (204, 304) else frozenset()
+            headers = _end_to_end(response.headers.raw, skip)
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            async for chunk in response.aiter_raw():
+                if chunk:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except httpx.RequestError as exc:
+            # Too late for a 502: the answer is left unfinished, so the server drops
+            # the connection and the client sees a truncated answer, not a short one.
+            log.warning(
+                "retrysafe gateway: the upstream broke off its answer to %s %s: %r",
+                scope["method"],
+                scope["path"],
+                exc,
+            )
+        finally:
+            await response.aclose()
+
+
+async def _body(receive: Receive) -> bytes | AsyncIterator[bytes]:
+    """The request body: bytes if it came in one message, else a stream of its chunks."""
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        raise _ClientGone
+    first = message.get("body", b"")
+    if not message.get("more_body", False):
+        return first
+    return _rest(first, receive)
+
+
+async def _rest(first: bytes, receive: Receive) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        if chunk:
+            yield chunk
+        if not message.get("more_body", False):
+            return
+
+
+_UPSTREAM_TITLES = {
+    "upstream_timeout": "Upstream timed out",
+    "upstream_unavailable": "Upstream unavailable",
+}
+
+
+def _upstream_problem(status: int, code: str, exc: Exception) -> Response:
+    what = "did not answer in time" if status == 504 else "cannot be reached"
+    detail = f"the upstream {what} ({type(exc).__name__}); retry with the same key"
+    return problem(status, code, detail, title=_UPSTREAM_TITLES[code])
+
+
+def _json(status: int, doc: dict[str, Any]) -> Response:
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    headers = [
+        ("content-type", "application/json"),
+        ("content-length", str(len(body))),
+        ("cache-control", "no-store"),
+    ]
+    return Response(status, headers, body)
+
+
+class Gateway:
+    """The gateway's ASGI app: its own pages, then idempotency, then the upstream.
+
+    ``upstream`` is the base URL requests go to (a base path is prefixed to
+    theirs). ``store`` is a store, a store URL or an engine (default
+    ``$RETRYSAFE_STORE`` or the embedded SQLite store); a store it opened from a
+    URL it closes on lifespan shutdown. ``timeout`` bounds connecting to the
+    upstream and each wait for its bytes. ``options`` are those of
+    :class:`retrysafe.asgi.IdempotencyMiddleware`.
+    """
+
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        store: Any = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        **options: Any,
+    ) -> None:
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not (timeout > 0 and math.isfinite(timeout))
+        ):
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        self.upstream = parse_upstream(upstream)
+        self.proxy = _Proxy(self.upstream, float(timeout))
+        self.middleware = IdempotencyMiddleware(self.proxy, store=store, **options)
+        self.engine = self.middleware.policy.engine
+        self.store: Store[Any] = self.engine.store
+        self._owns_store = store is None or isinstance(store, str)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            path = scope["path"]
+            if path.startswith(ADMIN_PREFIX) or path == ADMIN_PREFIX[:-1]:
+                await _answer(send, await self._admin(scope))
+            else:
+                await self.middleware(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+        else:  # WebSocket is not proxied: refuse the handshake
+            await send({"type": "websocket.close", "code": 1008})
+
+    async def _admin(self, scope: Scope) -> Response:
+        path, method = scope["path"], scope["method"]
+        if path != HEALTH_PATH:
+            return problem(
+                404, "not_found", f"the gateway has no page at {path}", title="Not found"
+            )
+        if method not in ("GET", "HEAD"):
+            return problem(
+                405,
+                "method_not_allowed",
+                f"{path} answers GET and HEAD",
+                headers=[("allow", "GET, HEAD")],
+                title="Method not allowed",
+            )
+        answer = await self.health()
+        if method == "HEAD":
+            answer.body = b""
+        return answer
+
+    async def health(self) -> Response:
+        """200 ``{"status": "ok", "store": "ok"}`` after a store read, else 503."""
+        try:
+            await asyncio.wait_for(self.store.aget(_PROBE_KEY), _PROBE_TIMEOUT)
+        except Exception as exc:  # any failure of the probe means "not healthy", never a 500
+            log.warning(
+                "retrysafe gateway: health: the store is unavailable: %s", exc or type(exc).__name__
+            )
+            return _json(503, {"status": "unavailable", "store": "unavailable"})
+        return _json(200, {"status": "ok", "store": "ok"})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def aclose(self) -> None:
+        """Close this event loop's upstream connections, and the store if it opened it."""
+        try:
+            await self.proxy.aclose()
+            if self._owns_store:
+                await self.engine.aclose()
+        except Exception as exc:  # shutting down: report, never stop the shutdown
+            log.warning("retrysafe gateway: error while closing: %s", exc)
+
+
+def create_app(
+    upstream: str, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT, **options: Any
+) -> Gateway:
+    """The gateway in front of ``upstream`` as an ASGI app (see :class:`Gateway`)."""
+    return Gateway(upstream, store=store, timeout=timeout, **options)
+
+
+def app_from_env() -> ASGIApp:
+    """The gateway configured by the environment: a factory for ``uvicorn --factory``.
+
+    ``RETRYSAFE_GATEWAY_UPSTREAM`` (required), ``RETRYSAFE_STORE``,
+    ``RETRYSAFE_GATEWAY_REQUIRE_KEY`` (``1``/``0``) and ``RETRYSAFE_GATEWAY_TIMEOUT``.
+    """
+    upstream = os.environ.get(ENV_UPSTREAM, "")
+    if not upstream:
+        raise ValueError(f"set {ENV_UPSTREAM} to the upstream's URL")
+    require = os.environ.get(ENV_REQUIRE_KEY, "").strip().lower()
+    if require not in _BOOLS:
+        raise ValueError(f"{ENV_REQUIRE_KEY} must be 1 or 0, not {require!r}")
+    timeout = os.environ.get(ENV_TIMEOUT, "")
+    try:
+        seconds = float(timeout) if timeout else DEFAULT_TIMEOUT
+    except ValueError:
+        raise ValueError(f"{ENV_TIMEOUT} must be a number of seconds, not {timeout!r}") from None
+    return create_app(upstream, require_key=_BOOLS[require], timeout=seconds)
