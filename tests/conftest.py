@@ -169,3 +169,17 @@ def upstream(counter: Counter) -> Iterator[str]:
     env = {"RETRYSAFE_TEST_COUNTERS": str(counter.root)}
     with Process(argv, port, env, health="/count/none") as proc:
         yield proc.url
+
+
+@pytest.fixture
+def tid() -> str:
+    """A fresh test id: the key and run counter of one test's requests."""
+    return uuid.uuid4().hex
+
+
+@pytest.fixture
+def memory() -> Iterator[Store[Any]]:
+    """An in-memory store, where the kind of store does not matter."""
+    s = open_store("memory://")
+    yield s
+    s.close()
