@@ -1,0 +1,202 @@
+"""Idempotency for Django, configured from ``settings.RETRYSAFE``.
+
+::
+
+    # settings.py
+    MIDDLEWARE = [
+        "django.middleware.security.SecurityMiddleware",
+        "retrysafe.django.IdempotencyMiddleware",
+        # ...
+    ]
+    RETRYSAFE = {
+        "store": "redis://localhost:6379/0",   # default: $RETRYSAFE_STORE, else SQLite
+        "require_key": True,
+        "ttl": 24 * 3600,
+    }
+
+``RETRYSAFE`` holds the keyword options of
+:class:`retrysafe.asgi.IdempotencyMiddleware` (the same names everywhere); an
+unknown name or a bad value is an ``ImproperlyConfigured`` error when Django
+loads its middleware. The middleware runs sync under WSGI and async under
+ASGI, whichever the chain around it is; ``HttpResponse`` and
+``StreamingHttpResponse`` answers (sync or async content) are recorded.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import AsyncExitStack, ExitStack
+from typing import Any
+
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured, RequestDataTooBig
+from django.http import HttpRequest as DjangoRequest
+from django.http import HttpResponse
+from django.http.response import HttpResponseBase
+
+from ._http import BodyError, Headers, HttpPolicy, HttpRequest, Response
+from ._http_io import Answer, Flow, Prepared, Stream, aenter, astream, enter, prepare
+
+__all__ = ["IdempotencyMiddleware"]
+
+GetResponse = Callable[[DjangoRequest], Any]  # a response, or an awaitable of one
+
+#: The option names ``settings.RETRYSAFE`` may hold.
+OPTIONS = tuple(inspect.signature(HttpPolicy).parameters)
+
+
+class IdempotencyMiddleware:
+    """Run each keyed request once; answer its retries with the stored response.
+
+    Options come from ``settings.RETRYSAFE`` (read once, when Django loads its
+    middleware); keyword ``options`` given here take precedence.
+    """
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response: GetResponse, **options: Any) -> None:
+        self.get_response = get_response
+        self.policy = _policy(options)
+        self.is_async = iscoroutinefunction(get_response)
+        if self.is_async:
+            markcoroutinefunction(self)
+
+    def __call__(self, request: DjangoRequest) -> Any:  # a response, or a coroutine of one
+        if self.is_async:
+            return self.__acall__(request)
+        step = self._prepare(request)
+        if not isinstance(step, tuple):
+            return self.get_response(request) if step is None else _answer(step)
+        with ExitStack() as stack:
+            att = enter(self.policy, stack, *step)
+            if att is None:  # the store is down and fail_mode="open"
+                return self.get_response(request)
+            if isinstance(att, Response):
+                return _answer(att)
+            response = self.get_response(request)
+            flow = Flow(self.policy, att, stack.pop_all(), _answer_of(response))
+        if response.streaming:
+            _stream(response, flow)
+        else:
+            flow.push(response.content)
+            flow.finish()
+        return response
+
+    async def __acall__(self, request: DjangoRequest) -> HttpResponseBase:
+        step = self._prepare(request)
+        if not isinstance(step, tuple):
+            return await self.get_response(request) if step is None else _answer(step)
+        async with AsyncExitStack() as stack:
+            att = await aenter(self.policy, stack, *step)
+            if att is None:
+                return await self.get_response(request)
+            if isinstance(att, Response):
+                return _answer(att)
+            response = await self.get_response(request)
+            flow = Flow(self.policy, att, stack.pop_all(), _answer_of(response))
+        if not response.streaming:
+            flow.push(response.content)
+            await flow.afinish()
+            return response
+        chunks = response.streaming_content
+        if not response.is_async:
+            chunks = _from_sync(chunks)
+        # The view's resources (Django closes them first) close once the answer is recorded.
+        flow.stack.push_async_callback(sync_to_async(response.close, thread_sensitive=True))
+        response.close = _closed
+        response.streaming_content = astream(flow, chunks)
+        return response
+
+    def _prepare(self, request: DjangoRequest) -> Prepared:
+        """The key and engine options of a keyed request, an answer instead, or None."""
+        method = request.method or ""
+        if method not in self.policy.methods:
+            return None
+
+        def http_request() -> HttpRequest:
+            return HttpRequest(
+                method, request.path, request.META.get("QUERY_STRING", ""),
+                Headers(request.headers.items()), request,
+            )  # fmt: skip
+
+        return prepare(
+            self.policy, request.META, method, request.path, lambda: _body(request), http_request
+        )
+
+
+def _policy(overrides: Mapping[str, Any]) -> HttpPolicy:
+    """The policy of ``settings.RETRYSAFE`` (with ``overrides``), or ImproperlyConfigured."""
+    configured = getattr(settings, "RETRYSAFE", None) or {}
+    if not isinstance(configured, Mapping):
+        raise ImproperlyConfigured(
+            "settings.RETRYSAFE must be a dict of retrysafe.django.IdempotencyMiddleware "
+            f"options, not {type(configured).__name__}"
+        )
+    options = {**configured, **overrides}
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ImproperlyConfigured(
+            f"settings.RETRYSAFE has unknown option(s) {', '.join(map(repr, unknown))}; "
+            f"the options are {', '.join(OPTIONS)}"
+        )
+    try:
+        return HttpPolicy(**options)
+    except (TypeError, ValueError) as exc:
+        raise ImproperlyConfigured(f"settings.RETRYSAFE: {exc}") from exc
+
+
+def _body(request: DjangoRequest) -> bytes:
+    try:
+        return request.body
+    except RequestDataTooBig as exc:  # over settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        raise BodyError(str(exc), status=413, code="idempotency_body_too_large") from None
+
+
+def _answer_of(response: HttpResponseBase) -> Answer:
+    """The response's status and headers, cookies included, when it is recorded."""
+
+    def answer() -> tuple[int, list[tuple[str, str]]]:
+        headers = list(response.items())
+        headers.extend(
+            ("Set-Cookie", morsel.output(header="").strip()) for morsel in response.cookies.values()
+        )
+        return response.status_code, headers
+
+    return answer
+
+
+def _answer(answer: Response) -> HttpResponse:
+    """A replay or problem as a Django response: exactly its status, headers and body."""
+    response = HttpResponse(answer.body, status=answer.status)
+    del response["Content-Type"]  # only the answer's own headers describe its body
+    for name, value in answer.headers:
+        if name.lower() == "set-cookie":  # stored only when store_headers allows it
+            response.cookies.load(value)
+        elif name in response:
+            response[name] = f"{response[name]}, {value}"
+        else:
+            response[name] = value
+    return response
+
+
+def _stream(response: Any, flow: Flow) -> None:
+    """Record a sync streamed answer before its last chunk leaves."""
+    stream = Stream(flow, iter(response))
+    # The view's resources (Django closes them first) close once the answer is recorded.
+    flow.stack.callback(response.close)
+    response.streaming_content = stream
+    response.close = stream.close
+
+
+def _closed() -> None:
+    """``close()`` of a response whose resources close with its recording."""
+
+
+async def _from_sync(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """A sync streamed body under ASGI, read a chunk at a time in Django's sync thread."""
+    step = sync_to_async(next, thread_sensitive=True)
+    while (chunk := await step(chunks, None)) is not None:
+        yield chunk
