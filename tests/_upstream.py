@@ -26,7 +26,6 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from types import TracebackType
 from typing import Any, Self
 
 import httpx
@@ -193,12 +192,7 @@ class UpstreamProcess:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -161,27 +161,12 @@ def test_hop_by_hop_headers_are_dropped_both_ways(gw: Running) -> None:
     )
     sent = {k for k, _ in r.json()["headers"]}
     assert "x-kept" in sent
-    for name in (
-        "connection",
-        "x-secret",
-        "keep-alive",
-        "te",
-        "trailer",
-        "proxy-authorization",
-        "proxy-connection",
-    ):
-        assert name not in sent, name
+    dropped = "connection x-secret keep-alive te trailer proxy-authorization proxy-connection"
+    assert not sent & set(dropped.split())
     answer = httpx.get(gw.url + "/hop")
     assert answer.headers["x-kept"] == "yes" and answer.text == "hop"
-    for name in (
-        "x-secret",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-connection",
-        "trailer",
-        "upgrade",
-    ):
-        assert name not in answer.headers, name
+    dropped = "x-secret keep-alive proxy-authenticate proxy-connection trailer upgrade"
+    assert not set(answer.headers) & set(dropped.split())
 
 
 def test_forwarded_headers(gw: Running, origin: UpstreamProcess) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from types import TracebackType
 from typing import Any, Self
 
 import uvicorn
@@ -107,10 +106,5 @@ class ServerThread:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

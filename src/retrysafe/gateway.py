@@ -232,23 +232,13 @@ class _Proxy:
             response = await self.client().send(request, stream=True)
         except _ClientGone:
             return
-        except httpx.TimeoutException as exc:
-            log.warning(
-                "retrysafe gateway: upstream timed out: %s %s: %r",
-                scope["method"],
-                scope["path"],
-                exc,
-            )
-            await _answer(send, _upstream_problem(504, "upstream_timeout", exc))
-            return
         except httpx.RequestError as exc:
-            log.warning(
-                "retrysafe gateway: upstream unavailable: %s %s: %r",
-                scope["method"],
-                scope["path"],
-                exc,
-            )
-            await _answer(send, _upstream_problem(502, "upstream_unavailable", exc))
+            timeout = isinstance(exc, httpx.TimeoutException)
+            what = "timed out" if timeout else "unavailable"
+            log.warning("retrysafe gateway: upstream %s: %s %s: %r", what, scope["method"],
+                        scope["path"], exc)  # fmt: skip
+            status, code = (504, "upstream_timeout") if timeout else (502, "upstream_unavailable")
+            await _answer(send, _upstream_problem(status, code, exc))
             return
         try:
             status = response.status_code
