@@ -1,117 +1,276 @@
-"""``retrysafe demo``: a retry storm through the engine, and what it did."""
+"""``retrysafe demo``: the gateway in front of the demo API, and a retry storm through it.
+
+Both run as uvicorn servers in threads of this process: the demo API on a free
+loopback port, the gateway on 127.0.0.1:8000 (or a free port if that one is
+taken) with the embedded SQLite store.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
+import secrets
+import shlex
+import signal
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
-from ._engine import Engine, Replay
-from ._errors import FingerprintMismatchError, InProgressError
-from ._keys import fingerprint
-from ._record import Outcome
+import httpx
 
-__all__ = ["StormReport", "retry_storm"]
+from ._demo_api import DemoApi
+from ._serve import ServerThread, bind, parse_listen, url_of
+from .asgi import ASGIApp, Message, Receive, Scope, Send
+from .gateway import HEALTH_PATH, create_app, probe_store
+from .stores import open_store, redact
+
+__all__ = ["StormReport", "run_demo", "storm"]
+
+DEFAULT_LISTEN = "127.0.0.1:8000"
 
 
 @dataclass
 class StormReport:
-    payments: int = 0
+    """What a retry storm sent, what came back, and what the API did."""
+
+    orders: int
+    retries: int
     requests: int = 0
-    charges: Counter[str] = field(default_factory=Counter)
+    orders_created: int = 0
     answers: Counter[str] = field(default_factory=Counter)
-    disagreements: int = 0
+    ids: dict[int, set[str]] = field(default_factory=dict)
+    unanswered: int = 0
     seconds: float = 0.0
 
     @property
+    def conflicts_expected(self) -> int:
+        return len(range(0, self.orders, 5))
+
+    @property
     def exactly_once(self) -> bool:
+        """Each order created once, every retry answered with its order, conflicts refused."""
+        ids = [next(iter(s)) for s in self.ids.values() if len(s) == 1]
         return (
-            len(self.charges) == self.payments
-            and all(n == 1 for n in self.charges.values())
-            and self.disagreements == 0
+            self.orders_created == self.orders
+            and len(ids) == self.orders
+            and len(set(ids)) == self.orders
+            and self.unanswered == 0
+            and self.answers["conflict"] == self.conflicts_expected
         )
 
-    def render(self, store_url: str) -> str:
-        twice = sum(1 for n in self.charges.values() if n > 1)
+    def render(self, gateway_url: str, store_url: str) -> str:
+        differ = sum(1 for s in self.ids.values() if len(s) > 1)
+        rate = self.requests / max(self.seconds, 1e-9)
         lines = [
-            f"retrysafe demo: retry storm on {store_url}",
-            f"  payments            {self.payments}",
-            f"  requests sent       {self.requests}  "
-            f"({self.requests / max(self.seconds, 1e-9):,.0f}/s over {self.seconds:.2f} s)",
-            f"  charges executed    {sum(self.charges.values())}",
-            f"  replayed answers    {self.answers['replayed']}",
-            f"  'in flight' (409)   {self.answers['in_flight']}",
-            f"  conflicts (422)     {self.answers['conflict']}",
-            f"  charged twice       {twice}",
-            f"  answers that differ {self.disagreements}",
-            "  result              "
-            + ("exactly once: every payment charged once, every retry got its answer"
-               if self.exactly_once else "DUPLICATES OR LOST ANSWERS"),
-        ]  # fmt: skip
+            f"retrysafe demo --check: a retry storm through the gateway at {gateway_url}",
+            f"  store                {store_url}",
+            f"  orders               {self.orders}, each sent by {self.retries} clients at once "
+            "with one Idempotency-Key",
+            f"  requests sent        {self.requests}  ({rate:,.0f}/s over {self.seconds:.2f} s)",
+            f"  orders created       {self.orders_created}  (side effects, from the API's /stats)",
+            f"  replayed answers     {self.answers['replayed']}  (Idempotent-Replayed: true)",
+            f"  'in flight' (409)    {self.answers['in_flight']}  (asked again after a backoff)",
+            f"  conflicts (422)      {self.answers['conflict']}  (same key, other body: refused)",
+            f"  answers that differ  {differ}",
+            f"  unanswered           {self.unanswered}",
+            "  result               "
+            + (
+                "exactly once: every order created once, every retry got its answer"
+                if self.exactly_once
+                else "DUPLICATES OR LOST ANSWERS"
+            ),
+        ]
         return "\n".join(lines)
 
 
-def retry_storm(
-    engine: Engine, *, payments: int = 50, clients: int = 16, retries: int = 6, seed: int = 0
-) -> StormReport:
-    """Simulate impatient clients: each payment is sent ``retries`` times from
-    several threads at once (timeouts, double taps); a few reuse a key with another
-    amount. Counts charges (side effects) and checks every caller got one answer."""
-    rng = random.Random(seed)
-    report = StormReport(payments=payments)
-    lock = threading.Lock()
-    first_answer: dict[str, Any] = {}
-    run_id = f"{time.time_ns():x}"
-    jobs = []
-    for p in range(payments):
-        amount = rng.randrange(100, 10_000)
-        jobs += [(p, amount)] * retries
-        if p % 10 == 0:
-            jobs.append((p, amount + 1))  # a client bug: same key, other request
-    rng.shuffle(jobs)
-
-    def send(job: tuple[int, int]) -> None:
-        p, amount = job
-        key = f"payment:demo-{run_id}:{p}"
-        fp = fingerprint({"amount": amount, "currency": "EUR"})
-        delay = 0.005
-        while True:
-            with lock:
-                report.requests += 1
-            try:
-                result = engine.begin(key, operation="payment", fingerprint=fp, wait=0)
-            except InProgressError:
-                with lock:
-                    report.answers["in_flight"] += 1
-                time.sleep(delay * rng.random())  # backoff with jitter, then retry
-                delay = min(delay * 2, 0.1)
-                continue
-            except FingerprintMismatchError:
-                with lock:
-                    report.answers["conflict"] += 1
-                return
-            if isinstance(result, Replay):
-                answer = result.outcome.value if result.outcome else None
-                kind = "replayed"
-            else:
-                time.sleep(0.002)  # the charge takes a moment; retries pile up meanwhile
-                answer = {"charge": f"ch_{p}_{rng.random():.6f}", "amount": amount}
-                with lock:
-                    report.charges[key] += 1
-                engine.complete(result, Outcome.json(answer))
-                kind = "executed"
-            with lock:
-                report.answers[kind] += 1
-                if first_answer.setdefault(key, answer) != answer:
-                    report.disagreements += 1
+async def _order_until_answered(
+    client: httpx.AsyncClient, report: StormReport, index: int, key: str, body: dict[str, Any]
+) -> None:
+    """Send one order until it gets a final answer, as a patient client would."""
+    deadline = time.monotonic() + 30
+    backoff = 0.02
+    while time.monotonic() < deadline:
+        report.requests += 1
+        try:
+            r = await client.post("/orders", json=body, headers={"Idempotency-Key": key})
+        except httpx.TransportError:
+            r = None
+        if r is None or r.status_code == 409 or r.status_code >= 500:
+            kind = "network_error" if r is None else "in_flight" if r.status_code == 409 else "5xx"
+            report.answers[kind] += 1
+            # Retry-After is when the attempt's lease ends, the longest it can take;
+            # an impatient client backs off (with jitter) and asks again sooner.
+            await asyncio.sleep(backoff * (0.5 + random.random()))
+            backoff = min(backoff * 2, 1.0)
+            continue
+        if r.status_code == 422:
+            report.answers["conflict"] += 1
             return
+        if r.status_code == 201:
+            replayed = r.headers.get("idempotent-replayed") == "true"
+            report.answers["replayed" if replayed else "executed"] += 1
+            report.ids.setdefault(index, set()).add(r.json()["id"])
+            return
+        report.answers[f"http_{r.status_code}"] += 1
+        break
+    report.unanswered += 1
 
+
+async def storm(gateway_url: str, *, orders: int = 20, retries: int = 8) -> StormReport:
+    """Send each of ``orders`` orders from ``retries`` clients at once with one key;
+    then, for every fifth order, the same key with another body (a client bug).
+    Counts requests, answers and the API's side effects."""
+    report = StormReport(orders=orders, retries=retries)
+    run = secrets.token_hex(4)
+    limits = httpx.Limits(max_connections=orders * retries + 10)
     started = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        list(pool.map(send, jobs))
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=30, limits=limits) as client:
+        before = (await client.get("/stats")).json()["orders_created"]
+        bodies = {i: {"item": f"item-{i}", "quantity": 1 + i % 3} for i in range(orders)}
+        await asyncio.gather(
+            *(
+                _order_until_answered(client, report, i, f"demo-{run}-{i}", bodies[i])
+                for i in range(orders)
+                for _ in range(retries)
+            )
+        )
+        await asyncio.gather(
+            *(
+                _order_until_answered(
+                    client,
+                    report,
+                    -1,
+                    f"demo-{run}-{i}",
+                    {**bodies[i], "quantity": bodies[i]["quantity"] + 1},
+                )
+                for i in range(0, orders, 5)
+            )
+        )
+        report.orders_created = (await client.get("/stats")).json()["orders_created"] - before
     report.seconds = time.perf_counter() - started
     return report
+
+
+class _Narrator:
+    """Prints one line per request the gateway answers (the demo's running commentary)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def narrate(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                replayed = (b"idempotent-replayed", b"true") in message.get("headers", ())
+                note = "  (replayed: the API did not run)" if replayed else ""
+                print(
+                    f"  gateway   {scope['method']} {scope['path']} -> {message['status']}{note}",
+                    flush=True,
+                )
+            await send(message)
+
+        await self.app(scope, receive, narrate)
+
+
+def _print_effect(kind: str, record: dict[str, Any]) -> None:
+    what = "order" if kind == "orders_created" else "payment"
+    print(f"  demo API  {what} {record['id']} {record['status']}: {json.dumps(record)}", flush=True)
+
+
+def _gateway_socket(listen: str | None) -> tuple[Any, str | None]:
+    """The gateway's socket: ``listen``, else 127.0.0.1:8000 or a free port if it is taken."""
+    if listen is not None:
+        return bind(*parse_listen(listen)), None
+    host, port = parse_listen(DEFAULT_LISTEN)
+    try:
+        return bind(host, port), None
+    except OSError:
+        sock = bind(host, 0)
+        return sock, f"port {port} is busy: the gateway listens on {url_of(sock)} instead"
+
+
+def _banner(gateway: str, api: str, store_url: str, note: str | None) -> str:
+    key = f"order-{secrets.token_hex(3)}"
+    body = json.dumps({"item": "book", "quantity": 1})
+    curl = (
+        f"curl -i {gateway}/orders -H {shlex.quote('Idempotency-Key: ' + key)} "
+        f"-H 'Content-Type: application/json' -d {shlex.quote(body)}"
+    )
+    lines = [
+        "retrysafe demo: the gateway in front of a small orders-and-payments API",
+        *([f"  note      {note}"] if note else []),
+        f"  gateway   {gateway}   (retries are safe here)",
+        f"  demo API  {api}   (direct, no idempotency)",
+        f"  health    {gateway}{HEALTH_PATH}",
+        f"  store     {store_url}",
+        "",
+        "Create an order through the gateway. Run it twice: the second answer is the",
+        "first one replayed (Idempotent-Replayed: true) and the API does not run again.",
+        "",
+        f"  {curl}",
+        "",
+        "Count the side effects (still one order):",
+        "",
+        f"  curl {gateway}/stats",
+        "",
+        "Press Ctrl-C to stop.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def run_demo(
+    store_url: str,
+    *,
+    listen: str | None = None,
+    check: bool = False,
+    orders: int = 20,
+    retries: int = 8,
+) -> int:
+    """Start the demo API and the gateway; with ``check`` run a storm and report, else
+    serve until Ctrl-C. Returns the exit status."""
+    if orders < 1 or retries < 1:
+        raise ValueError("--orders and --retries must be at least 1")
+    store = open_store(store_url)
+    try:
+        probe_store(store)
+        gw_sock, note = _gateway_socket(listen)
+    except BaseException:
+        store.close()
+        raise
+    main = threading.current_thread() is threading.main_thread()
+    old_handler = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    api = DemoApi(on_effect=None if check else _print_effect)
+    try:
+        with ServerThread(api, bind("127.0.0.1", 0)) as api_server:
+            app: ASGIApp = create_app(api_server.url, store=store)
+            if not check:
+                app = _Narrator(app)
+            with ServerThread(app, gw_sock) as gw_server:
+                if check:
+                    report = asyncio.run(storm(gw_server.url, orders=orders, retries=retries))
+                    print(report.render(gw_server.url, redact(store_url)), flush=True)
+                    return 0 if report.exactly_once else 1
+                print(_banner(gw_server.url, api_server.url, redact(store_url), note), flush=True)
+                while gw_server.alive and api_server.alive:
+                    gw_server.thread.join(0.5)
+                return 1  # a server stopped by itself
+    except KeyboardInterrupt:
+        print("retrysafe demo: stopped", flush=True)
+        return 0
+    finally:
+        gw_sock.close()
+        store.close()
+        if old_handler is not None:
+            signal.signal(signal.SIGTERM, old_handler)
