@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import io
 import json
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
+from wsgiref.util import setup_testing_defaults
 
 import httpx
 import pytest
@@ -24,7 +26,13 @@ from _http_apps import Counter, django_app
 from _http_servers import ThreadServer
 from asgiref.sync import iscoroutinefunction
 from django.core.exceptions import ImproperlyConfigured
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import (
+    FileResponse,
+    HttpRequest,
+    HttpResponse,
+    JsonResponse,
+    StreamingHttpResponse,
+)
 from django.test import RequestFactory, override_settings
 from django.urls import path
 
@@ -106,6 +114,11 @@ async def astream(request: HttpRequest) -> StreamingHttpResponse:
     return StreamingHttpResponse(body(), content_type="text/plain")
 
 
+def file(request: HttpRequest) -> FileResponse:
+    _hit(request)
+    return FileResponse(io.BytesIO(expected(50, 1000)), content_type="application/pdf")
+
+
 urlpatterns = [
     path("orders", orders),
     path("aorders", aorders),
@@ -114,6 +127,7 @@ urlpatterns = [
     path("boom", boom),
     path("stream", stream),
     path("astream", astream),
+    path("file", file),
 ]
 
 
@@ -261,6 +275,33 @@ def test_streamed_answers_are_replayed_and_big_ones_stream_intact(
     assert big_again.headers["idempotent-body-omitted"] == "true"
     assert big_again.headers["idempotent-replayed"] == "true"
     assert RUNS[tid] == 2
+
+
+def test_a_file_response_is_recorded_not_handed_to_the_server(
+    kind: str, memory: Store[Any], tid: str
+) -> None:
+    with serve(kind, store=memory, max_body=10_000) as server:
+        first = httpx.post(server.url + "/file", headers=keyed(tid))
+        again = httpx.post(server.url + "/file", headers=keyed(tid))
+    assert first.content == expected(50, 1000) and first.headers["content-length"] == "50000"
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.headers["idempotent-body-omitted"] == "true"
+    assert "content-type" not in again.headers
+    assert RUNS[tid] == 1
+
+
+def test_a_file_response_does_not_go_to_wsgi_file_wrapper(memory: Store[Any], tid: str) -> None:
+    """A server's file wrapper would send the file past the middleware, unrecorded."""
+    environ: dict[str, Any] = {}
+    setup_testing_defaults(environ)
+    environ.update(REQUEST_METHOD="POST", PATH_INFO="/file", HTTP_IDEMPOTENCY_KEY="k",
+                   HTTP_X_TEST_ID=tid, CONTENT_LENGTH="0")  # fmt: skip
+    environ["wsgi.file_wrapper"] = lambda *args: pytest.fail("handed to wsgi.file_wrapper")
+    app = handler("wsgi", store=memory)
+    response = app(environ, lambda status, headers: None)
+    assert b"".join(response) == expected(50, 1000)
+    response.close()
+    assert status_of(memory, "k") is Status.COMPLETED
 
 
 @pytest.mark.parametrize("view", ["stream", "astream"])
