@@ -409,6 +409,20 @@ def test_settings_drive_the_middleware(kind: str, tmp_path: Path, tid: str) -> N
     store.close()
 
 
+def tenant(request: Any) -> str | None:
+    """A ``scope`` named by its dotted path in the settings."""
+    assert isinstance(request.native, HttpRequest)
+    return request.headers.get("x-tenant")
+
+
+def test_scope_by_dotted_path(kind: str, memory: Store[Any], tid: str) -> None:
+    with serve(kind, store=memory, scope=f"{__name__}.tenant") as server:
+        for t in ("t1", "t2", "t1"):
+            httpx.post(server.url + "/raw", content=b"a", headers=keyed(tid, **{"x-tenant": t}))
+    assert RUNS[tid] == 2
+    assert status_of(memory, f"key-{tid}", scope="t2") is Status.COMPLETED
+
+
 def test_the_store_defaults_to_retrysafe_store(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tid: str
 ) -> None:
@@ -429,11 +443,12 @@ def test_the_store_defaults_to_retrysafe_store(
         ("redis://localhost", "settings.RETRYSAFE must be a dict"),
         ({"stor": "memory://"}, "unknown option.*'stor'.*the options are store, methods"),
         ({"duplicate_response": "always"}, 'RETRYSAFE: duplicate_response must be "replay"'),
-        ({"require_key": "yes"}, "RETRYSAFE: require_key must be a bool or a callable"),
+        ({"require_key": 1}, "RETRYSAFE: require_key must be a bool or a callable"),
         ({"store": "mysql://db"}, "RETRYSAFE: unknown store URL"),
         ({"ttl": "1h"}, "RETRYSAFE: ttl must be a number of seconds"),
+        ({"scope": "nowhere.who"}, "RETRYSAFE: scope 'nowhere.who' is not the dotted path"),
     ],
-    ids=["not-a-dict", "unknown-name", "bad-choice", "bad-type", "bad-url", "bad-ttl"],
+    ids=["not-a-dict", "unknown-name", "bad-choice", "bad-type", "bad-url", "bad-ttl", "bad-path"],
 )
 def test_a_bad_setting_is_a_clear_error_when_django_loads(setting: Any, message: str) -> None:
     from django.core.handlers.wsgi import WSGIHandler

@@ -15,9 +15,10 @@
     }
 
 ``RETRYSAFE`` holds the keyword options of
-:class:`retrysafe.asgi.IdempotencyMiddleware` (the same names everywhere); an
-unknown name or a bad value is an ``ImproperlyConfigured`` error when Django
-loads its middleware. The middleware runs sync under WSGI and async under
+:class:`retrysafe.asgi.IdempotencyMiddleware` (the same names everywhere);
+``scope`` and ``require_key`` may be dotted paths of callables. An unknown
+name or a bad value is an ``ImproperlyConfigured`` error when Django loads its
+middleware. The middleware runs sync under WSGI and async under
 ASGI, whichever the chain around it is; ``HttpResponse`` and
 ``StreamingHttpResponse`` answers (sync or async content) are recorded.
 """
@@ -35,6 +36,7 @@ from django.core.exceptions import ImproperlyConfigured, RequestDataTooBig
 from django.http import HttpRequest as DjangoRequest
 from django.http import HttpResponse
 from django.http.response import HttpResponseBase
+from django.utils.module_loading import import_string
 
 from ._http import BodyError, Headers, HttpPolicy, HttpRequest, Response
 from ._http_io import Answer, Flow, Prepared, Stream, aenter, astream, enter, prepare
@@ -45,6 +47,8 @@ GetResponse = Callable[[DjangoRequest], Any]  # a response, or an awaitable of o
 
 #: The option names ``settings.RETRYSAFE`` may hold.
 OPTIONS = tuple(inspect.signature(HttpPolicy).parameters)
+#: Options that may also be given as the dotted path of a callable.
+_CALLABLES = ("scope", "require_key")
 
 
 class IdempotencyMiddleware:
@@ -142,6 +146,16 @@ def _policy(overrides: Mapping[str, Any]) -> HttpPolicy:
             f"settings.RETRYSAFE has unknown option(s) {', '.join(map(repr, unknown))}; "
             f"the options are {', '.join(OPTIONS)}"
         )
+    for name in _CALLABLES:  # a dotted path: settings.py need not import the app's code
+        path = options.get(name)
+        if isinstance(path, str):
+            try:
+                options[name] = import_string(path)
+            except ImportError as exc:
+                raise ImproperlyConfigured(
+                    f"settings.RETRYSAFE: {name} {path!r} is not the dotted path of a callable: "
+                    f"{exc}"
+                ) from exc
     try:
         return HttpPolicy(**options)
     except (TypeError, ValueError) as exc:
