@@ -59,9 +59,9 @@ class Serving:
             assert self.proc.poll() is None, self.proc.communicate()
         raise AssertionError(f"{url} never became healthy")
 
-    def interrupt(self) -> tuple[str, str]:
-        """Ctrl-C; the command must stop cleanly with status 0 and no traceback."""
-        self.proc.send_signal(signal.SIGINT)
+    def interrupt(self, signum: int = signal.SIGINT) -> tuple[str, str]:
+        """Ctrl-C (or ``signum``): the command stops cleanly, status 0, no traceback."""
+        self.proc.send_signal(signum)
         out, err = self.proc.communicate(timeout=60)
         assert self.proc.returncode == 0, (out, err)
         assert "Traceback" not in err and "Error" not in err, err
@@ -125,9 +125,11 @@ def test_demo_curl_example_replays_and_ctrl_c_stops(tmp_path: Path, serving: lis
     assert "replayed: the API did not run" in out and "retrysafe demo: stopped" in out
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize(
+    ("workers", "signum"), [(1, signal.SIGINT), (2, signal.SIGINT), (1, signal.SIGTERM)]
+)
 def test_gateway_serves_and_stops_on_ctrl_c(
-    tmp_path: Path, serving: list[Serving], workers: int
+    tmp_path: Path, serving: list[Serving], workers: int, signum: int
 ) -> None:
     with UpstreamProcess() as origin:
         origin.start()
@@ -144,7 +146,7 @@ def test_gateway_serves_and_stops_on_ctrl_c(
         assert [r.status_code for r in answers] == [201] * 4
         assert [r.headers.get("idempotent-replayed") for r in answers] == [None] + ["true"] * 3
         assert httpx.get(url + "/count").json() == {"orders": 1}
-        out, _ = gw.interrupt()
+        out, _ = gw.interrupt(signum)
     assert f"upstream  {origin.url}" in out and f"sqlite:///{tmp_path}/gw.db" in out
     assert "retrysafe gateway: stopped" in out
 

@@ -40,7 +40,14 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     from . import gateway
-    from ._serve import SERVER_OPTIONS, bind, parse_listen, server_config, url_of
+    from ._serve import (
+        SERVER_OPTIONS,
+        bind,
+        parse_listen,
+        server_config,
+        sigterm_as_interrupt,
+        url_of,
+    )
 
     if args.workers < 1:
         raise ValueError(f"--workers must be at least 1, not {args.workers}")
@@ -66,7 +73,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     print(f"  health    {url}{gateway.HEALTH_PATH}", flush=True)
     try:
         if args.workers == 1:
-            uvicorn.Server(server_config(app, lifespan="on")).run(sockets=[sock])
+            with sigterm_as_interrupt():  # uvicorn stops gracefully, then re-raises it
+                uvicorn.Server(server_config(app, lifespan="on")).run(sockets=[sock])
         else:
             # Workers import the app: a factory configured by the environment.
             port = sock.getsockname()[1]

@@ -12,18 +12,15 @@ import json
 import random
 import secrets
 import shlex
-import signal
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any
 
 import httpx
 
 from ._demo_api import DemoApi
-from ._serve import ServerThread, bind, parse_listen, url_of
+from ._serve import ServerThread, bind, parse_listen, sigterm_as_interrupt, url_of
 from .asgi import ASGIApp, Message, Receive, Scope, Send
 from .gateway import HEALTH_PATH, create_app, probe_store
 from .stores import open_store, redact
@@ -226,10 +223,6 @@ def _banner(gateway: str, api: str, store_url: str, note: str | None) -> str:
     return "\n".join(lines)
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
 def run_demo(
     store_url: str,
     *,
@@ -249,11 +242,9 @@ def run_demo(
     except BaseException:
         store.close()
         raise
-    main = threading.current_thread() is threading.main_thread()
-    old_handler = signal.signal(signal.SIGTERM, _interrupt) if main else None
     api = DemoApi(on_effect=None if check else _print_effect)
     try:
-        with ServerThread(api, bind("127.0.0.1", 0)) as api_server:
+        with sigterm_as_interrupt(), ServerThread(api, bind("127.0.0.1", 0)) as api_server:
             app: ASGIApp = create_app(api_server.url, store=store)
             if not check:
                 app = _Narrator(app)
@@ -264,7 +255,9 @@ def run_demo(
                     return 0 if report.exactly_once else 1
                 print(_banner(gw_server.url, api_server.url, redact(store_url), note), flush=True)
                 while gw_server.alive and api_server.alive:
-                    gw_server.thread.join(0.5)
+                    # Not thread.join(timeout): before Python 3.12 a Ctrl-C inside it marks
+                    # the thread finished, and the server's socket is closed under it.
+                    time.sleep(0.2)
                 return 1  # a server stopped by itself
     except KeyboardInterrupt:
         print("retrysafe demo: stopped", flush=True)
@@ -272,5 +265,3 @@ def run_demo(
     finally:
         gw_sock.close()
         store.close()
-        if old_handler is not None:
-            signal.signal(signal.SIGTERM, old_handler)

@@ -7,14 +7,25 @@ and leaves no window in which another process could take the port.
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from types import FrameType
 from typing import Any, Self
 
 import uvicorn
 
-__all__ = ["ServerThread", "bind", "parse_listen", "server_config", "url_of"]
+__all__ = [
+    "ServerThread",
+    "bind",
+    "parse_listen",
+    "server_config",
+    "sigterm_as_interrupt",
+    "url_of",
+]
 
 #: What every retrysafe server sets: the gateway passes the upstream's ``Date``
 #: and ``Server`` through and builds ``X-Forwarded-*`` itself.
@@ -108,3 +119,20 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM stops the process as cleanly as Ctrl-C does."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
