@@ -6,6 +6,7 @@ uvicorn server in a thread of this process, so a test can read its store.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import hashlib
 import json
@@ -22,6 +23,7 @@ from _upstream import GZIP_TEXT, UpstreamProcess, pattern
 from retrysafe import Status, key_hash
 from retrysafe._serve import ServerThread, bind
 from retrysafe.gateway import Gateway, create_app
+from retrysafe.stores.memory import MemoryStore
 
 MiB = 1 << 20
 
@@ -262,6 +264,25 @@ def test_keyed_post_runs_once_and_is_replayed(gw: Running, origin: UpstreamProce
     unkeyed = [httpx.post(gw.url + "/orders", json={"item": "pen"}) for _ in range(2)]
     assert [r.status_code for r in unkeyed] == [201, 201]
     assert orders(origin.url) == before + 3
+
+
+class SlowCompletes(MemoryStore):
+    """A store whose completions take a while: the answer must not leave before one."""
+
+    async def acomplete(self, *args: Any) -> bool:
+        await asyncio.sleep(0.3)
+        return await super().acomplete(*args)
+
+
+def test_a_retry_sent_the_moment_the_answer_arrives_is_replayed(
+    origin: UpstreamProcess, gateway: Callable[..., Running]
+) -> None:
+    gw = gateway(origin.url, store=SlowCompletes("memory://"))
+    key = {"Idempotency-Key": "fast-retry"}
+    first = httpx.post(gw.url + "/orders", json={}, headers=key)  # has its whole body here
+    second = httpx.post(gw.url + "/orders", json={}, headers=key)  # on a new connection
+    assert first.status_code == second.status_code == 201
+    assert second.headers["idempotent-replayed"] == "true"
 
 
 def test_require_key(origin: UpstreamProcess, gateway: Callable[..., Running]) -> None:

@@ -246,10 +246,21 @@ class _Proxy:
             skip = _NO_BODY if status in (204, 304) else frozenset()
             headers = _end_to_end(response.headers.raw, skip)
             await send({"type": "http.response.start", "status": status, "headers": headers})
+            # The chunk that completes a declared Content-Length is the last message:
+            # the middleware records the answer before that message leaves, and a
+            # client holding the whole body may retry at once.
+            left = _declared_length(response.headers) if skip is not _NO_BODY else None
+            ended = False
             async for chunk in response.aiter_raw():
-                if chunk:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                if chunk and not ended:
+                    if left is not None:
+                        left -= len(chunk)
+                        ended = left <= 0
+                    await send(
+                        {"type": "http.response.body", "body": chunk, "more_body": not ended}
+                    )
+            if not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except httpx.RequestError as exc:
             # Too late for a 502: the answer is left unfinished, so the server drops
             # the connection and the client sees a truncated answer, not a short one.
@@ -261,6 +272,14 @@ class _Proxy:
             )
         finally:
             await response.aclose()
+
+
+def _declared_length(headers: httpx.Headers) -> int | None:
+    """The answer's Content-Length, or None if it has none (or a malformed one)."""
+    values = headers.get_list("content-length")
+    if len(values) == 1 and values[0].strip().isdigit():
+        return int(values[0])
+    return None
 
 
 async def _body(receive: Receive) -> bytes | AsyncIterator[bytes]:
