@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from ._http import Response, problem
-from .asgi import ASGIApp, IdempotencyMiddleware, Receive, Scope, Send, _answer
+from .asgi import ASGIApp, IdempotencyMiddleware, Message, Receive, Scope, Send, _answer
 from .stores import Store, redact
 
 __all__ = [
@@ -287,24 +287,20 @@ async def _body(receive: Receive) -> bytes | AsyncIterator[bytes]:
     message = await receive()
     if message["type"] == "http.disconnect":
         raise _ClientGone
-    first = message.get("body", b"")
     if not message.get("more_body", False):
-        return first
-    return _rest(first, receive)
+        return message.get("body", b"")
+    return _stream(message, receive)
 
 
-async def _rest(first: bytes, receive: Receive) -> AsyncIterator[bytes]:
-    if first:
-        yield first
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone
-        chunk = message.get("body", b"")
-        if chunk:
+async def _stream(message: Message, receive: Receive) -> AsyncIterator[bytes]:
+    """The chunks of a body, from its first ``message`` on (streamed, never buffered)."""
+    while message["type"] != "http.disconnect":
+        if chunk := message.get("body", b""):
             yield chunk
         if not message.get("more_body", False):
             return
+        message = await receive()
+    raise _ClientGone
 
 
 _UPSTREAM_TITLES = {
