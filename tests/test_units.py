@@ -99,7 +99,10 @@ def test_verdict_and_retry_after() -> None:
     assert verdict(_record(), "other") is Verdict.CONFLICT
     assert verdict(_record(), "fp") is Verdict.IN_PROGRESS
     assert verdict(_record(status=Status.COMPLETED), "fp") is Verdict.REPLAY
-    assert retry_after(_record(), 0.0) == 10.0
+    # As long as the attempt has run, at least 1 s, never past the lease's end.
+    assert retry_after(_record(), 0.2) == 1.0
+    assert retry_after(_record(), 4.0) == 4.0
+    assert retry_after(_record(), 7.5) == 3.0
     assert retry_after(_record(), 9.5) == 1.0
     assert retry_after(_record(), 50.0) == 1.0
 

@@ -49,5 +49,12 @@ def verdict(record: Record, fingerprint: str) -> Verdict:
 
 
 def retry_after(record: Record, now: float) -> float:
-    """Seconds a caller should wait before retrying an in-flight key (at least 1)."""
-    return float(max(1, math.ceil(record.lease_until - now)))
+    """Seconds a caller should wait before retrying an in-flight key (at least 1).
+
+    As long as the attempt has run so far, and never past its lease: a request
+    that began a moment ago will likely answer soon, one that has run for a
+    while likely needs a while more, and a crashed one frees the key when its
+    lease runs out.
+    """
+    wait = min(record.lease_until - now, now - record.updated_at)
+    return float(max(1, math.ceil(wait)))

@@ -251,6 +251,10 @@ _TITLES = {
     "idempotency_body_invalid": "Request body cannot be fingerprinted",
     "idempotency_body_too_large": "Request body too large",
     "idempotency_failed": "Request failed",
+    "upstream_unavailable": "Upstream unavailable",
+    "upstream_timeout": "Upstream timed out",
+    "not_found": "Not found",
+    "method_not_allowed": "Method not allowed",
 }
 
 
@@ -269,8 +273,8 @@ def problem(
         "status": status,
         "detail": detail,
         "code": code,
-        **extra,
     }
+    doc.update(extra)
     body = json.dumps(doc, separators=(",", ":")).encode()
     out = [("content-type", PROBLEM_TYPE), ("content-length", str(len(body)))]
     out.extend(headers)

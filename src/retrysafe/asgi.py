@@ -161,7 +161,7 @@ class _Recorder:
     end and its answer is stored, so the client's retry gets the replay.
     """
 
-    __slots__ = ("att", "capture", "connected", "down", "policy", "start", "started")
+    __slots__ = ("att", "capture", "connected", "down", "length", "policy", "start", "started")
 
     def __init__(self, send: Send, policy: HttpPolicy, att: Attempt) -> None:
         self.down, self.policy, self.att = send, policy, att
@@ -169,17 +169,26 @@ class _Recorder:
         self.capture = Capture(policy.max_body)
         self.connected = True
         self.started = False
+        self.length = -1  # the answer's Content-Length, if it declares one
 
     async def send(self, message: Message) -> None:
         kind = message["type"]
         if kind == "http.response.start":
             self.start = message  # held until the first body message
+            self.length = -1
+            for name, value in message.get("headers", ()):
+                if name.lower() == b"content-length" and value.isdigit():
+                    self.length = int(value)
             return
         if kind == "http.response.body" and self.start is not None:
             start = self.start
             capture = self.capture
             capture.add(message.get("body", b""))
-            if not message.get("more_body", False):
+            # The answer is complete at the last message, or as soon as the body
+            # reaches its Content-Length (a client may retry from that moment).
+            if not self.att.settled and (
+                not message.get("more_body", False) or capture.size == self.length
+            ):
                 status = start["status"]
                 headers = [
                     (k.decode("latin-1"), v.decode("latin-1")) for k, v in start.get("headers", ())

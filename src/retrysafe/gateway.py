@@ -303,16 +303,10 @@ async def _stream(message: Message, receive: Receive) -> AsyncIterator[bytes]:
     raise _ClientGone
 
 
-_UPSTREAM_TITLES = {
-    "upstream_timeout": "Upstream timed out",
-    "upstream_unavailable": "Upstream unavailable",
-}
-
-
 def _upstream_problem(status: int, code: str, exc: Exception) -> Response:
     what = "did not answer in time" if status == 504 else "cannot be reached"
     detail = f"the upstream {what} ({type(exc).__name__}); retry with the same key"
-    return problem(status, code, detail, title=_UPSTREAM_TITLES[code])
+    return problem(status, code, detail)
 
 
 def _json(status: int, doc: dict[str, Any]) -> Response:
@@ -373,16 +367,13 @@ class Gateway:
     async def _admin(self, scope: Scope) -> Response:
         path, method = scope["path"], scope["method"]
         if path != HEALTH_PATH:
-            return problem(
-                404, "not_found", f"the gateway has no page at {path}", title="Not found"
-            )
+            return problem(404, "not_found", f"the gateway has no page at {path}")
         if method not in ("GET", "HEAD"):
             return problem(
                 405,
                 "method_not_allowed",
                 f"{path} answers GET and HEAD",
                 headers=[("allow", "GET, HEAD")],
-                title="Method not allowed",
             )
         answer = await self.health()
         if method == "HEAD":
