@@ -52,7 +52,6 @@ class ThreadServer:
     def __init__(self, app: Any, kind: str) -> None:
         self.app, self.kind = app, kind
         self.port = 0
-        self._thread: threading.Thread | None = None
         self._server: Any = None
 
     @property
@@ -61,22 +60,11 @@ class ThreadServer:
 
     def __enter__(self) -> ThreadServer:
         if self.kind == "asgi":
-            import uvicorn
+            from retrysafe._serve import ServerThread, bind
 
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-            config = uvicorn.Config(self.app, log_level="error", loop="asyncio", lifespan="auto")
-            self._server = uvicorn.Server(config)
-            self._thread = threading.Thread(
-                target=self._server.run, kwargs={"sockets": [sock]}, daemon=True
-            )
-            self._thread.start()
-            deadline = time.monotonic() + 20
-            while not self._server.started:
-                if not self._thread.is_alive() or time.monotonic() > deadline:
-                    raise RuntimeError("uvicorn did not start")
-                time.sleep(0.01)
+            self._server = ServerThread(self.app, bind("127.0.0.1", 0), log_level="error")
+            self._server.start()
+            self.port = self._server.sock.getsockname()[1]
         else:
             from werkzeug.serving import make_server
 
@@ -88,12 +76,11 @@ class ThreadServer:
 
     def __exit__(self, *exc: object) -> None:
         if self.kind == "asgi":
-            self._server.should_exit = True
+            self._server.stop()
         else:
             self._server.shutdown()
             self._server.server_close()
-        assert self._thread is not None
-        self._thread.join(20)
+            self._thread.join(20)
 
 
 class Process:

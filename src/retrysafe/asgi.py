@@ -80,6 +80,8 @@ class IdempotencyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         policy = self.policy
         if scope["type"] != "http" or scope["method"] not in policy.methods:
+            if scope["type"] == "lifespan":
+                send = self._closing(send)
             await self.app(scope, receive, send)
             return
         names = self._names
@@ -152,6 +154,20 @@ class IdempotencyMiddleware:
                 await self.app(scope, replay_receive, send)
             else:
                 await _answer(send, refusal)
+
+
+    def _closing(self, send: Send) -> Send:
+        """``send`` that releases this loop's store connections as the app shuts down."""
+
+        async def closing_send(message: Message) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                try:
+                    await self.policy.engine.aclose()
+                except Exception as exc:  # shutting down: report, do not fail
+                    log.warning("retrysafe: closing the store at shutdown failed: %r", exc)
+            await send(message)
+
+        return closing_send
 
 
 class _Recorder:
