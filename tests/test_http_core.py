@@ -150,3 +150,27 @@ def test_answers_for_replays() -> None:
 def test_bad_options_fail_at_construction(options: dict[str, object]) -> None:
     with pytest.raises((TypeError, ValueError)):
         HttpPolicy("memory://", **options)  # type: ignore[arg-type]
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(), children,
+                                                                        max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+
+
+@given(JSON_VALUES)
+def test_the_fast_json_canonical_form_is_canonical_json(value: object) -> None:
+    from retrysafe import canonical_json
+    from retrysafe._http import _canonical
+
+    text = json.dumps(value, indent=1, ensure_ascii=True)
+    assert _canonical(text) == canonical_json(json.loads(text))
+
+
+@pytest.mark.parametrize("body", [b"\xff{}", b"\xef\xbb\xbf{}", b"{} x", b" "])
+def test_json_bodies_must_be_utf8_json(body: bytes) -> None:
+    with pytest.raises(BodyError):
+        request_fingerprint("POST", "/", "", "application/json", body)

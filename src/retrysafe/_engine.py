@@ -214,7 +214,9 @@ class Engine:
         :class:`InvalidKeyError` (nothing written), :class:`InProgressError`,
         :class:`FingerprintMismatchError` or :class:`StoreUnavailableError`.
         """
-        plan = _Plan(self, key, **options)
+        return self._begin(_Plan(self, key, **options))
+
+    def _begin(self, plan: _Plan) -> Claim | Replay:
         while True:
             record = plan.record(self.clock())
             answer = plan.settle(self.store.claim(record), record)
@@ -251,7 +253,9 @@ class Engine:
 
     async def abegin(self, key: str, **options: Unpack[BeginOptions]) -> Claim | Replay:
         """Async :meth:`begin`."""
-        plan = _Plan(self, key, **options)
+        return await self._abegin(_Plan(self, key, **options))
+
+    async def _abegin(self, plan: _Plan) -> Claim | Replay:
         while True:
             record = plan.record(self.clock())
             answer = plan.settle(await self.store.aclaim(record), record)
@@ -300,7 +304,7 @@ class Engine:
         leaving it without setting ``outcome`` fails it and raises ``RuntimeError``.
         ``options`` are those of :meth:`begin`.
         """
-        return Attempt(self, key, options)
+        return Attempt(self, _Plan(self, key, **options))
 
     def close(self) -> None:
         self.store.close()
@@ -365,6 +369,24 @@ class _Plan:
         self.deadline: float | None = None
         self.delay = 0.01
 
+    def derive(
+        self, key: str, scope: str, fingerprint: str, request_id: str | None = None
+    ) -> _Plan:
+        """This plan's validated options for another call (``key`` must be valid).
+
+        For front doors that validate their options once and build a plan per
+        request without re-checking them.
+        """
+        plan = _Plan.__new__(_Plan)
+        plan.ttl, plan.lease, plan.wait = self.ttl, self.lease, self.wait
+        plan.operation, plan.metadata, plan.request_payload = self.operation, {}, None
+        plan.key, plan.scope, plan.fingerprint = key, scope, fingerprint
+        plan.request_id = request_id
+        plan.key_hash = key_hash(scope, plan.operation, key)
+        plan.deadline = None
+        plan.delay = 0.01
+        return plan
+
     def record(self, now: float) -> Record:
         """The processing record a claim at ``now`` writes (a fresh fencing token each time)."""
         return Record(
@@ -421,10 +443,10 @@ class Attempt:
     their async twins) inside it; leaving the block then writes nothing more.
     """
 
-    __slots__ = ("_engine", "_key", "_options", "claim", "final", "outcome", "replay", "settled")
+    __slots__ = ("_engine", "_plan", "claim", "final", "outcome", "replay", "settled")
 
-    def __init__(self, engine: Engine, key: str, options: BeginOptions) -> None:
-        self._engine, self._key, self._options = engine, key, options
+    def __init__(self, engine: Engine, plan: _Plan) -> None:
+        self._engine, self._plan = engine, plan
         self.claim: Claim | None = None
         self.replay: Replay | None = None
         self.outcome: Outcome | None = None
@@ -475,7 +497,7 @@ class Attempt:
             raise RuntimeError("attempt left without an outcome; it was marked failed")
 
     def __enter__(self) -> Attempt:
-        return self._started(self._engine.begin(self._key, **self._options))
+        return self._started(self._engine._begin(self._plan))
 
     def __exit__(
         self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -500,7 +522,7 @@ class Attempt:
     # is recorded and never runs again.
 
     async def __aenter__(self) -> Attempt:
-        task = _start(self._engine.abegin(self._key, **self._options))
+        task = _start(self._engine._abegin(self._plan))
         if not isinstance(task, asyncio.Future):
             return self._started(task)  # answered without suspending: nothing to shield
         try:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ._engine import DEFAULT_MAX_BODY, Claim, Engine, Replay
+from ._engine import DEFAULT_MAX_BODY, Attempt, Claim, Engine, Replay, _Plan
 from ._errors import (
     FingerprintMismatchError,
     IdempotencyError,
@@ -206,11 +206,54 @@ def parse_key(values: list[str]) -> str | None:
 # -- fingerprint and scope -------------------------------------------------------------
 
 
+_JSON_TYPES: dict[str, bool] = {}
+
+
 def _is_json(content_type: str | None) -> bool:
     if not content_type:
         return False
-    media = content_type.split(";", 1)[0].strip().lower()
-    return media == "application/json" or media.endswith("+json")
+    known = _JSON_TYPES.get(content_type)
+    if known is None:
+        media = content_type.split(";", 1)[0].strip().lower()
+        known = media == "application/json" or media.endswith("+json")
+        if len(_JSON_TYPES) < 256:  # a few distinct types in practice; bounded anyway
+            _JSON_TYPES[content_type] = known
+    return known
+
+
+# JSON parsed and re-serialised by the C scanner and encoder directly: the same
+# canonical form as canonical_json(json.loads(body)) (sorted keys, no whitespace,
+# UTF-8, no NaN) without the pure-Python layers around them.
+_scan = json.JSONDecoder().scan_once
+_space = json.decoder.WHITESPACE.match
+try:
+    from json.encoder import c_make_encoder as _c_make_encoder
+except ImportError:  # pragma: no cover - CPython always has _json
+    _c_make_encoder = None
+
+
+def _no_default(value: Any) -> Any:
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+if _c_make_encoder is not None:
+    _encode = _c_make_encoder(
+        None, _no_default, json.encoder.encode_basestring, None, ":", ",", True, False, False
+    )
+
+    def _canonical(text: str) -> bytes:
+        end = _space(text, 0).end()
+        try:
+            value, end = _scan(text, end)
+        except StopIteration as stop:
+            raise ValueError(f"no JSON value at character {stop.value}") from None
+        if _space(text, end).end() != len(text):
+            raise ValueError(f"extra data after the JSON value at character {end}")
+        return "".join(_encode(value, 0)).encode()
+else:  # pragma: no cover
+
+    def _canonical(text: str) -> bytes:
+        return canonical_json(json.loads(text))
 
 
 def request_fingerprint(
@@ -218,11 +261,12 @@ def request_fingerprint(
 ) -> str:
     """SHA-256 over method, path, query and body; JSON bodies in canonical form.
 
-    Raises :class:`BodyError` for a body declared as JSON that does not parse.
+    Raises :class:`BodyError` for a body declared as JSON that is not valid
+    UTF-8 JSON (RFC 8259).
     """
     if body and _is_json(content_type):
         try:
-            body = canonical_json(json.loads(body))
+            body = _canonical(body.decode())
         except (ValueError, RecursionError, TypeError) as exc:
             raise BodyError(f"the request body is not valid JSON: {exc}") from None
         kind = b"j"
@@ -358,6 +402,8 @@ class HttpPolicy:
         self.store_headers = (
             None if store_headers is None else frozenset(h.lower() for h in store_headers)
         )
+        # The engine options every request shares, validated once.
+        self._plan = _Plan(self.engine, "-", operation=operation, ttl=ttl, lease=lease, wait=wait)
         self.drop_headers = frozenset(h.lower() for h in drop_headers) | HOP_BY_HOP
 
     # -- the request -------------------------------------------------------------
@@ -388,8 +434,9 @@ class HttpPolicy:
                 code="idempotency_body_too_large",
             )
 
-    def begin_options(
+    def attempt(
         self,
+        key: str,
         method: str,
         path: str,
         query: str,
@@ -398,22 +445,20 @@ class HttpPolicy:
         request: Callable[[], HttpRequest],
         authorization: str | None,
         request_id: str | None,
-    ) -> dict[str, Any]:
-        """The engine options of a keyed request (:class:`BodyError` for a bad body)."""
-        self.check_length(len(body))
+    ) -> Attempt:
+        """The engine attempt of a keyed request (:class:`BodyError` for a bad body)."""
+        if len(body) > self.max_request_body:
+            self.check_length(len(body))
         fp = request_fingerprint(method, path, query, content_type, body)
         if self.scope is None:
-            scope = credentials_scope(authorization)
+            scope = credentials_scope(authorization) if authorization else ""
         else:
             scope = self.scope(request())
             if scope is None:
                 scope = ""
-            elif not isinstance(scope, str):
+            elif type(scope) is not str:
                 raise TypeError(f"scope= must return a str or None, not {type(scope).__name__}")
-        return {
-            "operation": self.operation, "scope": scope, "fingerprint": fp,
-            "request_id": request_id, "ttl": self.ttl, "lease": self.lease, "wait": self.wait,
-        }  # fmt: skip
+        return Attempt(self.engine, self._plan.derive(key, scope, fp, request_id))
 
     # -- answers instead of the handler --------------------------------------------
 
@@ -483,6 +528,19 @@ class HttpPolicy:
             out.append((name, value))
         return tuple(out)
 
+    def stored_raw_headers(
+        self, headers: Iterable[tuple[bytes, bytes]]
+    ) -> tuple[tuple[str, str], ...]:
+        """:meth:`stored_headers` of ASGI's (name, value) byte pairs, in one pass."""
+        allow, drop = self.store_headers, self.drop_headers
+        out = []
+        for raw_name, raw_value in headers:
+            name = raw_name.decode("latin-1").lower()
+            if name in drop or (name in SENSITIVE if allow is None else name not in allow):
+                continue
+            out.append((name, raw_value.decode("latin-1")))
+        return tuple(out)
+
     def is_failure(self, status: int) -> bool:
         """A 5xx answer fails the attempt (retryable unless ``final_failures``)."""
         return status >= 500
@@ -495,7 +553,12 @@ class HttpPolicy:
         A body over ``max_body`` is not kept: status and headers are, and a replay
         answers them with an empty body and ``Idempotent-Body-Omitted: true``.
         """
-        kept = self.stored_headers(headers)
+        return self.outcome_of(status, self.stored_headers(headers), body, size)
+
+    def outcome_of(
+        self, status: int, kept: tuple[tuple[str, str], ...], body: bytes, size: int
+    ) -> Outcome:
+        """:meth:`outcome` of headers already filtered for storage."""
         if size > self.max_body:
             return Outcome(b"", status, kept, OMITTED)
         media = next((v for k, v in kept if k == "content-type"), "application/octet-stream")

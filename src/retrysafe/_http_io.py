@@ -41,8 +41,8 @@ log = logging.getLogger("retrysafe.http")
 
 #: The app's status code and headers, read when the answer is recorded.
 Answer = Callable[[], tuple[int, list[tuple[str, str]]]]
-#: What :func:`prepare` gives: (key, engine options), an answer instead, or None.
-Prepared = tuple[str, dict[str, Any]] | Response | None
+#: What :func:`prepare` gives: (the attempt to enter,), an answer instead, or None.
+Prepared = tuple[Attempt] | Response | None
 
 
 def prepare(
@@ -67,36 +67,34 @@ def prepare(
         length = meta.get("CONTENT_LENGTH") or ""
         if length.isdigit():
             policy.check_length(int(length))
-        options = policy.begin_options(
-            method, path, meta.get("QUERY_STRING", ""), meta.get("CONTENT_TYPE"), body(), request,
-            meta.get("HTTP_AUTHORIZATION"), meta.get("HTTP_X_REQUEST_ID"),
+        attempt = policy.attempt(
+            key, method, path, meta.get("QUERY_STRING", ""), meta.get("CONTENT_TYPE"), body(),
+            request, meta.get("HTTP_AUTHORIZATION"), meta.get("HTTP_X_REQUEST_ID"),
         )  # fmt: skip
     except IdempotencyError as exc:
         return policy.refusal(exc)
-    return key, options
+    return (attempt,)
 
 
-def enter(
-    policy: HttpPolicy, stack: ExitStack, key: str, options: dict[str, Any]
-) -> Attempt | Response | None:
+def enter(policy: HttpPolicy, stack: ExitStack, attempt: Attempt) -> Attempt | Response | None:
     """Begin the attempt on ``stack``: the attempt to run the app in, an answer instead
     (a refusal or a replay), or None to serve without idempotency (fail open).
 
     Only errors of beginning become answers; the app's own errors are not seen here.
     """
     try:
-        att = stack.enter_context(policy.engine.attempt(key, **options))
+        att = stack.enter_context(attempt)
     except IdempotencyError as exc:
         return policy.refusal(exc)
     return att if att.replay is None else policy.replay(att.replay)
 
 
 async def aenter(
-    policy: HttpPolicy, stack: AsyncExitStack, key: str, options: dict[str, Any]
+    policy: HttpPolicy, stack: AsyncExitStack, attempt: Attempt
 ) -> Attempt | Response | None:
     """Async :func:`enter`."""
     try:
-        att = await stack.enter_async_context(policy.engine.attempt(key, **options))
+        att = await stack.enter_async_context(attempt)
     except IdempotencyError as exc:
         return policy.refusal(exc)
     return att if att.replay is None else policy.replay(att.replay)

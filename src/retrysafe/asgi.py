@@ -113,11 +113,17 @@ class IdempotencyMiddleware:
                 return
             if clen is not None and clen.isdigit():
                 policy.check_length(int(clen))
-            body = await _read_body(receive, policy)
-            if body is None:
+            message = await receive()
+            if message["type"] != "http.request":
                 return  # the client left before sending its body
-            options = policy.begin_options(
-                scope["method"], scope["path"], scope["query_string"].decode("latin-1"),
+            if message.get("more_body", False):
+                body = await _read_body(message, receive, policy)
+                if body is None:
+                    return
+            else:
+                body = message.get("body", b"")
+            attempt = policy.attempt(
+                key, scope["method"], scope["path"], scope["query_string"].decode("latin-1"),
                 ctype, body, request, auth, rid,
             )  # fmt: skip
         except IdempotencyError as exc:
@@ -133,7 +139,6 @@ class IdempotencyMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        attempt = policy.engine.attempt(key, **options)
         entered = False
         try:
             async with attempt as att:
@@ -154,7 +159,6 @@ class IdempotencyMiddleware:
                 await self.app(scope, replay_receive, send)
             else:
                 await _answer(send, refusal)
-
 
     def _closing(self, send: Send) -> Send:
         """``send`` that releases this loop's store connections as the app shuts down."""
@@ -206,11 +210,10 @@ class _Recorder:
                 not message.get("more_body", False) or capture.size == self.length
             ):
                 status = start["status"]
-                headers = [
-                    (k.decode("latin-1"), v.decode("latin-1")) for k, v in start.get("headers", ())
-                ]
-                outcome = self.policy.outcome(status, headers, capture.body(), capture.size)
-                await self.policy.asettle(self.att, status, outcome)
+                policy = self.policy
+                kept = policy.stored_raw_headers(start.get("headers", ()))
+                outcome = policy.outcome_of(status, kept, capture.body(), capture.size)
+                await policy.asettle(self.att, status, outcome)
             if not self.started:
                 self.started = True
                 await self._forward(start)
@@ -228,21 +231,22 @@ class _Recorder:
             log.info("retrysafe: client disconnected; the answer is still recorded (%s)", exc)
 
 
-async def _read_body(receive: Receive, policy: HttpPolicy) -> bytes | None:
-    """The whole request body (at most ``max_request_body``), or None on disconnect."""
+async def _read_body(message: Message, receive: Receive, policy: HttpPolicy) -> bytes | None:
+    """The whole body of a request sent in several messages (at most
+    ``max_request_body``), from its first ``message``; None on disconnect."""
     chunks: list[bytes] = []
     size = 0
     while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
         chunk = message.get("body", b"")
         if chunk:
             size += len(chunk)
             policy.check_length(size)
             chunks.append(chunk)
         if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            return b"".join(chunks)
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
 
 
 async def _answer(send: Send, response: Response) -> None:
