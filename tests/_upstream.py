@@ -13,6 +13,10 @@ connection is refused (an upstream that is down). Routes:
 - ``/stream?chunks=N&size=S[&hold=1]``: ``N`` chunks of ``S`` bytes of
   :func:`pattern`; with ``hold`` it waits after the first chunk until ``/release``.
 - ``/slow?s=SECONDS``, ``/gzip``, ``/status/CODE``.
+
+:class:`RawUpstream` is a plain TCP server in a thread instead: it answers each
+request with the bytes a test gives, for answers no ASGI app can send (chunk
+extensions, trailers, bodies that run to the close, malformed heads).
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from typing import Any, Self
 
 import httpx
@@ -194,6 +200,86 @@ class UpstreamProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: What a :class:`RawUpstream` does with a request: the bytes to send back, and
+#: whether to close the connection after them; None closes it without answering.
+Reply = Callable[[bytes], tuple[bytes, bool] | None]
+
+
+class RawUpstream:
+    """A TCP server on a loopback port that answers every request with ``reply(request)``.
+
+    ``requests`` holds each request as it came (head and body); ``connections``
+    counts the connections accepted and ``closed_by_peer`` those the gateway closed.
+    """
+
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self.closed_by_peer = 0
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._sock.close()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            self.connections += 1
+            threading.Thread(target=self._talk, args=(conn,), daemon=True).start()
+
+    def _talk(self, conn: socket.socket) -> None:
+        conn.settimeout(10)
+        data = b""
+        with conn:
+            while not self._stop.is_set():
+                request, data = _read_request(conn, data)
+                if request is None:
+                    self.closed_by_peer += 1
+                    return
+                self.requests.append(request)
+                answer = self.reply(request)
+                if answer is None:
+                    return
+                conn.sendall(answer[0])
+                if answer[1]:
+                    return
+
+
+def _read_request(conn: socket.socket, data: bytes) -> tuple[bytes | None, bytes]:
+    """The next request on ``conn`` (its body framed by Content-Length or chunked)."""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None, data
+        data += chunk
+    end = data.index(b"\r\n\r\n") + 4
+    head = data[:end].lower()
+    if b"transfer-encoding: chunked" in head:
+        while b"\r\n0\r\n\r\n" not in data[end - 2 :]:
+            data += conn.recv(65536)
+        end = data.index(b"\r\n0\r\n\r\n", end - 2) + 7
+    elif b"content-length:" in head:
+        length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+        while len(data) < end + length:
+            data += conn.recv(65536)
+        end += length
+    return data[:end], data[end:]
 
 
 if __name__ == "__main__":

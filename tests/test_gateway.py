@@ -1,7 +1,9 @@
 """The gateway over real sockets: a real upstream process, the gateway on uvicorn, httpx.
 
 The upstream (tests/_upstream.py) runs as its own process; each gateway is a
-uvicorn server in a thread of this process, so a test can read its store.
+uvicorn server in a thread of this process, so a test can read its store. For
+answers no ASGI app sends (other framings, malformed heads, a kept-alive
+connection closed unanswered), a RawUpstream answers with the bytes a test gives.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import gzip
 import hashlib
 import json
 import socket
+import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _upstream import GZIP_TEXT, UpstreamProcess, pattern
+from _upstream import GZIP_TEXT, RawUpstream, Reply, UpstreamProcess, pattern
 
 from retrysafe import Status, key_hash
 from retrysafe._serve import ServerThread, bind
@@ -231,6 +234,20 @@ def test_memory_stays_flat_while_streaming(gw: Running) -> None:
     assert peak < 16 * MiB, f"peak {peak / MiB:.1f} MiB: the gateway buffered the answer"
 
 
+def test_memory_stays_flat_while_uploading(gw: Running) -> None:
+    """16 MiB of unkeyed request body, chunked and with a Content-Length: streamed upstream."""
+    tracemalloc.start()
+    try:
+        for headers in ({}, {"Content-Length": str(16 * MiB)}):
+            body = (pattern(i, 65536) for i in range(256))
+            r = httpx.post(gw.url + "/orders", content=body, headers=headers, timeout=60)
+            assert r.status_code == 201
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * MiB, f"peak {peak / MiB:.1f} MiB: the gateway buffered the request"
+
+
 # -- idempotency through the gateway ------------------------------------------------------
 
 
@@ -307,6 +324,161 @@ def test_slow_upstream_is_504(origin: UpstreamProcess, gateway: Callable[..., Ru
     r = httpx.post(gw.url + "/slow?s=3", headers={"Idempotency-Key": "slow-1"})
     assert r.status_code == 504
     assert gw.record("slow-1").status is Status.FAILED  # retryable
+
+
+# -- the upstream client: framings, malformed answers, kept-alive connections ---------------
+
+
+def always(answer: bytes, close: bool = False) -> Reply:
+    return lambda request: (answer, close)
+
+
+@pytest.mark.parametrize(
+    ("answer", "close", "body", "reused"),
+    [
+        (  # chunk extensions and trailers; the connection is kept
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: 1\r\n\r\n"
+            b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n",
+            False, b"hello world", True,
+        ),
+        (  # a body that runs to the close of the connection
+            b"HTTP/1.1 200 OK\r\nX-A: 1\r\n\r\nuntil the close", True, b"until the close", False,
+        ),
+        (  # HTTP/1.0: never kept
+            b"HTTP/1.0 200 OK\r\nContent-Length: 5\r\nX-A: 1\r\n\r\nhello", False, b"hello", False,
+        ),
+        (  # bare LF line ends, a folded header and an interim 103 before the answer
+            b"HTTP/1.1 103 Early Hints\nLink: </a.css>\n\n"
+            b"HTTP/1.1 200 OK\nContent-Length: 5\nX-A: 1\n X-Folded\n\nhello",
+            False, b"hello", True,
+        ),
+        (  # Transfer-Encoding wins over Content-Length, which is not passed on
+            b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\nTransfer-Encoding: chunked\r\n"
+            b"X-A: 1\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+            False, b"ok", False,
+        ),
+        (  # the same Content-Length twice: passed on once
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\nX-A: 1\r\n\r\nok",
+            False, b"ok", True,
+        ),
+    ],
+    ids=["chunked", "until-close", "http10", "lf-fold-103", "te-and-cl", "cl-twice"],
+)  # fmt: skip
+def test_answer_framings(
+    gateway: Callable[..., Running], answer: bytes, close: bool, body: bytes, reused: bool
+) -> None:
+    with RawUpstream(always(answer, close)) as up:
+        gw = gateway(up.url)
+        for _ in range(2):
+            r = httpx.get(gw.url + "/x")
+            assert r.status_code == 200 and r.content == body
+            assert r.headers["x-a"].startswith("1")
+            assert r.headers.get_list("content-length") in ([], [str(len(body))])
+            assert "link" not in r.headers and "x-trailer" not in r.headers
+        assert up.connections == (1 if reused else 2)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/2 200 OK\r\n\r\n",
+        b"hello\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nBad Name: x\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nabc",
+        b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\n" + b"X-Big: " + b"x" * (70 << 10) + b"\r\n\r\n",
+    ],
+    ids=["http2", "garbage", "space-in-name", "nul-in-value", "two-lengths", "negative-length",
+         "101", "huge-head"],
+)  # fmt: skip
+def test_malformed_answer_is_502(gateway: Callable[..., Running], answer: bytes) -> None:
+    with RawUpstream(always(answer, close=True)) as up:
+        gw = gateway(up.url)
+        r = httpx.post(gw.url + "/x", json={}, headers={"Idempotency-Key": "bad-1"})
+        assert r.status_code == 502 and r.json()["code"] == "upstream_unavailable"
+        assert gw.record("bad-1").status is Status.FAILED
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten b",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n64\r\nonly ten b",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\nbad size",
+    ],
+    ids=["short-length", "short-chunk", "bad-chunk-size"],
+)
+def test_broken_off_answer_is_left_unfinished(
+    gateway: Callable[..., Running], answer: bytes
+) -> None:
+    with RawUpstream(always(answer, close=True)) as up:
+        gw = gateway(up.url)
+        with pytest.raises(httpx.RemoteProtocolError):  # truncated, never a short answer
+            httpx.post(gw.url + "/x", json={}, headers={"Idempotency-Key": "cut-1"})
+        assert gw.record("cut-1").status is Status.FAILED
+
+
+def slowly(*chunks: bytes) -> Iterator[bytes]:
+    """A request body whose chunks reach the gateway's app as messages of their own."""
+    for i, chunk in enumerate(chunks):
+        if i:
+            time.sleep(0.2)
+        yield chunk
+
+
+def test_request_framing_reaches_the_upstream(gateway: Callable[..., Running]) -> None:
+    with RawUpstream(always(b"HTTP/1.1 204 No Content\r\n\r\n")) as up:
+        gw = gateway(up.url)
+        httpx.post(gw.url + "/empty")  # no body: Content-Length: 0
+        httpx.post(gw.url + "/chunked", content=slowly(b"ab", b"cd"))  # streamed as it came
+        httpx.post(gw.url + "/sized", content=slowly(b"ab", b"cd"), headers={"Content-Length": "4"})
+        httpx.get(gw.url + "/get")  # no body, no length
+    empty, chunked, sized, get = up.requests
+    assert empty.startswith(b"POST /empty HTTP/1.1\r\n") and b"\r\ncontent-length: 0\r\n" in empty
+    assert b"\r\ntransfer-encoding: chunked\r\n" in chunked and b"content-length" not in chunked
+    assert chunked.endswith(b"\r\n\r\n2\r\nab\r\n2\r\ncd\r\n0\r\n\r\n")
+    assert b"\r\ncontent-length: 4\r\n" in sized and sized.endswith(b"\r\n\r\nabcd")
+    assert b"transfer-encoding" not in sized
+    assert b"content-length" not in get and b"transfer-encoding" not in get
+    assert up.connections == 1  # one kept-alive connection carried all four
+
+
+def test_kept_alive_connection_closed_by_the_upstream(gateway: Callable[..., Running]) -> None:
+    """A request on a connection the upstream closed unanswered: an idempotent one is sent
+    again on a new connection, a POST is not (it may have run): 502."""
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    seen: list[bytes] = []
+
+    def reply(request: bytes) -> tuple[bytes, bool] | None:
+        seen.append(request)
+        return None if len(seen) in (2, 4) else (ok, False)  # drop every second request
+
+    with RawUpstream(reply) as up:
+        gw = gateway(up.url)
+        assert httpx.get(gw.url + "/a").text == "ok"  # connection 1
+        assert httpx.get(gw.url + "/b").text == "ok"  # dropped on 1, sent again on 2
+        assert up.connections == 2 and len(seen) == 3
+        r = httpx.post(gw.url + "/c", json={})  # dropped on 2: not sent again
+        assert r.status_code == 502 and r.json()["code"] == "upstream_unavailable"
+        assert len(seen) == 4
+
+
+def test_lifespan_shutdown_closes_the_upstream_connections(
+    gateway: Callable[..., Running],
+) -> None:
+    with RawUpstream(always(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")) as up:
+        gw = gateway(up.url)
+        assert httpx.get(gw.url + "/a").text == "ok"
+        assert up.closed_by_peer == 0  # kept alive
+        gw.server.stop()  # lifespan shutdown
+        for _ in range(500):
+            if up.closed_by_peer == 1:
+                break
+            time.sleep(0.01)
+        assert up.closed_by_peer == 1
+        assert not gw.app.proxy._pools
 
 
 # -- the gateway's own pages ---------------------------------------------------------------
