@@ -33,7 +33,13 @@ rate in the same round. This is a benchmark, not a test (pytest does not run it)
 
     python bench/http.py [--rounds N] [--seconds S] [--connections C] [--threads T]
                          [--app asgi[,starlette]] [--variants bare,memory,...]
-                         [--workloads first,replay] [--profile VARIANT] [--write [PATH]]
+                         [--workloads first,replay] [--rev REV] [--candidate DIR] [--write [PATH]]
+    python bench/http.py --profile VARIANT [--seconds S]    # cProfile of one server
+    python bench/http.py --breakdown [REQUESTS] [--rev REV] [--write [PATH]]  # part by part
+
+``--breakdown`` runs the middleware in-process (no sockets), adding one part at a
+time (the plumbing, the fingerprint, the engine), and counts the instructions each
+costs per request with valgrind when it is installed (else the least CPU time).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import cProfile  # noqa: E402
 import http.client  # noqa: E402
+import importlib.metadata  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -57,10 +64,12 @@ import pstats  # noqa: E402
 import re  # noqa: E402
 import secrets  # noqa: E402
 import shlex  # noqa: E402
+import shutil  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
+import textwrap  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -468,13 +477,13 @@ class Load:
 
     threads: int
     connections: int
-    seconds: float
+    seconds: int
     script: Path
 
     def argv(self, url: str, mode: str, prefix: str) -> list[str]:
         return [
             "wrk", "-t", str(self.threads), "-c", str(self.connections),
-            "-d", f"{self.seconds:g}s", "--latency", "-s", str(self.script),
+            "-d", f"{self.seconds}s", "--latency", "-s", str(self.script),
             url + PATH, "--", mode, prefix, str(REPLAY_KEYS),
         ]  # fmt: skip
 
@@ -604,11 +613,13 @@ def start_variants(
     stack: contextlib.ExitStack,
     info: dict[str, str],
     candidate: str | None = None,
+    base: str | None = None,
 ) -> list[Variant]:
     """Start every server (a redis-server first if one is needed) and wait for them.
 
-    With ``candidate``, every retrysafe variant (middleware, gateway) runs twice: as
-    installed, and importing retrysafe from that folder.
+    Servers import retrysafe from ``base`` if given (else as installed). With
+    ``candidate``, every retrysafe variant (middleware, gateway) runs twice: so, and
+    importing retrysafe from that folder.
     """
     servers_mod = _load("_rsbench_servers", ROOT / "tests" / "_servers.py")
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rsbench-http-")))
@@ -628,11 +639,15 @@ def start_variants(
         return server
 
     twins = [False, True] if candidate else [False]
-    src = ["--src", str(candidate)]
+
+    def src(twin: bool) -> list[str]:
+        if twin:
+            return ["--src", str(candidate)]
+        return ["--src", base] if base else []
 
     variants = []
     for app in apps:
-        bare_server = start(BARE, app, ["--kind", "bare", "--app", app])
+        bare_server = start(BARE, app, ["--kind", "bare", "--app", app, *src(False)])
         bare = Variant(BARE, app, SPECS[BARE], bare_server, bare_server)
         variants.append(bare)
         for name in names:
@@ -643,14 +658,14 @@ def start_variants(
             for twin in twins if spec.kind == "middleware" else [False]:
                 tag = f"{name}-{app}-candidate" if twin else f"{name}-{app}"
                 store = spec.store.format(tmp=tmp, name=tag, redis=redis_url)
-                argv = ["--kind", spec.kind, "--app", app, "--store", store]
-                server = start(name, app, argv + src if twin else argv)
+                argv = ["--kind", spec.kind, "--app", app, "--store", store, *src(twin)]
+                server = start(name, app, argv)
                 variants.append(Variant(name, app, spec, server, server, bare, twin))
     if GATEWAY in names:  # in front of the first endpoint's bare server
         bare = variants[0]
         argv = ["--kind", "gateway", "--upstream", bare.server.url, "--store", "memory://"]
         for twin in twins:
-            server = start(GATEWAY, bare.app, argv + src if twin else argv)
+            server = start(GATEWAY, bare.app, argv + src(twin))
             gateway = Variant(GATEWAY, bare.app, SPECS[GATEWAY], server, bare.server, bare, twin)
             variants.append(gateway)
     for v in variants:
@@ -735,7 +750,7 @@ def results_table(rows: Sequence[Row]) -> list[str]:
 
 
 def run_rounds(variants: Sequence[Variant], workloads: Sequence[str], load: Load,
-               rounds: int, warmup: float) -> None:  # fmt: skip
+               rounds: int, warmup: int) -> None:  # fmt: skip
     """Warm every server up, then measure all of them interleaved, ``rounds`` times."""
     warm = Load(load.threads, load.connections, warmup, load.script)
     for v in variants:
@@ -782,19 +797,221 @@ def profile(name: str, app: str, load: Load, top: int) -> None:
         stats.sort_stats("cumulative").print_stats(top)
 
 
+# -- where the time goes: the middleware in-process ------------------------------------------
+
+#: In-process variants, each adding one part of the middleware to the one before.
+BREAKDOWN = {
+    "bare": "the endpoint alone",
+    "floor": "the floor middleware with a dict",
+    "plumbing": '`IdempotencyMiddleware(endpoint, store="memory://")` with the engine\'s '
+    "attempt and the request fingerprint stubbed out (the stub claims every key: its "
+    "replay column is a first call)",
+    "plumbing+fingerprint": "the same with the real fingerprint (engine still stubbed out)",
+    "middleware": '`IdempotencyMiddleware(endpoint, store="memory://")`',
+}
+BREAKDOWN_MARKS = (
+    "<!-- bench/http.py --breakdown: generated from here -->",
+    "<!-- bench/http.py --breakdown: generated up to here -->",
+)
+
+
+def _stub_engine() -> None:
+    """In this process, every engine attempt claims its key and stores nothing."""
+    from retrysafe._engine import Attempt
+
+    async def enter(self: Any) -> Any:
+        self.claim = self.replay = None
+        return self
+
+    async def leave(self: Any, *exc: object) -> None:
+        return None
+
+    async def settle(self: Any, *args: object, **kwargs: object) -> None:
+        self.settled = True
+
+    Attempt.__aenter__, Attempt.__aexit__ = enter, leave  # type: ignore[method-assign]
+    Attempt.acomplete = Attempt.afail = settle  # type: ignore[method-assign]
+
+
+def _breakdown_app(name: str) -> Any:
+    if name == "bare":
+        return Endpoint()
+    if name == "floor":
+        return Floor(Endpoint(), "memory")
+    from retrysafe import _http
+    from retrysafe.asgi import IdempotencyMiddleware
+
+    if name in ("plumbing", "plumbing+fingerprint"):
+        _stub_engine()
+    if name == "plumbing":
+        _http.request_fingerprint = lambda *args: "f" * 64  # this process only
+    return IdempotencyMiddleware(Endpoint(), store="memory://")
+
+
+def breakdown_run(argv: Sequence[str]) -> int:
+    """``--breakdown-run NAME WORKLOAD N [SRC]``: N requests in-process (retrysafe from
+    SRC if given); prints their CPU seconds."""
+    import asyncio
+
+    name, workload, n = argv[0], argv[1], int(argv[2])
+    if len(argv) > 3:
+        sys.path.insert(0, argv[3])
+    app = _breakdown_app(name)
+    body = REQUEST_BODY.encode()
+
+    def scope(key: str) -> dict[str, Any]:
+        headers = [(b"host", b"127.0.0.1"), (b"user-agent", b"wrk"),
+                   (b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode()),
+                   (b"idempotency-key", key.encode())]  # fmt: skip
+        return {"type": "http", "method": "POST", "path": PATH, "raw_path": PATH.encode(),
+                "query_string": b"", "headers": headers}  # fmt: skip
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: Any) -> None:
+        return None
+
+    async def run() -> float:
+        for i in range(200):  # warm-up; warm-0 is the replayed key
+            await app(scope(f"warm-{i}"), receive, send)
+        scopes = [scope("warm-0" if workload == "replay" else f"key-{i}") for i in range(n)]
+        start = time.process_time()
+        for one in scopes:
+            await app(one, receive, send)
+        return time.process_time() - start
+
+    if importlib.util.find_spec("uvloop") is not None:
+        import uvloop
+
+        print(uvloop.run(run()))
+    else:
+        print(asyncio.run(run()))
+    return 0
+
+
+def _run_argv(name: str, workload: str, n: int, src: str | None) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--breakdown-run", name, workload]
+    return [*argv, str(n), *([src] if src else [])]
+
+
+def _instructions(name: str, workload: str, n: int, src: str | None) -> int:
+    """Instructions the process executes for ``n`` requests (valgrind's callgrind)."""
+    out = subprocess.run(
+        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
+         *_run_argv(name, workload, n, src)],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    )  # fmt: skip
+    m = re.search(r"Collected : (\d+)", out.stderr)
+    if m is None:
+        raise BenchError(f"no instruction count from valgrind:\n{out.stderr[-2000:]}")
+    return int(m.group(1))
+
+
+def _cpu(name: str, workload: str, n: int, src: str | None) -> float:
+    out = subprocess.run(
+        _run_argv(name, workload, n, src), capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    return float(out.stdout.split()[-1])
+
+
+def breakdown(requests: int, src: str | None) -> tuple[str, dict[tuple[str, str], float]]:
+    """Per-request cost of each in-process variant: valgrind instructions when valgrind
+    is installed (exact: the same on every run), else the least CPU time of 9 runs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(name, w) for name in BREAKDOWN for w in ("first", "replay")]
+    if shutil.which("valgrind"):
+        unit = "instructions"
+
+        def cost(job: tuple[str, str]) -> float:
+            # The difference of two runs leaves out start-up and warm-up.
+            more = _instructions(*job, requests + 100, src)
+            return (more - _instructions(*job, 100, src)) / requests
+    else:
+        unit = "CPU us"
+
+        def cost(job: tuple[str, str]) -> float:
+            return min(_cpu(*job, requests, src) for _ in range(9)) / requests * 1e6
+
+    with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+        costs = dict(zip(jobs, pool.map(cost, jobs), strict=True))
+    return unit, costs
+
+
+def breakdown_table(unit: str, costs: dict[tuple[str, str], float]) -> list[str]:
+    fmt = "{:,.0f}" if unit == "instructions" else "{:.1f}"
+    out = [
+        f"| in-process variant | first call: {unit}/request | added by this step "
+        f"| replay: {unit}/request | added by this step |",
+        "|---|--:|--:|--:|--:|",
+    ]
+    names = list(BREAKDOWN)
+    for i, name in enumerate(names):
+        cells = []
+        for w in ("first", "replay"):
+            here = costs[name, w]
+            cells.append(fmt.format(here))
+            # floor is a side branch: plumbing adds to bare, like the floor does
+            before = names[i - 1] if name not in ("bare", "plumbing") else "bare"
+            cells.append("-" if name == "bare" else f"+{fmt.format(here - costs[before, w])}")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, 88, break_long_words=False, break_on_hyphens=False)
+
+
+def render_breakdown(unit: str, costs: dict[tuple[str, str], float], command: str,
+                     requests: int, code: str) -> str:  # fmt: skip
+    how = (
+        "instructions executed (valgrind's callgrind: the same on every run, whatever the "
+        "machine's load), the difference between runs of 100 and "
+        f"{requests + 100} requests"
+        if unit == "instructions"
+        else f"the least CPU time of 9 runs of {requests} requests"
+    )
+    return "\n".join([
+        "#### Where the time goes (in-process)",
+        "",
+        _wrap(
+            f"Generated by `bench/http.py --breakdown --write` on "
+            f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC; do not edit by hand. Each variant runs "
+            "in a process of its own, without sockets or a server: a loop of POSTs with a "
+            "new key each (first calls) or one completed key (replays), the body and "
+            "headers of the HTTP run, the memory store, ASGI scopes built beforehand. Each "
+            "step adds one part of the middleware to the step above it (the floor, a side "
+            f"branch, adds to bare). Cost per request: {how}."
+        ),
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        *breakdown_table(unit, costs),
+        "",
+        *(f"- {name}: {what}" for name, what in BREAKDOWN.items()),
+        f"- retrysafe: {code}",
+        "",
+    ])  # fmt: skip
+
+
 # -- the report -------------------------------------------------------------------------------
 
 BEGIN_MARK = "<!-- bench/http.py: generated from here -->"
 END_MARK = "<!-- bench/http.py: generated up to here -->"
 
 
-def splice(path: Path, generated: str) -> str:
+def splice(path: Path, generated: str, marks: tuple[str, str] = (BEGIN_MARK, END_MARK)) -> str:
     """The file with its generated part replaced (appended when it has none)."""
-    block = f"{BEGIN_MARK}\n{generated.rstrip()}\n{END_MARK}\n"
+    begin, end = marks
+    block = f"{begin}\n{generated.rstrip()}\n{end}\n"
     old = path.read_text() if path.exists() else ""
-    if BEGIN_MARK in old and END_MARK in old:
-        head, rest = old.split(BEGIN_MARK, 1)
-        tail = rest.split(END_MARK, 1)[1].lstrip("\n")
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
         return f"{head}{block}\n{tail}" if tail else f"{head}{block}"
     return f"{old.rstrip()}\n\n{block}" if old else block
 
@@ -816,12 +1033,14 @@ def render(
     out = [
         "### The last run",
         "",
-        f"Generated by `bench/http.py --write` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC;",
-        "do not edit by hand. All servers ran at once and were measured interleaved, in",
-        f"{args.rounds} rounds of {args.seconds:g} s per server and workload (the order flips",
-        "every round), after a warm-up. A ratio is the median over the rounds of the",
-        "variant's rate divided by its bare server's rate *in the same round*; req/s, p50,",
-        "p99 and CPU are medians over the rounds.",
+        _wrap(
+            f"Generated by `bench/http.py --write` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; "
+            "do not edit by hand. All servers ran at once and were measured interleaved, in "
+            f"{args.rounds} rounds of {args.seconds} s per server and workload (the order "
+            "flips every round), after a warm-up. A ratio is the median over the rounds of "
+            "the variant's rate divided by its bare server's rate *in the same round*; "
+            "req/s, p50, p99 and CPU are medians over the rounds."
+        ),
         "",
         "#### Command",
         "",
@@ -837,7 +1056,7 @@ def render(
         f"- uvicorn with `http={settings['http']}`, `loop={settings['loop']}`, one worker per",
         "  server, `log_level=warning`, no access log: the same settings for every server,",
         "  each its own process on its own loopback port",
-        f"- load: `wrk -t {args.threads} -c {args.connections} -d {args.seconds:g}s --latency` "
+        f"- load: `wrk -t {args.threads} -c {args.connections} -d {args.seconds}s --latency` "
         "with a Lua script:",
         f"  every request a POST with a {len(REQUEST_BODY)}-byte JSON body and an "
         "`Idempotency-Key`.",
@@ -878,14 +1097,29 @@ def render(
     return "\n".join(out)
 
 
+def retrysafe_version() -> str:
+    return importlib.metadata.version("retrysafe")
+
+
+def export_rev(rev: str, stack: contextlib.ExitStack) -> tuple[str, str]:
+    """``src/`` of git revision ``rev`` in a temporary folder, and how to name it."""
+    commit = subprocess.run(["git", "rev-parse", "--short", f"{rev}^{{commit}}"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rsbench-rev-")))
+    archive = subprocess.run(["git", "archive", commit, "src"], cwd=ROOT, capture_output=True,
+                             check=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+    return str(tmp / "src"), f"git {commit}, exported with `git archive` (not the working tree)"
+
+
 # -- main ------------------------------------------------------------------------------------
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--seconds", type=float, default=5.0, help="per server, workload and round")
-    p.add_argument("--warmup", type=float, default=2.0, help="seconds per server and workload")
+    p.add_argument("--seconds", type=int, default=5, help="per server, workload and round")
+    p.add_argument("--warmup", type=int, default=2, help="seconds per server and workload")
     p.add_argument("--connections", type=int, default=32)
     p.add_argument("--threads", type=int, default=2, help="wrk threads")
     p.add_argument("--app", default="asgi", help="asgi, starlette or asgi,starlette")
@@ -898,6 +1132,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="profile one variant's server (cProfile) instead of benchmarking",
     )
     p.add_argument("--top", type=int, default=30, help="functions listed by --profile")
+    p.add_argument(
+        "--breakdown",
+        type=int,
+        nargs="?",
+        const=1000,
+        metavar="REQUESTS",
+        help="instead of benchmarking: the middleware's cost per request in-process, "
+        "part by part (valgrind instructions if installed, else CPU time)",
+    )
+    p.add_argument(
+        "--rev",
+        help="measure this git revision's src/ (exported with git archive) "
+        "instead of the working tree",
+    )
     p.add_argument(
         "--candidate",
         metavar="DIR",
@@ -924,6 +1172,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.workload_names = [WORKLOADS[w] for w in args.workloads.split(",") if w in WORKLOADS]
     if not args.workload_names:
         p.error("--workloads: first and/or replay")
+    if args.seconds < 1 or args.warmup < 1:
+        p.error("--seconds and --warmup: whole seconds, at least 1 (what wrk -d takes)")
     if args.connections < args.threads:
         p.error("--connections must be at least --threads")
     return args
@@ -933,12 +1183,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--serve"]:
         return serve(argv[1:])
+    if argv[:1] == ["--breakdown-run"]:
+        return breakdown_run(argv[1:])
     args = parse_args(argv)
+    # Stop the servers on SIGTERM and SIGINT too (a shell ignores SIGINT for a
+    # background job): both unwind the ExitStack below.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     stores = _load("_rsbench_stores", HERE / "stores.py")  # machine and git details
     with contextlib.ExitStack() as stack:
         script = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "post.lua"
         script.write_text(f"BODY = {json.dumps(REQUEST_BODY)}\n{LUA}")
         load = Load(args.threads, args.connections, args.seconds, script)
+        base, code = None, f"{retrysafe_version()} ({stores.git_state()})"
+        if args.rev:
+            base, code = export_rev(args.rev, stack)
+        if args.breakdown:
+            unit, costs = breakdown(args.breakdown, base)
+            print(stores.plain(breakdown_table(unit, costs)))
+            if args.candidate:
+                print(f"\ncandidate ({args.candidate}):")
+                print(stores.plain(breakdown_table(*breakdown(args.breakdown, args.candidate))))
+            if args.write:
+                command = shlex.join(["python", "bench/http.py", *argv])
+                path = Path(args.write) if Path(args.write).is_absolute() else ROOT / args.write
+                text = render_breakdown(unit, costs, command, args.breakdown, code)
+                path.write_text(splice(path, text, BREAKDOWN_MARKS))
+                print(f"\nwrote {path}")
+            return 0
         if args.profile:
             if args.profile == GATEWAY and not gateway_available():
                 print("retrysafe.gateway does not exist (yet)", file=sys.stderr)
@@ -946,12 +1218,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             profile(args.profile, args.apps[0], load, args.top)
             return 0
         info = stores.machine_info()
+        info["retrysafe"] = code
         wrk = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split()
         info["wrk"] = " ".join(wrk[:2])
         info["server libraries"] = stores.library_info(LIBRARIES)
         names, skipped = choose(args.variants.split(","))
         t0 = time.monotonic()
-        variants = start_variants(names, args.apps, stack, info, args.candidate)
+        variants = start_variants(names, args.apps, stack, info, args.candidate, base)
         print(f"servers: {', '.join(f'{v.label} :{v.server.port}' for v in variants)}", flush=True)
         run_rounds(variants, args.workload_names, load, args.rounds, args.warmup)
         elapsed = time.monotonic() - t0
