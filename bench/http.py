@@ -803,9 +803,10 @@ def profile(name: str, app: str, load: Load, top: int) -> None:
 BREAKDOWN = {
     "bare": "the endpoint alone",
     "floor": "the floor middleware with a dict",
-    "plumbing": '`IdempotencyMiddleware(endpoint, store="memory://")` with the engine\'s '
-    "attempt and the request fingerprint stubbed out (the stub claims every key: its "
-    "replay column is a first call)",
+    "plumbing": '`IdempotencyMiddleware(endpoint, store="memory://")` with the request '
+    "fingerprint and the engine's claim and completion stubbed out (entering an attempt "
+    "claims every key, so this replay column is a first call; building the attempt, with "
+    "its key hash, stays)",
     "plumbing+fingerprint": "the same with the real fingerprint (engine still stubbed out)",
     "middleware": '`IdempotencyMiddleware(endpoint, store="memory://")`',
 }
