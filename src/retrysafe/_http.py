@@ -447,8 +447,7 @@ class HttpPolicy:
         request_id: str | None,
     ) -> Attempt:
         """The engine attempt of a keyed request (:class:`BodyError` for a bad body)."""
-        if len(body) > self.max_request_body:
-            self.check_length(len(body))
+        self.check_length(len(body))
         fp = request_fingerprint(method, path, query, content_type, body)
         if self.scope is None:
             scope = credentials_scope(authorization) if authorization else ""
@@ -531,15 +530,8 @@ class HttpPolicy:
     def stored_raw_headers(
         self, headers: Iterable[tuple[bytes, bytes]]
     ) -> tuple[tuple[str, str], ...]:
-        """:meth:`stored_headers` of ASGI's (name, value) byte pairs, in one pass."""
-        allow, drop = self.store_headers, self.drop_headers
-        out = []
-        for raw_name, raw_value in headers:
-            name = raw_name.decode("latin-1").lower()
-            if name in drop or (name in SENSITIVE if allow is None else name not in allow):
-                continue
-            out.append((name, raw_value.decode("latin-1")))
-        return tuple(out)
+        """:meth:`stored_headers` of ASGI's (name, value) byte pairs."""
+        return self.stored_headers((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
 
     def is_failure(self, status: int) -> bool:
         """A 5xx answer fails the attempt (retryable unless ``final_failures``)."""

@@ -61,7 +61,7 @@ def prepare(
     """
     values = [meta[name] for name in policy.environ_names if name in meta]
     try:
-        key = policy.key(values) if values else None
+        key = policy.key(values)
         if key is None:
             return policy.missing(request)
         length = meta.get("CONTENT_LENGTH") or ""

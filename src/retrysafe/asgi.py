@@ -103,7 +103,7 @@ class IdempotencyMiddleware:
             return _request(scope)
 
         try:
-            key = policy.key(values) if values else None
+            key = policy.key(values)
             if key is None:
                 refusal = policy.missing(request)
                 if refusal is None:
