@@ -63,23 +63,38 @@ def workers(
 def test_duplicates_across_worker_processes_run_once(
     workers: tuple[str, str], counter: Counter
 ) -> None:
-    """20 keys, 10 concurrent copies each, 50 at a time, over 4 processes."""
+    """20 keys, 10 concurrent copies each, 50 at a time, over 4 processes.
+
+    Unkeyed requests are mixed in: each runs the handler, so together with the
+    keyed runs they show which workers took the load.
+    """
     door, url = workers
     tids = [uuid.uuid4().hex for _ in range(20)]
-    jobs = [tid for tid in tids for _ in range(10)]
+    filler = uuid.uuid4().hex
+    # One unkeyed request before every third keyed one.
+    jobs: list[str | None] = []
+    for i, tid in enumerate(tid for tid in tids for _ in range(10)):
+        jobs.extend((None, tid) if i % 3 == 0 else (tid,))
 
     limits = httpx.Limits(max_connections=50, max_keepalive_connections=0)
 
-    def send(tid: str) -> httpx.Response:
-        headers = {"x-test-id": tid, "idempotency-key": f"k-{tid}"}
+    def send(tid: str | None) -> httpx.Response:
+        headers = {"x-test-id": filler} if tid is None else {
+            "x-test-id": tid, "idempotency-key": f"k-{tid}"
+        }  # fmt: skip
         return client.post(f"{url}/slow?ms=200", json={"t": tid}, headers=headers)
 
     # New connections (no keep-alive), so the kernel spreads them over the workers.
     with httpx.Client(limits=limits, timeout=60) as client, ThreadPoolExecutor(50) as pool:
         answers = list(pool.map(send, jobs))
-    assert {r.status_code for r in answers} <= {200, 409}, [r.text for r in answers][:3]
+    keyed = [r for r, tid in zip(answers, jobs, strict=True) if tid is not None]
+    unkeyed = [r for r, tid in zip(answers, jobs, strict=True) if tid is None]
+    assert {r.status_code for r in keyed} <= {200, 409}, [r.text for r in keyed][:3]
+    assert {r.status_code for r in unkeyed} == {200}
     assert [counter.count(tid) for tid in tids] == [1] * len(tids)
-    ran = [r for r in answers if r.status_code == 200 and "idempotent-replayed" not in r.headers]
+    assert counter.count(filler) == len(unkeyed)
+    ran = [r for r in keyed if r.status_code == 200 and "idempotent-replayed" not in r.headers]
     assert len(ran) == len(tids)
-    if "x-pid" in ran[0].headers and door != "gateway":  # the gateway's upstream is one process
-        assert len({r.headers["x-pid"] for r in ran}) >= 2, "the load never reached a second worker"
+    if door != "gateway":  # the gateway's upstream is one process
+        pids = {r.headers["x-pid"] for r in ran + unkeyed}
+        assert len(pids) >= 2, "the load never reached a second worker"
