@@ -8,6 +8,7 @@ and PostgreSQL; duplicates race across processes.
 from __future__ import annotations
 
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -76,17 +77,24 @@ def test_duplicates_across_worker_processes_run_once(
     for i, tid in enumerate(tid for tid in tids for _ in range(10)):
         jobs.extend((None, tid) if i % 3 == 0 else (tid,))
 
-    limits = httpx.Limits(max_connections=50, max_keepalive_connections=0)
+    local = threading.local()
+    clients: list[httpx.Client] = []
 
     def send(tid: str | None) -> httpx.Response:
         headers = {"x-test-id": filler} if tid is None else {
             "x-test-id": tid, "idempotency-key": f"k-{tid}"
         }  # fmt: skip
-        return client.post(f"{url}/slow?ms=200", json={"t": tid}, headers=headers)
+        # A client per thread (httpx's shared pool raced under this load) and a new
+        # connection per request, so the kernel spreads them over the workers.
+        if not hasattr(local, "client"):
+            local.client = httpx.Client(timeout=60, headers={"connection": "close"})
+            clients.append(local.client)
+        return local.client.post(f"{url}/slow?ms=200", json={"t": tid}, headers=headers)
 
-    # New connections (no keep-alive), so the kernel spreads them over the workers.
-    with httpx.Client(limits=limits, timeout=60) as client, ThreadPoolExecutor(50) as pool:
+    with ThreadPoolExecutor(50) as pool:
         answers = list(pool.map(send, jobs))
+    for client in clients:
+        client.close()
     keyed = [r for r, tid in zip(answers, jobs, strict=True) if tid is not None]
     unkeyed = [r for r, tid in zip(answers, jobs, strict=True) if tid is None]
     assert {r.status_code for r in keyed} <= {200, 409}, [r.text for r in keyed][:3]
