@@ -17,6 +17,7 @@ from ._errors import (
 )
 from ._keys import canonical_json, fingerprint, key_hash, validate_key
 from ._record import ClaimResult, Outcome, Record, Status
+from ._sweep import Sweeper, SweepReport
 from .stores import Store, open_store
 
 __version__ = "0.1.0"
@@ -39,6 +40,8 @@ __all__ = [
     "Status",
     "Store",
     "StoreUnavailableError",
+    "SweepReport",
+    "Sweeper",
     "__version__",
     "canonical_json",
     "fingerprint",

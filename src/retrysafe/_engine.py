@@ -28,7 +28,7 @@ from ._errors import (
     StoreUnavailableError,
 )
 from ._keys import _KEY_RE, key_hash, validate_key
-from ._record import ClaimResult, Outcome, Record, Status
+from ._record import RETENTIONS, STANDARD, ClaimResult, Outcome, Record, Status
 from .stores import Store, open_store
 
 __all__ = [
@@ -60,6 +60,7 @@ class BeginOptions(TypedDict, total=False):
     wait: float | None
     metadata: dict[str, Any] | None
     request_payload: bytes | None
+    retention: str
 
 
 @dataclass(slots=True)
@@ -120,6 +121,12 @@ _new_token = _Tokens()
 _json_check = json.JSONEncoder(allow_nan=False).encode
 
 
+def _retention(value: object) -> str:
+    if value not in RETENTIONS:
+        raise ValueError(f"retention must be one of {', '.join(RETENTIONS)}, not {value!r}")
+    return str(value)
+
+
 def _positive(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
@@ -137,8 +144,9 @@ class Engine:
     may only narrow it), ``lease`` how long an attempt owns a key before another
     may take it over, ``wait`` how long a duplicate waits for an attempt in
     flight before it gets :class:`InProgressError`. ``final_failures`` makes
-    failures final (replayed) instead of retryable. ``clock`` returns seconds
-    since the epoch.
+    failures final (replayed) instead of retryable. ``retention`` is the class of
+    the records it writes (``"financial"`` ones are archived before deletion).
+    ``clock`` returns seconds since the epoch.
     """
 
     def __init__(
@@ -150,6 +158,7 @@ class Engine:
         wait: float = 0.0,
         final_failures: bool = False,
         max_body: int = DEFAULT_MAX_BODY,
+        retention: str = STANDARD,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store: Store[Any] = store if isinstance(store, Store) else open_store(store)
@@ -160,6 +169,7 @@ class Engine:
         self.wait = float(wait)
         self.final_failures = final_failures
         self.max_body = int(max_body)
+        self.retention = _retention(retention)
         self.clock = clock
 
     def __repr__(self) -> str:
@@ -318,7 +328,7 @@ class _Plan:
 
     __slots__ = (
         "deadline", "delay", "fingerprint", "key", "key_hash", "lease", "metadata",
-        "operation", "request_id", "request_payload", "scope", "ttl", "wait",
+        "operation", "request_id", "request_payload", "retention", "scope", "ttl", "wait",
     )  # fmt: skip
 
     def __init__(
@@ -335,6 +345,7 @@ class _Plan:
         wait: float | None = None,
         metadata: dict[str, Any] | None = None,
         request_payload: bytes | None = None,
+        retention: str | None = None,
     ) -> None:
         if type(key) is not str or not _KEY_RE.fullmatch(key):
             validate_key(key)  # raises with the reason
@@ -360,6 +371,7 @@ class _Plan:
         if request_payload is not None and type(request_payload) is not bytes:
             raise TypeError("request_payload must be bytes or None")
         self.request_id, self.request_payload = request_id, request_payload
+        self.retention = engine.retention if retention is None else _retention(retention)
         self.metadata = {}
         if metadata:
             if not isinstance(metadata, dict):
@@ -382,6 +394,7 @@ class _Plan:
         plan.operation, plan.metadata, plan.request_payload = self.operation, {}, None
         plan.key, plan.scope, plan.fingerprint = key, scope, fingerprint
         plan.request_id = request_id
+        plan.retention = self.retention
         plan.key_hash = key_hash(scope, plan.operation, key)
         plan.deadline = None
         plan.delay = 0.01
@@ -392,7 +405,7 @@ class _Plan:
         return Record(
             self.key_hash, self.key, self.scope, self.operation, self.fingerprint,
             Status.PROCESSING, _new_token(), now + self.lease, now + self.ttl, now, now, None, 1,
-            self.request_id, False, None, self.request_payload, self.metadata,
+            self.request_id, False, None, self.request_payload, self.metadata, self.retention,
         )  # fmt: skip
 
     def settle(self, result: ClaimResult, record: Record) -> Claim | Replay | float:

@@ -7,7 +7,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ClaimResult", "Outcome", "Record", "Status"]
+__all__ = ["FINANCIAL", "RETENTIONS", "STANDARD", "ClaimResult", "Outcome", "Record", "Status"]
+
+#: Retention classes: ``standard`` records are deleted once expired; ``financial``
+#: ones are copied to the archive first (and kept 7 days by the default map).
+STANDARD = "standard"
+FINANCIAL = "financial"
+RETENTIONS = (STANDARD, FINANCIAL)
 
 
 class Status(enum.StrEnum):
@@ -88,6 +94,7 @@ class Record:
     outcome: Outcome | None = None
     request_payload: bytes | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    retention: str = STANDARD
 
     def copy(self) -> Record:
         """A shallow copy (faster than ``dataclasses.replace``)."""
@@ -95,7 +102,7 @@ class Record:
             self.key_hash, self.key, self.scope, self.operation, self.fingerprint, self.status,
             self.token, self.lease_until, self.expires_at, self.created_at, self.updated_at,
             self.completed_at, self.attempts, self.request_id, self.final, self.outcome,
-            self.request_payload, self.metadata,
+            self.request_payload, self.metadata, self.retention,
         )  # fmt: skip
 
     def metadata_json(self) -> str:

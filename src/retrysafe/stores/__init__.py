@@ -7,9 +7,17 @@ import re
 import urllib.parse
 from typing import Any
 
-from ._base import Store
+from ._base import ArchivedRecord, Store, StoreStats, SweepBatch
 
-__all__ = ["DEFAULT_STORE_URL", "Store", "open_store", "redact"]
+__all__ = [
+    "DEFAULT_STORE_URL",
+    "ArchivedRecord",
+    "Store",
+    "StoreStats",
+    "SweepBatch",
+    "open_store",
+    "redact",
+]
 
 #: The embedded default when neither an argument nor ``RETRYSAFE_STORE`` names a store.
 DEFAULT_STORE_URL = "sqlite:///retrysafe.db"

@@ -9,11 +9,63 @@ below are shared by every store, so no store writes its logic twice.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from .._record import ClaimResult, Outcome, Record
+from .._record import ClaimResult, Outcome, Record, Status
 
-__all__ = ["Store"]
+__all__ = ["ArchivedRecord", "Store", "StoreStats", "SweepBatch"]
+
+
+@dataclass(slots=True)
+class SweepBatch:
+    """What one bounded sweep batch did.
+
+    ``deleted`` counts every expired record removed, archived ones included;
+    ``archived`` the financial records newly copied to the archive; ``done`` is
+    true when the batch found fewer expired records than its limit.
+    """
+
+    deleted: int = 0
+    archived: int = 0
+    done: bool = True
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """Counts of live (unexpired) records, read by ``retrysafe stats``.
+
+    ``counts`` maps (operation, status) to a number of records; ``expired`` is the
+    number of records past their expiry that no sweep has removed yet;
+    ``oldest_processing`` the processing record claimed longest ago; ``archived``
+    the archive's size (``None`` when the store has no archive).
+    """
+
+    counts: dict[tuple[str, str], int] = field(default_factory=dict)
+    expired: int = 0
+    oldest_processing: Record | None = None
+    archived: int | None = None
+
+    def by_status(self) -> dict[str, int]:
+        totals = {s.value: 0 for s in Status}
+        for (_, status), n in self.counts.items():
+            totals[status] = totals.get(status, 0) + n
+        return totals
+
+    def by_operation(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for (operation, _), n in self.counts.items():
+            totals[operation] = totals.get(operation, 0) + n
+        return totals
+
+
+@dataclass(slots=True)
+class ArchivedRecord:
+    """A financial record as the archive keeps it: the record and when it was archived."""
+
+    record: Record
+    archived_at: float
 
 OpT = TypeVar("OpT")
 
@@ -113,6 +165,46 @@ class Store(abc.ABC, Generic[OpT]):
 
     async def adelete(self, key_hash: str) -> bool:
         return await self._arun(self._delete(key_hash))
+
+    # -- operations work (sweeper, CLI): sync, bounded, never on the request path ----
+
+    def sweep(self, now: float, limit: int = 1000) -> SweepBatch:
+        """Delete at most ``limit`` records expired at ``now``, in one short step.
+
+        Financial records are copied to the archive first; a record is deleted only
+        once it is archived, and archived at most once (keyed on key hash and
+        fencing token), so an interrupted sweep loses and duplicates nothing. A
+        record claimed again after it was read is not deleted.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot sweep")
+
+    def records(
+        self,
+        *,
+        status: Status | str | None = None,
+        operation: str | None = None,
+        created_before: float | None = None,
+        limit: int = 100,
+    ) -> list[Record]:
+        """Records (expired ones included), oldest ``created_at`` first, filtered."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list records")
+
+    def stats(self, now: float) -> StoreStats:
+        """Counts by operation and status at ``now`` (see :class:`StoreStats`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot count records")
+
+    def archive_records(self, records: Sequence[Record], archived_at: float) -> int:
+        """Copy ``records`` into this store's archive; return how many were new.
+
+        Idempotent: a record already archived (same key hash and token) is skipped.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no archive")
+
+    def archived_records(
+        self, *, operation: str | None = None, limit: int = 100
+    ) -> list[ArchivedRecord]:
+        """Archived records, most recently archived first."""
+        raise NotImplementedError(f"{type(self).__name__} has no archive")
 
     def __enter__(self) -> Store[OpT]:
         return self
