@@ -1,9 +1,20 @@
 """Redis (and Redis Cluster) store: one string per record; claims are one native SET.
 
 Each record is one Redis string under ``<prefix>{<key_hash>}`` (the whole key hash
-is the cluster hash tag). Its physical TTL (PX, set at claim) follows
-``expires_at`` so Redis drops expired records by itself; the engine's ``now``
-decides what is logically expired.
+is the cluster hash tag). The engine's ``now`` decides what is logically expired;
+the physical TTL decides when Redis drops a record by itself:
+
+* a ``standard`` record gets a physical TTL (PX, set at claim) that follows
+  ``expires_at``: Redis removing it at expiry is its cleanup;
+* a ``financial`` record gets none: only the sweeper removes it, after copying it
+  to the archive, so Redis can never drop one unarchived (a TTL with a grace
+  period would still lose records whenever the sweeper is down for longer).
+
+Every write that replaces a record follows the same rule: a claim or takeover
+writes the new record with PX (standard) or without (financial, which also clears
+any TTL the old record had); complete, fail and renew keep the TTL the claim set.
+
+The commands, one round trip each on the request path:
 
 * claim: ``SET key value NX GET PX ttl`` (Redis >= 7.0): writes the new record if
   the key is free and returns nothing, or writes nothing and returns the live
@@ -48,9 +59,13 @@ Claim blob, written once at claim: fields separated by NUL::
 
     flags NUL key NUL scope NUL operation NUL request_id NUL metadata [NUL payload]
 
-``flags`` is one ASCII digit, a bit set: 1 request_id present (else None); 2
-request payload present (else None; the payload is the raw rest of the blob); 4
-key, scope, operation and request_id are JSON strings (only when one holds a NUL).
+``flags`` is one ASCII character, ``chr(0x30 | bits)`` (``0``-``9``, ``:``-``?``),
+a bit set: 1 request_id present (else None); 2 request payload present (else None;
+the payload is the raw rest of the blob); 4 key, scope, operation and request_id
+are JSON strings (only when one holds a NUL); 8 retention ``financial`` (else
+``standard``). Bit 8 came later within layout version 1: records written before it
+have the digits ``0``-``7`` and read as standard, and a reader that knows only bits
+1, 2 and 4 still decodes the new characters (as standard records).
 ``metadata`` is the JSON of ``Record.metadata_json``, or empty for ``{}``.
 
 Outcome blob: ``JSON [status, media_type, headers]`` (ASCII; headers a list of
@@ -99,7 +114,7 @@ except ImportError:  # pragma: no cover - older redis-py
 
 from .._decide import claimable
 from .._errors import StoreUnavailableError
-from .._record import ClaimResult, Outcome, Record, Status
+from .._record import FINANCIAL, STANDARD, ClaimResult, Outcome, Record, Status
 from ._base import Store
 
 __all__ = ["HEADER", "LAYOUT_VERSION", "RedisStore", "record_from_value"]
@@ -279,7 +294,9 @@ _NO_OPTIONS: dict[str, Any] = {}  # never mutated
 
 _SET_GET: dict[str, Any] = {"get": True}  # SET ... GET replies with the old value
 _MAX_PEXPIRE_MS = 10**15  # ~31,000 years; keeps PX far from its overflow error
-_FLAG_CHARS = "01234567"
+#: The flags character of a claim blob: chr(0x30 | flags), so bits 1, 2 and 4 keep
+#: the digits "0"-"7" of records written before bit 8 (financial) existed.
+_FLAG_CHARS = "0123456789:;<=>?"
 _encode_json = json.JSONEncoder(separators=(",", ":")).encode
 _encode_meta = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode  # metadata_json
 _CACHE_MAX = 256
@@ -324,7 +341,7 @@ def _record_value(r: Record) -> bytes:
 def _claim_blob(r: Record) -> bytes:
     rid = r.request_id
     payload = r.request_payload
-    flags = (rid is not None) | (payload is not None) << 1
+    flags = (rid is not None) | (payload is not None) << 1 | (r.retention == FINANCIAL) << 3
     text = f"{r.key}\x00{r.scope}\x00{r.operation}\x00{'' if rid is None else rid}\x00"
     if text.count("\x00") != 4:  # a NUL inside a field: JSON strings instead
         flags |= 4
@@ -375,7 +392,7 @@ def record_from_value(value: bytes | None, key_hash: str) -> Record | None:
     if len(value) < end or blob_len == 0:
         raise ValueError(f"truncated: {len(value)} bytes, the header announces at least {end}")
     flags = value[blob_at]
-    if flags == 48 or flags == 49:  # no payload, no JSON fields: decode the text at once
+    if flags | 9 == 57:  # "0" "1" "8" "9": no payload, no JSON fields: decode at once
         text = value[_FIXED:end].decode()
         if text.isascii():  # byte offsets are character offsets
             blob_at -= _FIXED
@@ -384,9 +401,9 @@ def record_from_value(value: bytes | None, key_hash: str) -> Record | None:
             return Record(
                 key_hash, key, scope, operation, fp, _STATUS[status], token, lease, expires,
                 created, updated, completed if has_completed else None, attempts,
-                rid if flags == 49 else None, final,
+                rid if flags & 1 else None, final,
                 _outcome(value, end) if len(value) > end else None, None,
-                json.loads(meta) if meta else {},
+                json.loads(meta) if meta else {}, FINANCIAL if flags & 8 else STANDARD,
             )  # fmt: skip
     parts = value[blob_at:end].split(b"\x00", 6)
     if flags & 4:
@@ -401,7 +418,7 @@ def record_from_value(value: bytes | None, key_hash: str) -> Record | None:
         value[_FIXED:fp_at].decode(), lease, expires, created, updated,
         completed if has_completed else None, attempts, rid if flags & 1 else None, final,
         _outcome(value, end) if len(value) > end else None, parts[6] if flags & 2 else None,
-        json.loads(meta) if meta else {},
+        json.loads(meta) if meta else {}, FINANCIAL if flags & 8 else STANDARD,
     )  # fmt: skip
 
 
@@ -568,7 +585,9 @@ class RedisStore(Store[_Op]):
         kh = record.key_hash
         key = f"{self.prefix}{{{kh}}}"
         value = _record_value(record)
-        ttl = _ttl_ms(record.expires_at, record.updated_at)
+        # Financial records get no physical TTL: only the sweeper, after archiving
+        # them, may remove them (see the module docstring).
+        ttl = 0 if record.retention == FINANCIAL else _ttl_ms(record.expires_at, record.updated_at)
         if not self._set_claims:  # the server has no SET NX GET
             args: Sequence[Any] = ("EVALSHA", _CLAIM_SHA, 1, key, value, record.fingerprint, ttl)
             return (args, _parse_claim, kh, None, _NO_OPTIONS)
