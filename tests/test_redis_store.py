@@ -9,6 +9,7 @@ redis-py error, and never overwrites the value.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -126,3 +127,21 @@ def test_refused_command_is_unavailable_without_password(
     assert password not in message
     assert "***" in message
     assert raw.get(store.record_key(key_hash("", OP, KEY))) is None
+
+
+@pytest.mark.parametrize("value", sorted(WRITERS))
+def test_sweep_records_and_stats_skip_a_foreign_value(
+    store: RedisStore, raw: redis.Redis, value: str
+) -> None:
+    """Operations work walks past what it cannot read, and never deletes it."""
+    engine = Engine(store, ttl=60)
+    valid = _valid_record(engine, raw, store)
+    rkey = store.record_key(key_hash("", OP, KEY))
+    WRITERS[value](raw, rkey, valid)
+    before = _dump(raw, rkey)
+    assert [r.key for r in store.records()] == ["source"]
+    stats = store.stats(time.time() + 3600)
+    assert (sum(stats.counts.values()), stats.expired) == (0, 1)
+    batch = store.sweep(time.time() + 3600, 10)
+    assert (batch.deleted, batch.done) == (1, True)
+    assert _dump(raw, rkey) == before

@@ -6,9 +6,9 @@ the physical TTL decides when Redis drops a record by itself:
 
 * a ``standard`` record gets a physical TTL (PX, set at claim) that follows
   ``expires_at``: Redis removing it at expiry is its cleanup;
-* a ``financial`` record gets none: only the sweeper removes it, after copying it
-  to the archive, so Redis can never drop one unarchived (a TTL with a grace
-  period would still lose records whenever the sweeper is down for longer).
+* a ``financial`` record gets none: only :meth:`RedisStore.sweep` removes it, after
+  copying it to the archive, so Redis can never drop one unarchived (a TTL with a
+  grace period would still lose records whenever the sweeper is down for longer).
 
 Every write that replaces a record follows the same rule: a claim or takeover
 writes the new record with PX (standard) or without (financial, which also clears
@@ -26,6 +26,17 @@ The commands, one round trip each on the request path:
   acts only on a processing record whose fencing token matches, and keeps the TTL
   (``SET KEEPTTL``, Redis >= 6.0).
 * get: one GET; delete: one DEL.
+* sweep (operations work, not the request path): ``SCAN MATCH <prefix>{*}`` on
+  the server or on every cluster primary, keeping the cursor between batches;
+  GETs in a pipeline; the financial records among the expired ones are copied to
+  the archive store (``archive=``, a SQLite, PostgreSQL or memory store; its
+  ``archive_records`` ignores a copy it already holds), and only then is each
+  expired record deleted by a script that deletes the key only if it still holds
+  the very value that was read. A sweep killed at any moment so loses nothing and
+  archives nothing twice; a record claimed again meanwhile is never deleted. An
+  expired financial record with no archive configured stops the sweep
+  (:class:`~retrysafe.StoreUnavailableError`, nothing deleted in that batch).
+* records / stats: a full SCAN pass with pipelined GETs, for operations commands.
 
 Layout, version 1. A fixed 60-byte header (``struct`` :data:`HEADER`,
 ``>cIddd?c?ddIII``, big-endian), then the variable parts back to back::
@@ -83,15 +94,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import heapq
 import json
 import math
 import os
 import struct
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeAlias
-from urllib.parse import unquote_plus, urlsplit, urlunsplit
+from urllib.parse import quote, unquote_plus, urlsplit, urlunsplit
 
 try:
     import redis
@@ -115,7 +128,8 @@ except ImportError:  # pragma: no cover - older redis-py
 from .._decide import claimable
 from .._errors import StoreUnavailableError
 from .._record import FINANCIAL, STANDARD, ClaimResult, Outcome, Record, Status
-from ._base import Store
+from . import open_store
+from ._base import ArchivedRecord, Store, StoreStats, SweepBatch
 
 __all__ = ["HEADER", "LAYOUT_VERSION", "RedisStore", "record_from_value"]
 
@@ -263,6 +277,17 @@ local new = string.sub(v, 1, 21) .. ARGV[2] .. string.sub(v, 30, 32) .. ARGV[3]
   .. string.sub(v, 41)
 redis.call('SET', KEYS[1], new, 'KEEPTTL')
 return 1
+"""
+
+
+# The sweep's compare-and-delete: KEYS[1] record key, ARGV[1] the value the sweep
+# read (and judged expired, and archived if financial). Deletes only that value: a
+# record claimed again, completed or renewed since is left alone. Returns 1 or 0.
+_SWEEP_DELETE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
 """
 
 
@@ -477,22 +502,39 @@ def _parse_bool(reply: Any, op: _Op) -> bool:
 
 
 def _redact(url: str) -> str:
-    """``url`` with any password (userinfo or ``password=`` query) replaced by ``***``."""
+    """``url`` with any password (userinfo or ``password=`` query) replaced by ``***``.
+
+    The URL of an ``archive=`` parameter is redacted the same way.
+    """
     parts = urlsplit(url)
     netloc = parts.netloc
     userinfo, at, hostport = netloc.rpartition("@")
     if at and ":" in userinfo:
         netloc = f"{userinfo.split(':', 1)[0]}:***@{hostport}"
-    query = "&".join(
-        f"{p.partition('=')[0]}=***" if unquote_plus(p.partition("=")[0]) == "password" else p
-        for p in parts.query.split("&")
-        if p
-    )
+    query = "&".join(_redact_param(p) for p in parts.query.split("&") if p)
     return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
-def _parse_url(url: str, prefix: str) -> tuple[str, bool, str]:
-    """(URL for redis-py, cluster?, prefix); ``prefix=`` in the query wins over ``prefix``."""
+def _redact_param(piece: str) -> str:
+    raw, _, value = piece.partition("=")
+    name = unquote_plus(raw)
+    if name == "password":
+        return f"{raw}=***"
+    if name == "archive" and value:
+        return f"{raw}={quote(_redact(unquote_plus(value)), safe=':/@*')}"
+    return piece
+
+
+#: URL schemes of the stores that can hold a Redis store's archive.
+_ARCHIVE_SCHEMES = frozenset({"sqlite", "postgresql", "postgres", "memory"})
+
+
+def _parse_url(url: str, prefix: str) -> tuple[str, bool, str, str | None]:
+    """(URL for redis-py, cluster?, prefix, archive URL).
+
+    ``prefix=`` in the query wins over ``prefix``; ``archive=`` is a URL-encoded
+    store URL.
+    """
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in _SCHEMES:
@@ -502,6 +544,7 @@ def _parse_url(url: str, prefix: str) -> tuple[str, bool, str]:
         )
     client_scheme, cluster = _SCHEMES[scheme]
     keep: list[str] = []
+    archive: str | None = None
     for piece in parts.query.split("&"):
         if not piece:
             continue
@@ -509,6 +552,8 @@ def _parse_url(url: str, prefix: str) -> tuple[str, bool, str]:
         name = unquote_plus(name)
         if name == "prefix":
             prefix = unquote_plus(value)
+        elif name == "archive":
+            archive = unquote_plus(value)
         elif name == "decode_responses":
             raise ValueError("decode_responses is not supported: record bodies are bytes")
         else:
@@ -516,10 +561,46 @@ def _parse_url(url: str, prefix: str) -> tuple[str, bool, str]:
     if cluster and parts.path not in ("", "/", "/0"):
         raise ValueError(f"Redis Cluster has only database 0: {_redact(url)!r}")
     client_url = urlunsplit(parts._replace(scheme=client_scheme, query="&".join(keep)))
-    return client_url, cluster, prefix
+    return client_url, cluster, prefix, archive
+
+
+def _check_archive(archive: object) -> None:
+    """Refuse an ``archive`` option that cannot hold archived records."""
+    if archive is None:
+        return
+    if isinstance(archive, str):
+        if urlsplit(archive).scheme.lower() not in _ARCHIVE_SCHEMES:
+            raise ValueError(
+                f"archive must be a sqlite:///, postgresql:// or memory:// store URL, "
+                f"not {_redact(archive)!r}"
+            )
+        return
+    if isinstance(archive, RedisStore) or not isinstance(archive, Store):
+        raise TypeError(
+            "archive must be a SQLite, PostgreSQL or memory Store or its URL, "
+            f"not {type(archive).__name__}"
+        )
 
 
 # -- the store -----------------------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class _Pass:
+    """Where a sweep's walk over the keyspace stands between batches.
+
+    ``nodes`` are what SCAN targets in turn (``[None]``: the one server; else the
+    cluster's primaries), ``node`` the index of the current one and ``cursor`` its
+    SCAN cursor; ``pending`` the keys SCAN returned that no batch has judged yet;
+    ``now`` the earliest time any key of this pass was judged at.
+    """
+
+    nodes: list[Any]
+    now: float
+    node: int = 0
+    cursor: int = 0
+    pending: list[bytes] = field(default_factory=list)
+
 
 #: Clients a forked child inherited from its parent, kept referenced and never closed
 #: (a finalizer must not touch the parent's connections). One entry per store and fork.
@@ -535,6 +616,8 @@ def _forget_clients(ref: weakref.ref[RedisStore]) -> None:
     store._sync = None
     store._async = weakref.WeakKeyDictionary()
     store._lock = threading.Lock()
+    store._sweep_lock = threading.Lock()
+    store._sweep_pass = None
 
 
 class RedisStore(Store[_Op]):
@@ -552,12 +635,26 @@ class RedisStore(Store[_Op]):
         url: str = DEFAULT_URL,
         *,
         prefix: str = DEFAULT_PREFIX,
+        archive: Store[Any] | str | None = None,
         socket_timeout: float = 5.0,
         connect_timeout: float = 2.0,
     ) -> None:
         self.url = url
-        self._client_url, self.cluster, self.prefix = _parse_url(url, prefix)
+        self._client_url, self.cluster, self.prefix, in_url = _parse_url(url, prefix)
         self._safe_url = _redact(url)
+        if in_url is not None:
+            if archive is not None:
+                raise ValueError(
+                    f"two archives for {self._safe_url}: archive= in the URL and the "
+                    "archive argument; give one"
+                )
+            archive = in_url
+        _check_archive(archive)
+        #: The archive's URL, opened on first use; or the archive Store itself.
+        self._archive_url = archive if isinstance(archive, str) else None
+        self._archive: Store[Any] | None = archive if isinstance(archive, Store) else None
+        self._sweep_lock = threading.Lock()
+        self._sweep_pass: _Pass | None = None
         self._options: dict[str, Any] = {
             "socket_timeout": socket_timeout,
             "socket_connect_timeout": connect_timeout,
@@ -718,6 +815,244 @@ class RedisStore(Store[_Op]):
         detail = str(exc) or type(exc).__name__
         return StoreUnavailableError(f"Redis store {self._safe_url} is unavailable: {detail}")
 
+    # -- operations work: sweep, listing, stats, archive (sync, never on the hot path) --
+
+    @property
+    def archive(self) -> Store[Any] | None:
+        """The store that keeps this store's archived financial records (opened lazily)."""
+        archive = self._archive
+        if archive is None and self._archive_url is not None:
+            with self._lock:
+                if self._archive is None:
+                    self._archive = open_store(self._archive_url)
+                archive = self._archive
+        return archive
+
+    def _need_archive(self) -> Store[Any]:
+        archive = self.archive
+        if archive is None:
+            raise NotImplementedError(
+                f"Redis store {self._safe_url} has no archive: open it with "
+                "RedisStore(url, archive='sqlite:///archive.db') or ?archive=<URL-encoded URL>"
+            )
+        return archive
+
+    def archive_records(self, records: Sequence[Record], archived_at: float) -> int:
+        """Copy ``records`` into the archive store; how many were new (see :class:`Store`)."""
+        return self._need_archive().archive_records(records, archived_at)
+
+    def archived_records(
+        self, *, operation: str | None = None, limit: int = 100
+    ) -> list[ArchivedRecord]:
+        """The archive store's records, most recently archived first."""
+        return self._need_archive().archived_records(operation=operation, limit=limit)
+
+    def sweep(self, now: float, limit: int = 1000) -> SweepBatch:
+        """Delete at most ``limit`` records expired at ``now``; archive financial ones first.
+
+        The store walks its keys with ``SCAN`` (every primary of a cluster) and keeps
+        its place between calls, so successive batches continue one pass. ``done``
+        is true once a whole pass, judged at ``now`` or later, found nothing more to
+        delete; the next call starts a new pass. Values under the prefix that are not
+        records are skipped, never deleted. A batch looks at no more than
+        ``max(10 * limit, 1000)`` keys, so it stays short on a large keyspace.
+
+        Raises :class:`~retrysafe.StoreUnavailableError`, having deleted nothing in
+        the batch, when a financial record expired and the store has no archive.
+        """
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be a positive integer, not {limit!r}")
+        with self._sweep_lock:
+            try:
+                return self._sweep(now, limit)
+            except BaseException as exc:
+                self._sweep_pass = None  # the next sweep rescans rather than skip a key
+                if isinstance(exc, _rx.RedisError | OSError):
+                    raise self._ops_error(exc) from exc
+                raise
+
+    def _sweep(self, now: float, limit: int) -> SweepBatch:
+        client = self._sync or self._sync_client()
+        count = min(max(limit, 100), 1000)  # keys per SCAN and per pipeline of GETs
+        budget = max(10 * limit, 1000)  # keys one batch may look at
+        p = self._sweep_pass
+        if p is None:
+            p = self._sweep_pass = self._new_pass(client, now)
+        p.now = min(p.now, now)
+        found: list[tuple[bytes, bytes, Record]] = []  # key, value as read, record
+        seen: set[bytes] = set()  # SCAN may return a key twice
+        examined = 0
+        done = False
+        while len(found) < limit:
+            if not p.pending:
+                if p.node >= len(p.nodes):  # the pass is over
+                    if p.now >= now:  # and every key of it was judged at `now` or later
+                        done = True
+                        self._sweep_pass = None
+                        break
+                    p = self._sweep_pass = self._new_pass(client, now)
+                if examined >= budget:
+                    break
+                p.pending = self._scan_step(client, p, count)
+                continue
+            keys = p.pending[:count]
+            values = self._get_many(client, keys)
+            used = len(keys)
+            for i, (key, value) in enumerate(zip(keys, values, strict=True)):
+                record = self._expired(key, value, now)
+                if record is not None and key not in seen:
+                    seen.add(key)
+                    found.append((key, value, record))
+                    if len(found) == limit:
+                        used = i + 1  # the rest stays pending for the next batch
+                        break
+            examined += used
+            del p.pending[:used]
+        financial = [r for _, _, r in found if r.retention == FINANCIAL]
+        archived = 0
+        if financial:
+            archive = self.archive
+            if archive is None:
+                raise StoreUnavailableError(
+                    f"Redis store {self._safe_url}: {len(financial)} expired financial "
+                    "records are not swept: financial records need an archive: "
+                    "RedisStore(url, archive='sqlite:///archive.db') or ?archive=<URL>"
+                )
+            archived = archive.archive_records(financial, now)  # before any delete
+        deleted = self._delete_unchanged(client, [(k, v) for k, v, _ in found])
+        return SweepBatch(deleted, archived, done)
+
+    def _new_pass(self, client: Any, now: float) -> _Pass:
+        nodes = list(client.get_primaries()) if self.cluster else [None]
+        return _Pass(nodes, now)
+
+    def _scan_step(self, client: Any, p: _Pass, count: int) -> list[bytes]:
+        """One SCAN on the pass's current node; moves the pass on; the keys it returned."""
+        node = p.nodes[p.node]
+        match = self._match
+        if node is None:
+            cursor, keys = client.scan(p.cursor, match=match, count=count)
+        else:
+            cursors, keys = client.scan(p.cursor, match=match, count=count, target_nodes=node)
+            cursor = cursors[node.name]
+        cursor = int(cursor)
+        if cursor == 0:  # this node is done
+            p.node += 1
+        p.cursor = cursor
+        return list(keys)
+
+    @property
+    def _match(self) -> str:
+        """The SCAN pattern of this store's record keys: ``<prefix>{*}``, glob-escaped."""
+        return "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix) + "{*}"
+
+    def _get_many(self, client: Any, keys: Sequence[bytes]) -> list[Any]:
+        """GET each key in one pipeline (no MULTI); an error reply stands in its place."""
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.execute_command("GET", key)
+        return pipe.execute(raise_on_error=False)
+
+    def _key_hash(self, key: bytes) -> str:
+        return key.decode(errors="replace")[len(self.prefix) + 1 : -1]
+
+    def _decode(self, key: bytes, value: Any) -> Record | None:
+        """The record a scanned key holds; ``None`` for anything that is not one."""
+        if type(value) is not bytes:  # gone (None), or an error reply (another type)
+            return None
+        try:
+            return record_from_value(value, self._key_hash(key))
+        except (*_MALFORMED, StoreUnavailableError):  # another program's value
+            return None
+
+    def _expired(self, key: bytes, value: Any, now: float) -> Record | None:
+        """The record under ``key`` if it is one and expired at ``now``."""
+        if type(value) is not bytes or len(value) < _FIXED or value[0] != 49:
+            return None
+        if not _DOUBLE.unpack_from(value, 13)[0] <= now:  # live: no need to decode
+            return None
+        return self._decode(key, value)
+
+    def _delete_unchanged(self, client: Any, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Delete each key that still holds the value read; how many were deleted."""
+        if not items:
+            return 0
+        pipe = client.pipeline(transaction=False)
+        for key, value in items:
+            pipe.execute_command("EVAL", _SWEEP_DELETE, 1, key, value)
+        replies = pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return sum(1 for reply in replies if reply == 1)
+
+    def _scan_records(self, client: Any) -> Iterator[Record]:
+        """Every record under the prefix (a full SCAN pass), in no particular order."""
+        p = self._new_pass(client, 0.0)
+        while p.node < len(p.nodes):
+            keys = self._scan_step(client, p, 1000)
+            if keys:
+                for key, value in zip(keys, self._get_many(client, keys), strict=True):
+                    record = self._decode(key, value)
+                    if record is not None:
+                        yield record
+
+    def records(
+        self,
+        *,
+        status: Status | str | None = None,
+        operation: str | None = None,
+        created_before: float | None = None,
+        limit: int = 100,
+    ) -> list[Record]:
+        """Records (expired ones included), oldest ``created_at`` first: a full SCAN."""
+        want = None if status is None else Status(status)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit must be a non-negative integer, not {limit!r}")
+        try:
+            client = self._sync or self._sync_client()
+            chosen = (
+                r
+                for r in self._scan_records(client)
+                if (want is None or r.status is want)
+                and (operation is None or r.operation == operation)
+                and (created_before is None or r.created_at < created_before)
+            )
+            return heapq.nsmallest(limit, chosen, key=lambda r: (r.created_at, r.key_hash))
+        except (_rx.RedisError, OSError) as exc:
+            raise self._ops_error(exc) from exc
+
+    def stats(self, now: float) -> StoreStats:
+        """Counts of live records by (operation, status), expired ones, the archive's size."""
+        stats = StoreStats()
+        counts = stats.counts
+        try:
+            client = self._sync or self._sync_client()
+            for r in self._scan_records(client):
+                if r.expires_at <= now:
+                    stats.expired += 1
+                    continue
+                group = (r.operation, r.status.value)
+                counts[group] = counts.get(group, 0) + 1
+                if r.status is Status.PROCESSING and (
+                    stats.oldest_processing is None
+                    or r.created_at < stats.oldest_processing.created_at
+                ):
+                    stats.oldest_processing = r
+        except (_rx.RedisError, OSError) as exc:
+            raise self._ops_error(exc) from exc
+        archive = self.archive
+        if archive is not None:
+            stats.archived = archive.stats(now).archived
+        return stats
+
+    def _ops_error(self, exc: BaseException) -> StoreUnavailableError:
+        """The error for a failed SCAN, pipeline or script of the operations work."""
+        if isinstance(exc, _rx.ResponseError):
+            detail = str(exc).strip() or type(exc).__name__
+            return StoreUnavailableError(f"Redis store {self._safe_url} refused: {detail}")
+        return self._unavailable(exc)
+
     # -- clients -----------------------------------------------------------------
 
     def _client_options(self, retry: Any) -> dict[str, Any]:
@@ -752,14 +1087,18 @@ class RedisStore(Store[_Op]):
             return client
 
     def close(self) -> None:
-        """Close the sync client and forget clients of closed event loops."""
+        """Close the sync client and the archive; forget clients of closed event loops."""
         with self._lock:
             client, self._sync = self._sync, None
             for old in [lp for lp in self._async if lp.is_closed()]:
                 del self._async[old]
+            archive = self._archive
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
+        if archive is not None:
+            with contextlib.suppress(Exception):
+                archive.close()
 
     async def aclose(self) -> None:
         """Close the current event loop's client, then as :meth:`close`."""
