@@ -16,6 +16,7 @@ from ._errors import (
     StoreUnavailableError,
 )
 from ._keys import canonical_json, fingerprint, key_hash, validate_key
+from ._map import IdempotencyMap, MapError, Operation, Route
 from ._record import ClaimResult, Outcome, Record, Status
 from ._sweep import Sweeper, SweepReport
 from .stores import Store, open_store
@@ -31,12 +32,16 @@ __all__ = [
     "Engine",
     "FingerprintMismatchError",
     "IdempotencyError",
+    "IdempotencyMap",
     "InProgressError",
     "InvalidKeyError",
     "LeaseLostError",
+    "MapError",
+    "Operation",
     "Outcome",
     "Record",
     "Replay",
+    "Route",
     "Status",
     "Store",
     "StoreUnavailableError",
