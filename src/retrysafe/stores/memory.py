@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import heapq
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._decide import claimable
-from .._record import ClaimResult, Outcome, Record, Status
-from ._base import Store
+from .._record import FINANCIAL, ClaimResult, Outcome, Record, Status
+from ._base import ArchivedRecord, Store, StoreStats, SweepBatch
 
 __all__ = ["MemoryStore"]
 
@@ -21,7 +22,8 @@ class MemoryStore(Store[_Op]):
 
     For tests and single-process services: nothing survives the process, and an
     evicted record is forgotten (a later retry of it runs again). Records whose
-    lease is alive are never evicted.
+    lease is alive are never evicted. The archive of swept financial records is a
+    dict in the process as well (unbounded; eviction does not archive).
     """
 
     def __init__(self, url: str = "memory://", *, max_size: int = 100_000) -> None:
@@ -31,6 +33,8 @@ class MemoryStore(Store[_Op]):
         self.max_size = max_size
         self._records: OrderedDict[str, Record] = OrderedDict()
         self._lock = threading.Lock()
+        #: Swept financial records by (key_hash, token), with when they were archived.
+        self._archive: dict[tuple[str, str], ArchivedRecord] = {}
 
     def __len__(self) -> int:
         return len(self._records)
@@ -130,3 +134,97 @@ class MemoryStore(Store[_Op]):
 
     def close(self) -> None:
         """Nothing to release; records stay until the store is dropped."""
+
+    # -- operations work (sweeper, CLI) ----------------------------------------------
+    #
+    # The lock is held for a C-speed copy of the records and for the few changes;
+    # scanning, filtering and sorting happen outside it, so claims wait little.
+    # Records are only ever replaced (a takeover), or changed in status, outcome and
+    # lease (complete, fail, renew): their key, operation, created_at and expires_at
+    # can be read without the lock, and every decision is checked again under it.
+
+    def _snapshot(self) -> list[Record]:
+        with self._lock:
+            return list(self._records.values())
+
+    def _archive_one(self, record: Record, archived_at: float) -> bool:
+        """Archive a copy of ``record`` unless it is archived already (hold the lock)."""
+        key = (record.key_hash, record.token)
+        if key in self._archive:
+            return False
+        self._archive[key] = ArchivedRecord(record.copy(), archived_at)
+        return True
+
+    def sweep(self, now: float, limit: int = 1000) -> SweepBatch:
+        expired = [r for r in self._snapshot() if r.expires_at <= now]
+        doomed = heapq.nsmallest(limit, expired, key=lambda r: r.expires_at)
+        deleted = archived = 0
+        with self._lock:
+            records = self._records
+            for r in doomed:
+                if records.get(r.key_hash) is not r or r.expires_at > now:
+                    continue  # taken over (a new record object) or deleted meanwhile
+                if r.retention == FINANCIAL and self._archive_one(r, now):
+                    archived += 1
+                del records[r.key_hash]
+                deleted += 1
+        return SweepBatch(deleted, archived, done=len(expired) < limit)
+
+    def records(
+        self,
+        *,
+        status: Status | str | None = None,
+        operation: str | None = None,
+        created_before: float | None = None,
+        limit: int = 100,
+    ) -> list[Record]:
+        wanted = None if status is None else Status(status)
+
+        def match(r: Record) -> bool:
+            return (
+                (wanted is None or r.status is wanted)
+                and (operation is None or r.operation == operation)
+                and (created_before is None or r.created_at < created_before)
+            )
+
+        found = heapq.nsmallest(
+            limit, filter(match, self._snapshot()), key=lambda r: (r.created_at, r.key_hash)
+        )
+        with self._lock:  # copies of consistent records: a completion may be under way
+            copies = [r.copy() for r in found]
+        return [r for r in copies if match(r)]
+
+    def stats(self, now: float) -> StoreStats:
+        stats = StoreStats()
+        counts = stats.counts
+        oldest: Record | None = None
+        for r in self._snapshot():
+            if r.expires_at <= now:
+                stats.expired += 1
+                continue
+            key = (r.operation, r.status.value)
+            counts[key] = counts.get(key, 0) + 1
+            if r.status is Status.PROCESSING and (
+                oldest is None or r.created_at < oldest.created_at
+            ):
+                oldest = r
+        with self._lock:
+            stats.oldest_processing = None if oldest is None else oldest.copy()
+            stats.archived = len(self._archive)
+        return stats
+
+    def archive_records(self, records: Sequence[Record], archived_at: float) -> int:
+        with self._lock:
+            return sum(self._archive_one(r, archived_at) for r in records)
+
+    def archived_records(
+        self, *, operation: str | None = None, limit: int = 100
+    ) -> list[ArchivedRecord]:
+        with self._lock:
+            entries = list(self._archive.values())
+        found = heapq.nlargest(
+            limit,
+            (a for a in entries if operation is None or a.record.operation == operation),
+            key=lambda a: a.archived_at,
+        )
+        return [ArchivedRecord(a.record.copy(), a.archived_at) for a in found]
