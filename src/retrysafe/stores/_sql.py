@@ -7,8 +7,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._record import Outcome, Record, Status
+from ._base import ArchivedRecord
 
-__all__ = ["COLUMNS", "outcome_params", "record_from_row", "record_params"]
+__all__ = [
+    "ARCHIVE_COLUMNS",
+    "COLUMNS",
+    "archived_from_row",
+    "outcome_params",
+    "record_from_row",
+    "record_params",
+]
 
 #: Column order of every SELECT and INSERT of a whole record.
 COLUMNS: tuple[str, ...] = (
@@ -33,7 +41,10 @@ COLUMNS: tuple[str, ...] = (
     "response_body",
     "request_payload",
     "metadata",
+    "retention",  # schema v2
 )
+#: Column order of the archive: a whole record, then when it was archived.
+ARCHIVE_COLUMNS: tuple[str, ...] = (*COLUMNS, "archived_at")
 
 
 def outcome_params(outcome: Outcome | None) -> tuple[Any, Any, Any, Any]:
@@ -64,6 +75,7 @@ def record_params(r: Record) -> tuple[Any, ...]:
         *outcome_params(r.outcome),
         r.request_payload,
         r.metadata_json(),
+        r.retention,
     )
 
 
@@ -89,4 +101,10 @@ def record_from_row(row: Sequence[Any]) -> Record:
         int(row[12]), row[13], bool(row[14]), outcome,
         None if payload is None else bytes(payload),
         json.loads(metadata) if metadata and metadata != "{}" else {},
+        row[21],
     )  # fmt: skip
+
+
+def archived_from_row(row: Sequence[Any]) -> ArchivedRecord:
+    """An :class:`ArchivedRecord` from a row in :data:`ARCHIVE_COLUMNS` order."""
+    return ArchivedRecord(record_from_row(row), float(row[22]))

@@ -37,7 +37,8 @@ import re
 import select
 import threading
 import weakref
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, NamedTuple
 from urllib.parse import unquote
@@ -54,8 +55,15 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from .._decide import claimable
 from .._errors import StoreUnavailableError
 from .._record import ClaimResult, Outcome, Record, Status
-from ._base import Store
-from ._sql import COLUMNS, outcome_params, record_from_row, record_params
+from ._base import ArchivedRecord, Store, StoreStats, SweepBatch
+from ._sql import (
+    ARCHIVE_COLUMNS,
+    COLUMNS,
+    archived_from_row,
+    outcome_params,
+    record_from_row,
+    record_params,
+)
 
 __all__ = ["SCHEMA_VERSION", "PostgresStore", "SchemaVersionError"]
 
@@ -102,7 +110,11 @@ _V1_COLUMNS: tuple[tuple[str, str, bool], ...] = (
     ("request_payload", "bytea", True),
     ("metadata", "text", False),
 )
-if tuple(c[0] for c in _V1_COLUMNS) != COLUMNS:  # pragma: no cover - a schema change needs v2
+#: The record columns that schema v2 adds (v1 rows become standard).
+_V2_COLUMNS: tuple[tuple[str, str, bool], ...] = (("retention", "text", False),)
+#: Every record column of the current schema: each version appends its own.
+_RECORD_COLUMNS = (*_V1_COLUMNS, *_V2_COLUMNS)
+if tuple(c[0] for c in _RECORD_COLUMNS) != COLUMNS:  # pragma: no cover - needs a migration
     raise ImportError("retrysafe.stores.postgres: the schema does not match _sql.COLUMNS")
 
 _V1_TABLE = """
@@ -115,7 +127,7 @@ CREATE TABLE {table} (
 _V1_INDEX = "CREATE INDEX {index} ON {table} (expires_at)"
 
 #: The version this code writes and understands.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def _v1(table: sql.Identifier, base: str) -> list[sql.Composable]:
@@ -137,8 +149,65 @@ def _v1(table: sql.Identifier, base: str) -> list[sql.Composable]:
     ]
 
 
+class _Names(NamedTuple):
+    """The objects of one store: ``table`` (the records), its ``base`` name (without
+    the schema; the prefix of its index and constraint names) and the ``archive``
+    table in the same schema."""
+
+    table: sql.Identifier
+    base: str
+    archive: sql.Identifier
+
+    @classmethod
+    def of(cls, parts: tuple[str, ...]) -> _Names:
+        *schema, base = parts
+        return cls(sql.Identifier(*parts), base, sql.Identifier(*schema, f"{base}_archive"))
+
+
+_V2_RETENTION = "ALTER TABLE {table} ADD COLUMN retention text NOT NULL DEFAULT 'standard'"
+_V2_ARCHIVE = """
+CREATE TABLE {archive} (
+    {columns},
+    archived_at double precision NOT NULL,
+    CONSTRAINT {pkey} PRIMARY KEY (key_hash, token)
+)
+"""
+_V2_ARCHIVE_INDEX = "CREATE INDEX {index} ON {archive} (archived_at)"
+
+
+def _v2(names: _Names) -> list[sql.Composable]:
+    """Schema v2: every record's retention class, and the archive of swept financial
+    records (one row per claim: a fencing token is unique per claim), newest first.
+
+    Adding a column with a constant default only changes the catalog (PostgreSQL
+    11+): no rewrite, the table is locked for a moment. The archive has every record
+    column as of v2; a later migration that adds a record column adds it to both.
+    Names stay within 63 bytes: the base name has at most 48 characters.
+    """
+    columns = sql.SQL(",\n    ").join(
+        sql.SQL("{} {}{}").format(
+            sql.Identifier(name), sql.SQL(type_), sql.SQL("" if nullable else " NOT NULL")
+        )
+        for name, type_, nullable in (*_V1_COLUMNS, *_V2_COLUMNS)
+    )
+    return [
+        sql.SQL(_V2_RETENTION).format(table=names.table),
+        sql.SQL(_V2_ARCHIVE).format(
+            archive=names.archive,
+            columns=columns,
+            pkey=sql.Identifier(f"{names.base}_archive_pkey"),
+        ),
+        sql.SQL(_V2_ARCHIVE_INDEX).format(
+            index=sql.Identifier(f"{names.base}_archived_at"), archive=names.archive
+        ),
+    ]
+
+
 #: Migrations by the version they lead to (index 0 → v1). Append, never edit.
-_MIGRATIONS: tuple[Callable[[sql.Identifier, str], list[sql.Composable]], ...] = (_v1,)
+_MIGRATIONS: tuple[Callable[[_Names], list[sql.Composable]], ...] = (
+    lambda names: _v1(names.table, names.base),
+    _v2,
+)
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
 # -- statement pieces --------------------------------------------------------------
@@ -159,6 +228,23 @@ _SELECT_COLUMNS = ", ".join(
 _CLAIMABLE = (
     "(t.expires_at <= %s OR (t.fingerprint = %s AND ("
     "(t.status = 'failed' AND NOT t.final) OR (t.status = 'processing' AND t.lease_until <= %s))))"
+)
+
+#: ``stats``: counts of live rows with the key of the oldest processing one (one scan;
+#: only processing rows are aggregated into the array), expired rows (through the
+#: ``expires_at`` index), the archive's size; parameter: now. No index serves the
+#: scan, which an occasional operator's command can afford. An index on (status,
+#: created_at) would serve ``records(status=…)`` and the oldest processing row, but
+#: a completion changes ``status``: it would turn the HOT update of every completion
+#: and failure (no indexed column changes, fillfactor 90) into a write of every
+#: index of the table, on the request path, for a listing.
+_STATS = (
+    "SELECT operation, status, count(*), min(created_at) FILTER (WHERE status = 'processing'), "
+    "(array_agg(key_hash ORDER BY created_at) FILTER (WHERE status = 'processing'))[1] "
+    "FROM {table} WHERE expires_at > %s GROUP BY operation, status",
+    "SELECT count(*) FROM {table} WHERE expires_at <= %s",
+    "SELECT {select_cols} FROM {table} AS t WHERE t.key_hash = %s",
+    "SELECT count(*) FROM {archive}",
 )
 
 # -- URL handling ------------------------------------------------------------------
@@ -444,7 +530,8 @@ class PostgresStore(Store[_Op]):
     def _build_sql(self, parts: tuple[str, ...]) -> None:
         """Compose every statement once; the executors only bind parameters."""
         *schema, base = parts
-        table = sql.Identifier(*parts)
+        names = _Names.of(parts)
+        table = names.table
         versions = sql.Identifier(*schema, f"{base}_schema")
         cols = sql.SQL(", ").join(map(sql.Identifier, COLUMNS))
         cas = sql.SQL(" WHERE key_hash = %s AND token = %s AND status = 'processing'")
@@ -520,7 +607,56 @@ class PostgresStore(Store[_Op]):
             ).format(versions)
         )
         self._q_set_version = text(sql.SQL("INSERT INTO {} (version) VALUES (%s)").format(versions))
-        self._migrations = [[text(q) for q in migration(table, base)] for migration in _MIGRATIONS]
+        self._migrations = [[text(q) for q in migration(names)] for migration in _MIGRATIONS]
+
+        # Operations work (sweeper, CLI).
+        self._names = names
+        self._q_sweep = text(self._sweep_query(names))
+        archive_cols = sql.SQL(", ").join(map(sql.Identifier, ARCHIVE_COLUMNS))
+        marks = sql.SQL(", ").join(sql.SQL("%s") for _ in ARCHIVE_COLUMNS)
+        self._q_archive = text(
+            sql.SQL("INSERT INTO {} ({}) VALUES ({}) ON CONFLICT (key_hash, token) DO NOTHING")
+            .format(names.archive, archive_cols, marks)
+        )  # fmt: skip
+        self._q_list = sql.SQL("SELECT {} FROM {} AS t").format(select_cols, table)
+        self._q_list_archive = sql.SQL("SELECT {}, t.archived_at FROM {} AS t").format(
+            select_cols, names.archive
+        )
+        self._q_stats = [
+            text(sql.SQL(q).format(table=table, archive=names.archive, select_cols=select_cols))
+            for q in _STATS
+        ]
+
+    @staticmethod
+    def _sweep_query(names: _Names) -> sql.Composable:
+        """One sweep batch as one statement; parameters: now, limit, now, now.
+
+        Locks the ``limit`` oldest expired rows through the ``expires_at`` index,
+        skipping rows a claim holds (the sweeper never waits on a claim); the lock
+        re-reads a row that a committed claim changed meanwhile and drops it unless
+        it is still expired, and the ``DELETE`` checks again. The deleted financial
+        rows go to the archive in the same statement, so a killed sweep moved a row
+        whole or did not touch it. Returns one row: (deleted, archived).
+
+        ``= ANY(ARRAY(…))`` rather than ``IN (…)``: the batch's keys are collected
+        once and deleted through the primary key, where ``IN`` lets the planner
+        hash-join them against a scan of the whole table.
+
+        A store over another table layout (a partitioned table, say) overrides this
+        method; the statement must keep the parameters and the result row.
+        """
+        cols = sql.SQL(", ").join(map(sql.Identifier, COLUMNS))
+        archive_cols = sql.SQL(", ").join(map(sql.Identifier, ARCHIVE_COLUMNS))
+        return sql.SQL(
+            "WITH moved AS (DELETE FROM {table} AS t WHERE t.key_hash = ANY(ARRAY("
+            "SELECT d.key_hash FROM {table} AS d WHERE d.expires_at <= %s "
+            "ORDER BY d.expires_at LIMIT %s FOR UPDATE SKIP LOCKED)) "
+            "AND t.expires_at <= %s RETURNING {cols}), "
+            "archived AS (INSERT INTO {archive} ({archive_cols}) "
+            "SELECT {cols}, %s FROM moved WHERE retention = 'financial' "
+            "ON CONFLICT (key_hash, token) DO NOTHING RETURNING 1) "
+            "SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM archived)"
+        ).format(table=names.table, archive=names.archive, cols=cols, archive_cols=archive_cols)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {_redact(self.url)} table={self.table}>"
@@ -783,3 +919,110 @@ class PostgresStore(Store[_Op]):
 
     def _delete(self, key_hash: str) -> _Op:
         return _Op(self._q_delete, (key_hash,), _changed)
+
+    # -- operations work (sweeper, CLI): sync, never on the request path ---------------
+
+    @contextmanager
+    def _ops_connection(self) -> Iterator[_Connection]:
+        """A live, migrated pooled connection for work of several statements or rows.
+
+        The checks of :meth:`_run`, kept out of its way: the request path stays as is.
+        """
+        try:
+            pool = self._pool or self._sync_pool()
+            conn = pool.getconn()
+            for _ in range(self.max_size):
+                if not _closed_by_server(conn):
+                    break
+                conn.close()
+                pool.putconn(conn)
+                conn = pool.getconn()
+            try:
+                if not self._migrated:
+                    with self._lock:
+                        if not self._migrated:
+                            _drive(conn, self._migration())
+                            self._migrated = True
+                yield conn
+            finally:
+                pool.putconn(conn)  # the pool rolls back a transaction left open
+        except _UNAVAILABLE as exc:
+            raise self._unavailable(exc) from exc
+
+    def _ops_rows(self, query: sql.Composable, params: Sequence[Any]) -> list[Any]:
+        with self._ops_connection() as conn:
+            return conn.store_cursor().execute(query, params).fetchall()
+
+    def sweep(self, now: float, limit: int = 1000) -> SweepBatch:
+        def parse(rowcount: int, row: Sequence[Any] | None) -> SweepBatch:
+            assert row is not None
+            deleted, archived = int(row[0]), int(row[1])
+            return SweepBatch(deleted, archived, done=deleted < limit)
+
+        return self._run(_Op(self._q_sweep, (now, limit, now, now), parse))
+
+    def records(
+        self,
+        *,
+        status: Status | str | None = None,
+        operation: str | None = None,
+        created_before: float | None = None,
+        limit: int = 100,
+    ) -> list[Record]:
+        where: list[sql.Composable] = []
+        params: list[Any] = []
+        if status is not None:
+            where.append(sql.SQL("t.status = %s"))
+            params.append(Status(status).value)
+        if operation is not None:
+            where.append(sql.SQL("t.operation = %s"))
+            params.append(operation)
+        if created_before is not None:
+            where.append(sql.SQL("t.created_at < %s"))
+            params.append(float(created_before))
+        query = self._q_list
+        if where:
+            query += sql.SQL(" WHERE ") + sql.SQL(" AND ").join(where)
+        query += sql.SQL(" ORDER BY t.created_at, t.key_hash LIMIT %s")
+        params.append(limit)
+        return [record_from_row(row) for row in self._ops_rows(query, params)]
+
+    def stats(self, now: float) -> StoreStats:
+        counts_q, expired_q, get_q, archived_q = self._q_stats
+        stats = StoreStats()
+        oldest: tuple[float, str] | None = None
+        with self._ops_connection() as conn, conn.transaction():
+            cur = conn.store_cursor()
+            # One snapshot for every count.
+            cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            for operation, status, n, created_at, key_hash in cur.execute(counts_q, (now,)):
+                stats.counts[(operation, status)] = int(n)
+                if key_hash is not None and (oldest is None or created_at < oldest[0]):
+                    oldest = (created_at, key_hash)
+            stats.expired = int(cur.execute(expired_q, (now,)).fetchone()[0])
+            if oldest is not None:
+                row = cur.execute(get_q, (oldest[1],)).fetchone()
+                stats.oldest_processing = None if row is None else record_from_row(row)
+            stats.archived = int(cur.execute(archived_q).fetchone()[0])
+        return stats
+
+    def archive_records(self, records: Sequence[Record], archived_at: float) -> int:
+        rows = [(*record_params(r), archived_at) for r in records]
+        if not rows:
+            return 0
+        with self._ops_connection() as conn, conn.transaction():
+            cur = conn.store_cursor()
+            cur.executemany(self._q_archive, rows)  # pipelined; rowcount sums the inserts
+            return cur.rowcount
+
+    def archived_records(
+        self, *, operation: str | None = None, limit: int = 100
+    ) -> list[ArchivedRecord]:
+        query = self._q_list_archive
+        params: list[Any] = []
+        if operation is not None:
+            query += sql.SQL(" WHERE t.operation = %s")
+            params.append(operation)
+        query += sql.SQL(" ORDER BY t.archived_at DESC LIMIT %s")
+        params.append(limit)
+        return [archived_from_row(row) for row in self._ops_rows(query, params)]

@@ -9,18 +9,26 @@ import threading
 import time
 import urllib.parse
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from .._decide import claimable
 from .._errors import StoreUnavailableError
-from .._record import ClaimResult, Outcome, Record
-from ._base import Store
-from ._sql import COLUMNS, outcome_params, record_from_row, record_params
+from .._record import ClaimResult, Outcome, Record, Status
+from ._base import ArchivedRecord, Store, StoreStats, SweepBatch
+from ._sql import (
+    ARCHIVE_COLUMNS,
+    COLUMNS,
+    archived_from_row,
+    outcome_params,
+    record_from_row,
+    record_params,
+)
 
 __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _Op = Callable[[sqlite3.Connection], Any]
 
 _SCHEMA = """
@@ -49,8 +57,41 @@ CREATE TABLE IF NOT EXISTS retrysafe_records (
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS retrysafe_records_expires_at ON retrysafe_records (expires_at);
 """
-#: Migrations by the version they lead to; v1 is the initial schema.
-MIGRATIONS: dict[int, str] = {1: _SCHEMA}
+# v2: the retention class of every record (rows of v1 are standard), and the
+# archive: financial records the sweeper removed, each at most once (a fencing
+# token is unique per claim), newest first by ``archived_at``.
+_V2 = """
+ALTER TABLE retrysafe_records ADD COLUMN retention TEXT NOT NULL DEFAULT 'standard';
+CREATE TABLE IF NOT EXISTS retrysafe_archive (
+    key_hash TEXT NOT NULL,
+    key TEXT NOT NULL,
+    scope TEXT NOT NULL,
+    operation TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    status TEXT NOT NULL,
+    token TEXT NOT NULL,
+    lease_until REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    completed_at REAL,
+    attempts INTEGER NOT NULL,
+    request_id TEXT,
+    final INTEGER NOT NULL DEFAULT 0,
+    response_status INTEGER,
+    response_headers TEXT,
+    response_media_type TEXT,
+    response_body BLOB,
+    request_payload BLOB,
+    metadata TEXT NOT NULL DEFAULT '{}',
+    retention TEXT NOT NULL,
+    archived_at REAL NOT NULL,
+    PRIMARY KEY (key_hash, token)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS retrysafe_archive_archived_at ON retrysafe_archive (archived_at);
+"""
+#: Migrations by the version they lead to; v1 is the initial schema. Append, never edit.
+MIGRATIONS: dict[int, str] = {1: _SCHEMA, 2: _V2}
 
 _COLS = ", ".join(COLUMNS)
 _SELECT = f"SELECT {_COLS} FROM retrysafe_records WHERE key_hash = ?"
@@ -61,7 +102,7 @@ _MARKS = ", ".join("?" * len(COLUMNS))
 _INSERT = f"INSERT INTO retrysafe_records ({_COLS}) VALUES ({_MARKS}) ON CONFLICT DO NOTHING"
 # Take over a claimable record: the predicate of _decide.claimable, re-checked
 # atomically on the current row; attempts and created_at carry over from a live one.
-# Parameters: ?1..?21 the new record in COLUMNS order (?1 key_hash, ?5 fingerprint,
+# Parameters: ?1..?22 the new record in COLUMNS order (?1 key_hash, ?5 fingerprint,
 # ?11 updated_at, the claim's now).
 _NUMBERED = ", ".join(f"?{i + 1}" for i in range(len(COLUMNS)))
 _TAKEOVER = (
@@ -85,6 +126,37 @@ _FAIL = (
 )
 _RENEW = "UPDATE retrysafe_records SET lease_until = ?, updated_at = ?" + _CAS
 _DELETE = "DELETE FROM retrysafe_records WHERE key_hash = ?"
+
+# -- operations work (sweeper, CLI) ---------------------------------------------------
+#
+# No index beyond the v1 ones: listing by status or created_at and the stats scan
+# the table, which an operator's occasional command can afford, while an index
+# on (status, created_at) would be rewritten by every claim and every completion.
+
+_ARCHIVE_COLS = ", ".join(ARCHIVE_COLUMNS)
+#: The oldest expired records of one sweep batch (?1 now, ?2 limit), through the
+#: expires_at index. Evaluated twice in one write transaction, so twice the same set.
+_DOOMED = (
+    "SELECT key_hash FROM retrysafe_records WHERE expires_at <= ?1 ORDER BY expires_at LIMIT ?2"
+)
+_SWEEP_ARCHIVE = (
+    f"INSERT INTO retrysafe_archive ({_ARCHIVE_COLS}) SELECT {_COLS}, ?1 FROM retrysafe_records "
+    f"WHERE key_hash IN ({_DOOMED}) AND expires_at <= ?1 AND retention = 'financial' "
+    "ON CONFLICT DO NOTHING"
+)
+_SWEEP_DELETE = f"DELETE FROM retrysafe_records WHERE key_hash IN ({_DOOMED}) AND expires_at <= ?1"
+_ARCHIVE_INSERT = (
+    f"INSERT INTO retrysafe_archive ({_ARCHIVE_COLS}) "
+    f"VALUES ({', '.join('?' * len(ARCHIVE_COLUMNS))}) ON CONFLICT DO NOTHING"
+)
+# One scan counts the live records and finds the oldest processing one: with a
+# single min(), SQLite takes the bare key_hash from the row holding the minimum.
+_STATS_COUNTS = (
+    "SELECT operation, status, count(*), min(created_at), key_hash FROM retrysafe_records "
+    "WHERE expires_at > ? GROUP BY operation, status"
+)
+_STATS_EXPIRED = "SELECT count(*) FROM retrysafe_records WHERE expires_at <= ?"
+_STATS_ARCHIVED = "SELECT count(*) FROM retrysafe_archive"
 
 
 def _path_from_url(url: str) -> tuple[str, dict[str, str]]:
@@ -277,3 +349,108 @@ class SQLiteStore(Store[_Op]):
 
     def _delete(self, key_hash: str) -> _Op:
         return self._write(_DELETE, (key_hash,))
+
+    # -- operations work (sweeper, CLI) ----------------------------------------------
+
+    @staticmethod
+    @contextmanager
+    def _transaction(conn: sqlite3.Connection, mode: str = "IMMEDIATE") -> Iterator[None]:
+        """``BEGIN <mode>`` … ``COMMIT``, rolled back on any error."""
+        conn.execute(f"BEGIN {mode}")
+        try:
+            yield
+        except BaseException:
+            if conn.in_transaction:  # some errors (a full disk) end it already
+                conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def sweep(self, now: float, limit: int = 1000) -> SweepBatch:
+        """One batch: archive the financial ones of the ``limit`` oldest expired
+        records and delete them all, in one short write transaction.
+
+        The write lock is taken first (``BEGIN IMMEDIATE``), so no claim can
+        change a row between the two statements; a process killed in between
+        leaves a transaction that SQLite rolls back, never a deleted record that
+        was not archived.
+        """
+
+        def op(conn: sqlite3.Connection) -> SweepBatch:
+            params = (now, limit)
+            with self._transaction(conn):
+                archived = conn.execute(_SWEEP_ARCHIVE, params).rowcount
+                deleted = conn.execute(_SWEEP_DELETE, params).rowcount
+            return SweepBatch(deleted, archived, done=deleted < limit)
+
+        return self._run(op)
+
+    def records(
+        self,
+        *,
+        status: Status | str | None = None,
+        operation: str | None = None,
+        created_before: float | None = None,
+        limit: int = 100,
+    ) -> list[Record]:
+        where: list[str] = []
+        params: list[Any] = []
+        if status is not None:
+            where.append("status = ?")
+            params.append(Status(status).value)
+        if operation is not None:
+            where.append("operation = ?")
+            params.append(operation)
+        if created_before is not None:
+            where.append("created_at < ?")
+            params.append(created_before)
+        query = f"SELECT {_COLS} FROM retrysafe_records"
+        if where:
+            query += " WHERE " + " AND ".join(where)
+        query += " ORDER BY created_at, key_hash LIMIT ?"
+        params.append(limit)
+        rows = self._run(lambda conn: conn.execute(query, params).fetchall())
+        return [record_from_row(row) for row in rows]
+
+    def stats(self, now: float) -> StoreStats:
+        # One read transaction: every count comes from the same snapshot (WAL
+        # readers never block writers).
+        def op(conn: sqlite3.Connection) -> StoreStats:
+            stats = StoreStats()
+            oldest: tuple[float, str] | None = None
+            with self._transaction(conn, "DEFERRED"):
+                for operation, status, n, created_at, key_hash in conn.execute(
+                    _STATS_COUNTS, (now,)
+                ):
+                    stats.counts[(operation, status)] = n
+                    if status == "processing" and (oldest is None or created_at < oldest[0]):
+                        oldest = (created_at, key_hash)
+                stats.expired = conn.execute(_STATS_EXPIRED, (now,)).fetchone()[0]
+                if oldest is not None:
+                    row = conn.execute(_SELECT, (oldest[1],)).fetchone()
+                    stats.oldest_processing = None if row is None else record_from_row(row)
+                stats.archived = conn.execute(_STATS_ARCHIVED).fetchone()[0]
+            return stats
+
+        return self._run(op)
+
+    def archive_records(self, records: Sequence[Record], archived_at: float) -> int:
+        rows = [(*record_params(r), archived_at) for r in records]
+
+        def op(conn: sqlite3.Connection) -> int:
+            with self._transaction(conn):
+                return conn.executemany(_ARCHIVE_INSERT, rows).rowcount
+
+        return self._run(op) if rows else 0
+
+    def archived_records(
+        self, *, operation: str | None = None, limit: int = 100
+    ) -> list[ArchivedRecord]:
+        query = f"SELECT {_ARCHIVE_COLS} FROM retrysafe_archive"
+        params: list[Any] = []
+        if operation is not None:
+            query += " WHERE operation = ?"
+            params.append(operation)
+        query += " ORDER BY archived_at DESC LIMIT ?"
+        params.append(limit)
+        rows = self._run(lambda conn: conn.execute(query, params).fetchall())
+        return [archived_from_row(row) for row in rows]
