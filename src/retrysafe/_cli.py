@@ -1,45 +1,187 @@
-"""The ``retrysafe`` command line. Errors print one line and exit 2; never a traceback."""
+"""The ``retrysafe`` command line (typer + rich).
+
+Every command takes ``--store URL`` (default ``$RETRYSAFE_STORE``); the reading
+commands take ``--json`` for scripts. Errors print one line and exit 2 (1 for
+``map check`` on an invalid map, and for ``inspect`` of an absent key); never a
+traceback.
+"""
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import datetime as dt
+import json
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 import urllib.parse
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
 
 from ._errors import IdempotencyError, StoreUnavailableError
 from ._keys import key_hash
-from .stores import DEFAULT_STORE_URL, open_store, redact
+from ._record import Record, Status
+from .stores import DEFAULT_STORE_URL, Store, open_store, redact
 
-__all__ = ["main"]
+__all__ = ["app", "main"]
 
 DEMO_STORE_URL = "sqlite:///retrysafe-demo.db"
+STORE_HELP = f"Store URL (default: $RETRYSAFE_STORE or {DEFAULT_STORE_URL})."
+
+app = typer.Typer(
+    name="retrysafe",
+    help="Make retries safe: one side effect and the same answer.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+map_app = typer.Typer(help="Check or show an Idempotency Map.", no_args_is_help=True)
+archive_app = typer.Typer(help="Read the archive of financial records.", no_args_is_help=True)
+app.add_typer(map_app, name="map")
+app.add_typer(archive_app, name="archive")
+
+StoreOpt = Annotated[str | None, typer.Option("--store", metavar="URL", help=STORE_HELP)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-def _store_arg(parser: argparse.ArgumentParser, default: str = DEFAULT_STORE_URL) -> None:
-    parser.add_argument(
-        "--store",
-        default=None,
-        help=f"store URL (default: $RETRYSAFE_STORE or {default})",
-    )
+class CliError(Exception):
+    """An error already worded for the user, with its exit status."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
+def _store_url(store: str | None, default: str = DEFAULT_STORE_URL) -> str:
+    return store or os.environ.get("RETRYSAFE_STORE") or default
+
+
+def _open(store: str | None) -> Store[Any]:
+    return open_store(_store_url(store))
+
+
+def _when(t: float | None) -> str | None:
+    if t is None:
+        return None
+    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="milliseconds")
+
+
+def _age(seconds: float) -> str:
+    from ._duration import format_duration
+
+    return format_duration(max(0.0, round(seconds, 1))) if seconds >= 0.1 else "0s"
+
+
+def _duration(text: str | None, option: str) -> float | None:
+    if text is None:
+        return None
+    from ._duration import parse_duration
+
+    return parse_duration(text, field=option)
+
+
+def _record_json(r: Record) -> dict[str, Any]:
+    o = r.outcome
+    return {
+        "key": r.key,
+        "scope": r.scope,
+        "operation": r.operation,
+        "key_hash": r.key_hash,
+        "status": r.status.value,
+        "final": r.final,
+        "attempts": r.attempts,
+        "retention": r.retention,
+        "fingerprint": r.fingerprint,
+        "request_id": r.request_id,
+        "created_at": _when(r.created_at),
+        "updated_at": _when(r.updated_at),
+        "completed_at": _when(r.completed_at),
+        "lease_until": _when(r.lease_until),
+        "expires_at": _when(r.expires_at),
+        "answer": None
+        if o is None
+        else {"status": o.status, "media_type": o.media_type, "bytes": len(o.body)},
+        "metadata": r.metadata,
+    }
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=False))
+
+
+# -- demo and gateway ------------------------------------------------------------------
+
+
+@app.command()
+def demo(
+    store: StoreOpt = None,
+    listen: Annotated[
+        str | None,
+        typer.Option(
+            metavar="HOST:PORT",
+            help="The gateway's address (default 127.0.0.1:8000, or a free port if taken).",
+        ),
+    ] = None,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check",
+            help="Send a retry storm through the gateway, report, and exit 0 only if "
+            "every order ran exactly once.",
+        ),
+    ] = False,
+    orders: Annotated[int, typer.Option(help="Orders in the storm (--check).")] = 20,
+    retries: Annotated[int, typer.Option(help="Clients sending each order at once.")] = 8,
+) -> int:
+    """Start the gateway in front of a small demo API and show retries replayed."""
     from ._demo import run_demo
 
-    url = args.store or os.environ.get("RETRYSAFE_STORE") or DEMO_STORE_URL
     return run_demo(
-        url, listen=args.listen, check=args.check, orders=args.orders, retries=args.retries
-    )
+        _store_url(store, DEMO_STORE_URL), listen=listen, check=check, orders=orders,
+        retries=retries,
+    )  # fmt: skip
 
 
-def _cmd_gateway(args: argparse.Namespace) -> int:
+@app.command()
+def gateway(
+    upstream: Annotated[
+        str, typer.Option(metavar="URL", help="The API to proxy to, e.g. http://127.0.0.1:9000.")
+    ],
+    store: StoreOpt = None,
+    listen: Annotated[
+        str, typer.Option(metavar="HOST:PORT", help="Where to listen (port 0: any free port).")
+    ] = "127.0.0.1:8000",
+    require_key: Annotated[
+        bool,
+        typer.Option("--require-key", help="Answer 400 to a POST or PATCH without a key."),
+    ] = False,
+    map_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--map", metavar="FILE", help="An Idempotency Map (TOML) with per-route policy."
+        ),
+    ] = None,
+    workers: Annotated[int, typer.Option(help="Worker processes.")] = 1,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds to wait for the upstream to connect or send.")
+    ] = 60.0,
+) -> int:
+    """A reverse proxy that makes an HTTP API's retries safe."""
     import uvicorn
 
-    from . import gateway
+    from . import gateway as gw
     from ._serve import (
         SERVER_OPTIONS,
         bind,
@@ -49,15 +191,20 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         url_of,
     )
 
-    if args.workers < 1:
-        raise ValueError(f"--workers must be at least 1, not {args.workers}")
-    host, port = parse_listen(args.listen)
-    store_url = args.store or os.environ.get("RETRYSAFE_STORE") or DEFAULT_STORE_URL
-    app = gateway.create_app(
-        args.upstream, store=store_url, require_key=args.require_key, timeout=args.timeout
+    if workers < 1:
+        raise ValueError(f"--workers must be at least 1, not {workers}")
+    host, port = parse_listen(listen)
+    store_url = _store_url(store)
+    imap = None
+    if map_file is not None:
+        from ._map import IdempotencyMap
+
+        imap = IdempotencyMap.load(map_file)
+    application = gw.create_app(
+        upstream, store=store_url, require_key=require_key, timeout=timeout, map=imap
     )
     try:
-        gateway.probe_store(app.store)
+        gw.probe_store(application.store)
     except StoreUnavailableError as exc:
         if urllib.parse.urlsplit(store_url).scheme in ("sqlite", "memory"):
             raise  # an embedded store that cannot be opened is a configuration error
@@ -68,32 +215,35 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     sock = bind(host, port)
     url = url_of(sock)
     print(f"retrysafe gateway: listening on {url}", flush=True)
-    print(f"  upstream  {app.upstream}", flush=True)
+    print(f"  upstream  {application.upstream}", flush=True)
     print(f"  store     {redact(store_url)}", flush=True)
-    print(f"  health    {url}{gateway.HEALTH_PATH}", flush=True)
+    if map_file is not None:
+        print(f"  map       {map_file}", flush=True)
+    print(f"  health    {url}{gw.HEALTH_PATH}", flush=True)
     try:
-        if args.workers == 1:
+        if workers == 1:
             with sigterm_as_interrupt():  # uvicorn stops gracefully, then re-raises it
-                uvicorn.Server(server_config(app, lifespan="on")).run(sockets=[sock])
+                uvicorn.Server(server_config(application, lifespan="on")).run(sockets=[sock])
         else:
             # Workers import the app: a factory configured by the environment.
             port = sock.getsockname()[1]
             sock.close()
-            app.store.close()
-            os.environ.update(
-                {
-                    gateway.ENV_UPSTREAM: args.upstream,
-                    "RETRYSAFE_STORE": store_url,
-                    gateway.ENV_REQUIRE_KEY: "1" if args.require_key else "0",
-                    gateway.ENV_TIMEOUT: repr(args.timeout),
-                }
-            )
+            application.store.close()
+            env = {
+                gw.ENV_UPSTREAM: upstream,
+                "RETRYSAFE_STORE": store_url,
+                gw.ENV_REQUIRE_KEY: "1" if require_key else "0",
+                gw.ENV_TIMEOUT: repr(timeout),
+            }
+            if map_file is not None:
+                env[gw.ENV_MAP] = str(Path(map_file).resolve())
+            os.environ.update(env)
             uvicorn.run(
                 "retrysafe.gateway:app_from_env",
                 factory=True,
                 host=host,
                 port=port,
-                workers=args.workers,
+                workers=workers,
                 lifespan="on",
                 **SERVER_OPTIONS,
             )
@@ -105,124 +255,376 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_migrate(args: argparse.Namespace) -> int:
-    store = open_store(args.store)
-    migrate = getattr(store, "migrate", None)
-    if migrate is None:
-        print(f"{redact(store.url)}: nothing to migrate (this store has no schema)")
+# -- the store -------------------------------------------------------------------------
+
+
+@app.command()
+def migrate(store: StoreOpt = None) -> int:
+    """Create or upgrade the store's SQL schema."""
+    s = _open(store)
+    upgrade = getattr(s, "migrate", None)
+    if upgrade is None:
+        print(f"{redact(s.url)}: nothing to migrate (this store has no schema)")
         return 0
-    version = migrate()
-    store.close()
-    print(f"{redact(store.url)}: schema at version {version}")
+    version = upgrade()
+    s.close()
+    print(f"{redact(s.url)}: schema at version {version}")
     return 0
 
 
-def _when(t: float | None) -> str:
-    if t is None:
-        return "-"
-    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="milliseconds")
-
-
-def _cmd_inspect(args: argparse.Namespace) -> int:
-    store = open_store(args.store)
-    record = store.get(key_hash(args.scope, args.operation, args.key))
-    store.close()
+@app.command()
+def inspect(
+    key: Annotated[str, typer.Argument(help="The client's idempotency key.")],
+    store: StoreOpt = None,
+    operation: Annotated[str, typer.Option(help="The record's operation.")] = "",
+    scope: Annotated[str, typer.Option(help="The record's scope (principal).")] = "",
+    as_json: JsonOpt = False,
+) -> int:
+    """Show the record of one key (scope and operation are part of the key)."""
+    s = _open(store)
+    try:
+        record = s.get(key_hash(scope, operation, key))
+    finally:
+        s.close()
     if record is None:
-        print("no record for this key (scope and operation are part of it)")
-        return 1
-    out = record.outcome
-    rows = [
-        ("key", record.key), ("scope", record.scope), ("operation", record.operation),
-        ("key hash", record.key_hash), ("status", record.status.value),
-        ("final", str(record.final)), ("attempts", str(record.attempts)),
-        ("fingerprint", record.fingerprint), ("request id", record.request_id or "-"),
-        ("created", _when(record.created_at)), ("updated", _when(record.updated_at)),
-        ("completed", _when(record.completed_at)), ("lease until", _when(record.lease_until)),
-        ("expires", _when(record.expires_at)),
-        ("answer", "-" if out is None else f"{out.status or ''} {out.media_type}, "
-                                           f"{len(out.body)} bytes"),
-    ]  # fmt: skip
-    for name, value in rows:
-        print(f"{name:<12} {value}")
+        raise CliError(
+            f"no record for key {key!r} with operation {operation!r} and scope {scope!r}", 1
+        )
+    if as_json:
+        _print_json(_record_json(record))
+        return 0
+    table = Table(show_header=False, box=None, pad_edge=False)
+    for name, value in _record_json(record).items():
+        if name == "answer" and value is not None:
+            value = f"{value['status'] or ''} {value['media_type']}, {value['bytes']} bytes".strip()
+        table.add_row(name.replace("_", " "), "-" if value in (None, {}) else str(value))
+    out.print(table)
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="retrysafe", description="Make retries safe.")
-    sub = parser.add_subparsers(dest="command", required=True)
+@app.command("list")
+def list_(
+    store: StoreOpt = None,
+    status: Annotated[
+        Status | None, typer.Option(help="Only records in this state.", case_sensitive=False)
+    ] = None,
+    older_than: Annotated[
+        str | None,
+        typer.Option(metavar="DURATION", help="Only records created longer ago, e.g. 5m."),
+    ] = None,
+    operation: Annotated[str | None, typer.Option(help="Only this operation.")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="At most this many records.")] = 50,
+    as_json: JsonOpt = False,
+) -> int:
+    """List records, oldest first."""
+    age = _duration(older_than, "--older-than")
+    now = time.time()
+    s = _open(store)
+    try:
+        records = s.records(
+            status=status,
+            operation=operation,
+            created_before=None if age is None else now - age,
+            limit=limit,
+        )
+    finally:
+        s.close()
+    if as_json:
+        _print_json([_record_json(r) for r in records])
+        return 0
+    if not records:
+        out.print("no records")
+        return 0
+    table = Table("key", "operation", "scope", "status", "age", "attempts", "expires in")
+    for r in records:
+        status_text = r.status.value + (" (final)" if r.final else "")
+        if r.expires_at <= now:
+            status_text += " (expired)"
+        table.add_row(
+            r.key, r.operation, (r.scope[:12] + "…") if len(r.scope) > 13 else r.scope,
+            status_text, _age(now - r.created_at), str(r.attempts),
+            "-" if r.expires_at <= now else _age(r.expires_at - now),
+        )  # fmt: skip
+    out.print(table)
+    return 0
 
-    demo = sub.add_parser(
-        "demo", help="start the gateway in front of a small demo API and show retries replayed"
-    )
-    _store_arg(demo, DEMO_STORE_URL)
-    demo.add_argument(
-        "--listen",
-        default=None,
-        metavar="HOST:PORT",
-        help="the gateway's address (default 127.0.0.1:8000, or a free port if that one is taken)",
-    )
-    demo.add_argument(
-        "--check",
-        action="store_true",
-        help="send a retry storm through the gateway, report, and exit 0 only "
-        "if every order ran exactly once",
-    )
-    demo.add_argument("--orders", type=int, default=20, help="orders in the storm (--check)")
-    demo.add_argument(
-        "--retries", type=int, default=8, help="clients sending each order at once (--check)"
-    )
-    demo.set_defaults(func=_cmd_demo)
 
-    gw = sub.add_parser("gateway", help="a reverse proxy that makes an HTTP API's retries safe")
-    gw.add_argument(
-        "--upstream",
-        required=True,
-        metavar="URL",
-        help="the API to proxy to, e.g. http://127.0.0.1:9000",
-    )
-    _store_arg(gw)
-    gw.add_argument(
-        "--listen",
-        default="127.0.0.1:8000",
-        metavar="HOST:PORT",
-        help="where to listen (default 127.0.0.1:8000; port 0: any free port)",
-    )
-    gw.add_argument(
-        "--require-key",
-        action="store_true",
-        help="answer 400 to a POST or PATCH without an Idempotency-Key",
-    )
-    gw.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
-    gw.add_argument(
-        "--timeout",
-        type=float,
-        default=60.0,
-        help="seconds to wait for the upstream to connect or send (default 60)",
-    )
-    gw.set_defaults(func=_cmd_gateway)
+@app.command()
+def stats(store: StoreOpt = None, as_json: JsonOpt = False) -> int:
+    """Counts by status and operation, and the oldest processing record."""
+    now = time.time()
+    s = _open(store)
+    try:
+        st = s.stats(now)
+    finally:
+        s.close()
+    oldest = st.oldest_processing
+    data = {
+        "by_status": st.by_status(),
+        "by_operation": dict(sorted(st.by_operation().items())),
+        "live": sum(st.counts.values()),
+        "expired_awaiting_sweep": st.expired,
+        "archived": st.archived,
+        "oldest_processing": None
+        if oldest is None
+        else {
+            "key": oldest.key,
+            "operation": oldest.operation,
+            "age_seconds": round(now - oldest.created_at, 3),
+            "lease_expired": oldest.lease_until <= now,
+        },
+    }
+    if as_json:
+        _print_json(data)
+        return 0
+    table = Table("operation", *(x.value for x in Status), "total")
+    per_op: dict[str, dict[str, int]] = {}
+    for (op, state), n in st.counts.items():
+        per_op.setdefault(op, {})[state] = n
+    for op in sorted(per_op):
+        row = per_op[op]
+        table.add_row(op or "(none)", *(str(row.get(x.value, 0)) for x in Status),
+                      str(sum(row.values())))  # fmt: skip
+    totals = data["by_status"]
+    table.add_row("all", *(str(totals.get(x.value, 0)) for x in Status), str(data["live"]),
+                  style="bold")  # fmt: skip
+    out.print(table)
+    out.print(f"expired, awaiting the sweeper: {st.expired}")
+    if st.archived is not None:
+        out.print(f"archived financial records: {st.archived}")
+    if oldest is None:
+        out.print("oldest processing record: none")
+    else:
+        late = " (lease expired: a crashed attempt)" if oldest.lease_until <= now else ""
+        out.print(
+            f"oldest processing record: {oldest.key!r} ({oldest.operation}), "
+            f"{_age(now - oldest.created_at)} old{late}"
+        )
+    return 0
 
-    migrate = sub.add_parser("migrate", help="create or upgrade the store's schema")
-    _store_arg(migrate)
-    migrate.set_defaults(func=_cmd_migrate)
 
-    inspect = sub.add_parser("inspect", help="show the record of one key")
-    _store_arg(inspect)
-    inspect.add_argument("key")
-    inspect.add_argument("--operation", default="")
-    inspect.add_argument("--scope", default="")
-    inspect.set_defaults(func=_cmd_inspect)
-    return parser
+# -- sweeping ----------------------------------------------------------------------------
+
+
+class _Progress:
+    """Progress of a long sweep: a live line on a terminal, a log line every 2 s otherwise."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.tty = err.is_terminal
+        self.last = time.monotonic()
+        self.status: Any = None
+
+    def __call__(self, report: Any) -> None:
+        if self.quiet:
+            return
+        text = (
+            f"swept {report.deleted} records ({report.archived} archived), "
+            f"{report.rate:,.0f}/s, {report.batches} batches"
+        )
+        if self.tty:
+            if self.status is None:
+                self.status = err.status(text)
+                self.status.start()
+            else:
+                self.status.update(text)
+        elif time.monotonic() - self.last >= 2.0:
+            self.last = time.monotonic()
+            print(f"retrysafe sweep: {text}", file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+
+
+def _report_json(report: Any) -> dict[str, Any]:
+    data = dataclasses.asdict(report)
+    data["seconds"] = round(data["seconds"], 3)
+    data["rate"] = round(report.rate, 1)
+    return data
+
+
+@app.command()
+def sweep(
+    store: StoreOpt = None,
+    every: Annotated[
+        str | None,
+        typer.Option(metavar="DURATION", help="Sweep now and then on this schedule, e.g. 1h."),
+    ] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="Records deleted per batch.")] = 1000,
+    pause: Annotated[float, typer.Option(min=0.0, help="Seconds to rest between batches.")] = 0.0,
+    as_json: JsonOpt = False,
+) -> int:
+    """Delete expired records in bounded batches, archiving financial ones first."""
+    from ._sweep import Sweeper
+
+    interval = _duration(every, "--every")
+    s = _open(store)
+    sweeper = Sweeper(s, batch_size=batch_size, pause=pause)
+    progress = _Progress(quiet=as_json)
+
+    def done(report: Any) -> None:
+        progress.stop()
+        if as_json:
+            print(json.dumps(_report_json(report)), flush=True)
+        else:
+            print(
+                f"retrysafe sweep: deleted {report.deleted} expired records "
+                f"({report.archived} archived) in {report.seconds:.2f}s, "
+                f"{report.batches} batches",
+                flush=True,
+            )
+
+    try:
+        if interval is None:
+            done(sweeper.run(progress=progress))
+            return 0
+        stop = threading.Event()
+        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+        def failed(exc: Exception) -> None:
+            progress.stop()
+            print(f"retrysafe sweep: error: {exc} (next try in {every})", file=sys.stderr)
+
+        try:
+            print(f"retrysafe sweep: every {every}, Ctrl-C to stop", flush=True)
+            sweeper.run_every(interval, stop=stop, on_sweep=done, on_error=failed,
+                              progress=progress)  # fmt: skip
+        except KeyboardInterrupt:
+            pass
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        print("retrysafe sweep: stopped", flush=True)
+        return 0
+    finally:
+        progress.stop()
+        s.close()
+
+
+@archive_app.command("list")
+def archive_list(
+    store: StoreOpt = None,
+    operation: Annotated[str | None, typer.Option(help="Only this operation.")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="At most this many records.")] = 50,
+    as_json: JsonOpt = False,
+) -> int:
+    """List archived financial records, most recently archived first."""
+    s = _open(store)
+    try:
+        archived = s.archived_records(operation=operation, limit=limit)
+    finally:
+        s.close()
+    if as_json:
+        _print_json(
+            [dict(_record_json(a.record), archived_at=_when(a.archived_at)) for a in archived]
+        )
+        return 0
+    if not archived:
+        out.print("the archive is empty")
+        return 0
+    table = Table("archived", "key", "operation", "status", "created", "answer")
+    for a in archived:
+        r, o = a.record, a.record.outcome
+        table.add_row(
+            _when(a.archived_at) or "", r.key, r.operation, r.status.value,
+            _when(r.created_at) or "", "-" if o is None else f"{o.status or ''} {len(o.body)} B",
+        )  # fmt: skip
+    out.print(table)
+    return 0
+
+
+# -- the map -------------------------------------------------------------------------------
+
+
+@map_app.command("check")
+def map_check(
+    file: Annotated[Path, typer.Argument(metavar="FILE", help="The map to check (TOML).")],
+    as_json: JsonOpt = False,
+) -> int:
+    """Validate an Idempotency Map; exit 1 naming the file, line and field if it is wrong."""
+    from ._map import IdempotencyMap, MapError
+
+    try:
+        imap = IdempotencyMap.load(file)
+    except MapError as exc:
+        if as_json:
+            _print_json({"ok": False, "error": str(exc), "source": str(exc.source),
+                         "line": exc.line, "field": exc.field})  # fmt: skip
+            return 1
+        raise CliError(str(exc), 1) from exc
+    if as_json:
+        _print_json({"ok": True, "operations": len(imap.operations), "routes": len(imap.routes)})
+    else:
+        print(f"{file}: ok, {len(imap.operations)} operations, {len(imap.routes)} routes")
+    return 0
+
+
+@map_app.command("show")
+def map_show(
+    file: Annotated[
+        Path | None,
+        typer.Argument(metavar="[FILE]", help="The map to show (default: the built-in map)."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> int:
+    """Print a map (the built-in default one without FILE) as TOML or JSON."""
+    from ._map import IdempotencyMap
+
+    imap = IdempotencyMap.default() if file is None else IdempotencyMap.load(file)
+    if as_json:
+        _print_json(imap.to_dict())
+    else:
+        sys.stdout.write(imap.to_toml())
+    return 0
+
+
+# -- the entry point -------------------------------------------------------------------------
+
+
+def _command_name(argv: Sequence[str]) -> str:
+    words = [a for a in argv if not a.startswith("-")][:2]
+    if words[:1] in (["map"], ["archive"]):
+        return " ".join(words)
+    return words[0] if words else ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the CLI; return the exit status (0 ok, 1 not found / invalid map, 2 error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name = _command_name(argv)
+    prefix = f"retrysafe {name}".strip()
     # Errors are reported once, below; connection pools must not add their own.
     logging.basicConfig(level=logging.WARNING, format="retrysafe: %(message)s")
     logging.getLogger("psycopg").setLevel(logging.CRITICAL)
+    command = typer.main.get_command(app)
     try:
-        return int(args.func(args))
-    except (IdempotencyError, ValueError, TypeError, ImportError, OSError) as exc:
-        print(f"retrysafe {args.command}: error: {exc}", file=sys.stderr)
+        result = command.main(args=argv, prog_name="retrysafe", standalone_mode=False)
+    except CliError as exc:
+        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        return exc.status
+    except (
+        IdempotencyError, ValueError, TypeError, ImportError, OSError, NotImplementedError,
+        KeyError,
+    ) as exc:  # fmt: skip
+        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"{prefix}: error: {text}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # the click layer's own: --help, usage errors, Abort
+        code = getattr(exc, "exit_code", None)
+        if type(exc).__name__ == "Exit":
+            return int(code or 0)
+        if type(exc).__name__ == "Abort":
+            return 130
+        format_message = getattr(exc, "format_message", None)
+        if format_message is None:
+            raise
+        if type(exc).__name__ == "NoArgsIsHelpError":  # a group without its command
+            print(format_message())
+            return 2
+        message = " ".join(str(format_message()).split())
+        print(f"{prefix}: error: {message} (see --help)", file=sys.stderr)
+        return 2
+    return int(result or 0)

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from ._errors import (
     StoreUnavailableError,
 )
 from ._keys import _KEY_RE, canonical_json, validate_key
+from ._map import IdempotencyMap, Route
 from ._record import Outcome
 from .stores import Store
 
@@ -360,6 +362,9 @@ class HttpPolicy:
         max_request_body: int = DEFAULT_MAX_REQUEST_BODY,
         store_headers: Collection[str] | None = None,
         drop_headers: Collection[str] = (),
+        retention: str | None = None,
+        map: IdempotencyMap | str | os.PathLike[str] | None = None,
+        key_format: Callable[[str], object] | None = None,
     ) -> None:
         if isinstance(store, Engine):
             self.engine = store
@@ -369,6 +374,8 @@ class HttpPolicy:
                 kwargs["ttl"] = ttl
             if lease is not None:
                 kwargs["lease"] = lease
+            if retention is not None:
+                kwargs["retention"] = retention
             self.engine = Engine(store, **kwargs)
         self.methods = frozenset(m.upper() for m in methods)
         if not callable(require_key) and not isinstance(require_key, bool):
@@ -379,6 +386,7 @@ class HttpPolicy:
             raise ValueError("header must name at least one header")
         self.header = names[0]
         self.header_names = frozenset(n.lower() for n in names)
+        self.raw_header_names = frozenset(n.encode("latin-1") for n in self.header_names)
         # What WSGI servers call them: HTTP_IDEMPOTENCY_KEY.
         self.environ_names = tuple("HTTP_" + n.upper().replace("-", "_") for n in names)
         if scope is not None and not callable(scope):
@@ -405,12 +413,41 @@ class HttpPolicy:
         # The engine options every request shares, validated once.
         self._plan = _Plan(self.engine, "-", operation=operation, ttl=ttl, lease=lease, wait=wait)
         self.drop_headers = frozenset(h.lower() for h in drop_headers) | HOP_BY_HOP
+        if key_format is not None and not callable(key_format):
+            raise TypeError("key_format must be a callable that raises InvalidKeyError")
+        self.key_format = key_format
+        # The Idempotency Map's routes: a policy per route, sharing the store.
+        self.map: IdempotencyMap | None = None
+        self._routes: dict[Route, HttpPolicy] = {}
+        if map is not None:
+            common = {
+                "scope": scope, "fail_mode": fail_mode, "max_body": max_body,
+                "max_request_body": max_request_body, "store_headers": store_headers,
+                "drop_headers": drop_headers,
+            }  # fmt: skip
+            self.map = _load_map(map)
+            for route in self.map.routes:
+                self._routes[route] = _route_policy(self.engine.store, self.map, route, common)
+
+    def select(self, method: str, path: str) -> HttpPolicy | None:
+        """The policy of a request: its map route's, else this one for a protected
+        method, else None (the request passes through untouched)."""
+        if self.map is not None:
+            found = self.map.route(method, path)
+            if found is not None:
+                return self._routes[found[0]]
+        return self if method in self.methods else None
 
     # -- the request -------------------------------------------------------------
 
     def key(self, values: list[str]) -> str | None:
         """The request's key from the key header lines (:class:`InvalidKeyError` if bad)."""
-        return parse_key(values) if values else None
+        if not values:
+            return None
+        key = parse_key(values)
+        if self.key_format is not None:
+            self.key_format(key)
+        return key
 
     def missing(self, request: Callable[[], HttpRequest]) -> Response | None:
         """The answer to a request without a key: 400 if one is required, else None."""
@@ -605,3 +642,34 @@ class Capture:
 
     def body(self) -> bytes:
         return b"".join(self.chunks) if self.size <= self.limit else b""
+
+
+def _load_map(value: IdempotencyMap | str | os.PathLike[str]) -> IdempotencyMap:
+    if isinstance(value, IdempotencyMap):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        return IdempotencyMap.load(value)
+    raise TypeError(f"map must be an IdempotencyMap or the path of a TOML file, not {value!r}")
+
+
+def _route_policy(
+    store: Store[Any], imap: IdempotencyMap, route: Route, common: dict[str, Any]
+) -> HttpPolicy:
+    """The policy of one map route: the operation's record options, the route's HTTP ones."""
+    op = imap.operation(route.operation)
+    header = route.header
+    headers = DEFAULT_HEADERS if header.lower() == DEFAULT_HEADERS[0].lower() else (header,)
+    methods = _ALL_METHODS if route.method == "*" else (route.method,)
+    engine = Engine(
+        store, ttl=op.ttl, lease=op.lease, final_failures=op.final_failures,
+        retention=op.retention, max_body=max(int(common["max_body"]), DEFAULT_MAX_BODY),
+    )  # fmt: skip
+    return HttpPolicy(
+        engine, methods=methods, require_key=route.require_key, header=headers,
+        operation=op.name, wait=route.wait, duplicate_response=route.duplicate_response,
+        final_failures=op.final_failures, key_format=op.parse if route.validate_key else None,
+        **common,
+    )  # fmt: skip
+
+
+_ALL_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")

@@ -41,8 +41,9 @@ log = logging.getLogger("retrysafe.http")
 
 #: The app's status code and headers, read when the answer is recorded.
 Answer = Callable[[], tuple[int, list[tuple[str, str]]]]
-#: What :func:`prepare` gives: (the attempt to enter,), an answer instead, or None.
-Prepared = tuple[Attempt] | Response | None
+#: What :func:`prepare` gives: (the request's policy, the attempt to enter), an
+#: answer instead, or None.
+Prepared = tuple[HttpPolicy, Attempt] | Response | None
 
 
 def prepare(
@@ -73,7 +74,7 @@ def prepare(
         )  # fmt: skip
     except IdempotencyError as exc:
         return policy.refusal(exc)
-    return (attempt,)
+    return (policy, attempt)
 
 
 def enter(policy: HttpPolicy, stack: ExitStack, attempt: Attempt) -> Attempt | Response | None:

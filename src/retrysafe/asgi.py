@@ -70,21 +70,30 @@ class IdempotencyMiddleware:
     - ``store_headers``: only these response headers are stored (default: all
       but ``Set-Cookie``, ``Authorization`` and hop-by-hop headers; naming a
       sensitive header here allows it). ``drop_headers``: never stored.
+    - ``retention``: ``"standard"`` (default) or ``"financial"`` (archived
+      before the sweeper deletes it).
+    - ``map``: an :class:`~retrysafe.IdempotencyMap` or the path of its TOML
+      file. A request that matches one of its routes gets that route's policy
+      (the operation's name, ttl, lease, final failures and retention; the
+      route's require_key, header, duplicate answer, wait and key format);
+      other requests get the options above.
     """
 
     def __init__(self, app: ASGIApp, store: Any = None, **options: Any) -> None:
         self.app = app
         self.policy = HttpPolicy(store, **options)
-        self._names = frozenset(n.encode("latin-1") for n in self.policy.header_names)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        policy = self.policy
-        if scope["type"] != "http" or scope["method"] not in policy.methods:
+        if scope["type"] != "http":
             if scope["type"] == "lifespan":
                 send = self._closing(send)
             await self.app(scope, receive, send)
             return
-        names = self._names
+        policy = self.policy.select(scope["method"], scope["path"])
+        if policy is None:
+            await self.app(scope, receive, send)
+            return
+        names = policy.raw_header_names
         values: list[str] = []
         ctype = auth = rid = clen = None
         for name, value in scope["headers"]:

@@ -48,7 +48,7 @@ GetResponse = Callable[[DjangoRequest], Any]  # a response, or an awaitable of o
 #: The option names ``settings.RETRYSAFE`` may hold.
 OPTIONS = tuple(inspect.signature(HttpPolicy).parameters)
 #: Options that may also be given as the dotted path of a callable.
-_CALLABLES = ("scope", "require_key")
+_CALLABLES = ("scope", "require_key", "key_format")
 
 
 class IdempotencyMiddleware:
@@ -74,14 +74,15 @@ class IdempotencyMiddleware:
         step = self._prepare(request)
         if not isinstance(step, tuple):
             return self.get_response(request) if step is None else _answer(step)
+        policy, attempt = step
         with ExitStack() as stack:
-            att = enter(self.policy, stack, *step)
+            att = enter(policy, stack, attempt)
             if att is None:  # the store is down and fail_mode="open"
                 return self.get_response(request)
             if isinstance(att, Response):
                 return _answer(att)
             response = self.get_response(request)
-            flow = Flow(self.policy, att, stack.pop_all(), _answer_of(response))
+            flow = Flow(policy, att, stack.pop_all(), _answer_of(response))
         if response.streaming:
             _stream(response, flow)
         else:
@@ -93,14 +94,15 @@ class IdempotencyMiddleware:
         step = self._prepare(request)
         if not isinstance(step, tuple):
             return await self.get_response(request) if step is None else _answer(step)
+        policy, attempt = step
         async with AsyncExitStack() as stack:
-            att = await aenter(self.policy, stack, *step)
+            att = await aenter(policy, stack, attempt)
             if att is None:
                 return await self.get_response(request)
             if isinstance(att, Response):
                 return _answer(att)
             response = await self.get_response(request)
-            flow = Flow(self.policy, att, stack.pop_all(), _answer_of(response))
+            flow = Flow(policy, att, stack.pop_all(), _answer_of(response))
         if not response.streaming:
             flow.push(response.content)
             await flow.afinish()
@@ -117,7 +119,8 @@ class IdempotencyMiddleware:
     def _prepare(self, request: DjangoRequest) -> Prepared:
         """The key and engine options of a keyed request, an answer instead, or None."""
         method = request.method or ""
-        if method not in self.policy.methods:
+        policy = self.policy.select(method, request.path)
+        if policy is None:
             return None
 
         def http_request() -> HttpRequest:
@@ -127,7 +130,7 @@ class IdempotencyMiddleware:
             )  # fmt: skip
 
         return prepare(
-            self.policy, request.META, method, request.path, lambda: _body(request), http_request
+            policy, request.META, method, request.path, lambda: _body(request), http_request
         )
 
 

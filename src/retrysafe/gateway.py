@@ -57,6 +57,7 @@ HEALTH_PATH = "/_retrysafe/health"
 ENV_UPSTREAM = "RETRYSAFE_GATEWAY_UPSTREAM"
 ENV_REQUIRE_KEY = "RETRYSAFE_GATEWAY_REQUIRE_KEY"
 ENV_TIMEOUT = "RETRYSAFE_GATEWAY_TIMEOUT"
+ENV_MAP = "RETRYSAFE_GATEWAY_MAP"
 
 # A key hash that no record has: reading it is the store's cheapest round trip.
 _PROBE_KEY = "0" * 64
@@ -401,7 +402,8 @@ def app_from_env() -> ASGIApp:
     """The gateway configured by the environment: a factory for ``uvicorn --factory``.
 
     ``RETRYSAFE_GATEWAY_UPSTREAM`` (required), ``RETRYSAFE_STORE``,
-    ``RETRYSAFE_GATEWAY_REQUIRE_KEY`` (``1``/``0``) and ``RETRYSAFE_GATEWAY_TIMEOUT``.
+    ``RETRYSAFE_GATEWAY_REQUIRE_KEY`` (``1``/``0``), ``RETRYSAFE_GATEWAY_TIMEOUT``
+    and ``RETRYSAFE_GATEWAY_MAP`` (the path of an Idempotency Map).
     """
     upstream = os.environ.get(ENV_UPSTREAM, "")
     if not upstream:
@@ -414,4 +416,5 @@ def app_from_env() -> ASGIApp:
         seconds = float(timeout) if timeout else DEFAULT_TIMEOUT
     except ValueError:
         raise ValueError(f"{ENV_TIMEOUT} must be a number of seconds, not {timeout!r}") from None
-    return create_app(upstream, require_key=_BOOLS[require], timeout=seconds)
+    imap = os.environ.get(ENV_MAP) or None
+    return create_app(upstream, require_key=_BOOLS[require], timeout=seconds, map=imap)

@@ -64,23 +64,22 @@ class IdempotencyMiddleware:
         self.policy = HttpPolicy(store, **options)
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
-        policy = self.policy
         method = environ.get("REQUEST_METHOD", "")
-        if method not in policy.methods:
+        path = _path(environ)
+        policy = self.policy.select(method, path)
+        if policy is None:
             return self.app(environ, start_response)
 
         def request() -> HttpRequest:
             return _request(environ)
 
-        step = prepare(
-            policy, environ, method, _path(environ), lambda: _read_body(environ, policy), request
-        )
+        step = prepare(policy, environ, method, path, lambda: _read_body(environ, policy), request)
         if step is None:
             return self.app(environ, start_response)
         if isinstance(step, Response):
             return _answer(start_response, step)
         with ExitStack() as stack:
-            att = enter(policy, stack, *step)
+            att = enter(policy, stack, step[1])
             if att is None:  # the store is down and fail_mode="open"
                 return self.app(environ, start_response)
             if isinstance(att, Response):
