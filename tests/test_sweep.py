@@ -157,13 +157,12 @@ def test_records_and_stats(sstore: Store[Any], clock: Clock) -> None:
 _CHILD = textwrap.dedent(
     """
     import json, sys
-    from retrysafe import open_store
-    from retrysafe import Sweeper
+    from retrysafe import open_store, Sweeper
     url, options, now = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
     store = open_store(url, **options)
     def progress(report):
         print(report.deleted, flush=True)
-    Sweeper(store, batch_size=10, clock=lambda: now).run(progress=progress)
+    Sweeper(store, batch_size=5, pause=0.002, clock=lambda: now).run(progress=progress)
     print("done", flush=True)
     """
 )
@@ -177,24 +176,24 @@ def test_killed_sweeps_lose_and_duplicate_nothing(
     now = clock.now + 2 * HOUR
     rng = random.Random(int(os.environ.get("PYTEST_SEED", "0")) or None)
     kills = 0
-    for _ in range(60):
+    for _ in range(200):
         child = subprocess.Popen(
             [sys.executable, "-c", _CHILD, spec.url, json.dumps(spec.options), repr(now)],
             stdout=subprocess.PIPE,
             text=True,
         )
         assert child.stdout is not None
-        first = child.stdout.readline()
-        if first.strip() == "done" or not first:
-            child.wait(30)
-            break
-        time.sleep(rng.uniform(0, 0.03))  # a random moment: between or inside batches
+        first = child.stdout.readline()  # a batch is done: the sweep is under way
+        time.sleep(rng.uniform(0, 0.008))  # a random moment: between or inside batches
         child.send_signal(signal.SIGKILL)
+        rest = child.stdout.read()
         child.wait(30)
+        if "done" in (first + rest).split():
+            break
         kills += 1
     else:
         pytest.fail("the sweep never finished")
-    assert kills >= 2, "the kills must interrupt sweeps in progress"
+    assert kills >= 5, "the kills must interrupt sweeps in progress"
 
     for kh in made["standard"] + made["financial"]:
         assert sstore.get(kh) is None

@@ -57,8 +57,13 @@ def open_store(url: str | None = None, **options: Any) -> Store[Any]:
 
 _PASSWORD_IN_URL = re.compile(r"(://[^:/@?#]*:)[^@/?#]*@")
 _PASSWORD_PARAM = re.compile(r"(?i)([?&]password=)[^&#]*")
+# The same inside a URL-encoded URL (a Redis store's ?archive=postgresql%3A%2F%2Fu%3Apw%40h).
+_PASSWORD_IN_QUOTED_URL = re.compile(
+    r"(?i)(%3A%2F%2F(?:(?!%3A|%40)[^/?#&])*%3A)(?:(?!%40)[^/?#&])*%40"
+)
 
 
 def redact(url: str) -> str:
     """``url`` with any password replaced by ``***`` (for messages and logs)."""
+    url = _PASSWORD_IN_QUOTED_URL.sub(r"\1***%40", url)
     return _PASSWORD_PARAM.sub(r"\1***", _PASSWORD_IN_URL.sub(r"\1***@", url))
