@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
@@ -181,6 +182,12 @@ def test_errors_are_one_line(tmp_path: Path, url: str) -> None:
         ("sweep", "--store", url, "--batch-size", "0"),
         ("sweep", "--store", f"sqlite:///{tmp_path}/nodir/x.db"),
         ("archive", "list", "--store", "postgresql://u:s3cret@127.0.0.1:1/db"),
+        (
+            "stats",
+            "--store",
+            "redis://127.0.0.1:1/0?archive="
+            + quote("postgresql://u:s3cret@127.0.0.1:1/db", safe=""),
+        ),
         ("map", "check", str(tmp_path / "missing.toml")),
         ("map", "show", str(tmp_path / "missing.toml")),
         ("gateway", "--upstream", "http://127.0.0.1:1", "--map", str(tmp_path / "none.toml")),
