@@ -178,6 +178,44 @@ def test_sqlite_sweep_waits_for_a_writer_and_then_sees_its_claim(
     store.close()
 
 
+def test_sqlite_sweep_moves_a_batch_in_short_paced_transactions(
+    tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch is several transactions of a few rows, each followed by a gap."""
+    store = SQLiteStore(f"sqlite:///{tmp_path}/paced.db?synchronous=normal")
+    money = Engine(store, ttl=HOUR, retention="financial", clock=clock)
+    for i in range(300):
+        claim = money.begin(f"k{i}", operation="payment")
+        assert isinstance(claim, Claim)
+    transactions: list[int] = []
+    sleeps: list[float] = []
+    some = SQLiteStore._sweep_some
+
+    def spy(now: float, rows: int, conn: sqlite3.Connection) -> tuple[int, int, float, float]:
+        transactions.append(rows)
+        return some(now, rows, conn)
+
+    monkeypatch.setattr(store, "_sweep_some", spy)
+    monkeypatch.setattr(sqlite.time, "sleep", sleeps.append)
+    store._sweep_rows = 16
+    batch = store.sweep(clock.now + 2 * HOUR, 250)
+    assert (batch.deleted, batch.archived, batch.done) == (250, 250, False)
+    assert len(transactions) > 1 and transactions[0] == 16 and sum(transactions) == 250
+    assert len(sleeps) == len(transactions) and min(sleeps) >= store.sweep_gap
+    last = store.sweep(clock.now + 2 * HOUR, 250)
+    assert (last.deleted, last.archived, last.done) == (50, 50, True)
+    assert len(store.archived_records(limit=1000)) == 300
+    store.close()
+
+    unpaced = SQLiteStore(f"sqlite:///{tmp_path}/paced.db?sweep_gap=0")
+    assert unpaced.sweep_gap == 0
+    sleeps.clear()
+    assert unpaced.sweep(clock.now + 2 * HOUR, 10).deleted == 0 and sleeps == []
+    unpaced.close()
+    with pytest.raises(ValueError, match="sweep_gap"):
+        SQLiteStore(f"sqlite:///{tmp_path}/paced.db?sweep_gap=-1")
+
+
 # -- PostgreSQL ------------------------------------------------------------------------
 
 
