@@ -189,7 +189,7 @@ def test_sqlite_sweep_moves_a_batch_in_short_paced_transactions(
         assert isinstance(claim, Claim)
     transactions: list[int] = []
     sleeps: list[float] = []
-    some = SQLiteStore._sweep_some
+    some = store._sweep_some
 
     def spy(now: float, rows: int, conn: sqlite3.Connection) -> tuple[int, int, float, float]:
         transactions.append(rows)

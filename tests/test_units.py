@@ -26,6 +26,7 @@ from retrysafe import (
 from retrysafe._decide import Verdict, claimable, retry_after, verdict
 from retrysafe._record import Record, Status
 from retrysafe.stores.memory import MemoryStore
+from retrysafe.stores.sqlite import SCHEMA_VERSION as SQLITE_SCHEMA_VERSION
 from retrysafe.stores.sqlite import SQLiteStore
 
 
@@ -186,10 +187,10 @@ def test_memory_store_never_evicts_a_live_lease() -> None:
 def test_sqlite_schema_is_versioned(tmp_path: Path) -> None:
     path = tmp_path / "v.db"
     store = SQLiteStore(f"sqlite:///{path}")
-    assert store.migrate() == 1
+    assert store.migrate() == SQLITE_SCHEMA_VERSION == 2
     store.close()
     with sqlite3.connect(path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SQLITE_SCHEMA_VERSION
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         conn.execute("PRAGMA user_version = 99")
     newer = SQLiteStore(f"sqlite:///{path}")

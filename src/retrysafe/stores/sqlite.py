@@ -160,6 +160,19 @@ _STATS_EXPIRED = "SELECT count(*) FROM retrysafe_records WHERE expires_at <= ?"
 _STATS_ARCHIVED = "SELECT count(*) FROM retrysafe_archive"
 
 
+#: How a writer waits for the lock: sleeps doubling from the first to the longest.
+_FIRST_WAIT = 0.0001
+_LONGEST_WAIT = 0.001
+
+
+def _busy(exc: sqlite3.OperationalError) -> bool:
+    """True for SQLITE_BUSY (another connection holds the lock), whatever the extended code."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF == sqlite3.SQLITE_BUSY
+    return "database is locked" in str(exc)  # pragma: no cover - Python < 3.11
+
+
 def _path_from_url(url: str) -> tuple[str, dict[str, str]]:
     parts = urllib.parse.urlsplit(url)
     if parts.scheme != "sqlite":
@@ -220,13 +233,18 @@ class SQLiteStore(Store[_Op]):
     # -- connections ---------------------------------------------------------
 
     def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(
-            self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False
-        )
-        self._set_wal(conn)
-        conn.execute(f"PRAGMA synchronous={self.synchronous}")
-        if not self._migrated:
-            self._migrate(conn)
+        # timeout=0: a busy lock raises at once and _run waits itself, in finer steps
+        # than SQLite's busy handler (1, 2, 5, 10 … 100 ms), which would let a waiting
+        # claim sleep through the short gaps a sweep leaves between transactions.
+        conn = sqlite3.connect(self.path, timeout=0, isolation_level=None, check_same_thread=False)
+        try:
+            self._set_wal(conn)
+            conn.execute(f"PRAGMA synchronous={self.synchronous}")
+            if not self._migrated:
+                self._migrate(conn)
+        except BaseException:
+            conn.close()
+            raise
         with self._conns_lock:
             self._conns.append(conn)
         return conn
@@ -299,9 +317,30 @@ class SQLiteStore(Store[_Op]):
         try:
             return op(self._conn())
         except sqlite3.OperationalError as exc:
+            if _busy(exc):
+                return self._run_when_free(op)
             raise StoreUnavailableError(f"SQLite store {self.path}: {exc}") from exc
         except sqlite3.DatabaseError as exc:  # corrupt file, not a database, …
             raise StoreUnavailableError(f"SQLite store {self.path}: {exc}") from exc
+
+    def _run_when_free(self, op: _Op) -> Any:
+        """Run ``op`` again until the write lock is free, for at most ``timeout`` seconds.
+
+        An op that found the lock taken wrote nothing (each op is one statement or
+        one transaction, rolled back on error), so running it again is safe.
+        """
+        deadline = time.monotonic() + self.timeout
+        delay = _FIRST_WAIT
+        while True:
+            time.sleep(delay)
+            delay = min(delay * 2, _LONGEST_WAIT)
+            try:
+                return op(self._conn())
+            except sqlite3.OperationalError as exc:
+                if not _busy(exc) or time.monotonic() >= deadline:
+                    raise StoreUnavailableError(f"SQLite store {self.path}: {exc}") from exc
+            except sqlite3.DatabaseError as exc:
+                raise StoreUnavailableError(f"SQLite store {self.path}: {exc}") from exc
 
     async def _arun(self, op: _Op) -> Any:
         return await asyncio.to_thread(self._run, op)
@@ -418,17 +457,30 @@ class SQLiteStore(Store[_Op]):
                 time.sleep(max(self.sweep_gap, held))
         return SweepBatch(deleted, archived, done=deleted < limit)
 
-    @classmethod
     def _sweep_some(
-        cls, now: float, rows: int, conn: sqlite3.Connection
+        self, now: float, rows: int, conn: sqlite3.Connection
     ) -> tuple[int, int, float, float]:
-        """One transaction: (deleted, archived, seconds of statements, seconds locked)."""
+        """One transaction: (deleted, archived, seconds of statements, seconds locked).
+
+        It commits with ``synchronous=NORMAL`` even when the store is ``FULL``: the
+        commit then holds the write lock without waiting for an fsync. Atomicity is
+        kept (the archive copy and the delete commit together or not at all); a
+        power loss can only undo the last sweep transactions, whose records come
+        back expired and are swept again.
+        """
         params = (now, rows)
-        with cls._transaction(conn):
-            locked = time.perf_counter()
-            archived = conn.execute(_SWEEP_ARCHIVE, params).rowcount
-            deleted = conn.execute(_SWEEP_DELETE, params).rowcount
-            working = time.perf_counter() - locked
+        relaxed = self.synchronous in ("FULL", "EXTRA")
+        if relaxed:
+            conn.execute("PRAGMA synchronous=NORMAL")
+        try:
+            with self._transaction(conn):
+                locked = time.perf_counter()
+                archived = conn.execute(_SWEEP_ARCHIVE, params).rowcount
+                deleted = conn.execute(_SWEEP_DELETE, params).rowcount
+                working = time.perf_counter() - locked
+        finally:
+            if relaxed:
+                conn.execute(f"PRAGMA synchronous={self.synchronous}")
         return deleted, archived, working, time.perf_counter() - locked
 
     @staticmethod
