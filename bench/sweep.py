@@ -18,14 +18,16 @@ For every store, in one run:
    silently lowering the request rate (coordinated omission). The service time
    (from the call's actual start) is reported too.
 3. **phases**, all under the same traffic: a warm-up of 1 s (not counted), an idle
-   window of ``--window`` seconds, the sweep (a ``retrysafe.Sweeper`` thread with
-   a store object of its own, ``--batch-size``, ``--pause``, deleting every
-   populated record), then a second idle window. A claim belongs to the phase its
+   window of ``--window`` seconds, the sweep (a ``retrysafe.Sweeper`` in a process
+   of its own, as ``retrysafe sweep`` runs beside the servers, so it does not share
+   their GIL; ``--batch-size``, ``--pause``, deleting every populated record), then
+   a second idle window. A claim belongs to the phase its
    scheduled start falls in; claims scheduled in the first 0.5 s after the sweep
    are left out (the backlog of its last batch is the sweep's, not idle time). The
    idle figures combine both windows (each is printed too). Every call of
-   ``store.sweep`` (one batch: one write transaction) is timed: the longest is the
-   longest the sweeper held SQLite's write lock or a PostgreSQL transaction.
+   ``store.sweep`` (one batch) is timed: on PostgreSQL a batch is one statement;
+   on SQLite it is several short paced transactions, so its time includes the
+   gaps the sweep leaves for claims.
 4. **verify**, failing loudly: the sweep deleted exactly the populated records,
    ``store.stats(now)`` finds no expired record left, the archive holds exactly
    the financial share, every claim of the traffic is still there (counted, and
@@ -64,6 +66,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import importlib.metadata  # noqa: E402
 import importlib.util  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
@@ -80,15 +83,14 @@ import time  # noqa: E402
 from collections.abc import Callable, Iterator, Sequence  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from datetime import UTC, datetime  # noqa: E402
-from types import ModuleType  # noqa: E402
+from types import ModuleType, SimpleNamespace  # noqa: E402
 from typing import Any  # noqa: E402
 
 import retrysafe  # noqa: E402
-from retrysafe import Claim, Engine, Outcome, Record, Status, Sweeper, open_store  # noqa: E402
+from retrysafe import Claim, Engine, Outcome, Record, Status, open_store  # noqa: E402
 from retrysafe._keys import key_hash  # noqa: E402
 from retrysafe._record import FINANCIAL, STANDARD  # noqa: E402
 from retrysafe.stores import Store  # noqa: E402
-from retrysafe.stores._base import SweepBatch  # noqa: E402
 from retrysafe.stores._sql import COLUMNS, record_params  # noqa: E402
 
 ROOT = HERE.parent
@@ -425,7 +427,6 @@ def run_store(setup: Setup, args: argparse.Namespace, tag: str) -> StoreRun:
     print(f"\n[{setup.name}] {setup.setting}", flush=True)
 
     traffic_store = open_store(setup.url, **setup.options)
-    sweep_store = open_store(setup.url, **setup.options)
     try:
         traffic_store.migrate()  # type: ignore[attr-defined]
 
@@ -440,10 +441,7 @@ def run_store(setup: Setup, args: argparse.Namespace, tag: str) -> StoreRun:
         print(f"  populated {n:,} expired records ({result.financial:,} financial) "
               f"in {result.populate_seconds:.1f}s (setup, not measured)", flush=True)  # fmt: skip
 
-        sweep_store.get("0" * 64)  # connect before the clock starts
-        time_batches(sweep_store, result.batch_ms)
-        sweeper = Sweeper(sweep_store, batch_size=args.batch_size, pause=args.pause)
-
+        sweeper = SweeperProcess(setup.url, setup.options, args.batch_size, args.pause)
         traffic = Traffic(Engine(traffic_store), args.threads, args.rate, tag)
         traffic.start()
         try:
@@ -457,23 +455,63 @@ def run_store(setup: Setup, args: argparse.Namespace, tag: str) -> StoreRun:
         verify(traffic_store, traffic, result)
     finally:
         traffic_store.close()
-        sweep_store.close()
     print_store(result)
     return result
 
 
-def time_batches(store: Store[Any], batch_ms: list[float]) -> None:
-    """Time every batch: ``store.sweep`` wrapped, as an attribute of this one store."""
-    inner = store.sweep
+#: The sweeper's process: ``retrysafe sweep`` as an operator runs it, beside the
+#: servers (not a thread of theirs, whose GIL it would share), with every
+#: ``store.sweep`` call timed. It prints progress lines, then one JSON result line.
+_SWEEPER = """
+import json, sys, time
+from retrysafe import Sweeper, open_store
+url, options = sys.argv[1], json.loads(sys.argv[2])
+batch_size, pause = int(sys.argv[3]), float(sys.argv[4])
+store = open_store(url, **options)
+store.get("0" * 64)  # connected before the clock starts
+inner, batch_ms = store.sweep, []
+def timed(now, limit=1000):
+    t = time.perf_counter_ns()
+    try:
+        return inner(now, limit)
+    finally:
+        batch_ms.append((time.perf_counter_ns() - t) / 1e6)
+store.sweep = timed
+print("ready", flush=True)
+sys.stdin.readline()
+last = [time.monotonic()]
+def progress(report):
+    if time.monotonic() - last[0] >= 1.0:
+        last[0] = time.monotonic()
+        print(f"    swept {report.deleted:,} in {report.seconds:.1f}s ({report.rate:,.0f}/s)",
+              flush=True)
+r = Sweeper(store, batch_size=batch_size, pause=pause).run(progress=progress)
+print("result " + json.dumps({"deleted": r.deleted, "archived": r.archived,
+      "batches": r.batches, "seconds": r.seconds, "batch_ms": batch_ms}), flush=True)
+store.close()
+"""
 
-    def sweep(now: float, limit: int = 1000) -> SweepBatch:
-        t = time.perf_counter_ns()
-        try:
-            return inner(now, limit)
-        finally:
-            batch_ms.append((time.perf_counter_ns() - t) / 1e6)
 
-    store.sweep = sweep  # type: ignore[method-assign]
+@dataclass
+class SweeperProcess:
+    """How to start the sweeper's process (see ``_SWEEPER``)."""
+
+    url: str
+    options: dict[str, Any]
+    batch_size: int
+    pause: float
+
+    def start(self) -> subprocess.Popen[str]:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _SWEEPER, self.url, json.dumps(self.options),
+             str(self.batch_size), repr(self.pause)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert child.stdout is not None
+        if child.stdout.readline().strip() != "ready":
+            child.kill()
+            raise BenchError("the sweeper process did not start")
+        return child
 
 
 @dataclass
@@ -485,38 +523,34 @@ class PhaseReport:
     bounds: dict[str, tuple[int, int]]
 
 
-def run_phases(traffic: Traffic, sweeper: Sweeper, window: float, result: StoreRun) -> PhaseReport:
-    """Warm-up, idle window, the sweep (on a thread of its own), idle window."""
+def run_phases(
+    traffic: Traffic, sweeper: SweeperProcess, window: float, result: StoreRun
+) -> PhaseReport:
+    """Warm-up, idle window, the sweep (in a process of its own), idle window."""
     clock = time.perf_counter_ns
-    time.sleep(WARMUP + (traffic.t0 - clock()) / 1e9)
+    child = sweeper.start()
+    time.sleep(max(0.0, WARMUP + (traffic.t0 - clock()) / 1e9))
     idle1 = clock()
     time.sleep(window)
     sweep_start = clock()
     print(f"  idle window done; sweeping (batch size {sweeper.batch_size}, "
           f"pause {sweeper.pause:g}s)", flush=True)  # fmt: skip
 
-    outcome: list[Any] = []
-    last = [time.monotonic()]
-
-    def progress(report: Any) -> None:
-        if time.monotonic() - last[0] >= 1.0:
-            last[0] = time.monotonic()
-            print(f"    swept {report.deleted:,} in {report.seconds:.1f}s "
-                  f"({report.rate:,.0f}/s)", flush=True)  # fmt: skip
-
-    def run() -> None:
-        try:
-            outcome.append(sweeper.run(progress=progress))
-        except BaseException as exc:
-            outcome.append(exc)
-
-    thread = threading.Thread(target=run, name="sweeper", daemon=True)
-    thread.start()
-    thread.join()
+    assert child.stdin is not None and child.stdout is not None
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    found: dict[str, Any] | None = None
+    for line in child.stdout:
+        if line.startswith("result "):
+            found = json.loads(line[7:])
+        else:
+            print(line, end="", flush=True)
+    child.wait()
     sweep_end = clock()
-    if isinstance(outcome[0], BaseException):
-        raise BenchError(f"{result.store}: the sweep failed: {outcome[0]!r}") from outcome[0]
-    report = outcome[0]
+    if found is None or child.returncode != 0:
+        raise BenchError(f"{result.store}: the sweep failed (exit status {child.returncode})")
+    result.batch_ms.extend(found["batch_ms"])
+    report = SimpleNamespace(**found)
     print(f"  swept {report.deleted:,} records ({report.archived:,} archived) in "
           f"{report.seconds:.2f}s, {report.batches} batches; idle window", flush=True)  # fmt: skip
     settled = sweep_end + int(SETTLE * 1e9)
