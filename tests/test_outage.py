@@ -87,7 +87,10 @@ def test_opening_never_connects() -> None:
     from _servers import free_port
 
     port = free_port()  # nothing listens here
-    for url in (f"redis://:s3cret@127.0.0.1:{port}/0", f"postgresql://u:s3cret@127.0.0.1:{port}/db"):
+    for url in (
+        f"redis://:s3cret@127.0.0.1:{port}/0",
+        f"postgresql://u:s3cret@127.0.0.1:{port}/db",
+    ):
         store = open_store(url)  # must not raise
         with pytest.raises(StoreUnavailableError) as err:
             store.get("0" * 64)

@@ -67,6 +67,7 @@ class ArchivedRecord:
     record: Record
     archived_at: float
 
+
 OpT = TypeVar("OpT")
 
 
@@ -169,7 +170,7 @@ class Store(abc.ABC, Generic[OpT]):
     # -- operations work (sweeper, CLI): sync, bounded, never on the request path ----
 
     def sweep(self, now: float, limit: int = 1000) -> SweepBatch:
-        """Delete at most ``limit`` records expired at ``now``, in one short step.
+        """Delete at most ``limit`` records expired at ``now``, in short steps.
 
         Financial records are copied to the archive first; a record is deleted only
         once it is archived, and archived at most once (keyed on key hash and
