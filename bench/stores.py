@@ -26,7 +26,15 @@ Without URLs it starts its own redis-server and PostgreSQL (tests/_servers.py)
 and stops them at the end.
 """
 
+# ruff: noqa: E402  (the imports follow the sys.path guard below)
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Keep this folder off sys.path: bench/http.py would shadow the standard library's http.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import argparse
 import contextlib
