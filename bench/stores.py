@@ -50,7 +50,6 @@ import shlex
 import sqlite3
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -58,7 +57,6 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import retrysafe
