@@ -153,7 +153,7 @@ operation = "payment"
 def test_map_check_and_show(tmp_path: Path, capsys: Any) -> None:
     good = tmp_path / "good.toml"
     good.write_text(MAP)
-    assert "ok, 1 operations, 1 routes" in output(capsys, "map", "check", str(good))
+    assert "ok, 1 operation, 1 route" in output(capsys, "map", "check", str(good))
     shown = output(capsys, "map", "show", str(good))
     assert 'key = "payment:{order_id}:{amount}"' in shown
     default = output(capsys, "map", "show")

@@ -117,6 +117,10 @@ def _record_json(r: Record) -> dict[str, Any]:
     }
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=False))
 
@@ -556,7 +560,8 @@ def map_check(
     if as_json:
         _print_json({"ok": True, "operations": len(imap.operations), "routes": len(imap.routes)})
     else:
-        print(f"{file}: ok, {len(imap.operations)} operations, {len(imap.routes)} routes")
+        print(f"{file}: ok, {_count(len(imap.operations), 'operation')}, "
+              f"{_count(len(imap.routes), 'route')}")  # fmt: skip
     return 0
 
 
