@@ -26,16 +26,74 @@ first use, so constructing a store never connects. Checking out a connection
 costs no round trip. Statements are composed once, and psycopg prepares each
 one on a connection after a few uses. A forked child never uses its parent's
 pools: it forgets them (without closing them) and makes its own.
+
+The partitioned table (``partitioned=True``)
+---------------------------------------------
+
+An opt-in layout for large tables: the records table is partitioned by range of
+``expires_at`` (``partition_interval`` per partition, aligned to the epoch), so a
+partition whose upper bound has passed holds only expired records, and a sweep
+drops it whole instead of deleting its rows one by one. The layout is chosen
+when the table is created (its own migration path; the catalog's ``relkind``
+tells the two apart and a store opened in the other mode refuses the table).
+
+*Exactly once without a unique key.* A partitioned table's primary key must
+contain the partition key, so ``(key_hash, expires_at)`` is the most it can
+enforce: two claims of one new key with different expiries (a per-call TTL, or
+a partition bound between them) could both insert, and ``ON CONFLICT
+(key_hash)`` is not available. So a claim is one call of the plpgsql function
+``<table>_claim(…)`` (still one round trip), which first takes
+``pg_advisory_xact_lock(hashtextextended(key_hash, <table's seed>))``. Every
+insert and every takeover of a key happens in that function, under that lock,
+so they are serialized per key; the lock is released at commit, after the
+commit is visible. Each statement of a VOLATILE function takes a new snapshot
+under READ COMMITTED, so the read that follows the lock sees what the previous
+holder committed: it finds no row and inserts, finds a row that is not
+claimable and returns it (replay, in flight, conflict), or takes a claimable one
+over with the same compare-and-set ``UPDATE`` as the unpartitioned path (a
+completion, failure, renewal or delete that slipped in between makes it read
+again). Completion, failure and renewal stay single compare-and-set ``UPDATE``
+statements on the fencing token, without the lock: a token names one claim, and
+they never create a row. Replays pay the lock too (one function call instead of
+one statement), and every lookup by key hash probes each partition's index:
+keep the number of live partitions small (tens).
+
+*Rows that move.* A takeover writes a new ``expires_at``, and PostgreSQL moves
+the row to its new partition. A statement that waited for the moving row (the
+old owner's late completion, a delete) then fails with a serialization error
+instead of re-checking it; nothing was written, so the store runs it again and
+it finds the row with the new owner's token (a completion answers False).
+
+*No DEFAULT partition.* PostgreSQL refuses ``DETACH PARTITION … CONCURRENTLY``
+when the table has a default partition, and a plain detach or a drop takes
+ACCESS EXCLUSIVE on the parent, which every claim would queue behind. So there
+is none: partitions are made ahead (at creation and at every sweep, up to
+``now + partition_ahead + 2 intervals``), and a claim whose row falls outside
+them (a longer TTL, a skewed clock) fails with "no partition", makes the
+partition (``<table>_add_partition``: a table created apart and attached, which
+locks the parent only in SHARE UPDATE EXCLUSIVE mode; claims go on) and claims
+again. Only that claim pays for the DDL.
+
+*The sweep* takes one bounded step per call (see ``PostgresStore._psweep``):
+it finishes what an interrupted sweep left (a pending detach, a detached table),
+makes the partitions ahead, and takes the oldest partition whose upper bound is
+<= now through ``DETACH PARTITION … CONCURRENTLY``, then, in one transaction,
+copies its financial rows to the archive (``ON CONFLICT DO NOTHING``), counts
+its rows and drops it. No row is deleted one by one: expired records of the
+current partition wait for it to end (at most one interval), as lazy expiry
+allows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import os
 import re
 import select
 import threading
+import time
 import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
@@ -53,6 +111,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from .._decide import claimable
+from .._duration import parse_duration
 from .._errors import StoreUnavailableError
 from .._record import ClaimResult, Outcome, Record, Status
 from ._base import ArchivedRecord, Store, StoreStats, SweepBatch
@@ -65,11 +124,16 @@ from ._sql import (
     record_params,
 )
 
-__all__ = ["SCHEMA_VERSION", "PostgresStore", "SchemaVersionError"]
+__all__ = ["SCHEMA_VERSION", "PostgresStore", "SchemaModeError", "SchemaVersionError"]
 
 
 class SchemaVersionError(StoreUnavailableError):
     """The table's schema is newer than this version of retrysafe knows."""
+
+
+class SchemaModeError(StoreUnavailableError, ValueError):
+    """The table was created partitioned and opened unpartitioned, or the other way
+    round (or with another partition interval): the layout is fixed at creation."""
 
 
 class _Op(NamedTuple):
@@ -82,6 +146,9 @@ class _Op(NamedTuple):
     query: str
     params: Sequence[Any]
     parse: Callable[[int, Sequence[Any] | None], Any]
+    #: ``recover(op, error)`` when the statement raised: the op to run instead, or
+    #: raise. ``None``: every error is the caller's (the unpartitioned table's ops).
+    recover: Callable[[_Op, psycopg.Error], _Op] | None = None
 
 
 # -- the schema ------------------------------------------------------------------
@@ -210,6 +277,235 @@ _MIGRATIONS: tuple[Callable[[_Names], list[sql.Composable]], ...] = (
 )
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
+
+# -- the partitioned table (``partitioned=True``) ----------------------------------------
+#
+# Another migration path, chosen when the table is created and never mixed with the
+# one above (the catalog tells them apart: ``relkind`` 'p' or 'r'). It creates the
+# table at version 2 in one step; a later version appends its step to both paths.
+
+#: The comment on a partitioned records table: it marks the layout and keeps its interval.
+_PARENT_COMMENT = "retrysafe records, partitioned by expires_at, partition_interval={interval}"
+_PARENT_INTERVAL = re.compile(r"partition_interval=([0-9]+)")
+#: The comment on each partition: sweeps drop only detached tables that carry it.
+_PARTITION_COMMENT = "retrysafe partition of {base}"
+
+_P_TABLE = """
+CREATE TABLE {table} (
+    {columns},
+    CONSTRAINT {pkey} PRIMARY KEY (key_hash, expires_at),
+    CONSTRAINT {status_check} CHECK (status IN ('processing', 'completed', 'failed'))
+) PARTITION BY RANGE (expires_at)
+"""
+
+# The claim: one call, one transaction. The advisory lock on the key hash serializes
+# every insert and takeover of one key (the table cannot: its primary key must hold
+# the partition key, so two rows of one key with other expiries would both fit). Each
+# statement of a VOLATILE function takes a fresh snapshot under READ COMMITTED, so
+# the read after the lock sees whatever the previous holder committed.
+_P_CLAIM = """
+CREATE FUNCTION {fn}({arg_types})
+RETURNS TABLE (o_found {table}, o_claimed boolean, o_attempts integer, o_took_over text)
+LANGUAGE plpgsql VOLATILE AS $retrysafe$
+DECLARE
+    cur {table};
+    now_ double precision := {now};
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended($1, {seed}));
+    FOR i IN 1..100 LOOP
+        SELECT * INTO cur FROM {table} AS t WHERE t.key_hash = $1;
+        IF NOT FOUND THEN
+            INSERT INTO {table} ({cols}) VALUES ({args});
+            o_claimed := true;
+            o_attempts := {attempts};
+            RETURN NEXT;
+            RETURN;
+        END IF;
+        IF NOT {cur_claimable} THEN
+            o_found := cur;
+            o_claimed := false;
+            RETURN NEXT;
+            RETURN;
+        END IF;
+        UPDATE {table} AS t SET {assignments}
+        WHERE t.key_hash = $1 AND t.token = cur.token AND t.status = cur.status
+        AND {t_claimable}
+        RETURNING t.attempts INTO o_attempts;
+        IF FOUND THEN
+            o_claimed := true;
+            IF cur.expires_at > now_ THEN
+                o_took_over := cur.status;
+            END IF;
+            RETURN NEXT;
+            RETURN;
+        END IF;
+        -- A completion, failure, renewal or delete changed the row since the read.
+    END LOOP;
+    RAISE EXCEPTION 'retrysafe: a claim kept losing races' USING ERRCODE = '40001';
+END
+$retrysafe$
+"""
+
+# A partition for the range around ``p_at`` when no attached one covers it: created
+# apart and attached, which locks the parent in SHARE UPDATE EXCLUSIVE mode (claims
+# go on); ``CREATE TABLE … PARTITION OF`` would take ACCESS EXCLUSIVE. The advisory
+# lock serializes the calls (two claims that need the same partition); a sweep's
+# concurrent detach holds no lock on the parent while it waits, so neither waits for
+# the other. A name held by a detached table a sweep has not dropped yet gets a suffix.
+_P_ADD_PARTITION = """
+CREATE FUNCTION {fn}(p_at double precision) RETURNS text
+LANGUAGE plpgsql VOLATILE AS $retrysafe$
+DECLARE
+    lo double precision := floor(p_at / {interval}) * {interval};
+    parent regclass;
+    sch text;
+    stem text;
+    name text;
+    k integer := 0;
+BEGIN
+    PERFORM set_config('lock_timeout', {lock_timeout}, true);
+    PERFORM pg_advisory_xact_lock({ddl_lock});
+    parent := {parent}::regclass;
+    stem := {base} || '_p' || lo::bigint;
+    IF EXISTS (
+        SELECT FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
+        WHERE i.inhparent = parent AND NOT i.inhdetachpending
+        AND c.relname ~ ('^' || stem || '(_[0-9])?$')
+    ) THEN
+        RETURN NULL;
+    END IF;
+    SELECT n.nspname INTO sch FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+    WHERE c.oid = parent;
+    name := stem;
+    WHILE to_regclass(format('%I.%I', sch, name)) IS NOT NULL LOOP
+        k := k + 1;
+        IF k > 9 THEN
+            RAISE EXCEPTION 'retrysafe: no free name for a partition of % from %', parent, lo;
+        END IF;
+        name := stem || '_' || k;
+    END LOOP;
+    EXECUTE format(
+        'CREATE TABLE %I.%I (LIKE %s INCLUDING DEFAULTS INCLUDING CONSTRAINTS) '
+        'WITH (fillfactor = 90)', sch, name, parent);
+    EXECUTE format('COMMENT ON TABLE %I.%I IS %L', sch, name, {comment});
+    EXECUTE format('ALTER TABLE %s ATTACH PARTITION %I.%I FOR VALUES FROM (%L) TO (%L)',
+        parent, sch, name, lo, lo + {interval});
+    RETURN name;
+END
+$retrysafe$
+"""
+
+#: How long partition DDL (a sweep's detach and drop, a new partition) waits for a lock.
+_DDL_LOCK_TIMEOUT = "2s"
+
+
+def _column_defs(*, defaults: bool) -> sql.Composable:
+    """The record columns as the unpartitioned path leaves them: ``retention`` has the
+    default that v2 gave it in the records table (``defaults``), none in the archive."""
+    return sql.SQL(",\n    ").join(
+        sql.SQL("{} {}{}{}").format(
+            sql.Identifier(name),
+            sql.SQL(type_),
+            sql.SQL("" if nullable else " NOT NULL"),
+            sql.SQL(" DEFAULT 'standard'" if defaults and name == "retention" else ""),
+        )
+        for name, type_, nullable in _RECORD_COLUMNS
+    )
+
+
+def _p_claimable(alias: str) -> str:
+    """:func:`retrysafe._decide.claimable` over ``alias`` in the claim function."""
+    arg = {c: f"${i}" for i, c in enumerate(COLUMNS, 1)}
+    return (
+        f"({alias}.expires_at <= now_ OR ({alias}.fingerprint = {arg['fingerprint']} AND ("
+        f"({alias}.status = 'failed' AND NOT {alias}.final) OR "
+        f"({alias}.status = 'processing' AND {alias}.lease_until <= now_))))"
+    )
+
+
+class _PNames(NamedTuple):
+    """The extra objects of a partitioned store: its two functions, and its lock ids."""
+
+    claim: sql.Identifier
+    add_partition: sql.Identifier
+    claim_seed: int
+    ddl_lock: int
+    sweep_lock: int
+
+
+def _lock_id(parts: tuple[str, ...], purpose: str) -> int:
+    digest = hashlib.sha256(f"retrysafe:{purpose}:{'.'.join(parts)}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def _p_schema(names: _Names, pnames: _PNames, interval: int) -> list[sql.Composable]:
+    """The partitioned table at version 2, from nothing (partitions come after).
+
+    The parent, its expiry index (each partition gets its own), the archive exactly as
+    the unpartitioned path has it, the comment that records the interval, and the
+    claim and partition functions.
+    """
+    arg = {c: f"${i}" for i, c in enumerate(COLUMNS, 1)}
+    assignments = []
+    for c in COLUMNS[1:]:
+        value = arg[c]
+        if c in _KEPT_WHEN_LIVE:
+            value = f"CASE WHEN t.expires_at > now_ THEN {_KEPT_WHEN_LIVE[c]} ELSE {value} END"
+        assignments.append(sql.SQL("{} = {}").format(sql.Identifier(c), sql.SQL(value)))
+    claim = sql.SQL(_P_CLAIM).format(
+        fn=pnames.claim,
+        arg_types=sql.SQL(", ").join(sql.SQL(type_) for _, type_, _ in _RECORD_COLUMNS),
+        table=names.table,
+        now=sql.SQL(arg["updated_at"]),
+        seed=sql.Literal(pnames.claim_seed),
+        cols=sql.SQL(", ").join(map(sql.Identifier, COLUMNS)),
+        args=sql.SQL(", ").join(sql.SQL(arg[c]) for c in COLUMNS),
+        attempts=sql.SQL(arg["attempts"]),
+        cur_claimable=sql.SQL(_p_claimable("cur")),
+        assignments=sql.SQL(", ").join(assignments),
+        t_claimable=sql.SQL(_p_claimable("t")),
+    )
+    add_partition = sql.SQL(_P_ADD_PARTITION).format(
+        fn=pnames.add_partition,
+        interval=sql.Literal(interval),
+        lock_timeout=sql.Literal(_DDL_LOCK_TIMEOUT),
+        ddl_lock=sql.Literal(pnames.ddl_lock),
+        parent=sql.Literal(names.table.as_string(None)),
+        base=sql.Literal(names.base),
+        comment=sql.Literal(_PARTITION_COMMENT.format(base=names.base)),
+    )
+    return [
+        sql.SQL(_P_TABLE).format(
+            table=names.table,
+            columns=_column_defs(defaults=True),
+            pkey=sql.Identifier(f"{names.base}_pkey"),
+            status_check=sql.Identifier(f"{names.base}_status_check"),
+        ),
+        sql.SQL(_V1_INDEX).format(
+            index=sql.Identifier(f"{names.base}_expires_at"), table=names.table
+        ),
+        sql.SQL(_V2_ARCHIVE).format(
+            archive=names.archive,
+            columns=_column_defs(defaults=False),
+            pkey=sql.Identifier(f"{names.base}_archive_pkey"),
+        ),
+        sql.SQL(_V2_ARCHIVE_INDEX).format(
+            index=sql.Identifier(f"{names.base}_archived_at"), archive=names.archive
+        ),
+        sql.SQL("COMMENT ON TABLE {} IS {}").format(
+            names.table, sql.Literal(_PARENT_COMMENT.format(interval=interval))
+        ),
+        claim,
+        add_partition,
+    ]
+
+
+#: Migrations of the partitioned path by the version they lead to, after the one step
+#: that creates it at version 2 (:func:`_p_schema`). A new version appends its step
+#: here and to :data:`_MIGRATIONS`.
+_P_MIGRATIONS: dict[int, Callable[[_Names, _PNames], list[sql.Composable]]] = {}
+assert set(_P_MIGRATIONS) == set(range(3, SCHEMA_VERSION + 1))
+
 # -- statement pieces --------------------------------------------------------------
 
 #: A SELECT of a whole record, in :data:`COLUMNS` order, over alias ``t``. Empty
@@ -249,8 +545,19 @@ _STATS = (
 
 # -- URL handling ------------------------------------------------------------------
 
+_DEFAULT_INTERVAL = 86400.0
+_DEFAULT_AHEAD = 7 * 86400.0
+
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,47}")
-_OWN_OPTIONS = ("table", "min_size", "max_size", "auto_migrate")
+_OWN_OPTIONS = (
+    "table",
+    "min_size",
+    "max_size",
+    "auto_migrate",
+    "partitioned",
+    "partition_interval",
+    "partition_ahead",
+)
 _PASSWORD_IN_URL = re.compile(r"(://[^:/@?#]*:)[^@/?#]*@")
 _PASSWORD_PARAM = re.compile(r"(?i)([?&]password=)[^&#]*")
 _TRUE = {"1", "true", "yes", "on"}
@@ -373,6 +680,58 @@ def _takeover_params(record: Record, found: Record) -> list[Any]:
     return params
 
 
+#: Where the partitioned claim's row says whether it claimed (then the attempt number
+#: and the status taken over), after the columns of the record that stood in the way.
+_P_CLAIMED = len(COLUMNS)
+#: Times a compare-and-set runs again after a takeover moved its row (see _retry_moved).
+_MAX_MOVED_RETRIES = 10
+
+
+def _pclaimed(rowcount: int, row: Sequence[Any] | None) -> ClaimResult:
+    """The partitioned claim function's answer (it took any takeover under its lock)."""
+    assert row is not None
+    if row[_P_CLAIMED]:
+        took_over = row[_P_CLAIMED + 2]
+        return ClaimResult(
+            True,
+            attempts=row[_P_CLAIMED + 1],
+            took_over=None if took_over is None else Status(took_over),
+        )
+    return ClaimResult(False, record=record_from_row(row))
+
+
+def _no_partition(exc: psycopg.Error) -> bool:
+    """The row's ``expires_at`` has no attached partition (not a CHECK constraint's error)."""
+    return exc.sqlstate == "23514" and exc.diag.constraint_name is None
+
+
+def _retry_moved(tries: int, op: _Op, exc: psycopg.Error) -> _Op:
+    """Run a statement on a partitioned table again when a takeover moved its row.
+
+    A takeover that changes ``expires_at`` across a partition bound moves the row;
+    an ``UPDATE`` or ``DELETE`` that waited for it then fails with a serialization
+    error ("tuple to be locked was already moved to another partition") instead of
+    re-checking the row. Nothing was written, so running the statement again is
+    safe, and it finds the row where it is now (with the new owner's token, so a
+    compare-and-set answers False).
+    """
+    if exc.sqlstate != "40001" or tries >= _MAX_MOVED_RETRIES:
+        raise exc
+    return op._replace(recover=partial(_retry_moved, tries + 1))
+
+
+class _Partition(NamedTuple):
+    """An attached partition: its qualified name, bounds, and whether a detach is pending."""
+
+    name: sql.Identifier
+    lower: float
+    upper: float
+    pending: bool
+
+
+_BOUNDS = re.compile(r"FROM \('([^']+)'\) TO \('([^']+)'\)")
+
+
 # A migration is a generator of (query, params) that receives each statement's first row.
 _Flow = Generator[tuple[str, Sequence[Any] | None], Sequence[Any] | None, int]
 
@@ -460,9 +819,18 @@ class PostgresStore(Store[_Op]):
 
     ``url`` is a libpq URL (``postgresql://`` or ``postgres://``, libpq query
     parameters allowed); the query may also carry this store's own ``table``,
-    ``min_size``, ``max_size`` and ``auto_migrate`` options. ``connect_timeout``
+    ``min_size``, ``max_size``, ``auto_migrate``, ``partitioned``,
+    ``partition_interval`` and ``partition_ahead`` options. ``connect_timeout``
     bounds both connecting and waiting for a pooled connection. With
     ``auto_migrate`` the schema is created or upgraded on first use.
+
+    ``partitioned=True`` creates the table partitioned by ``expires_at`` in ranges of
+    ``partition_interval`` (a duration, default one day, whole seconds, at least a
+    minute; an existing table keeps its own) and keeps partitions ready
+    ``partition_ahead`` (default 7 days: the longest TTL expected) beyond now, so
+    that sweeps drop whole partitions instead of deleting rows (see the module
+    docstring). The layout is fixed when the table is created; opening it in the
+    other mode raises :class:`SchemaModeError`.
     """
 
     def __init__(
@@ -474,6 +842,9 @@ class PostgresStore(Store[_Op]):
         max_size: int = 10,
         connect_timeout: float = 2.0,
         auto_migrate: bool = True,
+        partitioned: bool = False,
+        partition_interval: float | str | None = None,
+        partition_ahead: float | str = _DEFAULT_AHEAD,
     ) -> None:
         scheme = url.partition("://")[0].lower()
         if scheme not in {"postgresql", "postgres"}:
@@ -486,6 +857,27 @@ class PostgresStore(Store[_Op]):
         auto_migrate = _option(
             "auto_migrate", auto_migrate, True, options.get("auto_migrate"), _to_bool
         )
+        interval = partial(parse_duration, field="partition_interval")
+        ahead = partial(parse_duration, field="partition_ahead", allow_zero=True)
+        partitioned = _option("partitioned", partitioned, False, options.get("partitioned"),
+                              _to_bool)  # fmt: skip
+        if partition_interval is not None:
+            partition_interval = interval(partition_interval)
+        partition_interval = _option("partition_interval", partition_interval, None,
+                                     options.get("partition_interval"), interval)  # fmt: skip
+        partition_ahead = _option("partition_ahead", ahead(partition_ahead), _DEFAULT_AHEAD,
+                                  options.get("partition_ahead"), ahead)  # fmt: skip
+        if not partitioned and (
+            partition_interval is not None or partition_ahead != _DEFAULT_AHEAD
+        ):
+            raise ValueError("partition_interval and partition_ahead need partitioned=true")
+        if partition_interval is not None and (
+            partition_interval != int(partition_interval) or partition_interval < 60
+        ):
+            raise ValueError(
+                f"partition_interval must be a whole number of seconds, at least 60, "
+                f"not {partition_interval!r}"
+            )
         if min_size < 0 or max_size < 1 or max_size < min_size:
             raise ValueError(f"need 0 <= min_size <= max_size and max_size >= 1, "
                              f"not min_size={min_size} max_size={max_size}")  # fmt: skip
@@ -506,6 +898,11 @@ class PostgresStore(Store[_Op]):
         self.max_size = max_size
         self.connect_timeout = connect_timeout
         self.auto_migrate = auto_migrate
+        self.partitioned = bool(partitioned)
+        #: Seconds per partition; a table that exists keeps its own (read at migration).
+        self.partition_interval = float(partition_interval or _DEFAULT_INTERVAL)
+        self.partition_ahead = float(partition_ahead)
+        self._interval_given = partition_interval is not None
         self._conninfo = conninfo
         self._conn_kwargs = kwargs
         host = str(params.get("host") or params.get("hostaddr") or "localhost")
@@ -519,6 +916,8 @@ class PostgresStore(Store[_Op]):
         )
         self._lock = threading.Lock()
         self._migrated = not auto_migrate
+        #: How compare-and-set statements recover: only a partitioned table moves rows.
+        self._moved = partial(_retry_moved, 0) if self.partitioned else None
         self._build_sql(_table_parts(table))
         # A pool must not cross a fork (gunicorn --preload, multiprocessing, Celery):
         # the child would share the parent's sockets (each reading the other's
@@ -627,6 +1026,54 @@ class PostgresStore(Store[_Op]):
             for q in _STATS
         ]
 
+        # The table's layout, from the catalog: relkind 'p' (partitioned) or 'r', and
+        # the comment that keeps a partitioned table's interval.
+        self._table_name = text(table)
+        self._q_mode = (
+            "SELECT c.relkind::text, obj_description(c.oid, 'pg_class') "
+            "FROM pg_class AS c WHERE c.oid = to_regclass(%s)"
+        )
+        # The partitioned table's claim, partitions and sweep.
+        pn = self._pnames = _PNames(
+            sql.Identifier(*schema, f"{base}_claim"),
+            sql.Identifier(*schema, f"{base}_add_partition"),
+            _lock_id(parts, "claim"),
+            _lock_id(parts, "ddl"),
+            _lock_id(parts, "sweep"),
+        )
+        types = [sql.SQL(type_) for _, type_, _ in _RECORD_COLUMNS]
+        self._q_pclaim = text(
+            sql.SQL("SELECT {}, r.o_claimed, r.o_attempts, r.o_took_over FROM {}({}) AS r").format(
+                sql.SQL(", ").join(
+                    sql.SQL("(r.o_found).{}").format(sql.Identifier(c)) for c in COLUMNS
+                ),
+                pn.claim,
+                sql.SQL(", ").join(sql.SQL("%s::{}").format(t) for t in types),
+            )
+        )
+        self._q_add_partition = text(sql.SQL("SELECT {}(%s)").format(pn.add_partition))
+        self._q_partitions = (
+            "SELECT n.nspname, c.relname, i.inhdetachpending, pg_get_expr(c.relpartbound, c.oid) "
+            "FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid "
+            "JOIN pg_namespace AS n ON n.oid = c.relnamespace WHERE i.inhparent = to_regclass(%s)"
+        )
+        # Tables a sweep detached and did not drop: named like a partition of this table,
+        # marked as one, and no longer attached.
+        self._q_leftovers = (
+            "SELECT n.nspname, c.relname FROM pg_class AS c "
+            "JOIN pg_namespace AS n ON n.oid = c.relnamespace "
+            "WHERE c.relnamespace = (SELECT p.relnamespace FROM pg_class AS p "
+            "WHERE p.oid = to_regclass(%s)) AND c.relkind = 'r' AND NOT c.relispartition "
+            "AND c.relname ~ %s AND obj_description(c.oid, 'pg_class') = %s ORDER BY c.relname"
+        )
+        self._leftover_args = (
+            self._table_name,
+            f"^{base}_p[0-9]+(_[0-9])?$",
+            _PARTITION_COMMENT.format(base=base),
+        )
+        self._cols = cols
+        self._archive_cols = archive_cols
+
     @staticmethod
     def _sweep_query(names: _Names) -> sql.Composable:
         """One sweep batch as one statement; parameters: now, limit, now, now.
@@ -664,20 +1111,88 @@ class PostgresStore(Store[_Op]):
     # -- schema ------------------------------------------------------------------
 
     def _migration(self) -> _Flow:
-        """Create or upgrade the schema; the version-table check skips the lock when current."""
+        """Create or upgrade the schema; the version-table check skips the lock when current.
+
+        Either way the catalog must show the table in this store's mode (partitioned
+        or not) before anything else runs on it.
+        """
         exists = yield self._q_versions_exist, (self._versions_name,)
         if exists and exists[0]:
             row = yield self._q_version, None
             if self._check_version(row) == SCHEMA_VERSION:
+                self._check_mode((yield self._q_mode, (self._table_name,)))
                 return SCHEMA_VERSION
         yield self._q_lock, (self._lock_id,)
         yield self._q_create_versions, None
         version = self._check_version((yield self._q_version, None))
+        self._check_mode((yield self._q_mode, (self._table_name,)))
+        if self.partitioned:
+            yield from self._p_migration(version)
+            return SCHEMA_VERSION
         for target in range(version + 1, SCHEMA_VERSION + 1):
             for statement in self._migrations[target - 1]:
                 yield statement, None
             yield self._q_set_version, (target,)
         return SCHEMA_VERSION
+
+    def _p_migration(self, version: int) -> _Flow:
+        """The partitioned path: create the table at version 2 with partitions from now
+        on, then any later step."""
+        if version == 0:
+            interval = int(self.partition_interval)
+            for statement in _p_schema(self._names, self._pnames, interval):
+                yield statement.as_string(None), None
+            for lower in self._lowers_ahead(time.time(), set()):
+                yield self._q_add_partition, (lower,)
+            yield self._q_set_version, (2,)
+            version = 2
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            for statement in _P_MIGRATIONS[target](self._names, self._pnames):
+                yield statement.as_string(None), None
+            yield self._q_set_version, (target,)
+        return SCHEMA_VERSION
+
+    def _check_mode(self, row: Sequence[Any] | None) -> None:
+        """Refuse a table in the other mode; adopt a partitioned table's interval."""
+        kind = row[0] if row else None
+        if kind is None:  # not created yet
+            return
+        partitioned = kind == "p"
+        if partitioned != self.partitioned:
+            found, opened = ("partitioned", "unpartitioned") if partitioned else (
+                "unpartitioned", "partitioned")  # fmt: skip
+            raise SchemaModeError(
+                f"PostgreSQL store at {self._where}: the table is {found} "
+                f"(partitioned={str(partitioned).lower()}) but the store was opened "
+                f"{opened} (partitioned={str(self.partitioned).lower()}); the mode is fixed "
+                "when the table is created: open it in its own mode or use another table"
+            )
+        if partitioned:
+            match = _PARENT_INTERVAL.search(row[1] or "") if row else None
+            if match is None:
+                raise SchemaModeError(
+                    f"PostgreSQL store at {self._where}: a partitioned table that retrysafe "
+                    "did not create (its comment names no partition_interval)"
+                )
+            interval = float(match.group(1))
+            if self._interval_given and interval != self.partition_interval:
+                raise SchemaModeError(
+                    f"PostgreSQL store at {self._where}: the table is partitioned with "
+                    f"partition_interval={interval:g}s, not {self.partition_interval:g}s; "
+                    "the interval is fixed when the table is created"
+                )
+            self.partition_interval = interval
+
+    def _lowers_ahead(self, now: float, have: set[float]) -> Iterator[float]:
+        """Lower bounds of the partitions missing from ``have`` between the one that
+        holds ``now`` and ``now + partition_ahead + 2 intervals``."""
+        step = self.partition_interval
+        lower = math.floor(now / step) * step
+        end = now + self.partition_ahead + 2 * step
+        while lower < end:
+            if lower not in have:
+                yield lower
+            lower += step
 
     def _check_version(self, row: Sequence[Any] | None) -> int:
         version = int(row[0]) if row else 0
@@ -791,7 +1306,13 @@ class PostgresStore(Store[_Op]):
                             self._migrated = True
                 cur = conn.store_cursor()
                 while True:
-                    cur.execute(op.query, op.params)
+                    try:
+                        cur.execute(op.query, op.params)
+                    except psycopg.Error as exc:
+                        if op.recover is None:
+                            raise
+                        op = op.recover(op, exc)
+                        continue
                     result = op.parse(cur.rowcount, cur.fetchone() if _has_rows(cur) else None)
                     if result.__class__ is not _Op:
                         return result
@@ -820,7 +1341,13 @@ class PostgresStore(Store[_Op]):
                             self._migrated = True
                 cur = conn.store_cursor()
                 while True:
-                    await cur.execute(op.query, op.params)
+                    try:
+                        await cur.execute(op.query, op.params)
+                    except psycopg.Error as exc:
+                        if op.recover is None:
+                            raise
+                        op = op.recover(op, exc)
+                        continue
                     row = await cur.fetchone() if _has_rows(cur) else None
                     result = op.parse(cur.rowcount, row)
                     if result.__class__ is not _Op:
@@ -853,6 +1380,13 @@ class PostgresStore(Store[_Op]):
     # -- operations ------------------------------------------------------------------
 
     def _claim(self, record: Record, statements: int = 1) -> _Op:
+        if self.partitioned:
+            return _Op(
+                self._q_pclaim,
+                record_params(record),
+                _pclaimed,
+                partial(self._pclaim_recover, record, statements),
+            )
         params = (record.key_hash, *record_params(record))
         return _Op(self._q_claim, params, partial(self._claimed, record, statements))
 
@@ -892,6 +1426,22 @@ class PostgresStore(Store[_Op]):
         self._check_statements(statements)
         return self._claim(record, statements + 1)
 
+    def _pclaim_recover(self, record: Record, statements: int, op: _Op, exc: psycopg.Error) -> _Op:
+        """A partitioned claim that failed: make the partition its row needs, or run it again.
+
+        The row's ``expires_at`` had no partition (beyond the ones made ahead, or in a
+        range a sweep just detached): add it in a transaction of its own (the claim's
+        failed and released everything), then claim again. A serialization failure
+        (a row moved under a statement) only means: look again.
+        """
+        if not (_no_partition(exc) or exc.sqlstate == "40001"):
+            raise exc
+        self._check_statements(statements)
+        again = self._claim(record, statements + 1)
+        if exc.sqlstate == "40001":
+            return again
+        return _Op(self._q_add_partition, (record.expires_at,), lambda rowcount, row: again)
+
     def _check_statements(self, statements: int) -> None:
         """Give up on a claim that keeps losing races (a bug, or a pathological writer)."""
         if statements >= _MAX_CLAIM_STATEMENTS:
@@ -903,22 +1453,22 @@ class PostgresStore(Store[_Op]):
 
     def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
         params = (*outcome_params(outcome), now, now, key_hash, token)
-        return _Op(self._q_complete, params, _changed)
+        return _Op(self._q_complete, params, _changed, self._moved)
 
     def _fail(
         self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
     ) -> _Op:
         params = (*outcome_params(outcome), bool(final), now, key_hash, token)
-        return _Op(self._q_fail, params, _changed)
+        return _Op(self._q_fail, params, _changed, self._moved)
 
     def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
-        return _Op(self._q_renew, (lease_until, now, key_hash, token), _changed)
+        return _Op(self._q_renew, (lease_until, now, key_hash, token), _changed, self._moved)
 
     def _get(self, key_hash: str) -> _Op:
         return _Op(self._q_get, (key_hash,), _record_or_none)
 
     def _delete(self, key_hash: str) -> _Op:
-        return _Op(self._q_delete, (key_hash,), _changed)
+        return _Op(self._q_delete, (key_hash,), _changed, self._moved)
 
     # -- operations work (sweeper, CLI): sync, never on the request path ---------------
 
@@ -954,12 +1504,120 @@ class PostgresStore(Store[_Op]):
             return conn.store_cursor().execute(query, params).fetchall()
 
     def sweep(self, now: float, limit: int = 1000) -> SweepBatch:
+        """One bounded sweep step (see :meth:`Store.sweep`).
+
+        A partitioned table deletes no rows one by one: a step drops at most one
+        partition that holds only expired records, however many (``limit`` bounds
+        row deletes, so it does not apply), after finishing what an interrupted
+        sweep left behind; see :meth:`_psweep`.
+        """
+        if self.partitioned:
+            return self._psweep(now)
+
         def parse(rowcount: int, row: Sequence[Any] | None) -> SweepBatch:
             assert row is not None
             deleted, archived = int(row[0]), int(row[1])
             return SweepBatch(deleted, archived, done=deleted < limit)
 
         return self._run(_Op(self._q_sweep, (now, limit, now, now), parse))
+
+    def _psweep(self, now: float) -> SweepBatch:
+        """A sweep step on the partitioned table: detach, archive, drop.
+
+        1. Finish an interrupted sweep: a detach left pending is finalized, and a
+           detached partition (found by name, comment and catalog) is archived and
+           dropped like any other; that is the whole step.
+        2. Create the partitions missing up to ``now + partition_ahead + 2 intervals``.
+        3. Take the oldest attached partition whose upper bound is <= ``now`` (its
+           rows are all expired): ``DETACH PARTITION … CONCURRENTLY``, then in one
+           transaction copy its financial rows to the archive (``ON CONFLICT DO
+           NOTHING``), count its rows and ``DROP`` it.
+
+        Detach before archive before drop: a sweep killed at any point leaves either
+        an attached partition, a pending detach or a detached table, and the next
+        step goes on from there; the archive's key absorbs a second copy. Claims
+        are never blocked: a concurrent detach locks the parent in SHARE UPDATE
+        EXCLUSIVE mode, new queries stop seeing the partition at once, and it waits
+        for the ones that still do; the drop locks only the detached table. Every
+        lock wait is bounded by ``lock_timeout``; a step that times out (a long
+        transaction on the table) stops there and reports done, and the next sweep
+        takes it up. Only one sweep works on a table at a time (a session advisory
+        lock); another one returns at once with nothing done.
+        """
+        pn = self._pnames
+        deleted = archived = 0
+        with self._ops_connection() as conn:
+            cur = conn.cursor()
+            if not cur.execute("SELECT pg_try_advisory_lock(%s)", (pn.sweep_lock,)).fetchone()[0]:
+                return SweepBatch(0, 0, done=True)
+            try:
+                cur.execute("SELECT set_config('lock_timeout', %s, false)", (_DDL_LOCK_TIMEOUT,))
+                parts = self._partitions(cur)
+                for part in parts:
+                    if part.pending:
+                        cur.execute(
+                            sql.SQL("ALTER TABLE {} DETACH PARTITION {} FINALIZE").format(
+                                self._names.table, part.name
+                            )
+                        )
+                leftovers = cur.execute(self._q_leftovers, self._leftover_args).fetchall()
+                for schema, name in leftovers:
+                    rows, copied = self._archive_and_drop(conn, sql.Identifier(schema, name), now)
+                    deleted += rows
+                    archived += copied
+                if leftovers:
+                    return SweepBatch(deleted, archived, done=False)
+
+                have = {p.lower for p in parts if not p.pending}
+                for lower in self._lowers_ahead(now, have):
+                    cur.execute(self._q_add_partition, (lower,))
+
+                expired = sorted(
+                    (p for p in parts if not p.pending and p.upper <= now), key=lambda p: p.upper
+                )
+                if not expired:
+                    return SweepBatch(0, 0, done=True)
+                cur.execute(
+                    sql.SQL("ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY").format(
+                        self._names.table, expired[0].name
+                    )
+                )
+                rows, copied = self._archive_and_drop(conn, expired[0].name, now)
+                return SweepBatch(rows, copied, done=len(expired) == 1)
+            except psycopg.errors.LockNotAvailable:
+                return SweepBatch(deleted, archived, done=True)
+            finally:
+                cur.execute("RESET lock_timeout")
+                cur.execute("SELECT pg_advisory_unlock(%s)", (pn.sweep_lock,))
+
+    def _partitions(self, cur: psycopg.Cursor[Any]) -> list[_Partition]:
+        """The partitions attached to the table (or with a detach pending), from the catalog."""
+        found = []
+        for schema, name, pending, bound in cur.execute(self._q_partitions, (self._table_name,)):
+            match = _BOUNDS.search(bound or "")
+            if match is not None:  # not a range with finite bounds: not one of ours
+                lower, upper = float(match.group(1)), float(match.group(2))
+                found.append(_Partition(sql.Identifier(schema, name), lower, upper, pending))
+        return found
+
+    def _archive_and_drop(
+        self, conn: _Connection, part: sql.Identifier, now: float
+    ) -> tuple[int, int]:
+        """Copy a detached partition's financial rows to the archive, count its rows and
+        drop it, in one transaction: (rows, newly archived)."""
+        moved = sql.SQL(
+            "WITH archived AS (INSERT INTO {archive} ({archive_cols}) "
+            "SELECT {cols}, %s FROM {part} WHERE retention = 'financial' "
+            "ON CONFLICT (key_hash, token) DO NOTHING RETURNING 1) "
+            "SELECT (SELECT count(*) FROM {part}), (SELECT count(*) FROM archived)"
+        ).format(
+            archive=self._names.archive, archive_cols=self._archive_cols, cols=self._cols, part=part
+        )
+        with conn.transaction():
+            cur = conn.cursor()
+            rows, copied = cur.execute(moved, (now,)).fetchone()
+            cur.execute(sql.SQL("DROP TABLE {}").format(part))
+        return int(rows), int(copied)
 
     def records(
         self,
