@@ -57,6 +57,14 @@ def make_spec(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> Stor
     if name == "postgres":
         server = request.getfixturevalue("postgres_server")
         return StoreSpec(name, server.url, {"table": f"t_{tag}"})
+    if name == "postgres-partitioned":
+        # Not in STORES: tests/test_postgres_partitioned.py runs the shared suites on it.
+        # Partitions of 30 minutes, so that the tests' clock (moved by hours) makes
+        # sweeps drop them; an hour ahead keeps the number of tables small.
+        server = request.getfixturevalue("postgres_server")
+        options = {"table": f"t_{tag}", "partitioned": True,
+                   "partition_interval": 1800.0, "partition_ahead": 3600.0}  # fmt: skip
+        return StoreSpec(name, server.url, options)
     raise AssertionError(name)
 
 
