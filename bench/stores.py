@@ -823,7 +823,7 @@ def git_state() -> str:
     def git(*args: str) -> str:
         return subprocess.run(
             ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
+        ).stdout.rstrip()  # porcelain lines start with a space: keep it
 
     try:
         commit = git("rev-parse", "--short", "HEAD")
