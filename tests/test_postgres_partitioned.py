@@ -319,6 +319,25 @@ def test_a_claim_beyond_the_partitions_made_ahead_creates_its_own(
         store.close()
 
 
+def test_a_partition_that_stays_missing_ends_in_a_clear_error(
+    store_spec: StoreSpec, clock: Clock
+) -> None:
+    """If the partition a claim needs never shows up (here: making it is a no-op), the
+    claim backs off on the server and gives up with an error naming the cause."""
+    store = store_spec.open()
+    try:
+        store.get("0" * 64)  # the schema exists
+        store._q_add_partition = "SELECT %s::text"  # "there already is one", but none
+        engine = Engine(store, ttl=400 * HOUR, clock=clock)
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailableError) as info:
+            engine.begin("nowhere", operation=OP)
+        assert "no partition" in str(info.value) and "100 statements" in str(info.value)
+        assert time.monotonic() - started > 1.0  # it waited between tries
+    finally:
+        store.close()
+
+
 # -- sweeps drop whole partitions ----------------------------------------------------------
 
 

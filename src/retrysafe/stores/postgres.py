@@ -1436,18 +1436,26 @@ class PostgresStore(Store[_Op]):
         """
         if not (_no_partition(exc) or exc.sqlstate == "40001"):
             raise exc
-        self._check_statements(statements)
+        self._check_statements(statements, exc)
         again = self._claim(record, statements + 1)
         if exc.sqlstate == "40001":
             return again
-        return _Op(self._q_add_partition, (record.expires_at,), lambda rowcount, row: again)
+        add = _Op(self._q_add_partition, (record.expires_at,), lambda rowcount, row: again)
+        if statements < 4:
+            return add
+        # The partition was there when asked, and still the row found none: another
+        # session is attaching it, or a sweep detaching it. Wait a little (on the
+        # server, so the sync and async executors alike never block) and look again.
+        delay = min(0.002 * statements, 0.05)
+        return _Op("SELECT pg_sleep(%s)", (delay,), lambda rowcount, row: add)
 
-    def _check_statements(self, statements: int) -> None:
+    def _check_statements(self, statements: int, last: BaseException | None = None) -> None:
         """Give up on a claim that keeps losing races (a bug, or a pathological writer)."""
         if statements >= _MAX_CLAIM_STATEMENTS:
+            why = f"; the last: {str(last).strip()}" if last is not None else ""
             raise StoreUnavailableError(
                 f"PostgreSQL store at {self._where}: a claim ran {statements} statements "
-                "without settling (concurrent writers kept changing the key)",
+                f"without settling (concurrent writers kept changing the key{why})",
                 retry_after=1.0,
             )
 
