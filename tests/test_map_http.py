@@ -149,3 +149,23 @@ def test_a_map_object_works_too() -> None:
     assert payment.engine.retention == "financial" and payment.engine.ttl == 7 * 86400
     assert mw.policy.select("GET", "/orders") is None
     assert mw.policy.select("POST", "/other") is mw.policy
+
+
+def test_star_routes_protect_writes_and_rest_patterns_take_any_character() -> None:
+    from retrysafe import Operation, Route
+    from retrysafe.asgi import IdempotencyMiddleware
+
+    imap = IdempotencyMap(
+        [Operation("payment", key="payment:{order_id}", scope="order")],
+        [Route("*", "/pay/{x}", "payment"), Route("POST", "/payments/*", "payment")],
+    )
+    policy = IdempotencyMiddleware(lambda *a: None, store="memory://", map=imap).policy
+    for method in ("POST", "PUT", "PATCH", "DELETE"):
+        chosen = policy.select(method, "/pay/1")
+        assert chosen is not None and chosen.operation == "payment", method
+    # A CORS preflight never carries the key: "*" must not demand one from it.
+    for method in ("OPTIONS", "GET", "HEAD"):
+        assert policy.select(method, "/pay/1") is None, method
+    # A decoded %0A in the path must not slip past a rest-of-path route.
+    chosen = policy.select("POST", "/payments/a\nb")
+    assert chosen is not None and chosen.operation == "payment"

@@ -435,7 +435,9 @@ class HttpPolicy:
         if self.map is not None:
             found = self.map.route(method, path)
             if found is not None:
-                return self._routes[found[0]]
+                policy = self._routes[found[0]]
+                if method in policy.methods:
+                    return policy
         return self if method in self.methods else None
 
     # -- the request -------------------------------------------------------------
@@ -672,4 +674,6 @@ def _route_policy(
     )  # fmt: skip
 
 
-_ALL_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+#: What a route with method "*" protects: the methods that change state. GET, HEAD
+#: and OPTIONS (a CORS preflight never carries the key) get the middleware's options.
+_ALL_METHODS = ("POST", "PUT", "PATCH", "DELETE")

@@ -514,7 +514,7 @@ class _Path:
             bare += "/" + re.escape(segment)
             shape += "/" + segment
         self.literal = pattern if literal else None
-        self.named = re.compile(named)
+        self.named = re.compile(named, re.DOTALL)  # a decoded "%0A" is part of the rest
         self.bare = bare
         self.names = tuple(names)
         self.shape = shape
@@ -655,7 +655,7 @@ class _Table:
             group += len(compiled.names) + 1
             self.slots[group] = (route, compiled.names, groups)
             parts.append(f"{compiled.bare}()")
-        self.regex = re.compile("|".join(parts)) if parts else None
+        self.regex = re.compile("|".join(parts), re.DOTALL) if parts else None
 
 
 def _rebuild_route(data: dict[str, Any]) -> Route:
