@@ -145,7 +145,14 @@ _SWEEP_ARCHIVE = (
     f"WHERE key_hash IN ({_DOOMED}) AND expires_at <= ?1 AND retention = 'financial' "
     "ON CONFLICT DO NOTHING"
 )
-_SWEEP_DELETE = f"DELETE FROM retrysafe_records WHERE key_hash IN ({_DOOMED}) AND expires_at <= ?1"
+# A financial row goes only once its copy is in the archive: the two statements pick
+# their rows by the same subquery, and this guard keeps that from being what
+# stands between a financial record and its loss.
+_SWEEP_DELETE = (
+    f"DELETE FROM retrysafe_records WHERE key_hash IN ({_DOOMED}) AND expires_at <= ?1 "
+    "AND (retention <> 'financial' OR EXISTS (SELECT 1 FROM retrysafe_archive AS a "
+    "WHERE a.key_hash = retrysafe_records.key_hash AND a.token = retrysafe_records.token))"
+)
 _ARCHIVE_INSERT = (
     f"INSERT INTO retrysafe_archive ({_ARCHIVE_COLS}) "
     f"VALUES ({', '.join('?' * len(ARCHIVE_COLUMNS))}) ON CONFLICT DO NOTHING"
@@ -289,7 +296,8 @@ class SQLiteStore(Store[_Op]):
                     conn.execute(f"PRAGMA user_version={target}")
                 conn.execute("COMMIT")
             except BaseException:
-                conn.execute("ROLLBACK")
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
                 raise
         self._migrated = True
 
@@ -405,11 +413,11 @@ class SQLiteStore(Store[_Op]):
         conn.execute(f"BEGIN {mode}")
         try:
             yield
+            conn.execute("COMMIT")  # inside: a failed commit must not leave the lock held
         except BaseException:
             if conn.in_transaction:  # some errors (a full disk) end it already
                 conn.execute("ROLLBACK")
             raise
-        conn.execute("COMMIT")
 
     #: Seconds of statement work one sweep transaction aims at; the rows it moves
     #: adapt to their measured cost. With its commit it holds the write lock for
