@@ -208,7 +208,10 @@ def test_archive_as_a_store(request: pytest.FixtureRequest, tmp_path: Path) -> N
     archive = open_store("memory://")
     store = _open(request, tmp_path, archive=archive)
     assert store.archive is archive
+    closed: list[bool] = []
+    archive.close = lambda: closed.append(True)  # type: ignore[method-assign]
     store.close()
+    assert closed == []  # the caller's store: the caller closes it
 
 
 @pytest.mark.parametrize(
@@ -217,6 +220,7 @@ def test_archive_as_a_store(request: pytest.FixtureRequest, tmp_path: Path) -> N
         ("redis://127.0.0.1:6379/1", ValueError),
         ("ftp://example.com/a", ValueError),
         ("", ValueError),
+        ("memory://", ValueError),  # would vanish with the process: records lost
         (42, TypeError),
     ],
 )
@@ -230,9 +234,9 @@ def test_archive_must_be_an_archiving_store(
 
 
 def test_two_archives_are_refused(redis_server: Any) -> None:
-    url = f"{redis_server.url}?archive={quote('memory://', safe='')}"
+    url = f"{redis_server.url}?archive={quote('sqlite:///a.db', safe='')}"
     with pytest.raises(ValueError, match="two archives"):
-        RedisStore(url, archive="memory://")
+        RedisStore(url, archive="sqlite:///b.db")
 
 
 def test_an_archive_password_is_redacted(redis_server: Any) -> None:
