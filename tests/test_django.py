@@ -447,9 +447,12 @@ def test_the_store_defaults_to_retrysafe_store(
         ({"store": "mysql://db"}, "RETRYSAFE: unknown store URL"),
         ({"ttl": "1h"}, "RETRYSAFE: ttl must be a number of seconds"),
         ({"scope": "nowhere.who"}, "RETRYSAFE: scope 'nowhere.who' is not the dotted path"),
+        ({"store": "memory://", "map": "/nonexistent/idempotency.toml"},
+         "RETRYSAFE: .*idempotency.toml"),
     ],
-    ids=["not-a-dict", "unknown-name", "bad-choice", "bad-type", "bad-url", "bad-ttl", "bad-path"],
-)
+    ids=["not-a-dict", "unknown-name", "bad-choice", "bad-type", "bad-url", "bad-ttl", "bad-path",
+         "missing-map"],
+)  # fmt: skip
 def test_a_bad_setting_is_a_clear_error_when_django_loads(setting: Any, message: str) -> None:
     from django.core.handlers.wsgi import WSGIHandler
 

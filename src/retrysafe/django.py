@@ -161,7 +161,7 @@ def _policy(overrides: Mapping[str, Any]) -> HttpPolicy:
                 ) from exc
     try:
         return HttpPolicy(**options)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OSError) as exc:  # OSError: a map file that cannot be read
         raise ImproperlyConfigured(f"settings.RETRYSAFE: {exc}") from exc
 
 
