@@ -1288,22 +1288,32 @@ class PostgresStore(Store[_Op]):
     # The two executors: take a live pooled connection (skipping idle ones the server
     # dropped, see _closed_by_server), migrate once if due, run the op's statement.
 
+    def _checkout(self, pool: ConnectionPool[_Connection]) -> _Connection:
+        """A live pooled connection (skipping idle ones the server dropped), the schema
+        migrated once; the caller puts it back."""
+        conn = pool.getconn()
+        for _ in range(self.max_size):
+            if not _closed_by_server(conn):
+                break
+            conn.close()  # the pool replaces a closed connection
+            pool.putconn(conn)
+            conn = pool.getconn()
+        if not self._migrated:
+            try:
+                with self._lock:
+                    if not self._migrated:
+                        _drive(conn, self._migration())
+                        self._migrated = True
+            except BaseException:
+                pool.putconn(conn)
+                raise
+        return conn
+
     def _run(self, op: _Op) -> Any:
         try:
             pool = self._pool or self._sync_pool()
-            conn = pool.getconn()
-            for _ in range(self.max_size):
-                if not _closed_by_server(conn):
-                    break
-                conn.close()  # the pool replaces a closed connection
-                pool.putconn(conn)
-                conn = pool.getconn()
+            conn = self._checkout(pool)
             try:
-                if not self._migrated:
-                    with self._lock:
-                        if not self._migrated:
-                            _drive(conn, self._migration())
-                            self._migrated = True
                 cur = conn.store_cursor()
                 while True:
                     try:
@@ -1482,25 +1492,11 @@ class PostgresStore(Store[_Op]):
 
     @contextmanager
     def _ops_connection(self) -> Iterator[_Connection]:
-        """A live, migrated pooled connection for work of several statements or rows.
-
-        The checks of :meth:`_run`, kept out of its way: the request path stays as is.
-        """
+        """A live, migrated pooled connection for work of several statements or rows."""
         try:
             pool = self._pool or self._sync_pool()
-            conn = pool.getconn()
-            for _ in range(self.max_size):
-                if not _closed_by_server(conn):
-                    break
-                conn.close()
-                pool.putconn(conn)
-                conn = pool.getconn()
+            conn = self._checkout(pool)
             try:
-                if not self._migrated:
-                    with self._lock:
-                        if not self._migrated:
-                            _drive(conn, self._migration())
-                            self._migrated = True
                 yield conn
             finally:
                 pool.putconn(conn)  # the pool rolls back a transaction left open
