@@ -69,7 +69,6 @@ import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import random  # noqa: E402
 import secrets  # noqa: E402
 import shlex  # noqa: E402
@@ -86,7 +85,6 @@ from datetime import UTC, datetime  # noqa: E402
 from types import ModuleType, SimpleNamespace  # noqa: E402
 from typing import Any  # noqa: E402
 
-import retrysafe  # noqa: E402
 from retrysafe import Claim, Engine, Outcome, Record, Status, open_store  # noqa: E402
 from retrysafe._keys import key_hash  # noqa: E402
 from retrysafe._record import FINANCIAL, STANDARD  # noqa: E402
@@ -618,54 +616,16 @@ def start_postgres(stack: contextlib.ExitStack) -> str:
     return str(server.url)
 
 
-def git_state() -> str:
-    """The commit measured, and which files under src/ differ from it."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.rstrip()  # porcelain lines start with a space: keep it
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD")
-        changed = sorted(
-            line[3:] for line in git("status", "--porcelain", "--", "src").splitlines()
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "not a git checkout"
-    if not changed:
-        return f"git {commit}, clean"
-    return f"git {commit} plus uncommitted changes to {', '.join(changed)}"
-
-
-def machine_info() -> dict[str, str]:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {
-        "CPU": f"{cpu}, {os.cpu_count()} logical CPUs (os.cpu_count())",
-        "load average at start (1, 5, 15 min)": _load_average(),
-        "load average at end": "?",  # filled in when the run ends
-        "OS": platform.platform(),
-        "Python": f"{platform.python_implementation()} {platform.python_version()}",
-        "retrysafe": f"{retrysafe.__version__} ({git_state()})",
-    }
+# The machine and the commit measured, described as bench/stores.py describes them.
+_stores = _load("_rsbench_stores", HERE / "stores.py")
+machine_info = _stores.machine_info
+_version = _stores._version
 
 
 def _load_average() -> str:
     if not hasattr(os, "getloadavg"):
         return "?"
     return ", ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
 
 
 # -- output ---------------------------------------------------------------------------------
