@@ -427,6 +427,7 @@ class _Plan:
                 key=self.key,
                 original_fingerprint=found.fingerprint,
                 fingerprint=self.fingerprint,
+                original_request_id=found.request_id,
             )
         now = record.updated_at
         # The wait is bounded on the monotonic clock: the engine's clock may be frozen.
@@ -438,6 +439,7 @@ class _Plan:
                 "a request with this idempotency key is still in progress",
                 key=self.key,
                 retry_after=retry_after(found, now),
+                original_request_id=found.request_id,
             )
         pause = min(self.delay, self.deadline - tick, max(found.lease_until - now, 0.001))
         self.delay = min(self.delay * 2, 0.25)

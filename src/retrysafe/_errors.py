@@ -29,10 +29,18 @@ class InProgressError(IdempotencyError):
 
     code = "idempotency_in_flight"
 
-    def __init__(self, message: str, *, key: str = "", retry_after: float = 1.0) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str = "",
+        retry_after: float = 1.0,
+        original_request_id: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.key = key
         self.retry_after = retry_after
+        self.original_request_id = original_request_id
 
 
 class FingerprintMismatchError(IdempotencyError):
@@ -41,12 +49,19 @@ class FingerprintMismatchError(IdempotencyError):
     code = "idempotency_conflict"
 
     def __init__(
-        self, message: str, *, key: str = "", original_fingerprint: str = "", fingerprint: str = ""
+        self,
+        message: str,
+        *,
+        key: str = "",
+        original_fingerprint: str = "",
+        fingerprint: str = "",
+        original_request_id: str | None = None,
     ) -> None:
         super().__init__(message)
         self.key = key
         self.original_fingerprint = original_fingerprint
         self.fingerprint = fingerprint
+        self.original_request_id = original_request_id
 
 
 class LeaseLostError(IdempotencyError):

@@ -1,0 +1,84 @@
+"""ASGI plumbing shared by the front doors that speak JSON over HTTP (mesh, a2a)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from typing import Any
+
+__all__ = [
+    "ASGIApp",
+    "BodyTooLarge",
+    "Message",
+    "Receive",
+    "Scope",
+    "Send",
+    "header",
+    "read_body",
+    "send_json",
+    "send_response",
+]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class BodyTooLarge(Exception):
+    """The request body passed the limit given to :func:`read_body`."""
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    """The first value of the (lower-case) header ``name``, or None."""
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body (at most ``limit`` bytes), or None if the client left.
+
+    Raises :class:`BodyTooLarge` past ``limit``.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(f"request body over {limit} bytes")
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def send_response(
+    send: Send, status: int, headers: Iterable[tuple[str, str]], body: bytes
+) -> None:
+    """Send a whole response in one start and one body message."""
+    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+    raw.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+
+
+async def send_json(
+    send: Send,
+    status: int,
+    value: Any,
+    headers: Iterable[tuple[str, str]] = (),
+    media_type: str = "application/json",
+) -> None:
+    """Send ``value`` as a compact UTF-8 JSON response."""
+    body = _JSON(value).encode()
+    await send_response(send, status, [("content-type", media_type), *headers], body)
