@@ -44,7 +44,12 @@ class Harness:
         wrapped = idempotent(**options)(async_body)
         loop = self.loop
         assert loop is not None
-        return lambda *a, **k: loop.run_until_complete(wrapped(*a, **k))
+
+        def run(*a: Any, **k: Any) -> Any:
+            return loop.run_until_complete(wrapped(*a, **k))
+
+        run.operation = wrapped.operation  # type: ignore[attr-defined]
+        return run
 
     def close(self) -> None:
         if self.loop is not None:
@@ -180,9 +185,11 @@ def test_bad_key_runs_nothing(h: Harness, engine: Engine) -> None:
     for bad in ("", "é", "x" * 256, "a\nb"):
         with pytest.raises(InvalidKeyError):
             f(bad)
-    g = h.wrap(lambda k: calls.append(k), store=engine, key="{missing}")
-    with pytest.raises(InvalidKeyError, match="template"):
-        g(1)
+    with pytest.raises(ValueError, match=r"\{missing\} is not an argument"):
+        h.wrap(lambda k: calls.append(k), store=engine, key="{missing}")  # refused at decoration
+    g = h.wrap(lambda k: calls.append(k), store=engine, key="{k[id]}")
+    with pytest.raises(InvalidKeyError, match="has no value"):
+        g({"other": 1})
     assert calls == []
 
 
@@ -194,7 +201,7 @@ def test_unserialisable_result_fails_the_record_finally(h: Harness, engine: Engi
         return object()  # the side effect ran; its answer cannot be stored
 
     f = h.wrap(fn, store=engine, key="{n}")
-    with pytest.raises(TypeError, match="JSON value"):
+    with pytest.raises(TypeError, match="cannot be stored"):
         f(1)
     with pytest.raises(IdempotencyError, match="failed finally"):
         f(1)  # a retry is told, and runs nothing
@@ -291,3 +298,214 @@ def test_varargs_and_keyword_only_bind(store: Store[Any]) -> None:
 
     assert fn(1, 2, 3, scale=2) == fn(1, 2, 3, scale=2) == 12
     assert fn(1, 2, 3) == 6 and len(calls) == 2
+
+
+# -- keys ---------------------------------------------------------------------------
+
+
+class Account:
+    def __init__(self, account_id: str) -> None:
+        self.account_id = account_id
+        self.calls = 0
+
+    @idempotent(store="memory://", key="{self.account_id}:{amount}")
+    def charge(self, amount: int) -> str:
+        self.calls += 1
+        return f"{self.account_id}-{amount}"
+
+    @idempotent(store="memory://", key="{self.account_id}:{amount}")
+    async def acharge(self, amount: int) -> str:
+        self.calls += 1
+        return f"{self.account_id}-{amount}"
+
+
+def test_templates_reach_into_arguments(h: Harness, engine: Engine) -> None:
+    calls: list[Any] = []
+
+    def fn(order: dict[str, Any], user: Any, n: int, tags: list[str]) -> int:
+        calls.append(n)
+        return n
+
+    class User:
+        id = "u7"
+
+    f = h.wrap(fn, store=engine, key="{order[id]}/{user.id}/{n:04d}/{tags[0]!r}", validate=("n",))
+    assert f({"id": "o1"}, User(), 3, ["a"]) == 3 == f({"id": "o1"}, User(), 3, ["a"])
+    assert calls == [3]
+    expected = "o1/u7/0003/'a'"
+    assert engine.store.get(key_hash("", f.operation, expected)) is not None
+
+
+def test_method_templates_may_use_self() -> None:
+    a, b = Account("acct_a"), Account("acct_b")
+    assert a.charge(5) == "acct_a-5" and a.charge(5) == "acct_a-5"
+    assert b.charge(5) == "acct_b-5"  # another account: another key
+    assert (a.calls, b.calls) == (1, 1)
+    assert asyncio.run(a.acharge(6)) == asyncio.run(a.acharge(6)) == "acct_a-6" and a.calls == 2
+
+
+def test_missing_key_raises_by_default_and_writes_nothing(h: Harness, engine: Engine) -> None:
+    calls: list[Any] = []
+    f = h.wrap(lambda order: calls.append(order), store=engine, key="order:{order[id]}")
+    for order in ({}, {"id": None}, {"id": ""}, [], None):
+        with pytest.raises(InvalidKeyError, match="has no value"):
+            f(order)
+    g = h.wrap(lambda order: calls.append(order), store=engine, key=lambda order: None)
+    with pytest.raises(InvalidKeyError):
+        g({"id": 1})
+    assert calls == [] and not engine.store.stats(engine.clock()).counts
+
+
+def test_missing_key_may_run_unprotected(
+    h: Harness, engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls: list[Any] = []
+    f = h.wrap(
+        lambda order: calls.append(order) or len(calls),
+        store=engine, key="{order[id]}", raise_on_missing_key=False,
+    )  # fmt: skip
+    assert f({}) == 1 and f({}) == 2  # no key: runs every time, unprotected
+    assert f({"id": 9}) == 3 and f({"id": 9}) == 3  # a key: once
+    assert "without idempotency" in caplog.text
+    bad = h.wrap(lambda k: k, store=engine, key="{k}", raise_on_missing_key=False)
+    with pytest.raises(InvalidKeyError):
+        bad("é")  # a key that is there but malformed is always an error
+
+
+def test_operation_from_the_map(h: Harness, store: Store[Any], clock: Clock) -> None:
+    from retrysafe import IdempotencyMap
+
+    payment = IdempotencyMap.default().operations["payment"]
+    calls: list[Any] = []
+
+    def pay(order_id: str, amount: int, currency: str, timestamp: int, card: str) -> str:
+        calls.append(amount)
+        return f"paid {amount}"
+
+    f = h.wrap(pay, store=Engine(store, clock=clock, ttl=30 * 24 * 3600), operation=payment)
+    args = ("o_1", 500, "EUR", 1702500000, "tok_visa")
+    assert f(*args) == f(*args) == "paid 500" and calls == [500]
+    key = payment.build(order_id="o_1", amount=500, currency="EUR", timestamp=1702500000)
+    record = store.get(key_hash("", "payment", key))
+    assert record is not None and record.retention == "financial"
+    assert record.expires_at - record.created_at == pytest.approx(payment.ttl)
+
+
+def test_bad_options_are_refused_at_decoration() -> None:
+    with pytest.raises(TypeError):
+        idempotent(key=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        idempotent(validate=[1])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="must name an argument"):
+        idempotent(key="{}")(lambda a: a)
+    with pytest.raises(ValueError, match="not an argument"):
+        idempotent(validate=("amount",))(lambda a: a)
+    with pytest.raises(TypeError, match="exception classes"):
+        idempotent(final_failures=(int,))(lambda a: a)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        idempotent(serializer=5)(lambda a: a)
+
+
+# -- validate= -------------------------------------------------------------------
+
+
+def test_validate_names_the_arguments_that_conflict(h: Harness, engine: Engine) -> None:
+    calls: list[Any] = []
+
+    def charge(order: dict[str, Any], amount: int, note: str) -> int:
+        calls.append(amount)
+        return amount
+
+    f = h.wrap(charge, store=engine, key="{order[id]}", validate=("order[currency]", "amount"))
+    assert f({"id": 1, "currency": "EUR"}, 100, "first") == 100
+    # A change outside the validated paths is the same request: replayed.
+    assert f({"id": 1, "currency": "EUR", "x": 2}, 100, "retry") == 100
+    for order, amount in (({"id": 1, "currency": "USD"}, 100), ({"id": 1, "currency": "EUR"}, 5)):
+        with pytest.raises(FingerprintMismatchError):
+            f(order, amount, "first")
+    assert calls == [100]
+
+
+def test_validate_nothing_never_conflicts(h: Harness, engine: Engine) -> None:
+    f = h.wrap(lambda k, v: v, store=engine, key="{k}", validate=())
+    assert f("a", 1) == 1 and f("a", 2) == 1
+
+
+def test_validate_lets_unhashable_arguments_through(h: Harness, engine: Engine) -> None:
+    conn = object()  # a connection, a client: not part of the request
+    f = h.wrap(lambda db, n: n, store=engine, key="{n}", validate="n")
+    assert f(conn, 1) == f(object(), 1) == 1
+    g = h.wrap(lambda db, n: n, store=engine, key="{n}", operation="g")
+    with pytest.raises(TypeError, match="validate="):
+        g(conn, 1)
+
+
+# -- final failures -------------------------------------------------------------------
+
+
+class CardDeclined(Exception):
+    def __init__(self, reason: str, code: int) -> None:
+        super().__init__(reason, code)
+        self.reason, self.code = reason, code
+
+
+def test_listed_exceptions_are_final_and_raised_again(h: Harness, engine: Engine) -> None:
+    calls: list[Any] = []
+
+    def charge(n: int) -> str:
+        calls.append(n)
+        if n == 1:
+            raise CardDeclined("insufficient funds", 51)
+        raise ConnectionError("gateway down")
+
+    f = h.wrap(charge, store=engine, key="{n}", final_failures=(CardDeclined,))
+    for _ in range(3):
+        with pytest.raises(CardDeclined) as err:
+            f(1)
+        assert (err.value.reason, err.value.code) == ("insufficient funds", 51)
+    assert calls == [1]  # retries raised it again without running
+    for _ in range(2):
+        with pytest.raises(ConnectionError):
+            f(2)  # not listed: retryable
+    assert calls == [1, 2, 2]
+
+
+def test_all_failures_final(h: Harness, engine: Engine) -> None:
+    calls: list[Any] = []
+
+    def fn(n: int) -> str:
+        calls.append(n)
+        raise ValueError("bad amount", n)
+
+    f = h.wrap(fn, store=engine, key="{n}", final_failures=True)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="bad amount"):
+            f(4)
+    assert calls == [4]
+    # Another decorator (another process) knows nothing of the class: a clear error.
+    g = h.wrap(lambda n: n, store=engine, key="{n}", operation=f.operation)
+    with pytest.raises(ValueError):
+        g(4)  # builtins are rebuilt everywhere
+
+    class Private(Exception):
+        pass
+
+    def boom(n: int) -> None:
+        raise Private("secret sauce")
+
+    p = h.wrap(boom, store=engine, key="{n}", final_failures=True, operation="p")
+    with pytest.raises(Private):
+        p(1)
+    other = h.wrap(lambda n: n, store=engine, key="{n}", operation="p")
+    with pytest.raises(IdempotencyError, match="Private: secret sauce"):
+        other(1)
+
+
+def test_engine_final_failures_store_the_error(h: Harness, store: Store[Any], clock: Clock) -> None:
+    f = h.wrap(
+        lambda n: (_ for _ in ()).throw(KeyError("k")),
+        store=Engine(store, clock=clock, final_failures=True), key="{n}",
+    )  # fmt: skip
+    for _ in range(2):
+        with pytest.raises(KeyError):
+            f(1)

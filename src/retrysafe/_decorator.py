@@ -1,46 +1,142 @@
-"""``@idempotent``: the function front door."""
+"""``@idempotent``: the function front door.
+
+Everything that decides is here once, as plain code: :class:`_Call` turns a call
+into (key, options), :class:`_Results` turns a result or an exception into what
+is stored and a stored record back into a result. The sync and async wrappers
+are thin shells that differ only in ``await``.
+"""
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import functools
 import inspect
+import json
+import logging
 import os
+import re
+import string
 import threading
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from ._engine import DEFAULT_LEASE, DEFAULT_TTL, Attempt, Engine, Replay
 from ._errors import IdempotencyError, InvalidKeyError
-from ._keys import fingerprint, validate_key
+from ._keys import _KEY_RE, fingerprint, validate_key
+from ._map import Operation
 from ._record import Outcome
+from .serializers import Serializer, resolve
 from .stores import DEFAULT_STORE_URL, Store, open_store
 
 __all__ = ["idempotent"]
 
+log = logging.getLogger("retrysafe")
+
 F = TypeVar("F", bound=Callable[..., Any])
-KeySpec = str | Callable[..., str] | None
+KeySpec = str | Callable[..., str | None] | None
 StoreSpec = Store[Any] | Engine | str | None
+FinalSpec = bool | type[BaseException] | tuple[type[BaseException], ...]
+
+_FORMATTER = string.Formatter()
+_JSON = json.JSONEncoder(allow_nan=False).encode
+_ROOT = re.compile(r"[^.\[]*")
+_MISSING = object()
+
+
+def _lookup(path: str, arguments: dict[str, Any]) -> Any:
+    """The value at a ``str.format`` field path (``order[id]``, ``self.account``), or _MISSING."""
+    try:
+        return _FORMATTER.get_field(path, (), arguments)[0]
+    except (KeyError, IndexError, AttributeError, TypeError):
+        return _MISSING
+
+
+def _check_paths(what: str, paths: Iterable[str], params: frozenset[str] | None, name: str) -> None:
+    """Refuse, at decoration, a path whose root is not a parameter of the function."""
+    for path in paths:
+        root = _ROOT.match(path).group()  # type: ignore[union-attr]
+        if not root or root.isdigit():
+            raise ValueError(f"{what} field {{{path}}} must name an argument, e.g. {{order[id]}}")
+        if params is not None and root not in params:
+            raise ValueError(
+                f"{what} field {{{path}}} is not an argument of {name}({', '.join(sorted(params))})"
+            )
+
+
+class _Template:
+    """A ``str.format`` key template over the bound arguments, parsed once."""
+
+    def __init__(self, text: str, params: frozenset[str] | None, name: str) -> None:
+        try:
+            self.parts = list(_FORMATTER.parse(text))
+        except ValueError as exc:
+            raise ValueError(f"key template {text!r} is not a str.format template: {exc}") from None
+        self.text = text
+        _check_paths("key template", (p[1] for p in self.parts if p[1] is not None), params, name)
+
+    def render(self, arguments: dict[str, Any]) -> str | None:
+        """The key, or None when a field is absent, None or empty."""
+        out: list[str] = []
+        for literal, path, spec, conversion in self.parts:
+            out.append(literal)
+            if path is None:
+                continue
+            value = _lookup(path, arguments)
+            if value is _MISSING or value is None or value == "":
+                return None
+            if conversion:
+                value = _FORMATTER.convert_field(value, conversion)
+            try:
+                out.append(format(value, spec or ""))
+            except (TypeError, ValueError) as exc:
+                raise InvalidKeyError(
+                    f"key template {self.text!r}: cannot format {{{path}}}: {exc}"
+                ) from None
+        return "".join(out)
 
 
 class _Call:
     """What one call of a decorated function turns into: key, scope, fingerprint."""
 
     def __init__(
-        self, func: Callable[..., Any], key: KeySpec, scope: str | Callable[..., str] | None
+        self,
+        func: Callable[..., Any],
+        key: KeySpec | Operation,
+        scope: str | Callable[..., str] | None,
+        validate: str | Iterable[str] | None,
     ) -> None:
         self.signature = inspect.signature(func)
         params = list(self.signature.parameters.values())
-        # A method's receiver is not part of the request.
+        # A method's receiver is not part of the request (but templates may use it).
         self.skip = params[0].name if params and params[0].name in {"self", "cls"} else None
         # Plain parameters (no *args, **kwargs or keyword-only) bind without inspect.
         plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
         self.names = tuple(p.name for p in params) if plain else None
         self.defaults = {p.name: p.default for p in params if p.default is not p.empty}
-        self.key = key
+        names = frozenset(p.name for p in params if p.kind is not p.VAR_KEYWORD)
+        known = None if any(p.kind is p.VAR_KEYWORD for p in params) else names
+        title = getattr(func, "__qualname__", repr(func))
+        self.template: _Template | None = None
+        self.operation: Operation | None = None
+        self.key_func: Callable[..., Any] | None = None
+        if isinstance(key, Operation):
+            self.operation = key
+            _check_paths("operation key", key.fields, known, title)
+        elif isinstance(key, str):
+            self.template = _Template(key, known, title)
+        elif key is not None:
+            self.key_func = key
+        if isinstance(validate, str):
+            validate = (validate,)
+        self.validate = None if validate is None else tuple(validate)
+        if self.validate is not None:
+            _check_paths("validate", self.validate, known, title)
         self.scope = scope
 
     def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The bound arguments, defaults applied, the receiver left out."""
+        """The bound arguments, defaults applied (the receiver included)."""
         names = self.names
         if names is not None and len(args) <= len(names) and not kwargs.keys() & names[: len(args)]:
             arguments = dict(zip(names, args, strict=False))
@@ -50,35 +146,197 @@ class _Call:
                     arguments.setdefault(name, default)
             if len(arguments) != len(names) or not arguments.keys() <= set(names):
                 arguments = self._bind(args, kwargs)  # raises TypeError as a call would
-        else:
-            arguments = self._bind(args, kwargs)
-        if self.skip is not None:
-            arguments.pop(self.skip, None)
-        return arguments
+            return arguments
+        return self._bind(args, kwargs)
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
         return dict(bound.arguments)
 
-    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, str, str]:
-        """(key, scope, fingerprint) for this call, or :class:`InvalidKeyError`."""
+    def _hash(self, value: Any) -> str:
+        try:
+            return fingerprint(value)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"{exc}: name the arguments that identify a call with validate=(...) "
+                "and give a key="
+            ) from None
+
+    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str | None, str, str]:
+        """(key or None when it is missing, scope, fingerprint) for this call."""
         arguments = self.arguments(args, kwargs)
-        fp = fingerprint(arguments)
-        spec = self.key
-        if spec is None:
-            key = fp  # the whole canonical argument set is the key
-        elif isinstance(spec, str):
-            try:
-                key = spec.format(**arguments)
-            except (KeyError, IndexError, AttributeError, TypeError, ValueError) as exc:
-                raise InvalidKeyError(
-                    f"key template {spec!r} does not fit the arguments: {exc!r}"
-                ) from None
+        request = arguments
+        if self.skip is not None:
+            request = {k: v for k, v in arguments.items() if k != self.skip}
+        if self.validate is None:
+            fp = self._hash(request)
         else:
-            key = spec(*args, **kwargs)
+            fp = self._hash({path: _optional(_lookup(path, arguments)) for path in self.validate})
+        key: Any
+        if self.template is not None:
+            key = self.template.render(arguments)
+        elif self.operation is not None:
+            key = self._operation_key(arguments)
+        elif self.key_func is not None:
+            key = self.key_func(*args, **kwargs)
+            if key == "":
+                key = None
+        else:  # the whole canonical argument set is the key
+            key = fp if self.validate is None else self._hash(request)
+        if key is not None and (type(key) is not str or not _KEY_RE.fullmatch(key)):
+            validate_key(key)  # raises with the reason
         scope = self.scope(*args, **kwargs) if callable(self.scope) else (self.scope or "")
-        return validate_key(key), scope, fp
+        return key, scope, fp
+
+    def _operation_key(self, arguments: dict[str, Any]) -> str | None:
+        op = self.operation
+        assert op is not None
+        values = {}
+        for name in op.fields:
+            value = arguments.get(name)
+            if value is None or value == "":
+                return None
+            values[name] = value
+        return op.build(**values)
+
+    def describe_key(self) -> str:
+        if self.template is not None:
+            return f"key template {self.template.text!r}"
+        if self.operation is not None:
+            return f"operation {self.operation.name!r} key {self.operation.key!r}"
+        return "key callable"
+
+
+def _optional(value: Any) -> Any:
+    return None if value is _MISSING else value
+
+
+class _Results:
+    """How results and final exceptions are stored, and given back on a replay."""
+
+    def __init__(self, func: Callable[..., Any], serializer: Any, final: FinalSpec) -> None:
+        self.func = func
+        self.spec = serializer
+        self._serializer: Serializer | None = None
+        with contextlib.suppress(NameError):  # a forward reference: resolved at the first call
+            self.serializer  # noqa: B018 - resolve now if the annotation can be resolved
+        if final is True or final is False:
+            self.final_all, self.final_types = final, ()
+        else:
+            types = (final,) if isinstance(final, type) else tuple(final)
+            for t in types:
+                if not (isinstance(t, type) and issubclass(t, BaseException)):
+                    raise TypeError(f"final_failures must hold exception classes, not {t!r}")
+            self.final_all, self.final_types = False, types
+        self.seen: dict[str, type[BaseException]] = {}
+
+    @property
+    def serializer(self) -> Serializer:
+        if self._serializer is None:
+            self._serializer = resolve(self.spec, self._return_type())
+        return self._serializer
+
+    def _return_type(self) -> Any:
+        if self.spec is not None:
+            return None
+        target = inspect.unwrap(self.func)
+        annotation = getattr(target, "__annotations__", {}).get("return")
+        if annotation is None:
+            return None
+        try:
+            return typing.get_type_hints(_Returns(annotation), getattr(target, "__globals__", {}))[
+                "return"
+            ]
+        except NameError as exc:
+            raise NameError(
+                f"cannot resolve the return annotation {annotation!r} of "
+                f"{target.__qualname__}: {exc}; pass serializer= explicitly"
+            ) from None
+
+    def check(self) -> None:
+        """Resolve the serializer before anything runs (TypeError if it cannot be)."""
+        if self._serializer is None:
+            try:
+                self.serializer  # noqa: B018
+            except NameError as exc:
+                raise TypeError(str(exc)) from None
+
+    def outcome(self, att: Attempt, value: Any) -> Outcome:
+        """The stored form of a result. The function has run: if its result cannot be
+        stored, the failure is final, so a retry gets the error, not a second run."""
+        try:
+            return Outcome.json(self.serializer.dump(value))
+        except (TypeError, ValueError) as exc:
+            att.final = True
+            raise TypeError(
+                f"the result of an @idempotent function cannot be stored: {exc} (return JSON "
+                "values, annotate the return type, or pass serializer=); the attempt was "
+                "marked failed (final), so retries will not run it again"
+            ) from exc
+
+    def value(self, replay: Replay) -> Any:
+        """The replayed result, or the stored final exception raised again."""
+        outcome = replay.outcome
+        if replay.failed:
+            raise self._rebuild(None if outcome is None else outcome.value)
+        return self.serializer.load(None if outcome is None else outcome.value)
+
+    def final_outcome(self, exc: BaseException, engine: Engine) -> Outcome | None:
+        """The stored form of a final failure, or None when ``exc`` leaves the key retryable."""
+        if not isinstance(exc, Exception):
+            return None
+        if not (self.final_all or engine.final_failures or isinstance(exc, self.final_types)):
+            return None
+        cls = type(exc)
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        self.seen[name] = cls
+        error: dict[str, Any] = {"type": name, "message": str(exc)}
+        with contextlib.suppress(TypeError, ValueError):
+            error["args"] = json.loads(_JSON(list(exc.args)))  # only if JSON round-trips them
+        return Outcome.json({"error": error})
+
+    def _rebuild(self, stored: Any) -> BaseException:
+        error = stored.get("error") if isinstance(stored, dict) else None
+        if not isinstance(error, dict):
+            return IdempotencyError(
+                "an earlier attempt with this key failed finally; it is not run again"
+            )
+        name, message = str(error.get("type")), str(error.get("message", ""))
+        cls = self.seen.get(name) or self._allowed(name)
+        if cls is not None and isinstance(error.get("args"), list):
+            with contextlib.suppress(Exception):
+                return cls(*error["args"])
+        return IdempotencyError(
+            f"an earlier attempt with this key failed finally with {name}: {message}; "
+            "it is not run again"
+        )
+
+    def _allowed(self, name: str) -> type[BaseException] | None:
+        """Only classes this decorator was told about (or built-in ones) are rebuilt:
+        a stored type name never imports anything."""
+        for cls in self.final_types:
+            if f"{cls.__module__}.{cls.__qualname__}" == name:
+                return cls
+        module, _, qualname = name.rpartition(".")
+        found = getattr(builtins, qualname, None) if module == "builtins" else None
+        return found if isinstance(found, type) and issubclass(found, Exception) else None
+
+
+class _Returns:
+    """Carries a return annotation for ``typing.get_type_hints``."""
+
+    def __init__(self, annotation: Any) -> None:
+        self.__annotations__ = {"return": annotation}
+
+
+@contextlib.contextmanager
+def _logged(exc: BaseException) -> Iterator[None]:
+    """Keep the function's own exception when recording its final failure fails."""
+    try:
+        yield
+    except IdempotencyError as error:
+        log.warning("retrysafe: could not record the final failure %r: %s", exc, error)
 
 
 _stores: dict[str, Store[Any]] = {}
@@ -96,64 +354,68 @@ def _shared_store(store: Store[Any] | str | None) -> Store[Any]:
         return _stores[url]
 
 
-def _outcome(att: Attempt, value: Any) -> Outcome:
-    """The stored form of a result. The function has run: if its result cannot be
-    stored, the failure is final, so a retry gets the error, not a second run."""
-    try:
-        return Outcome.json(value)
-    except (TypeError, ValueError) as exc:
-        att.final = True
-        raise TypeError(
-            f"the result of an @idempotent function must be a JSON value: {exc}; "
-            "the attempt was marked failed (final), so retries will not run it again"
-        ) from exc
-
-
-def _replayed(replay: Replay) -> Any:
-    if replay.failed:
-        raise IdempotencyError(
-            "an earlier attempt with this key failed finally; it is not run again"
-        )
-    outcome = replay.outcome
-    return None if outcome is None else outcome.value
-
-
 def idempotent(
     *,
     store: StoreSpec = None,
     key: KeySpec = None,
+    operation: str | Operation | None = None,
+    version: str | int | None = None,
+    validate: str | Iterable[str] | None = None,
+    scope: str | Callable[..., str] | None = None,
     ttl: float | None = None,
     lease: float | None = None,
     wait: float | None = None,
-    operation: str | None = None,
-    version: str | int | None = None,
-    scope: str | Callable[..., str] | None = None,
+    raise_on_missing_key: bool = True,
+    serializer: Any = None,
+    final_failures: FinalSpec = False,
+    retention: str | None = None,
 ) -> Callable[[F], F]:
     """Run a function once per key; repeated calls return the stored result.
 
     ``store``: a Store, a URL or an :class:`Engine` (default: ``RETRYSAFE_STORE``
     or the embedded SQLite file). ``key``: a ``str.format`` template over the
-    bound arguments (``"{order[id]}"``), a callable taking the function's own
-    arguments, or omitted to key on all arguments. The fingerprint covers every
-    argument, so the same key with other arguments raises
-    :class:`FingerprintMismatchError`. ``operation`` and ``version`` name the
-    function in the key hash (default: its qualified name); ``scope`` (a str or
-    a callable over the arguments) separates principals. Results must be JSON
-    values; they replay as decoded JSON (tuples as lists). Works on plain and
-    ``async def`` functions.
+    bound arguments (``"{order[id]}"``; a method's ``self`` too), a callable
+    taking the function's own arguments, or omitted to key on all arguments.
+    ``operation`` and ``version`` name the function in the key hash (default:
+    its qualified name); an :class:`Operation` of an Idempotency Map also gives
+    the key template, ttl, lease, final failures and retention. ``validate``:
+    the argument paths whose change is a conflict (default: all arguments).
+    ``raise_on_missing_key=False`` runs a call whose key is absent, None or
+    empty without idempotency (logged) instead of raising
+    :class:`InvalidKeyError`. ``serializer``: how results are stored (default:
+    by the return annotation; see :mod:`retrysafe.serializers`).
+    ``final_failures``: exception classes (or True for all) that fail the key
+    finally; retries raise them again without running. See docs/decorator.md.
     """
     if key is not None and not isinstance(key, str) and not callable(key):
         raise TypeError("key must be a str.format template or a callable")
+    if validate is not None and not isinstance(validate, str):
+        validate = tuple(validate)
+        if not all(isinstance(v, str) for v in validate):
+            raise TypeError("validate must be argument paths (str), e.g. ('order[amount]',)")
     lock = threading.Lock()
     shared: Engine | None = store if isinstance(store, Engine) else None
+    op_spec = operation if isinstance(operation, Operation) else None
+    if operation is not None and op_spec is None and not isinstance(operation, str):
+        raise TypeError("operation must be a str or an Operation of an IdempotencyMap")
+    if op_spec is not None:
+        ttl = op_spec.ttl if ttl is None else ttl
+        lease = op_spec.lease if lease is None else lease
+        retention = op_spec.retention if retention is None else retention
+        if final_failures is False:
+            final_failures = op_spec.final_failures
     # An engine made here keeps records for this decorator's ttl (a given
     # engine's ttl can only be narrowed per call).
     own_ttl = DEFAULT_TTL if ttl is None else ttl
     own_lease = DEFAULT_LEASE if lease is None else lease
 
     def decorate(func: F) -> F:
-        call = _Call(func, key, scope)
-        op = operation or f"{func.__module__}.{func.__qualname__}"
+        call = _Call(func, op_spec if key is None and op_spec is not None else key, scope, validate)
+        results = _Results(func, serializer, final_failures)
+        if op_spec is not None:
+            op = op_spec.name
+        else:
+            op = operation or f"{func.__module__}.{func.__qualname__}"  # type: ignore[assignment]
         if version is not None:
             op = f"{op}#v{version}"
         engine = shared
@@ -166,21 +428,38 @@ def idempotent(
                         engine = Engine(_shared_store(store), ttl=own_ttl, lease=own_lease)
             return engine
 
-        def options(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+            """The begin options of this call, or None to run it unprotected."""
+            results.check()
             k, s, fp = call.prepare(args, kwargs)
-            return k, {"operation": op, "scope": s, "fingerprint": fp, "ttl": ttl,
-                       "lease": lease, "wait": wait}  # fmt: skip
+            if k is None:
+                message = f"no idempotency key for {op}: the {call.describe_key()} has no value"
+                if raise_on_missing_key:
+                    raise InvalidKeyError(message)
+                log.warning("retrysafe: %s; running it without idempotency", message)
+                return None
+            return {"key": k, "operation": op, "scope": s, "fingerprint": fp, "ttl": ttl,
+                    "lease": lease, "wait": wait, "retention": retention}  # fmt: skip
 
         if inspect.iscoroutinefunction(func):
 
             @functools.wraps(func)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                k, opts = options(args, kwargs)
-                async with get_engine().attempt(k, **opts) as att:
+                options = prepare(args, kwargs)
+                if options is None:
+                    return await func(*args, **kwargs)
+                async with get_engine().attempt(**options) as att:
                     if att.replay is not None:
-                        return _replayed(att.replay)
-                    value = await func(*args, **kwargs)
-                    att.outcome = _outcome(att, value)
+                        return results.value(att.replay)
+                    try:
+                        value = await func(*args, **kwargs)
+                    except BaseException as exc:
+                        failed = results.final_outcome(exc, get_engine())
+                        if failed is not None:
+                            with _logged(exc):
+                                await att.afail(failed, final=True)
+                        raise
+                    att.outcome = results.outcome(att, value)
                     return value
 
             wrapper: Any = async_wrapper
@@ -188,12 +467,21 @@ def idempotent(
 
             @functools.wraps(func)
             def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
-                k, opts = options(args, kwargs)
-                with get_engine().attempt(k, **opts) as att:
+                options = prepare(args, kwargs)
+                if options is None:
+                    return func(*args, **kwargs)
+                with get_engine().attempt(**options) as att:
                     if att.replay is not None:
-                        return _replayed(att.replay)
-                    value = func(*args, **kwargs)
-                    att.outcome = _outcome(att, value)
+                        return results.value(att.replay)
+                    try:
+                        value = func(*args, **kwargs)
+                    except BaseException as exc:
+                        failed = results.final_outcome(exc, get_engine())
+                        if failed is not None:
+                            with _logged(exc):
+                                att.fail(failed, final=True)
+                        raise
+                    att.outcome = results.outcome(att, value)
                     return value
 
             wrapper = sync_wrapper

@@ -69,8 +69,8 @@ def _default(value: Any) -> Any:
     if callable(dump):
         return dump(mode="json")
     raise TypeError(
-        f"cannot fingerprint a {type(value).__name__}: give the decorator a key and "
-        "JSON-friendly arguments, or pass fingerprint= explicitly"
+        f"cannot fingerprint a {type(value).__name__} (only JSON-like values, dataclasses, "
+        "pydantic models, dates, decimals, UUIDs and bytes)"
     )
 
 
