@@ -145,3 +145,16 @@ def test_sweep_records_and_stats_skip_a_foreign_value(
     batch = store.sweep(time.time() + 3600, 10)
     assert (batch.deleted, batch.done) == (1, True)
     assert _dump(raw, rkey) == before
+
+
+async def test_a_burst_past_the_pool_waits_for_connections(redis_server: Any) -> None:
+    """More concurrent calls than connections: they queue for the pool, none is refused."""
+    store = RedisStore(redis_server.url, prefix=f"burst-{uuid.uuid4().hex[:8]}:", max_connections=4)
+    engine = Engine(store)
+    claims = await asyncio.gather(*(engine.abegin(f"k{i}", operation="burst") for i in range(300)))
+    assert all(isinstance(c, Claim) for c in claims)
+    pool = store._async[asyncio.get_running_loop()].connection_pool
+    assert 1 <= len(pool._available_connections) + len(pool._in_use_connections) <= 4
+    await store.aclose()
+    with pytest.raises((TypeError, ValueError)):
+        RedisStore(redis_server.url, max_connections=0)

@@ -629,7 +629,8 @@ class RedisStore(Store[_Op]):
     threads; an asyncio client is made per running event loop. redis-py's own
     retries are off (a re-sent script could apply twice): a failed round trip
     raises :class:`~retrysafe.StoreUnavailableError` at once, and the next call
-    reconnects.
+    reconnects. ``max_connections`` bounds each asyncio client's pool (per event
+    loop); a call past it waits for a free connection for up to ``socket_timeout``.
     """
 
     def __init__(
@@ -640,8 +641,14 @@ class RedisStore(Store[_Op]):
         archive: Store[Any] | str | None = None,
         socket_timeout: float = 5.0,
         connect_timeout: float = 2.0,
+        max_connections: int = 100,
     ) -> None:
         self.url = url
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int):
+            raise TypeError("max_connections must be an int")
+        if max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        self.max_connections = max_connections
         self._client_url, self.cluster, self.prefix, in_url = _parse_url(url, prefix)
         self._safe_url = _redact(url)
         if in_url is not None:
@@ -1084,8 +1091,24 @@ class RedisStore(Store[_Op]):
                 for old in [lp for lp in self._async if lp.is_closed()]:
                     del self._async[old]
                 options = self._client_options(redis.asyncio.retry.Retry(NoBackoff(), 0))
-                cls = redis.asyncio.cluster.RedisCluster if self.cluster else redis.asyncio.Redis
-                client = self._async[loop] = cls.from_url(self._client_url, **options)
+                if self.cluster:
+                    options["max_connections"] = self.max_connections
+                    client = redis.asyncio.cluster.RedisCluster.from_url(
+                        self._client_url, **options
+                    )
+                else:
+                    # redis-py's default asyncio pool refuses a call past its limit
+                    # ("Too many connections"): under a burst of concurrent tasks, a
+                    # call waits for a free connection instead (up to socket_timeout).
+                    pool = redis.asyncio.BlockingConnectionPool.from_url(
+                        self._client_url,
+                        max_connections=self.max_connections,
+                        timeout=self._options["socket_timeout"],
+                        **options,
+                    )
+                    client = redis.asyncio.Redis(connection_pool=pool)
+                    client.auto_close_connection_pool = True
+                self._async[loop] = client
             return client
 
     def close(self) -> None:
