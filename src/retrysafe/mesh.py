@@ -1,0 +1,299 @@
+"""The Mesh front door: the ``urn:mesh:ext:idempotency`` extension (seed 002).
+
+::
+
+    mesh = MeshIdempotency("redis://localhost:6379/0")
+    response = mesh.handle(request_envelope, charge)   # charge(call) -> result
+
+A request that carries the extension runs its handler once per key, function
+and version; retries get the first answer with ``status: cached``. A request
+without it is passed to the handler untouched. :class:`MeshApp` serves Mesh
+calls over HTTP with the same logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from ._asgi import BodyTooLarge, Receive, Scope, Send, header, read_body, send_json
+from ._engine import DEFAULT_MAX_BODY, Attempt, Engine
+from ._errors import IdempotencyError
+from ._http import _unrecorded, credentials_scope
+from ._mesh import URN, MeshCall, MeshError, Step, loads, parse, transport_error
+from .stores import Store
+
+__all__ = ["URN", "MeshApp", "MeshError", "MeshIdempotency"]
+
+log = logging.getLogger("retrysafe")
+
+Handler = Callable[[dict[str, Any]], Any]
+
+
+class MeshIdempotency:
+    """Make Mesh calls exactly-once: ``handle(envelope, handler)`` → response envelope.
+
+    ``store`` is a :class:`~retrysafe.stores.Store`, a store URL or an
+    :class:`~retrysafe.Engine` (default: ``$RETRYSAFE_STORE`` or the embedded
+    SQLite file). ``ttl`` is how long an answer is kept (default 24 h, or the
+    given engine's): a request's ``ttl`` option may only shorten it. ``lease``
+    and ``wait`` are the engine's (how long an attempt owns a key; how long a
+    duplicate waits for it before it gets ``IDEMPOTENCY_PROCESSING``).
+    """
+
+    def __init__(
+        self,
+        store: Store[Any] | Engine | str | None = None,
+        *,
+        ttl: float | None = None,
+        lease: float | None = None,
+        wait: float | None = None,
+    ) -> None:
+        if isinstance(store, Engine):
+            self.engine = store
+        else:
+            defaults = {"ttl": ttl, "lease": lease, "wait": wait}
+            self.engine = Engine(store, **{k: v for k, v in defaults.items() if v is not None})
+        # Checks the options as every call will use them (TypeError, ValueError); no I/O.
+        self.engine.attempt("-", ttl=ttl, lease=lease, wait=wait)
+        self.ttl = self.engine.ttl if ttl is None else min(float(ttl), self.engine.ttl)
+        self.lease, self.wait = lease, wait
+
+    def __repr__(self) -> str:
+        return f"<MeshIdempotency engine={self.engine!r} ttl={self.ttl:g}s>"
+
+    def _parse(self, envelope: Any, scope: str) -> MeshCall | dict[str, Any]:
+        if type(scope) is not str:
+            raise TypeError(f"scope must be a str, not {type(scope).__name__}")
+        return parse(envelope)
+
+    def _attempt(self, call: MeshCall, scope: str) -> Attempt:
+        ttl = self.ttl if call.ttl is None else min(call.ttl, self.ttl)
+        return self.engine.attempt(
+            call.key,  # type: ignore[arg-type]
+            operation=call.operation, scope=scope, fingerprint=call.fingerprint,
+            request_id=call.id, ttl=ttl, lease=self.lease, wait=self.wait,
+        )  # fmt: skip
+
+    # -- sync -------------------------------------------------------------------
+
+    def handle(self, envelope: Any, handler: Handler, *, scope: str = "") -> dict[str, Any]:
+        """The response envelope for the request ``envelope``.
+
+        ``handler(call)`` gets the envelope's ``call`` object and returns the
+        ``result`` (a JSON value), or raises :class:`MeshError` to answer with
+        an error. ``scope`` is the caller (tenant, user): two scopes never share
+        a record. A malformed envelope gets an error envelope, never an
+        exception; an exception from the handler fails the attempt (a retry
+        runs it again) and propagates.
+        """
+        call = self._parse(envelope, scope)
+        if isinstance(call, dict):
+            return call
+        return self._handle(call, handler, scope)
+
+    def _handle(self, call: MeshCall, handler: Handler, scope: str) -> dict[str, Any]:
+        if call.key is None:
+            return call.finish(_run(handler, call.call), None).response
+        entered = False
+        try:
+            with self._attempt(call, scope) as att:
+                entered = True
+                if att.replay is not None:
+                    return call.replayed(att.replay)
+                step = call.finish(_run(handler, call.call), att.claim, self.engine.max_body)
+                _record(att, step)
+                return step.response
+        except IdempotencyError as exc:
+            if entered:
+                raise
+            return call.refused(exc)
+
+    def close(self) -> None:
+        """Close the engine's store."""
+        self.engine.close()
+
+    # -- async: the same shells with await ----------------------------------------
+
+    async def ahandle(self, envelope: Any, handler: Handler, *, scope: str = "") -> dict[str, Any]:
+        """Async :meth:`handle`: ``handler`` may be async (or plain: it then runs on the loop)."""
+        call = self._parse(envelope, scope)
+        if isinstance(call, dict):
+            return call
+        return await self._ahandle(call, handler, scope)
+
+    async def _ahandle(self, call: MeshCall, handler: Handler, scope: str) -> dict[str, Any]:
+        if call.key is None:
+            return call.finish(await _arun(handler, call.call), None).response
+        entered = False
+        try:
+            async with self._attempt(call, scope) as att:
+                entered = True
+                if att.replay is not None:
+                    return call.replayed(att.replay)
+                step = call.finish(await _arun(handler, call.call), att.claim, self.engine.max_body)
+                await _arecord(att, step)
+                return step.response
+        except IdempotencyError as exc:
+            if entered:
+                raise
+            return call.refused(exc)
+
+    async def aclose(self) -> None:
+        """Close the store's connections of the running event loop."""
+        await self.engine.aclose()
+
+
+def _run(handler: Handler, call: dict[str, Any]) -> Any:
+    """The handler's result, or the :class:`MeshError` it raised."""
+    try:
+        return handler(call)
+    except MeshError as err:
+        return err
+
+
+async def _arun(handler: Handler, call: dict[str, Any]) -> Any:
+    try:
+        result = handler(call)
+        return await result if inspect.isawaitable(result) else result
+    except MeshError as err:
+        return err
+
+
+def _record(att: Attempt, step: Step) -> None:
+    try:
+        if step.failed:
+            att.fail(step.outcome, final=step.final)
+        else:
+            att.complete(step.outcome)  # type: ignore[arg-type]
+    except IdempotencyError as exc:
+        _unrecorded(att.claim, exc)
+
+
+async def _arecord(att: Attempt, step: Step) -> None:
+    try:
+        if step.failed:
+            await att.afail(step.outcome, final=step.final)
+        else:
+            await att.acomplete(step.outcome)  # type: ignore[arg-type]
+    except IdempotencyError as exc:
+        _unrecorded(att.claim, exc)
+
+
+# -- HTTP ------------------------------------------------------------------------------
+
+
+def _asynchronous(handler: Handler) -> Callable[[dict[str, Any]], Awaitable[Any]]:
+    """``handler`` as a coroutine function: a plain one runs in a worker thread."""
+    if not callable(handler):
+        raise TypeError(f"a handler must be callable, not {type(handler).__name__}")
+    # An object with an async __call__ counts as async too.
+    if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(type(handler).__call__):
+        return handler
+    return functools.partial(asyncio.to_thread, handler)
+
+
+class MeshApp:
+    """An ASGI app that serves Mesh calls: POST a request envelope, get the response.
+
+    ``handlers`` maps ``call.function`` to a callable taking the ``call`` object
+    (plain ones run in a worker thread, async ones on the loop). Every call goes
+    through :class:`MeshIdempotency` (``store`` may also be one; ``ttl``,
+    ``lease`` and ``wait`` go to it). ``scope`` is a callable over the ASGI
+    scope returning the caller's scope; by default a hash of the
+    ``Authorization`` header. Mesh answers, errors included, are 200; a body
+    that is not JSON is 400, one over ``max_body`` bytes 413, a method other
+    than POST 405.
+    """
+
+    def __init__(
+        self,
+        handlers: Mapping[str, Handler],
+        store: MeshIdempotency | Store[Any] | Engine | str | None = None,
+        *,
+        scope: Callable[[Scope], str | None] | None = None,
+        max_body: int = DEFAULT_MAX_BODY,
+        ttl: float | None = None,
+        lease: float | None = None,
+        wait: float | None = None,
+    ) -> None:
+        if not isinstance(handlers, Mapping):
+            raise TypeError("handlers must map function names to callables")
+        self.handlers = {str(name): _asynchronous(h) for name, h in handlers.items()}
+        if scope is not None and not callable(scope):
+            raise TypeError("scope must be a callable taking the ASGI scope (or None)")
+        self.scope = scope
+        if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 0:
+            raise ValueError(f"max_body must be a number of bytes >= 0, not {max_body!r}")
+        self.max_body = max_body
+        if isinstance(store, MeshIdempotency):
+            self.mesh = store
+        else:
+            self.mesh = MeshIdempotency(store, ttl=ttl, lease=lease, wait=wait)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif scope["type"] == "http":
+            answer = await self._answer(scope, receive)
+            if answer is not None:
+                status, body, headers = answer
+                await send_json(send, status, body, headers)
+
+    async def _answer(
+        self, scope: Scope, receive: Receive
+    ) -> tuple[int, dict[str, Any], list[tuple[str, str]]] | None:
+        """(HTTP status, response envelope, headers); None if the client left."""
+        if scope["method"] != "POST":
+            return 405, transport_error("send Mesh requests with POST"), [("allow", "POST")]
+        length = header(scope, b"content-length")
+        try:
+            if length is not None and length.isdigit() and int(length) > self.max_body:
+                raise BodyTooLarge
+            body = await read_body(receive, self.max_body)
+        except BodyTooLarge:
+            return 413, transport_error(f"the request is over {self.max_body} bytes"), []
+        if body is None:
+            return None
+        request, refusal = loads(body)
+        if refusal is not None:
+            return 400, refusal, []
+        call = parse(request)
+        if isinstance(call, dict):
+            return 200, call, []
+        handler = self.handlers.get(call.function)
+        if handler is None:
+            return 200, call.not_found(), []
+        try:
+            return 200, await self.mesh._ahandle(call, handler, self._principal(scope)), []
+        except Exception:
+            log.exception("retrysafe: mesh function %r failed", call.function)
+            return 200, call.crashed(), []
+
+    def _principal(self, scope: Scope) -> str:
+        if self.scope is None:
+            return credentials_scope(header(scope, b"authorization"))
+        principal = self.scope(scope)
+        if principal is None:
+            return ""
+        if type(principal) is not str:
+            raise TypeError(f"scope= must return a str or None, not {type(principal).__name__}")
+        return principal
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        """Start at once; on shutdown release this loop's store connections."""
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                try:
+                    await self.mesh.aclose()
+                except Exception as exc:  # shutting down: report, do not fail
+                    log.warning("retrysafe: closing the store at shutdown failed: %r", exc)
+                await send({"type": "lifespan.shutdown.complete"})
+                return
