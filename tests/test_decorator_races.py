@@ -20,7 +20,16 @@ from typing import Any
 import pytest
 from conftest import StoreSpec
 
-from retrysafe import Engine, InProgressError, Status, idempotent, key_hash
+from retrysafe import (
+    Engine,
+    InProgressError,
+    LeaseLostError,
+    Status,
+    Store,
+    idempotent,
+    key_hash,
+    open_store,
+)
 
 THREADS = 64
 TASKS = 200
@@ -186,3 +195,59 @@ def test_crash_takeover(shared_spec: StoreSpec, tmp_path: Path, mode: str) -> No
     record = store.get(key_hash("", "crash", "order-1"))
     assert record is not None and record.status is Status.COMPLETED and record.attempts == 2
     store.close()
+
+
+# -- a call that outlives its lease keeps its key (renewal), unless renew=False ---------
+
+
+def test_long_call_keeps_its_key(store_spec: StoreSpec, tmp_path: Path) -> None:
+    _long_call(store_spec.open(), tmp_path, renew=True)
+
+
+def test_long_call_without_renewal_is_taken_over(tmp_path: Path) -> None:
+    _long_call(open_store("memory://"), tmp_path, renew=False)
+
+
+def _long_call(store: Store[Any], tmp_path: Path, renew: bool) -> None:
+    effects = tmp_path / "effects"
+    running, done = threading.Event(), threading.Event()
+    lease = 1.0
+
+    @idempotent(
+        store=Engine(store), key="k", lease=lease, renew=renew, operation="long", validate=()
+    )
+    def slow(who: str) -> str:
+        running.set()
+        _effect(effects, who)
+        done.wait(timeout=30)  # runs until the test has seen 2.5 leases go by
+        return who
+
+    outcome: list[Any] = []
+
+    def call_first() -> None:
+        try:
+            outcome.append(slow("first"))
+        except LeaseLostError as exc:
+            outcome.append(exc)
+
+    first = threading.Thread(target=call_first)
+    first.start()
+    assert running.wait(timeout=30)
+    rival = idempotent(store=Engine(store), key="k", lease=lease, operation="long", validate=())
+    answers: list[str] = []
+    deadline = time.monotonic() + 2.5 * lease
+    while time.monotonic() < deadline:
+        try:
+            answers.append(rival(lambda who: _effect(effects, who))("rival"))
+        except InProgressError:
+            answers.append("in flight")
+        time.sleep(0.05)  # a client's retry interval
+    done.set()
+    first.join(timeout=30)
+    store.close()
+    if renew:
+        assert set(answers) == {"in flight"} and effects.read_text().splitlines() == ["first"]
+        assert outcome == ["first"]
+    else:  # the lease ran out while the first call was still running: it ran twice
+        assert "rival" in answers and effects.read_text().splitlines() == ["first", "rival"]
+        assert isinstance(outcome[0], LeaseLostError)  # and the first one's result was refused

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from ._engine import DEFAULT_LEASE, DEFAULT_TTL, Attempt, Engine, Replay
 from ._errors import IdempotencyError, InvalidKeyError
+from ._heartbeat import Watch, watch
 from ._keys import _KEY_RE, fingerprint, validate_key
 from ._map import Operation
 from ._record import Outcome
@@ -369,6 +370,7 @@ def idempotent(
     serializer: Any = None,
     final_failures: FinalSpec = False,
     retention: str | None = None,
+    renew: bool = True,
 ) -> Callable[[F], F]:
     """Run a function once per key; repeated calls return the stored result.
 
@@ -385,7 +387,9 @@ def idempotent(
     :class:`InvalidKeyError`. ``serializer``: how results are stored (default:
     by the return annotation; see :mod:`retrysafe.serializers`).
     ``final_failures``: exception classes (or True for all) that fail the key
-    finally; retries raise them again without running. See docs/decorator.md.
+    finally; retries raise them again without running. ``renew``: renew the
+    lease every third of it while the function runs, so only a crash lets
+    another caller take the key over. See docs/decorator.md.
     """
     if key is not None and not isinstance(key, str) and not callable(key):
         raise TypeError("key must be a str.format template or a callable")
@@ -441,6 +445,13 @@ def idempotent(
             return {"key": k, "operation": op, "scope": s, "fingerprint": fp, "ttl": ttl,
                     "lease": lease, "wait": wait, "retention": retention}  # fmt: skip
 
+        def heartbeat(att: Attempt) -> Watch | None:
+            """Renew the lease while the function runs (unless ``renew=False``)."""
+            if not renew or att.claim is None:
+                return None
+            engine = get_engine()
+            return watch(engine, att.claim, engine.lease if lease is None else lease)
+
         if inspect.iscoroutinefunction(func):
 
             @functools.wraps(func)
@@ -451,6 +462,7 @@ def idempotent(
                 async with get_engine().attempt(**options) as att:
                     if att.replay is not None:
                         return results.value(att.replay)
+                    beat = heartbeat(att)
                     try:
                         value = await func(*args, **kwargs)
                     except BaseException as exc:
@@ -459,6 +471,9 @@ def idempotent(
                             with _logged(exc):
                                 await att.afail(failed, final=True)
                         raise
+                    finally:
+                        if beat is not None:
+                            beat.stop()
                     att.outcome = results.outcome(att, value)
                     return value
 
@@ -473,6 +488,7 @@ def idempotent(
                 with get_engine().attempt(**options) as att:
                     if att.replay is not None:
                         return results.value(att.replay)
+                    beat = heartbeat(att)
                     try:
                         value = func(*args, **kwargs)
                     except BaseException as exc:
@@ -481,6 +497,9 @@ def idempotent(
                             with _logged(exc):
                                 att.fail(failed, final=True)
                         raise
+                    finally:
+                        if beat is not None:
+                            beat.stop()
                     att.outcome = results.outcome(att, value)
                     return value
 
