@@ -1,0 +1,429 @@
+"""Exactly-once A2A messages: JSON-RPC sends deduplicated by ``messageId``.
+
+::
+
+    from retrysafe.a2a import A2AIdempotency, IdempotencyMiddleware
+
+    # ASGI, in front of an A2A server:
+    app = IdempotencyMiddleware(app, store="redis://localhost:6379/0")
+    # a function that answers one JSON-RPC request:
+    dispatch = A2AIdempotency("sqlite:///idempotency.db").wrap(dispatch)
+
+A send (``message/send`` of A2A v0.3 or ``SendMessage`` of v1.0) runs once per
+``messageId``, principal and context; a repeated one gets the stored Task or
+Message, in the spelling it asks in, and starts nothing. Every other request
+(task reads, cancels, streaming sends, the agent card) passes through.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from ._a2a import (
+    SEND_METHODS,
+    STREAM_METHODS,
+    ErrorCode,
+    Send,
+    error_reply,
+    parse_send,
+    refusal,
+    replayed,
+    settlement,
+)
+from ._asgi import (
+    ASGIApp,
+    BodyTooLarge,
+    Message,
+    Receive,
+    Scope,
+    header,
+    read_body,
+    send_json,
+)
+from ._asgi import (
+    Send as ASGISend,
+)
+from ._decorator import _shared_store
+from ._engine import Attempt, Engine, _Plan
+from ._errors import IdempotencyError, InvalidKeyError
+from ._http import DEFAULT_MAX_REQUEST_BODY, credentials_scope
+from ._record import Outcome
+from .asgi import _Recorder
+from .stores import Store
+
+__all__ = [
+    "SEND_METHODS",
+    "STREAM_METHODS",
+    "A2AIdempotency",
+    "ErrorCode",
+    "IdempotencyMiddleware",
+]
+
+log = logging.getLogger("retrysafe.a2a")
+
+JSONRPC = dict[str, Any]
+Handler = Callable[[JSONRPC], Any]
+
+#: An answer that ran but cannot be stored (over ``max_body``).
+_UNKEPT: Any = object()
+
+
+class A2AIdempotency:
+    """Run each A2A send once per ``messageId``; answer its repeats with the stored result.
+
+    ``store`` is a :class:`~retrysafe.Store`, a store URL or an
+    :class:`~retrysafe.Engine` (default ``$RETRYSAFE_STORE``, else SQLite); URLs
+    are shared with ``@idempotent``. ``ttl``, ``lease`` and ``wait`` are seconds
+    a record is kept, a send owns its messageId, a duplicate waits for the send
+    in flight (default 0: an in-flight error at once); with an ``Engine`` they
+    may only narrow its TTL. ``final_failures`` makes failed sends final
+    (their JSON-RPC error is replayed) instead of retryable. ``operation``
+    names the sends in the key hash; ``retention`` is the records' class;
+    ``max_body`` the largest result stored, in bytes of JSON (1 MiB; a larger
+    one is answered once and then fails finally, so it never runs twice).
+    """
+
+    def __init__(
+        self,
+        store: Store[Any] | Engine | str | None = None,
+        *,
+        ttl: float | None = None,
+        lease: float | None = None,
+        wait: float | None = None,
+        final_failures: bool | None = None,
+        operation: str = "a2a.send",
+        retention: str | None = None,
+        max_body: int | None = None,
+    ) -> None:
+        if isinstance(store, Engine):
+            self.engine = store
+        else:
+            options: dict[str, Any] = {"ttl": ttl, "lease": lease, "retention": retention,
+                                       "max_body": max_body}  # fmt: skip
+            options = {k: v for k, v in options.items() if v is not None}
+            self.engine = Engine(_shared_store(store), **options)
+        self.final_failures = final_failures
+        # The engine options every send shares, validated once.
+        self._plan = _Plan(
+            self.engine, "-", operation=operation, ttl=ttl, lease=lease, wait=wait,
+            retention=retention,
+        )  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"<A2AIdempotency operation={self._plan.operation!r} engine={self.engine!r}>"
+
+    # -- shared, I/O-free pieces ---------------------------------------------------
+
+    def _prepare(self, request: Any, principal: str = "") -> Send | JSONRPC | None:
+        """The send in ``request``; a JSON-RPC error for a send without a usable
+        messageId; None for a request that passes through."""
+        try:
+            return parse_send(request, principal)
+        except InvalidKeyError as exc:
+            return refusal(request.get("id"), exc)
+
+    def _attempt(self, send: Send) -> Attempt:
+        """The engine attempt of ``send`` (enter it with ``with`` or ``async with``)."""
+        plan = self._plan.derive(send.key, send.scope, send.fingerprint, send.request_id)
+        return Attempt(self.engine, plan)
+
+    def _verdict(self, send: Send, response: Any) -> tuple[bool, Outcome | None, bool | None]:
+        """``(succeeded, outcome, final)`` for the handler's response."""
+        if response is not _UNKEPT:
+            try:
+                ok, outcome = settlement(send, response)
+                return ok, outcome, self.final_failures
+            except (TypeError, ValueError):
+                pass
+        # It ran, but its answer cannot be kept: a retry must not run it again.
+        log.error(
+            "retrysafe: the answer to message %r is not JSON or is over max_body; "
+            "the message is marked failed finally", send.key,
+        )  # fmt: skip
+        return False, None, True
+
+    # -- sync --------------------------------------------------------------------------
+
+    def handle(self, request: Any, handler: Handler, *, principal: str = "") -> Any:
+        """Answer one JSON-RPC request: ``handler(request)`` once per message.
+
+        ``handler`` returns the JSON-RPC response object. A response that is not
+        a JSON-RPC success, or an exception, leaves the message retryable and is
+        returned (or raised) unchanged.
+        """
+        send = self._prepare(request, principal)
+        if not isinstance(send, Send):
+            return handler(request) if send is None else send
+        entered = False
+        try:
+            with self._attempt(send) as att:
+                entered = True
+                if att.replay is not None:
+                    return replayed(send, att.replay.outcome)
+                response = handler(request)
+                self._settle(att, send, response)
+                return response
+        except IdempotencyError as exc:
+            if entered:
+                raise
+            return refusal(send.id, exc)
+
+    def _settle(self, att: Attempt, send: Send, response: Any) -> None:
+        """Record the response to ``send`` (None: no usable response); never raises."""
+        ok, outcome, final = self._verdict(send, response)
+        try:
+            if ok:
+                att.complete(outcome)  # type: ignore[arg-type]
+            else:
+                att.fail(outcome, final=final)
+        except (IdempotencyError, ValueError) as exc:
+            _unrecorded(send, exc)
+
+    # -- async: the same shells with await ------------------------------------------------
+
+    async def ahandle(
+        self, request: Any, handler: Callable[[JSONRPC], Awaitable[Any]], *, principal: str = ""
+    ) -> Any:
+        """Async :meth:`handle`; ``handler`` is a coroutine function."""
+        send = self._prepare(request, principal)
+        if not isinstance(send, Send):
+            return await handler(request) if send is None else send
+        entered = False
+        try:
+            async with self._attempt(send) as att:
+                entered = True
+                if att.replay is not None:
+                    return replayed(send, att.replay.outcome)
+                response = await handler(request)
+                await self._asettle(att, send, response)
+                return response
+        except IdempotencyError as exc:
+            if entered:
+                raise
+            return refusal(send.id, exc)
+
+    async def _asettle(self, att: Attempt, send: Send, response: Any) -> None:
+        """Async :meth:`_settle`."""
+        ok, outcome, final = self._verdict(send, response)
+        try:
+            if ok:
+                await att.acomplete(outcome)  # type: ignore[arg-type]
+            else:
+                await att.afail(outcome, final=final)
+        except (IdempotencyError, ValueError) as exc:
+            _unrecorded(send, exc)
+
+    def wrap(self, handler: Callable[..., Any]) -> Callable[..., Any]:
+        """``handler`` (sync or async, taking one JSON-RPC request) deduplicated.
+
+        The wrapper takes ``(request, *, principal="")``.
+        """
+        if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+            type(handler).__call__  # an object with an async __call__
+        ):
+
+            @functools.wraps(handler)
+            async def async_dispatch(request: Any, *, principal: str = "") -> Any:
+                return await self.ahandle(request, handler, principal=principal)
+
+            return async_dispatch
+
+        @functools.wraps(handler)
+        def dispatch(request: Any, *, principal: str = "") -> Any:
+            return self.handle(request, handler, principal=principal)
+
+        return dispatch
+
+    def close(self) -> None:
+        self.engine.close()
+
+    async def aclose(self) -> None:
+        await self.engine.aclose()
+
+
+def _unrecorded(send: Send, exc: Exception) -> None:
+    """The handler ran but its answer could not be recorded: the caller still gets it."""
+    log.error("retrysafe: the answer to message %r was sent but not recorded: %s", send.key, exc)
+
+
+# -- ASGI -----------------------------------------------------------------------------
+
+
+class IdempotencyMiddleware:
+    """ASGI middleware in front of an A2A JSON-RPC server.
+
+    A POST holding one JSON-RPC send is run once per messageId (see
+    :class:`A2AIdempotency` for ``store``, ``ttl``, ``lease``, ``wait``,
+    ``final_failures``, ``operation``, ``retention``); its repeats are answered
+    from the store with ``Idempotent-Replayed: true``. Everything else reaches
+    the app untouched.
+
+    - ``scope``: a callable taking the ASGI scope and returning the principal
+      (default: a hash of the ``Authorization`` header).
+    - ``path``: only POSTs to this path are inspected (default: every POST).
+    - ``max_request_body``: the largest POST body buffered (10 MiB); a larger
+      one gets a JSON-RPC error.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        store: Store[Any] | Engine | str | None = None,
+        *,
+        scope: Callable[[Scope], str | None] | None = None,
+        path: str | None = None,
+        max_request_body: int = DEFAULT_MAX_REQUEST_BODY,
+        **options: Any,
+    ) -> None:
+        if scope is not None and not callable(scope):
+            raise TypeError("scope must be a callable taking the ASGI scope (or None)")
+        if int(max_request_body) < 0:
+            raise ValueError("max_request_body must not be negative")
+        self.app = app
+        self.core = A2AIdempotency(store, **options)
+        self.scope, self.path = scope, path
+        self.max_request_body = int(max_request_body)
+
+    def _principal(self, scope: Scope) -> str:
+        if self.scope is None:
+            return credentials_scope(header(scope, b"authorization"))
+        principal = self.scope(scope)
+        if principal is not None and type(principal) is not str:
+            raise TypeError(f"scope= must return a str or None, not {type(principal).__name__}")
+        return principal or ""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: ASGISend) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or (self.path is not None and scope["path"] != self.path)
+        ):
+            if scope["type"] == "lifespan":
+                send = self._closing(send)
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await read_body(receive, self.max_request_body)
+        except BodyTooLarge:
+            await _reply(send, error_reply(
+                None, ErrorCode.INVALID_REQUEST,
+                f"the request body is over {self.max_request_body} bytes",
+                {"code": "idempotency_body_too_large"},
+            ))  # fmt: skip
+            return
+        if body is None:
+            return  # the client left before sending its body
+        downstream = _replaying(body, receive)
+        request = _parse(body)
+        if isinstance(request, list) and any(_is_send(r) for r in request):
+            await _reply(send, error_reply(
+                None, ErrorCode.INVALID_REQUEST,
+                "A2A sends must not be batched: send each message in a request of its own",
+                {"code": "idempotency_batch_unsupported"},
+            ))  # fmt: skip
+            return
+        if not _is_send(request):
+            await self.app(scope, downstream, send)
+            return
+        core = self.core
+        prepared = core._prepare(request, self._principal(scope))
+        if not isinstance(prepared, Send):
+            await _reply(send, prepared)  # type: ignore[arg-type]
+            return
+        entered = False
+        try:
+            async with core._attempt(prepared) as att:
+                entered = True
+                if att.replay is not None:
+                    await _reply(send, replayed(prepared, att.replay.outcome), replay=True)
+                    return
+                recorder = _Recorder(send, _Answer(core, prepared), att)  # type: ignore[arg-type]
+                await self.app(scope, downstream, recorder.send)
+                if not att.settled:
+                    log.warning("retrysafe: the A2A app returned without a complete response")
+                    await att.afail()
+        except IdempotencyError as exc:
+            if entered:
+                raise
+            await _reply(send, refusal(prepared.id, exc))
+
+    def _closing(self, send: ASGISend) -> ASGISend:
+        """``send`` that releases this loop's store connections as the app shuts down."""
+
+        async def closing_send(message: Message) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                try:
+                    await self.core.aclose()
+                except Exception as exc:  # shutting down: report, do not fail
+                    log.warning("retrysafe: closing the store at shutdown failed: %r", exc)
+            await send(message)
+
+        return closing_send
+
+
+class _Answer:
+    """The app's answer to one send, as :mod:`retrysafe.asgi`'s recorder records it.
+
+    Only a 200 JSON answer can be a JSON-RPC success worth storing; any other
+    fails the attempt (retryable).
+    """
+
+    __slots__ = ("core", "max_body", "send")
+
+    def __init__(self, core: A2AIdempotency, send: Send) -> None:
+        self.core, self.send = core, send
+        self.max_body = core.engine.max_body
+
+    def stored_raw_headers(self, headers: Iterable[tuple[bytes, bytes]]) -> str:
+        """The answer's media type (the recorder's "kept headers")."""
+        ctype = next((v for k, v in headers if k.lower() == b"content-type"), b"")
+        return ctype.decode("latin-1").split(";")[0].strip().lower()
+
+    def outcome_of(self, status: int, ctype: str, body: bytes, size: int) -> Any:
+        """The JSON-RPC response in the answer; None if it cannot hold one."""
+        if status != 200 or not (ctype == "application/json" or ctype.endswith("+json")):
+            return None
+        return _parse(body) if size <= self.max_body else _UNKEPT
+
+    async def asettle(self, att: Attempt, status: int, response: Any) -> None:
+        await self.core._asettle(att, self.send, response)
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """``receive`` that gives the app the buffered body, then the client's messages."""
+    sent = False
+
+    async def replay_receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay_receive
+
+
+def _parse(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+def _is_send(request: Any) -> bool:
+    return isinstance(request, dict) and request.get("method") in SEND_METHODS
+
+
+async def _reply(send: ASGISend, doc: JSONRPC, *, replay: bool = False) -> None:
+    """A JSON-RPC answer of retrysafe's own (HTTP 200, as A2A servers answer errors)."""
+    headers = [("idempotent-replayed", "true")] if replay else []
+    error = doc.get("error")
+    data = error.get("data") if isinstance(error, dict) else None
+    if isinstance(data, dict) and "retry_after" in data:
+        headers.append(("retry-after", str(data["retry_after"])))
+    await send_json(send, 200, doc, headers)
