@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
@@ -14,6 +15,7 @@ __all__ = [
     "Scope",
     "Send",
     "header",
+    "lifespan",
     "read_body",
     "send_json",
     "send_response",
@@ -24,6 +26,29 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+log = logging.getLogger("retrysafe")
+
+
+async def lifespan(
+    receive: Receive, send: Send, on_shutdown: Callable[[], Awaitable[None]]
+) -> None:
+    """Serve an app's lifespan: start at once; at shutdown, await ``on_shutdown``.
+
+    A failure of ``on_shutdown`` is logged; it never stops the shutdown.
+    """
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            try:
+                await on_shutdown()
+            except Exception as exc:  # shutting down: report, do not fail
+                log.warning("retrysafe: error while closing at shutdown: %r", exc)
+            await send({"type": "lifespan.shutdown.complete"})
+            return
 
 
 class BodyTooLarge(Exception):

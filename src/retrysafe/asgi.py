@@ -15,9 +15,9 @@ method it does not protect) go straight to the app.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from ._asgi import ASGIApp, Message, Receive, Scope, Send
 from ._engine import Attempt
 from ._errors import IdempotencyError
 from ._http import (
@@ -31,12 +31,6 @@ from ._http import (
 __all__ = ["IdempotencyMiddleware"]
 
 log = logging.getLogger("retrysafe.http")
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class IdempotencyMiddleware:

@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from ._asgi import lifespan
 from ._http import Response, problem
 from ._upstream import Pool, UpstreamError, connection_tokens
 from .asgi import ASGIApp, IdempotencyMiddleware, Message, Receive, Scope, Send, _answer
@@ -340,7 +341,7 @@ class Gateway:
             else:
                 await self.middleware(scope, receive, send)
         elif kind == "lifespan":
-            await self._lifespan(receive, send)
+            await lifespan(receive, send, self.aclose)
         else:  # WebSocket is not proxied: refuse the handshake
             await send({"type": "websocket.close", "code": 1008})
 
@@ -370,16 +371,6 @@ class Gateway:
             )
             return _json(503, {"status": "unavailable", "store": "unavailable"})
         return _json(200, {"status": "ok", "store": "ok"})
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.aclose()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     async def aclose(self) -> None:
         """Close this event loop's upstream connections, and the store if it opened it."""

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from ._asgi import BodyTooLarge, Receive, Scope, Send, header, read_body, send_json
+from ._asgi import BodyTooLarge, Receive, Scope, Send, header, lifespan, read_body, send_json
 from ._engine import DEFAULT_MAX_BODY, Attempt, Engine
 from ._errors import IdempotencyError
 from ._http import _unrecorded, credentials_scope
@@ -237,7 +237,7 @@ class MeshApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
+            await lifespan(receive, send, self.mesh.aclose)
         elif scope["type"] == "http":
             answer = await self._answer(scope, receive)
             if answer is not None:
@@ -283,17 +283,3 @@ class MeshApp:
         if type(principal) is not str:
             raise TypeError(f"scope= must return a str or None, not {type(principal).__name__}")
         return principal
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        """Start at once; on shutdown release this loop's store connections."""
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                try:
-                    await self.mesh.aclose()
-                except Exception as exc:  # shutting down: report, do not fail
-                    log.warning("retrysafe: closing the store at shutdown failed: %r", exc)
-                await send({"type": "lifespan.shutdown.complete"})
-                return
