@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import json
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -215,8 +216,9 @@ def test_a_duplicate_in_flight_gets_an_in_flight_error(client: Client) -> None:
     m = mid()
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(client.call, v03(m, "gate"))
-        while client.tasks == 0:  # the first send is running in the agent
+        while client.tasks == 0:  # until the first send runs in the agent
             assert not first.done(), first.result()
+            time.sleep(0.005)
         response = client.post(v10(m, "gate"))
         error = response.json()["error"]
         assert error["code"] == ErrorCode.IN_FLIGHT == -32090
@@ -254,6 +256,7 @@ def test_a_client_that_leaves_still_gets_its_answer_recorded(client: Client) -> 
     client.open_gate()
     while "error" in (doc := client.call(v03(m, "gate"))):  # until the first send completes
         assert doc["error"]["data"]["code"] == "idempotency_in_flight"
+        time.sleep(0.01)
     assert doc["result"]["status"]["state"] == "completed"
     assert client.tasks == 1
 
