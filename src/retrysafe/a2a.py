@@ -259,7 +259,7 @@ class IdempotencyMiddleware:
 
     A POST holding one JSON-RPC send is run once per messageId (see
     :class:`A2AIdempotency` for ``store``, ``ttl``, ``lease``, ``wait``,
-    ``final_failures``, ``operation``, ``retention``); its repeats are answered
+    ``final_failures``, ``operation``, ``retention``, ``max_body``); its repeats are answered
     from the store with ``Idempotent-Replayed: true``. Everything else reaches
     the app untouched.
 
