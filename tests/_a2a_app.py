@@ -31,7 +31,8 @@ from a2a.types import AgentCapabilities, AgentCard, AgentInterface, AgentSkill
 from a2a.utils.errors import InternalError
 from starlette.applications import Starlette
 
-from retrysafe.a2a import IdempotencyMiddleware, _replaying
+from retrysafe._asgi import replaying
+from retrysafe.a2a import IdempotencyMiddleware
 
 
 class Counter(_http_apps.Counter):
@@ -109,7 +110,7 @@ def crashing(app: Any, counter: Counter) -> Any:
                         "headers": [(b"content-type", b"text/plain")]})  # fmt: skip
             await send({"type": "http.response.body", "body": b"Internal Server Error"})
             return
-        await app(scope, _replaying(message.get("body", b""), receive), send)
+        await app(scope, replaying(message.get("body", b""), receive), send)
 
     return asgi
 

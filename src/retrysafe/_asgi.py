@@ -14,9 +14,11 @@ __all__ = [
     "Receive",
     "Scope",
     "Send",
+    "closing",
     "header",
     "lifespan",
     "read_body",
+    "replaying",
     "send_json",
     "send_response",
 ]
@@ -49,6 +51,38 @@ async def lifespan(
                 log.warning("retrysafe: error while closing at shutdown: %r", exc)
             await send({"type": "lifespan.shutdown.complete"})
             return
+
+
+def closing(send: Send, close: Callable[[], Awaitable[None]]) -> Send:
+    """``send`` for an app's lifespan that awaits ``close`` before shutdown completes.
+
+    For middleware in front of an app that serves its own lifespan. A failure of
+    ``close`` is logged; it never stops the shutdown.
+    """
+
+    async def closing_send(message: Message) -> None:
+        if message["type"] == "lifespan.shutdown.complete":
+            try:
+                await close()
+            except Exception as exc:  # shutting down: report, do not fail
+                log.warning("retrysafe: closing the store at shutdown failed: %r", exc)
+        await send(message)
+
+    return closing_send
+
+
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """``receive`` that gives the app the already-read ``body``, then the client's messages."""
+    sent = False
+
+    async def replay_receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay_receive
 
 
 class BodyTooLarge(Exception):

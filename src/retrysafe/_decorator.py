@@ -14,7 +14,6 @@ import functools
 import inspect
 import json
 import logging
-import os
 import re
 import string
 import threading
@@ -22,14 +21,14 @@ import typing
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from ._engine import DEFAULT_LEASE, DEFAULT_TTL, Attempt, Engine, Replay
+from ._engine import DEFAULT_LEASE, DEFAULT_TTL, Attempt, Engine, Replay, engine_for
 from ._errors import IdempotencyError, InvalidKeyError
 from ._heartbeat import Watch, watch
 from ._keys import _KEY_RE, fingerprint, validate_key
 from ._map import Operation
 from ._record import Outcome
 from .serializers import Serializer, resolve
-from .stores import DEFAULT_STORE_URL, Store, open_store
+from .stores import Store
 
 __all__ = ["idempotent"]
 
@@ -340,21 +339,6 @@ def _logged(exc: BaseException) -> Iterator[None]:
         log.warning("retrysafe: could not record the final failure %r: %s", exc, error)
 
 
-_stores: dict[str, Store[Any]] = {}
-_stores_lock = threading.Lock()
-
-
-def _shared_store(store: Store[Any] | str | None) -> Store[Any]:
-    """One store (one pool) per URL for every decorated function that names it."""
-    if isinstance(store, Store):
-        return store
-    url = store or os.environ.get("RETRYSAFE_STORE") or DEFAULT_STORE_URL
-    with _stores_lock:
-        if url not in _stores:
-            _stores[url] = open_store(url)
-        return _stores[url]
-
-
 def idempotent(
     *,
     store: StoreSpec = None,
@@ -429,7 +413,7 @@ def idempotent(
             if engine is None:
                 with lock:
                     if engine is None:
-                        engine = Engine(_shared_store(store), ttl=own_ttl, lease=own_lease)
+                        engine = engine_for(store, share=True, ttl=own_ttl, lease=own_lease)
             return engine
 
         def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:

@@ -14,6 +14,7 @@ import itertools
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from ._errors import (
 )
 from ._keys import _KEY_RE, key_hash, validate_key
 from ._record import RETENTIONS, STANDARD, ClaimResult, Outcome, Record, Status
-from .stores import Store, open_store
+from .stores import DEFAULT_STORE_URL, Store, open_store
 
 __all__ = [
     "DEFAULT_LEASE",
@@ -321,6 +322,36 @@ class Engine:
 
     async def aclose(self) -> None:
         await self.store.aclose()
+
+
+_stores: dict[str, Store[Any]] = {}
+_stores_lock = threading.Lock()
+
+
+def shared_store(store: Store[Any] | str | None) -> Store[Any]:
+    """``store`` itself, or the one store (one pool) of this process for its URL."""
+    if isinstance(store, Store):
+        return store
+    url = store or os.environ.get("RETRYSAFE_STORE") or DEFAULT_STORE_URL
+    with _stores_lock:
+        if url not in _stores:
+            _stores[url] = open_store(url)
+        return _stores[url]
+
+
+def engine_for(
+    store: Store[Any] | Engine | str | None, *, share: bool = False, **options: Any
+) -> Engine:
+    """A front door's engine: ``store`` itself if it is an :class:`Engine`, else a
+    new one over it with the ``options`` that are not None (the rest default).
+
+    ``share``: a URL opens the process-wide store for it (see :func:`shared_store`).
+    """
+    if isinstance(store, Engine):
+        return store
+    if share:
+        store = shared_store(store)
+    return Engine(store, **{k: v for k, v in options.items() if v is not None})
 
 
 class _Plan:

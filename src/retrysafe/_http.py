@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ._engine import DEFAULT_MAX_BODY, Attempt, Claim, Engine, Replay, _Plan
+from ._engine import DEFAULT_MAX_BODY, Attempt, Claim, Engine, Replay, _Plan, engine_for
 from ._errors import (
     FingerprintMismatchError,
     IdempotencyError,
@@ -366,17 +366,10 @@ class HttpPolicy:
         map: IdempotencyMap | str | os.PathLike[str] | None = None,
         key_format: Callable[[str], object] | None = None,
     ) -> None:
-        if isinstance(store, Engine):
-            self.engine = store
-        else:
-            kwargs: dict[str, Any] = {"max_body": max(int(max_body), DEFAULT_MAX_BODY)}
-            if ttl is not None:
-                kwargs["ttl"] = ttl
-            if lease is not None:
-                kwargs["lease"] = lease
-            if retention is not None:
-                kwargs["retention"] = retention
-            self.engine = Engine(store, **kwargs)
+        self.engine = engine_for(
+            store, max_body=max(int(max_body), DEFAULT_MAX_BODY), ttl=ttl, lease=lease,
+            retention=retention,
+        )  # fmt: skip
         self.methods = frozenset(m.upper() for m in methods)
         if not callable(require_key) and not isinstance(require_key, bool):
             raise TypeError("require_key must be a bool or a callable taking the request")

@@ -38,18 +38,18 @@ from ._a2a import (
 from ._asgi import (
     ASGIApp,
     BodyTooLarge,
-    Message,
     Receive,
     Scope,
+    closing,
     header,
     read_body,
+    replaying,
     send_json,
 )
 from ._asgi import (
     Send as ASGISend,
 )
-from ._decorator import _shared_store
-from ._engine import Attempt, Engine, _Plan
+from ._engine import Attempt, Engine, _Plan, engine_for
 from ._errors import IdempotencyError, InvalidKeyError
 from ._http import DEFAULT_MAX_REQUEST_BODY, credentials_scope
 from ._record import Outcome
@@ -100,13 +100,9 @@ class A2AIdempotency:
         retention: str | None = None,
         max_body: int | None = None,
     ) -> None:
-        if isinstance(store, Engine):
-            self.engine = store
-        else:
-            options: dict[str, Any] = {"ttl": ttl, "lease": lease, "retention": retention,
-                                       "max_body": max_body}  # fmt: skip
-            options = {k: v for k, v in options.items() if v is not None}
-            self.engine = Engine(_shared_store(store), **options)
+        self.engine = engine_for(
+            store, share=True, ttl=ttl, lease=lease, retention=retention, max_body=max_body
+        )
         self.final_failures = final_failures
         # The engine options every send shares, validated once.
         self._plan = _Plan(
@@ -304,7 +300,7 @@ class IdempotencyMiddleware:
             or (self.path is not None and scope["path"] != self.path)
         ):
             if scope["type"] == "lifespan":
-                send = self._closing(send)
+                send = closing(send, self.core.aclose)
             await self.app(scope, receive, send)
             return
         try:
@@ -318,7 +314,7 @@ class IdempotencyMiddleware:
             return
         if body is None:
             return  # the client left before sending its body
-        downstream = _replaying(body, receive)
+        downstream = replaying(body, receive)
         request = _parse(body)
         if isinstance(request, list) and any(_is_send(r) for r in request):
             await _reply(send, error_reply(
@@ -352,19 +348,6 @@ class IdempotencyMiddleware:
                 raise
             await _reply(send, refusal(prepared.id, exc))
 
-    def _closing(self, send: ASGISend) -> ASGISend:
-        """``send`` that releases this loop's store connections as the app shuts down."""
-
-        async def closing_send(message: Message) -> None:
-            if message["type"] == "lifespan.shutdown.complete":
-                try:
-                    await self.core.aclose()
-                except Exception as exc:  # shutting down: report, do not fail
-                    log.warning("retrysafe: closing the store at shutdown failed: %r", exc)
-            await send(message)
-
-        return closing_send
-
 
 class _Answer:
     """The app's answer to one send, as :mod:`retrysafe.asgi`'s recorder records it.
@@ -392,20 +375,6 @@ class _Answer:
 
     async def asettle(self, att: Attempt, status: int, response: Any) -> None:
         await self.core._asettle(att, self.send, response)
-
-
-def _replaying(body: bytes, receive: Receive) -> Receive:
-    """``receive`` that gives the app the buffered body, then the client's messages."""
-    sent = False
-
-    async def replay_receive() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay_receive
 
 
 def _parse(body: bytes) -> Any:

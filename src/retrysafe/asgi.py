@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ._asgi import ASGIApp, Message, Receive, Scope, Send
+from ._asgi import ASGIApp, Message, Receive, Scope, Send, closing, replaying
 from ._engine import Attempt
 from ._errors import IdempotencyError
 from ._http import (
@@ -80,7 +80,7 @@ class IdempotencyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             if scope["type"] == "lifespan":
-                send = self._closing(send)
+                send = closing(send, self.policy.engine.aclose)
             await self.app(scope, receive, send)
             return
         policy = self.policy.select(scope["method"], scope["path"])
@@ -133,15 +133,7 @@ class IdempotencyMiddleware:
             await _answer(send, policy.refusal(exc))  # type: ignore[arg-type]
             return
 
-        sent = False
-
-        async def replay_receive() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
+        replay_receive = replaying(body, receive)
         entered = False
         try:
             async with attempt as att:
@@ -162,19 +154,6 @@ class IdempotencyMiddleware:
                 await self.app(scope, replay_receive, send)
             else:
                 await _answer(send, refusal)
-
-    def _closing(self, send: Send) -> Send:
-        """``send`` that releases this loop's store connections as the app shuts down."""
-
-        async def closing_send(message: Message) -> None:
-            if message["type"] == "lifespan.shutdown.complete":
-                try:
-                    await self.policy.engine.aclose()
-                except Exception as exc:  # shutting down: report, do not fail
-                    log.warning("retrysafe: closing the store at shutdown failed: %r", exc)
-            await send(message)
-
-        return closing_send
 
 
 class _Recorder:

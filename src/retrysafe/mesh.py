@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from ._asgi import BodyTooLarge, Receive, Scope, Send, header, lifespan, read_body, send_json
-from ._engine import DEFAULT_MAX_BODY, Attempt, Engine
+from ._engine import DEFAULT_MAX_BODY, Attempt, Engine, engine_for
 from ._errors import IdempotencyError
 from ._http import _unrecorded, credentials_scope
 from ._mesh import URN, MeshCall, MeshError, Step, loads, parse, transport_error
@@ -53,11 +53,7 @@ class MeshIdempotency:
         lease: float | None = None,
         wait: float | None = None,
     ) -> None:
-        if isinstance(store, Engine):
-            self.engine = store
-        else:
-            defaults = {"ttl": ttl, "lease": lease, "wait": wait}
-            self.engine = Engine(store, **{k: v for k, v in defaults.items() if v is not None})
+        self.engine = engine_for(store, ttl=ttl, lease=lease, wait=wait)
         # Checks the options as every call will use them (TypeError, ValueError); no I/O.
         self.engine.attempt("-", ttl=ttl, lease=lease, wait=wait)
         self.ttl = self.engine.ttl if ttl is None else min(float(ttl), self.engine.ttl)
