@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from ._engine import DEFAULT_LEASE, DEFAULT_TTL, Attempt, Engine, Replay, engine_for
 from ._errors import IdempotencyError, InvalidKeyError
-from ._heartbeat import Watch, watch
+from ._heartbeat import renewing
 from ._keys import _KEY_RE, fingerprint, validate_key
 from ._map import Operation
 from ._record import Outcome
@@ -429,13 +429,6 @@ def idempotent(
             return {"key": k, "operation": op, "scope": s, "fingerprint": fp, "ttl": ttl,
                     "lease": lease, "wait": wait, "retention": retention}  # fmt: skip
 
-        def heartbeat(att: Attempt) -> Watch | None:
-            """Renew the lease while the function runs (unless ``renew=False``)."""
-            if not renew or att.claim is None:
-                return None
-            engine = get_engine()
-            return watch(engine, att.claim, engine.lease if lease is None else lease)
-
         if inspect.iscoroutinefunction(func):
 
             @functools.wraps(func)
@@ -446,18 +439,15 @@ def idempotent(
                 async with get_engine().attempt(**options) as att:
                     if att.replay is not None:
                         return results.value(att.replay)
-                    beat = heartbeat(att)
                     try:
-                        value = await func(*args, **kwargs)
+                        with renewing(att, renew):
+                            value = await func(*args, **kwargs)
                     except BaseException as exc:
                         failed = results.final_outcome(exc, get_engine())
                         if failed is not None:
                             with _logged(exc):
                                 await att.afail(failed, final=True)
                         raise
-                    finally:
-                        if beat is not None:
-                            beat.stop()
                     att.outcome = results.outcome(att, value)
                     return value
 
@@ -472,18 +462,15 @@ def idempotent(
                 with get_engine().attempt(**options) as att:
                     if att.replay is not None:
                         return results.value(att.replay)
-                    beat = heartbeat(att)
                     try:
-                        value = func(*args, **kwargs)
+                        with renewing(att, renew):
+                            value = func(*args, **kwargs)
                     except BaseException as exc:
                         failed = results.final_outcome(exc, get_engine())
                         if failed is not None:
                             with _logged(exc):
                                 att.fail(failed, final=True)
                         raise
-                    finally:
-                        if beat is not None:
-                            beat.stop()
                     att.outcome = results.outcome(att, value)
                     return value
 

@@ -10,17 +10,19 @@ thread dying together) lets its lease run out and another caller take over.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 
-from ._engine import Claim, Engine
+from ._engine import Attempt, Claim, Engine
 from ._errors import IdempotencyError, LeaseLostError
 
-__all__ = ["Watch", "watch"]
+__all__ = ["Watch", "renewing", "watch"]
 
 log = logging.getLogger("retrysafe")
 
@@ -28,11 +30,18 @@ log = logging.getLogger("retrysafe")
 class Watch:
     """One running attempt under renewal; :meth:`stop` it when the call ends."""
 
-    __slots__ = ("claim", "engine", "lease", "stopped")
+    __slots__ = ("attempt", "claim", "engine", "lease", "stopped")
 
-    def __init__(self, engine: Engine, claim: Claim, lease: float) -> None:
-        self.engine, self.claim, self.lease = engine, claim, lease
+    def __init__(
+        self, engine: Engine, claim: Claim, lease: float, attempt: Attempt | None = None
+    ) -> None:
+        self.engine, self.claim, self.lease, self.attempt = engine, claim, lease, attempt
         self.stopped = False
+
+    @property
+    def done(self) -> bool:
+        """Stopped, or its attempt completed or failed (nothing left to renew)."""
+        return self.stopped or (self.attempt is not None and self.attempt.settled)
 
     def stop(self) -> None:
         self.stopped = True
@@ -49,8 +58,7 @@ class _Heartbeat:
         self._order = itertools.count()
         self._thread: threading.Thread | None = None
 
-    def watch(self, engine: Engine, claim: Claim, lease: float) -> Watch:
-        entry = Watch(engine, claim, lease)
+    def watch(self, entry: Watch) -> Watch:
         with self._cond:
             self._push(entry, time.monotonic())
             if self._thread is None:
@@ -69,7 +77,7 @@ class _Heartbeat:
         while True:
             with self._cond:
                 while True:
-                    while self._heap and self._heap[0][2].stopped:
+                    while self._heap and self._heap[0][2].done:
                         heapq.heappop(self._heap)
                     now = time.monotonic()
                     if self._heap and self._heap[0][0] <= now:
@@ -79,14 +87,14 @@ class _Heartbeat:
             try:
                 entry.engine.renew(entry.claim, entry.lease)
             except LeaseLostError as exc:
-                if not entry.stopped:  # (a renewal racing the completion is expected)
+                if not entry.done:  # (a renewal racing the completion is expected)
                     log.warning("retrysafe: lease of %s lost: %s", entry.claim.operation, exc)
                 continue
             except IdempotencyError as exc:  # the store is down: try again in a third
                 log.warning(
                     "retrysafe: could not renew the lease of %s: %s", entry.claim.operation, exc
                 )
-            if not entry.stopped:
+            if not entry.done:
                 with self._cond:
                     self._push(entry, time.monotonic())
 
@@ -96,4 +104,20 @@ _heartbeat = _Heartbeat()
 
 def watch(engine: Engine, claim: Claim, lease: float) -> Watch:
     """Renew ``claim`` every ``lease / 3`` seconds until the returned watch is stopped."""
-    return _heartbeat.watch(engine, claim, lease)
+    return _heartbeat.watch(Watch(engine, claim, lease))
+
+
+@contextlib.contextmanager
+def renewing(att: Attempt, enabled: bool = True) -> Iterator[None]:
+    """Renew the lease of ``att``'s claim while the block runs (sync or async code).
+
+    Nothing happens for an attempt that replays, or when ``enabled`` is false.
+    """
+    if not enabled or att.claim is None:
+        yield
+        return
+    entry = _heartbeat.watch(Watch(att._engine, att.claim, att._plan.lease, att))
+    try:
+        yield
+    finally:
+        entry.stop()

@@ -32,6 +32,7 @@ from typing import Any
 
 from ._engine import Attempt, _keep
 from ._errors import IdempotencyError
+from ._heartbeat import renewing
 from ._http import Capture, HttpPolicy, HttpRequest, Response
 from ._record import Outcome
 
@@ -87,7 +88,7 @@ def enter(policy: HttpPolicy, stack: ExitStack, attempt: Attempt) -> Attempt | R
         att = stack.enter_context(attempt)
     except IdempotencyError as exc:
         return policy.refusal(exc)
-    return att if att.replay is None else policy.replay(att.replay)
+    return _started(policy, stack, att)
 
 
 async def aenter(
@@ -98,7 +99,15 @@ async def aenter(
         att = await stack.enter_async_context(attempt)
     except IdempotencyError as exc:
         return policy.refusal(exc)
-    return att if att.replay is None else policy.replay(att.replay)
+    return _started(policy, stack, att)
+
+
+def _started(policy: HttpPolicy, stack: ExitStack | AsyncExitStack, att: Attempt) -> Any:
+    """The replay, or the attempt to run: its lease renewed until it is recorded."""
+    if att.replay is not None:
+        return policy.replay(att.replay)
+    stack.enter_context(renewing(att))
+    return att
 
 
 def _exc_info(exc: BaseException | None) -> tuple[Any, Any, Any]:

@@ -51,6 +51,7 @@ from ._asgi import (
 )
 from ._engine import Attempt, Engine, _Plan, engine_for
 from ._errors import IdempotencyError, InvalidKeyError
+from ._heartbeat import renewing
 from ._http import DEFAULT_MAX_REQUEST_BODY, credentials_scope
 from ._record import Outcome
 from .asgi import _Recorder
@@ -161,7 +162,8 @@ class A2AIdempotency:
                 entered = True
                 if att.replay is not None:
                     return replayed(send, att.replay.outcome)
-                response = handler(request)
+                with renewing(att):
+                    response = handler(request)
                 self._settle(att, send, response)
                 return response
         except IdempotencyError as exc:
@@ -195,7 +197,8 @@ class A2AIdempotency:
                 entered = True
                 if att.replay is not None:
                     return replayed(send, att.replay.outcome)
-                response = await handler(request)
+                with renewing(att):
+                    response = await handler(request)
                 await self._asettle(att, send, response)
                 return response
         except IdempotencyError as exc:
@@ -339,7 +342,8 @@ class IdempotencyMiddleware:
                     await _reply(send, replayed(prepared, att.replay.outcome), replay=True)
                     return
                 recorder = _Recorder(send, _Answer(core, prepared), att)  # type: ignore[arg-type]
-                await self.app(scope, downstream, recorder.send)
+                with renewing(att):
+                    await self.app(scope, downstream, recorder.send)
                 if not att.settled:
                     log.warning("retrysafe: the A2A app returned without a complete response")
                     await att.afail()

@@ -20,6 +20,7 @@ from typing import Any
 from ._asgi import ASGIApp, Message, Receive, Scope, Send, closing, replaying
 from ._engine import Attempt
 from ._errors import IdempotencyError
+from ._heartbeat import renewing
 from ._http import (
     Capture,
     Headers,
@@ -142,7 +143,8 @@ class IdempotencyMiddleware:
                     await _answer(send, policy.replay(att.replay))
                     return
                 recorder = _Recorder(send, policy, att)
-                await self.app(scope, replay_receive, recorder.send)
+                with renewing(att):
+                    await self.app(scope, replay_receive, recorder.send)
                 if not att.settled:
                     log.warning("retrysafe: the app returned without a complete response")
                     await att.afail()

@@ -23,6 +23,7 @@ from typing import Any
 from ._asgi import BodyTooLarge, Receive, Scope, Send, header, lifespan, read_body, send_json
 from ._engine import DEFAULT_MAX_BODY, Attempt, Engine, engine_for
 from ._errors import IdempotencyError
+from ._heartbeat import renewing
 from ._http import _unrecorded, credentials_scope
 from ._mesh import URN, MeshCall, MeshError, Step, loads, parse, transport_error
 from .stores import Store
@@ -101,7 +102,9 @@ class MeshIdempotency:
                 entered = True
                 if att.replay is not None:
                     return call.replayed(att.replay)
-                step = call.finish(_run(handler, call.call), att.claim, self.engine.max_body)
+                with renewing(att):
+                    result = _run(handler, call.call)
+                step = call.finish(result, att.claim, self.engine.max_body)
                 _record(att, step)
                 return step.response
         except IdempotencyError as exc:
@@ -131,7 +134,9 @@ class MeshIdempotency:
                 entered = True
                 if att.replay is not None:
                     return call.replayed(att.replay)
-                step = call.finish(await _arun(handler, call.call), att.claim, self.engine.max_body)
+                with renewing(att):
+                    result = await _arun(handler, call.call)
+                step = call.finish(result, att.claim, self.engine.max_body)
                 await _arecord(att, step)
                 return step.response
         except IdempotencyError as exc:
