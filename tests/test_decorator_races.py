@@ -13,11 +13,13 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _racing import race_processes
 from conftest import StoreSpec
 
 from retrysafe import (
@@ -92,46 +94,19 @@ async def test_tasks(store_spec: StoreSpec, tmp_path: Path) -> None:
     _check(answers, effects, TASKS)
 
 
-def _process_racer(spec: StoreSpec, effects: str, barrier: Any, threads: int, queue: Any) -> None:
-    store = spec.open()
-
+def _decorated_racer(store: Store[Any], effects: str) -> Callable[[str], str]:
     @idempotent(store=Engine(store), key="order-{n}", wait=30, validate="n", operation=OP)
     def create_order(n: int, who: str) -> str:
         time.sleep(0.01)
         return _effect(Path(effects), who)
 
-    inner = threading.Barrier(threads)
-
-    def racer(i: int) -> str:
-        inner.wait()
-        return create_order(1, f"pid-{os.getpid()}-{i}")
-
-    barrier.wait()
-    with ThreadPoolExecutor(threads) as pool:
-        for answer in pool.map(racer, range(threads)):
-            queue.put(answer)
-    store.close()
+    return lambda who: create_order(1, who)
 
 
 def test_processes(shared_spec: StoreSpec, tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
     effects = tmp_path / "effects"
-    threads = 8
-    barrier = ctx.Barrier(PROCESSES)
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_process_racer, args=(shared_spec, str(effects), barrier, threads, queue)
-        )
-        for _ in range(PROCESSES)
-    ]
-    for p in procs:
-        p.start()
-    answers = [queue.get(timeout=90) for _ in range(PROCESSES * threads)]
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
-    _check(answers, effects, PROCESSES * threads)
+    answers = race_processes(shared_spec, _decorated_racer, str(effects), processes=PROCESSES)
+    _check(answers, effects, PROCESSES * 8)
 
 
 # -- a worker killed mid-call: its lease runs out and the next call takes over -----------

@@ -6,8 +6,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import multiprocessing as mp
-import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from _http_servers import ThreadServer
+from _racing import race_processes
 from conftest import Clock, StoreSpec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -784,43 +783,21 @@ async def test_tasks_race(store: Store[Any], tmp_path: Path) -> None:
     check_race(answers, effects, TASKS)
 
 
-def _process_racer(spec: StoreSpec, effects: str, barrier: Any, threads: int, queue: Any) -> None:
-    store = spec.open()
+def _mesh_racer(store: Store[Any], effects: str) -> Callable[[str], dict[str, Any]]:
     mesh = MeshIdempotency(store)
-    inner = threading.Barrier(threads)
 
-    def racer(i: int) -> dict[str, Any]:
-        envelope = race_request(f"pid-{os.getpid()}-{i}")
-        inner.wait()
+    def racer(who: str) -> dict[str, Any]:
+        envelope = race_request(who)
         return mesh.handle(envelope, racing_handler(Path(effects), envelope))
 
-    barrier.wait()
-    with ThreadPoolExecutor(threads) as pool:
-        for answer in pool.map(racer, range(threads)):
-            queue.put(answer)
-    store.close()
+    return racer
 
 
 def test_processes_race(shared_spec: StoreSpec, tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
-    processes, threads = 4, 8
     effects = tmp_path / "effects"
     effects.touch()
-    barrier = ctx.Barrier(processes)
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_process_racer, args=(shared_spec, str(effects), barrier, threads, queue)
-        )
-        for _ in range(processes)
-    ]
-    for p in procs:
-        p.start()
-    answers = [queue.get(timeout=60) for _ in range(processes * threads)]
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
-    check_race(answers, effects, processes * threads)
+    answers = race_processes(shared_spec, _mesh_racer, str(effects), processes=4, threads=8)
+    check_race(answers, effects, 4 * 8)
 
 
 # -- over HTTP ----------------------------------------------------------------------------------

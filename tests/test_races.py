@@ -8,14 +8,13 @@ effect, recorded outside the store, must have happened exactly once.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _racing import race_processes
 from conftest import StoreSpec
 
 from retrysafe import Claim, Engine, Outcome, Replay
@@ -90,43 +89,16 @@ async def test_tasks_race(store_spec: StoreSpec, tmp_path: Path) -> None:
     check(results, effects, THREADS)
 
 
-def _process_racer(
-    spec: StoreSpec, key: str, effects: str, barrier: Any, threads: int, queue: Any
-) -> None:
-    store = spec.open()
+def _engine_racer(store: Any, key: str, effects: str) -> Any:
     engine = Engine(store)
-    inner = threading.Barrier(threads)
-
-    def racer(i: int) -> tuple[str, Any]:
-        inner.wait()
-        return race_once(engine, key, Path(effects), f"pid-{os.getpid()}-{i}")
-
-    barrier.wait()
-    with ThreadPoolExecutor(threads) as pool:
-        for result in pool.map(racer, range(threads)):
-            queue.put(result)
-    store.close()
+    return lambda who: race_once(engine, key, Path(effects), who)
 
 
 @pytest.mark.parametrize("round_", range(2))
 def test_processes_race(shared_spec: StoreSpec, tmp_path: Path, round_: int) -> None:
-    ctx = mp.get_context("spawn")
     effects = tmp_path / "effects"
     effects.touch()
-    threads = 8
-    barrier = ctx.Barrier(PROCESSES)
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_process_racer,
-            args=(shared_spec, f"key-{round_}", str(effects), barrier, threads, queue),
-        )
-        for _ in range(PROCESSES)
-    ]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=60) for _ in range(PROCESSES * threads)]
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
-    check(results, effects, PROCESSES * threads)
+    answers = race_processes(
+        shared_spec, _engine_racer, f"key-{round_}", str(effects), processes=PROCESSES, threads=8
+    )
+    check(answers, effects, PROCESSES * 8)
