@@ -54,7 +54,7 @@ from ._errors import IdempotencyError, InvalidKeyError
 from ._heartbeat import renewing
 from ._http import DEFAULT_MAX_REQUEST_BODY, credentials_scope
 from ._record import Outcome
-from .asgi import _Recorder
+from .asgi import _Recorder, _run_recorded
 from .stores import Store
 
 __all__ = [
@@ -342,11 +342,7 @@ class IdempotencyMiddleware:
                     await _reply(send, replayed(prepared, att.replay.outcome), replay=True)
                     return
                 recorder = _Recorder(send, _Answer(core, prepared), att)  # type: ignore[arg-type]
-                with renewing(att):
-                    await self.app(scope, downstream, recorder.send)
-                if not att.settled:
-                    log.warning("retrysafe: the A2A app returned without a complete response")
-                    await att.afail()
+                await _run_recorded(self.app, scope, downstream, recorder)
         except IdempotencyError as exc:
             if entered:
                 raise

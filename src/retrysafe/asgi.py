@@ -142,12 +142,7 @@ class IdempotencyMiddleware:
                 if att.replay is not None:
                     await _answer(send, policy.replay(att.replay))
                     return
-                recorder = _Recorder(send, policy, att)
-                with renewing(att):
-                    await self.app(scope, replay_receive, recorder.send)
-                if not att.settled:
-                    log.warning("retrysafe: the app returned without a complete response")
-                    await att.afail()
+                await _run_recorded(self.app, scope, replay_receive, _Recorder(send, policy, att))
         except IdempotencyError as exc:
             if entered:
                 raise
@@ -156,6 +151,19 @@ class IdempotencyMiddleware:
                 await self.app(scope, replay_receive, send)
             else:
                 await _answer(send, refusal)
+
+
+async def _run_recorded(app: ASGIApp, scope: Scope, receive: Receive, recorder: _Recorder) -> None:
+    """Run ``app`` with ``recorder`` recording its answer, its lease renewed meanwhile.
+
+    An app that returns without a complete answer fails the attempt (retryable).
+    """
+    att = recorder.att
+    with renewing(att):
+        await app(scope, receive, recorder.send)
+    if not att.settled:
+        log.warning("retrysafe: the app returned without a complete response")
+        await att.afail()
 
 
 class _Recorder:
