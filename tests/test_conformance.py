@@ -170,6 +170,23 @@ def test_renew_extends_a_live_lease(api: Api, clock: Clock) -> None:
     api.complete(c, Outcome.json("done"))
 
 
+def test_renewal_past_the_expiry_moves_it(make_api: Any, clock: Clock) -> None:
+    """A running attempt never expires under its owner: renewing moves the expiry."""
+    api = make_api(ttl=10, lease=10)
+    c = claim(api.begin("k", operation=OP))
+    first_expiry = c.expires_at
+    clock.advance(8)
+    api.renew(c, 10)  # to now + 10: past the record's expiry
+    assert c.lease_until == clock.now + 10 and c.expires_at == c.lease_until > first_expiry
+    clock.advance(8)  # past the first expiry, inside the renewed lease
+    with pytest.raises(InProgressError):
+        api.begin("k", operation=OP)
+    api.complete(c, Outcome.json("done"))
+    assert replay(api.begin("k", operation=OP)).outcome.value == "done"
+    clock.advance(3)  # past the moved expiry: the key is free again
+    assert isinstance(api.begin("k", operation=OP), Claim)
+
+
 def test_ttl_expiry_and_narrowing(make_api: Any, clock: Clock) -> None:
     api = make_api(ttl=100)
     c = claim(api.begin("k", operation=OP, fingerprint="A"))

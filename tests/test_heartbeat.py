@@ -21,6 +21,7 @@ from _http_servers import ThreadServer
 from retrysafe import Engine, Store, open_store
 from retrysafe.a2a import A2AIdempotency
 from retrysafe.mesh import MeshIdempotency
+from retrysafe.stores.memory import MemoryStore
 
 LEASE = 1.0
 
@@ -162,3 +163,112 @@ def test_a_long_request_keeps_its_key(store: Store[Any], door: str) -> None:
         thread.join(timeout=30)
         assert set(answers) == {"in flight"}, answers
         assert first == [1] and call() == 1 and slow.runs == 1
+
+
+# -- the heartbeat itself -------------------------------------------------------------
+
+
+def _hold_and_probe(call: Callable[[], Any], slow: Slow, leases: float = 2.5) -> list[Any]:
+    """Start ``call`` in a thread; while it runs, probe it every 50 ms; return the probes."""
+    first: list[Any] = []
+    thread = threading.Thread(target=lambda: first.append(call()))
+    thread.start()
+    assert slow.started.wait(timeout=30)
+    answers = []
+    deadline = time.monotonic() + leases * LEASE
+    while time.monotonic() < deadline:
+        answers.append(call())
+        time.sleep(0.05)  # a client's retry interval
+    slow.release.set()
+    thread.join(timeout=30)
+    assert first == [1]
+    return answers
+
+
+class FlakyRenewals(MemoryStore):
+    """A store whose first renewals fail with an unexpected error (a broken driver)."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> Any:
+        if self.failures > 0:
+            self.failures -= 1
+            raise RuntimeError("driver hiccup")
+        return super()._renew(key_hash, token, lease_until, now)
+
+
+def test_renewal_survives_unexpected_errors(caplog: pytest.LogCaptureFixture) -> None:
+    store = FlakyRenewals(failures=2)
+    slow = Slow()
+    with mesh(Engine(store, lease=LEASE), slow) as call:
+        assert set(_hold_and_probe(call, slow)) == {"in flight"}
+        assert call() == 1 and slow.runs == 1
+    assert store.failures == 0 and "driver hiccup" in caplog.text
+    slow2 = Slow()  # and the heartbeat thread still serves the next long call
+    with mesh(Engine(MemoryStore(), lease=LEASE), slow2) as call:
+        assert set(_hold_and_probe(call, slow2)) == {"in flight"} and slow2.runs == 1
+
+
+def test_a_request_ttl_shorter_than_the_handler_keeps_the_key() -> None:
+    """Seed 002: a duplicate while processing never starts new processing, whatever the ttl."""
+    slow = Slow()
+    door = MeshIdempotency(Engine(MemoryStore(), lease=LEASE))
+    envelope = {
+        "protocol": {"name": "mesh", "version": "0.1.0"}, "id": "req_1",
+        "call": {"function": "orders.create", "version": "1", "arguments": {}},
+        "extensions": [{"urn": "urn:mesh:ext:idempotency",
+                        "options": {"key": "k1", "ttl": {"value": 500, "unit": "millisecond"}}}],
+    }  # fmt: skip
+
+    def call() -> Any:
+        answer = door.handle(envelope, lambda call: slow.run())
+        return "in flight" if answer["errors"] else answer["result"]
+
+    assert set(_hold_and_probe(call, slow, leases=3)) == {"in flight"}
+    assert call() == 1 and slow.runs == 1
+
+
+def test_finished_calls_are_let_go() -> None:
+    """Watches of finished calls do not pile up (they hold the attempt and its answer)."""
+    from retrysafe import idempotent
+    from retrysafe._heartbeat import _heartbeat
+
+    big = "x" * 10_000
+
+    @idempotent(store=Engine(MemoryStore(), lease=600), key="{n}")
+    def fn(n: int) -> str:
+        return big
+
+    for n in range(2000):
+        fn(n)
+    assert len(_heartbeat._heap) < 100
+
+
+async def test_a_long_async_call_keeps_its_key() -> None:
+    import asyncio
+
+    from retrysafe import InProgressError, idempotent
+
+    runs: list[int] = []
+    release = asyncio.Event()
+
+    @idempotent(store=Engine(MemoryStore(), lease=LEASE), key="k", validate=())
+    async def slow() -> int:
+        runs.append(1)
+        await release.wait()
+        return len(runs)
+
+    first = asyncio.create_task(slow())
+    await asyncio.sleep(0)
+    probes = []
+    deadline = time.monotonic() + 2.5 * LEASE
+    while time.monotonic() < deadline:
+        try:
+            probes.append(await slow())
+        except InProgressError:
+            probes.append("in flight")
+        await asyncio.sleep(0.05)
+    release.set()
+    assert await first == 1 and set(probes) == {"in flight"} and await slow() == 1

@@ -158,3 +158,18 @@ async def test_a_burst_past_the_pool_waits_for_connections(redis_server: Any) ->
     await store.aclose()
     with pytest.raises((TypeError, ValueError)):
         RedisStore(redis_server.url, max_connections=0)
+
+
+def test_renewal_past_the_expiry_moves_the_physical_ttl(store: RedisStore, raw: Any) -> None:
+    engine = Engine(store, ttl=2, lease=1)
+    standard = engine.begin("std", operation="ttl")
+    financial = engine.begin("fin", operation="ttl", retention="financial")
+    assert isinstance(standard, Claim) and isinstance(financial, Claim)
+    key, fin_key = store.record_key(standard.key_hash), store.record_key(financial.key_hash)
+    assert 0 < raw.pttl(key) <= 2000 and raw.pttl(fin_key) == -1
+    engine.renew(standard, 30)
+    engine.renew(financial, 30)
+    assert 28_000 < raw.pttl(key) <= 30_000  # the TTL followed the lease
+    assert raw.pttl(fin_key) == -1  # a financial record still has none (the sweeper's)
+    engine.renew(standard, 1)  # a shorter lease never shortens the expiry
+    assert raw.pttl(key) > 28_000

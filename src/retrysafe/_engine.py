@@ -199,9 +199,14 @@ class Engine:
     def _final(self, final: bool | None) -> bool:
         return self.final_failures if final is None else bool(final)
 
-    def _lease_until(self, claim: Claim, lease: float | None, now: float) -> float:
-        lease = self.lease if lease is None else _positive("lease", lease)
-        return min(now + lease, claim.expires_at)
+    def _lease_until(self, lease: float | None, now: float) -> float:
+        return now + (self.lease if lease is None else _positive("lease", lease))
+
+    @staticmethod
+    def _renewed(claim: Claim, until: float) -> None:
+        claim.lease_until = until
+        if until > claim.expires_at:  # the store moved the record's expiry with it
+            claim.expires_at = until
 
     @staticmethod
     def _lost(claim: Claim, what: str) -> None:
@@ -253,12 +258,22 @@ class Engine:
             self._lost(claim, "failure")
 
     def renew(self, claim: Claim, lease: float | None = None) -> None:
-        """Extend a live lease by ``lease`` seconds from now (never past the record's expiry)."""
-        now = self.clock()
-        until = self._lease_until(claim, lease, now)
-        if not self.store.renew(claim.key_hash, claim.token, until, now):
+        """Extend a live lease to ``lease`` seconds from now (default: the engine's).
+
+        A lease past the record's expiry moves the expiry with it: a running
+        attempt never expires under its owner.
+        """
+        if not self.try_renew(claim, lease):
             self._lost(claim, "renewal")
-        claim.lease_until = until
+
+    def try_renew(self, claim: Claim, lease: float | None = None) -> bool:
+        """:meth:`renew` that answers False (and logs nothing) when the lease was lost."""
+        now = self.clock()
+        until = self._lease_until(lease, now)
+        if not self.store.renew(claim.key_hash, claim.token, until, now):
+            return False
+        self._renewed(claim, until)
+        return True
 
     # -- async API: the same shells with await -----------------------------------
 
@@ -294,10 +309,10 @@ class Engine:
     async def arenew(self, claim: Claim, lease: float | None = None) -> None:
         """Async :meth:`renew`."""
         now = self.clock()
-        until = self._lease_until(claim, lease, now)
+        until = self._lease_until(lease, now)
         if not await self.store.arenew(claim.key_hash, claim.token, until, now):
             self._lost(claim, "renewal")
-        claim.lease_until = until
+        self._renewed(claim, until)
 
     # -- context manager -----------------------------------------------------
 

@@ -80,6 +80,8 @@ class Store(abc.ABC, Generic[OpT]):
       counts ``attempts`` on; the result carries the new attempt number.
     * ``complete`` / ``fail`` / ``renew``: compare-and-set on the fencing
       token of a processing record; ``False`` when the token no longer owns it.
+      ``renew`` past the record's ``expires_at`` moves ``expires_at`` to the new
+      ``lease_until``: a live attempt never expires under its owner.
     * ``get`` / ``delete``: read or remove one record by key hash.
 
     Errors reaching the server raise :class:`~retrysafe.StoreUnavailableError`

@@ -118,6 +118,8 @@ class MemoryStore(Store[_Op]):
             if cur is None:
                 return False
             cur.lease_until, cur.updated_at = lease_until, now
+            if lease_until > cur.expires_at:  # a live attempt never expires under its owner
+                cur.expires_at = lease_until
             return True
 
         return op
@@ -140,8 +142,9 @@ class MemoryStore(Store[_Op]):
     # The lock is held for a C-speed copy of the records and for the few changes;
     # scanning, filtering and sorting happen outside it, so claims wait little.
     # Records are only ever replaced (a takeover), or changed in status, outcome and
-    # lease (complete, fail, renew): their key, operation, created_at and expires_at
-    # can be read without the lock, and every decision is checked again under it.
+    # lease (complete, fail, renew; a renewal past expires_at pushes it later): their
+    # key, operation and created_at can be read without the lock, expires_at only
+    # grows, and every decision is checked again under it.
 
     def _snapshot(self) -> list[Record]:
         with self._lock:

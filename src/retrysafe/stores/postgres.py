@@ -985,7 +985,11 @@ class PostgresStore(Store[_Op]):
             .format(table, outcome) + cas
         )  # fmt: skip
         self._q_renew = text(
-            sql.SQL("UPDATE {} SET lease_until = %s, updated_at = %s").format(table) + cas
+            sql.SQL(
+                "UPDATE {} SET lease_until = %s, updated_at = %s, "
+                "expires_at = GREATEST(expires_at, %s)"
+            ).format(table)
+            + cas
         )
         self._q_get = text(
             sql.SQL("SELECT {} FROM {} AS t WHERE t.key_hash = %s").format(select_cols, table)
@@ -1480,7 +1484,8 @@ class PostgresStore(Store[_Op]):
         return _Op(self._q_fail, params, _changed, self._moved)
 
     def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
-        return _Op(self._q_renew, (lease_until, now, key_hash, token), _changed, self._moved)
+        params = (lease_until, now, lease_until, key_hash, token)
+        return _Op(self._q_renew, params, _changed, self._moved)
 
     def _get(self, key_hash: str) -> _Op:
         return _Op(self._q_get, (key_hash,), _record_or_none)

@@ -12,7 +12,8 @@ the physical TTL decides when Redis drops a record by itself:
 
 Every write that replaces a record follows the same rule: a claim or takeover
 writes the new record with PX (standard) or without (financial, which also clears
-any TTL the old record had); complete, fail and renew keep the TTL the claim set.
+any TTL the old record had); complete, fail and renew keep the TTL the claim set
+(a renewal past expires_at moves both expires_at and the TTL to the lease's end).
 
 The commands, one round trip each on the request path:
 
@@ -271,11 +272,21 @@ redis.call('SET', KEYS[1], new, 'KEEPTTL')
 return 1
 """
 
-# ARGV[2] lease_until, ARGV[3] updated_at.
+# ARGV[2] lease_until, ARGV[3] updated_at, ARGV[4] the lease's PX ms from now. A
+# lease past expires_at also moves expires_at (and a TTL the record has) to its end,
+# so a live attempt never expires under its owner.
 _RENEW = f"""{_CAS}
-local new = string.sub(v, 1, 21) .. ARGV[2] .. string.sub(v, 30, 32) .. ARGV[3]
+local expires = string.sub(v, 14, 21)
+local later = struct.unpack('>d', ARGV[2]) > struct.unpack('>d', expires)
+if later then
+  expires = ARGV[2]
+end
+local new = string.sub(v, 1, 13) .. expires .. ARGV[2] .. string.sub(v, 30, 32) .. ARGV[3]
   .. string.sub(v, 41)
 redis.call('SET', KEYS[1], new, 'KEEPTTL')
+if later and redis.call('PTTL', KEYS[1]) > 0 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+end
 return 1
 """
 
@@ -724,7 +735,7 @@ class RedisStore(Store[_Op]):
     def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
         args = (
             "EVALSHA", _RENEW_SHA, 1, self.record_key(key_hash), _token(token),
-            _DOUBLE.pack(lease_until), _DOUBLE.pack(now),
+            _DOUBLE.pack(lease_until), _DOUBLE.pack(now), _ttl_ms(lease_until, now) or 1,
         )  # fmt: skip
         return (args, _parse_bool, key_hash, None, _NO_OPTIONS)
 

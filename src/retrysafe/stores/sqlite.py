@@ -125,7 +125,12 @@ _FAIL = (
     "response_headers = ?, response_media_type = ?, response_body = ?, "
     "final = ?, updated_at = ?" + _CAS
 )
-_RENEW = "UPDATE retrysafe_records SET lease_until = ?, updated_at = ?" + _CAS
+# A renewal past the record's expiry pushes the expiry to the new lease's end: a
+# live attempt never expires under its owner (the claim would be free to take).
+_RENEW = (
+    "UPDATE retrysafe_records SET lease_until = ?, updated_at = ?, "
+    "expires_at = max(expires_at, ?)" + _CAS
+)
 _DELETE = "DELETE FROM retrysafe_records WHERE key_hash = ?"
 
 # -- operations work (sweeper, CLI) ---------------------------------------------------
@@ -392,7 +397,7 @@ class SQLiteStore(Store[_Op]):
         return self._write(_FAIL, (*outcome_params(outcome), final, now, key_hash, token))
 
     def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
-        return self._write(_RENEW, (lease_until, now, key_hash, token))
+        return self._write(_RENEW, (lease_until, now, lease_until, key_hash, token))
 
     def _get(self, key_hash: str) -> _Op:
         def op(conn: sqlite3.Connection) -> Record | None:
