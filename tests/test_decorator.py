@@ -470,22 +470,23 @@ def test_listed_exceptions_are_final_and_raised_again(h: Harness, engine: Engine
     assert calls == [1, 2, 2]
 
 
-def test_all_failures_final(h: Harness, engine: Engine) -> None:
+def test_all_failures_final_keep_no_text(h: Harness, engine: Engine) -> None:
     calls: list[Any] = []
 
     def fn(n: int) -> str:
         calls.append(n)
-        raise ValueError("bad amount", n)
+        raise ValueError("card 4242 4242 4242 4242 declined", n)
 
     f = h.wrap(fn, store=engine, key="{n}", final_failures=True)
+    with pytest.raises(ValueError, match="4242"):
+        f(4)  # the original, once
     for _ in range(2):
-        with pytest.raises(ValueError, match="bad amount"):
-            f(4)
+        with pytest.raises(ValueError) as err:
+            f(4)  # replayed: the class (a built-in), none of its text
+        assert "4242" not in str(err.value)
     assert calls == [4]
-    # Another decorator (another process) knows nothing of the class: a clear error.
-    g = h.wrap(lambda n: n, store=engine, key="{n}", operation=f.operation)
-    with pytest.raises(ValueError):
-        g(4)  # builtins are rebuilt everywhere
+    stored = engine.store.get(key_hash("", f.operation, "4"))
+    assert stored is not None and b"4242" not in stored.outcome.body  # type: ignore[union-attr]
 
     class Private(Exception):
         pass
@@ -496,9 +497,35 @@ def test_all_failures_final(h: Harness, engine: Engine) -> None:
     p = h.wrap(boom, store=engine, key="{n}", final_failures=True, operation="p")
     with pytest.raises(Private):
         p(1)
-    other = h.wrap(lambda n: n, store=engine, key="{n}", operation="p")
-    with pytest.raises(IdempotencyError, match="Private: secret sauce"):
-        other(1)
+    with pytest.raises(IdempotencyError, match=r"Private; it is not run again") as err:
+        p(1)  # not a listed class: named, not rebuilt, and its text was not kept
+    assert "secret" not in str(err.value)
+
+
+class Declined(ValueError):
+    pass
+
+
+def test_a_replayed_failure_is_the_nearest_listed_class(h: Harness, engine: Engine) -> None:
+    """The same class in every process: the nearest ancestor the decorator lists."""
+    calls: list[Any] = []
+
+    def charge(n: int) -> None:
+        calls.append(n)
+        raise Declined("do not honour", 5)
+
+    f = h.wrap(charge, store=engine, key="{n}", final_failures=(ValueError,))
+    with pytest.raises(Declined):
+        f(1)  # the original
+    for _ in range(2):
+        with pytest.raises(ValueError) as err:
+            f(1)
+        assert type(err.value) is ValueError and err.value.args == ("do not honour", 5)
+    again = h.wrap(charge, store=engine, key="{n}", final_failures=(ValueError,),
+                   operation=f.operation)  # fmt: skip
+    with pytest.raises(ValueError) as err:
+        again(1)  # "another process": the same answer
+    assert type(err.value) is ValueError and calls == [1]
 
 
 def test_engine_final_failures_store_the_error(h: Harness, store: Store[Any], clock: Clock) -> None:
@@ -509,3 +536,49 @@ def test_engine_final_failures_store_the_error(h: Harness, store: Store[Any], cl
     for _ in range(2):
         with pytest.raises(KeyError):
             f(1)
+
+
+def test_more_bad_options_are_refused_at_decoration() -> None:
+    def fn(n: int) -> int:
+        return n
+
+    for options in ({"ttl": -1}, {"ttl": "1h"}, {"lease": 0}, {"wait": -5}, {"wait": True},
+                    {"retention": "bogus"}, {"scope": 5}, {"store": 5}):  # fmt: skip
+        with pytest.raises((TypeError, ValueError)):
+            idempotent(**options)(fn)  # type: ignore[arg-type]
+
+    def gen(n: int) -> Any:
+        yield n
+
+    async def agen(n: int) -> Any:
+        yield n
+
+    for f in (gen, agen):
+        with pytest.raises(TypeError, match="generator"):
+            idempotent(store="memory://")(f)
+
+    class Wallet:
+        def withdraw(self, amount: int) -> int:
+            return amount
+
+    with pytest.raises(TypeError, match="receiver"):
+        idempotent(store="memory://")(Wallet.withdraw)
+    idempotent(store="memory://", scope=lambda self, amount: str(id(self)))(Wallet.withdraw)
+
+    import functools
+
+    with pytest.raises(TypeError, match="operation="):
+        idempotent(store="memory://")(functools.partial(fn, 1))
+    part = idempotent(store="memory://", operation="part")(functools.partial(fn, 1))
+    assert part() == part() == 1
+
+
+def test_bare_decorator() -> None:
+    calls: list[int] = []
+
+    @idempotent
+    def fn(n: int) -> int:
+        calls.append(n)
+        return n
+
+    assert fn(1) == fn(1) == 1 and fn(2) == 2 and calls == [1, 2]

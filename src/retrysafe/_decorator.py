@@ -21,7 +21,16 @@ import typing
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from ._engine import DEFAULT_LEASE, DEFAULT_TTL, Attempt, Engine, Replay, engine_for
+from ._engine import (
+    DEFAULT_LEASE,
+    DEFAULT_TTL,
+    Attempt,
+    Engine,
+    Replay,
+    _positive,
+    _retention,
+    engine_for,
+)
 from ._errors import IdempotencyError, InvalidKeyError
 from ._heartbeat import renewing
 from ._keys import _KEY_RE, fingerprint, validate_key
@@ -229,7 +238,6 @@ class _Results:
                 if not (isinstance(t, type) and issubclass(t, BaseException)):
                     raise TypeError(f"final_failures must hold exception classes, not {t!r}")
             self.final_all, self.final_types = False, types
-        self.seen: dict[str, type[BaseException]] = {}
 
     @property
     def serializer(self) -> Serializer:
@@ -283,44 +291,60 @@ class _Results:
         return self.serializer.load(None if outcome is None else outcome.value)
 
     def final_outcome(self, exc: BaseException, engine: Engine) -> Outcome | None:
-        """The stored form of a final failure, or None when ``exc`` leaves the key retryable."""
+        """The stored form of a final failure, or None when ``exc`` leaves the key retryable.
+
+        Kept: the names of the exception's classes (most specific first). Its
+        arguments and message only when its class is listed in ``final_failures``
+        (the caller asked for it); a blanket ``True`` keeps no text of any error.
+        """
         if not isinstance(exc, Exception):
             return None
-        if not (self.final_all or engine.final_failures or isinstance(exc, self.final_types)):
+        listed = isinstance(exc, self.final_types)
+        if not (listed or self.final_all or engine.final_failures):
             return None
-        cls = type(exc)
-        name = f"{cls.__module__}.{cls.__qualname__}"
-        self.seen[name] = cls
-        error: dict[str, Any] = {"type": name, "message": str(exc)}
-        with contextlib.suppress(TypeError, ValueError):
-            error["args"] = json.loads(_JSON(list(exc.args)))  # only if JSON round-trips them
+        types = [_name_of(c) for c in type(exc).__mro__ if issubclass(c, Exception)]
+        error: dict[str, Any] = {"types": types}
+        if listed:
+            error["message"] = str(exc)
+            with contextlib.suppress(TypeError, ValueError):
+                error["args"] = json.loads(_JSON(list(exc.args)))  # only if JSON round-trips them
         return Outcome.json({"error": error})
 
     def _rebuild(self, stored: Any) -> BaseException:
+        """The stored final failure as an exception: the nearest class of it that this
+        decorator lists (or a built-in one), else :class:`IdempotencyError`."""
         error = stored.get("error") if isinstance(stored, dict) else None
-        if not isinstance(error, dict):
+        types = error.get("types") if isinstance(error, dict) else None
+        if not isinstance(types, list) or not types:
             return IdempotencyError(
                 "an earlier attempt with this key failed finally; it is not run again"
             )
-        name, message = str(error.get("type")), str(error.get("message", ""))
-        cls = self.seen.get(name) or self._allowed(name)
-        if cls is not None and isinstance(error.get("args"), list):
-            with contextlib.suppress(Exception):
-                return cls(*error["args"])
+        args = error.get("args")  # type: ignore[union-attr]
+        args = args if isinstance(args, list) else []
+        for name in types:
+            cls = self._allowed(str(name))
+            if cls is not None:
+                with contextlib.suppress(Exception):
+                    return cls(*args)
         return IdempotencyError(
-            f"an earlier attempt with this key failed finally with {name}: {message}; "
-            "it is not run again"
+            f"an earlier attempt with this key failed finally with {types[0]}; it is not run again"
         )
 
     def _allowed(self, name: str) -> type[BaseException] | None:
-        """Only classes this decorator was told about (or built-in ones) are rebuilt:
-        a stored type name never imports anything."""
+        """Only classes this decorator lists (or built-in ones) are rebuilt: a stored
+        type name never imports anything."""
         for cls in self.final_types:
-            if f"{cls.__module__}.{cls.__qualname__}" == name:
+            if _name_of(cls) == name:
                 return cls
         module, _, qualname = name.rpartition(".")
         found = getattr(builtins, qualname, None) if module == "builtins" else None
-        return found if isinstance(found, type) and issubclass(found, Exception) else None
+        if found is Exception or not (isinstance(found, type) and issubclass(found, Exception)):
+            return None  # (a bare Exception says nothing: IdempotencyError names the class)
+        return found
+
+
+def _name_of(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 class _Returns:
@@ -339,6 +363,11 @@ def _logged(exc: BaseException) -> Iterator[None]:
         log.warning("retrysafe: could not record the final failure %r: %s", exc, error)
 
 
+@typing.overload
+def idempotent(func: F, /) -> F: ...
+
+
+@typing.overload
 def idempotent(
     *,
     store: StoreSpec = None,
@@ -355,8 +384,33 @@ def idempotent(
     final_failures: FinalSpec = False,
     retention: str | None = None,
     renew: bool = True,
-) -> Callable[[F], F]:
+) -> Callable[[F], F]: ...
+
+
+def idempotent(
+    func: F | None = None,
+    /,
+    *,
+    store: StoreSpec = None,
+    key: KeySpec = None,
+    operation: str | Operation | None = None,
+    version: str | int | None = None,
+    validate: str | Iterable[str] | None = None,
+    scope: str | Callable[..., str] | None = None,
+    ttl: float | None = None,
+    lease: float | None = None,
+    wait: float | None = None,
+    raise_on_missing_key: bool = True,
+    serializer: Any = None,
+    final_failures: FinalSpec = False,
+    retention: str | None = None,
+    renew: bool = True,
+) -> Callable[[F], F] | F:
     """Run a function once per key; repeated calls return the stored result.
+
+    ``@idempotent`` alone keys on all arguments with the default store;
+    ``@idempotent(...)`` takes the options below. Every option is checked
+    here, when the function is decorated.
 
     ``store``: a Store, a URL or an :class:`Engine` (default: ``RETRYSAFE_STORE``
     or the embedded SQLite file). ``key``: a ``str.format`` template over the
@@ -377,6 +431,19 @@ def idempotent(
     """
     if key is not None and not isinstance(key, str) and not callable(key):
         raise TypeError("key must be a str.format template or a callable")
+    if store is not None and not isinstance(store, (str, Store, Engine)):
+        raise TypeError(f"store must be a Store, a URL or an Engine, not {type(store).__name__}")
+    if scope is not None and not isinstance(scope, str) and not callable(scope):
+        raise TypeError("scope must be a str or a callable over the arguments")
+    for name, seconds in (("ttl", ttl), ("lease", lease)):
+        if seconds is not None:
+            _positive(name, seconds)
+    if wait is not None and (
+        isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0
+    ):
+        raise ValueError(f"wait must be a number of seconds >= 0, not {wait!r}")
+    if retention is not None:
+        _retention(retention)
     if validate is not None and not isinstance(validate, str):
         validate = tuple(validate)
         if not all(isinstance(v, str) for v in validate):
@@ -398,12 +465,25 @@ def idempotent(
     own_lease = DEFAULT_LEASE if lease is None else lease
 
     def decorate(func: F) -> F:
+        if not callable(func):
+            raise TypeError(f"@idempotent decorates a function, not {type(func).__name__}")
+        if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
+            raise TypeError("@idempotent cannot store a generator's results: return a list instead")
         call = _Call(func, op_spec if key is None and op_spec is not None else key, scope, validate)
+        if call.skip is not None and key is None and op_spec is None and scope is None:
+            raise TypeError(
+                f"{call.skip}.{getattr(func, '__name__', 'method')}: the receiver is not part "
+                f"of the request, so every instance would share one record: give key= "
+                f"(e.g. '{{{call.skip}.id}}:...') or scope="
+            )
         results = _Results(func, serializer, final_failures)
         if op_spec is not None:
             op = op_spec.name
         else:
-            op = operation or f"{func.__module__}.{func.__qualname__}"  # type: ignore[assignment]
+            qualname = getattr(func, "__qualname__", None)
+            if operation is None and qualname is None:
+                raise TypeError(f"give operation= to name {func!r} (it has no __qualname__)")
+            op = operation or f"{func.__module__}.{qualname}"  # type: ignore[assignment]
         if version is not None:
             op = f"{op}#v{version}"
         engine = shared
@@ -479,4 +559,4 @@ def idempotent(
         wrapper.operation = op
         return wrapper  # type: ignore[no-any-return]
 
-    return decorate
+    return decorate if func is None else decorate(func)
