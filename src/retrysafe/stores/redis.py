@@ -1117,8 +1117,7 @@ class RedisStore(Store[_Op]):
                         timeout=self._options["socket_timeout"],
                         **options,
                     )
-                    client = redis.asyncio.Redis(connection_pool=pool)
-                    client.auto_close_connection_pool = True
+                    client = redis.asyncio.Redis.from_pool(pool)  # (closes the pool too)
                 self._async[loop] = client
             return client
 
