@@ -216,8 +216,10 @@ def test_a_duplicate_in_flight_gets_an_in_flight_error(client: Client) -> None:
     m = mid()
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(client.call, v03(m, "gate"))
+        deadline = time.monotonic() + 30
         while client.tasks == 0:  # until the first send runs in the agent
             assert not first.done(), first.result()
+            assert time.monotonic() < deadline, "the first send never reached the agent in 30 s"
             time.sleep(0.005)
         response = client.post(v10(m, "gate"))
         error = response.json()["error"]
@@ -254,8 +256,10 @@ def test_a_client_that_leaves_still_gets_its_answer_recorded(client: Client) -> 
     with pytest.raises(httpx.ReadTimeout):
         client.post(v03(m, "gate"), timeout=httpx.Timeout(30, read=0.3))
     client.open_gate()
+    deadline = time.monotonic() + 30
     while "error" in (doc := client.call(v03(m, "gate"))):  # until the first send completes
         assert doc["error"]["data"]["code"] == "idempotency_in_flight"
+        assert time.monotonic() < deadline, "the first send was still in flight after 30 s"
         time.sleep(0.01)
     assert doc["result"]["status"]["state"] == "completed"
     assert client.tasks == 1
