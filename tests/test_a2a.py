@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import threading
 import time
 import uuid
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from unittest.mock import AsyncMock, Mock
 
 import httpx
 import pytest
@@ -25,8 +27,10 @@ from _a2a_app import Counter, make_app
 from _http_servers import Process, ThreadServer, free_port, uvicorn_argv
 from conftest import StoreSpec
 
-from retrysafe import Engine, Store
+from retrysafe import Engine, Store, StoreUnavailableError
 from retrysafe._a2a import normal_message, part_v03, part_v10, result_as
+from retrysafe._asgi import principal
+from retrysafe._http import credentials_scope
 from retrysafe.a2a import SEND_METHODS, A2AIdempotency, ErrorCode, IdempotencyMiddleware
 
 _ids = itertools.count(1)
@@ -457,6 +461,57 @@ async def test_the_async_wrapper(dedupe: A2AIdempotency) -> None:
     assert (await dispatch(v03(m)))["result"]["id"] == "task-1"
     assert agent.runs == 1
     await dedupe.aclose()
+
+
+async def test_an_object_with_an_async_call_is_wrapped_async(memory: Store[Any]) -> None:
+    agent = Agent()
+
+    class Dispatcher:
+        async def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
+            return agent.answer(request)
+
+    dedupe = A2AIdempotency(memory)
+    dispatch = dedupe.wrap(Dispatcher())
+    m = mid()
+    assert (await dispatch(v03(m)))["result"]["id"] == "task-1"
+    assert (await dispatch(v10(m)))["result"]["task"]["id"] == "task-1"
+    assert agent.runs == 1
+    await dedupe.aclose()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_answer_that_cannot_be_recorded_still_reaches_the_caller(
+    mode: str, memory: Store[Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    gone = StoreUnavailableError("gone")
+    monkeypatch.setattr(memory, "complete", Mock(side_effect=gone))
+    monkeypatch.setattr(memory, "acomplete", AsyncMock(side_effect=gone))
+    dedupe, agent, m = A2AIdempotency(memory), Agent(), mid()
+
+    async def answer(request: dict[str, Any]) -> dict[str, Any]:
+        return agent.answer(request)
+
+    with caplog.at_level(logging.ERROR, logger="retrysafe"):
+        if mode == "sync":
+            response = dedupe.handle(v03(m), agent)
+        else:
+            response = asyncio.run(dedupe.ahandle(v03(m), answer))
+    assert response["result"]["id"] == "task-1"
+    assert f"the answer to message {m!r} was sent but not recorded (gone)" in caplog.text
+
+
+def test_the_principal_of_a_request() -> None:
+    def scope(headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
+        return {"type": "http", "headers": headers}
+
+    bearer = scope([(b"authorization", b"Bearer alice")])
+    assert principal(bearer, None) == credentials_scope("Bearer alice") != ""
+    assert principal(bearer, None) != principal(scope([(b"authorization", b"Bearer bob")]), None)
+    assert principal(scope([]), None) == ""  # no Authorization: one shared principal
+    assert principal(bearer, lambda s: "tenant-a") == "tenant-a"
+    assert principal(bearer, lambda s: None) == ""
+    with pytest.raises(TypeError, match="must return a str or None, not int"):
+        principal(bearer, lambda s: 42)  # type: ignore[arg-type,return-value]
 
 
 def test_many_threads_run_the_wrapper_once(store: Store[Any]) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
+
+from ._http import credentials_scope
 
 __all__ = [
     "ASGIApp",
@@ -16,7 +19,9 @@ __all__ = [
     "Send",
     "closing",
     "header",
+    "is_async",
     "lifespan",
+    "principal",
     "read_body",
     "replaying",
     "send_json",
@@ -97,6 +102,30 @@ def header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+def principal(scope: Scope, scope_fn: Callable[[Scope], str | None] | None) -> str:
+    """The caller of a request: ``scope_fn(scope)``, or by default a hash of its
+    ``Authorization`` header ("" without one).
+
+    ``scope_fn`` returning None is the empty principal; anything else but a str
+    is a TypeError.
+    """
+    if scope_fn is None:
+        return credentials_scope(header(scope, b"authorization"))
+    value = scope_fn(scope)
+    if value is None:
+        return ""
+    if type(value) is not str:
+        raise TypeError(f"scope= must return a str or None, not {type(value).__name__}")
+    return value
+
+
+def is_async(handler: Callable[..., Any]) -> bool:
+    """True for a coroutine function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+        type(handler).__call__
+    )
+
+
 async def read_body(receive: Receive, limit: int) -> bytes | None:
     """The whole request body (at most ``limit`` bytes), or None if the client left.
 
@@ -141,3 +170,4 @@ async def send_json(
     """Send ``value`` as a compact UTF-8 JSON response."""
     body = _JSON(value).encode()
     await send_response(send, status, [("content-type", media_type), *headers], body)
+

@@ -609,12 +609,16 @@ class HttpPolicy:
             _unrecorded(att.claim, exc)
 
 
-def _unrecorded(claim: Claim | None, exc: Exception) -> None:
-    """The handler ran but its answer could not be recorded: the client still gets it."""
+def _unrecorded(claim: Claim | None, exc: Exception, answer: str = "the answer") -> None:
+    """The handler ran but its answer could not be recorded: the client still gets it.
+
+    Every front door reports it here; ``answer`` names what was not recorded
+    (A2A: the answer to which message).
+    """
     log.error(
-        "retrysafe: the answer was sent but not recorded (%s); a retry after the lease "
+        "retrysafe: %s was sent but not recorded (%s); a retry after the lease "
         "runs out may run the handler again (key_hash=%s)",
-        exc, claim.key_hash[:16] if claim else "-",
+        answer, exc, claim.key_hash[:16] if claim else "-",
     )  # fmt: skip
 
 

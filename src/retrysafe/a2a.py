@@ -18,7 +18,6 @@ Message, in the spelling it asks in, and starts nothing. Every other request
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable
@@ -41,7 +40,8 @@ from ._asgi import (
     Receive,
     Scope,
     closing,
-    header,
+    is_async,
+    principal,
     read_body,
     replaying,
     send_json,
@@ -52,7 +52,7 @@ from ._asgi import (
 from ._engine import Attempt, Engine, _Plan, engine_for
 from ._errors import IdempotencyError, InvalidKeyError
 from ._heartbeat import renewing
-from ._http import DEFAULT_MAX_REQUEST_BODY, credentials_scope
+from ._http import DEFAULT_MAX_REQUEST_BODY, _unrecorded
 from ._record import Outcome
 from .asgi import _Recorder, _run_recorded
 from .stores import Store
@@ -180,7 +180,7 @@ class A2AIdempotency:
             else:
                 att.fail(outcome, final=final)
         except (IdempotencyError, ValueError) as exc:
-            _unrecorded(send, exc)
+            _unrecorded(att.claim, exc, f"the answer to message {send.key!r}")
 
     # -- async: the same shells with await ------------------------------------------------
 
@@ -215,16 +215,14 @@ class A2AIdempotency:
             else:
                 await att.afail(outcome, final=final)
         except (IdempotencyError, ValueError) as exc:
-            _unrecorded(send, exc)
+            _unrecorded(att.claim, exc, f"the answer to message {send.key!r}")
 
     def wrap(self, handler: Callable[..., Any]) -> Callable[..., Any]:
         """``handler`` (sync or async, taking one JSON-RPC request) deduplicated.
 
         The wrapper takes ``(request, *, principal="")``.
         """
-        if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
-            type(handler).__call__  # an object with an async __call__
-        ):
+        if is_async(handler):
 
             @functools.wraps(handler)
             async def async_dispatch(request: Any, *, principal: str = "") -> Any:
@@ -243,11 +241,6 @@ class A2AIdempotency:
 
     async def aclose(self) -> None:
         await self.engine.aclose()
-
-
-def _unrecorded(send: Send, exc: Exception) -> None:
-    """The handler ran but its answer could not be recorded: the caller still gets it."""
-    log.error("retrysafe: the answer to message %r was sent but not recorded: %s", send.key, exc)
 
 
 # -- ASGI -----------------------------------------------------------------------------
@@ -288,14 +281,6 @@ class IdempotencyMiddleware:
         self.scope, self.path = scope, path
         self.max_request_body = int(max_request_body)
 
-    def _principal(self, scope: Scope) -> str:
-        if self.scope is None:
-            return credentials_scope(header(scope, b"authorization"))
-        principal = self.scope(scope)
-        if principal is not None and type(principal) is not str:
-            raise TypeError(f"scope= must return a str or None, not {type(principal).__name__}")
-        return principal or ""
-
     async def __call__(self, scope: Scope, receive: Receive, send: ASGISend) -> None:
         if (
             scope["type"] != "http"
@@ -330,7 +315,7 @@ class IdempotencyMiddleware:
             await self.app(scope, downstream, send)
             return
         core = self.core
-        prepared = core._prepare(request, self._principal(scope))
+        prepared = core._prepare(request, principal(scope, self.scope))
         if not isinstance(prepared, Send):
             await _reply(send, prepared)  # type: ignore[arg-type]
             return

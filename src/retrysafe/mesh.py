@@ -20,11 +20,22 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from ._asgi import BodyTooLarge, Receive, Scope, Send, header, lifespan, read_body, send_json
+from ._asgi import (
+    BodyTooLarge,
+    Receive,
+    Scope,
+    Send,
+    header,
+    is_async,
+    lifespan,
+    principal,
+    read_body,
+    send_json,
+)
 from ._engine import DEFAULT_MAX_BODY, Attempt, Engine, engine_for
 from ._errors import IdempotencyError
 from ._heartbeat import renewing
-from ._http import _unrecorded, credentials_scope
+from ._http import _unrecorded
 from ._mesh import URN, MeshCall, MeshError, Step, loads, parse, transport_error
 from .stores import Store
 
@@ -192,8 +203,7 @@ def _asynchronous(handler: Handler) -> Callable[[dict[str, Any]], Awaitable[Any]
     """``handler`` as a coroutine function: a plain one runs in a worker thread."""
     if not callable(handler):
         raise TypeError(f"a handler must be callable, not {type(handler).__name__}")
-    # An object with an async __call__ counts as async too.
-    if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(type(handler).__call__):
+    if is_async(handler):  # an object with an async __call__ counts as async too
         return handler
     return functools.partial(asyncio.to_thread, handler)
 
@@ -270,17 +280,8 @@ class MeshApp:
         if handler is None:
             return 200, call.not_found(), []
         try:
-            return 200, await self.mesh._ahandle(call, handler, self._principal(scope)), []
+            caller = principal(scope, self.scope)
+            return 200, await self.mesh._ahandle(call, handler, caller), []
         except Exception:
             log.exception("retrysafe: mesh function %r failed", call.function)
             return 200, call.crashed(), []
-
-    def _principal(self, scope: Scope) -> str:
-        if self.scope is None:
-            return credentials_scope(header(scope, b"authorization"))
-        principal = self.scope(scope)
-        if principal is None:
-            return ""
-        if type(principal) is not str:
-            raise TypeError(f"scope= must return a str or None, not {type(principal).__name__}")
-        return principal
