@@ -595,6 +595,64 @@ def test_one_message_in_both_spellings_has_one_normal_form() -> None:
     assert normal_message(legacy) != normal_message({**current, "role": "ROLE_AGENT"})
 
 
+async def test_a_cancelled_request_runs_its_send_once(memory: Store[Any]) -> None:
+    """A server that cancels the request's task (client gone, timeout) while the
+    app's sync agent runs in a thread: the send still ends and is recorded; a
+    retry meanwhile is in flight, never runs it again; the app's late answer
+    goes nowhere."""
+    agent = Agent()
+    agent.release.clear()
+    runs: list[int] = []
+    to_the_cancelled: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        request = json.loads((await receive())["body"])
+        runs.append(1)
+        run = agent if len(runs) == 1 else agent.answer  # only the first run waits
+        body = json.dumps(await asyncio.to_thread(run, request)).encode()  # as a sync endpoint
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+        to_the_cancelled.append(await receive())
+
+    middleware = IdempotencyMiddleware(app, store=memory)
+
+    async def post(body: dict[str, Any], sent: list[Any] | None = None) -> dict[str, Any]:
+        sent = [] if sent is None else sent
+
+        async def receive() -> Any:
+            return {"type": "http.request", "body": json.dumps(body).encode()}
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        await middleware({"type": "http", "method": "POST", "path": "/", "headers": []},
+                         receive, send)  # fmt: skip
+        return json.loads(sent[-1]["body"])  # type: ignore[no-any-return]
+
+    m = mid()
+    first_sent: list[Any] = []
+    first = asyncio.create_task(post(v03(m), first_sent))
+    try:
+        assert await asyncio.to_thread(agent.entered.wait, 10), "the agent never started"
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        retry = await asyncio.wait_for(post(v10(m)), 5)
+        assert len(runs) == 1, "the retry ran the agent again, alongside the first run"
+        assert retry["error"]["data"]["code"] == "idempotency_in_flight"
+    finally:
+        agent.release.set()
+    deadline = time.monotonic() + 10
+    while "error" in (answer := await post(v03(m))):
+        assert answer["error"]["data"]["code"] == "idempotency_in_flight"
+        assert time.monotonic() < deadline, "the first answer was never recorded"
+        await asyncio.sleep(0.01)
+    assert answer["result"]["id"] == "task-1" and agent.runs == len(runs) == 1
+    assert first_sent == [] and to_the_cancelled == [{"type": "http.disconnect"}]
+    await middleware.core.aclose()
+
+
 def test_lifespan_passes_through_and_closes_the_store(memory: Store[Any]) -> None:
     seen: list[str] = []
 

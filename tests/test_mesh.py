@@ -957,6 +957,59 @@ async def test_app_lifespan_and_deep_json(memory: Store[Any]) -> None:
     assert json.loads(sent[1]["body"])["errors"][0]["code"] == "PARSE_ERROR"
 
 
+async def call_app(app: MeshApp, envelope: dict[str, Any]) -> dict[str, Any]:
+    """POST ``envelope`` to ``app`` in-process; the response envelope."""
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": json.dumps(envelope).encode()}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app({"type": "http", "method": "POST", "headers": []}, receive, send)
+    assert sent[0]["status"] == 200
+    return json.loads(sent[1]["body"])  # type: ignore[no-any-return]
+
+
+async def test_app_cancelled_request_runs_its_handler_once(memory: Store[Any]) -> None:
+    """A server that cancels the request's task (client gone, timeout) while a
+    plain handler runs in its thread: the handling still ends and records its
+    answer; a retry meanwhile is told it is processing, never runs it again."""
+    started, release = threading.Event(), threading.Event()
+    runs: list[str] = []
+
+    def charge(call: dict[str, Any]) -> Any:
+        runs.append("charge")
+        if len(runs) == 1:  # the first run blocks until the test releases it
+            started.set()
+            release.wait(10)
+        return RESULT
+
+    app = MeshApp({"payments.charge": charge}, memory, wait=0)
+    first = asyncio.create_task(call_app(app, request()))
+    try:
+        assert await asyncio.to_thread(started.wait, 10), "the handler never started"
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        # The first handler is still blocked in its thread.
+        retry = await asyncio.wait_for(call_app(app, request("req_002")), 5)
+        assert len(runs) == 1, "the retry ran the handler again, alongside the first run"
+        assert retry["errors"][0]["code"] == "IDEMPOTENCY_PROCESSING"
+        assert data(retry)["status"] == "processing"
+    finally:
+        release.set()
+    deadline = asyncio.get_running_loop().time() + 10
+    while data(answer := await call_app(app, request("req_003")))["status"] == "processing":
+        assert asyncio.get_running_loop().time() < deadline, "the first answer was never recorded"
+        await asyncio.sleep(0.01)
+    assert data(answer)["status"] == "cached" and answer["result"] == RESULT
+    assert data(answer)["original_request_id"] == "req_001"
+    assert len(runs) == 1
+    await app.mesh.aclose()
+
+
 def test_app_options() -> None:
     with pytest.raises(TypeError):
         MeshApp({"f": "not callable"}, "memory://")  # type: ignore[dict-item]

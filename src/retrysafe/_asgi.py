@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, MutableMapping
+from typing import Any, TypeVar
 
 from ._http import credentials_scope
 
@@ -26,6 +27,7 @@ __all__ = [
     "replaying",
     "send_json",
     "send_response",
+    "to_the_end",
 ]
 
 Scope = MutableMapping[str, Any]
@@ -33,7 +35,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
+T = TypeVar("T")
 
 log = logging.getLogger("retrysafe")
 
@@ -171,3 +173,34 @@ async def send_json(
     body = _JSON(value).encode()
     await send_response(send, status, [("content-type", media_type), *headers], body)
 
+
+#: The handlings whose request was cancelled, kept referenced until they end.
+_orphans: set[asyncio.Task[Any]] = set()
+
+
+async def to_the_end(handling: Coroutine[Any, Any, T]) -> T:
+    """Await ``handling`` in a task of its own that a cancellation of the caller
+    does not stop.
+
+    A server or middleware may cancel a request's task (a client that left, a
+    timeout) while its handler runs, and work the handler runs outside that
+    task (a plain handler in a worker thread) goes on regardless. Failing the
+    key then would let a retry run the handler a second time, alongside the
+    first: instead the handling runs to its end and records its answer, and a
+    retry meanwhile is told it is still in flight. A failure of a handling
+    whose caller is gone is logged at debug level.
+    """
+    task = asyncio.ensure_future(handling)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.done():
+            _orphans.add(task)
+            task.add_done_callback(_orphan_ended)
+        raise
+
+
+def _orphan_ended(task: asyncio.Task[Any]) -> None:
+    _orphans.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("retrysafe: the handling of a cancelled request failed: %r", task.exception())

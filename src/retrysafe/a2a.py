@@ -17,6 +17,7 @@ Message, in the spelling it asks in, and starts nothing. Every other request
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -37,6 +38,7 @@ from ._a2a import (
 from ._asgi import (
     ASGIApp,
     BodyTooLarge,
+    Message,
     Receive,
     Scope,
     closing,
@@ -45,6 +47,7 @@ from ._asgi import (
     read_body,
     replaying,
     send_json,
+    to_the_end,
 )
 from ._asgi import (
     Send as ASGISend,
@@ -314,11 +317,33 @@ class IdempotencyMiddleware:
         if not _is_send(request):
             await self.app(scope, downstream, send)
             return
-        core = self.core
-        prepared = core._prepare(request, principal(scope, self.scope))
+        prepared = self.core._prepare(request, principal(scope, self.scope))
         if not isinstance(prepared, Send):
             await _reply(send, prepared)  # type: ignore[arg-type]
             return
+        # A server or middleware may cancel this task (a client that left, a
+        # timeout); work the app runs outside it (a sync endpoint's thread) goes
+        # on regardless, and a retry would run it again alongside. So the send
+        # runs to its end and is recorded, but is done with the request: the app
+        # hears a disconnect and what it sends goes nowhere.
+        cancelled = False
+
+        async def hear() -> Message:
+            return {"type": "http.disconnect"} if cancelled else await downstream()
+
+        async def answer(message: Message) -> None:
+            if not cancelled:
+                await send(message)
+
+        try:
+            await to_the_end(self._run(prepared, scope, hear, answer))
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+
+    async def _run(self, prepared: Send, scope: Scope, receive: Receive, send: ASGISend) -> None:
+        """Run (or replay) one send with the app, recording its answer."""
+        core = self.core
         entered = False
         try:
             async with core._attempt(prepared) as att:
@@ -327,7 +352,7 @@ class IdempotencyMiddleware:
                     await _reply(send, replayed(prepared, att.replay.outcome), replay=True)
                     return
                 recorder = _Recorder(send, _Answer(core, prepared), att)  # type: ignore[arg-type]
-                await _run_recorded(self.app, scope, downstream, recorder)
+                await _run_recorded(self.app, scope, receive, recorder)
         except IdempotencyError as exc:
             if entered:
                 raise

@@ -31,6 +31,7 @@ from ._asgi import (
     principal,
     read_body,
     send_json,
+    to_the_end,
 )
 from ._engine import DEFAULT_MAX_BODY, Attempt, Engine, engine_for
 from ._errors import IdempotencyError
@@ -281,7 +282,7 @@ class MeshApp:
             return 200, call.not_found(), []
         try:
             caller = principal(scope, self.scope)
-            return 200, await self.mesh._ahandle(call, handler, caller), []
+            return 200, await to_the_end(self.mesh._ahandle(call, handler, caller)), []
         except Exception:
             log.exception("retrysafe: mesh function %r failed", call.function)
             return 200, call.crashed(), []
