@@ -72,3 +72,66 @@ def test_requests_without_a_key_are_untouched(late: tuple[LateEnd, str]) -> None
     app.release.set()
     assert httpx.post(url, json={}).json() == {"run": 1}
     assert httpx.post(url, json={}).json() == {"run": 2}
+
+
+async def test_a_cancelled_request_runs_once() -> None:
+    """A server or middleware that cancels the request's task while a sync endpoint
+    runs in a thread: the request still ends and is recorded; a retry meanwhile is
+    told it is in flight and never runs the endpoint alongside."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from retrysafe import open_store
+
+    entered, release = threading.Event(), threading.Event()
+    runs: list[int] = []
+
+    def order(request: Any) -> JSONResponse:  # a sync endpoint: Starlette runs it in a thread
+        runs.append(1)
+        entered.set()
+        assert release.wait(10)
+        return JSONResponse({"order": len(runs)}, status_code=201)
+
+    app = IdempotencyMiddleware(
+        Starlette(routes=[Route("/o", order, methods=["POST"])]), store=open_store("memory://")
+    )
+
+    async def post(sent: list[Any]) -> list[Any]:
+        done = False
+
+        async def receive() -> Any:
+            nonlocal done
+            if done:
+                await asyncio.Event().wait()  # the client stays until the task is cancelled
+            done = True
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/o", "raw_path": b"/o",
+                 "query_string": b"", "root_path": "", "scheme": "http", "http_version": "1.1",
+                 "headers": [(b"idempotency-key", b"k1"), (b"content-type", b"application/json")],
+                 "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1)}  # fmt: skip
+        await app(scope, receive, send)
+        return sent
+
+    first_sent: list[Any] = []
+    first = asyncio.create_task(post(first_sent))
+    try:
+        assert await asyncio.to_thread(entered.wait, 10)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        retry = await asyncio.wait_for(post([]), 5)
+        assert retry[0]["status"] == 409 and runs == [1]
+    finally:
+        release.set()
+    deadline = asyncio.get_running_loop().time() + 10
+    while (answer := await post([]))[0]["status"] == 409:
+        assert asyncio.get_running_loop().time() < deadline, "the answer was never recorded"
+        await asyncio.sleep(0.01)
+    assert answer[0]["status"] == 201 and runs == [1]
+    assert (b"idempotent-replayed", b"true") in answer[0]["headers"]
+    assert first_sent == []  # the cancelled request heard nothing more

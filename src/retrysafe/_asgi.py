@@ -188,7 +188,7 @@ async def to_the_end(handling: Coroutine[Any, Any, T]) -> T:
     key then would let a retry run the handler a second time, alongside the
     first: instead the handling runs to its end and records its answer, and a
     retry meanwhile is told it is still in flight. A failure of a handling
-    whose caller is gone is logged at debug level.
+    whose caller is gone is logged as a warning.
     """
     task = asyncio.ensure_future(handling)
     try:
@@ -200,7 +200,32 @@ async def to_the_end(handling: Coroutine[Any, Any, T]) -> T:
         raise
 
 
+async def run_detached(
+    run: Callable[[Receive, Send], Awaitable[None]], receive: Receive, send: Send
+) -> None:
+    """``await run(receive, send)`` through :func:`to_the_end`, for one HTTP request.
+
+    If the request's task is cancelled, ``run`` goes on (and records its
+    answer) but is done with the request: it then hears ``http.disconnect``
+    and what it sends goes nowhere.
+    """
+    cancelled = False
+
+    async def hear() -> Message:
+        return {"type": "http.disconnect"} if cancelled else await receive()
+
+    async def answer(message: Message) -> None:
+        if not cancelled:
+            await send(message)
+
+    try:
+        await to_the_end(run(hear, answer))
+    except asyncio.CancelledError:
+        cancelled = True
+        raise
+
+
 def _orphan_ended(task: asyncio.Task[Any]) -> None:
     _orphans.discard(task)
     if not task.cancelled() and task.exception() is not None:
-        log.debug("retrysafe: the handling of a cancelled request failed: %r", task.exception())
+        log.warning("retrysafe: the handling of a cancelled request failed: %r", task.exception())

@@ -17,7 +17,6 @@ Message, in the spelling it asks in, and starts nothing. Every other request
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import logging
@@ -38,7 +37,6 @@ from ._a2a import (
 from ._asgi import (
     ASGIApp,
     BodyTooLarge,
-    Message,
     Receive,
     Scope,
     closing,
@@ -46,8 +44,8 @@ from ._asgi import (
     principal,
     read_body,
     replaying,
+    run_detached,
     send_json,
-    to_the_end,
 )
 from ._asgi import (
     Send as ASGISend,
@@ -323,23 +321,11 @@ class IdempotencyMiddleware:
             return
         # A server or middleware may cancel this task (a client that left, a
         # timeout); work the app runs outside it (a sync endpoint's thread) goes
-        # on regardless, and a retry would run it again alongside. So the send
-        # runs to its end and is recorded, but is done with the request: the app
-        # hears a disconnect and what it sends goes nowhere.
-        cancelled = False
-
-        async def hear() -> Message:
-            return {"type": "http.disconnect"} if cancelled else await downstream()
-
-        async def answer(message: Message) -> None:
-            if not cancelled:
-                await send(message)
-
-        try:
-            await to_the_end(self._run(prepared, scope, hear, answer))
-        except asyncio.CancelledError:
-            cancelled = True
-            raise
+        # on regardless, and a retry would run it again alongside: the send runs
+        # to its end and is recorded (see run_detached).
+        await run_detached(
+            lambda hear, answer: self._run(prepared, scope, hear, answer), downstream, send
+        )
 
     async def _run(self, prepared: Send, scope: Scope, receive: Receive, send: ASGISend) -> None:
         """Run (or replay) one send with the app, recording its answer."""

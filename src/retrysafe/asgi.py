@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ._asgi import ASGIApp, Message, Receive, Scope, Send, closing, replaying
+from ._asgi import ASGIApp, Message, Receive, Scope, Send, closing, replaying, run_detached
 from ._engine import Attempt
 from ._errors import IdempotencyError
 from ._heartbeat import renewing
@@ -134,7 +134,19 @@ class IdempotencyMiddleware:
             await _answer(send, policy.refusal(exc))  # type: ignore[arg-type]
             return
 
-        replay_receive = replaying(body, receive)
+        # A cancelled request (a client that left, a timeout middleware) does not
+        # stop a keyed one: work the app runs in a thread would go on regardless,
+        # and a retry would run it again alongside (see run_detached).
+        await run_detached(
+            lambda hear, answer: self._keyed(policy, attempt, scope, hear, answer),
+            replaying(body, receive),
+            send,
+        )
+
+    async def _keyed(
+        self, policy: HttpPolicy, attempt: Attempt, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Run (or replay, or refuse) one keyed request with the app, recording its answer."""
         entered = False
         try:
             async with attempt as att:
@@ -142,13 +154,13 @@ class IdempotencyMiddleware:
                 if att.replay is not None:
                     await _answer(send, policy.replay(att.replay))
                     return
-                await _run_recorded(self.app, scope, replay_receive, _Recorder(send, policy, att))
+                await _run_recorded(self.app, scope, receive, _Recorder(send, policy, att))
         except IdempotencyError as exc:
             if entered:
                 raise
             refusal = policy.refusal(exc)
             if refusal is None:  # fail open
-                await self.app(scope, replay_receive, send)
+                await self.app(scope, receive, send)
             else:
                 await _answer(send, refusal)
 
