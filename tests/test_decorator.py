@@ -573,7 +573,8 @@ def test_more_bad_options_are_refused_at_decoration() -> None:
     assert part() == part() == 1
 
 
-def test_bare_decorator() -> None:
+def test_bare_decorator(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setenv("RETRYSAFE_STORE", f"sqlite:///{tmp_path}/bare.db")  # the default store
     calls: list[int] = []
 
     @idempotent
