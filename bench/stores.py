@@ -990,15 +990,22 @@ BEGIN_MARK = "<!-- bench/stores.py: generated from here -->"
 END_MARK = "<!-- bench/stores.py: generated up to here -->"
 
 
-def splice(path: Path, generated: str) -> str:
-    """The file with its generated part replaced; hand-written text around it is kept."""
-    block = f"{BEGIN_MARK}\n{generated.rstrip()}\n{END_MARK}\n"
+def splice(
+    path: Path, generated: str, marks: tuple[str, str] = (BEGIN_MARK, END_MARK), section: str = ""
+) -> str:
+    """The file (read now) with the generated part between ``marks`` replaced; the
+    hand-written text around it is kept. Without the marks, the block (under the
+    heading ``section``, if given) is appended. Every bench script writes with it."""
+    begin, end = marks
+    block = f"{begin}\n{generated.rstrip()}\n{end}\n"
     old = path.read_text() if path.exists() else ""
-    if BEGIN_MARK in old and END_MARK in old:
-        head, rest = old.split(BEGIN_MARK, 1)
-        tail = rest.split(END_MARK, 1)[1].lstrip("\n")
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
         return f"{head}{block}\n{tail}" if tail else f"{head}{block}"
-    return block
+    if section:
+        block = f"{section}\n\n{block}"
+    return f"{old.rstrip()}\n\n{block}" if old else block
 
 
 def trip_label(c: Contender) -> str:

@@ -774,13 +774,7 @@ SECTION = "## Sweeping"
 def splice(path: Path, generated: str) -> str:
     """The file (read now) with its generated part replaced, or a ``## Sweeping`` section
     holding it appended at the end."""
-    block = f"{BEGIN_MARK}\n{generated.rstrip()}\n{END_MARK}\n"
-    old = path.read_text() if path.exists() else ""
-    if BEGIN_MARK in old and END_MARK in old:
-        head, rest = old.split(BEGIN_MARK, 1)
-        tail = rest.split(END_MARK, 1)[1].lstrip("\n")
-        return f"{head}{block}\n{tail}" if tail else f"{head}{block}"
-    return f"{old.rstrip()}\n\n{SECTION}\n\n{block}" if old else f"{SECTION}\n\n{block}"
+    return _stores.splice(path, generated, (BEGIN_MARK, END_MARK), SECTION)
 
 
 # -- main -----------------------------------------------------------------------------------
