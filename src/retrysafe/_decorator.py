@@ -27,6 +27,7 @@ from ._engine import (
     Attempt,
     Engine,
     Replay,
+    _Plan,
     _positive,
     _retention,
     engine_for,
@@ -496,8 +497,11 @@ def idempotent(
                         engine = engine_for(store, share=True, ttl=own_ttl, lease=own_lease)
             return engine
 
-        def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
-            """The begin options of this call, or None to run it unprotected."""
+        plan: _Plan | None = None  # the options every call shares, checked once
+
+        def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Attempt | None:
+            """The attempt of this call, or None to run it unprotected."""
+            nonlocal plan
             results.check()
             k, s, fp = call.prepare(args, kwargs)
             if k is None:
@@ -506,17 +510,22 @@ def idempotent(
                     raise InvalidKeyError(message)
                 log.warning("retrysafe: %s; running it without idempotency", message)
                 return None
-            return {"key": k, "operation": op, "scope": s, "fingerprint": fp, "ttl": ttl,
-                    "lease": lease, "wait": wait, "retention": retention}  # fmt: skip
+            if type(s) is not str:
+                raise TypeError(f"scope= must return a str, not {type(s).__name__}")
+            e = get_engine()
+            if plan is None:
+                plan = _Plan(e, "-", operation=op, ttl=ttl, lease=lease, wait=wait,
+                             retention=retention)  # fmt: skip
+            return Attempt(e, plan.derive(k, s, fp))
 
         if inspect.iscoroutinefunction(func):
 
             @functools.wraps(func)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                options = prepare(args, kwargs)
-                if options is None:
+                attempt = prepare(args, kwargs)
+                if attempt is None:
                     return await func(*args, **kwargs)
-                async with get_engine().attempt(**options) as att:
+                async with attempt as att:
                     if att.replay is not None:
                         return results.value(att.replay)
                     try:
@@ -536,10 +545,10 @@ def idempotent(
 
             @functools.wraps(func)
             def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
-                options = prepare(args, kwargs)
-                if options is None:
+                attempt = prepare(args, kwargs)
+                if attempt is None:
                     return func(*args, **kwargs)
-                with get_engine().attempt(**options) as att:
+                with attempt as att:
                     if att.replay is not None:
                         return results.value(att.replay)
                     try:
