@@ -72,7 +72,11 @@ is none: partitions are made ahead (at creation and at every sweep, up to
 them (a longer TTL, a skewed clock) fails with "no partition", makes the
 partition (``<table>_add_partition``: a table created apart and attached, which
 locks the parent only in SHARE UPDATE EXCLUSIVE mode; claims go on) and claims
-again. Only that claim pays for the DDL.
+again. Only that claim pays for the DDL. A backend that was building its partition
+descriptor while such an attach committed can keep one without the new partition
+(PostgreSQL consumes the invalidation mid-build) until the table changes again; a
+claim that finds no partition after the add found it attached therefore goes on
+on a new connection, and the stale one is closed.
 
 *The sweep* takes one bounded step per call (see ``PostgresStore._psweep``):
 it finishes what an interrupted sweep left (a pending detach, a detached table),
@@ -700,6 +704,11 @@ def _pclaimed(rowcount: int, row: Sequence[Any] | None) -> ClaimResult:
     return ClaimResult(False, record=record_from_row(row))
 
 
+#: The query of an op that makes the executor go on on another pooled connection (this
+#: one is closed): ``parse(0, None)`` gives the op to run there (see _pclaim_recover).
+_RECONNECT = "-- retrysafe: another connection"
+
+
 def _no_partition(exc: psycopg.Error) -> bool:
     """The row's ``expires_at`` has no attached partition (not a CHECK constraint's error)."""
     return exc.sqlstate == "23514" and exc.diag.constraint_name is None
@@ -1316,10 +1325,18 @@ class PostgresStore(Store[_Op]):
     def _run(self, op: _Op) -> Any:
         try:
             pool = self._pool or self._sync_pool()
-            conn = self._checkout(pool)
+            conn: _Connection | None = self._checkout(pool)
             try:
                 cur = conn.store_cursor()
                 while True:
+                    if op.query is _RECONNECT:
+                        old, conn = conn, None
+                        old.close()  # the pool replaces a closed connection
+                        pool.putconn(old)
+                        conn = self._checkout(pool)
+                        cur = conn.store_cursor()
+                        op = op.parse(0, None)
+                        continue
                     try:
                         cur.execute(op.query, op.params)
                     except psycopg.Error as exc:
@@ -1332,21 +1349,27 @@ class PostgresStore(Store[_Op]):
                         return result
                     op = result
             finally:
-                pool.putconn(conn)
+                if conn is not None:
+                    pool.putconn(conn)
         except _UNAVAILABLE as exc:
             raise self._unavailable(exc) from exc
+
+    async def _acheckout(self, pool: AsyncConnectionPool[_AsyncConnection]) -> _AsyncConnection:
+        """A live pooled connection (as :meth:`_checkout`, without the migration)."""
+        conn = await pool.getconn()
+        for _ in range(self.max_size):
+            if not _closed_by_server(conn):
+                break
+            await conn.close()
+            await pool.putconn(conn)
+            conn = await pool.getconn()
+        return conn
 
     async def _arun(self, op: _Op) -> Any:
         try:
             entry = await self._loop_pool()
             pool = entry.pool
-            conn = await pool.getconn()
-            for _ in range(self.max_size):
-                if not _closed_by_server(conn):
-                    break
-                await conn.close()
-                await pool.putconn(conn)
-                conn = await pool.getconn()
+            conn: _AsyncConnection | None = await self._acheckout(pool)
             try:
                 if not self._migrated:
                     async with entry.migrate_lock:
@@ -1355,6 +1378,14 @@ class PostgresStore(Store[_Op]):
                             self._migrated = True
                 cur = conn.store_cursor()
                 while True:
+                    if op.query is _RECONNECT:
+                        old, conn = conn, None
+                        await old.close()
+                        await pool.putconn(old)
+                        conn = await self._acheckout(pool)
+                        cur = conn.store_cursor()
+                        op = op.parse(0, None)
+                        continue
                     try:
                         await cur.execute(op.query, op.params)
                     except psycopg.Error as exc:
@@ -1368,7 +1399,8 @@ class PostgresStore(Store[_Op]):
                         return result
                     op = result
             finally:
-                await pool.putconn(conn)
+                if conn is not None:
+                    await pool.putconn(conn)
         except _UNAVAILABLE as exc:
             raise self._unavailable(exc) from exc
 
@@ -1440,13 +1472,25 @@ class PostgresStore(Store[_Op]):
         self._check_statements(statements)
         return self._claim(record, statements + 1)
 
-    def _pclaim_recover(self, record: Record, statements: int, op: _Op, exc: psycopg.Error) -> _Op:
+    def _pclaim_recover(
+        self, record: Record, statements: int, op: _Op, exc: psycopg.Error, *, found: bool = False
+    ) -> _Op:
         """A partitioned claim that failed: make the partition its row needs, or run it again.
 
         The row's ``expires_at`` had no partition (beyond the ones made ahead, or in a
         range a sweep just detached): add it in a transaction of its own (the claim's
         failed and released everything), then claim again. A serialization failure
         (a row moved under a statement) only means: look again.
+
+        ``found``: the add before this claim found the partition attached (made by
+        another session). A session that still finds no partition for the row then
+        routes rows with a stale partition descriptor: PostgreSQL can lose the
+        invalidation of an ``ATTACH PARTITION`` that commits while a backend builds its
+        descriptor (it consumes the message mid-build and keeps the list it read
+        before), and that backend then misses the partition, for inserts and reads
+        alike, until the next change to the table; it would fail every retry. So the
+        claim goes on on another connection (a new backend reads the catalog afresh)
+        and this one is closed.
         """
         if not (_no_partition(exc) or exc.sqlstate == "40001"):
             raise exc
@@ -1454,7 +1498,18 @@ class PostgresStore(Store[_Op]):
         again = self._claim(record, statements + 1)
         if exc.sqlstate == "40001":
             return again
-        add = _Op(self._q_add_partition, (record.expires_at,), lambda rowcount, row: again)
+        if found:
+            return _Op(_RECONNECT, (), lambda rowcount, row: again)
+
+        def added(rowcount: int, row: Sequence[Any] | None) -> _Op:
+            # NULL: the partition was attached already, so a healthy session sees it now.
+            if row is not None and row[0] is None:
+                return again._replace(
+                    recover=partial(self._pclaim_recover, record, statements + 1, found=True)
+                )
+            return again
+
+        add = _Op(self._q_add_partition, (record.expires_at,), added)
         if statements < 4:
             return add
         # The partition was there when asked, and still the row found none: another
