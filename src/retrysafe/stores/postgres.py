@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import math
 import os
 import re
@@ -127,6 +128,8 @@ from ._sql import (
     record_from_row,
     record_params,
 )
+
+log = logging.getLogger("retrysafe")
 
 __all__ = ["SCHEMA_VERSION", "PostgresStore", "SchemaModeError", "SchemaVersionError"]
 
@@ -1065,6 +1068,20 @@ class PostgresStore(Store[_Op]):
             )
         )
         self._q_add_partition = text(sql.SQL("SELECT {}(%s)").format(pn.add_partition))
+        # A change to the parent that makes every backend rebuild its partition
+        # descriptor (see _refreshed); it waits 2 s at most for its lock.
+        self._q_refresh = text(
+            sql.SQL(
+                "DO $retrysafe$ BEGIN PERFORM set_config('lock_timeout', '2s', true); "
+                "EXECUTE {}; END $retrysafe$"
+            ).format(
+                sql.Literal(
+                    sql.SQL("ALTER TABLE ONLY {} ALTER COLUMN expires_at SET STATISTICS -1")
+                    .format(self._names.table)
+                    .as_string(None)
+                )
+            )
+        )
         self._q_partitions = (
             "SELECT n.nspname, c.relname, i.inhdetachpending, pg_get_expr(c.relpartbound, c.oid) "
             "FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid "
@@ -1507,7 +1524,7 @@ class PostgresStore(Store[_Op]):
                 return again._replace(
                     recover=partial(self._pclaim_recover, record, statements + 1, found=True)
                 )
-            return again
+            return self._refreshed(again)
 
         add = _Op(self._q_add_partition, (record.expires_at,), added)
         if statements < 4:
@@ -1517,6 +1534,19 @@ class PostgresStore(Store[_Op]):
         # server, so the sync and async executors alike never block) and look again.
         delay = min(0.002 * statements, 0.05)
         return _Op("SELECT pg_sleep(%s)", (delay,), lambda rowcount, row: add)
+
+    def _refreshed(self, then: _Op) -> _Op:
+        """Run ``then`` after a change that makes every backend rebuild the table's
+        partition descriptor, once a partition was attached or detached.
+
+        A backend that built its descriptor while the attach (or detach) committed
+        can keep the old one until the table changes again (see _pclaim_recover),
+        and until then it misses a new partition's rows: a completion there would
+        find no row. This second change, made after the first committed, bounds
+        that to the backend's next statement. Its failure (a lock it could not get
+        within 2 s) only leaves the rare case to the reconnect of _pclaim_recover.
+        """
+        return _Op(self._q_refresh, (), lambda rowcount, row: then, lambda op, exc: then)
 
     def _check_statements(self, statements: int, last: BaseException | None = None) -> None:
         """Give up on a claim that keeps losing races (a bug, or a pathological writer)."""
@@ -1633,8 +1663,12 @@ class PostgresStore(Store[_Op]):
                     return SweepBatch(deleted, archived, done=False)
 
                 have = {p.lower for p in parts if not p.pending}
+                attached = False
                 for lower in self._lowers_ahead(now, have):
-                    cur.execute(self._q_add_partition, (lower,))
+                    row = cur.execute(self._q_add_partition, (lower,)).fetchone()
+                    attached = attached or (row is not None and row[0] is not None)
+                if attached:
+                    self._refresh(cur)
 
                 expired = sorted(
                     (p for p in parts if not p.pending and p.upper <= now), key=lambda p: p.upper
@@ -1646,6 +1680,7 @@ class PostgresStore(Store[_Op]):
                         self._names.table, expired[0].name
                     )
                 )
+                self._refresh(cur)
                 rows, copied = self._archive_and_drop(conn, expired[0].name, now)
                 return SweepBatch(rows, copied, done=len(expired) == 1)
             except psycopg.errors.LockNotAvailable:
@@ -1663,6 +1698,13 @@ class PostgresStore(Store[_Op]):
                 lower, upper = float(match.group(1)), float(match.group(2))
                 found.append(_Partition(sql.Identifier(schema, name), lower, upper, pending))
         return found
+
+    def _refresh(self, cur: Any) -> None:
+        """The sweep's :meth:`_refreshed`: a failure is logged and the sweep goes on."""
+        try:
+            cur.execute(self._q_refresh)
+        except psycopg.Error as exc:
+            log.info("retrysafe: could not refresh %s's partitions: %s", self._where, exc)
 
     def _archive_and_drop(
         self, conn: _Connection, part: sql.Identifier, now: float
