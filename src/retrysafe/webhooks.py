@@ -104,17 +104,16 @@ def _raw(secret: str | bytes) -> bytes:
     return secret.encode() if isinstance(secret, str) else secret
 
 
-def _mac(key: bytes, message: bytes) -> bytes:
-    return hmac.new(key, message, hashlib.sha256).digest()
-
-
-def _matches(expected: Iterable[bytes], given: Iterable[bytes]) -> bool:
-    """Any given signature equals any expected one; every pair compared in constant time."""
+def _check(keys: Iterable[bytes], message: bytes, given: list[bytes]) -> None:
+    """Some key's HMAC-SHA256 of ``message`` is one of the ``given`` signatures, or
+    :class:`SignatureError`. Every pair is compared, each in constant time."""
     ok = False
-    for want in expected:
+    for key in keys:
+        want = hmac.new(key, message, hashlib.sha256).digest()
         for got in given:
             ok |= hmac.compare_digest(want, got)
-    return ok
+    if not ok:
+        raise SignatureError("no secret produces this signature", reason="bad_signature")
 
 
 def _b64(text: str) -> bytes | None:
@@ -139,10 +138,6 @@ def _check_time(timestamp: str, tolerance: float, now: float) -> None:
         )
 
 
-def _fail() -> SignatureError:
-    return SignatureError("no secret produces this signature", reason="bad_signature")
-
-
 # -- the schemes ---------------------------------------------------------------------
 
 
@@ -150,8 +145,7 @@ def _shopify(h: _Headers, body: bytes, secrets: list[str | bytes], tol: float, n
     given = _b64(h.need("X-Shopify-Hmac-Sha256"))
     if given is None:
         raise SignatureError("X-Shopify-Hmac-Sha256 is not base64", reason="malformed_header")
-    if not _matches((_mac(_raw(s), body) for s in secrets), [given]):
-        raise _fail()
+    _check(map(_raw, secrets), body, [given])
     event = h.get("X-Shopify-Event-Id", "X-Shopify-Webhook-Id")
     if event is None:
         raise SignatureError(
@@ -178,8 +172,7 @@ def _stripe(h: _Headers, body: bytes, secrets: list[str | bytes], tol: float, no
             reason="malformed_header",
         )
     signed = timestamp.encode() + b"." + body
-    if not _matches((_mac(_raw(s), signed) for s in secrets), signatures):
-        raise _fail()
+    _check(map(_raw, secrets), signed, signatures)
     _check_time(timestamp, tol, now)  # after the signature: the timestamp is authentic
     try:
         event = json.loads(body)
@@ -215,8 +208,7 @@ def _standard(h: _Headers, body: bytes, secrets: list[str | bytes], tol: float, 
             "webhook-signature holds no v1,<base64> signature", reason="malformed_header"
         )
     signed = f"{event_id}.{timestamp}.".encode() + body
-    if not _matches((_mac(_standard_key(s), signed) for s in secrets), given):
-        raise _fail()
+    _check(map(_standard_key, secrets), signed, given)
     _check_time(timestamp, tol, now)
     return event_id
 
@@ -236,8 +228,7 @@ def _generic(h: _Headers, body: bytes, secrets: list[str | bytes], tol: float, n
         raise SignatureError(
             "the signature is neither hex nor base64 of a SHA-256 HMAC", reason="malformed_header"
         )
-    if not _matches((_mac(_raw(s), body) for s in secrets), given):
-        raise _fail()
+    _check(map(_raw, secrets), body, given)
     event = h.get("X-Event-Id", "X-Webhook-Id", "X-GitHub-Delivery")
     return event if event is not None else "sha256:" + hashlib.sha256(body).hexdigest()
 
