@@ -12,7 +12,6 @@ import builtins
 import contextlib
 import functools
 import inspect
-import json
 import logging
 import re
 import string
@@ -50,7 +49,6 @@ StoreSpec = Store[Any] | Engine | str | None
 FinalSpec = bool | type[BaseException] | tuple[type[BaseException], ...]
 
 _FORMATTER = string.Formatter()
-_JSON = json.JSONEncoder(allow_nan=False).encode
 _ROOT = re.compile(r"[^.\[]*")
 _MISSING = object()
 
@@ -307,8 +305,10 @@ class _Results:
         error: dict[str, Any] = {"types": types}
         if listed:
             error["message"] = str(exc)
+            error["args"] = list(exc.args)
             with contextlib.suppress(TypeError, ValueError):
-                error["args"] = json.loads(_JSON(list(exc.args)))  # only if JSON round-trips them
+                return Outcome.json({"error": error})
+            del error["args"]  # arguments that are not JSON: the class and message only
         return Outcome.json({"error": error})
 
     def _rebuild(self, stored: Any) -> BaseException:

@@ -152,4 +152,4 @@ class renewing:  # (lower case: used like a function, ``with renewing(att):``)
         self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self.entry is not None:
-            _heartbeat.active.pop(self.entry, None)
+            self.entry.stop()
