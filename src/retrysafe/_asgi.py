@@ -52,12 +52,17 @@ async def lifespan(
         if message["type"] == "lifespan.startup":
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
-            try:
-                await on_shutdown()
-            except Exception as exc:  # shutting down: report, do not fail
-                log.warning("retrysafe: error while closing at shutdown: %r", exc)
+            await _close_at_shutdown(on_shutdown)
             await send({"type": "lifespan.shutdown.complete"})
             return
+
+
+async def _close_at_shutdown(close: Callable[[], Awaitable[None]]) -> None:
+    """Await ``close``; a failure is logged, never raised (it must not stop a shutdown)."""
+    try:
+        await close()
+    except Exception as exc:
+        log.warning("retrysafe: closing the store at shutdown failed: %r", exc)
 
 
 def closing(send: Send, close: Callable[[], Awaitable[None]]) -> Send:
@@ -69,10 +74,7 @@ def closing(send: Send, close: Callable[[], Awaitable[None]]) -> Send:
 
     async def closing_send(message: Message) -> None:
         if message["type"] == "lifespan.shutdown.complete":
-            try:
-                await close()
-            except Exception as exc:  # shutting down: report, do not fail
-                log.warning("retrysafe: closing the store at shutdown failed: %r", exc)
+            await _close_at_shutdown(close)
         await send(message)
 
     return closing_send
