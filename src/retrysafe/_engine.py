@@ -536,6 +536,36 @@ class Attempt:
         """Async :meth:`fail`, shielded from cancellation."""
         await _shielded(self._engine.afail(self._owned(), outcome, final=final))
 
+    def transaction(self, connection: Any = None) -> contextlib.AbstractContextManager[Any]:
+        """Complete inside the application's own database transaction (SQLite, PostgreSQL).
+
+        ::
+
+            with engine.attempt(key, operation="order") as att:
+                if att.replay:
+                    return att.replay.outcome.value
+                with att.transaction() as conn:
+                    conn.execute("INSERT INTO orders (cart_mandate_id) VALUES (?)", (mid,))
+                    att.outcome = Outcome.json({"order": mid})
+
+        Yields ``connection`` (a ``sqlite3`` connection to the store's file or a
+        psycopg connection to the store's database, not inside a transaction)
+        or, by default, a connection of the store's own. On leaving the block the
+        completion is written by that connection and committed with the block's
+        writes: both or neither. An exception, or a lost lease
+        (:class:`LeaseLostError`), rolls everything back and the attempt fails as
+        usual. :class:`TypeError` for any other store.
+        """
+        from ._transactions import transaction
+
+        return transaction(self, connection)
+
+    def atransaction(self, connection: Any = None) -> contextlib.AbstractAsyncContextManager[Any]:
+        """Async :meth:`transaction` with a psycopg ``AsyncConnection`` (PostgreSQL only)."""
+        from ._transactions import atransaction
+
+        return atransaction(self, connection)
+
     def _started(self, answer: Claim | Replay) -> Attempt:
         if isinstance(answer, Replay):
             self.replay = answer

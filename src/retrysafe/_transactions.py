@@ -1,0 +1,207 @@
+"""Transactional completion: the application's writes and the record's completion commit together.
+
+With the SQLite and PostgreSQL stores, :meth:`Attempt.transaction` runs the
+completion's compare-and-set ``UPDATE`` on the application's own connection,
+inside the transaction that holds its business writes. Either both commit or
+neither does: a crash between the business write and the commit leaves no side
+effect without its record and no record without its side effect.
+
+The decisions (which store, whether the connection may be used, whether the
+completion landed) are plain functions; the sync and async drivers only differ
+in ``await``.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import TYPE_CHECKING, Any
+
+from ._errors import StoreUnavailableError
+from ._record import Outcome
+from .stores import Store
+
+if TYPE_CHECKING:
+    from ._engine import Attempt, Claim
+
+__all__ = ["atransaction", "transaction"]
+
+_NEEDS = "transactional completion needs a SQLite or PostgreSQL store"
+
+
+def _kind(store: Store[Any]) -> str:
+    """``"sqlite"`` or ``"postgres"``; TypeError for any other store."""
+    from .stores.sqlite import SQLiteStore
+
+    if isinstance(store, SQLiteStore):
+        return "sqlite"
+    try:
+        from .stores.postgres import PostgresStore
+    except ImportError:  # psycopg not installed: it cannot be a PostgreSQL store
+        PostgresStore = None  # type: ignore[assignment,misc]
+    if PostgresStore is not None and isinstance(store, PostgresStore):
+        return "postgres"
+    raise TypeError(f"{_NEEDS}, not {type(store).__name__}")
+
+
+def _owned(att: Attempt) -> Claim:
+    if att.claim is None or att.settled:
+        raise RuntimeError("transaction() needs an attempt that holds an unsettled claim")
+    return att.claim
+
+
+def _outcome(att: Attempt) -> Outcome:
+    """The outcome to complete with, checked as :meth:`Engine.complete` checks it."""
+    outcome = att.outcome
+    if outcome is None:
+        raise RuntimeError("set attempt.outcome inside the transaction block")
+    error = att._engine._outcome_error(outcome)
+    if error is not None:
+        att.final = True  # the business writes roll back, but the handler did run
+        raise error
+    return outcome
+
+
+def _same_sqlite_file(store: Any, conn: sqlite3.Connection) -> None:
+    row = conn.execute("PRAGMA database_list").fetchone()
+    path = row[2] if row else ""
+    if not path or os.path.realpath(path) != os.path.realpath(store.path):
+        raise ValueError(
+            f"the connection is to {path or 'an in-memory database'!r}, "
+            f"not to the store's file {store.path!r}"
+        )
+
+
+def _pg_idle(conn: Any) -> None:
+    import psycopg
+
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        raise ValueError("the connection is inside a transaction already; commit it first")
+
+
+def _pg_unavailable() -> tuple[type[BaseException], ...]:
+    from .stores.postgres import _UNAVAILABLE
+
+    return _UNAVAILABLE
+
+
+def _landed(att: Attempt, claim: Claim, changed: bool) -> None:
+    """After the completion statement: a lost lease rolls everything back."""
+    if not changed:
+        att._engine._lost(claim, "transactional completion")
+
+
+@contextmanager
+def transaction(att: Attempt, connection: Any = None) -> Iterator[Any]:
+    """See :meth:`Attempt.transaction`."""
+    claim = _owned(att)
+    store = att._engine.store
+    if _kind(store) == "sqlite":
+        with _sqlite(store, connection) as conn:
+            yield conn
+            outcome = _outcome(att)
+            op = store._complete(claim.key_hash, claim.token, outcome, att._engine.clock())
+            _landed(att, claim, op(conn))
+    else:
+        with _postgres(store, connection) as conn, conn.transaction():
+            yield conn
+            outcome = _outcome(att)
+            op = store._complete(claim.key_hash, claim.token, outcome, att._engine.clock())
+            cur = conn.execute(op.query, op.params)
+            _landed(att, claim, op.parse(cur.rowcount, None))
+    att.settled = True  # committed: leaving the attempt's block writes nothing more
+
+
+@asynccontextmanager
+async def atransaction(att: Attempt, connection: Any = None) -> AsyncIterator[Any]:
+    """See :meth:`Attempt.atransaction` (PostgreSQL only)."""
+    claim = _owned(att)
+    store = att._engine.store
+    if _kind(store) != "postgres":
+        raise TypeError(
+            "atransaction() needs a PostgreSQL store; with SQLite, run the sync "
+            "transaction() in a thread (asyncio.to_thread)"
+        )
+    async with _apostgres(store, connection) as conn, conn.transaction():
+        yield conn
+        outcome = _outcome(att)
+        op = store._complete(claim.key_hash, claim.token, outcome, att._engine.clock())
+        cur = await conn.execute(op.query, op.params)
+        _landed(att, claim, op.parse(cur.rowcount, None))
+    att.settled = True
+
+
+# -- connections ----------------------------------------------------------------------
+
+
+@contextmanager
+def _sqlite(store: Any, connection: sqlite3.Connection | None) -> Iterator[sqlite3.Connection]:
+    """``BEGIN IMMEDIATE`` … ``COMMIT`` on ``connection`` or a new one to the store's file."""
+    own = connection is None
+    if own:
+        try:
+            conn = store._connect()
+        except sqlite3.Error as exc:
+            raise StoreUnavailableError(f"SQLite store {store.path}: {exc}") from exc
+        # The store's connections give up on a busy lock at once (their executor
+        # waits); this one waits for the write lock within the store's timeout.
+        conn.execute(f"PRAGMA busy_timeout={int(store.timeout * 1000)}")
+    else:
+        conn = connection
+    try:
+        if not own:
+            _same_sqlite_file(store, conn)
+            if conn.in_transaction:
+                raise ValueError("the connection is inside a transaction already; commit it first")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+    finally:
+        if own:
+            with store._conns_lock:
+                if conn in store._conns:
+                    store._conns.remove(conn)
+            conn.close()
+
+
+@contextmanager
+def _postgres(store: Any, connection: Any) -> Iterator[Any]:
+    if connection is not None:
+        _pg_idle(connection)
+        yield connection
+        return
+    # Only taking the connection maps errors to StoreUnavailableError: the
+    # application's own statements raise their own errors (a unique violation).
+    try:
+        pool = store._pool or store._sync_pool()
+        conn = store._checkout(pool)
+    except _pg_unavailable() as exc:
+        raise store._unavailable(exc) from exc
+    try:
+        yield conn
+    finally:
+        pool.putconn(conn)  # the pool rolls back a transaction left open
+
+
+@asynccontextmanager
+async def _apostgres(store: Any, connection: Any) -> AsyncIterator[Any]:
+    if connection is not None:
+        _pg_idle(connection)
+        yield connection
+        return
+    try:
+        entry = await store._loop_pool()
+        conn = await store._acheckout(entry.pool)
+    except _pg_unavailable() as exc:
+        raise store._unavailable(exc) from exc
+    try:
+        yield conn
+    finally:
+        await entry.pool.putconn(conn)
