@@ -112,6 +112,20 @@ class Store(abc.ABC, Generic[OpT]):
     @abc.abstractmethod
     def _delete(self, key_hash: str) -> OpT: ...
 
+    # Versioned cells (retrysafe.guards, see retrysafe._state), apart from the records:
+    # ``_cell_read`` gives the raw cell (version, JSON text, expires_at), expired or
+    # not, or None; ``_cell_write`` is one atomic compare-and-set by
+    # retrysafe._state.writable that writes version 1 (expected None) or expected + 1
+    # and answers whether it wrote. Stores without cells keep these defaults.
+
+    def _cell_read(self, key: str) -> OpT:
+        raise NotImplementedError(f"{type(self).__name__} has no versioned cells")
+
+    def _cell_write(
+        self, key: str, expected: int | None, text: str, expires_at: float | None, now: float
+    ) -> OpT:
+        raise NotImplementedError(f"{type(self).__name__} has no versioned cells")
+
     @abc.abstractmethod
     def _run(self, op: OpT) -> Any:
         """Execute one op synchronously."""

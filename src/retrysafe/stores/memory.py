@@ -10,6 +10,7 @@ from typing import Any
 
 from .._decide import claimable
 from .._record import FINANCIAL, ClaimResult, Outcome, Record, Status
+from .._state import RawCell, live, writable
 from ._base import ArchivedRecord, Store, StoreStats, SweepBatch
 
 __all__ = ["MemoryStore"]
@@ -35,6 +36,9 @@ class MemoryStore(Store[_Op]):
         self._lock = threading.Lock()
         #: Swept financial records by (key_hash, token), with when they were archived.
         self._archive: dict[tuple[str, str], ArchivedRecord] = {}
+        #: Versioned cells of retrysafe.guards (see retrysafe._state), apart from records.
+        self._cells: dict[str, RawCell] = {}
+        self._cells_bound = max_size  # prune expired cells past this many
 
     def __len__(self) -> int:
         return len(self._records)
@@ -133,6 +137,33 @@ class MemoryStore(Store[_Op]):
 
     def _delete(self, key_hash: str) -> _Op:
         return lambda: self._records.pop(key_hash, None) is not None
+
+    def _cell_read(self, key: str) -> _Op:
+        return lambda: self._cells.get(key)
+
+    def _cell_write(
+        self, key: str, expected: int | None, text: str, expires_at: float | None, now: float
+    ) -> _Op:
+        def op() -> bool:
+            cells = self._cells
+            cur = cells.get(key)
+            if not writable(cur, expected, now):
+                return False
+            cells[key] = (1 if expected is None else expected + 1, text, expires_at)
+            if cur is None and len(cells) > self._cells_bound:
+                self._prune_cells(now)
+            return True
+
+        return op
+
+    def _prune_cells(self, now: float) -> None:
+        """Forget expired cells; the next prune waits until the live ones have doubled
+        (so writes stay O(1) on average). Live cells are never dropped: unlike records,
+        a guard's cell is its state, not a cache."""
+        cells = self._cells
+        for k in [k for k, c in cells.items() if not live(c[2], now)]:
+            del cells[k]
+        self._cells_bound = max(self.max_size, 2 * len(cells))
 
     def close(self) -> None:
         """Nothing to release; records stay until the store is dropped."""

@@ -687,6 +687,18 @@ def _takeover_params(record: Record, found: Record) -> list[Any]:
     return params
 
 
+def _cell_or_none(rowcount: int, row: Sequence[Any] | None) -> Any:
+    """A versioned cell's row (version, JSON text, expires_at), or None."""
+    return None if row is None else (int(row[0]), row[1], row[2])
+
+
+def _created(op: _Op, failed: _Op, exc: psycopg.Error) -> _Op:
+    """``CREATE TABLE IF NOT EXISTS`` lost a race to another creator: run ``op`` anyway."""
+    if exc.sqlstate not in ("23505", "42P07"):  # unique_violation, duplicate_table
+        raise exc
+    return op
+
+
 #: Where the partitioned claim's row says whether it claimed (then the attempt number
 #: and the status taken over), after the columns of the record that stood in the way.
 _P_CLAIMED = len(COLUMNS)
@@ -1102,6 +1114,36 @@ class PostgresStore(Store[_Op]):
             _PARTITION_COMMENT.format(base=base),
         )
         self._cols = cols
+
+        # Versioned cells of retrysafe.guards (see retrysafe._state): the table
+        # <base>_state beside the records, created on first use (the ops' recovery
+        # below), apart from the records schema and its migrations.
+        state = sql.Identifier(*schema, f"{base}_state")
+        self._q_cell_table = text(
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (key text PRIMARY KEY, version bigint NOT NULL, "
+                "value text NOT NULL, expires_at double precision)"
+            ).format(state)
+        )
+        self._q_cell_read = text(
+            sql.SQL("SELECT version, value, expires_at FROM {} WHERE key = %s::text").format(state)
+        )
+        # expected None: insert version 1, or replace an expired cell (NULL never expires).
+        self._q_cell_create = text(
+            sql.SQL(
+                "INSERT INTO {} AS c (key, version, value, expires_at) "
+                "VALUES (%s::text, 1, %s::text, %s::double precision) ON CONFLICT (key) DO UPDATE "
+                "SET version = 1, value = EXCLUDED.value, expires_at = EXCLUDED.expires_at "
+                "WHERE c.expires_at <= %s::double precision"
+            ).format(state)
+        )
+        self._q_cell_update = text(
+            sql.SQL(
+                "UPDATE {} SET version = version + 1, value = %s::text, "
+                "expires_at = %s::double precision WHERE key = %s::text AND "
+                "version = %s::bigint AND (expires_at IS NULL OR expires_at > %s::double precision)"
+            ).format(state)
+        )
         self._archive_cols = archive_cols
 
     @staticmethod
@@ -1577,6 +1619,24 @@ class PostgresStore(Store[_Op]):
 
     def _delete(self, key_hash: str) -> _Op:
         return _Op(self._q_delete, (key_hash,), _changed, self._moved)
+
+    def _cell_read(self, key: str) -> _Op:
+        return _Op(self._q_cell_read, (key,), _cell_or_none, self._cells_missing)
+
+    def _cell_write(
+        self, key: str, expected: int | None, text: str, expires_at: float | None, now: float
+    ) -> _Op:
+        if expected is None:
+            op = _Op(self._q_cell_create, (key, text, expires_at, now), _changed)
+        else:
+            op = _Op(self._q_cell_update, (text, expires_at, key, expected, now), _changed)
+        return op._replace(recover=self._cells_missing)
+
+    def _cells_missing(self, op: _Op, exc: psycopg.Error) -> _Op:
+        """A cell op that found no cells table: create it, then run the op again."""
+        if exc.sqlstate != "42P01":  # undefined_table
+            raise exc
+        return _Op(self._q_cell_table, (), lambda rowcount, row: op, partial(_created, op))
 
     # -- operations work (sweeper, CLI): sync, never on the request path ---------------
 

@@ -301,18 +301,54 @@ end
 return 0
 """
 
+# A versioned cell of retrysafe.guards (see retrysafe._state): one string under
+# ``<prefix>cell:<key>`` (never ``<prefix>{...}``, so the sweep's SCAN skips it),
+# ``version LF expires_at LF json`` (expires_at empty: never). The compare-and-set:
+# KEYS[1] the cell, ARGV[1] the expected version ('' for none live), ARGV[2]
+# ``expires_at LF json`` of the new value, ARGV[3] now, ARGV[4] PX ms ('0': no TTL).
+# Applies retrysafe._state.writable; returns 1 if it wrote, else 0.
+_CELL_WRITE = """
+local cur = redis.call('GET', KEYS[1])
+local version = 0
+local live = false
+if cur then
+  local a = string.find(cur, '\n', 1, true)
+  local b = string.find(cur, '\n', a + 1, true)
+  version = tonumber(string.sub(cur, 1, a - 1))
+  local x = string.sub(cur, a + 1, b - 1)
+  live = x == '' or tonumber(x) > tonumber(ARGV[3])
+end
+if ARGV[1] == '' then
+  if live then
+    return 0
+  end
+  version = 0
+elseif not live or version ~= tonumber(ARGV[1]) then
+  return 0
+end
+local new = string.format('%d', version + 1) .. '\n' .. ARGV[2]
+if ARGV[4] == '0' then
+  redis.call('SET', KEYS[1], new)
+else
+  redis.call('SET', KEYS[1], new, 'PX', ARGV[4])
+end
+return 1
+"""
+
 
 def _sha(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
 _CLAIM_SHA, _COMPLETE_SHA, _FAIL_SHA, _RENEW_SHA = map(_sha, (_CLAIM, _COMPLETE, _FAIL, _RENEW))
+_CELL_WRITE_SHA = _sha(_CELL_WRITE)
 #: Script text by SHA-1, to load a script the server does not know (NOSCRIPT).
 _SCRIPTS: dict[str, str] = {
     _CLAIM_SHA: _CLAIM,
     _COMPLETE_SHA: _COMPLETE,
     _FAIL_SHA: _FAIL,
     _RENEW_SHA: _RENEW,
+    _CELL_WRITE_SHA: _CELL_WRITE,
 }
 
 
@@ -507,6 +543,14 @@ def _parse_get(reply: Any, op: _Op) -> Record | None:
 
 def _parse_bool(reply: Any, op: _Op) -> bool:
     return bool(reply)
+
+
+def _parse_cell(reply: Any, op: _Op) -> tuple[int, str, float | None] | None:
+    """A cell's ``version LF expires_at LF json`` (see _CELL_WRITE), expired or not."""
+    if reply is None:
+        return None
+    version, expires_at, text = reply.decode().split("\n", 2)
+    return int(version), text, float(expires_at) if expires_at else None
 
 
 # -- URLs --------------------------------------------------------------------------
@@ -744,6 +788,24 @@ class RedisStore(Store[_Op]):
 
     def _delete(self, key_hash: str) -> _Op:
         return (("DEL", self.record_key(key_hash)), _parse_bool, key_hash, None, _NO_OPTIONS)
+
+    def cell_key(self, key: str) -> str:
+        """The Redis key of a versioned cell of retrysafe.guards."""
+        return f"{self.prefix}cell:{key}"
+
+    def _cell_read(self, key: str) -> _Op:
+        return (("GET", self.cell_key(key)), _parse_cell, key, None, _NO_OPTIONS)
+
+    def _cell_write(
+        self, key: str, expected: int | None, text: str, expires_at: float | None, now: float
+    ) -> _Op:
+        ttl = 0 if expires_at is None else _ttl_ms(expires_at, now)
+        rest = f"{'' if expires_at is None else repr(expires_at)}\n{text}"
+        args = (
+            "EVALSHA", _CELL_WRITE_SHA, 1, self.cell_key(key),
+            "" if expected is None else str(expected), rest, repr(now), ttl,
+        )  # fmt: skip
+        return (args, _parse_bool, key, None, _NO_OPTIONS)
 
     # -- executors ---------------------------------------------------------------
 

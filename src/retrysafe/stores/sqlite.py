@@ -171,6 +171,27 @@ _STATS_COUNTS = (
 _STATS_EXPIRED = "SELECT count(*) FROM retrysafe_records WHERE expires_at <= ?"
 _STATS_ARCHIVED = "SELECT count(*) FROM retrysafe_archive"
 
+# -- versioned cells (retrysafe.guards, see retrysafe._state) ---------------------------
+#
+# A table of their own, created on first use: not part of the records schema or its
+# migrations (PRAGMA user_version counts those only). Each write is one statement that
+# applies retrysafe._state.writable to the current row.
+
+_CELLS = (
+    "CREATE TABLE IF NOT EXISTS retrysafe_state (key TEXT PRIMARY KEY, "
+    "version INTEGER NOT NULL, value TEXT NOT NULL, expires_at REAL) WITHOUT ROWID"
+)
+_CELL_READ = "SELECT version, value, expires_at FROM retrysafe_state WHERE key = ?"
+# expected None: insert version 1, or replace an expired cell (NULL never expires).
+_CELL_CREATE = (
+    "INSERT INTO retrysafe_state (key, version, value, expires_at) VALUES (?1, 1, ?2, ?3) "
+    "ON CONFLICT (key) DO UPDATE SET version = 1, value = ?2, expires_at = ?3 "
+    "WHERE expires_at <= ?4"
+)
+_CELL_UPDATE = (
+    "UPDATE retrysafe_state SET version = version + 1, value = ?2, expires_at = ?3 "
+    "WHERE key = ?1 AND version = ?5 AND (expires_at IS NULL OR expires_at > ?4)"
+)
 
 #: How a writer waits for the lock: sleeps doubling from the first to the longest.
 _FIRST_WAIT = 0.0001
@@ -237,6 +258,7 @@ class SQLiteStore(Store[_Op]):
         self._conns: list[sqlite3.Connection] = []  # every thread's, for close()
         self._conns_lock = threading.Lock()
         self._migrated = False
+        self._cells_ready = False  # the table of retrysafe.guards' cells exists
         # A connection must not cross a fork (gunicorn --preload, multiprocessing):
         # the child opens its own. The hook holds the store only weakly.
         ref = weakref.ref(self)
@@ -408,6 +430,35 @@ class SQLiteStore(Store[_Op]):
 
     def _delete(self, key_hash: str) -> _Op:
         return self._write(_DELETE, (key_hash,))
+
+    def _cells_table(self, conn: sqlite3.Connection) -> None:
+        """Create the cells' table once per store object (it stays in the file)."""
+        if not self._cells_ready:
+            conn.execute(_CELLS)
+            self._cells_ready = True
+
+    def _cell_read(self, key: str) -> _Op:
+        def op(conn: sqlite3.Connection) -> Any:
+            self._cells_table(conn)
+            return conn.execute(_CELL_READ, (key,)).fetchone()
+
+        return op
+
+    def _cell_write(
+        self, key: str, expected: int | None, text: str, expires_at: float | None, now: float
+    ) -> _Op:
+        query = _CELL_CREATE if expected is None else _CELL_UPDATE
+        params = (
+            (key, text, expires_at, now)
+            if expected is None
+            else (key, text, expires_at, now, expected)
+        )
+
+        def op(conn: sqlite3.Connection) -> bool:
+            self._cells_table(conn)
+            return conn.execute(query, params).rowcount == 1
+
+        return op
 
     # -- operations work (sweeper, CLI) ----------------------------------------------
 
