@@ -19,6 +19,7 @@ import re
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from ._decorator import _logged
 from ._engine import DEFAULT_LEASE, DEFAULT_TTL, Attempt, Engine, Replay, _Plan, engine_for
 from ._errors import IdempotencyError, InvalidKeyError, LeaseLostError
 from ._heartbeat import renewing
@@ -253,7 +254,9 @@ class Workflow:
             raise TypeError("request_id must be a str or None")
         for name in self.steps:
             _derived(key, name)
-        return Attempt(self.engine, self._parent.derive(key, scope, fp, request_id))
+        att = Attempt(self.engine, self._parent.derive(key, scope, fp, request_id))
+        att.final = False  # a body that raises leaves the operation retryable
+        return att
 
     @staticmethod
     def _result(replay: Replay) -> Any:
@@ -308,7 +311,8 @@ class Workflow:
             except BaseException as exc:
                 failed = self._final(exc)
                 if failed is not None:
-                    att.fail(failed, final=True)
+                    with _logged(exc):
+                        att.fail(failed, final=True)
                 raise
             return self._stored(att, run, value)
 
@@ -332,7 +336,8 @@ class Workflow:
             except BaseException as exc:
                 failed = self._final(exc)
                 if failed is not None:
-                    await att.afail(failed, final=True)
+                    with _logged(exc):
+                        await att.afail(failed, final=True)
                 raise
             return self._stored(att, run, value)
 
