@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Generator, Iterable
 from typing import Any
 
 from ._decorator import _logged
@@ -341,6 +341,21 @@ class Workflow:
                 raise
             return self._stored(att, run, value)
 
+    def _reads(self, key: str, scope: str) -> Generator[str, Record | None, dict[str, str]]:
+        """The reads of :meth:`references`: yields a key hash, is sent its record."""
+        validate_key(key)
+        now = self.engine.clock()
+        parent = _stored_value((yield key_hash(scope, self.operation, key)), now)
+        if parent is not None:
+            return dict(parent.get("references", {}))
+        found: dict[str, str] = {}
+        for name in self.steps:
+            op = f"{self.operation}/{name}"
+            stored = _stored_value((yield key_hash(scope, op, _derived(key, name))), now)
+            if stored is not None and stored.get("reference") is not None:
+                found[name] = stored["reference"]
+        return found
+
     def references(self, key: str, *, scope: str = "") -> dict[str, str]:
         """Step name → downstream id (gateway transaction id) for reconciliation.
 
@@ -348,18 +363,23 @@ class Workflow:
         an unfinished one, one more per name in ``steps`` (a finished step's
         record holds its id). Expired records count as absent.
         """
-        validate_key(key)
-        store, now = self.engine.store, self.engine.clock()
-        parent = _stored_value(store.get(key_hash(scope, self.operation, key)), now)
-        if parent is not None:
-            return dict(parent.get("references", {}))
-        found: dict[str, str] = {}
-        for name in self.steps:
-            op = f"{self.operation}/{name}"
-            stored = _stored_value(store.get(key_hash(scope, op, _derived(key, name))), now)
-            if stored is not None and stored.get("reference") is not None:
-                found[name] = stored["reference"]
-        return found
+        reads = self._reads(key, scope)
+        try:
+            wanted = next(reads)
+            while True:
+                wanted = reads.send(self.engine.store.get(wanted))
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+    async def areferences(self, key: str, *, scope: str = "") -> dict[str, str]:
+        """Async :meth:`references`."""
+        reads = self._reads(key, scope)
+        try:
+            wanted = next(reads)
+            while True:
+                wanted = reads.send(await self.engine.store.aget(wanted))
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
 
 def _stored_value(record: Record | None, now: float) -> Any:
