@@ -61,7 +61,8 @@ __all__ = [
 
 T = TypeVar("T")
 
-#: A cell as a store returns it, expired or not: (version, JSON text, expires_at).
+#: A cell as a store returns it, expired or not: (version, JSON text, expires_at)
+#: (a tuple, or a list of the three from Redis, whose executor runs tuples as ops).
 RawCell: TypeAlias = tuple[int, str, float | None]
 
 #: Compare-and-set rounds one update may take before it gives up (each lost round

@@ -312,8 +312,8 @@ local cur = redis.call('GET', KEYS[1])
 local version = 0
 local live = false
 if cur then
-  local a = string.find(cur, '\n', 1, true)
-  local b = string.find(cur, '\n', a + 1, true)
+  local a = string.find(cur, '\\n', 1, true)
+  local b = string.find(cur, '\\n', a + 1, true)
   version = tonumber(string.sub(cur, 1, a - 1))
   local x = string.sub(cur, a + 1, b - 1)
   live = x == '' or tonumber(x) > tonumber(ARGV[3])
@@ -326,7 +326,7 @@ if ARGV[1] == '' then
 elseif not live or version ~= tonumber(ARGV[1]) then
   return 0
 end
-local new = string.format('%d', version + 1) .. '\n' .. ARGV[2]
+local new = string.format('%d', version + 1) .. '\\n' .. ARGV[2]
 if ARGV[4] == '0' then
   redis.call('SET', KEYS[1], new)
 else
@@ -545,12 +545,14 @@ def _parse_bool(reply: Any, op: _Op) -> bool:
     return bool(reply)
 
 
-def _parse_cell(reply: Any, op: _Op) -> tuple[int, str, float | None] | None:
-    """A cell's ``version LF expires_at LF json`` (see _CELL_WRITE), expired or not."""
+def _parse_cell(reply: Any, op: _Op) -> list[Any] | None:
+    """A cell's ``version LF expires_at LF json`` (see _CELL_WRITE), expired or not, as
+    ``[version, json, expires_at]``: a list, since an executor takes a tuple for the
+    next op to run."""
     if reply is None:
         return None
     version, expires_at, text = reply.decode().split("\n", 2)
-    return int(version), text, float(expires_at) if expires_at else None
+    return [int(version), text, float(expires_at) if expires_at else None]
 
 
 # -- URLs --------------------------------------------------------------------------
