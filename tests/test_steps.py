@@ -361,6 +361,32 @@ def test_late_step_completion_of_a_stalled_owner_is_refused(
     assert record is not None and record.attempts == 2 and record.status is Status.COMPLETED
 
 
+def test_a_run_that_lost_its_lease_starts_no_further_step(memory: Store[Any]) -> None:
+    wf = Workflow(memory, operation="op", lease=0.3)
+    called: list[str] = []
+
+    def lose_the_operation(key: str) -> None:
+        called.append(key)
+        memory.delete(key_hash("", "op", "k"))  # as if another attempt had taken it over
+        deadline = time.monotonic() + 10
+        while not run_of[0]._watch.entry.done:  # until the heartbeat finds the lease lost
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    run_of: list[Any] = []
+
+    def body(run: Run) -> None:
+        run_of.append(run)
+        run.step("a", lose_the_operation)
+        run.step("b", called.append)
+
+    with pytest.raises(LeaseLostError, match="'b' not started"):
+        wf.run("k", body)
+    assert called == ["k:a"]
+    record = memory.get(key_hash("", "op/a", "k:a"))
+    assert record is not None and record.status is Status.COMPLETED  # its own step is recorded
+
+
 # -- concurrency: threads and processes racing one operation key ---------------------------
 
 
