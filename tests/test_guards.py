@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from _racing import race_processes
-from conftest import Clock, StoreSpec
+from conftest import Clock, StoreSpec, make_spec
 
 from retrysafe import IdempotencyError, Store
 from retrysafe.guards import (
@@ -404,3 +404,16 @@ def test_processes_race(shared_spec: StoreSpec, shared_store: Store[Any]) -> Non
     assert [a[1] for a in answers].count(True) == 1
     assert len({a[2] for a in answers}) == 1 and [a[3] for a in answers].count(True) == 1
     assert SequenceGuard(shared_store, namespace=tag).last("s", "op") == 2
+
+
+def test_partitioned_postgres(request: pytest.FixtureRequest, tmp_path: Any) -> None:
+    """The cells' table sits beside a partitioned records table, unpartitioned."""
+    store = make_spec("postgres-partitioned", request, tmp_path).open()
+    try:
+        machine = PaymentStateMachine(store)
+        machine.start("p")
+        assert machine.advance("p", "payment.succeeded").changed
+        answers = race(16, lambda i: SequenceGuard(store).accept("s", "op", 1))
+        assert answers.count(None) == 1
+    finally:
+        store.close()

@@ -63,23 +63,23 @@ class InvalidTransitionError(IdempotencyError):
 
     code = "payment_transition_invalid"
 
-    def __init__(self, payment_id: str, current: str | None, requested: str) -> None:
-        super().__init__(f"payment {payment_id!r}: no transition from {current!r} to {requested!r}")
+    def __init__(self, payment_id: str, current: str | None, requested: str, why: str = "") -> None:
+        super().__init__(
+            f"payment {payment_id!r}: no transition from {current!r} to {requested!r}{why}"
+        )
         self.payment_id = payment_id
         self.current = current
         self.requested = requested
 
 
-class PaymentNotFoundError(IdempotencyError, LookupError):
-    """``advance`` on a payment that was never started (pass ``create=True`` to allow it)."""
+class PaymentNotFoundError(InvalidTransitionError, LookupError):
+    """``advance`` on a payment that was never started (``current`` is None; pass
+    ``create=True`` to start it on the way)."""
 
     code = "payment_not_found"
 
     def __init__(self, payment_id: str, requested: str) -> None:
-        super().__init__(f"payment {payment_id!r} has no state; start it first or create=True")
-        self.payment_id = payment_id
-        self.current = None
-        self.requested = requested
+        super().__init__(payment_id, None, requested, ": it was never started (create=True?)")
 
 
 class SequenceError(IdempotencyError):
@@ -108,13 +108,10 @@ class SequenceGapError(SequenceError):
 
     code = "sequence_gap"
 
-    def __init__(
-        self, message: str, *, session_id: str, operation: str, last: int, sequence: int
-    ) -> None:
-        super().__init__(
-            message, session_id=session_id, operation=operation, last=last, sequence=sequence
-        )
-        self.expected = last + 1
+    @property
+    def expected(self) -> int:
+        """The number that would have been accepted."""
+        return self.last + 1
 
 
 class VersionConflictError(IdempotencyError):
@@ -337,17 +334,17 @@ def _next_sequence(
     session_id: str, operation: str, last: int | None, sequence: int, strict: bool
 ) -> dict[str, int]:
     """The decision of ``accept``: the value to write, or raise."""
-    if last is not None and sequence <= last:
-        raise OutOfOrderError(
-            f"session {session_id!r} {operation!r}: sequence {sequence} is not after {last}",
-            session_id=session_id, operation=operation, last=last, sequence=sequence,
-        )  # fmt: skip
-    if strict and last is not None and sequence > last + 1:
-        raise SequenceGapError(
-            f"session {session_id!r} {operation!r}: sequence {sequence} skips {last + 1}",
-            session_id=session_id, operation=operation, last=last, sequence=sequence,
-        )  # fmt: skip
-    return {"last": sequence}
+    if last is None or last + 1 == sequence or (sequence > last and not strict):
+        return {"last": sequence}
+    error, why = (
+        (OutOfOrderError, f"is not after {last}")
+        if sequence <= last
+        else (SequenceGapError, f"skips {last + 1}")
+    )
+    raise error(
+        f"session {session_id!r} {operation!r}: sequence {sequence} {why}",
+        session_id=session_id, operation=operation, last=last, sequence=sequence,
+    )  # fmt: skip
 
 
 class SequenceGuard(_Guard):
