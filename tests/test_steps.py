@@ -249,6 +249,10 @@ def test_missing_reference_is_final_and_sync_step_refuses_a_coroutine(
     wf = Workflow(memory, operation="op")
     with pytest.raises(StepResultError, match="KeyError"):
         wf.run("k", lambda run: run.step("charge", lambda k: {"no": "id"}, reference="id"))
+    with pytest.raises(StepResultError, match="AttributeError"):  # whatever the callable raises
+        wf.run("k1", lambda run: run.step("charge", lambda k: {}, reference=lambda r: r.id))
+    with pytest.raises(StepResultError):  # final: the step is not called again
+        wf.run("k1", lambda run: run.step("charge", lambda k: pytest.fail("called again")))
 
     async def coro(key: str) -> None:
         raise AssertionError("never runs")

@@ -94,7 +94,7 @@ class Run:
     """
 
     def __init__(self, flow: Workflow, key: str, scope: str, fp: str, att: Attempt) -> None:
-        self._flow, self.key, self.scope, self._fp, self._att = flow, key, scope, fp, att
+        self._flow, self.key, self.scope, self._fp = flow, key, scope, fp
         self.attempts = att.claim.attempts if att.claim is not None else 0
         self.references: dict[str, str] = {}
         self._seen: set[str] = set()
@@ -150,7 +150,7 @@ class Run:
             if ref is not None:
                 stored["reference"] = ref
             att.outcome = Outcome.json(stored)
-        except (TypeError, ValueError, KeyError, IndexError) as exc:
+        except Exception as exc:  # (a reference callable may raise anything)
             if inspect.iscoroutine(value):  # it never ran: retryable
                 value.close()
                 raise TypeError(f"step {name!r}: {exc}") from None
