@@ -1,24 +1,44 @@
-"""``retrysafe.webhooks.verify``: every scheme, signed by the providers' own libraries
-where one exists (Stripe's SDK, the Standard Webhooks reference library)."""
+"""``retrysafe.webhooks``: ``verify`` for every scheme, and the ``Receiver`` that
+verifies, deduplicates and dispatches, on every store, sync and async, over HTTP and
+under races. Deliveries are signed by the providers' own libraries where one exists
+(Stripe's SDK, the Standard Webhooks reference library), Shopify's by its documented
+algorithm (the base64 HMAC-SHA256 of the raw body)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as dt
 import hashlib
 import hmac
 import json
+import logging
+import threading
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from _http_servers import ThreadServer
+from _racing import race_processes
+from conftest import StoreSpec
 from hypothesis import given
 from hypothesis import strategies as st
 from standardwebhooks.webhooks import Webhook
 from stripe import WebhookSignature
 
-from retrysafe import IdempotencyError
-from retrysafe.webhooks import SCHEMES, SignatureError, verify
+from retrysafe import Engine, IdempotencyError, Status, Store, open_store
+from retrysafe.webhooks import (
+    SCHEMES,
+    Delivery,
+    Receiver,
+    SignatureError,
+    WebhookResponse,
+    verify,
+)
 
 NOW = 1_763_900_000
 BODY = json.dumps({"id": "evt_1Q2w3E", "type": "payment_intent.succeeded"}).encode()
@@ -210,3 +230,543 @@ def test_garbage_never_passes_and_never_crashes(
 ) -> None:
     with pytest.raises(SignatureError):
         verify(scheme, headers, body, "whsec_" + base64.b64encode(b"k" * 24).decode(), now=NOW)
+
+
+# == the Receiver: verify, then deduplicate, then dispatch ==================================
+
+STRIPE_SECRET = "whsec_receiver_test"
+SHOPIFY_SECRET = "shpss_receiver_test"
+
+
+def stripe_event(event_id: str = "evt_1R", kind: str = "charge.succeeded", **data: Any) -> bytes:
+    return json.dumps({"id": event_id, "object": "event", "type": kind, "data": data}).encode()
+
+
+def signed_stripe(
+    event_id: str = "evt_1R", secret: str = STRIPE_SECRET, at: float | None = None
+) -> tuple[dict[str, str], bytes]:
+    """A Stripe delivery signed by Stripe's SDK now (or at ``at``)."""
+    body = stripe_event(event_id)
+    return stripe_headers(body, secret, int(time.time() if at is None else at)), body
+
+
+class Handler:
+    """A handler that counts its runs; ``fail`` raises on that many first runs."""
+
+    def __init__(self, fail: int = 0, result: Any = None) -> None:
+        self.runs: list[str] = []
+        self.fail = fail
+        self.result = result
+
+    def __call__(self, delivery: Delivery) -> Any:
+        self.runs.append(delivery.event_id)
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("db password hunter2 leaked in a traceback")
+        if self.result is not None:
+            return self.result
+        return {"handled": delivery.event_id, "type": delivery.json()["type"]}
+
+
+class Deliver:
+    """``receiver.handle`` (sync), or ``await receiver.ahandle`` on a loop of this test's
+    own with the handler made async (so both the sync and the async paths run)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.loop = asyncio.new_event_loop() if mode == "async" else None
+        self.receivers: list[Receiver] = []
+
+    def receiver(self, store: Any, handler: Callable[[Delivery], Any], **options: Any) -> Receiver:
+        if self.mode == "async":
+            plain = handler
+
+            async def handler(delivery: Delivery) -> Any:
+                await asyncio.sleep(0)
+                return plain(delivery)
+
+        options.setdefault("scheme", "stripe")
+        options.setdefault("secrets", STRIPE_SECRET)
+        receiver = Receiver(store, handler=handler, **options)
+        self.receivers.append(receiver)
+        return receiver
+
+    def __call__(self, receiver: Receiver, headers: Any, body: bytes) -> WebhookResponse:
+        if self.loop is None:
+            return receiver.handle(headers, body)
+        return self.loop.run_until_complete(receiver.ahandle(headers, body))
+
+    def close(self) -> None:
+        if self.loop is not None:
+            for receiver in self.receivers:
+                self.loop.run_until_complete(receiver.aclose())
+            self.loop.close()
+
+
+@pytest.fixture
+def deliver(mode: str) -> Iterator[Deliver]:
+    d = Deliver(mode)
+    yield d
+    d.close()
+
+
+def is_problem(answer: WebhookResponse, status: int, code: str) -> dict[str, Any]:
+    """``answer`` is an RFC 9457 problem with this status and code; its body."""
+    assert answer.status == status, answer
+    assert dict(answer.headers)["content-type"] == "application/problem+json"
+    body = answer.body
+    assert body["status"] == status and body["code"] == code
+    assert body["type"] == f"urn:retrysafe:problem:{code}" and body["title"] and body["detail"]
+    return body
+
+
+def test_first_delivery_then_duplicates(store: Store[Any], deliver: Deliver) -> None:
+    handler = Handler()
+    receiver = deliver.receiver(store, handler)
+    headers, body = signed_stripe()
+    first = deliver(receiver, headers, body)
+    assert first.status == 200 and dict(first.headers) == {"content-type": "application/json"}
+    result = {"handled": "evt_1R", "type": "charge.succeeded"}
+    assert first.body == {"status": "processed", "event_id": "evt_1R", "result": result}
+    # Providers re-sign every redelivery (a new timestamp): still the same event.
+    for again_headers in (headers, signed_stripe(at=time.time() - 60)[0]):
+        again = deliver(receiver, again_headers, body)
+        assert again.status == 200 and dict(again.headers)["idempotent-replayed"] == "true"
+        assert again.body == {"status": "duplicate", "event_id": "evt_1R",
+                              "original_event_id": "evt_1R", "result": result}  # fmt: skip
+    assert handler.runs == ["evt_1R"]
+    [record] = store.records()
+    assert record.key == "webhook:stripe:evt_1R" and record.status is Status.COMPLETED
+    assert record.operation == "webhook" and record.request_id == "evt_1R"
+    assert record.metadata == {"source": "stripe", "event_id": "evt_1R"}
+    assert record.expires_at - record.created_at == 24 * 3600  # the Idempotency Map's TTL
+    other = deliver(receiver, *signed_stripe("evt_2R"))
+    assert other.body["status"] == "processed" and handler.runs == ["evt_1R", "evt_2R"]
+
+
+def test_bad_signatures_store_nothing(
+    store: Store[Any], deliver: Deliver, caplog: pytest.LogCaptureFixture
+) -> None:
+    handler = Handler()
+    receiver = deliver.receiver(store, handler)
+    headers, body = signed_stripe()
+    signature = headers["Stripe-Signature"]
+    now = time.time()
+    cases = {
+        "bad_signature": [
+            ({"Stripe-Signature": signature}, body.replace(b"evt_1R", b"evt_9X")),  # forged
+            ({"Stripe-Signature": signature}, body[:-1]),  # truncated
+            signed_stripe(secret="whsec_someone_else"),  # wrong secret
+        ],
+        "timestamp_out_of_tolerance": [
+            signed_stripe(at=now - 1000),  # stale: a replay
+            signed_stripe(at=now + 1000),  # from the future
+        ],
+        "missing_header": [({}, body)],
+        "malformed_header": [({"Stripe-Signature": "t=1"}, body)],
+    }
+    with caplog.at_level(logging.DEBUG, logger="retrysafe"):
+        for reason, deliveries in cases.items():
+            for bad_headers, bad_body in deliveries:
+                answer = deliver(receiver, bad_headers, bad_body)
+                problem = is_problem(answer, 401, "webhook_signature_invalid")
+                assert problem["reason"] == reason
+    assert handler.runs == [] and store.records() == []
+    assert STRIPE_SECRET not in caplog.text and STRIPE_SECRET not in repr(receiver)
+
+
+def test_handler_failure_is_retried_by_the_next_delivery(
+    store: Store[Any], deliver: Deliver, caplog: pytest.LogCaptureFixture
+) -> None:
+    handler = Handler(fail=1)
+    receiver = deliver.receiver(store, handler)
+    headers, body = signed_stripe()
+    with caplog.at_level(logging.ERROR, logger="retrysafe"):
+        failed = deliver(receiver, headers, body)
+    problem = is_problem(failed, 500, "webhook_handler_failed")
+    assert "hunter2" not in failed.content.decode() and "RuntimeError" not in str(problem)
+    assert "hunter2" in caplog.text  # the traceback is in the log, not the answer
+    [record] = store.records()
+    assert record.status is Status.FAILED and not record.final  # retryable
+    again = deliver(receiver, *signed_stripe())  # the provider's redelivery
+    assert again.status == 200 and again.body["status"] == "processed"
+    assert deliver(receiver, headers, body).body["status"] == "duplicate"
+    assert handler.runs == ["evt_1R", "evt_1R"]
+    assert [r.status for r in store.records()] == [Status.COMPLETED]
+
+
+def test_rotation_accepts_old_and_new_secrets(store: Store[Any], deliver: Deliver) -> None:
+    handler = Handler()
+    receiver = deliver.receiver(store, handler, secrets=["whsec_old", "whsec_new"])
+    assert deliver(receiver, *signed_stripe("evt_old", "whsec_old")).status == 200
+    assert deliver(receiver, *signed_stripe("evt_new", "whsec_new")).status == 200
+    stranger = deliver(receiver, *signed_stripe("evt_x", "whsec_retired"))
+    assert is_problem(stranger, 401, "webhook_signature_invalid")["reason"] == "bad_signature"
+    assert handler.runs == ["evt_old", "evt_new"]
+    assert sorted(r.key for r in store.records()) == [
+        "webhook:stripe:evt_new", "webhook:stripe:evt_old"
+    ]  # fmt: skip
+
+
+def gateway_delivery(msg: str, transaction: str, kind: str) -> tuple[dict[str, str], bytes]:
+    """A payment gateway's delivery, signed the Standard Webhooks way (as Svix does)."""
+    body = json.dumps({"type": kind, "data": {"transaction_id": transaction}}).encode()
+    return standard_headers(body, STANDARD_SECRET, at=int(time.time()), msg=msg), body
+
+
+def transaction_of(delivery: Delivery) -> tuple[str, str] | None:
+    event = delivery.json()
+    if "transaction_id" not in event["data"]:
+        return None  # an event about no transaction: deduplicated by its id
+    return event["data"]["transaction_id"], event["type"]
+
+
+def test_payment_gateway_one_event_type_per_transaction(
+    store: Store[Any], deliver: Deliver
+) -> None:
+    seen: list[tuple[str, str | None, str | None]] = []
+
+    def handler(delivery: Delivery) -> Any:
+        seen.append((delivery.event_id, delivery.transaction_id, delivery.event_type))
+        return {"ok": True}
+
+    receiver = deliver.receiver(
+        store, handler, scheme="standard", secrets=STANDARD_SECRET, source="acmepay",
+        transaction=transaction_of,
+    )  # fmt: skip
+    first = deliver(receiver, *gateway_delivery("msg_1", "tx_42", "payment.succeeded"))
+    assert first.body == {"status": "processed", "event_id": "msg_1", "result": {"ok": True}}
+    # The gateway sends the same event type of the same transaction under a new id.
+    again = deliver(receiver, *gateway_delivery("msg_2", "tx_42", "payment.succeeded"))
+    assert again.body == {"status": "duplicate", "event_id": "msg_2",
+                          "original_event_id": "msg_1", "result": {"ok": True}}  # fmt: skip
+    refund = deliver(receiver, *gateway_delivery("msg_3", "tx_42", "refund.processed"))
+    assert refund.body["status"] == "processed"
+    other = deliver(receiver, *gateway_delivery("msg_4", "tx_43", "payment.succeeded"))
+    assert other.body["status"] == "processed"
+    body = json.dumps({"type": "account.updated", "data": {}}).encode()
+    headers = standard_headers(body, STANDARD_SECRET, at=int(time.time()), msg="msg_5")
+    assert deliver(receiver, headers, body).body["status"] == "processed"
+    assert deliver(receiver, headers, body).body["status"] == "duplicate"
+    assert seen == [("msg_1", "tx_42", "payment.succeeded"), ("msg_3", "tx_42", "refund.processed"),
+                    ("msg_4", "tx_43", "payment.succeeded"), ("msg_5", None, None)]  # fmt: skip
+    records = {r.key: r for r in store.records()}
+    assert set(records) == {
+        "webhook:acmepay:tx_42:payment.succeeded", "webhook:acmepay:tx_42:refund.processed",
+        "webhook:acmepay:tx_43:payment.succeeded", "webhook:acmepay:msg_5",
+    }  # fmt: skip
+    kept = records["webhook:acmepay:tx_42:payment.succeeded"]
+    assert kept.operation == "payment_webhook"  # for reconciliation:
+    assert kept.metadata == {"source": "acmepay", "event_id": "msg_1", "transaction_id": "tx_42",
+                             "event_type": "payment.succeeded"}  # fmt: skip
+
+
+def test_in_flight_delivery_gets_409(store: Store[Any], deliver: Deliver) -> None:
+    headers, body = signed_stripe()
+    inner: list[WebhookResponse] = []
+
+    def handler(delivery: Delivery) -> Any:
+        # The provider delivers again while the first delivery is still being handled.
+        if deliver.loop is None:
+            inner.append(receiver.handle(headers, body))
+        else:
+            inner.append(asyncio.run_coroutine_threadsafe(receiver.ahandle(headers, body),
+                                                          deliver.loop).result(10))  # fmt: skip
+        return "done"
+
+    if deliver.mode == "async":  # a plain handler: ahandle runs it in a worker thread
+        receiver = Receiver(store, scheme="stripe", secrets=STRIPE_SECRET, handler=handler)
+        deliver.receivers.append(receiver)
+    else:
+        receiver = deliver.receiver(store, handler)
+    assert deliver(receiver, headers, body).body["result"] == "done"
+    [busy] = inner
+    assert is_problem(busy, 409, "idempotency_in_flight")["retry_after"] >= 1
+    assert int(dict(busy.headers)["retry-after"]) >= 1
+    assert deliver(receiver, headers, body).body["status"] == "duplicate"
+
+
+def test_result_that_is_not_json(
+    store: Store[Any], deliver: Deliver, caplog: pytest.LogCaptureFixture
+) -> None:
+    handler = Handler(result=object())
+    receiver = deliver.receiver(store, handler)
+    headers, body = signed_stripe()
+    with caplog.at_level(logging.ERROR, logger="retrysafe"):
+        first = deliver(receiver, headers, body)
+    is_problem(first, 500, "webhook_result_invalid")
+    assert "not a JSON value" in caplog.text
+    [record] = store.records()
+    assert record.status is Status.FAILED and record.final  # it ran: never again
+    again = deliver(receiver, headers, body)  # the provider retries the 500
+    assert again.status == 200
+    assert again.body == {"status": "duplicate", "event_id": "evt_1R",
+                          "original_event_id": "evt_1R", "result": None}  # fmt: skip
+    assert handler.runs == ["evt_1R"]
+
+
+def test_store_down_is_503(deliver: Deliver) -> None:
+    handler = Handler()
+    receiver = deliver.receiver("redis://127.0.0.1:1", handler)
+    answer = deliver(receiver, *signed_stripe())
+    is_problem(answer, 503, "idempotency_store_unavailable")
+    assert int(dict(answer.headers)["retry-after"]) >= 1 and handler.runs == []
+
+
+def test_shopify_and_standard_schemes(memory: Store[Any], deliver: Deliver) -> None:
+    handler = Handler(result={"ok": True})
+    shopify = deliver.receiver(memory, handler, scheme="shopify", secrets=SHOPIFY_SECRET)
+    body = b"not json: Shopify's scheme does not need the body"
+    event = {"X-Shopify-Event-Id": "98880550-7158-44d4-b7cd-2c97c8a091b5",
+             "X-Shopify-Webhook-Id": "b54557e4-bdd9-4b37-8a5f-bf7d70bcd043"}  # fmt: skip
+    headers = shopify_headers(body, SHOPIFY_SECRET, **event)
+    assert deliver(shopify, headers, body).body["status"] == "processed"
+    # A retry of the event comes with another webhook id but the same event id.
+    retry = shopify_headers(body, SHOPIFY_SECRET, **{**event, "X-Shopify-Webhook-Id": "w2"})
+    assert deliver(shopify, retry, body).body["status"] == "duplicate"
+    # Without X-Shopify-Event-Id, the webhook id is the event id.
+    legacy = shopify_headers(body, SHOPIFY_SECRET, **{"X-Shopify-Webhook-Id": "w3"})
+    assert deliver(shopify, legacy, body).body["status"] == "processed"
+    forged = shopify_headers(body, "wrong", **event)
+    assert deliver(shopify, forged, body).status == 401
+    standard = deliver.receiver(memory, handler, scheme="standard", secrets=STANDARD_SECRET)
+    signed = standard_headers(body, STANDARD_SECRET, at=int(time.time()), msg="msg_ab")
+    assert deliver(standard, signed, body).body["status"] == "processed"
+    assert deliver(standard, signed, body).body["status"] == "duplicate"
+    stale = standard_headers(body, STANDARD_SECRET, at=int(time.time()) - 301, msg="msg_cd")
+    assert deliver(standard, stale, body).status == 401
+    assert len(handler.runs) == 3
+    assert sorted(r.key for r in memory.records()) == [
+        "webhook:shopify:98880550-7158-44d4-b7cd-2c97c8a091b5", "webhook:shopify:w3",
+        "webhook:standard:msg_ab",
+    ]  # fmt: skip
+
+
+def test_sources_scope_keys_and_odd_ids_are_hashed(memory: Store[Any]) -> None:
+    handler = Handler(result="ok")
+    github = Receiver(memory, scheme="hmac", secrets="s3cret", handler=handler, source="github")
+    other = Receiver(memory, scheme="hmac", secrets="s3cret", handler=handler, source="billing")
+    mac = hmac.new(b"s3cret", BODY, hashlib.sha256).hexdigest()
+    headers = {"X-Hub-Signature-256": "sha256=" + mac, "X-GitHub-Delivery": "d-1"}
+    assert github.handle(headers, BODY).body["status"] == "processed"
+    assert other.handle(headers, BODY).body["status"] == "processed"  # the same id elsewhere
+    assert github.handle(headers, BODY).body["status"] == "duplicate"
+    # No id header: the body's hash is the id; it holds ':', so the key holds its hash.
+    anonymous = {"X-Signature": mac}
+    assert github.handle(anonymous, BODY).body["event_id"].startswith("sha256:")
+    assert github.handle(anonymous, BODY).body["status"] == "duplicate"
+    keys = sorted(r.key for r in memory.records())
+    assert keys[:2] == ["webhook:billing:d-1", "webhook:github:d-1"]
+    assert keys[2].startswith("webhook:github:sha256-") and len(keys) == 3
+    assert handler.runs == ["d-1", "d-1", "sha256:" + hashlib.sha256(BODY).hexdigest()]
+
+
+def test_body_limit_and_bad_options(memory: Store[Any]) -> None:
+    handler = Handler()
+    receiver = Receiver(memory, scheme="stripe", secrets=STRIPE_SECRET, handler=handler,
+                        max_body=64)  # fmt: skip
+    is_problem(receiver.handle(*signed_stripe()), 413, "idempotency_body_too_large")
+    assert handler.runs == [] and memory.records() == []
+    for options, error in [
+        ({"scheme": "paypal"}, ValueError),
+        ({"secrets": []}, ValueError),
+        ({"scheme": "standard", "secrets": "whsec_%%%"}, ValueError),
+        ({"source": "two words"}, ValueError),
+        ({"source": "a:b"}, ValueError),
+        ({"handler": "not callable"}, TypeError),
+        ({"transaction": 42}, TypeError),
+        ({"tolerance": -1}, ValueError),
+        ({"ttl": 0}, ValueError),
+        ({"max_body": -1}, ValueError),
+    ]:
+        with pytest.raises(error):
+            Receiver(memory, **{"scheme": "stripe", "secrets": "s", "handler": handler, **options})
+    with pytest.raises(TypeError):
+        receiver.handle({}, "text")  # type: ignore[arg-type]
+
+
+def test_delivery_json_and_headers(memory: Store[Any]) -> None:
+    got: list[Delivery] = []
+    receiver = Receiver(memory, scheme="stripe", secrets=STRIPE_SECRET,
+                        handler=lambda d: got.append(d))  # fmt: skip
+    headers, body = signed_stripe()
+    assert receiver.handle({**headers, "X-Trace": "abc"}, body).body["result"] is None
+    [delivery] = got
+    assert delivery.json() is delivery.json() and delivery.json()["id"] == "evt_1R"
+    assert delivery.headers["x-trace"] == delivery.headers["X-TRACE"] == "abc"
+    assert delivery.key == "webhook:stripe:evt_1R" and delivery.source == "stripe"
+    assert delivery.body == body and delivery.transaction_id is None
+    with pytest.raises(AttributeError):
+        delivery.key = "other"  # type: ignore[misc]
+
+
+def test_transaction_that_fails_stores_nothing(memory: Store[Any]) -> None:
+    handler = Handler()
+
+    def broken(delivery: Delivery) -> Any:
+        return delivery.json()["data"]["missing"]
+
+    receiver = Receiver(memory, scheme="stripe", secrets=STRIPE_SECRET, handler=handler,
+                        transaction=broken)  # fmt: skip
+    is_problem(receiver.handle(*signed_stripe()), 500, "webhook_handler_failed")
+    wrong = Receiver(memory, scheme="stripe", secrets=STRIPE_SECRET, handler=handler,
+                     transaction=lambda d: ("tx", 7))  # fmt: skip
+    is_problem(wrong.handle(*signed_stripe()), 500, "webhook_handler_failed")
+    assert handler.runs == [] and memory.records() == []
+
+
+def test_async_handler_from_sync_code_and_sync_handler_in_ahandle(memory: Store[Any]) -> None:
+    async def ahandler(delivery: Delivery) -> Any:
+        await asyncio.sleep(0)
+        return threading.current_thread().name
+
+    receiver = Receiver(memory, scheme="stripe", secrets=STRIPE_SECRET, handler=ahandler)
+    assert receiver.handle(*signed_stripe("evt_a")).body["status"] == "processed"
+
+    async def from_a_loop() -> None:
+        with pytest.raises(RuntimeError, match="ahandle"):
+            receiver.handle(*signed_stripe("evt_b"))
+        plain = Receiver(memory, scheme="stripe", secrets=STRIPE_SECRET,
+                         handler=lambda d: threading.current_thread().name)  # fmt: skip
+        answer = await plain.ahandle(*signed_stripe("evt_c"))
+        assert answer.body["result"] != threading.current_thread().name  # a worker thread
+
+    asyncio.run(from_a_loop())
+    assert [r.key for r in memory.records()] == ["webhook:stripe:evt_a", "webhook:stripe:evt_c"]
+
+
+def test_long_handler_keeps_its_key(memory: Store[Any]) -> None:
+    headers, body = signed_stripe()
+    inner: list[WebhookResponse] = []
+    runs: list[str] = []
+
+    def slow(delivery: Delivery) -> Any:
+        runs.append(delivery.event_id)
+        if len(runs) == 1:
+            time.sleep(0.6)  # two leases: without renewal a redelivery would take the key
+            inner.append(receiver.handle(headers, body))
+        return "done"
+
+    receiver = Receiver(memory, scheme="stripe", secrets=STRIPE_SECRET, handler=slow, lease=0.3)
+    assert receiver.handle(headers, body).body["status"] == "processed"
+    assert inner[0].status == 409 and runs == ["evt_1R"]
+
+
+# -- over HTTP: the ASGI adapter on uvicorn, the WSGI adapter on werkzeug ----------------------
+
+
+@pytest.mark.parametrize("kind", ["asgi", "wsgi"])
+def test_over_http(kind: str, tmp_path: Path) -> None:
+    handler = Handler()
+    store = open_store(f"sqlite:///{tmp_path}/webhooks.db")
+    receiver = Receiver(store, scheme="stripe", secrets=STRIPE_SECRET, handler=handler,
+                        max_body=4096)  # fmt: skip
+    app = receiver.asgi if kind == "asgi" else receiver.wsgi
+    headers, body = signed_stripe()
+    with ThreadServer(app, kind) as server, httpx.Client(base_url=server.url) as client:
+        answers = [client.post("/hooks/stripe", content=body, headers=headers) for _ in range(3)]
+        assert [a.status_code for a in answers] == [200, 200, 200]
+        assert [a.json()["status"] for a in answers] == ["processed", "duplicate", "duplicate"]
+        assert answers[0].headers["content-type"] == "application/json"
+        assert "idempotent-replayed" not in answers[0].headers
+        assert answers[1].headers["idempotent-replayed"] == "true"
+        # The key is the event id, never an Idempotency-Key header.
+        keyed = client.post("/", content=body, headers={**headers, "Idempotency-Key": "k2"})
+        assert keyed.json()["status"] == "duplicate"
+        forged = client.post("/", content=body, headers={"Stripe-Signature": "t=1,v1=00"})
+        assert forged.status_code == 401
+        assert forged.headers["content-type"] == "application/problem+json"
+        assert forged.json()["reason"] == "bad_signature"
+        get = client.get("/")
+        assert get.status_code == 405 and get.headers["allow"] == "POST"
+        big = stripe_event("evt_big", note="x" * 5000)
+        assert client.post("/", content=big, headers=headers).status_code == 413
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: the limit holds while reading
+            yield big
+
+        assert client.post("/", content=chunks(), headers=headers).status_code == 413
+    assert handler.runs == ["evt_1R"] and [r.key for r in store.records()] == [
+        "webhook:stripe:evt_1R"
+    ]
+    store.close()
+
+
+# -- races: one run of the handler, however many deliveries come at once -----------------------
+
+THREADS = 32
+
+
+def racing_receiver(store: Store[Any], effects: str) -> Receiver:
+    """A receiver whose handler's side effect is a line in ``effects`` (outside every process)."""
+
+    def handler(delivery: Delivery) -> Any:
+        with open(effects, "a") as f:
+            f.write(f"{delivery.event_id}\n")
+        return {"charged": delivery.json()["id"]}
+
+    return Receiver(Engine(store), scheme="stripe", secrets=STRIPE_SECRET, handler=handler)
+
+
+def check_race(answers: list[tuple[int, str]], effects: Path, racers: int) -> None:
+    assert len(answers) == racers
+    assert answers.count((200, "processed")) == 1, answers
+    assert set(answers) <= {(200, "processed"), (200, "duplicate"), (409, "in_flight")}
+    assert effects.read_text().splitlines() == ["evt_race"]
+
+
+def outcome(answer: WebhookResponse) -> tuple[int, str]:
+    if answer.status == 409:
+        return 409, "in_flight"
+    return answer.status, answer.body.get("status", answer.body.get("code"))
+
+
+def test_threads_race(store: Store[Any], tmp_path: Path) -> None:
+    effects = tmp_path / "effects"
+    effects.touch()
+    receiver = racing_receiver(store, str(effects))
+    barrier = threading.Barrier(THREADS)
+
+    def racer(i: int) -> tuple[int, str]:
+        headers, body = signed_stripe("evt_race")  # each thread's own signature
+        barrier.wait()
+        return outcome(receiver.handle(headers, body))
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        answers = list(pool.map(racer, range(THREADS)))
+    check_race(answers, effects, THREADS)
+
+
+async def test_tasks_race(store: Store[Any], tmp_path: Path) -> None:
+    effects = tmp_path / "effects"
+    effects.touch()
+    receiver = racing_receiver(store, str(effects))
+    headers, body = signed_stripe("evt_race")
+    gate = asyncio.Event()
+
+    async def racer() -> tuple[int, str]:
+        await gate.wait()
+        return outcome(await receiver.ahandle(headers, body))
+
+    tasks = [asyncio.create_task(racer()) for _ in range(64)]
+    await asyncio.sleep(0)
+    gate.set()
+    answers = await asyncio.gather(*tasks)
+    await receiver.aclose()
+    check_race(answers, effects, 64)
+
+
+def _webhook_racer(store: Store[Any], effects: str) -> Callable[[str], tuple[int, str]]:
+    receiver = racing_receiver(store, effects)
+
+    def racer(who: str) -> tuple[int, str]:
+        return outcome(receiver.handle(*signed_stripe("evt_race")))
+
+    return racer
+
+
+def test_processes_race(shared_spec: StoreSpec, tmp_path: Path) -> None:
+    effects = tmp_path / "effects"
+    effects.touch()
+    answers = race_processes(shared_spec, _webhook_racer, str(effects), processes=4, threads=8)
+    check_race(answers, effects, 4 * 8)

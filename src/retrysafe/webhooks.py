@@ -33,19 +33,49 @@ Schemes:
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import contextlib
+import functools
 import hashlib
 import hmac
+import inspect
 import json
+import logging
+import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import IdempotencyError
+from ._asgi import (
+    ASGIApp,
+    BodyTooLarge,
+    Receive,
+    Scope,
+    Send,
+    header,
+    is_async,
+    lifespan,
+    read_body,
+    send_response,
+    to_the_end,
+)
+from ._engine import DEFAULT_MAX_BODY, Attempt, BeginOptions, Engine, Replay, engine_for
+from ._errors import IdempotencyError, InProgressError, StoreUnavailableError
+from ._heartbeat import renewing
+from ._http import REPLAYED, BodyError, _retry_after, _unrecorded, problem
+from ._map import IdempotencyMap
+from ._record import Outcome
+from .stores import Store
+from .wsgi import _headers as _environ_headers
+from .wsgi import _read_body as _read_wsgi_body
+from .wsgi import _status_line
 
-__all__ = ["SCHEMES", "SignatureError", "verify"]
+__all__ = ["SCHEMES", "Delivery", "Receiver", "SignatureError", "WebhookResponse", "verify"]
+
+log = logging.getLogger("retrysafe")
 
 #: Seconds a signed timestamp may be away from now (Stripe's and Standard Webhooks' default).
 DEFAULT_TOLERANCE = 300.0
@@ -66,8 +96,14 @@ class SignatureError(IdempotencyError):
         self.reason = reason
 
 
-class _Headers:
-    """Case-insensitive lookup over any mapping (or list of pairs) of headers."""
+class Headers(Mapping[str, str]):
+    """A read-only, case-insensitive mapping over any mapping (or list of pairs) of
+    headers, names and values as ``str`` or ``bytes``; the first of repeated names wins.
+
+    Iterating gives the names in lower case.
+    """
+
+    __slots__ = ("_values",)
 
     def __init__(self, headers: Mapping[str, Any] | Iterable[tuple[Any, Any]]) -> None:
         items = headers.items() if isinstance(headers, Mapping) else headers
@@ -77,7 +113,23 @@ class _Headers:
             text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
             self._values.setdefault(key, text.strip())
 
-    def get(self, *names: str) -> str | None:
+    def __getitem__(self, name: str) -> str:
+        return self._values[name.lower()]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.lower() in self._values
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"Headers({list(self._values)!r})"  # (names only: values may be secrets)
+
+    def first(self, *names: str) -> str | None:
+        """The first non-empty value among ``names``, or None."""
         for name in names:
             value = self._values.get(name.lower())
             if value:
@@ -85,7 +137,7 @@ class _Headers:
         return None
 
     def need(self, name: str) -> str:
-        value = self.get(name)
+        value = self.first(name)
         if value is None:
             raise SignatureError(f"the {name} header is missing", reason="missing_header")
         return value
@@ -141,12 +193,12 @@ def _check_time(timestamp: str, tolerance: float, now: float) -> None:
 # -- the schemes ---------------------------------------------------------------------
 
 
-def _shopify(h: _Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> str:
+def _shopify(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> str:
     given = _b64(h.need("X-Shopify-Hmac-Sha256"))
     if given is None:
         raise SignatureError("X-Shopify-Hmac-Sha256 is not base64", reason="malformed_header")
     _check(map(_raw, secrets), body, [given])
-    event = h.get("X-Shopify-Event-Id", "X-Shopify-Webhook-Id")
+    event = h.first("X-Shopify-Event-Id", "X-Shopify-Webhook-Id")
     if event is None:
         raise SignatureError(
             "neither X-Shopify-Event-Id nor X-Shopify-Webhook-Id is present", reason="no_event_id"
@@ -154,7 +206,7 @@ def _shopify(h: _Headers, body: bytes, secrets: list[str | bytes], tol: float, n
     return event
 
 
-def _stripe(h: _Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> str:
+def _stripe(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> str:
     header = h.need("Stripe-Signature")
     timestamp, signatures = None, []
     for part in header.split(","):
@@ -195,7 +247,7 @@ def _standard_key(secret: str | bytes) -> bytes:
     return key
 
 
-def _standard(h: _Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> str:
+def _standard(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> str:
     event_id = h.need("webhook-id")
     timestamp = h.need("webhook-timestamp")
     given = []
@@ -213,8 +265,8 @@ def _standard(h: _Headers, body: bytes, secrets: list[str | bytes], tol: float, 
     return event_id
 
 
-def _generic(h: _Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> str:
-    header = h.get("X-Signature", "X-Hub-Signature-256")
+def _generic(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> str:
+    header = h.first("X-Signature", "X-Hub-Signature-256")
     if header is None:
         raise SignatureError("the X-Signature header is missing", reason="missing_header")
     value = header.removeprefix("sha256=")
@@ -229,11 +281,11 @@ def _generic(h: _Headers, body: bytes, secrets: list[str | bytes], tol: float, n
             "the signature is neither hex nor base64 of a SHA-256 HMAC", reason="malformed_header"
         )
     _check(map(_raw, secrets), body, given)
-    event = h.get("X-Event-Id", "X-Webhook-Id", "X-GitHub-Delivery")
+    event = h.first("X-Event-Id", "X-Webhook-Id", "X-GitHub-Delivery")
     return event if event is not None else "sha256:" + hashlib.sha256(body).hexdigest()
 
 
-_Scheme = Callable[[_Headers, bytes, list[str | bytes], float, float], str]
+_Scheme = Callable[[Headers, bytes, list[str | bytes], float, float], str]
 
 #: Every scheme :func:`verify` knows, by name.
 SCHEMES: dict[str, _Scheme] = {
@@ -272,6 +324,502 @@ def verify(
     tol = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
     if not tol >= 0:
         raise ValueError("tolerance must be >= 0 seconds")
-    return check(
-        _Headers(headers), bytes(body), _secrets(secrets), tol, time.time() if now is None else now
+    h = headers if isinstance(headers, Headers) else Headers(headers)
+    return check(h, bytes(body), _secrets(secrets), tol, time.time() if now is None else now)
+
+
+# -- the receiver: verify, then deduplicate, then dispatch ---------------------------------
+
+_UNSET: Any = object()
+#: What a field of a key may hold as is: the Idempotency Map's rule for a value
+#: (visible ASCII, none of the template's ``:`` or braces), at most 64 characters,
+#: so that the longest key (three fields and a source) stays under 255.
+_KEY_FIELD = re.compile(r"[!-9;-z|~]{1,64}")
+_SOURCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_PROBLEM_TITLES = {
+    "webhook_signature_invalid": "Invalid webhook signature",
+    "webhook_handler_failed": "Webhook handler failed",
+    "webhook_result_invalid": "Webhook result cannot be stored",
+}
+
+
+@dataclass(frozen=True, eq=False)
+class Delivery:
+    """One authentic delivery, as the handler gets it (its signature checked out).
+
+    ``event_id``: the provider's id of the event (see :func:`verify`);
+    ``source``: the receiver's name for the provider; ``key``: the
+    deduplication key (``webhook:{source}:{event_id}``, or
+    ``webhook:{source}:{transaction_id}:{event_type}`` for a payment gateway);
+    ``headers``: a case-insensitive mapping; ``body``: the raw bytes.
+    ``transaction_id`` and ``event_type`` are what ``transaction=`` gave (else None).
+    """
+
+    event_id: str
+    source: str
+    key: str
+    headers: Mapping[str, str]
+    body: bytes = field(repr=False)
+    transaction_id: str | None = None
+    event_type: str | None = None
+    _parsed: Any = field(default=_UNSET, init=False, repr=False)
+
+    def json(self) -> Any:
+        """The body parsed as JSON (once; later calls return the same object).
+
+        ``ValueError`` if it is not JSON: schemes that do not need the body
+        (Shopify, Standard Webhooks, ``hmac``) accept any bytes.
+        """
+        if self._parsed is _UNSET:
+            object.__setattr__(self, "_parsed", json.loads(self.body))
+        return self._parsed
+
+
+_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+
+
+@dataclass(frozen=True)
+class WebhookResponse:
+    """The answer to a delivery: ``status``, ``headers`` (``content-type`` included)
+    and ``body``, a JSON object; :attr:`content` is the body encoded."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: dict[str, Any]
+
+    @property
+    def content(self) -> bytes:
+        """The body as compact UTF-8 JSON."""
+        return _ENCODE(self.body).encode()
+
+
+def _answer(status: int, body: dict[str, Any], *headers: tuple[str, str]) -> WebhookResponse:
+    return WebhookResponse(status, (("content-type", "application/json"), *headers), body)
+
+
+def _problem(
+    status: int, code: str, detail: str, headers: Iterable[tuple[str, str]] = (), **extra: Any
+) -> WebhookResponse:
+    """An RFC 9457 problem (see :func:`retrysafe._http.problem`) as a :class:`WebhookResponse`."""
+    if code in _PROBLEM_TITLES:
+        extra["title"] = _PROBLEM_TITLES[code]
+    made = problem(status, code, detail, headers=headers, **extra)
+    kept = tuple((k, v) for k, v in made.headers if k != "content-length")
+    return WebhookResponse(status, kept, json.loads(made.body))
+
+
+def _refused(exc: IdempotencyError) -> WebhookResponse:
+    """The answer when the engine would not start the handler (nothing ran)."""
+    if isinstance(exc, InProgressError):
+        return _problem(
+            409, exc.code, "this event is being processed by another delivery; retry later",
+            [_retry_after(exc.retry_after)], retry_after=exc.retry_after,
+        )  # fmt: skip
+    if isinstance(exc, StoreUnavailableError):
+        log.error("retrysafe: store unavailable, webhook answered 503: %s", exc)
+        return _problem(
+            503, exc.code, "the idempotency store cannot be reached; deliver the event again",
+            [_retry_after(exc.retry_after)],
+        )  # fmt: skip
+    raise exc
+
+
+def _too_large(limit: int) -> WebhookResponse:
+    return _problem(413, "idempotency_body_too_large", f"the delivery is over {limit} bytes")
+
+
+def _crashed(detail: str) -> WebhookResponse:
+    """A 500 that tells the provider to deliver again; the exception stays in the log."""
+    return _problem(500, "webhook_handler_failed", detail)
+
+
+def _key_field(value: str) -> str:
+    """``value`` as a field of a key: itself, or ``sha256-`` and a hash of it when it
+    holds a character a key field may not (``:``, braces, spaces, non-ASCII) or is long.
+
+    A provider's own id is kept readable; any other is still one key per value.
+    """
+    if _KEY_FIELD.fullmatch(value):
+        return value
+    return "sha256-" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:40]
+
+
+def _transaction_of(given: Any) -> tuple[str, str] | None:
+    if given is None:
+        return None
+    if (
+        isinstance(given, (tuple, list))
+        and len(given) == 2
+        and all(type(part) is str and part for part in given)
+    ):
+        return given[0], given[1]
+    raise TypeError(
+        "transaction= must return (transaction_id, event_type), two non-empty str, or None; "
+        f"not {given!r:.80}"
     )
+
+
+class Receiver:
+    """Webhooks exactly once: verify the signature, deduplicate by event, run ``handler``.
+
+    ::
+
+        receiver = Receiver("redis://localhost:6379/0", scheme="stripe",
+                            secrets=["whsec_new", "whsec_old"], handler=on_event)
+        answer = receiver.handle(request.headers, raw_body)   # a WebhookResponse
+
+    ``store``: a :class:`~retrysafe.stores.Store`, a store URL or an
+    :class:`~retrysafe.Engine`. ``scheme`` and ``secrets`` are those of
+    :func:`verify` (several secrets while one is rotated). ``handler(delivery)``
+    gets a :class:`Delivery`, may be sync or async, and returns a JSON value
+    (or None): it is stored and sent back to the provider. ``source`` names the
+    provider in the keys (default: the scheme): give two endpoints of one
+    provider two sources. ``transaction``: for a payment gateway, a callable
+    ``transaction(delivery) -> (transaction_id, event_type)`` (or None for an
+    event about no transaction): the key is then
+    ``webhook:{source}:{transaction_id}:{event_type}`` and each event type of a
+    transaction is handled once, whatever event ids the gateway sends it under.
+    ``tolerance``: seconds a signed timestamp may be from now (default 300).
+    ``ttl`` (default the Idempotency Map's, 24 h) and ``lease`` (30 s, renewed
+    while the handler runs) are the records'. ``max_body``: larger deliveries
+    get 413.
+
+    Deliveries are deduplicated by their key alone: a redelivery is re-signed
+    (new timestamp, new signature) and its body may differ (Stripe's
+    ``pending_webhooks`` counts down), so neither is fingerprinted.
+    """
+
+    def __init__(
+        self,
+        store: Store[Any] | Engine | str | None = None,
+        *,
+        scheme: str,
+        secrets: str | bytes | Iterable[str | bytes],
+        handler: Callable[[Delivery], Any],
+        source: str | None = None,
+        transaction: Callable[[Delivery], tuple[str, str] | None] | None = None,
+        tolerance: float | None = None,
+        ttl: float | None = None,
+        lease: float | None = None,
+        max_body: int = DEFAULT_MAX_BODY,
+    ) -> None:
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown webhook scheme {scheme!r}: one of {', '.join(SCHEMES)}")
+        try:
+            self._secrets = _secrets(secrets)
+            if scheme == "standard":
+                for secret in self._secrets:
+                    _standard_key(secret)
+        except SignatureError as exc:
+            raise ValueError(str(exc)) from None
+        if not callable(handler):
+            raise TypeError(f"handler must be callable, not {type(handler).__name__}")
+        if transaction is not None and not callable(transaction):
+            raise TypeError("transaction must be a callable taking the delivery (or None)")
+        if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 0:
+            raise ValueError(f"max_body must be a number of bytes >= 0, not {max_body!r}")
+        self.scheme = scheme
+        self.source = scheme if source is None else source
+        self.handler, self.transaction = handler, transaction
+        self.tolerance = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
+        if not self.tolerance >= 0:
+            raise ValueError("tolerance must be >= 0 seconds")
+        self.max_body = max_body
+        self._async = is_async(handler)
+        if type(self.source) is not str or not _SOURCE.fullmatch(self.source):
+            raise ValueError(
+                f"source must be 1-64 letters, digits, '_', '.' or '-', not {self.source!r}"
+            )
+        imap = self._map = IdempotencyMap.default()
+        self.engine = engine_for(store, ttl=ttl, lease=lease)
+        # Every option as each delivery uses it, checked now (TypeError, ValueError); no I/O.
+        self._options = {}
+        for name in ("webhook", "payment_webhook"):
+            op = imap.operation(name)
+            options: BeginOptions = {
+                "operation": name, "ttl": op.ttl if ttl is None else ttl,
+                "lease": op.lease if lease is None else lease, "retention": op.retention,
+            }  # fmt: skip
+            self.engine.attempt("-", **options)
+            self._options[name] = options
+        self._final = imap.operation("webhook").final_failures
+
+    def __repr__(self) -> str:  # (never the secrets)
+        return f"<Receiver scheme={self.scheme} source={self.source} engine={self.engine!r}>"
+
+    # -- the decision core: plain code, no I/O ------------------------------------------
+
+    def _delivery(self, headers: Any, body: bytes) -> Delivery | WebhookResponse:
+        """The authentic delivery with its key, or the answer instead (401, 413, 500)."""
+        if not isinstance(body, (bytes, bytearray, memoryview)):
+            raise TypeError("body must be the raw request bytes, as received")
+        if len(body) > self.max_body:
+            return _too_large(self.max_body)
+        h = Headers(headers)
+        body = bytes(body)
+        try:
+            event_id = verify(self.scheme, h, body, self._secrets, tolerance=self.tolerance)
+        except SignatureError as exc:
+            log.warning("retrysafe: webhook from %s refused (%s): %s", self.source, exc.reason, exc)
+            return _problem(401, exc.code, str(exc), reason=exc.reason)
+        delivery = Delivery(event_id, self.source, "", h, body)
+        if self.transaction is None:
+            found = None
+        else:
+            try:
+                found = _transaction_of(self.transaction(delivery))
+            except Exception:
+                log.exception("retrysafe: transaction= failed on webhook %s", event_id)
+                return _crashed("the event's transaction could not be read; nothing was stored")
+        if found is None:
+            key = self._map.key("webhook", source=self.source, event_id=_key_field(event_id))
+        else:
+            key = self._map.key(
+                "payment_webhook", gateway=self.source,
+                transaction_id=_key_field(found[0]), event_type=_key_field(found[1]),
+            )  # fmt: skip
+            return Delivery(event_id, self.source, key, h, body, *found)
+        return Delivery(event_id, self.source, key, h, body)
+
+    def _attempt(self, delivery: Delivery) -> Attempt:
+        metadata: dict[str, Any] = {"source": delivery.source, "event_id": delivery.event_id}
+        if delivery.transaction_id is None:
+            options = self._options["webhook"]
+        else:
+            options = self._options["payment_webhook"]
+            metadata["transaction_id"] = delivery.transaction_id
+            metadata["event_type"] = delivery.event_type
+        return self.engine.attempt(
+            delivery.key, **options, request_id=delivery.event_id, metadata=metadata
+        )
+
+    def _outcome(self, delivery: Delivery, result: Any) -> tuple[WebhookResponse, Outcome | None]:
+        """The answer to the handler's ``result``, and the outcome to store (None: the
+        result cannot be stored, and the attempt is failed finally)."""
+        try:
+            outcome = Outcome.json(result)
+        except (TypeError, ValueError, RecursionError) as exc:
+            why = f"is not a JSON value ({exc})"
+        else:
+            if len(outcome.body) <= self.engine.max_body:
+                body = {"status": "processed", "event_id": delivery.event_id}
+                return _answer(200, {**body, "result": outcome.value}), outcome
+            why = f"is {len(outcome.body)} bytes, over the {self.engine.max_body} kept"
+        log.error(
+            "retrysafe: the handler of webhook %s ran but its result %s; it is not run again "
+            "for this event (redeliveries get 200 duplicate)", delivery.key, why,
+        )  # fmt: skip
+        return _problem(
+            500, "webhook_result_invalid",
+            "the event was handled but the handler's result cannot be stored; "
+            "it is not handled again",
+        ), None  # fmt: skip
+
+    @staticmethod
+    def _replayed(delivery: Delivery, replay: Replay) -> WebhookResponse:
+        """A delivery of an event already handled: the stored result, handler not run."""
+        outcome = None if replay.failed else replay.outcome
+        return _answer(200, {
+            "status": "duplicate", "event_id": delivery.event_id,
+            "original_event_id": replay.record.request_id,
+            "result": None if outcome is None else outcome.value,
+        }, REPLAYED)  # fmt: skip
+
+    def _failed(self, delivery: Delivery, exc: Exception) -> WebhookResponse:
+        log.error(
+            "retrysafe: the handler of webhook %s failed; the next delivery runs it again",
+            delivery.key, exc_info=exc,
+        )  # fmt: skip
+        return _crashed("the event could not be handled; deliver it again")
+
+    # -- sync -------------------------------------------------------------------------
+
+    def handle(
+        self, headers: Mapping[str, Any] | Iterable[tuple[Any, Any]], body: bytes
+    ) -> WebhookResponse:
+        """The answer to one delivery: ``headers`` (any mapping or list of pairs, str or
+        bytes) and the raw ``body``. Never raises for a delivery (every outcome is an
+        answer); an async handler runs in an event loop of its own (use :meth:`ahandle`
+        from async code)."""
+        if self._async and _loop_running():
+            raise RuntimeError("this receiver's handler is async: await receiver.ahandle()")
+        delivery = self._delivery(headers, body)
+        if isinstance(delivery, WebhookResponse):
+            return delivery
+        entered = False
+        try:
+            with self._attempt(delivery) as att:
+                entered = True
+                if att.replay is not None:
+                    return self._replayed(delivery, att.replay)
+                with renewing(att):
+                    try:
+                        result = self._run(delivery)
+                    except Exception as exc:
+                        _record(att, None, self._final)
+                        return self._failed(delivery, exc)
+                answer, outcome = self._outcome(delivery, result)
+                _record(att, outcome)
+                return answer
+        except IdempotencyError as exc:
+            if entered:
+                raise
+            return _refused(exc)
+
+    def _run(self, delivery: Delivery) -> Any:
+        result = self.handler(delivery)
+        if inspect.isawaitable(result):
+            return asyncio.run(_awaited(result))
+        return result
+
+    def close(self) -> None:
+        """Close the engine's store."""
+        self.engine.close()
+
+    # -- async: the same shells with await ------------------------------------------------
+
+    async def ahandle(
+        self, headers: Mapping[str, Any] | Iterable[tuple[Any, Any]], body: bytes
+    ) -> WebhookResponse:
+        """Async :meth:`handle`: an async handler runs on the loop, a plain one in a
+        worker thread."""
+        delivery = self._delivery(headers, body)
+        if isinstance(delivery, WebhookResponse):
+            return delivery
+        entered = False
+        try:
+            async with self._attempt(delivery) as att:
+                entered = True
+                if att.replay is not None:
+                    return self._replayed(delivery, att.replay)
+                with renewing(att):
+                    try:
+                        result = await self._arun(delivery)
+                    except Exception as exc:
+                        await _arecord(att, None, self._final)
+                        return self._failed(delivery, exc)
+                answer, outcome = self._outcome(delivery, result)
+                await _arecord(att, outcome)
+                return answer
+        except IdempotencyError as exc:
+            if entered:
+                raise
+            return _refused(exc)
+
+    async def _arun(self, delivery: Delivery) -> Any:
+        if self._async:
+            result = self.handler(delivery)
+        else:
+            result = await asyncio.to_thread(self.handler, delivery)
+        return await result if inspect.isawaitable(result) else result
+
+    async def aclose(self) -> None:
+        """Close the store's connections of the running event loop."""
+        await self.engine.aclose()
+
+    # -- adapters ---------------------------------------------------------------------------
+
+    @functools.cached_property
+    def asgi(self) -> ASGIApp:
+        """An ASGI app that receives deliveries (POST; any path), lifespan included."""
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "lifespan":
+                await lifespan(receive, send, self.aclose)
+            elif scope["type"] == "http":
+                answer = await self._asgi_answer(scope, receive)
+                if answer is not None:
+                    await send_response(send, answer.status, answer.headers, answer.content)
+
+        return app
+
+    async def _asgi_answer(self, scope: Scope, receive: Receive) -> WebhookResponse | None:
+        if scope["method"] != "POST":
+            return _not_post()
+        length = header(scope, b"content-length")
+        try:
+            if length is not None and length.isdigit() and int(length) > self.max_body:
+                raise BodyTooLarge
+            body = await read_body(receive, self.max_body)
+        except BodyTooLarge:
+            return _too_large(self.max_body)
+        if body is None:
+            return None  # the provider hung up: it delivers again
+        return await to_the_end(self.ahandle(scope["headers"], body))
+
+    @functools.cached_property
+    def wsgi(self) -> Callable[[dict[str, Any], Callable[..., Any]], list[bytes]]:
+        """A WSGI app that receives deliveries (POST; any path)."""
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+            answer = self._wsgi_answer(environ)
+            content = answer.content
+            headers = [*answer.headers, ("content-length", str(len(content)))]
+            start_response(_status_line(answer.status), headers)
+            return [content]
+
+        return app
+
+    def _wsgi_answer(self, environ: dict[str, Any]) -> WebhookResponse:
+        if environ.get("REQUEST_METHOD") != "POST":
+            return _not_post()
+        try:
+            body = _read_wsgi_body(environ, _Limit(self.max_body))
+        except BodyError as exc:
+            return _problem(exc.status, exc.code, str(exc))
+        return self.handle(_environ_headers(environ), body)
+
+
+class _Limit:
+    """The request-size check :func:`retrysafe.wsgi._read_body` asks of its policy."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    def check_length(self, length: int) -> None:
+        if length > self.limit:
+            raise BodyError(
+                f"the delivery is over {self.limit} bytes",
+                status=413, code="idempotency_body_too_large",
+            )  # fmt: skip
+
+
+def _not_post() -> WebhookResponse:
+    return _problem(405, "method_not_allowed", "deliver webhooks with POST", [("allow", "POST")])
+
+
+def _record(att: Attempt, outcome: Outcome | None, final: bool = True) -> None:
+    """Complete the attempt with ``outcome``, or fail it (``final`` or not) without one.
+
+    If the store refuses (down, or the lease was lost), the answer goes out regardless.
+    """
+    try:
+        if outcome is None:
+            att.fail(None, final=final)
+        else:
+            att.complete(outcome)
+    except IdempotencyError as exc:
+        _unrecorded(att.claim, exc, "a webhook's answer")
+
+
+async def _arecord(att: Attempt, outcome: Outcome | None, final: bool = True) -> None:
+    """Async :func:`_record`."""
+    try:
+        if outcome is None:
+            await att.afail(None, final=final)
+        else:
+            await att.acomplete(outcome)
+    except IdempotencyError as exc:
+        _unrecorded(att.claim, exc, "a webhook's answer")
+
+
+async def _awaited(result: Awaitable[Any]) -> Any:
+    return await result
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
