@@ -25,6 +25,7 @@ import pytest
 from _http_servers import ThreadServer
 from _racing import race_processes
 from conftest import StoreSpec
+from fastapi import FastAPI, Request, Response  # (FastAPI resolves the view's annotations)
 from hypothesis import given
 from hypothesis import strategies as st
 from standardwebhooks.webhooks import Webhook
@@ -770,3 +771,88 @@ def test_processes_race(shared_spec: StoreSpec, tmp_path: Path) -> None:
     effects.touch()
     answers = race_processes(shared_spec, _webhook_racer, str(effects), processes=4, threads=8)
     check_race(answers, effects, 4 * 8)
+
+
+# -- the documented framework one-liners (docs/webhooks.md) -------------------------------------
+
+
+def test_flask_view_and_mounted_wsgi_app(memory: Store[Any]) -> None:
+    from flask import Flask, request
+    from werkzeug.middleware.dispatcher import DispatcherMiddleware
+
+    handler = Handler()
+    stripe = Receiver(memory, scheme="stripe", secrets=STRIPE_SECRET, handler=handler)
+    app = Flask(__name__)
+
+    @app.post("/hooks/stripe")
+    def stripe_hook() -> Any:
+        answer = stripe.handle(request.headers, request.get_data())
+        return answer.content, answer.status, answer.headers
+
+    app.wsgi_app = DispatcherMiddleware(app.wsgi_app, {"/hooks/mounted": stripe.wsgi})  # type: ignore[method-assign]
+    client = app.test_client()
+    headers, body = signed_stripe()
+    first = client.post("/hooks/stripe", data=body, headers=headers)
+    result = {"handled": "evt_1R", "type": "charge.succeeded"}
+    assert first.status_code == 200
+    assert first.json == {"status": "processed", "event_id": "evt_1R", "result": result}
+    again = client.post("/hooks/mounted", data=body, headers=headers)
+    assert again.status_code == 200 and again.json["status"] == "duplicate"  # type: ignore[index]
+    assert again.headers["Idempotent-Replayed"] == "true"
+    forged = client.post("/hooks/stripe", data=body, headers={"Stripe-Signature": "t=1,v1=00"})
+    assert forged.status_code == 401 and forged.content_type == "application/problem+json"
+    assert handler.runs == ["evt_1R"]
+
+
+async def test_fastapi_view_and_route(memory: Store[Any]) -> None:
+    handler = Handler()
+    stripe = Receiver(memory, scheme="stripe", secrets=STRIPE_SECRET, handler=handler)
+    app = FastAPI()
+
+    @app.post("/hooks/stripe")
+    async def stripe_hook(request: Request) -> Response:
+        answer = await stripe.ahandle(request.headers, await request.body())
+        return Response(answer.content, answer.status, dict(answer.headers))
+
+    app.add_route("/hooks/direct", stripe.asgi, methods=["POST"])  # the exact path, no redirect
+    headers, body = signed_stripe()
+    transport = httpx.ASGITransport(app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        first = await client.post("/hooks/stripe", content=body, headers=headers)
+        assert first.status_code == 200 and first.json()["status"] == "processed"
+        again = await client.post("/hooks/direct", content=body, headers=headers)
+        assert again.status_code == 200 and again.json()["status"] == "duplicate"
+        assert again.headers["idempotent-replayed"] == "true"
+    assert handler.runs == ["evt_1R"]
+
+
+def test_django_view(memory: Store[Any], tmp_path: Path) -> None:
+    from _http_apps import Counter, django_app
+
+    django_app(Counter(tmp_path), {})  # the test suite's Django settings
+    from django.http import HttpResponse
+    from django.test import RequestFactory
+    from django.views.decorators.csrf import csrf_exempt
+    from django.views.decorators.http import require_POST
+
+    handler = Handler()
+    stripe = Receiver(memory, scheme="stripe", secrets=STRIPE_SECRET, handler=handler)
+
+    @csrf_exempt
+    @require_POST
+    def stripe_hook(request: Any) -> HttpResponse:
+        answer = stripe.handle(request.headers, request.body)
+        return HttpResponse(answer.content, status=answer.status, headers=dict(answer.headers))
+
+    headers, body = signed_stripe()
+    meta = {"HTTP_STRIPE_SIGNATURE": headers["Stripe-Signature"]}
+    factory = RequestFactory()
+    for expected in ("processed", "duplicate"):
+        request = factory.post("/hooks/stripe", body, content_type="application/json", **meta)
+        answer = stripe_hook(request)
+        assert answer.status_code == 200 and json.loads(answer.content)["status"] == expected
+    assert (
+        stripe_hook(factory.post("/hooks/stripe", body, content_type="text/plain")).status_code
+        == 401
+    )
+    assert handler.runs == ["evt_1R"]

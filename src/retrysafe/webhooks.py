@@ -1,10 +1,19 @@
-"""Webhooks: verify a delivery's signature, then deduplicate it by its event id.
+"""Webhooks: verify a delivery's signature, then deduplicate it by its event, then dispatch.
 
 ::
 
-    from retrysafe.webhooks import verify, SignatureError
+    from retrysafe.webhooks import Receiver, verify, SignatureError
+
+    receiver = Receiver(store, scheme="stripe", secrets=["whsec_new", "whsec_old"],
+                        handler=on_event)
+    answer = receiver.handle(request.headers, raw_body)   # or await receiver.ahandle(...)
 
     event_id = verify("stripe", request.headers, raw_body, ["whsec_new", "whsec_old"])
+
+:class:`Receiver` runs ``handler`` once per event (the Idempotency Map's
+``webhook:{source}:{event_id}``, or ``webhook:{source}:{transaction_id}:{event_type}``
+for a payment gateway) and answers every delivery (see docs/webhooks.md for
+the table); ``receiver.asgi`` and ``receiver.wsgi`` serve it over HTTP.
 
 :func:`verify` is one plain function for every scheme. It returns the
 delivery's event id (the deduplication key) or raises :class:`SignatureError`
@@ -721,17 +730,12 @@ class Receiver:
 
     @functools.cached_property
     def asgi(self) -> ASGIApp:
-        """An ASGI app that receives deliveries (POST; any path), lifespan included."""
+        """An ASGI app that receives deliveries (POST; any path), lifespan included.
 
-        async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] == "lifespan":
-                await lifespan(receive, send, self.aclose)
-            elif scope["type"] == "http":
-                answer = await self._asgi_answer(scope, receive)
-                if answer is not None:
-                    await send_response(send, answer.status, answer.headers, answer.content)
-
-        return app
+        An object, not a function, so that Starlette's ``Route`` (FastAPI's
+        ``add_route``) serves it as an ASGI app at an exact path.
+        """
+        return _ReceiverApp(self)
 
     async def _asgi_answer(self, scope: Scope, receive: Receive) -> WebhookResponse | None:
         if scope["method"] != "POST":
@@ -768,6 +772,23 @@ class Receiver:
         except BodyError as exc:
             return _problem(exc.status, exc.code, str(exc))
         return self.handle(_environ_headers(environ), body)
+
+
+class _ReceiverApp:
+    """:attr:`Receiver.asgi`."""
+
+    __slots__ = ("receiver",)
+
+    def __init__(self, receiver: Receiver) -> None:
+        self.receiver = receiver
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await lifespan(receive, send, self.receiver.aclose)
+        elif scope["type"] == "http":
+            answer = await self.receiver._asgi_answer(scope, receive)
+            if answer is not None:
+                await send_response(send, answer.status, answer.headers, answer.content)
 
 
 class _Limit:
