@@ -64,7 +64,6 @@ from ._asgi import (
     Receive,
     Scope,
     Send,
-    header,
     is_async,
     lifespan,
     read_body,
@@ -487,7 +486,8 @@ class Receiver:
     ``transaction(delivery) -> (transaction_id, event_type)`` (or None for an
     event about no transaction): the key is then
     ``webhook:{source}:{transaction_id}:{event_type}`` and each event type of a
-    transaction is handled once, whatever event ids the gateway sends it under.
+    transaction is handled once, whatever event ids the gateway sends it under
+    (``transaction`` sees the delivery before its key is made: ``key`` is "").
     ``tolerance``: seconds a signed timestamp may be from now (default 300).
     ``ttl`` (default the Idempotency Map's, 24 h) and ``lease`` (30 s, renewed
     while the handler runs) are the records'. ``max_body``: larger deliveries
@@ -740,10 +740,7 @@ class Receiver:
     async def _asgi_answer(self, scope: Scope, receive: Receive) -> WebhookResponse | None:
         if scope["method"] != "POST":
             return _not_post()
-        length = header(scope, b"content-length")
-        try:
-            if length is not None and length.isdigit() and int(length) > self.max_body:
-                raise BodyTooLarge
+        try:  # (the limit holds while reading: a body is never read far past it)
             body = await read_body(receive, self.max_body)
         except BodyTooLarge:
             return _too_large(self.max_body)
