@@ -348,6 +348,7 @@ def test_threads_race_lww_writes(store: Store[Any]) -> None:
 def test_threads_race_history_appends(store: Store[Any]) -> None:
     hist = History(store)
     positions = race(THREADS, lambda i: hist.append("s", {"i": i}))
+    assert [p for p in positions if isinstance(p, Exception)] == []
     assert sorted(positions) == list(range(THREADS))
     entries = hist.entries("s")
     assert [e.position for e in entries] == list(range(THREADS))

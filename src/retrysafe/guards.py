@@ -605,7 +605,7 @@ class VersionedRecords(_Guard):
             else:
                 current = 0 if cell is None else cell.version
                 if current != expected:
-                    raise VersionConflictError(key, current, expected)
+                    raise VersionConflictError(f"{entity} {entity_id!r}", current, expected)
             new = {"value": value, "timestamp": timestamp, "at": now}
             version = 1 if cell is None else cell.version + 1
             return new, _versioned(entity, entity_id, Cell(version, new, None), True)

@@ -694,7 +694,8 @@ def _cell_or_none(rowcount: int, row: Sequence[Any] | None) -> Any:
 
 def _created(op: _Op, failed: _Op, exc: psycopg.Error) -> _Op:
     """``CREATE TABLE IF NOT EXISTS`` lost a race to another creator: run ``op`` anyway."""
-    if exc.sqlstate not in ("23505", "42P07"):  # unique_violation, duplicate_table
+    # unique_violation or duplicate_object (the row type's name), duplicate_table
+    if exc.sqlstate not in ("23505", "42710", "42P07"):
         raise exc
     return op
 
