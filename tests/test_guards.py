@@ -14,7 +14,8 @@ import pytest
 from _racing import race_processes
 from conftest import Clock, StoreSpec, make_spec
 
-from retrysafe import IdempotencyError, Store
+from retrysafe import IdempotencyError, Store, StoreUnavailableError, open_store
+from retrysafe._state import Cell, Cells
 from retrysafe.guards import (
     DEFAULT_EVENTS,
     DEFAULT_TRANSITIONS,
@@ -65,6 +66,54 @@ def race(n: int, racer: Callable[[int], Any]) -> list[Any]:
 
     with ThreadPoolExecutor(n) as pool:
         return list(pool.map(run, range(n)))
+
+
+# -- the cell primitive ----------------------------------------------------------------------
+
+
+def test_cells(store: Store[Any], call: Call, clock: Clock) -> None:
+    cells = Cells(store, "test", "ns", clock)
+    key = cells.key("a:b", "c")
+    assert key != cells.key("a", "b:c") and key != Cells(store, "test", "other").key("a:b", "c")
+    assert call(cells, "read", key) is None
+    assert call(cells, "write", key, None, {"n": 1}, None)
+    assert not call(cells, "write", key, None, {"n": 2}, None)  # exists
+    assert not call(cells, "write", key, 2, {"n": 2}, None)  # not that version
+    assert call(cells, "write", key, 1, [1, "x", None], 10)
+    assert call(cells, "read", key) == Cell(2, [1, "x", None], clock() + 10)
+    clock.advance(10)  # expired: reads as absent, an int expects in vain, None writes anew
+    assert call(cells, "read", key) is None
+    assert not call(cells, "write", key, 2, "late", None)
+    assert call(cells, "write", key, None, "new", None)
+    assert call(cells, "read", key) == Cell(1, "new", None)
+    for bad in (0, True, "1"):
+        with pytest.raises(ValueError):
+            call(cells, "write", key, bad, "x", None)
+    with pytest.raises(ValueError):
+        call(cells, "write", key, 1, float("inf"), None)
+    with pytest.raises(ValueError):
+        call(cells, "write", key, 1, "x", -1)
+    assert call(cells, "read", key) == Cell(1, "new", None)
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://127.0.0.1:1/0", "postgresql://nobody@127.0.0.1:1/x?connect_timeout=1"]
+)
+def test_unreachable_store(url: str) -> None:
+    store = open_store(url)
+    with pytest.raises(StoreUnavailableError):
+        SequenceGuard(store).accept("s", "op", 1)
+    store.close()
+
+
+def test_redis_script_flushed(request: pytest.FixtureRequest, tmp_path: Any) -> None:
+    store = make_spec("redis", request, tmp_path).open()
+    guard = SequenceGuard(store)
+    guard.accept("s", "op", 1)
+    store._sync_client().script_flush()  # type: ignore[attr-defined]
+    guard.accept("s", "op", 2)  # NOSCRIPT: loaded again
+    assert guard.last("s", "op") == 2
+    store.close()
 
 
 # -- payments ------------------------------------------------------------------------------
@@ -151,6 +200,8 @@ def test_custom_table_and_namespaces(store: Store[Any], call: Call, clock: Clock
     assert call(a, "state", "p") == "disputed" and call(b, "state", "p") is None
     # Cells are not idempotency records: the engine and the stats see none of them.
     assert store.stats(clock()).counts == {}
+    store.sweep(clock() + 10**9)  # the sweeper leaves cells alone
+    assert call(a, "state", "p") == "disputed"
 
 
 def test_payment_ttl(store: Store[Any], call: Call, clock: Clock) -> None:
