@@ -120,7 +120,8 @@ def test_demo_curl_example_replays_and_ctrl_c_stops(tmp_path: Path, serving: lis
     assert second[1]["idempotent-replayed"] == "true"
     assert first[2] == second[2]  # the same order, answered twice
     stats = httpx.get(gateway + "/stats").json()
-    assert stats == {"orders_created": 1, "payments_charged": 0}
+    assert stats["orders_created"] == stats["cart_mandates_created"] == 1
+    assert stats["gateway_charges"] == 0
     out, _ = demo.interrupt()
     assert "replayed: the API did not run" in out and "retrysafe demo: stopped" in out
 

@@ -117,6 +117,12 @@ async def _order_until_answered(
     report.unanswered += 1
 
 
+def _cart(run: str, i: int, quantity: int) -> dict[str, Any]:
+    """The order body of the storm's ``i``-th customer: one line of ``quantity`` items."""
+    item = {"variant_id": f"item-{i}", "quantity": quantity, "price": "9.99"}
+    return {"user_id": f"storm-{run}-{i}", "items": [item]}
+
+
 async def storm(gateway_url: str, *, orders: int = 20, retries: int = 8) -> StormReport:
     """Send each of ``orders`` orders from ``retries`` clients at once with one key;
     then, for every fifth order, the same key with another body (a client bug).
@@ -127,7 +133,7 @@ async def storm(gateway_url: str, *, orders: int = 20, retries: int = 8) -> Stor
     started = time.perf_counter()
     async with httpx.AsyncClient(base_url=gateway_url, timeout=30, limits=limits) as client:
         before = (await client.get("/stats")).json()["orders_created"]
-        bodies = {i: {"item": f"item-{i}", "quantity": 1 + i % 3} for i in range(orders)}
+        bodies = {i: _cart(run, i, 1 + i % 3) for i in range(orders)}
         await asyncio.gather(
             *(
                 _order_until_answered(client, report, i, f"demo-{run}-{i}", bodies[i])
@@ -142,7 +148,7 @@ async def storm(gateway_url: str, *, orders: int = 20, retries: int = 8) -> Stor
                     report,
                     -1,
                     f"demo-{run}-{i}",
-                    {**bodies[i], "quantity": bodies[i]["quantity"] + 1},
+                    _cart(run, i, 2 + i % 3),
                 )
                 for i in range(0, orders, 5)
             )
@@ -177,8 +183,15 @@ class _Narrator:
 
 
 def _print_effect(kind: str, record: dict[str, Any]) -> None:
-    what = "order" if kind == "orders_created" else "payment"
-    print(f"  demo API  {what} {record['id']} {record['status']}: {json.dumps(record)}", flush=True)
+    print(f"  demo API  {kind}: {json.dumps(record)}", flush=True)
+
+
+def shop_path(store_url: str) -> str:
+    """The demo shop's SQLite file: the store's own file, so orders commit with their
+    records; ``retrysafe-demo-shop.db`` when the store is not SQLite."""
+    if store_url.startswith("sqlite:///"):
+        return store_url[len("sqlite:///") :].split("?", 1)[0]
+    return "retrysafe-demo-shop.db"
 
 
 def _gateway_socket(listen: str | None) -> tuple[Any, str | None]:
@@ -195,13 +208,14 @@ def _gateway_socket(listen: str | None) -> tuple[Any, str | None]:
 
 def _banner(gateway: str, api: str, store_url: str, note: str | None) -> str:
     key = f"order-{secrets.token_hex(3)}"
-    body = json.dumps({"item": "book", "quantity": 1})
+    item = {"variant_id": "book", "quantity": 1, "price": "12.99"}
+    body = json.dumps({"user_id": "alice", "items": [item]})
     curl = (
         f"curl -i {gateway}/orders -H {shlex.quote('Idempotency-Key: ' + key)} "
         f"-H 'Content-Type: application/json' -d {shlex.quote(body)}"
     )
     lines = [
-        "retrysafe demo: the gateway in front of a small orders-and-payments API",
+        "retrysafe demo: the gateway in front of a small agentic-commerce shop",
         *([f"  note      {note}"] if note else []),
         f"  gateway   {gateway}   (retries are safe here)",
         f"  demo API  {api}   (direct, no idempotency)",
@@ -216,6 +230,9 @@ def _banner(gateway: str, api: str, store_url: str, note: str | None) -> str:
         "Count the side effects (still one order):",
         "",
         f"  curl {gateway}/stats",
+        "",
+        "GET / lists the shop's routes (sessions, mandates, payments, webhooks, sync);",
+        "examples/retry_storm.py fires duplicated, reordered and concurrent calls at them.",
         "",
         "Press Ctrl-C to stop.",
         "",
@@ -242,7 +259,12 @@ def run_demo(
     except BaseException:
         store.close()
         raise
-    api = DemoApi(on_effect=None if check else _print_effect)
+    try:
+        api = DemoApi(shop_path(store_url), on_effect=None if check else _print_effect)
+    except BaseException:
+        gw_sock.close()
+        store.close()
+        raise
     try:
         with sigterm_as_interrupt(), ServerThread(api, bind("127.0.0.1", 0)) as api_server:
             app: ASGIApp = create_app(api_server.url, store=store)
@@ -263,5 +285,6 @@ def run_demo(
         print("retrysafe demo: stopped", flush=True)
         return 0
     finally:
+        api.close()
         gw_sock.close()
         store.close()

@@ -1,124 +1,191 @@
-"""The demo API behind ``retrysafe demo``: orders and payments with visible side effects.
+"""The demo API behind ``retrysafe demo``: the demo shop (seed 000) over HTTP.
 
-A plain ASGI app that knows nothing about idempotency: every ``POST`` creates a
-record and bumps a counter, so a retry that got through twice would show.
+A plain ASGI app; each route calls one method of :class:`~retrysafe._demo_shop.Shop`
+on a worker thread. Every side effect is a row, counted by ``GET /stats``, so a
+retry that got through twice would show.
 
-- ``GET /``: what it serves; ``GET /stats``: the side-effect counters.
-- ``POST /orders`` ``{"item": "book", "quantity": 1}`` → 201 the order.
-- ``POST /payments`` ``{"amount": 2999, "currency": "EUR"}`` → 201 the payment.
+- ``POST /sessions`` ``{"user_id", "device_id"}``: open or reuse a session.
+- ``POST /cart-mandates`` ``{"user_id", "device_id"?, "items": [{"variant_id",
+  "quantity", "price"}], "currency"?}``: a mandate per session and cart (30 minutes).
+- ``POST /intent-mandates`` ``{"user_id", "intent": {...}}``.
+- ``POST /orders`` ``{"user_id", "cart_mandate_id"}`` (or ``"items"``: the mandate
+  is made first): once per cart mandate.
+- ``POST /payments`` ``{"user_id", "order_id"}``: charge once through the payment gateway.
+- ``GET /payments/{id}``: the payment's state.
+- ``POST /webhooks/stripe``, ``POST /webhooks/shopify``: signed deliveries.
+- ``POST /session-updates`` ``{"user_id", "device_id", "operation", "sequence", "payload"}``.
+- ``PUT /profiles/{user}`` ``{"version", "data"}``; ``POST``/``GET /consents/{user}``.
+- ``GET /``: the routes; ``GET /stats``: the side-effect counters.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
+import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ._asgi import BodyTooLarge, read_body, send_json, send_response
+from ._demo_shop import Shop, ShopError, refusal
+from ._errors import IdempotencyError
+from ._http import problem
 from .asgi import Receive, Scope, Send
 
 __all__ = ["DemoApi"]
 
+log = logging.getLogger("retrysafe.demo")
+
 _MAX_BODY = 64 << 10
-_INDEX = {
-    "name": "retrysafe demo API",
-    "routes": {
-        "POST /orders": 'create an order, e.g. {"item": "book", "quantity": 1}',
-        "POST /payments": 'charge a payment, e.g. {"amount": 2999, "currency": "EUR"}',
-        "GET /stats": "side effects so far: orders created, payments charged",
-    },
+_ROUTES = {
+    "POST /sessions": "open or reuse a session for a user and device",
+    "POST /cart-mandates": "a cart mandate per session and cart, for 30 minutes",
+    "POST /intent-mandates": "an intent mandate per user and intent",
+    "POST /orders": 'once per cart mandate, e.g. {"user_id": "u1", "items": '
+    '[{"variant_id": "book", "quantity": 1, "price": "12.99"}]}',
+    "POST /payments": "charge an order once (the gateway gets a derived key)",
+    "GET /payments/{id}": "a payment's state",
+    "POST /webhooks/stripe": "Stripe-style payment events (signed)",
+    "POST /webhooks/shopify": "Shopify-style events (signed)",
+    "POST /session-updates": "ordered updates: an earlier sequence after a later one is refused",
+    "PUT /profiles/{user}": "compare-and-set on the version you read",
+    "POST /consents/{user}": "append a consent change (never updated)",
+    "GET /consents/{user}": "the consent history",
+    "GET /stats": "side effects so far",
 }
 
 
-class _BadRequest(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 class DemoApi:
-    """The demo API. ``delay`` is how long each side effect takes (retries pile up
-    meanwhile); ``on_effect(kind, record)`` is called after each one."""
+    """The demo shop as an ASGI app, its data in the SQLite file at ``path``.
+
+    ``delay`` is the payment gateway's latency (retries pile up meanwhile);
+    ``on_effect(kind, document)`` is called after each successful write.
+    """
 
     def __init__(
         self,
+        path: str,
         *,
         delay: float = 0.05,
         on_effect: Callable[[str, dict[str, Any]], None] | None = None,
     ) -> None:
-        self.delay = delay
+        self.shop = Shop(path, gateway_delay=delay)
         self.on_effect = on_effect
-        self.stats = {"orders_created": 0, "payments_charged": 0}
+        self._pool = ThreadPoolExecutor(32, thread_name_prefix="demo-shop")
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.shop.stats()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        self.shop.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         method, path = scope["method"], scope["path"].rstrip("/") or "/"
         try:
-            if path in ("/", "/stats"):
-                if method not in ("GET", "HEAD"):
-                    raise _BadRequest(405, f"{path} answers GET")
-                await _send(send, 200, _INDEX if path == "/" else self.stats)
-            elif path in ("/orders", "/payments"):
-                if method != "POST":
-                    raise _BadRequest(405, f"{path} answers POST")
-                doc = await _read_json(receive)
-                record = self._order(doc) if path == "/orders" else self._payment(doc)
-                await asyncio.sleep(self.delay)  # the work takes a moment
-                kind = "orders_created" if path == "/orders" else "payments_charged"
-                self.stats[kind] += 1
-                record["id"] = f"{'ord' if path == '/orders' else 'pay'}_{self.stats[kind]}"
-                record["created_at"] = round(time.time(), 3)
-                if self.on_effect is not None:
-                    self.on_effect(kind, record)
-                await _send(send, 201, record)
-            else:
-                raise _BadRequest(404, f"no route {path}; GET / lists them")
-        except _BadRequest as exc:
-            await _send(send, exc.status, {"error": str(exc)})
+            try:
+                status, doc = await self._route(method, path, scope, receive)
+            except IdempotencyError as exc:  # a guard's refusal, the store down, …
+                raise refusal(exc) from None
+            except ShopError:
+                raise
+            except Exception:
+                log.exception("retrysafe demo: %s %s failed", method, path)
+                raise ShopError(500, "internal_error", "the shop failed; retry") from None
+        except ShopError as exc:
+            answer = problem(exc.status, exc.code, exc.detail, **exc.extra)
+            await send_response(send, answer.status, answer.headers[:1], answer.body)
+            return
+        if isinstance(doc, _Raw):
+            await send_response(send, status, doc.headers, doc.body)
+            return
+        await send_json(send, status, doc)
 
-    @staticmethod
-    def _order(doc: dict[str, Any]) -> dict[str, Any]:
-        item, quantity = doc.get("item"), doc.get("quantity", 1)
-        if not isinstance(item, str) or not item:
-            raise _BadRequest(400, '"item" must be a non-empty string')
-        if not isinstance(quantity, int) or isinstance(quantity, bool) or quantity < 1:
-            raise _BadRequest(400, '"quantity" must be a positive integer')
-        return {"item": item, "quantity": quantity, "status": "created"}
+    async def _route(
+        self, method: str, path: str, scope: Scope, receive: Receive
+    ) -> tuple[int, Any]:
+        shop = self.shop
+        parts = path.strip("/").split("/")
+        if path == "/":
+            _allow(method, "GET")
+            return 200, {"name": "retrysafe demo shop", "routes": _ROUTES}
+        if path == "/stats":
+            _allow(method, "GET")
+            return 200, await self._thread(shop.stats)
+        if path.startswith("/webhooks/") and len(parts) == 2 and parts[1] in ("stripe", "shopify"):
+            _allow(method, "POST")
+            body = await _body(receive)
+            receiver = shop.stripe if parts[1] == "stripe" else shop.shopify
+            headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+            answer = await receiver.ahandle(headers, body)
+            self._effect(f"webhook {parts[1]}", answer.body)
+            return answer.status, _Raw(list(answer.headers), answer.content)
+        simple = {
+            "/sessions": shop.open_session,
+            "/cart-mandates": shop.cart_mandate,
+            "/intent-mandates": shop.intent_mandate,
+            "/orders": shop.order,
+            "/payments": shop.pay,
+            "/session-updates": shop.session_update,
+        }
+        if path in simple:
+            _allow(method, "POST")
+            doc = await _json(receive)
+            status, answer = await self._thread(simple[path], doc)
+            self._effect(path.strip("/"), answer)
+            return status, answer
+        if len(parts) == 2 and parts[0] == "payments":
+            _allow(method, "GET")
+            return await self._thread(shop.payment, parts[1])
+        if len(parts) == 2 and parts[0] == "profiles":
+            _allow(method, "PUT")
+            return await self._thread(shop.put_profile, parts[1], await _json(receive))
+        if len(parts) == 2 and parts[0] == "consents":
+            if method == "GET":
+                return await self._thread(shop.consent_history, parts[1])
+            _allow(method, "POST")
+            return await self._thread(shop.add_consent, parts[1], await _json(receive))
+        raise ShopError(404, "not_found", f"no route {path}; GET / lists them")
 
-    @staticmethod
-    def _payment(doc: dict[str, Any]) -> dict[str, Any]:
-        amount, currency = doc.get("amount"), doc.get("currency", "EUR")
-        if not isinstance(amount, int) or isinstance(amount, bool) or amount < 1:
-            raise _BadRequest(400, '"amount" must be a positive integer (cents)')
-        if not isinstance(currency, str) or len(currency) != 3:
-            raise _BadRequest(400, '"currency" must be a three-letter code')
-        return {"amount": amount, "currency": currency.upper(), "status": "charged"}
+    async def _thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _effect(self, kind: str, doc: dict[str, Any]) -> None:
+        if self.on_effect is not None:
+            self.on_effect(kind, doc)
 
 
-async def _read_json(receive: Receive) -> dict[str, Any]:
-    body = b""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _BadRequest(400, "the client left")
-        body += message.get("body", b"")
-        if len(body) > _MAX_BODY:
-            raise _BadRequest(413, f"the body is over {_MAX_BODY} bytes")
-        if not message.get("more_body", False):
-            break
+class _Raw:
+    """An answer made elsewhere (the webhook receiver's), sent as it is."""
+
+    def __init__(self, headers: list[tuple[str, str]], body: bytes) -> None:
+        self.headers, self.body = headers, body
+
+
+def _allow(method: str, allowed: str) -> None:
+    if method != allowed and not (allowed == "GET" and method == "HEAD"):
+        raise ShopError(405, "method_not_allowed", f"this route answers {allowed}")
+
+
+async def _body(receive: Receive) -> bytes:
     try:
-        doc = json.loads(body)
+        body = await read_body(receive, _MAX_BODY)
+    except BodyTooLarge:
+        raise ShopError(413, "body_too_large", f"the body is over {_MAX_BODY} bytes") from None
+    if body is None:
+        raise ShopError(400, "client_left", "the client left before its body arrived")
+    return body
+
+
+async def _json(receive: Receive) -> dict[str, Any]:
+    try:
+        doc = json.loads(await _body(receive))
     except ValueError:
-        raise _BadRequest(400, "the body must be a JSON object") from None
+        raise ShopError(400, "invalid_json", "the body must be a JSON object") from None
     if not isinstance(doc, dict):
-        raise _BadRequest(400, "the body must be a JSON object")
+        raise ShopError(400, "invalid_json", "the body must be a JSON object")
     return doc
-
-
-async def _send(send: Send, status: int, doc: dict[str, Any]) -> None:
-    body = json.dumps(doc).encode() + b"\n"
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
