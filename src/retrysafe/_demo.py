@@ -183,7 +183,8 @@ class _Narrator:
 
 
 def _print_effect(kind: str, record: dict[str, Any]) -> None:
-    print(f"  demo API  {kind}: {json.dumps(record)}", flush=True)
+    shown = {k: ("…" if k == "token" else v) for k, v in record.items()}  # never a secret
+    print(f"  demo API  {kind}: {json.dumps(shown, ensure_ascii=False)}", flush=True)
 
 
 def shop_path(store_url: str) -> str:
