@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sqlite3
 import threading
 import time
@@ -274,6 +275,8 @@ class Shop:
         user = _text(doc, "user_id")
         session = self._session_of(doc) if "device_id" in doc else f"direct-{user}"
         items, currency = doc.get("items"), doc.get("currency", "EUR")
+        if not isinstance(currency, str) or not re.fullmatch("[A-Z]{3}", currency):
+            raise ShopError(400, "invalid_field", '"currency" must be an ISO 4217 code like "EUR"')
         if not isinstance(items, list):
             raise ShopError(400, "invalid_cart", '"items" must be a list of cart items')
         try:
@@ -413,9 +416,20 @@ class Shop:
         row = self.db.one("SELECT id FROM shop_payments WHERE transaction_id = ?", txn)
         if row is None:  # the payment is not recorded yet: fail, so the gateway redelivers
             raise LookupError(f"no payment with transaction {txn} yet")
-        # A reordered refund before its success raises InvalidTransitionError: the
-        # delivery fails (5xx) and the gateway's redelivery after the success applies it.
-        moved = self.payment_states.advance(row[0], STRIPE_EVENTS[kind])
+        try:
+            moved = self.payment_states.advance(row[0], STRIPE_EVENTS[kind])
+        except InvalidTransitionError as exc:
+            machine = self.payment_states
+            if _reachable(machine.transitions, exc.current, machine.events[STRIPE_EVENTS[kind]]):
+                # Early (a refund while the payment is still pending): fail (5xx), and
+                # the gateway's redelivery after the success applies it.
+                raise
+            # Stale (a success delivered after the refund, a failure of an earlier
+            # attempt after the success): the payment is past it. Acknowledge it, or
+            # the gateway would redeliver it for days; the state does not move.
+            self._effect("stripe", delivery.event_id, kind, row[0])
+            return {"payment_id": row[0], "status": exc.current, "changed": False,
+                    "stale": True}  # fmt: skip
         self._effect("stripe", delivery.event_id, kind, row[0])
         return {"payment_id": row[0], "status": moved.state, "changed": moved.changed}
 
@@ -461,6 +475,7 @@ class Shop:
 
     def put_profile(self, user: str, doc: Doc) -> tuple[int, Doc]:
         """Replace a profile if ``version`` is the stored one (optimistic locking)."""
+        user = _text({"user": user}, "user")
         version, data = doc.get("version"), doc.get("data")
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ShopError(400, "invalid_field", '"version" must be the version you read (0: new)')
@@ -474,6 +489,7 @@ class Shop:
 
     def add_consent(self, user: str, doc: Doc) -> tuple[int, Doc]:
         """Record a consent change: appended, never updated."""
+        user = _text({"user": user}, "user")
         purpose, granted = _text(doc, "purpose"), doc.get("granted")
         if not isinstance(granted, bool):
             raise ShopError(400, "invalid_field", '"granted" must be true or false')
@@ -481,6 +497,7 @@ class Shop:
         return 201, {"user_id": user, "position": position}
 
     def consent_history(self, user: str) -> tuple[int, Doc]:
+        user = _text({"user": user}, "user")
         entries = [
             {"position": e.position, **e.entry, "recorded_at": e.recorded_at}
             for e in self.consents.entries(user)
@@ -501,6 +518,24 @@ class Shop:
 def _session_id(token: str) -> str:
     """The public id of a session (its token is a secret and never in a key)."""
     return _id("sess", token)
+
+
+def _reachable(transitions: Any, current: str | None, target: str) -> bool:
+    """Whether ``target`` lies ahead of ``current`` (a later state, not a past one);
+    a payment with no state yet has everything ahead of it."""
+    if current is None:
+        return True
+    seen: set[str] = set()
+    todo = [current]
+    while todo:
+        state = todo.pop()
+        for nxt in transitions.get(state, ()):
+            if nxt == target:
+                return True
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return False
 
 
 def _digest(value: Any) -> str:
