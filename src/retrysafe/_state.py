@@ -35,6 +35,7 @@ time from the guard's clock, so tests move time by hand.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -43,6 +44,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 from ._errors import StoreUnavailableError
+
+#: Longer cell keys are stored as the SHA-256 of the key (identifiers stay free-form).
+_LONGEST_KEY = 256
 
 if TYPE_CHECKING:
     from .stores import Store
@@ -194,7 +198,12 @@ class Cells:
         for part in parts:
             if not isinstance(part, str):
                 raise TypeError(f"identifiers must be str, not {type(part).__name__}: {part!r}")
-        return _encode([self.kind, self.namespace, *parts])
+        key = _encode([self.kind, self.namespace, *parts])
+        if len(key) > _LONGEST_KEY:  # (PostgreSQL's index refuses long keys; keep all alike)
+            key = _encode(
+                [self.kind, self.namespace, "sha256", hashlib.sha256(key.encode()).hexdigest()]
+            )
+        return key
 
     # -- the two operations, for direct use -------------------------------------
 

@@ -25,7 +25,7 @@ import math
 import secrets
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._errors import IdempotencyError
@@ -407,9 +407,12 @@ class SequenceGuard(_Guard):
 
 @dataclass(frozen=True, slots=True)
 class Session:
-    """An active session: ``created`` is True only for the call that made it."""
+    """An active session: ``created`` is True only for the call that made it.
 
-    token: str
+    The token is a bearer secret: it is left out of the repr.
+    """
+
+    token: str = field(repr=False)
     user_id: str
     device_id: str
     created: bool
