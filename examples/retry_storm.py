@@ -321,11 +321,20 @@ async def main(url: str, customers: int) -> int:
     limits = httpx.Limits(max_connections=customers * 4 + 10)
     async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
         storm = Storm(client, secrets.token_hex(4))
-        before = (await client.get("/stats")).json()
+        try:
+            before = (await client.get("/stats")).json()
+        except (httpx.HTTPError, ValueError) as exc:
+            print(f"retry storm: no demo shop at {url} ({exc!r}); start it with `retrysafe demo`")
+            return 1
         started = time.perf_counter()
-        await asyncio.gather(*(customer(storm, i) for i in range(customers)))
+        flows = await asyncio.gather(
+            *(customer(storm, i) for i in range(customers)), return_exceptions=True
+        )
         seconds = time.perf_counter() - started
         after = (await client.get("/stats")).json()
+    for index, failed in enumerate(flows):
+        if isinstance(failed, BaseException):  # an answer the flow could not go on from
+            storm.problems.append(f"customer {index} stopped: {failed!r}")
 
     expected = expected_effects(customers)
     print(f"retry storm: {customers} customers against {url} (run {storm.run})")

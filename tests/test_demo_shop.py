@@ -9,6 +9,7 @@ import hmac
 import json
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -103,6 +104,34 @@ def test_retry_storm_against_the_demo_api_alone(
     assert "0 answered as replays" not in result.stdout  # webhook duplicates are replays
     assert api.stats["orders_created"] == 8
     assert api.stats["webhooks_processed"] == 2 * 8 + 3  # customers 0, 3 and 6 refund
+
+
+def test_retry_storm_says_what_differed(
+    served: tuple[httpx.Client, DemoApi], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, api = served
+    real, calls = api.shop.stats, []
+
+    def doubled_orders() -> dict[str, int]:  # as if one order had been made twice
+        calls.append(1)
+        counts = real()
+        return {**counts, "orders_created": counts["orders_created"] * len(calls)}
+
+    monkeypatch.setattr(api.shop, "stats", doubled_orders)
+    result = storm(str(client.base_url), customers=2)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "orders_created                    2      4   <- differs" in result.stdout
+    last = result.stdout.strip().splitlines()[-1]
+    assert last == "NOT exactly once: orders_created 4 (expected 2)"
+
+
+def test_retry_storm_without_a_demo(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    result = storm(url)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"no demo shop at {url}" in result.stdout and "retrysafe demo" in result.stdout
 
 
 # -- answers to bad requests: a problem, a machine code, nothing written ----------------
