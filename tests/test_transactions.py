@@ -24,7 +24,15 @@ import pytest
 from _racing import race_processes
 from conftest import Clock, StoreSpec, make_spec
 
-from retrysafe import Engine, IdempotencyMap, InProgressError, LeaseLostError, Outcome, Store
+from retrysafe import (
+    Engine,
+    IdempotencyMap,
+    InProgressError,
+    LeaseLostError,
+    Outcome,
+    Store,
+    StoreUnavailableError,
+)
 from retrysafe._keys import key_hash
 from retrysafe._record import Status
 
@@ -429,3 +437,108 @@ def test_async_sqlite_transaction_is_refused_with_advice(tmp_path: Path) -> None
 
     with pytest.raises(TypeError, match="to_thread"):
         asyncio.run(main())
+
+
+def test_sqlite_store_calls_inside_the_block_join_the_transaction(tmp_path: Path) -> None:
+    """A guard written inside the block commits or rolls back with it (and never waits on it)."""
+    from retrysafe.guards import SequenceGuard
+
+    store = Engine(f"sqlite:///{tmp_path}/r.db?timeout=2").store
+    engine, guard = Engine(store), SequenceGuard(store)
+    with engine.attempt("u-1", operation="update") as att, att.transaction():
+        guard.accept("s", "cart", 1)
+        att.outcome = Outcome.json(1)
+    assert guard.last("s", "cart") == 1
+    with (
+        pytest.raises(KeyError),
+        engine.attempt("u-2", operation="update") as att,
+        att.transaction(),
+    ):
+        guard.accept("s", "cart", 2)
+        raise KeyError("the business write failed")
+    assert guard.last("s", "cart") == 1  # rolled back with the block: a retry of 2 is accepted
+    with engine.attempt("u-2", operation="update") as att, att.transaction():
+        guard.accept("s", "cart", 2)
+        att.outcome = Outcome.json(2)
+    assert guard.last("s", "cart") == 2
+    with engine.attempt("u-3", operation="update") as att, att.transaction():
+        att.outcome = Outcome.json(3)
+        with (
+            pytest.raises(ValueError, match="already open"),
+            engine.attempt("u-4", operation="update") as other,
+            other.transaction(),
+        ):
+            pass
+    assert store.get(key_hash("", "update", "u-3")).status is Status.COMPLETED
+    store.close()
+
+
+def test_sqlite_lock_held_elsewhere_is_store_unavailable(tmp_path: Path) -> None:
+    path = tmp_path / "r.db"
+    engine = Engine(f"sqlite:///{path}?timeout=0.3")
+    engine.store.migrate()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another writer keeps the write lock
+    mine = sqlite3.connect(path, timeout=0)
+    try:
+        with pytest.raises(StoreUnavailableError):
+            att = engine.attempt("k", operation="order")
+            with att, att.transaction(mine):
+                pass
+        with (  # the store's own connection waits its timeout
+            pytest.raises(StoreUnavailableError),
+            engine.attempt("k2", operation="o") as att,
+            att.transaction(),
+        ):
+            pass
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+        mine.close()
+    # The claims themselves could not be written either (the lock was taken): nothing left.
+    assert engine.store.get(key_hash("", "o", "k2")) is None
+
+
+def test_postgres_session_settings_do_not_outlive_the_block(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    spec = make_spec("postgres", request, tmp_path)
+    store = spec.open()
+    engine = Engine(store)
+    for n in range(3):  # more blocks than the pool needs: each gets a clean connection
+        with engine.attempt(f"k{n}", operation="o") as att, att.transaction() as conn:
+            # Harmless to this transaction (already begun), fatal to the store's
+            # later writes on this connection if it went back to the pool unchanged.
+            conn.execute("SET default_transaction_read_only = on")
+            att.outcome = Outcome.json(n)
+    for n in range(3):
+        assert store.get(key_hash("", "o", f"k{n}")).status is Status.COMPLETED
+        with engine.attempt(f"k{n}", operation="o") as att:
+            assert att.replay is not None
+    store.close()
+
+
+def test_postgres_connection_without_the_table_rolls_back(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    spec = make_spec("postgres", request, tmp_path)
+    orders = Orders(spec, f"orders_{uuid.uuid4().hex[:10]}")
+    orders.create_table()
+    store = spec.open()
+    engine = Engine(store)
+    conn = orders.connect()
+    conn.execute("CREATE SCHEMA IF NOT EXISTS elsewhere")
+    conn.execute("SET search_path = elsewhere")
+    try:
+        with (
+            pytest.raises(StoreUnavailableError, match="store's database"),
+            engine.attempt("k", operation="order") as att,
+            att.transaction(conn),
+        ):
+            conn.execute(f"INSERT INTO public.{orders.table} VALUES ('m', 'u', 1)")
+            att.outcome = Outcome.json(1)
+    finally:
+        conn.close()
+    assert orders.rows() == []
+    assert store.get(key_hash("", "order", "k")).status is Status.FAILED
+    store.close()

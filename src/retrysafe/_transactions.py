@@ -87,6 +87,19 @@ def _pg_unavailable() -> tuple[type[BaseException], ...]:
     return _UNAVAILABLE
 
 
+def _pg_failed(store: Any, exc: BaseException) -> StoreUnavailableError:
+    """The completion statement failed: the transaction rolls back, the attempt stays retryable.
+
+    A row moved to another partition meanwhile (partitioned tables) or a
+    connection to another database (no such table) end here.
+    """
+    return StoreUnavailableError(
+        f"PostgreSQL store: the completion could not be written in this transaction "
+        f"({type(exc).__name__}: {exc}); nothing was committed. A connection you pass "
+        "must be to the store's database, with its table on the search path"
+    )
+
+
 def _landed(att: Attempt, claim: Claim, changed: bool) -> None:
     """After the completion statement: a lost lease rolls everything back."""
     if not changed:
@@ -109,7 +122,10 @@ def transaction(att: Attempt, connection: Any = None) -> Iterator[Any]:
             yield conn
             outcome = _outcome(att)
             op = store._complete(claim.key_hash, claim.token, outcome, att._engine.clock())
-            cur = conn.execute(op.query, op.params)
+            try:
+                cur = conn.execute(op.query, op.params)
+            except _pg_unavailable() as exc:
+                raise _pg_failed(store, exc) from exc
             _landed(att, claim, op.parse(cur.rowcount, None))
     att.settled = True  # committed: leaving the attempt's block writes nothing more
 
@@ -128,7 +144,10 @@ async def atransaction(att: Attempt, connection: Any = None) -> AsyncIterator[An
         yield conn
         outcome = _outcome(att)
         op = store._complete(claim.key_hash, claim.token, outcome, att._engine.clock())
-        cur = await conn.execute(op.query, op.params)
+        try:
+            cur = await conn.execute(op.query, op.params)
+        except _pg_unavailable() as exc:
+            raise _pg_failed(store, exc) from exc
         _landed(att, claim, op.parse(cur.rowcount, None))
     att.settled = True
 
@@ -138,37 +157,41 @@ async def atransaction(att: Attempt, connection: Any = None) -> AsyncIterator[An
 
 @contextmanager
 def _sqlite(store: Any, connection: sqlite3.Connection | None) -> Iterator[sqlite3.Connection]:
-    """``BEGIN IMMEDIATE`` … ``COMMIT`` on ``connection`` or a new one to the store's file."""
-    own = connection is None
-    if own:
-        try:
-            conn = store._connect()
-        except sqlite3.Error as exc:
-            raise StoreUnavailableError(f"SQLite store {store.path}: {exc}") from exc
-        # The store's connections give up on a busy lock at once (their executor
-        # waits); this one waits for the write lock within the store's timeout.
-        conn.execute(f"PRAGMA busy_timeout={int(store.timeout * 1000)}")
+    """``BEGIN IMMEDIATE`` … ``COMMIT`` on ``connection`` or this thread's store connection.
+
+    By default the transaction runs on the connection the store itself uses in
+    this thread, so store calls made inside the block (a guard, another claim)
+    join the transaction instead of waiting for its write lock. ``BEGIN
+    IMMEDIATE`` takes the lock up front, waiting for it as the store's own
+    writes do (up to its ``timeout``, then :class:`StoreUnavailableError`).
+    """
+    if connection is None:
+        conn = store._conn()
+        if conn.in_transaction:
+            raise ValueError("a transaction of this store is already open in this thread")
+        store._run(_begin)
     else:
         conn = connection
-    try:
-        if not own:
-            _same_sqlite_file(store, conn)
-            if conn.in_transaction:
-                raise ValueError("the connection is inside a transaction already; commit it first")
-        conn.execute("BEGIN IMMEDIATE")
+        _same_sqlite_file(store, conn)
+        if conn.in_transaction:
+            raise ValueError("the connection is inside a transaction already; commit it first")
         try:
-            yield conn
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
-    finally:
-        if own:
-            with store._conns_lock:
-                if conn in store._conns:
-                    store._conns.remove(conn)
-            conn.close()
+            _begin(conn)
+        except (
+            sqlite3.OperationalError
+        ) as exc:  # the lock stayed taken for the connection's timeout
+            raise StoreUnavailableError(f"SQLite store {store.path}: {exc}") from exc
+    try:
+        yield conn
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:  # some errors (a full disk) end it already
+            conn.execute("ROLLBACK")
+        raise
+
+
+def _begin(conn: sqlite3.Connection) -> None:
+    conn.execute("BEGIN IMMEDIATE")
 
 
 @contextmanager
@@ -187,7 +210,21 @@ def _postgres(store: Any, connection: Any) -> Iterator[Any]:
     try:
         yield conn
     finally:
-        pool.putconn(conn)  # the pool rolls back a transaction left open
+        _pg_reset(conn)
+        pool.putconn(conn)
+
+
+def _pg_reset(conn: Any) -> None:
+    """Back to the pool without what the block set for the session (``SET``, say)."""
+    import psycopg
+
+    try:
+        if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+            conn.execute("RESET ALL")
+            return
+    except psycopg.Error:
+        pass
+    conn.close()  # the pool replaces a closed connection
 
 
 @asynccontextmanager
@@ -204,4 +241,18 @@ async def _apostgres(store: Any, connection: Any) -> AsyncIterator[Any]:
     try:
         yield conn
     finally:
+        await _apg_reset(conn)
         await entry.pool.putconn(conn)
+
+
+async def _apg_reset(conn: Any) -> None:
+    """Async :func:`_pg_reset`."""
+    import psycopg
+
+    try:
+        if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+            await conn.execute("RESET ALL")
+            return
+    except psycopg.Error:
+        pass
+    await conn.close()
