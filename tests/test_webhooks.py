@@ -521,13 +521,15 @@ def test_shopify_and_standard_schemes(memory: Store[Any], deliver: Deliver) -> N
     event = {"X-Shopify-Event-Id": "98880550-7158-44d4-b7cd-2c97c8a091b5",
              "X-Shopify-Webhook-Id": "b54557e4-bdd9-4b37-8a5f-bf7d70bcd043"}  # fmt: skip
     headers = shopify_headers(body, SHOPIFY_SECRET, **event)
-    assert deliver(shopify, headers, body).body["status"] == "processed"
+    first = deliver(shopify, headers, body).body
+    assert first["status"] == "processed" and first["event_id"] == event["X-Shopify-Event-Id"]
     # A retry of the event comes with another webhook id but the same event id.
     retry = shopify_headers(body, SHOPIFY_SECRET, **{**event, "X-Shopify-Webhook-Id": "w2"})
     assert deliver(shopify, retry, body).body["status"] == "duplicate"
     # Without X-Shopify-Event-Id, the webhook id is the event id.
-    legacy = shopify_headers(body, SHOPIFY_SECRET, **{"X-Shopify-Webhook-Id": "w3"})
-    assert deliver(shopify, legacy, body).body["status"] == "processed"
+    other = b'{"id": 2}'
+    legacy = shopify_headers(other, SHOPIFY_SECRET, **{"X-Shopify-Webhook-Id": "w3"})
+    assert deliver(shopify, legacy, other).body["event_id"] == "w3"
     forged = shopify_headers(body, "wrong", **event)
     assert deliver(shopify, forged, body).status == 401
     standard = deliver.receiver(memory, handler, scheme="standard", secrets=STANDARD_SECRET)
@@ -537,10 +539,41 @@ def test_shopify_and_standard_schemes(memory: Store[Any], deliver: Deliver) -> N
     stale = standard_headers(body, STANDARD_SECRET, at=int(time.time()) - 301, msg="msg_cd")
     assert deliver(standard, stale, body).status == 401
     assert len(handler.runs) == 3
-    assert sorted(r.key for r in memory.records()) == [
-        "webhook:shopify:98880550-7158-44d4-b7cd-2c97c8a091b5", "webhook:shopify:w3",
-        "webhook:standard:msg_ab",
-    ]  # fmt: skip
+    # Shopify signs the body only: its records are keyed by what is signed.
+    digest = {hashlib.sha256(b).hexdigest()[:40] for b in (body, other)}
+    assert sorted(r.key for r in memory.records()) == sorted(
+        [*(f"webhook:shopify:sha256-{d}" for d in digest), "webhook:standard:msg_ab"]
+    )
+    ids = {r.request_id for r in memory.records() if r.key.startswith("webhook:shopify")}
+    assert ids == {event["X-Shopify-Event-Id"], "w3"}  # the header ids, kept for inspection
+
+
+def test_an_unsigned_event_id_cannot_replay_or_shadow_a_delivery(
+    memory: Store[Any], deliver: Deliver
+) -> None:
+    """A captured Shopify delivery resent under new event ids is still one event."""
+    handler = Handler(result="ok")
+    shopify = deliver.receiver(memory, handler, scheme="shopify", secrets=SHOPIFY_SECRET)
+    body = b'{"id": 1, "total": "10.00"}'
+    for event_id in ("evt-1", "evt-attacker-2", "evt-attacker-3"):
+        headers = shopify_headers(body, SHOPIFY_SECRET, **{"X-Shopify-Event-Id": event_id})
+        deliver(shopify, headers, body)
+    assert handler.runs == ["evt-1"]
+    # An old body sent under the id of a later event does not shadow that event.
+    later = b'{"id": 2, "total": "99.00"}'
+    shadow = shopify_headers(body, SHOPIFY_SECRET, **{"X-Shopify-Event-Id": "evt-9"})
+    assert deliver(shopify, shadow, body).body["status"] == "duplicate"
+    real = shopify_headers(later, SHOPIFY_SECRET, **{"X-Shopify-Event-Id": "evt-9"})
+    assert deliver(shopify, real, later).body["status"] == "processed"
+    assert handler.runs == ["evt-1", "evt-9"]
+    # Behind a trusted transport, the seed's key by the header id.
+    trusting = deliver.receiver(
+        memory, handler, scheme="shopify", secrets=SHOPIFY_SECRET, source="trusted",
+        trust_event_ids=True,
+    )  # fmt: skip
+    headers = shopify_headers(body, SHOPIFY_SECRET, **{"X-Shopify-Event-Id": "evt-1"})
+    deliver(trusting, headers, body)
+    assert any(r.key == "webhook:trusted:evt-1" for r in memory.records())
 
 
 def test_sources_scope_keys_and_odd_ids_are_hashed(memory: Store[Any]) -> None:
@@ -552,14 +585,21 @@ def test_sources_scope_keys_and_odd_ids_are_hashed(memory: Store[Any]) -> None:
     assert github.handle(headers, BODY).body["status"] == "processed"
     assert other.handle(headers, BODY).body["status"] == "processed"  # the same id elsewhere
     assert github.handle(headers, BODY).body["status"] == "duplicate"
-    # No id header: the body's hash is the id; it holds ':', so the key holds its hash.
+    # The generic scheme signs the body only: the key is the body's hash, whatever the id.
     anonymous = {"X-Signature": mac}
-    assert github.handle(anonymous, BODY).body["event_id"].startswith("sha256:")
     assert github.handle(anonymous, BODY).body["status"] == "duplicate"
+    body_key = "sha256-" + hashlib.sha256(BODY).hexdigest()[:40]
     keys = sorted(r.key for r in memory.records())
-    assert keys[:2] == ["webhook:billing:d-1", "webhook:github:d-1"]
-    assert keys[2].startswith("webhook:github:sha256-") and len(keys) == 3
-    assert handler.runs == ["d-1", "d-1", "sha256:" + hashlib.sha256(BODY).hexdigest()]
+    assert keys == [f"webhook:billing:{body_key}", f"webhook:github:{body_key}"]
+    assert handler.runs == ["d-1", "d-1"]
+    # Trusting the header ids: an odd id (no id header: "sha256:<body hash>") is hashed.
+    trusting = Receiver(memory, scheme="hmac", secrets="s3cret", handler=handler,
+                        source="trusted", trust_event_ids=True)  # fmt: skip
+    assert trusting.handle(anonymous, BODY).body["event_id"].startswith("sha256:")
+    assert trusting.handle(anonymous, BODY).body["status"] == "duplicate"
+    trusted = [r.key for r in memory.records() if r.key.startswith("webhook:trusted:")]
+    assert len(trusted) == 1 and trusted[0].startswith("webhook:trusted:sha256-")
+    assert trusted[0] != f"webhook:trusted:{body_key}"  # the hash of the id, not of the body
 
 
 def test_body_limit_and_bad_options(memory: Store[Any]) -> None:

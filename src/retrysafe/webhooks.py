@@ -452,6 +452,15 @@ def _key_field(value: str) -> str:
     return "sha256-" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
 
+#: Schemes whose event id is a header their signature does not cover.
+_UNSIGNED_IDS = frozenset({"shopify", "hmac"})
+
+
+def _body_id(body: bytes) -> str:
+    """The id of a delivery by what is signed: its body's SHA-256 (as a key field)."""
+    return "sha256-" + hashlib.sha256(body).hexdigest()[:40]
+
+
 def _transaction_of(given: Any) -> tuple[str, str] | None:
     if given is None:
         return None
@@ -496,6 +505,15 @@ class Receiver:
     Deliveries are deduplicated by their key alone: a redelivery is re-signed
     (new timestamp, new signature) and its body may differ (Stripe's
     ``pending_webhooks`` counts down), so neither is fingerprinted.
+
+    Shopify and the generic ``hmac`` scheme sign the body only: their event-id
+    header is not signed, and whoever captured one delivery could resend it
+    under new ids (each handled again) or under an id the provider will use
+    later (the real event then dropped as a duplicate). So for them the key's
+    event id is the SHA-256 of the signed body (``sha256-…``), and the header's
+    id is kept as the record's request id. ``trust_event_ids=True`` keys by the
+    header instead, as seed 000 writes it: only behind a transport that no one
+    else can send through.
     """
 
     def __init__(
@@ -511,6 +529,7 @@ class Receiver:
         ttl: float | None = None,
         lease: float | None = None,
         max_body: int = DEFAULT_MAX_BODY,
+        trust_event_ids: bool = False,
     ) -> None:
         if scheme not in SCHEMES:
             raise ValueError(f"unknown webhook scheme {scheme!r}: one of {', '.join(SCHEMES)}")
@@ -534,6 +553,7 @@ class Receiver:
         if not self.tolerance >= 0:
             raise ValueError("tolerance must be >= 0 seconds")
         self.max_body = max_body
+        self._body_ids = scheme in _UNSIGNED_IDS and not trust_event_ids
         self._async = is_async(handler)
         if type(self.source) is not str or not _SOURCE.fullmatch(self.source):
             raise ValueError(
@@ -581,7 +601,8 @@ class Receiver:
                 log.exception("retrysafe: transaction= failed on webhook %s", event_id)
                 return _crashed("the event's transaction could not be read; nothing was stored")
         if found is None:
-            key = self._map.key("webhook", source=self.source, event_id=_key_field(event_id))
+            signed = _body_id(body) if self._body_ids else _key_field(event_id)
+            key = self._map.key("webhook", source=self.source, event_id=signed)
         else:
             key = self._map.key(
                 "payment_webhook", gateway=self.source,
