@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -480,5 +481,27 @@ def test_partitioned_postgres(request: pytest.FixtureRequest, tmp_path: Any) -> 
         assert machine.advance("p", "payment.succeeded").changed
         answers = race(16, lambda i: SequenceGuard(store).accept("s", "op", 1))
         assert answers.count(None) == 1
+        short = SessionRegistry(store, ttl=1)
+        short.open("u", "d")
+        assert store.sweep_cells(time.time() + 2) == 1  # the sweep finds the cells' table
     finally:
         store.close()
+
+
+def test_the_sweeper_deletes_expired_cells(store: Store[Any], clock: Clock) -> None:
+    """Expired cells do not pile up in the SQL stores (memory and Redis expire them themselves)."""
+    from retrysafe import Sweeper
+
+    assert store.sweep_cells(clock()) == 0  # no cell yet: nothing to do, no error
+    sessions = SessionRegistry(store, ttl=60, clock=clock)
+    for n in range(5):
+        sessions.open(f"user-{n}", "phone")
+    keeper = SessionRegistry(store, ttl=3600, clock=clock, namespace="long")
+    kept = keeper.open("user-0", "phone")
+    clock.advance(61)
+    report = Sweeper(store, batch_size=2, clock=clock).run()
+    sql = type(store).__name__ in ("SQLiteStore", "PostgresStore")
+    assert report.cells == (5 if sql else 0)
+    assert store.sweep_cells(clock()) == 0
+    assert keeper.get("user-0", "phone").token == kept.token  # a live cell stays
+    assert sessions.open("user-1", "phone").created  # an expired one is made anew

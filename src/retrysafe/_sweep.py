@@ -26,6 +26,7 @@ class SweepReport:
     deleted: int = 0
     archived: int = 0
     batches: int = 0
+    cells: int = 0  # expired guard cells deleted (retrysafe.guards)
     seconds: float = 0.0
 
     @property
@@ -83,6 +84,7 @@ class Sweeper:
             if progress is not None:
                 progress(report)
             if batch.done:
+                self._sweep_cells(now, report)
                 break
             if self.pause:
                 if stop is not None:
@@ -91,6 +93,14 @@ class Sweeper:
                     time.sleep(self.pause)
         report.seconds = time.monotonic() - started
         return report
+
+    def _sweep_cells(self, now: float, report: SweepReport) -> None:
+        """The guards' expired cells, once the records are done (same batch size)."""
+        while True:
+            deleted = self.store.sweep_cells(now, self.batch_size)
+            report.cells += deleted
+            if deleted < self.batch_size:
+                return
 
     async def arun(self, **options: Any) -> SweepReport:
         """:meth:`run` on a worker thread."""

@@ -195,6 +195,14 @@ class Store(abc.ABC, Generic[OpT]):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot sweep")
 
+    def sweep_cells(self, now: float, limit: int = 1000) -> int:
+        """Delete at most ``limit`` guard cells (:mod:`retrysafe.guards`) expired at ``now``.
+
+        Returns how many. Stores whose cells expire by themselves (memory, Redis)
+        have nothing to do.
+        """
+        return 0
+
     def records(
         self,
         *,

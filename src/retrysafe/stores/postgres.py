@@ -1145,6 +1145,17 @@ class PostgresStore(Store[_Op]):
                 "version = %s::bigint AND (expires_at IS NULL OR expires_at > %s::double precision)"
             ).format(state)
         )
+        self._q_cells_sweep = text(
+            sql.SQL(
+                "DELETE FROM {0} WHERE key IN (SELECT key FROM {0} WHERE expires_at <= %s "
+                "LIMIT %s) AND expires_at <= %s"
+            ).format(state)
+        )
+        self._q_cells_index = text(
+            sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (expires_at)").format(
+                sql.Identifier(f"{base}_state_expires_at"), state
+            )
+        )
         self._archive_cols = archive_cols
 
     @staticmethod
@@ -1675,6 +1686,18 @@ class PostgresStore(Store[_Op]):
             return SweepBatch(deleted, archived, done=deleted < limit)
 
         return self._run(_Op(self._q_sweep, (now, limit, now, now), parse))
+
+    def sweep_cells(self, now: float, limit: int = 1000) -> int:
+        with self._ops_connection() as conn:
+            cur = conn.store_cursor()
+            try:
+                cur.execute(self._q_cells_index)
+            except psycopg.errors.UndefinedTable:
+                return 0  # no guard has written a cell yet
+            except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject):
+                pass  # another sweeper created the index at the same moment
+            cur.execute(self._q_cells_sweep, (now, limit, now))
+            return int(cur.rowcount)
 
     def _psweep(self, now: float) -> SweepBatch:
         """A sweep step on the partitioned table: detach, archive, drop.

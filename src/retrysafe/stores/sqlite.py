@@ -182,6 +182,15 @@ _CELLS = (
     "version INTEGER NOT NULL, value TEXT NOT NULL, expires_at REAL) WITHOUT ROWID"
 )
 _CELL_READ = "SELECT version, value, expires_at FROM retrysafe_state WHERE key = ?"
+# The sweep's: expired cells, a bounded number at a time, by an index only it needs.
+_CELLS_EXIST = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'retrysafe_state'"
+_CELLS_INDEX = (
+    "CREATE INDEX IF NOT EXISTS retrysafe_state_expires_at ON retrysafe_state (expires_at)"
+)
+_CELLS_SWEEP = (
+    "DELETE FROM retrysafe_state WHERE key IN "
+    "(SELECT key FROM retrysafe_state WHERE expires_at <= ? LIMIT ?)"
+)
 # expected None: insert version 1, or replace an expired cell (NULL never expires).
 _CELL_CREATE = (
     "INSERT INTO retrysafe_state (key, version, value, expires_at) VALUES (?1, 1, ?2, ?3) "
@@ -436,6 +445,15 @@ class SQLiteStore(Store[_Op]):
         if not self._cells_ready:
             conn.execute(_CELLS)
             self._cells_ready = True
+
+    def sweep_cells(self, now: float, limit: int = 1000) -> int:
+        def op(conn: sqlite3.Connection) -> int:
+            if conn.execute(_CELLS_EXIST).fetchone() is None:
+                return 0
+            conn.execute(_CELLS_INDEX)
+            return conn.execute(_CELLS_SWEEP, (now, limit)).rowcount
+
+        return int(self._run(op))
 
     def _cell_read(self, key: str) -> _Op:
         def op(conn: sqlite3.Connection) -> Any:
