@@ -205,13 +205,18 @@ async def customer(storm: Storm, index: int) -> None:
     await stripe_webhooks(s, index, tag, txn, payment)
 
     # Shopify orders/create: delivered 3 times at once with one X-Shopify-Event-Id
-    # -> processed once (webhook:shopify:{event_id}), the others answered "duplicate".
+    # -> processed once, the others answered "duplicate". The key is
+    # webhook:shopify:{event_id} with the signed body's hash as the event id: the
+    # header is not signed, so the same body replayed under a new id is a duplicate too.
     body, headers = shopify_delivery("orders/create", f"shp-{tag}", {"id": order})
     shopify = await asyncio.gather(
         *(s.send("POST", "/webhooks/shopify", raw=body, headers=headers) for _ in range(3))
     )
     statuses = sorted(r.json().get("status") for r in shopify)
     s.check(statuses == ["duplicate", "duplicate", "processed"], f"{user}: shopify {statuses}")
+    replayed = {**headers, "X-Shopify-Event-Id": f"shp-{tag}-replayed"}
+    r = await s.send("POST", "/webhooks/shopify", raw=body, headers=replayed)
+    s.check(r.json().get("status") == "duplicate", f"{user}: replayed shopify body ran again")
 
     await session_updates(s, who)
     await profile_and_consent(s, user)

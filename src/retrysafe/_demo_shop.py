@@ -19,7 +19,9 @@ payments           :class:`~retrysafe.steps.Workflow`: the derived key
                    follows :class:`~retrysafe.guards.PaymentStateMachine`
 webhooks           :class:`~retrysafe.webhooks.Receiver`: Stripe-style payment
                    events by ``webhook:stripe:{txn}:{type}``, Shopify-style by
-                   ``webhook:shopify:{event_id}``
+                   ``webhook:shopify:{event_id}``, the
+                   event id being the signed body's SHA-256 (the
+                   ``X-Shopify-Event-Id`` header is not signed)
 session updates    :class:`~retrysafe.guards.SequenceGuard` per session/operation
 profiles, consent  :class:`~retrysafe.guards.VersionedRecords` (compare-and-set),
                    :class:`~retrysafe.guards.History` (append-only)
