@@ -155,6 +155,7 @@ async def customer(storm: Storm, index: int) -> None:
     opened = await asyncio.gather(*(s.send("POST", "/sessions", who) for _ in range(3)))
     s.check(all(r.status_code in (200, 201) for r in opened), f"{user}: session refused")
     s.check(_same([r.json().get("token") for r in opened]), f"{user}: several session tokens")
+    who["session_token"] = opened[0].json().get("token", "")  # later calls show it
 
     # Cart mandate: the same cart 3 times at once. Two carry one Idempotency-Key
     # (through the gateway the second is a replay), one carries none: the shop's
@@ -295,8 +296,10 @@ async def profile_and_consent(s: Storm, user: str) -> None:
     s.check(bool(loser) and loser[0].json().get("code") == "version_conflict",
             f"{user}: no version_conflict")  # fmt: skip
     s.answers["profile conflicts (409)"] += len(loser)
-    for granted in (True, False):
-        await s.send("POST", f"/consents/{user}", {"purpose": "marketing", "granted": granted})
+    # Each change is sent twice at once (a double tap): its change_id keys it, one entry each.
+    for n, granted in enumerate((True, False)):
+        change = {"purpose": "marketing", "granted": granted, "change_id": f"c{n}"}
+        await asyncio.gather(*(s.send("POST", f"/consents/{user}", change) for _ in range(2)))
     history = (await s.send("GET", f"/consents/{user}")).json().get("entries", [])
     s.check([e["granted"] for e in history] == [True, False], f"{user}: consent {history}")
     s.answers["consent entries"] += len(history)

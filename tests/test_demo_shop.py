@@ -325,3 +325,51 @@ def test_an_event_for_a_payment_not_recorded_yet_is_delivered_again(
     client, api = served
     r = client.post("/webhooks/stripe", **_stripe("payment_intent.succeeded", "evt_1", "txn_x"))
     assert r.status_code == 500 and api.stats["webhooks_processed"] == 0
+
+
+def test_a_session_is_used_only_with_its_token(served: tuple[httpx.Client, DemoApi]) -> None:
+    client, api = served
+    who = {"user_id": "alice", "device_id": "phone"}
+    token = client.post("/sessions", json=who).json()["token"]
+    cart = {**who, "items": ITEMS}
+    before = api.stats
+    for wrong in ({}, {"session_token": "forged"}, {"session_token": 7}):
+        r = client.post("/cart-mandates", json={**cart, **wrong})
+        assert r.status_code == 401 and r.json()["code"] == "no_session", r.text
+    assert api.stats == before
+    assert client.post("/cart-mandates", json={**cart, "session_token": token}).status_code == 201
+
+
+def test_a_consent_change_sent_twice_is_one_entry(served: tuple[httpx.Client, DemoApi]) -> None:
+    client, _ = served
+    change = {"purpose": "marketing", "granted": True, "change_id": "c1"}
+    first = client.post("/consents/bob", json=change)
+    again = client.post("/consents/bob", json=change)
+    assert first.status_code == again.status_code == 201 and first.json() == again.json()
+    other = client.post("/consents/bob", json={**change, "granted": False})
+    assert other.status_code == 422 and other.json()["code"] == "idempotency_conflict"
+    entries = client.get("/consents/bob").json()["entries"]
+    assert [(e["change_id"], e["granted"]) for e in entries] == [("c1", True)]
+
+
+def test_a_failed_session_update_does_not_move_the_sequence(
+    served: tuple[httpx.Client, DemoApi], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard's cell commits with the update's row and record (one SQLite transaction)."""
+    client, api = served
+    who = {"user_id": "carol", "device_id": "phone"}
+    who["session_token"] = client.post("/sessions", json=who).json()["token"]
+    update = {**who, "operation": "cart", "sequence": 1, "payload": {"n": 1}}
+    real = json.dumps
+
+    def failing(value: Any, **kw: Any) -> str:  # the row's payload cannot be written
+        if value == {"n": 1} and not kw:  # (the fingerprint sorts its keys)
+            raise OSError("disk full")
+        return real(value, **kw)
+
+    monkeypatch.setattr("retrysafe._demo_shop.json.dumps", failing)
+    assert client.post("/session-updates", json=update).status_code == 500
+    monkeypatch.setattr("retrysafe._demo_shop.json.dumps", real)
+    retried = client.post("/session-updates", json=update)  # the same sequence number again
+    assert retried.status_code == 201, retried.text
+    assert api.stats["session_updates_applied"] == 1

@@ -31,6 +31,7 @@ profiles, consent  :class:`~retrysafe.guards.VersionedRecords` (compare-and-set)
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import re
 import sqlite3
@@ -264,10 +265,15 @@ class Shop:
         return (201 if session.created else 200), answer
 
     def _session_of(self, doc: Doc) -> str:
+        """The session id of the caller, who must show the session's token."""
         user, device = _text(doc, "user_id"), _text(doc, "device_id")
+        token = doc.get("session_token")
         session = self.sessions.get(user, device)
-        if session is None:
-            raise ShopError(401, "no_session", "open a session first: POST /sessions")
+        if session is None or not isinstance(token, str):
+            raise ShopError(401, "no_session", "open a session first (POST /sessions) and send "
+                            "its token as session_token")  # fmt: skip
+        if not hmac.compare_digest(token.encode(), session.token.encode()):
+            raise ShopError(401, "no_session", "session_token is not this session's token")
         return _session_id(session.token)
 
     # -- mandates and orders ----------------------------------------------------------
@@ -462,13 +468,16 @@ class Shop:
                                      fingerprint=_digest(payload)) as att:  # fmt: skip
                 if att.replay is not None:
                     return 200, att.replay.outcome.value  # type: ignore[union-attr]
-                self.sequences.accept(session, operation, sequence)
-                self.db.conn().execute(
-                    "INSERT INTO shop_session_updates VALUES (?, ?, ?, ?, ?)",
-                    (session, operation, sequence, json.dumps(payload), time.time()),
-                )
-                answer = {"operation": operation, "sequence": sequence, "applied": True}
-                att.outcome = Outcome.json(answer)
+                # On the shop's SQLite store the guard's cell joins the transaction: the
+                # sequence moves only if the update and its record commit.
+                with att.transaction() as conn:
+                    self.sequences.accept(session, operation, sequence)
+                    conn.execute(
+                        "INSERT INTO shop_session_updates VALUES (?, ?, ?, ?, ?)",
+                        (session, operation, sequence, json.dumps(payload), time.time()),
+                    )
+                    answer = {"operation": operation, "sequence": sequence, "applied": True}
+                    att.outcome = Outcome.json(answer)
                 return 201, answer
         except OutOfOrderError as exc:
             raise ShopError(409, "out_of_order", str(exc), last=exc.last) from None
@@ -493,10 +502,23 @@ class Shop:
         """Record a consent change: appended, never updated."""
         user = _text({"user": user}, "user")
         purpose, granted = _text(doc, "purpose"), doc.get("granted")
+        change = _text(doc, "change_id")
         if not isinstance(granted, bool):
             raise ShopError(400, "invalid_field", '"granted" must be true or false')
-        position = self.consents.append(user, {"purpose": purpose, "granted": granted})
-        return 201, {"user_id": user, "position": position}
+        entry = {"purpose": purpose, "granted": granted, "change_id": change}
+        try:
+            # One entry per change, however often it is sent: the append joins the
+            # record's transaction (SQLite), so a retry never appends it twice.
+            with self.engine.attempt(f"consent:{user}:{change}", operation="consent", scope=user,
+                                     fingerprint=_digest(entry)) as att:  # fmt: skip
+                if att.replay is not None:
+                    return 201, att.replay.outcome.value  # type: ignore[union-attr]
+                with att.transaction():
+                    answer = {"user_id": user, "position": self.consents.append(user, entry)}
+                    att.outcome = Outcome.json(answer)
+                return 201, answer
+        except IdempotencyError as exc:
+            raise refusal(exc) from None
 
     def consent_history(self, user: str) -> tuple[int, Doc]:
         user = _text({"user": user}, "user")
