@@ -12,6 +12,8 @@ import json
 import random
 import secrets
 import shlex
+import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -173,10 +175,7 @@ class _Narrator:
             if message["type"] == "http.response.start":
                 replayed = (b"idempotent-replayed", b"true") in message.get("headers", ())
                 note = "  (replayed: the API did not run)" if replayed else ""
-                print(
-                    f"  gateway   {scope['method']} {scope['path']} -> {message['status']}{note}",
-                    flush=True,
-                )
+                _say(f"  gateway   {scope['method']} {scope['path']} -> {message['status']}{note}")
             await send(message)
 
         await self.app(scope, receive, narrate)
@@ -184,7 +183,17 @@ class _Narrator:
 
 def _print_effect(kind: str, record: dict[str, Any]) -> None:
     shown = {k: ("…" if k == "token" else v) for k, v in record.items()}  # never a secret
-    print(f"  demo API  {kind}: {json.dumps(shown, ensure_ascii=False)}", flush=True)
+    _say(f"  demo API  {kind}: {json.dumps(shown, ensure_ascii=False)}")
+
+
+_said = threading.Lock()
+
+
+def _say(line: str) -> None:
+    """One whole line of commentary: the gateway's and the API's threads both talk."""
+    with _said:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 def shop_path(store_url: str) -> str:
