@@ -1,0 +1,152 @@
+"""The client's retry decision: plain functions shared by the sync and async clients."""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import random as _random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+RETRY_STATUSES = frozenset({500, 502, 503, 504})
+UNITS = {"ms": 0.001, "milliseconds": 0.001, "s": 1.0, "seconds": 1.0, "m": 60.0, "minutes": 60.0}
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When and how long to wait before a call is sent again.
+
+    ``max_attempts`` bounds the attempts (the first included), ``max_time`` the
+    seconds from the first attempt to the last wait's end. The wait before
+    attempt ``n + 1`` is ``random.uniform(0, min(cap, base * 2**n))`` (full
+    jitter), or the server's ``Retry-After`` when ``honour_retry_after`` (never
+    past the remaining time). ``random``, ``sleep``, ``asleep`` and ``clock``
+    are seams for tests.
+    """
+
+    max_attempts: int = 5
+    max_time: float = 30.0
+    base: float = 0.1
+    cap: float = 10.0
+    retry_methods: frozenset[str] = frozenset({"POST", "PATCH"})
+    key_version: int = 4
+    honour_retry_after: bool = True
+    random: _random.Random = field(default_factory=_random.Random, compare=False, repr=False)
+    sleep: Callable[[float], object] = field(default=time.sleep, compare=False, repr=False)
+    asleep: Callable[[float], object] | None = field(default=None, compare=False, repr=False)
+    clock: Callable[[], float] = field(default=time.monotonic, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, not {self.max_attempts!r}")
+        if self.max_time < 0 or self.base < 0 or self.cap < 0:
+            raise ValueError("max_time, base and cap must not be negative")
+        if self.key_version not in (4, 7):
+            raise ValueError(f"key_version must be 4 or 7, not {self.key_version!r}")
+        methods = frozenset(m.upper() for m in self.retry_methods)
+        object.__setattr__(self, "retry_methods", methods)
+
+
+def retry_after(response: httpx.Response, now: float | None = None) -> float | None:
+    """Seconds the server asks to wait: ``Retry-After`` (seconds or HTTP date) or Mesh's
+    ``retry_after`` ``{value, unit}`` (or a number of seconds) in a JSON error body."""
+    value = response.headers.get("retry-after")
+    if value is not None:
+        value = value.strip()
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            pass
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            when = None
+        if when is not None:
+            wall = time.time() if now is None else now
+            return max(0.0, when.timestamp() - wall)
+    doc = _json(response)
+    if isinstance(doc, dict):
+        candidates = [doc, doc.get("error")]
+        for item in candidates:
+            if isinstance(item, dict) and "retry_after" in item:
+                ra = item["retry_after"]
+                if isinstance(ra, (int, float)) and not isinstance(ra, bool):
+                    return max(0.0, float(ra))
+                if isinstance(ra, dict) and isinstance(ra.get("value"), (int, float)):
+                    unit = UNITS.get(str(ra.get("unit", "s")).lower(), 1.0)
+                    return max(0.0, float(ra["value"]) * unit)
+    return None
+
+
+def _json(response: httpx.Response) -> object:
+    ctype = response.headers.get("content-type", "")
+    if "json" not in ctype:
+        return None
+    try:
+        response.read()
+        return json.loads(response.content)
+    except (ValueError, httpx.StreamError):
+        return None
+
+
+def problem_code(response: httpx.Response) -> str | None:
+    doc = _json(response)
+    if isinstance(doc, dict):
+        code = doc.get("code")
+        if isinstance(code, str):
+            return code
+        error = doc.get("error")
+        if isinstance(error, dict) and isinstance(error.get("code"), str):
+            return error["code"]
+    return None
+
+
+def retryable(outcome: httpx.Response | BaseException) -> bool:
+    """Whether an answer (or an error) may be retried at all."""
+    if isinstance(outcome, BaseException):
+        return isinstance(outcome, httpx.TransportError)
+    status = outcome.status_code
+    if status in RETRY_STATUSES:
+        return True
+    if status == 409:
+        code = problem_code(outcome)
+        if code == "idempotency_in_flight":
+            return True
+        return code != "idempotency_conflict" and "retry-after" in outcome.headers
+    if status == 429:
+        return "retry-after" in outcome.headers
+    return False
+
+
+def decide(
+    attempt: int,
+    outcome: httpx.Response | BaseException,
+    policy: RetryPolicy,
+    elapsed: float,
+    now: float | None = None,
+) -> float | None:
+    """Seconds to wait before attempt ``attempt + 1``, or None to stop.
+
+    ``attempt`` counts from 1; ``elapsed`` is the seconds since the first
+    attempt began; ``now`` the wall-clock time for ``Retry-After`` dates.
+    """
+    if attempt >= policy.max_attempts or not retryable(outcome):
+        return None
+    remaining = policy.max_time - elapsed
+    if remaining <= 0:
+        return None
+    wait = policy.random.uniform(0, min(policy.cap, policy.base * 2 ** (attempt - 1)))
+    if policy.honour_retry_after and isinstance(outcome, httpx.Response):
+        asked = retry_after(outcome, now)
+        if asked is not None:
+            wait = asked
+    return min(wait, remaining)
+
+
+def is_replayable(request: httpx.Request) -> bool:
+    """Whether the request's body can be sent again (bytes, not a one-shot stream)."""
+    stream = request.stream
+    return isinstance(stream, httpx.ByteStream)

@@ -1,0 +1,163 @@
+"""httpx clients that add idempotency keys and retry safely.
+
+:class:`Client` and :class:`AsyncClient` are subclasses of ``httpx.Client`` and
+``httpx.AsyncClient``: every httpx keyword argument and method works. A write
+request (POST and PATCH by default; PUT and DELETE if the policy says so) gets
+an ``Idempotency-Key`` unless the caller gave one, and the same key is sent on
+every retry of that call. See ``docs/client.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import httpx
+
+from ._client import RetryPolicy, decide, is_replayable, retry_after, retryable
+from .keys import new_key
+
+__all__ = ["AsyncClient", "Client", "RetryPolicy", "decide", "retry_after", "retryable",
+           "was_replayed"]  # fmt: skip
+
+log = logging.getLogger("retrysafe.client")
+_KEY_HEADERS = ("Idempotency-Key", "X-Idempotency-Key")  # a caller's key in either is kept
+
+
+def was_replayed(response: httpx.Response) -> bool:
+    """Whether the server answered from its store (``Idempotent-Replayed: true``)."""
+    return response.headers.get("idempotent-replayed", "").strip().lower() == "true"
+
+
+class _Retrying:
+    """What the sync and async clients share: the key and the bookkeeping of a call."""
+
+    retry: RetryPolicy
+    key_header: str
+
+    def _setup(self, retry: RetryPolicy | None, key_header: str) -> None:
+        self.retry = retry if retry is not None else RetryPolicy()
+        self.key_header = key_header
+
+    def _prepare(self, request: httpx.Request) -> tuple[str | None, bool]:
+        """The call's key (added if missing), and whether it may be retried at all."""
+        if request.method.upper() not in self.retry.retry_methods:
+            return None, False
+        key = next((request.headers[h] for h in (self.key_header, *_KEY_HEADERS)
+                    if h in request.headers), None)  # fmt: skip
+        if key is None:
+            key = new_key(self.retry.key_version)
+            request.headers[self.key_header] = key
+        if not is_replayable(request):
+            log.debug("retrysafe: %s %s has a streamed body: sent once, not retried",
+                      request.method, _where(request))  # fmt: skip
+            return key, False
+        return key, True
+
+    def _log(self, request: httpx.Request, key: str | None, attempt: int) -> None:
+        log.debug("retrysafe: %s %s key=%s attempt=%d", request.method, _where(request), key,
+                  attempt)  # fmt: skip
+
+    def _outcome(
+        self, request: httpx.Request, key: str | None, attempt: int,
+        outcome: httpx.Response | BaseException, started: float,
+    ) -> float | None:  # fmt: skip
+        elapsed = self.retry.clock() - started
+        wait = decide(attempt, outcome, self.retry, elapsed, time.time())
+        what = f"{type(outcome).__name__}" if isinstance(outcome, BaseException) else (
+            str(outcome.status_code))  # fmt: skip
+        if wait is not None:
+            log.debug("retrysafe: %s %s key=%s attempt=%d got %s; retrying in %.3fs",
+                      request.method, _where(request), key, attempt, what, wait)  # fmt: skip
+        return wait
+
+
+def _where(request: httpx.Request) -> str:
+    url = request.url
+    return f"{url.scheme}://{url.netloc.decode('ascii', 'replace')}{url.path}"
+
+
+class Client(_Retrying, httpx.Client):
+    """An ``httpx.Client`` that adds idempotency keys to writes and retries them safely.
+
+    ``retry`` is the :class:`RetryPolicy` (the default one if None);
+    ``key_header`` the header that carries the key. Every other argument is httpx's.
+    The answer is the last response, or the last error is raised.
+    """
+
+    def __init__(
+        self, *, retry: RetryPolicy | None = None, key_header: str = "Idempotency-Key",
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
+        super().__init__(**kwargs)
+        self._setup(retry, key_header)
+
+    def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
+        key, may_retry = self._prepare(request)
+        started = self.retry.clock()
+        attempt = 0
+        while True:
+            attempt += 1
+            self._log(request, key, attempt)
+            try:
+                response = super().send(request, **kwargs)
+            except httpx.TransportError as exc:
+                if not may_retry:
+                    raise
+                wait = self._outcome(request, key, attempt, exc, started)
+                if wait is None:
+                    raise
+            else:
+                if not may_retry or not retryable(response):
+                    return response
+                wait = self._outcome(request, key, attempt, response, started)
+                if wait is None:
+                    return response
+                response.close()
+            self.retry.sleep(wait)
+
+
+class AsyncClient(_Retrying, httpx.AsyncClient):
+    """An ``httpx.AsyncClient`` that adds idempotency keys to writes and retries them safely.
+
+    The same options and behaviour as :class:`Client`; waits use
+    ``policy.asleep`` if set, else ``asyncio.sleep``.
+    """
+
+    def __init__(
+        self, *, retry: RetryPolicy | None = None, key_header: str = "Idempotency-Key",
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
+        super().__init__(**kwargs)
+        self._setup(retry, key_header)
+
+    async def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
+        import asyncio
+
+        key, may_retry = self._prepare(request)
+        started = self.retry.clock()
+        attempt = 0
+        while True:
+            attempt += 1
+            self._log(request, key, attempt)
+            try:
+                response = await super().send(request, **kwargs)
+            except httpx.TransportError as exc:
+                if not may_retry:
+                    raise
+                wait = self._outcome(request, key, attempt, exc, started)
+                if wait is None:
+                    raise
+            else:
+                if may_retry and response.status_code in (409, 429):
+                    await response.aread()  # the problem code is in the body
+                if not may_retry or not retryable(response):
+                    return response
+                await response.aread()
+                wait = self._outcome(request, key, attempt, response, started)
+                if wait is None:
+                    return response
+                await response.aclose()
+            sleep = self.retry.asleep or asyncio.sleep
+            await sleep(wait)  # type: ignore[misc]
