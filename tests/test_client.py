@@ -38,6 +38,9 @@ class FakeTime:
     def clock(self) -> float:
         return self.now
 
+    def wall(self) -> float:
+        return NOW + self.now
+
     def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
         self.now += seconds
@@ -52,8 +55,9 @@ def policy(fake: FakeTime, seed: int = 7, **options: object) -> RetryPolicy:
         sleep=fake.sleep,
         asleep=fake.asleep,
         clock=fake.clock,
+        wall=fake.wall,
         **options,
-    )  # type: ignore[arg-type]
+    )
 
 
 Handler = Callable[[httpx.Request], httpx.Response]
@@ -135,13 +139,28 @@ def test_retry_after_seconds_and_http_date() -> None:
 
 def test_retry_after_date_through_the_client() -> None:
     fake = FakeTime()
-    date = email.utils.formatdate(usegmt=True)  # now: wait 0 (or a hair more)
+    fake.now = 2.0  # the fake wall clock reads NOW + 2
+    first = email.utils.formatdate(NOW + 7, usegmt=True)
+    second = email.utils.formatdate(NOW + 20, usegmt=True)
     handler, seen = scripted(
-        [httpx.Response(503, headers={"retry-after": date}), httpx.Response(201)]
+        [
+            problem(409, "idempotency_in_flight", {"retry-after": first}),
+            httpx.Response(503, headers={"retry-after": second}),
+            httpx.Response(503, headers={"retry-after": "Tue, 01 Jan 2019 00:00:00 GMT"}),
+            httpx.Response(201),
+        ]
     )
     with Client(transport=httpx.MockTransport(handler), retry=policy(fake)) as c:
         assert c.post("http://api.test/x").status_code == 201
-    assert len(seen) == 2 and fake.sleeps[0] <= 1
+    assert fake.sleeps == [pytest.approx(5), pytest.approx(13), 0]  # a past date: at once
+    assert len(seen) == 4
+
+
+def test_unsupported_protocol_is_not_retried() -> None:
+    fake = FakeTime()
+    with Client(retry=policy(fake)) as c, pytest.raises(httpx.UnsupportedProtocol):
+        c.post("ftp://api.test/x")
+    assert fake.sleeps == []
 
 
 @pytest.mark.parametrize(

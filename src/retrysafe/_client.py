@@ -23,8 +23,9 @@ class RetryPolicy:
     seconds from the first attempt to the last wait's end. The wait before
     attempt ``n + 1`` is ``random.uniform(0, min(cap, base * 2**n))`` (full
     jitter), or the server's ``Retry-After`` when ``honour_retry_after`` (never
-    past the remaining time). ``random``, ``sleep``, ``asleep`` and ``clock``
-    are seams for tests.
+    past the remaining time). ``random``, ``sleep``, ``asleep`` (async; default
+    ``asyncio.sleep``), ``clock`` (monotonic, for ``max_time``) and ``wall``
+    (Unix time, for ``Retry-After`` dates) are seams for tests.
     """
 
     max_attempts: int = 5
@@ -38,6 +39,7 @@ class RetryPolicy:
     sleep: Callable[[float], object] = field(default=time.sleep, compare=False, repr=False)
     asleep: Callable[[float], object] | None = field(default=None, compare=False, repr=False)
     clock: Callable[[], float] = field(default=time.monotonic, compare=False, repr=False)
+    wall: Callable[[], float] = field(default=time.time, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -107,7 +109,10 @@ def problem_code(response: httpx.Response) -> str | None:
 def retryable(outcome: httpx.Response | BaseException) -> bool:
     """Whether an answer (or an error) may be retried at all."""
     if isinstance(outcome, BaseException):
-        return isinstance(outcome, httpx.TransportError)
+        # Connection errors, timeouts, dropped connections; not a URL no transport can send.
+        return isinstance(outcome, httpx.TransportError) and not isinstance(
+            outcome, httpx.UnsupportedProtocol
+        )
     status = outcome.status_code
     if status in RETRY_STATUSES:
         return True

@@ -10,7 +10,6 @@ every retry of that call. See ``docs/client.md``.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import httpx
@@ -64,7 +63,7 @@ class _Retrying:
         outcome: httpx.Response | BaseException, started: float,
     ) -> float | None:  # fmt: skip
         elapsed = self.retry.clock() - started
-        wait = decide(attempt, outcome, self.retry, elapsed, time.time())
+        wait = decide(attempt, outcome, self.retry, elapsed, self.retry.wall())
         what = f"{type(outcome).__name__}" if isinstance(outcome, BaseException) else (
             str(outcome.status_code))  # fmt: skip
         if wait is not None:
