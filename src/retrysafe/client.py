@@ -60,8 +60,11 @@ class _Retrying:
 
     def _outcome(
         self, request: httpx.Request, key: str | None, attempt: int,
-        outcome: httpx.Response | BaseException, started: float,
+        outcome: httpx.Response | BaseException, started: float, may_retry: bool,
     ) -> float | None:  # fmt: skip
+        """Seconds to wait before the next attempt, or None: ``outcome`` is the answer."""
+        if not may_retry or (isinstance(outcome, httpx.Response) and not retryable(outcome)):
+            return None
         elapsed = self.retry.clock() - started
         wait = decide(attempt, outcome, self.retry, elapsed, self.retry.wall())
         what = f"{type(outcome).__name__}" if isinstance(outcome, BaseException) else (
@@ -70,6 +73,22 @@ class _Retrying:
             log.debug("retrysafe: %s %s key=%s attempt=%d got %s; retrying in %.3fs",
                       request.method, _where(request), key, attempt, what, wait)  # fmt: skip
         return wait
+
+
+#: Answers whose body ``decide`` may read (a problem code, Mesh's ``retry_after``).
+_READ_BODY = frozenset({409, 429, 500, 502, 503, 504})
+
+
+def _read_first(outcome: httpx.Response | BaseException, may_retry: bool) -> bool:
+    """Whether a (streamed) answer must be read before the retry decision."""
+    return may_retry and isinstance(outcome, httpx.Response) and outcome.status_code in _READ_BODY
+
+
+def _answer(outcome: httpx.Response | BaseException) -> httpx.Response:
+    """The call's final answer: the response, or its error raised."""
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
 
 
 def _where(request: httpx.Request) -> str:
@@ -99,21 +118,18 @@ class Client(_Retrying, httpx.Client):
         while True:
             attempt += 1
             self._log(request, key, attempt)
+            outcome: httpx.Response | BaseException
             try:
-                response = super().send(request, **kwargs)
+                outcome = super().send(request, **kwargs)
             except httpx.TransportError as exc:
-                if not may_retry:
-                    raise
-                wait = self._outcome(request, key, attempt, exc, started)
-                if wait is None:
-                    raise
-            else:
-                if not may_retry or not retryable(response):
-                    return response
-                wait = self._outcome(request, key, attempt, response, started)
-                if wait is None:
-                    return response
-                response.close()
+                outcome = exc
+            if _read_first(outcome, may_retry):
+                outcome.read()  # type: ignore[union-attr]
+            wait = self._outcome(request, key, attempt, outcome, started, may_retry)
+            if wait is None:
+                return _answer(outcome)
+            if isinstance(outcome, httpx.Response):
+                outcome.close()
             self.retry.sleep(wait)
 
 
@@ -140,23 +156,17 @@ class AsyncClient(_Retrying, httpx.AsyncClient):
         while True:
             attempt += 1
             self._log(request, key, attempt)
+            outcome: httpx.Response | BaseException
             try:
-                response = await super().send(request, **kwargs)
+                outcome = await super().send(request, **kwargs)
             except httpx.TransportError as exc:
-                if not may_retry:
-                    raise
-                wait = self._outcome(request, key, attempt, exc, started)
-                if wait is None:
-                    raise
-            else:
-                if may_retry and response.status_code in (409, 429):
-                    await response.aread()  # the problem code is in the body
-                if not may_retry or not retryable(response):
-                    return response
-                await response.aread()
-                wait = self._outcome(request, key, attempt, response, started)
-                if wait is None:
-                    return response
-                await response.aclose()
+                outcome = exc
+            if _read_first(outcome, may_retry):
+                await outcome.aread()  # type: ignore[union-attr]  # the problem code is in it
+            wait = self._outcome(request, key, attempt, outcome, started, may_retry)
+            if wait is None:
+                return _answer(outcome)
+            if isinstance(outcome, httpx.Response):
+                await outcome.aclose()
             sleep = self.retry.asleep or asyncio.sleep
             await sleep(wait)  # type: ignore[misc]
