@@ -23,6 +23,8 @@ import sqlite3
 import urllib.parse
 from typing import Any
 
+from retrysafe._asgi import read_body
+
 SCHEMA = "CREATE TABLE IF NOT EXISTS effects (n INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT)"
 
 
@@ -48,12 +50,7 @@ class Flaky:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
+        body = await read_body(receive, 1 << 20) or b""
         if scope["path"] == "/health":
             await answer(send, 200, {"ok": True})
             return
