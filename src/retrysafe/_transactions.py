@@ -20,7 +20,6 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 from ._errors import StoreUnavailableError
-from ._record import Outcome
 from .stores import Store
 
 if TYPE_CHECKING:
@@ -52,8 +51,9 @@ def _owned(att: Attempt) -> Claim:
     return att.claim
 
 
-def _outcome(att: Attempt) -> Outcome:
-    """The outcome to complete with, checked as :meth:`Engine.complete` checks it."""
+def _completion(att: Attempt, claim: Claim) -> Any:
+    """The store's completion op for the block's outcome, checked as :meth:`Engine.complete`
+    checks it."""
     outcome = att.outcome
     if outcome is None:
         raise RuntimeError("set attempt.outcome inside the transaction block")
@@ -61,7 +61,8 @@ def _outcome(att: Attempt) -> Outcome:
     if error is not None:
         att.final = True  # the business writes roll back, but the handler did run
         raise error
-    return outcome
+    engine = att._engine
+    return engine.store._complete(claim.key_hash, claim.token, outcome, engine.clock())
 
 
 def _same_sqlite_file(store: Any, conn: sqlite3.Connection) -> None:
@@ -114,14 +115,12 @@ def transaction(att: Attempt, connection: Any = None) -> Iterator[Any]:
     if _kind(store) == "sqlite":
         with _sqlite(store, connection) as conn:
             yield conn
-            outcome = _outcome(att)
-            op = store._complete(claim.key_hash, claim.token, outcome, att._engine.clock())
+            op = _completion(att, claim)
             _landed(att, claim, op(conn))
     else:
         with _postgres(store, connection) as conn, conn.transaction():
             yield conn
-            outcome = _outcome(att)
-            op = store._complete(claim.key_hash, claim.token, outcome, att._engine.clock())
+            op = _completion(att, claim)
             try:
                 cur = conn.execute(op.query, op.params)
             except _pg_unavailable() as exc:
@@ -142,8 +141,7 @@ async def atransaction(att: Attempt, connection: Any = None) -> AsyncIterator[An
         )
     async with _apostgres(store, connection) as conn, conn.transaction():
         yield conn
-        outcome = _outcome(att)
-        op = store._complete(claim.key_hash, claim.token, outcome, att._engine.clock())
+        op = _completion(att, claim)
         try:
             cur = await conn.execute(op.query, op.params)
         except _pg_unavailable() as exc:
