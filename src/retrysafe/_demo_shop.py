@@ -232,21 +232,27 @@ class Shop:
     # -- a claimed operation whose business rows commit with its record ---------------
 
     def _once(
-        self, operation: str, scope: str, fingerprint: Any, insert: Any, **fields: Any
-    ) -> Doc:
-        """Run ``insert(conn) -> (doc, status)`` once for the map key of ``operation``."""
-        key = self.map.key(operation, **fields)
-        fp = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
-        ttl = self.map.operations[operation].ttl
+        self, operation: str, scope: str, fingerprint: Any, insert: Any, *,
+        key: str | None = None, **fields: Any,
+    ) -> tuple[Doc, bool]:  # fmt: skip
+        """Run ``insert(conn) -> doc`` once for ``key`` (default: the map key of
+        ``operation`` from ``fields``), its writes committed with the record.
+
+        Returns the document and whether it was replayed.
+        """
+        mapped = self.map.operations.get(operation)
+        if key is None:
+            key = self.map.key(operation, **fields)
         try:
-            with self.engine.attempt(key, operation=operation, scope=scope, fingerprint=fp,
-                                     ttl=ttl) as att:  # fmt: skip
+            with self.engine.attempt(key, operation=operation, scope=scope,
+                                     fingerprint=_digest(fingerprint),
+                                     ttl=mapped.ttl if mapped else None) as att:  # fmt: skip
                 if att.replay is not None:
-                    return att.replay.outcome.value  # type: ignore[union-attr,no-any-return]
+                    return att.replay.outcome.value, True  # type: ignore[union-attr]
                 with att.transaction() as conn:
                     doc = insert(conn)
                     att.outcome = Outcome.json(doc)
-                return doc  # type: ignore[no-any-return]
+                return doc, False
         except IdempotencyError as exc:
             raise refusal(exc) from None
 
@@ -305,7 +311,7 @@ class Shop:
             )  # fmt: skip
             return mandate
 
-        mandate = self._once(
+        mandate, _ = self._once(
             "cart_mandate", user, [items, currency], insert, session_id=session, cart_hash=digest
         )
         return 201, mandate
@@ -324,7 +330,7 @@ class Shop:
             )
             return {"id": mandate_id, "user_id": user, "intent": intent}
 
-        answer = self._once(
+        answer, _ = self._once(
             "intent_mandate", user, intent, insert, user_id=user, intent_hash=digest
         )
         return 201, answer
@@ -355,7 +361,7 @@ class Shop:
             return {"id": order_id, "cart_mandate_id": mandate_id, "user_id": user,
                     "total": row[1], "currency": row[2], "status": "created"}  # fmt: skip
 
-        answer = self._once(
+        answer, _ = self._once(
             "order", user, [mandate_id], insert, cart_mandate_id=mandate_id, user_id=user
         )
         return 201, answer
@@ -461,28 +467,21 @@ class Shop:
         sequence = doc.get("sequence")
         if isinstance(sequence, bool) or not isinstance(sequence, int) or sequence < 1:
             raise ShopError(400, "invalid_field", '"sequence" must be a positive integer')
-        key = f"session_update:{session}:{operation}:{sequence}"
         payload = doc.get("payload", {})
-        try:
-            with self.engine.attempt(key, operation="session_update", scope=session,
-                                     fingerprint=_digest(payload)) as att:  # fmt: skip
-                if att.replay is not None:
-                    return 200, att.replay.outcome.value  # type: ignore[union-attr]
-                # On the shop's SQLite store the guard's cell joins the transaction: the
-                # sequence moves only if the update and its record commit.
-                with att.transaction() as conn:
-                    self.sequences.accept(session, operation, sequence)
-                    conn.execute(
-                        "INSERT INTO shop_session_updates VALUES (?, ?, ?, ?, ?)",
-                        (session, operation, sequence, json.dumps(payload), time.time()),
-                    )
-                    answer = {"operation": operation, "sequence": sequence, "applied": True}
-                    att.outcome = Outcome.json(answer)
-                return 201, answer
-        except OutOfOrderError as exc:
-            raise ShopError(409, "out_of_order", str(exc), last=exc.last) from None
-        except IdempotencyError as exc:
-            raise refusal(exc) from None
+
+        def apply(conn: sqlite3.Connection) -> Doc:
+            # On the shop's SQLite store the guard's cell joins the transaction: the
+            # sequence moves only if the update and its record commit.
+            self.sequences.accept(session, operation, sequence)
+            conn.execute(
+                "INSERT INTO shop_session_updates VALUES (?, ?, ?, ?, ?)",
+                (session, operation, sequence, json.dumps(payload), time.time()),
+            )
+            return {"operation": operation, "sequence": sequence, "applied": True}
+
+        key = f"session_update:{session}:{operation}:{sequence}"
+        answer, replayed = self._once("session_update", session, payload, apply, key=key)
+        return (200 if replayed else 201), answer
 
     def put_profile(self, user: str, doc: Doc) -> tuple[int, Doc]:
         """Replace a profile if ``version`` is the stored one (optimistic locking)."""
@@ -506,19 +505,14 @@ class Shop:
         if not isinstance(granted, bool):
             raise ShopError(400, "invalid_field", '"granted" must be true or false')
         entry = {"purpose": purpose, "granted": granted, "change_id": change}
-        try:
+
+        def append(conn: sqlite3.Connection) -> Doc:
             # One entry per change, however often it is sent: the append joins the
             # record's transaction (SQLite), so a retry never appends it twice.
-            with self.engine.attempt(f"consent:{user}:{change}", operation="consent", scope=user,
-                                     fingerprint=_digest(entry)) as att:  # fmt: skip
-                if att.replay is not None:
-                    return 201, att.replay.outcome.value  # type: ignore[union-attr]
-                with att.transaction():
-                    answer = {"user_id": user, "position": self.consents.append(user, entry)}
-                    att.outcome = Outcome.json(answer)
-                return 201, answer
-        except IdempotencyError as exc:
-            raise refusal(exc) from None
+            return {"user_id": user, "position": self.consents.append(user, entry)}
+
+        answer, _ = self._once("consent", user, entry, append, key=f"consent:{user}:{change}")
+        return 201, answer
 
     def consent_history(self, user: str) -> tuple[int, Doc]:
         user = _text({"user": user}, "user")
@@ -570,6 +564,8 @@ def refusal(exc: IdempotencyError) -> ShopError:
     """An idempotency error as the shop's answer (in flight, conflict, invalid transition)."""
     if isinstance(exc, InvalidTransitionError):
         return ShopError(409, "invalid_transition", str(exc))
+    if isinstance(exc, OutOfOrderError):
+        return ShopError(409, "out_of_order", str(exc), last=exc.last)
     status = {"idempotency_in_flight": 409, "idempotency_conflict": 422,
               "idempotency_key_invalid": 400, "idempotency_store_unavailable": 503}  # fmt: skip
     return ShopError(status.get(exc.code, 500), exc.code, str(exc))
