@@ -61,15 +61,35 @@ def workers(
         yield door, proc.url
 
 
+ROUNDS = 3
+
+
 def test_duplicates_across_worker_processes_run_once(
     workers: tuple[str, str], counter: Counter
 ) -> None:
     """20 keys, 10 concurrent copies each, 50 at a time, over 4 processes.
 
-    Unkeyed requests are mixed in: each runs the handler, so together with the
-    keyed runs they show which workers took the load.
+    Every round must run each key once. The kernel, not the test, decides which
+    worker accepts a connection, and an async worker can take a whole round by
+    itself now and then (seen once in CI); such a round proves nothing about
+    processes racing, so another round with new keys follows, up to ROUNDS.
     """
     door, url = workers
+    seen: list[set[str]] = []
+    for _ in range(ROUNDS):
+        pids = _round(url, counter)
+        seen.append(pids)
+        if door == "gateway" or len(pids) >= 2:  # the gateway's upstream is one process
+            return
+    pytest.fail(f"the load never reached a second worker in {ROUNDS} rounds: {seen}")
+
+
+def _round(url: str, counter: Counter) -> set[str]:
+    """One storm of keyed duplicates, with unkeyed requests mixed in.
+
+    Returns the pids that ran handlers: each unkeyed request runs one, so they
+    show which workers took the load.
+    """
     tids = [uuid.uuid4().hex for _ in range(20)]
     filler = uuid.uuid4().hex
     # One unkeyed request before every third keyed one.
@@ -103,6 +123,4 @@ def test_duplicates_across_worker_processes_run_once(
     assert counter.count(filler) == len(unkeyed)
     ran = [r for r in keyed if r.status_code == 200 and "idempotent-replayed" not in r.headers]
     assert len(ran) == len(tids)
-    if door != "gateway":  # the gateway's upstream is one process
-        pids = {r.headers["x-pid"] for r in ran + unkeyed}
-        assert len(pids) >= 2, "the load never reached a second worker"
+    return {r.headers.get("x-pid", "?") for r in ran + unkeyed}
