@@ -12,6 +12,9 @@ mutation ``ID`` (one row in the ``effects`` table of the SQLite file in
   caller's timeout) before answering.
 
 ``GET /health`` answers 200.
+
+:func:`serve` runs it in a process of its own behind retrysafe: the gateway
+(another process) or the ASGI middleware (in the app's process).
 """
 
 from __future__ import annotations
@@ -20,8 +23,14 @@ import asyncio
 import json
 import os
 import sqlite3
+import sys
 import urllib.parse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+
+from _http_servers import Process, free_port, uvicorn_argv
 
 from retrysafe._asgi import read_body
 
@@ -86,3 +95,35 @@ async def answer(send: Any, status: int, doc: object) -> None:
 def app_from_env() -> Flaky:
     """The app over ``$FLAKY_DB``: a factory for ``uvicorn --factory``."""
     return Flaky(os.environ["FLAKY_DB"])
+
+
+def app_with_middleware_from_env() -> Any:
+    """The app behind retrysafe's ASGI middleware on ``$FLAKY_STORE``."""
+    from retrysafe.asgi import IdempotencyMiddleware
+
+    return IdempotencyMiddleware(app_from_env(), store=os.environ["FLAKY_STORE"])
+
+
+#: The ways :func:`serve` puts retrysafe in front of the flaky app.
+FRONTS = ("gateway", "middleware")
+
+
+@contextmanager
+def serve(front: str, root: Path) -> Iterator[tuple[str, str]]:
+    """(retrysafe's URL, the effects DB): the flaky app behind ``front``, in real processes."""
+    db, store = str(root / "effects.db"), f"sqlite:///{root / 'retrysafe.db'}"
+    port = free_port()
+    if front == "middleware":
+        argv = uvicorn_argv("_flaky_upstream:app_with_middleware_from_env", port)
+        with Process(argv, port, {"FLAKY_DB": db, "FLAKY_STORE": store}, health="/health") as p:
+            yield p.url, db
+        return
+    argv = uvicorn_argv("_flaky_upstream:app_from_env", port)
+    with Process(argv, port, {"FLAKY_DB": db}, health="/health") as upstream:
+        gp = free_port()
+        gateway = [
+            sys.executable, "-m", "retrysafe", "gateway", "--upstream", upstream.url,
+            "--store", store, "--listen", f"127.0.0.1:{gp}",
+        ]  # fmt: skip
+        with Process(gateway, gp, health="/_retrysafe/health") as g:
+            yield g.url, db

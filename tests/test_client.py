@@ -1,9 +1,10 @@
 """retrysafe.client: keys, the retry decision (fake clock), and real servers end to end.
 
 The unit tests drive the clients over ``httpx.MockTransport`` with a fake clock
-and a seeded random, so no test sleeps. The end-to-end tests run the real
-``retrysafe gateway`` process in front of a real flaky upstream process
-(tests/_flaky_upstream.py) and count effects in the upstream's SQLite file.
+and a seeded random, so no test sleeps. The end-to-end tests run a real flaky
+upstream process (tests/_flaky_upstream.py) behind the real ``retrysafe
+gateway`` process, and again behind the ASGI middleware, and count effects in
+the upstream's SQLite file.
 """
 
 from __future__ import annotations
@@ -13,15 +14,13 @@ import email.utils
 import json
 import logging
 import random
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from _flaky_upstream import effects
-from _http_servers import Process, free_port, uvicorn_argv
+from _flaky_upstream import FRONTS, effects, serve
 
 from retrysafe.client import AsyncClient, Client, RetryPolicy, decide, was_replayed
 
@@ -339,33 +338,17 @@ def test_async_streamed_problem_is_read_for_its_code() -> None:
     assert asyncio.run(main()) == 422 and len(seen) == 1
 
 
-# -- real servers: the gateway in front of a flaky upstream ---------------------------------
+# -- real servers: the gateway or the middleware in front of a flaky upstream ---------
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """(gateway URL, the upstream's effects DB): two real processes."""
-    root = tmp_path_factory.mktemp("client")
-    db = str(root / "effects.db")
-    up, gp = free_port(), free_port()
-    upstream = Process(
-        uvicorn_argv("_flaky_upstream:app_from_env", up), up, {"FLAKY_DB": db}, health="/health"
-    )
-    with upstream:
-        argv = [
-            sys.executable,
-            "-m",
-            "retrysafe",
-            "gateway",
-            "--upstream",
-            upstream.url,
-            "--store",
-            f"sqlite:///{root / 'gateway.db'}",
-            "--listen",
-            f"127.0.0.1:{gp}",
-        ]
-        with Process(argv, gp, health="/_retrysafe/health") as gateway:
-            yield gateway.url, db
+@pytest.fixture(scope="module", params=FRONTS)
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, str]]:
+    """(retrysafe's URL, the upstream's effects DB): the gateway or the middleware
+    in front of the flaky upstream, in real processes."""
+    with serve(request.param, tmp_path_factory.mktemp("client")) as stack:
+        yield stack
 
 
 MODES = ["ok", "503&n=2", "drop&n=1", "slow&s=1.2"]
@@ -385,7 +368,7 @@ def check(db: str, results: list[tuple[str, str, httpx.Response]]) -> None:
             assert was_replayed(r)  # the first answer was lost to the timeout
 
 
-def test_real_gateway_sync_exactly_once(stack: tuple[str, str]) -> None:
+def test_real_server_sync_exactly_once(stack: tuple[str, str]) -> None:
     url, db = stack
     results = []
     with Client(base_url=url, timeout=0.5, retry=real_policy()) as c:
@@ -395,7 +378,7 @@ def test_real_gateway_sync_exactly_once(stack: tuple[str, str]) -> None:
     check(db, results)
 
 
-def test_real_gateway_async_16_concurrent_callers(stack: tuple[str, str]) -> None:
+def test_real_server_async_16_concurrent_callers(stack: tuple[str, str]) -> None:
     url, db = stack
 
     async def one(c: AsyncClient, mode: str) -> tuple[str, str, httpx.Response]:
@@ -409,7 +392,7 @@ def test_real_gateway_async_16_concurrent_callers(stack: tuple[str, str]) -> Non
     check(db, asyncio.run(main()))
 
 
-def test_real_gateway_sync_16_concurrent_threads(stack: tuple[str, str]) -> None:
+def test_real_server_sync_16_concurrent_threads(stack: tuple[str, str]) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     url, db = stack
@@ -424,7 +407,7 @@ def test_real_gateway_sync_16_concurrent_threads(stack: tuple[str, str]) -> None
     check(db, results)
 
 
-def test_real_gateway_conflict_is_not_retried(stack: tuple[str, str]) -> None:
+def test_real_server_conflict_is_not_retried(stack: tuple[str, str]) -> None:
     url, db = stack
     with Client(base_url=url, timeout=2, retry=real_policy()) as c:
         key = str(uuid.uuid4())
@@ -437,7 +420,7 @@ def test_real_gateway_conflict_is_not_retried(stack: tuple[str, str]) -> None:
     assert effects(db).get("c-" + key) == 1 and "d-" + key not in effects(db)
 
 
-def test_the_gateway_process_sees_one_key(stack: tuple[str, str], tmp_path: Path) -> None:
+def test_the_server_sees_one_key(stack: tuple[str, str], tmp_path: Path) -> None:
     # Effects are counted per mutation; the key the gateway saw is the client's one key.
     url, _ = stack
     with Client(base_url=url, timeout=0.5, retry=real_policy()) as c:
