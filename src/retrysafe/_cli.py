@@ -46,11 +46,21 @@ app = typer.Typer(
 )
 map_app = typer.Typer(help="Check or show an Idempotency Map.", no_args_is_help=True)
 archive_app = typer.Typer(help="Read the archive of financial records.", no_args_is_help=True)
+outbox_app = typer.Typer(
+    help="Inspect, send or drop the mutations queued in a client outbox.", no_args_is_help=True
+)
 app.add_typer(map_app, name="map")
 app.add_typer(archive_app, name="archive")
+app.add_typer(outbox_app, name="outbox")
 
 StoreOpt = Annotated[str | None, typer.Option("--store", metavar="URL", help=STORE_HELP)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+DEFAULT_OUTBOX = "retrysafe-outbox.db"
+OutboxOpt = Annotated[
+    str | None,
+    typer.Option("--path", metavar="FILE",
+                 help=f"The outbox file (default: $RETRYSAFE_OUTBOX or {DEFAULT_OUTBOX})."),
+]  # fmt: skip
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -538,6 +548,122 @@ def archive_list(
     return 0
 
 
+# -- the client outbox ----------------------------------------------------------------------
+
+
+def _outbox(path: str | None) -> Any:
+    from .client import Outbox
+
+    file = Path(path or os.environ.get("RETRYSAFE_OUTBOX") or DEFAULT_OUTBOX)
+    if not file.is_file():
+        raise CliError(f"no outbox at {str(file)!r}")
+    return Outbox(file)
+
+
+def _item_json(item: Any) -> dict[str, Any]:
+    answer = item.answer
+    return {
+        "seq": item.seq,
+        "key": item.key,
+        "state": item.state,
+        "method": item.method,
+        "url": item.url,
+        "bytes": len(item.body),
+        "attempts": item.attempts,
+        "last_error": item.last_error,
+        "created_at": _when(item.created_at),
+        "status_code": item.status_code,
+        "answer": None if answer is None else answer.decode("utf-8", "replace"),
+        "finished_at": _when(item.finished_at),
+    }
+
+
+@outbox_app.command("list")
+def outbox_list(
+    path: OutboxOpt = None,
+    failed: Annotated[
+        bool, typer.Option("--failed", help="The mutations a server finally refused.")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> int:
+    """List the queued mutations in the order they will be sent (or the failed ones)."""
+    box = _outbox(path)
+    items = box.failures() if failed else box.items()
+    if as_json:
+        _print_json([_item_json(i) for i in items])
+        return 0
+    if not items:
+        out.print("no failed mutations" if failed else "the outbox is empty")
+        return 0
+    now = time.time()
+    table = Table("seq", "request", "bytes", "age", "attempts",
+                  "answer" if failed else "last error")  # fmt: skip
+    table.add_column("key", min_width=36, overflow="fold")  # whole, for outbox drop
+    for i in items:
+        last = f"{i.status_code} {(i.answer or b'')[:60].decode('utf-8', 'replace')}" if failed \
+            else (i.last_error or "-")  # fmt: skip
+        table.add_row(str(i.seq), f"{i.method} {i.url}", str(len(i.body)),
+                      _age(now - i.created_at), str(i.attempts), last, i.key)  # fmt: skip
+    out.print(table)
+    return 0
+
+
+@outbox_app.command("flush")
+def outbox_flush(
+    path: OutboxOpt = None,
+    base_url: Annotated[
+        str | None,
+        typer.Option(metavar="URL", help="Where relative URLs go, e.g. https://api.example.com."),
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds for each HTTP attempt.")] = 10.0,
+    max_attempts: Annotated[int, typer.Option(min=1, help="Attempts per mutation.")] = 5,
+    max_time: Annotated[float, typer.Option(help="Seconds of retrying per mutation.")] = 30.0,
+    as_json: JsonOpt = False,
+) -> int:
+    """Send the queued mutations in order; exit 1 unless every one was accepted."""
+    import httpx
+
+    from .client import Client, RetryPolicy
+
+    box = _outbox(path)
+    policy = RetryPolicy(max_attempts=max_attempts, max_time=max_time)
+    options: dict[str, Any] = {"retry": policy, "timeout": timeout}
+    if base_url is not None:
+        options["base_url"] = base_url
+    try:
+        with Client(**options) as client:
+            result = box.flush(client)
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:  # not an answer: a bad base URL
+        raise CliError(f"cannot send: {exc}") from exc
+    if as_json:
+        _print_json({
+            "delivered": [i.key for i in result.delivered],
+            "failed": [_item_json(i) for i in result.failed],
+            "remaining": result.remaining,
+            "error": result.error,
+        })  # fmt: skip
+    else:
+        print(f"{_count(len(result.delivered), 'mutation')} delivered, {len(result.failed)} "
+              f"refused, {result.remaining} still queued")  # fmt: skip
+        for i in result.failed:
+            print(f"  refused: {i.method} {i.url} (key {i.key}): HTTP {i.status_code}")
+        if result.error:
+            print(f"  stopped at {result.error}")
+    return 0 if result.complete else 1
+
+
+@outbox_app.command("drop")
+def outbox_drop(
+    key: Annotated[str, typer.Argument(help="The mutation's idempotency key.")],
+    path: OutboxOpt = None,
+) -> int:
+    """Remove a queued or failed mutation (it will not be sent)."""
+    if not _outbox(path).drop(key):
+        raise CliError(f"no mutation with key {key!r}", 1)
+    print(f"dropped {key}")
+    return 0
+
+
 # -- the map -------------------------------------------------------------------------------
 
 
@@ -589,7 +715,7 @@ def map_show(
 
 def _command_name(argv: Sequence[str]) -> str:
     words = [a for a in argv if not a.startswith("-")][:2]
-    if words[:1] in (["map"], ["archive"]):
+    if words[:1] in (["map"], ["archive"], ["outbox"]):
         return " ".join(words)
     return words[0] if words else ""
 

@@ -15,9 +15,11 @@ from typing import Any
 import httpx
 
 from ._client import RetryPolicy, decide, is_replayable, retry_after, retryable
+from ._outbox import FlushResult, Outbox, OutboxError, OutboxItem
 from .keys import new_key
 
-__all__ = ["AsyncClient", "Client", "RetryPolicy", "decide", "retry_after", "retryable",
+__all__ = ["AsyncClient", "Client", "FlushResult", "Outbox", "OutboxError", "OutboxItem",
+           "RetryPolicy", "decide", "retry_after", "retryable",
            "was_replayed"]  # fmt: skip
 
 log = logging.getLogger("retrysafe.client")
