@@ -12,7 +12,12 @@ from dataclasses import dataclass, field
 import httpx
 
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
-UNITS = {"ms": 0.001, "milliseconds": 0.001, "s": 1.0, "seconds": 1.0, "m": 60.0, "minutes": 60.0}
+_UNIT_SECONDS = {"millisecond": 0.001, "second": 1.0, "minute": 60.0, "hour": 3600.0}
+#: Seconds per ``retry_after`` unit: short (``ms``, ``s``, ``m``, ``h``), singular or plural.
+UNITS = {
+    "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0,
+    **_UNIT_SECONDS, **{unit + "s": seconds for unit, seconds in _UNIT_SECONDS.items()},
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -53,8 +58,10 @@ class RetryPolicy:
 
 
 def retry_after(response: httpx.Response, now: float | None = None) -> float | None:
-    """Seconds the server asks to wait: ``Retry-After`` (seconds or HTTP date) or Mesh's
-    ``retry_after`` ``{value, unit}`` (or a number of seconds) in a JSON error body."""
+    """Seconds the server asks to wait: ``Retry-After`` (seconds or HTTP date), else a
+    ``retry_after`` ``{value, unit}`` (or a number of seconds) in a JSON error body: at
+    its top, in its ``error``, or in a Mesh envelope's ``errors[i]`` or their
+    ``details`` (the longest, if several ask)."""
     value = response.headers.get("retry-after")
     if value is not None:
         value = value.strip()
@@ -70,17 +77,30 @@ def retry_after(response: httpx.Response, now: float | None = None) -> float | N
             wall = time.time() if now is None else now
             return max(0.0, when.timestamp() - wall)
     doc = _json(response)
-    if isinstance(doc, dict):
-        candidates = [doc, doc.get("error")]
-        for item in candidates:
-            if isinstance(item, dict) and "retry_after" in item:
-                ra = item["retry_after"]
-                if isinstance(ra, (int, float)) and not isinstance(ra, bool):
-                    return max(0.0, float(ra))
-                if isinstance(ra, dict) and isinstance(ra.get("value"), (int, float)):
-                    unit = UNITS.get(str(ra.get("unit", "s")).lower(), 1.0)
-                    return max(0.0, float(ra["value"]) * unit)
+    if not isinstance(doc, dict):
+        return None
+    errors = [e for e in _mesh_errors(doc) or () if isinstance(e, dict)]
+    candidates = [doc, doc.get("error"), *errors, *(e.get("details") for e in errors)]
+    asked = [_seconds(item["retry_after"]) for item in candidates
+             if isinstance(item, dict) and "retry_after" in item]  # fmt: skip
+    return max((s for s in asked if s is not None), default=None)
+
+
+def _seconds(ra: object) -> float | None:
+    """Seconds in a ``retry_after``: a number of seconds or ``{value, unit}`` (default ``s``)."""
+    if isinstance(ra, (int, float)) and not isinstance(ra, bool):
+        return max(0.0, float(ra))
+    if isinstance(ra, dict):
+        value = ra.get("value")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return max(0.0, float(value) * UNITS.get(str(ra.get("unit", "s")).lower(), 1.0))
     return None
+
+
+def _mesh_errors(doc: object) -> list[object] | None:
+    """A Mesh envelope's ``errors`` list (None if ``doc`` has none)."""
+    errors = doc.get("errors") if isinstance(doc, dict) else None
+    return errors if isinstance(errors, list) else None
 
 
 def _json(response: httpx.Response) -> object:
@@ -126,17 +146,38 @@ def retryable(outcome: httpx.Response | BaseException) -> bool:
     return False
 
 
+def mesh_retryable(outcome: httpx.Response | BaseException) -> bool:
+    """:func:`retryable`, or a Mesh answer whose ``errors`` are all ``"retryable": true``.
+
+    Those are ``IDEMPOTENCY_PROCESSING`` (the first attempt still runs),
+    ``IDEMPOTENCY_STORE_UNAVAILABLE``, a crashed handler's ``INTERNAL_ERROR`` and
+    any retryable error of the function's own; never ``IDEMPOTENCY_CONFLICT``
+    or another error that is not retryable. Mesh servers answer errors with 200.
+    """
+    if retryable(outcome):
+        return True
+    if isinstance(outcome, BaseException):
+        return False
+    errors = _mesh_errors(_json(outcome))
+    return bool(errors) and all(isinstance(e, dict) and e.get("retryable") is True
+                                for e in errors)  # fmt: skip
+
+
 def decide(
     attempt: int,
     outcome: httpx.Response | BaseException,
     policy: RetryPolicy,
     elapsed: float,
     now: float | None = None,
+    *,
+    retryable: Callable[[httpx.Response | BaseException], bool] = retryable,
 ) -> float | None:
     """Seconds to wait before attempt ``attempt + 1``, or None to stop.
 
     ``attempt`` counts from 1; ``elapsed`` is the seconds since the first
-    attempt began; ``now`` the wall-clock time for ``Retry-After`` dates.
+    attempt began; ``now`` the wall-clock time for ``Retry-After`` dates;
+    ``retryable`` whether an answer may be retried at all (:func:`mesh_retryable`
+    for Mesh calls).
     """
     if attempt >= policy.max_attempts or not retryable(outcome):
         return None

@@ -4,7 +4,9 @@
 ``httpx.AsyncClient``: every httpx keyword argument and method works. A write
 request (POST and PATCH by default; PUT and DELETE if the policy says so) gets
 an ``Idempotency-Key`` unless the caller gave one, and the same key is sent on
-every retry of that call. See ``docs/client.md``.
+every retry of that call. :class:`MeshClient` and :class:`AsyncMeshClient` add
+``call()``, a Mesh call with the idempotency extension; :class:`Outbox` queues
+mutations durably for later. See ``docs/client.md`` and ``docs/outbox.md``.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from ._client import RetryPolicy, decide, is_replayable, retry_after, retryable
 from ._outbox import FlushResult, Outbox, OutboxError, OutboxItem
 from .keys import new_key
 
-__all__ = ["AsyncClient", "Client", "FlushResult", "Outbox", "OutboxError", "OutboxItem",
-           "RetryPolicy", "decide", "retry_after", "retryable",
+__all__ = ["AsyncClient", "AsyncMeshClient", "Client", "FlushResult", "MeshClient", "Outbox",
+           "OutboxError", "OutboxItem", "RetryPolicy", "decide", "retry_after", "retryable",
            "was_replayed"]  # fmt: skip
 
 log = logging.getLogger("retrysafe.client")
@@ -56,6 +58,17 @@ class _Retrying:
             return key, False
         return key, True
 
+    def _for_attempt(self, request: httpx.Request, attempt: int) -> httpx.Request:
+        """The request to send as attempt ``attempt`` (from 1): ``request`` itself.
+
+        A subclass may build a new one per attempt (a Mesh call's ``id``).
+        """
+        return request
+
+    def _retryable(self, outcome: httpx.Response | BaseException) -> bool:
+        """Whether an answer may be retried at all; a subclass may widen it."""
+        return retryable(outcome)
+
     def _log(self, request: httpx.Request, key: str | None, attempt: int) -> None:
         log.debug("retrysafe: %s %s key=%s attempt=%d", request.method, _where(request), key,
                   attempt)  # fmt: skip
@@ -65,10 +78,11 @@ class _Retrying:
         outcome: httpx.Response | BaseException, started: float, may_retry: bool,
     ) -> float | None:  # fmt: skip
         """Seconds to wait before the next attempt, or None: ``outcome`` is the answer."""
-        if not may_retry or (isinstance(outcome, httpx.Response) and not retryable(outcome)):
+        if not may_retry or (isinstance(outcome, httpx.Response) and not self._retryable(outcome)):
             return None
         elapsed = self.retry.clock() - started
-        wait = decide(attempt, outcome, self.retry, elapsed, self.retry.wall())
+        wait = decide(attempt, outcome, self.retry, elapsed, self.retry.wall(),
+                      retryable=self._retryable)  # fmt: skip
         what = f"{type(outcome).__name__}" if isinstance(outcome, BaseException) else (
             str(outcome.status_code))  # fmt: skip
         if wait is not None:
@@ -119,15 +133,16 @@ class Client(_Retrying, httpx.Client):
         attempt = 0
         while True:
             attempt += 1
-            self._log(request, key, attempt)
+            sent = self._for_attempt(request, attempt)
+            self._log(sent, key, attempt)
             outcome: httpx.Response | BaseException
             try:
-                outcome = super().send(request, **kwargs)
+                outcome = super().send(sent, **kwargs)
             except httpx.TransportError as exc:
                 outcome = exc
             if _read_first(outcome, may_retry):
                 outcome.read()  # type: ignore[union-attr]
-            wait = self._outcome(request, key, attempt, outcome, started, may_retry)
+            wait = self._outcome(sent, key, attempt, outcome, started, may_retry)
             if wait is None:
                 return _answer(outcome)
             if isinstance(outcome, httpx.Response):
@@ -157,18 +172,23 @@ class AsyncClient(_Retrying, httpx.AsyncClient):
         attempt = 0
         while True:
             attempt += 1
-            self._log(request, key, attempt)
+            sent = self._for_attempt(request, attempt)
+            self._log(sent, key, attempt)
             outcome: httpx.Response | BaseException
             try:
-                outcome = await super().send(request, **kwargs)
+                outcome = await super().send(sent, **kwargs)
             except httpx.TransportError as exc:
                 outcome = exc
             if _read_first(outcome, may_retry):
                 await outcome.aread()  # type: ignore[union-attr]  # the problem code is in it
-            wait = self._outcome(request, key, attempt, outcome, started, may_retry)
+            wait = self._outcome(sent, key, attempt, outcome, started, may_retry)
             if wait is None:
                 return _answer(outcome)
             if isinstance(outcome, httpx.Response):
                 await outcome.aclose()
             sleep = self.retry.asleep or asyncio.sleep
             await sleep(wait)  # type: ignore[misc]
+
+
+# Last: the Mesh clients subclass the clients above.
+from ._mesh_client import AsyncMeshClient, MeshClient  # noqa: E402
