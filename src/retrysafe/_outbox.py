@@ -18,6 +18,7 @@ import json as _json
 import os
 import re
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -150,6 +151,20 @@ class Outbox:
         self.timeout = timeout
         self.keep_credentials = keep_credentials
         self._ready = False
+        self._local = threading.local()
+
+    def close(self) -> None:
+        """Close this thread's connection to the file (others close when their thread ends)."""
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            conn.close()
+
+    def __enter__(self) -> Outbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return f"Outbox({str(self.path)!r})"
@@ -158,11 +173,19 @@ class Outbox:
 
     @contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
-        """A connection for one call (cheap, and safe across threads and forks)."""
-        try:
-            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-        except sqlite3.Error as exc:
-            raise OutboxError(f"cannot open the outbox {str(self.path)!r}: {exc}") from exc
+        """This thread's connection (one per thread and process: a fork opens its own).
+
+        Kept open, so SQLite keeps its WAL files instead of checkpointing and
+        deleting them at every call; each write still commits (and syncs) at once.
+        """
+        conn = getattr(self._local, "conn", None)
+        if conn is None or self._local.pid != os.getpid():
+            try:
+                conn = sqlite3.connect(self.path, timeout=30, isolation_level=None,
+                                       check_same_thread=False)  # fmt: skip
+            except sqlite3.Error as exc:
+                raise OutboxError(f"cannot open the outbox {str(self.path)!r}: {exc}") from exc
+            self._local.conn, self._local.pid = conn, os.getpid()
         try:
             if not self._ready:
                 conn.execute("PRAGMA journal_mode=WAL")
@@ -170,9 +193,9 @@ class Outbox:
                 self._ready = True
             yield conn
         except sqlite3.Error as exc:
-            raise OutboxError(f"outbox {str(self.path)!r}: {exc}") from exc
-        finally:
+            self._local.conn = None  # a broken connection is not used again
             conn.close()
+            raise OutboxError(f"outbox {str(self.path)!r}: {exc}") from exc
 
     def _select(
         self, where: str, params: tuple[Any, ...] = (), limit: int = -1
