@@ -35,6 +35,7 @@ from ._errors import (
     StoreUnavailableError,
 )
 from ._keys import canonical_json, fingerprint, validate_key
+from ._metrics import METRICS
 from ._record import Outcome
 
 __all__ = [
@@ -374,8 +375,9 @@ def _seconds(value: float) -> int:
     return max(1, math.ceil(value))
 
 
-def refusal(request_id: Any, exc: IdempotencyError) -> dict[str, Any]:
+def refusal(request_id: Any, exc: IdempotencyError, operation: str = "a2a.send") -> dict[str, Any]:
     """The JSON-RPC error answering an error of the key or the engine."""
+    METRICS.refused(operation, exc)  # once: the engine's errors are counted there
     original = getattr(exc, "original_request_id", None)
     extra = {} if original is None else {"original_request_id": original}
     if isinstance(exc, InvalidKeyError):

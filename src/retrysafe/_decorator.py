@@ -35,6 +35,7 @@ from ._errors import IdempotencyError, InvalidKeyError
 from ._heartbeat import renewing
 from ._keys import _KEY_RE, fingerprint, validate_key
 from ._map import Operation
+from ._metrics import METRICS
 from ._record import Outcome
 from .serializers import Serializer, resolve
 from .stores import Store
@@ -507,6 +508,7 @@ def idempotent(
             if k is None:
                 message = f"no idempotency key for {op}: the {call.describe_key()} has no value"
                 if raise_on_missing_key:
+                    METRICS.count("invalid_key", op)
                     raise InvalidKeyError(message)
                 log.warning("retrysafe: %s; running it without idempotency", message)
                 return None

@@ -25,10 +25,12 @@ from ._decide import Verdict, retry_after, verdict
 from ._errors import (
     FingerprintMismatchError,
     InProgressError,
+    InvalidKeyError,
     LeaseLostError,
     StoreUnavailableError,
 )
 from ._keys import _KEY_RE, key_hash, validate_key
+from ._metrics import METRICS
 from ._record import RETENTIONS, STANDARD, ClaimResult, Outcome, Record, Status
 from .stores import DEFAULT_STORE_URL, Store, open_store
 
@@ -79,6 +81,7 @@ class Claim:
     attempts: int
     took_over: Status | None
     request_id: str | None
+    started: float = 0.0  # time.perf_counter() when the claim was granted
 
 
 @dataclass(slots=True)
@@ -202,6 +205,18 @@ class Engine:
     def _lease_until(self, lease: float | None, now: float) -> float:
         return now + (self.lease if lease is None else _positive("lease", lease))
 
+    def _settled(self, claim: Claim, ok: bool, started: float, final: bool | None = None) -> None:
+        """After the store call (begun at ``started``) of a completion, or of a
+        failure (``final`` given): report it, or refuse it as stale."""
+        what = "completion" if final is None else "failure"
+        if not ok:
+            self._lost(claim, what)
+        call = "complete" if final is None else "fail"
+        METRICS.settled(call, claim.operation, claim.key_hash, time.perf_counter() - started,
+                        started - claim.started)  # fmt: skip
+        if final is not None:
+            METRICS.failed(claim.operation, claim.key, claim.key_hash, claim.attempts, final)
+
     @staticmethod
     def _renewed(claim: Claim, until: float) -> None:
         claim.lease_until = until
@@ -210,6 +225,7 @@ class Engine:
 
     @staticmethod
     def _lost(claim: Claim, what: str) -> None:
+        METRICS.stale(what, claim.operation, claim.key, claim.key_hash)
         log.warning(
             "retrysafe: stale %s refused: lease lost (operation=%s key_hash=%s attempt=%d)",
             what, claim.operation, claim.key_hash[:16], claim.attempts,
@@ -235,7 +251,12 @@ class Engine:
     def _begin(self, plan: _Plan) -> Claim | Replay:
         while True:
             record = plan.record(self.clock())
-            answer = plan.settle(self.store.claim(record), record)
+            started = time.perf_counter()
+            try:
+                result = self.store.claim(record)
+            except StoreUnavailableError as exc:
+                raise plan.unreachable(exc) from None
+            answer = plan.settle(result, record, started)
             if answer.__class__ is not float:
                 return answer  # type: ignore[return-value]
             time.sleep(answer)  # type: ignore[arg-type]
@@ -246,16 +267,18 @@ class Engine:
         if error is not None:
             self.fail(claim, final=True)
             raise error
-        if not self.store.complete(claim.key_hash, claim.token, outcome, self.clock()):
-            self._lost(claim, "completion")
+        started = time.perf_counter()
+        ok = self.store.complete(claim.key_hash, claim.token, outcome, self.clock())
+        self._settled(claim, ok, started)
 
     def fail(
         self, claim: Claim, outcome: Outcome | None = None, *, final: bool | None = None
     ) -> None:
         """Mark the attempt failed: retryable unless ``final`` (default: the engine's policy)."""
-        ok = self.store.fail(claim.key_hash, claim.token, outcome, self._final(final), self.clock())
-        if not ok:
-            self._lost(claim, "failure")
+        final = self._final(final)
+        started = time.perf_counter()
+        ok = self.store.fail(claim.key_hash, claim.token, outcome, final, self.clock())
+        self._settled(claim, ok, started, final)
 
     def renew(self, claim: Claim, lease: float | None = None) -> None:
         """Extend a live lease to ``lease`` seconds from now (default: the engine's).
@@ -270,8 +293,10 @@ class Engine:
         """:meth:`renew` that answers False (and logs nothing) when the lease was lost."""
         now = self.clock()
         until = self._lease_until(lease, now)
+        started = time.perf_counter()
         if not self.store.renew(claim.key_hash, claim.token, until, now):
             return False
+        METRICS.store_call("renew", time.perf_counter() - started)
         self._renewed(claim, until)
         return True
 
@@ -284,7 +309,12 @@ class Engine:
     async def _abegin(self, plan: _Plan) -> Claim | Replay:
         while True:
             record = plan.record(self.clock())
-            answer = plan.settle(await self.store.aclaim(record), record)
+            started = time.perf_counter()
+            try:
+                result = await self.store.aclaim(record)
+            except StoreUnavailableError as exc:
+                raise plan.unreachable(exc) from None
+            answer = plan.settle(result, record, started)
             if answer.__class__ is not float:
                 return answer  # type: ignore[return-value]
             await asyncio.sleep(answer)  # type: ignore[arg-type]
@@ -295,23 +325,27 @@ class Engine:
         if error is not None:
             await self.afail(claim, final=True)
             raise error
-        if not await self.store.acomplete(claim.key_hash, claim.token, outcome, self.clock()):
-            self._lost(claim, "completion")
+        started = time.perf_counter()
+        ok = await self.store.acomplete(claim.key_hash, claim.token, outcome, self.clock())
+        self._settled(claim, ok, started)
 
     async def afail(
         self, claim: Claim, outcome: Outcome | None = None, *, final: bool | None = None
     ) -> None:
         """Async :meth:`fail`."""
         final = self._final(final)
-        if not await self.store.afail(claim.key_hash, claim.token, outcome, final, self.clock()):
-            self._lost(claim, "failure")
+        started = time.perf_counter()
+        ok = await self.store.afail(claim.key_hash, claim.token, outcome, final, self.clock())
+        self._settled(claim, ok, started, final)
 
     async def arenew(self, claim: Claim, lease: float | None = None) -> None:
         """Async :meth:`renew`."""
         now = self.clock()
         until = self._lease_until(lease, now)
+        started = time.perf_counter()
         if not await self.store.arenew(claim.key_hash, claim.token, until, now):
             self._lost(claim, "renewal")
+        METRICS.store_call("renew", time.perf_counter() - started)
         self._renewed(claim, until)
 
     # -- context manager -----------------------------------------------------
@@ -394,7 +428,11 @@ class _Plan:
         retention: str | None = None,
     ) -> None:
         if type(key) is not str or not _KEY_RE.fullmatch(key):
-            validate_key(key)  # raises with the reason
+            try:
+                validate_key(key)  # raises with the reason
+            except InvalidKeyError as exc:
+                METRICS.refused(operation if type(operation) is str else "", exc)
+                raise
         if type(operation) is not str or type(scope) is not str or type(fingerprint) is not str:
             raise TypeError("operation, scope and fingerprint must be str")
         if ttl is None:
@@ -454,42 +492,56 @@ class _Plan:
             self.request_id, False, None, self.request_payload, self.metadata, self.retention,
         )  # fmt: skip
 
-    def settle(self, result: ClaimResult, record: Record) -> Claim | Replay | float:
-        """The answer to a claim, or how long to sleep before claiming again (a float)."""
+    def unreachable(self, error: StoreUnavailableError) -> StoreUnavailableError:
+        """``error``, reported: the claim could not reach the store."""
+        METRICS.refused(self.operation, error, self.key, self.key_hash)
+        return error
+
+    def settle(self, result: ClaimResult, record: Record, started: float) -> Claim | Replay | float:
+        """The answer to a claim (its store call begun at ``started``, a
+        ``perf_counter()``), or how long to sleep before claiming again (a float)."""
+        now_perf = time.perf_counter()
         if result.claimed:
+            METRICS.claimed(self.operation, self.key_hash, result.took_over, now_perf - started)
             return Claim(
                 self.key, self.key_hash, self.scope, self.operation, self.fingerprint,
                 record.token, record.lease_until, record.expires_at, result.attempts,
-                result.took_over, self.request_id,
+                result.took_over, self.request_id, now_perf,
             )  # fmt: skip
         found = result.record
         assert found is not None
         decision = verdict(found, self.fingerprint)
         if decision is Verdict.REPLAY:
+            METRICS.replayed(self.operation, self.key_hash, now_perf - started)
             return Replay(found)
+        METRICS.store_call("claim", now_perf - started)
         if decision is Verdict.CONFLICT:
-            raise FingerprintMismatchError(
+            raise self._refused(FingerprintMismatchError(
                 "idempotency key was already used with a different request",
                 key=self.key,
                 original_fingerprint=found.fingerprint,
                 fingerprint=self.fingerprint,
                 original_request_id=found.request_id,
-            )
+            ))  # fmt: skip
         now = record.updated_at
         # The wait is bounded on the monotonic clock: the engine's clock may be frozen.
         tick = time.monotonic()
         if self.deadline is None:
             self.deadline = tick + self.wait
         if tick >= self.deadline:
-            raise InProgressError(
+            raise self._refused(InProgressError(
                 "a request with this idempotency key is still in progress",
                 key=self.key,
                 retry_after=retry_after(found, now),
                 original_request_id=found.request_id,
-            )
+            ))  # fmt: skip
         pause = min(self.delay, self.deadline - tick, max(found.lease_until - now, 0.001))
         self.delay = min(self.delay * 2, 0.25)
         return float(pause)
+
+    def _refused(self, error: Exception) -> Exception:
+        METRICS.refused(self.operation, error, self.key, self.key_hash)
+        return error
 
 
 class Attempt:

@@ -27,6 +27,7 @@ from ._errors import (
 )
 from ._keys import _KEY_RE, canonical_json, validate_key
 from ._map import IdempotencyMap, Route
+from ._metrics import METRICS
 from ._record import Outcome
 from .stores import Store
 
@@ -451,6 +452,7 @@ class HttpPolicy:
             required = bool(required(request()))
         if not required:
             return None
+        METRICS.count("invalid_key", self.operation)
         return problem(
             400,
             "idempotency_key_required",
@@ -495,6 +497,7 @@ class HttpPolicy:
 
     def refusal(self, error: Exception) -> Response | None:
         """The answer to an error of the key, the body or the engine; None to fail open."""
+        METRICS.refused(self.operation, error)  # once: the engine's errors are counted there
         if isinstance(error, InvalidKeyError):
             return problem(400, "idempotency_key_invalid", str(error))
         if isinstance(error, BodyError):

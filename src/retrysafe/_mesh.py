@@ -25,6 +25,7 @@ from ._errors import (
     StoreUnavailableError,
 )
 from ._keys import canonical_json, validate_key
+from ._metrics import METRICS
 from ._record import Outcome
 
 __all__ = [
@@ -225,6 +226,8 @@ def parse(request: Any) -> MeshCall | dict[str, Any]:
     try:
         return _parse(request)
     except _Invalid as bad:
+        if bad.error["code"] in (IDEMPOTENCY_KEY_REQUIRED, IDEMPOTENCY_KEY_INVALID):
+            METRICS.count("invalid_key", "")
         return error_envelope(request, bad.error)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any
@@ -51,7 +52,7 @@ def _owned(att: Attempt) -> Claim:
     return att.claim
 
 
-def _completion(att: Attempt, claim: Claim) -> Any:
+def _completion(att: Attempt, claim: Claim) -> tuple[Any, float]:
     """The store's completion op for the block's outcome, checked as :meth:`Engine.complete`
     checks it."""
     outcome = att.outcome
@@ -62,7 +63,8 @@ def _completion(att: Attempt, claim: Claim) -> Any:
         att.final = True  # the business writes roll back, but the handler did run
         raise error
     engine = att._engine
-    return engine.store._complete(claim.key_hash, claim.token, outcome, engine.clock())
+    op = engine.store._complete(claim.key_hash, claim.token, outcome, engine.clock())
+    return op, time.perf_counter()
 
 
 def _same_sqlite_file(store: Any, conn: sqlite3.Connection) -> None:
@@ -101,10 +103,10 @@ def _pg_failed(store: Any, exc: BaseException) -> StoreUnavailableError:
     )
 
 
-def _landed(att: Attempt, claim: Claim, changed: bool) -> None:
-    """After the completion statement: a lost lease rolls everything back."""
-    if not changed:
-        att._engine._lost(claim, "transactional completion")
+def _landed(att: Attempt, claim: Claim, changed: bool, started: float) -> None:
+    """After the completion statement (begun at ``started``, a ``perf_counter()``):
+    reported, or a lost lease that rolls everything back."""
+    att._engine._settled(claim, changed, started)
 
 
 @contextmanager
@@ -115,17 +117,17 @@ def transaction(att: Attempt, connection: Any = None) -> Iterator[Any]:
     if _kind(store) == "sqlite":
         with _sqlite(store, connection) as conn:
             yield conn
-            op = _completion(att, claim)
-            _landed(att, claim, op(conn))
+            op, started = _completion(att, claim)
+            _landed(att, claim, op(conn), started)
     else:
         with _postgres(store, connection) as conn, conn.transaction():
             yield conn
-            op = _completion(att, claim)
+            op, started = _completion(att, claim)
             try:
                 cur = conn.execute(op.query, op.params)
             except _pg_unavailable() as exc:
                 raise _pg_failed(store, exc) from exc
-            _landed(att, claim, op.parse(cur.rowcount, None))
+            _landed(att, claim, op.parse(cur.rowcount, None), started)
     att.settled = True  # committed: leaving the attempt's block writes nothing more
 
 
@@ -141,12 +143,12 @@ async def atransaction(att: Attempt, connection: Any = None) -> AsyncIterator[An
         )
     async with _apostgres(store, connection) as conn, conn.transaction():
         yield conn
-        op = _completion(att, claim)
+        op, started = _completion(att, claim)
         try:
             cur = await conn.execute(op.query, op.params)
         except _pg_unavailable() as exc:
             raise _pg_failed(store, exc) from exc
-        _landed(att, claim, op.parse(cur.rowcount, None))
+        _landed(att, claim, op.parse(cur.rowcount, None), started)
     att.settled = True
 
 

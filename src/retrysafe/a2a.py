@@ -123,7 +123,7 @@ class A2AIdempotency:
         try:
             return parse_send(request, principal)
         except InvalidKeyError as exc:
-            return refusal(request.get("id"), exc)
+            return refusal(request.get("id"), exc, self._plan.operation)
 
     def _attempt(self, send: Send) -> Attempt:
         """The engine attempt of ``send`` (enter it with ``with`` or ``async with``)."""

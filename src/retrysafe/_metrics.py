@@ -1,0 +1,352 @@
+"""What the engine reports: Prometheus counters and histograms, alerts, trace events.
+
+The engine calls :data:`METRICS` at each decision, so every front door reports
+the same figures. Each call is a few dictionary lookups and a counter increment
+(``prometheus_client``); with metrics disabled it is one attribute test.
+
+Under several worker processes, set ``PROMETHEUS_MULTIPROC_DIR`` before the
+workers start (``retrysafe gateway --workers N`` does): each process writes its
+counters to files there, and whichever process answers a scrape adds them up.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._errors import (
+    FingerprintMismatchError,
+    InProgressError,
+    InvalidKeyError,
+    StoreUnavailableError,
+)
+
+__all__ = ["COUNTERS", "METRICS", "Alerts", "Event", "Metrics", "multiprocess_dir"]
+
+log = logging.getLogger("retrysafe.alerts")
+
+#: outcome -> (metric name without ``_total``, help). The outcomes a keyed request
+#: can have are the first four (their sum is every keyed request); the others are
+#: events of an attempt or refusals before the engine decided anything.
+COUNTERS: dict[str, tuple[str, str]] = {
+    "executed": ("retrysafe_executions", "Keyed requests that ran the handler (claims granted)."),
+    "replayed": ("retrysafe_replays", "Keyed requests answered from the store (duplicates)."),
+    "in_flight": (
+        "retrysafe_in_flight_conflicts",
+        "Keyed requests refused because the key was in flight (HTTP 409).",
+    ),
+    "conflict": (
+        "retrysafe_fingerprint_conflicts",
+        "Keys reused with another request (HTTP 422).",
+    ),
+    "failed": ("retrysafe_failures", "Attempts marked failed."),
+    "lease_takeover": (
+        "retrysafe_lease_takeovers",
+        "Claims that took over a processing record whose lease had run out.",
+    ),
+    "stale_refused": (
+        "retrysafe_stale_completions_refused",
+        "Completions, failures and renewals refused because the attempt had lost its lease.",
+    ),
+    "invalid_key": ("retrysafe_invalid_keys", "Requests refused for a missing or malformed key."),
+    "store_unavailable": (
+        "retrysafe_store_unavailable",
+        "Requests that found the store unreachable.",
+    ),
+}
+#: The outcomes that together are every keyed request (the duplicate rate's denominator).
+KEYED = ("executed", "replayed", "in_flight", "conflict")
+STORE_CALLS = ("claim", "complete", "fail", "renew")
+_STORE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                  0.5, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+_HANDLER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                    60.0, 300.0)  # fmt: skip
+#: Operation labels kept apart; past this many, new ones are counted as ``other``.
+MAX_OPERATIONS = 200
+_NO_OPERATION = "(none)"
+
+
+def multiprocess_dir() -> str | None:
+    """The folder of multi-process metrics, if this process runs in that mode."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+@dataclass(frozen=True)
+class Alerts:
+    """When the engine raises an alert (a ``retrysafe.alerts`` log event and a counter).
+
+    ``burst``: this many requests refused as in flight on one key within
+    ``burst_window`` seconds (so ``burst + 1`` arrived together). ``failures``:
+    an attempt fails and it was the key's ``failures``-th attempt in a row.
+    ``stuck_after``: a processing record whose lease ended this many seconds ago
+    (found when the store's gauges are read). A stale completion is always one.
+    """
+
+    burst: int = 3
+    burst_window: float = 1.0
+    failures: int = 3
+    stuck_after: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.burst < 1 or self.failures < 1:
+            raise ValueError("burst and failures must be at least 1")
+        if not self.burst_window > 0 or self.stuck_after < 0:
+            raise ValueError("burst_window must be positive and stuck_after not negative")
+
+
+@dataclass(frozen=True)
+class Event:
+    """A recent refusal, failure or alert, kept in memory for the dashboard."""
+
+    at: float
+    kind: str
+    operation: str
+    key: str
+    key_hash: str
+    detail: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Otel:
+    """Span events on the current span, if ``opentelemetry-api`` is installed."""
+
+    def __init__(self) -> None:
+        try:
+            from opentelemetry import trace
+        except ImportError:
+            self.current: Callable[[], Any] | None = None
+        else:
+            self.current = trace.get_current_span
+
+    def event(self, name: str, operation: str, outcome: str, key_hash: str) -> None:
+        if self.current is None:
+            return
+        span = self.current()
+        if span.is_recording():
+            span.add_event(name, {"retrysafe.operation": operation, "retrysafe.outcome": outcome,
+                                  "retrysafe.key_hash": key_hash})  # fmt: skip
+
+
+class Metrics:
+    """The process's metrics (one instance, :data:`METRICS`); see the module docstring.
+
+    ``registry``: where the metrics are registered (default: ``prometheus_client``'s
+    own, or none in multi-process mode, where they live in files); another
+    instance needs one of its own.
+    """
+
+    def __init__(
+        self, enabled: bool = True, alerts: Alerts | None = None, registry: Any = None
+    ) -> None:
+        self.enabled = enabled
+        self.registry = registry
+        self.alerts = alerts or Alerts()
+        self.recent: collections.deque[Event] = collections.deque(maxlen=200)
+        self._made = False
+        self._lock = threading.Lock()
+        self._children: dict[tuple[str, str], Any] = {}
+        self._operations: dict[str, str] = {}
+        self._bursts: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
+        self._stuck: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._otel = _Otel()
+
+    # -- the prometheus objects ------------------------------------------------------------
+
+    def _make(self) -> None:
+        """Create the metrics on first use (so an unused process registers nothing)."""
+        with self._lock:
+            if self._made:
+                return
+            from prometheus_client import REGISTRY, Counter, Histogram
+
+            registry = self.registry
+            if registry is None and not multiprocess_dir():
+                registry = REGISTRY
+            self.counters = {
+                outcome: Counter(name, text, ["operation"], registry=registry)
+                for outcome, (name, text) in COUNTERS.items()
+            }
+            self.alert_counter = Counter(
+                "retrysafe_alerts", "Alerts raised, by alert.", ["alert"], registry=registry
+            )
+            self.store_seconds = Histogram(
+                "retrysafe_store_seconds", "Store round-trip time by call.", ["call"],
+                buckets=_STORE_BUCKETS, registry=registry,
+            )  # fmt: skip
+            self.handler_seconds = Histogram(
+                "retrysafe_handler_seconds", "Time from a claim to its completion or failure.",
+                ["operation"], buckets=_HANDLER_BUCKETS, registry=registry,
+            )  # fmt: skip
+            self._made = True
+
+    def _child(self, family: str, label: str) -> Any:
+        """The labelled child of a metric (cached: ``labels()`` takes a lock)."""
+        child = self._children.get((family, label))
+        if child is None:
+            self._make()
+            if family in self.counters:
+                child = self.counters[family].labels(label)
+            elif family == "alert":
+                child = self.alert_counter.labels(label)
+            elif family == "store":
+                child = self.store_seconds.labels(label)
+            else:
+                child = self.handler_seconds.labels(label)
+            self._children[(family, label)] = child
+        return child
+
+    def _label(self, operation: str) -> str:
+        """The operation's label; bounded, since operations can come from requests."""
+        label = self._operations.get(operation)
+        if label is None:
+            if len(self._operations) >= MAX_OPERATIONS:
+                return "other"
+            label = self._operations[operation] = operation or _NO_OPERATION
+        return label
+
+    def count(self, outcome: str, operation: str, n: float = 1) -> None:
+        """Add ``n`` to the ``outcome`` counter of ``operation``."""
+        if self.enabled:
+            self._child(outcome, self._label(operation)).inc(n)
+
+    # -- what the engine reports -----------------------------------------------------------
+
+    def claimed(self, operation: str, key_hash: str, took_over: object, seconds: float) -> None:
+        """A claim was granted after a store call of ``seconds``."""
+        if not self.enabled:
+            return
+        label = self._label(operation)
+        self._child("store", "claim").observe(seconds)
+        self._child("executed", label).inc()
+        outcome = "executed"
+        if took_over is not None and getattr(took_over, "value", took_over) == "processing":
+            self._child("lease_takeover", label).inc()
+            outcome = "lease_takeover"
+        self._otel.event("retrysafe.claim", operation, outcome, key_hash)
+
+    def replayed(self, operation: str, key_hash: str, seconds: float) -> None:
+        """A claim found a finished record to replay."""
+        if not self.enabled:
+            return
+        self._child("store", "claim").observe(seconds)
+        self._child("replayed", self._label(operation)).inc()
+        self._otel.event("retrysafe.replay", operation, "replayed", key_hash)
+
+    def refused(
+        self, operation: str, error: BaseException, key: str = "", key_hash: str = ""
+    ) -> None:
+        """A keyed request was refused: in flight, conflict, bad key or store down.
+
+        Counted once however many layers report it (the error is marked).
+        """
+        if not self.enabled or getattr(error, "_retrysafe_counted", False):
+            return
+        if isinstance(error, InProgressError):
+            outcome = "in_flight"
+        elif isinstance(error, FingerprintMismatchError):
+            outcome = "conflict"
+        elif isinstance(error, InvalidKeyError):
+            outcome = "invalid_key"
+        elif isinstance(error, StoreUnavailableError):
+            outcome = "store_unavailable"
+        else:
+            return
+        with contextlib.suppress(AttributeError):  # a slotted exception is counted again
+            error._retrysafe_counted = True  # type: ignore[attr-defined]
+        self._child(outcome, self._label(operation)).inc()
+        self._otel.event("retrysafe.claim", operation, outcome, key_hash)
+        if outcome in ("in_flight", "conflict"):
+            self._note(outcome, operation, key or getattr(error, "key", ""), key_hash, str(error))
+        if outcome == "in_flight" and key_hash:
+            self._burst(operation, key or getattr(error, "key", ""), key_hash)
+
+    def settled(
+        self, call: str, operation: str, key_hash: str, seconds: float, handler: float
+    ) -> None:
+        """A completion or failure (``call``) was stored after ``handler`` seconds of work."""
+        if not self.enabled:
+            return
+        self._child("store", call).observe(seconds)
+        self._child("handler", self._label(operation)).observe(handler)
+        self._otel.event(f"retrysafe.{call}", operation, "ok", key_hash)
+
+    def failed(self, operation: str, key: str, key_hash: str, attempts: int, final: bool) -> None:
+        """An attempt was marked failed; its key's ``attempts``-th attempt."""
+        if not self.enabled:
+            return
+        self._child("failed", self._label(operation)).inc()
+        detail = f"attempt {attempts} failed" + (" finally" if final else "")
+        self._note("failed", operation, key, key_hash, detail, attempts=attempts, final=final)
+        if attempts >= self.alerts.failures:
+            detail = f"the key failed {attempts} attempts in a row"
+            self.alert("repeated_failures", operation, key, key_hash, detail, attempts=attempts)
+
+    def store_call(self, call: str, seconds: float) -> None:
+        """A store call (``claim``, ``renew``, …) took ``seconds``."""
+        if self.enabled:
+            self._child("store", call).observe(seconds)
+
+    def stale(self, what: str, operation: str, key: str, key_hash: str) -> None:
+        """A completion, failure or renewal was refused: the lease had been lost."""
+        if not self.enabled:
+            return
+        self._child("stale_refused", self._label(operation)).inc()
+        self.alert("stale_completion", operation, key, key_hash,
+                   f"a stale {what} was refused: the attempt had lost its lease")  # fmt: skip
+
+    def stuck(self, operation: str, key: str, key_hash: str, overdue: float) -> None:
+        """A processing record's lease ended ``overdue`` seconds ago (alerted once per record)."""
+        if not self.enabled or key_hash in self._stuck:
+            return
+        self._stuck[key_hash] = None
+        while len(self._stuck) > 10_000:
+            self._stuck.popitem(last=False)
+        detail = f"processing {overdue:.1f}s past its lease"
+        self.alert("stuck_processing", operation, key, key_hash, detail, overdue=round(overdue, 3))
+
+    # -- alerts and recent events ------------------------------------------------------------
+
+    def alert(
+        self, name: str, operation: str, key: str, key_hash: str, detail: str, **extra: Any
+    ) -> None:
+        """Log a structured ``retrysafe.alerts`` event and count it. Never the raw key."""
+        if not self.enabled:
+            return
+        self._child("alert", name).inc()
+        fields = {"alert": name, "operation": operation, "key_hash": key_hash[:16], **extra}
+        log.warning("retrysafe alert %s: %s (operation=%s key_hash=%s)", name, detail, operation,
+                    key_hash[:16], extra={"retrysafe": fields})  # fmt: skip
+        self._note(f"alert:{name}", operation, key, key_hash, detail, **extra)
+
+    def _note(
+        self, kind: str, operation: str, key: str, key_hash: str, detail: str, **extra: Any
+    ) -> None:
+        self.recent.append(Event(time.time(), kind, operation, key, key_hash, detail, extra))
+
+    def _burst(self, operation: str, key: str, key_hash: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            times = self._bursts.pop(key_hash, [])
+            times = [t for t in times if now - t < self.alerts.burst_window]
+            times.append(now)
+            fire = len(times) >= self.alerts.burst
+            if not fire:
+                self._bursts[key_hash] = times
+                while len(self._bursts) > 10_000:
+                    self._bursts.popitem(last=False)
+        if fire:
+            self.alert("burst", operation, key, key_hash,
+                       f"{len(times) + 1} requests with one key within "
+                       f"{self.alerts.burst_window:g}s", requests=len(times) + 1)  # fmt: skip
+
+
+#: The process's metrics; the engine reports here.
+METRICS = Metrics(enabled=os.environ.get("RETRYSAFE_METRICS", "1").strip().lower()
+                  not in ("0", "false", "no", "off"))  # fmt: skip
