@@ -210,8 +210,13 @@ class Store(abc.ABC, Generic[OpT]):
         operation: str | None = None,
         created_before: float | None = None,
         limit: int = 100,
+        key: str | None = None,
     ) -> list[Record]:
-        """Records (expired ones included), oldest ``created_at`` first, filtered."""
+        """Records (expired ones included), oldest ``created_at`` first, filtered.
+
+        ``key`` is the client's raw key (every scope and operation): a search
+        that reads the whole table or keyspace, for inspection only.
+        """
         raise NotImplementedError(f"{type(self).__name__} cannot list records")
 
     def stats(self, now: float) -> StoreStats:

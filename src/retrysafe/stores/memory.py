@@ -211,6 +211,7 @@ class MemoryStore(Store[_Op]):
         operation: str | None = None,
         created_before: float | None = None,
         limit: int = 100,
+        key: str | None = None,
     ) -> list[Record]:
         wanted = None if status is None else Status(status)
 
@@ -219,6 +220,7 @@ class MemoryStore(Store[_Op]):
                 (wanted is None or r.status is wanted)
                 and (operation is None or r.operation == operation)
                 and (created_before is None or r.created_at < created_before)
+                and (key is None or r.key == key)
             )
 
         found = heapq.nsmallest(

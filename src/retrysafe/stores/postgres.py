@@ -1816,6 +1816,7 @@ class PostgresStore(Store[_Op]):
         operation: str | None = None,
         created_before: float | None = None,
         limit: int = 100,
+        key: str | None = None,
     ) -> list[Record]:
         where: list[sql.Composable] = []
         params: list[Any] = []
@@ -1828,6 +1829,9 @@ class PostgresStore(Store[_Op]):
         if created_before is not None:
             where.append(sql.SQL("t.created_at < %s"))
             params.append(float(created_before))
+        if key is not None:
+            where.append(sql.SQL("t.key = %s"))
+            params.append(key)
         query = self._q_list
         if where:
             query += sql.SQL(" WHERE ") + sql.SQL(" AND ").join(where)

@@ -1088,6 +1088,7 @@ class RedisStore(Store[_Op]):
         operation: str | None = None,
         created_before: float | None = None,
         limit: int = 100,
+        key: str | None = None,
     ) -> list[Record]:
         """Records (expired ones included), oldest ``created_at`` first: a full SCAN."""
         want = None if status is None else Status(status)
@@ -1101,6 +1102,7 @@ class RedisStore(Store[_Op]):
                 if (want is None or r.status is want)
                 and (operation is None or r.operation == operation)
                 and (created_before is None or r.created_at < created_before)
+                and (key is None or r.key == key)
             )
             return heapq.nsmallest(limit, chosen, key=lambda r: (r.created_at, r.key_hash))
         except (_rx.RedisError, OSError) as exc:

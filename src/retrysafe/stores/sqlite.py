@@ -581,6 +581,7 @@ class SQLiteStore(Store[_Op]):
         operation: str | None = None,
         created_before: float | None = None,
         limit: int = 100,
+        key: str | None = None,
     ) -> list[Record]:
         where: list[str] = []
         params: list[Any] = []
@@ -593,6 +594,9 @@ class SQLiteStore(Store[_Op]):
         if created_before is not None:
             where.append("created_at < ?")
             params.append(created_before)
+        if key is not None:
+            where.append("key = ?")
+            params.append(key)
         query = f"SELECT {_COLS} FROM retrysafe_records"
         if where:
             query += " WHERE " + " AND ".join(where)
