@@ -43,6 +43,11 @@ if ! command -v redis-server >/dev/null 2>&1; then
     apt_install redis-server
 fi
 
+# The dashboard's tests drive Debian's chromium (with Playwright, from PyPI).
+if ! command -v chromium >/dev/null 2>&1; then
+    apt_install chromium
+fi
+
 if ! command -v initdb >/dev/null 2>&1; then
     if [ -z "$(pg_bin_dir)" ]; then
         apt_install postgresql

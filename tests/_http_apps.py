@@ -350,26 +350,40 @@ def _env() -> tuple[Counter, dict[str, Any]]:
 
 
 def starlette_from_env() -> Any:
-    """The protected Starlette API, for worker processes (uvicorn --factory)."""
+    """The protected Starlette API, for worker processes (uvicorn --factory), with
+    retrysafe's metrics at ``/_metrics/``."""
+    from starlette.routing import Mount
+
     from retrysafe.asgi import IdempotencyMiddleware
+    from retrysafe.metrics import MetricsApp
 
     counter, options = _env()
     app = starlette_app(counter)
+    app.router.routes.append(Mount("/_metrics", app=MetricsApp(token=None)))
     app.add_middleware(IdempotencyMiddleware, **options)
     return app
 
 
+def _with_metrics(app: Any) -> Any:
+    """A WSGI app with retrysafe's metrics at ``/_metrics/``."""
+    from werkzeug.middleware.dispatcher import DispatcherMiddleware
+
+    from retrysafe.metrics import wsgi_app
+
+    return DispatcherMiddleware(app, {"/_metrics": wsgi_app(token=None)})
+
+
 def flask_from_env() -> Any:
-    """The protected Flask API, for worker processes (gunicorn)."""
+    """The protected Flask API, for worker processes (gunicorn), with metrics."""
     from retrysafe.wsgi import IdempotencyMiddleware
 
     counter, options = _env()
     app = flask_app(counter)
-    app.wsgi_app = IdempotencyMiddleware(app.wsgi_app, **options)
+    app.wsgi_app = _with_metrics(IdempotencyMiddleware(app.wsgi_app, **options))
     return app
 
 
 def django_from_env() -> Any:
-    """The protected Django API, for worker processes (gunicorn)."""
+    """The protected Django API, for worker processes (gunicorn), with metrics."""
     counter, options = _env()
-    return django_app(counter, options)
+    return _with_metrics(django_app(counter, options))

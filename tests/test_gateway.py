@@ -492,11 +492,18 @@ def test_health_and_own_paths(gw: Running) -> None:
     assert head.status_code == 200 and head.content == b""
     post = httpx.post(gw.url + "/_retrysafe/health", headers={"Idempotency-Key": "h"})
     assert post.status_code == 405 and post.headers["allow"] == "GET, HEAD"
-    for path in ("/_retrysafe", "/_retrysafe/", "/_retrysafe/metrics", "/%5Fretrysafe/x"):
+    for path in ("/_retrysafe/x", "/%5Fretrysafe/x", "/_retrysafe/api/nope"):
         status, head_bytes, body = raw_get(gw.port, path.encode())
         assert status == 404, path
         assert b"application/problem+json" in head_bytes
         assert json.loads(body)["code"] == "not_found"
+    # The admin pages (loopback here, no token): never the upstream's.
+    status, head_bytes, _ = raw_get(gw.port, b"/_retrysafe")
+    assert status == 308 and b"location: /_retrysafe/" in head_bytes.lower()
+    status, head_bytes, body = raw_get(gw.port, b"/_retrysafe/")
+    assert status == 200 and b"text/html" in head_bytes and b"retrysafe dashboard" in body
+    status, head_bytes, body = raw_get(gw.port, b"/_retrysafe/metrics")
+    assert status == 200 and b"retrysafe_duplicate_rate" in body
 
 
 def test_health_is_503_when_the_store_is_down(

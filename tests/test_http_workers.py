@@ -55,7 +55,10 @@ def workers(
     store = _store_url(store_name, request, tmp_path)
     upstream = request.getfixturevalue("upstream") if door == "gateway" else None
     port = free_port()
-    env = {"RETRYSAFE_TEST_COUNTERS": str(counter.root), "RETRYSAFE_TEST_STORE": store}
+    metrics = tmp_path / "metrics"  # the workers' counters, added up by any of them
+    metrics.mkdir()
+    env = {"RETRYSAFE_TEST_COUNTERS": str(counter.root), "RETRYSAFE_TEST_STORE": store,
+           "PROMETHEUS_MULTIPROC_DIR": str(metrics)}  # fmt: skip
     health = "/_retrysafe/health" if door == "gateway" else "/count/none"
     with Process(_argv(door, port, store, upstream), port, env, health=health) as proc:
         yield door, proc.url
@@ -75,13 +78,42 @@ def test_duplicates_across_worker_processes_run_once(
     processes racing, so another round with new keys follows, up to ROUNDS.
     """
     door, url = workers
+    metrics = f"{url}/_retrysafe/metrics" if door == "gateway" else f"{url}/_metrics/"
     seen: list[set[str]] = []
     for _ in range(ROUNDS):
+        before = _totals(metrics)
         pids = _round(url, counter)
+        # Every worker's counters, added up by whichever worker answers the scrape.
+        for _ in range(3):
+            after = _totals(metrics)
+            assert after["executions"] - before["executions"] == 20, (before, after)
+            keyed = sum(after[n] - before[n] for n in ("executions", "replays", "in_flight"))
+            assert keyed == 200 and after["conflicts"] == before["conflicts"], (before, after)
         seen.append(pids)
         if door == "gateway" or len(pids) >= 2:  # the gateway's upstream is one process
             return
     pytest.fail(f"the load never reached a second worker in {ROUNDS} rounds: {seen}")
+
+
+_COUNTERS = {
+    "executions": "retrysafe_executions_total",
+    "replays": "retrysafe_replays_total",
+    "in_flight": "retrysafe_in_flight_conflicts_total",
+    "conflicts": "retrysafe_fingerprint_conflicts_total",
+}
+
+
+def _totals(url: str) -> dict[str, float]:
+    """The retrysafe counters that a scrape of ``url`` reports, summed over operations."""
+    r = httpx.get(url, timeout=30)
+    assert r.status_code == 200, r.text
+    totals = dict.fromkeys(_COUNTERS, 0.0)
+    for line in r.text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        for key, metric in _COUNTERS.items():
+            if name == metric:
+                totals[key] += float(line.rsplit(" ", 1)[1])
+    return totals
 
 
 def _round(url: str, counter: Counter) -> set[str]:

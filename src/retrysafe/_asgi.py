@@ -41,15 +41,19 @@ log = logging.getLogger("retrysafe")
 
 
 async def lifespan(
-    receive: Receive, send: Send, on_shutdown: Callable[[], Awaitable[None]]
+    receive: Receive,
+    send: Send,
+    on_shutdown: Callable[[], Awaitable[None]],
+    on_startup: Callable[[], object] | None = None,
 ) -> None:
-    """Serve an app's lifespan: start at once; at shutdown, await ``on_shutdown``.
-
-    A failure of ``on_shutdown`` is logged; it never stops the shutdown.
+    """Serve an app's lifespan: call ``on_startup`` and start; at shutdown, await
+    ``on_shutdown``. A failure of ``on_shutdown`` is logged; it never stops the shutdown.
     """
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
+            if on_startup is not None:
+                on_startup()
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             await _close_at_shutdown(on_shutdown)

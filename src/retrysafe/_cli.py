@@ -8,6 +8,7 @@ traceback.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -18,7 +19,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -227,6 +228,7 @@ def gateway(
             file=sys.stderr,
         )
     sock = bind(host, port)
+    stack = contextlib.ExitStack()
     url = url_of(sock)
     print(f"retrysafe gateway: listening on {url}", flush=True)
     print(f"  upstream  {application.upstream}", flush=True)
@@ -234,6 +236,8 @@ def gateway(
     if map_file is not None:
         print(f"  map       {map_file}", flush=True)
     print(f"  health    {url}{gw.HEALTH_PATH}", flush=True)
+    print(f"  dashboard {url}{gw.DASHBOARD_PATH}  ({_admin_access()})", flush=True)
+    print(f"  metrics   {url}{gw.METRICS_PATH}", flush=True)
     try:
         if workers == 1:
             with sigterm_as_interrupt():  # uvicorn stops gracefully, then re-raises it
@@ -252,6 +256,7 @@ def gateway(
             if map_file is not None:
                 env[gw.ENV_MAP] = str(Path(map_file).resolve())
             os.environ.update(env)
+            stack.enter_context(_shared_metrics())  # the workers' counters, added up
             uvicorn.run(
                 "retrysafe.gateway:app_from_env",
                 factory=True,
@@ -265,8 +270,37 @@ def gateway(
         pass
     finally:
         sock.close()
+        stack.close()
     print("retrysafe gateway: stopped", flush=True)
     return 0
+
+
+def _admin_access() -> str:
+    from ._admin import ENV_TOKEN
+
+    if os.environ.get(ENV_TOKEN):
+        return f"needs the admin token from ${ENV_TOKEN}"
+    return f"loopback only: no ${ENV_TOKEN} is set"
+
+
+@contextlib.contextmanager
+def _shared_metrics() -> Iterator[None]:
+    """A fresh PROMETHEUS_MULTIPROC_DIR for the workers, unless one is set; removed after."""
+    from ._metrics import multiprocess_dir
+
+    if multiprocess_dir():
+        yield
+        return
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="retrysafe-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+    try:
+        yield
+    finally:
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # -- the store -------------------------------------------------------------------------
@@ -364,8 +398,37 @@ def list_(
 
 
 @app.command()
-def stats(store: StoreOpt = None, as_json: JsonOpt = False) -> int:
-    """Counts by status and operation, and the oldest processing record."""
+def stats(
+    store: StoreOpt = None,
+    as_json: JsonOpt = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", help="Live figures (the dashboard's), until Ctrl-C.")
+    ] = False,
+    url: Annotated[
+        str | None,
+        typer.Option(
+            metavar="URL",
+            help="With --watch: a dashboard to read, e.g. "
+            "http://127.0.0.1:8000/_retrysafe/ (default: the store, and every "
+            "worker's counters if $PROMETHEUS_MULTIPROC_DIR is set).",
+        ),
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            metavar="TOKEN", help="With --url: the admin token (default $RETRYSAFE_ADMIN_TOKEN)."
+        ),
+    ] = None,
+    interval: Annotated[
+        float, typer.Option(min=0.1, help="With --watch: seconds between refreshes.")
+    ] = 1.0,
+    count: Annotated[int | None, typer.Option(hidden=True, min=1)] = None,
+) -> int:
+    """Counts by status and operation, and the oldest processing record (--watch: live)."""
+    if watch:
+        return _watch_stats(store, url, token, interval, as_json, count)
+    if url is not None:
+        raise CliError("--url goes with --watch")
     now = time.time()
     s = _open(store)
     try:
@@ -415,6 +478,31 @@ def stats(store: StoreOpt = None, as_json: JsonOpt = False) -> int:
             f"{_age(now - oldest.created_at)} old{late}"
         )
     return 0
+
+
+def _watch_stats(
+    store: str | None, url: str | None, token: str | None, interval: float, as_json: bool,
+    count: int | None,
+) -> int:  # fmt: skip
+    from . import _watch
+
+    if url is not None:
+        from ._admin import ENV_TOKEN
+
+        source = _watch.http_source(url, token or os.environ.get(ENV_TOKEN))
+    else:
+        from ._monitor import Monitor
+
+        monitor = Monitor(_open(store), interval=interval, store_every=interval)
+
+        def source() -> dict[str, Any]:
+            monitor.sample()
+            return monitor.snapshot(points=2)
+
+    try:
+        return _watch.watch(source, out, interval=interval, as_json=as_json, count=count)
+    except KeyboardInterrupt:
+        return 0
 
 
 # -- sweeping ----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import httpx
 from ._demo_api import DemoApi
 from ._serve import ServerThread, bind, parse_listen, sigterm_as_interrupt, url_of
 from .asgi import ASGIApp, Message, Receive, Scope, Send
-from .gateway import HEALTH_PATH, create_app, probe_store
+from .gateway import DASHBOARD_PATH, HEALTH_PATH, METRICS_PATH, create_app, probe_store
 from .stores import open_store, redact
 
 __all__ = ["StormReport", "run_demo", "storm"]
@@ -229,6 +229,8 @@ def _banner(gateway: str, api: str, store_url: str, note: str | None) -> str:
         *([f"  note      {note}"] if note else []),
         f"  gateway   {gateway}   (retries are safe here)",
         f"  demo API  {api}   (direct, no idempotency)",
+        f"  dashboard {gateway}{DASHBOARD_PATH}   (live: duplicate rate, in flight, inspector)",
+        f"  metrics   {gateway}{METRICS_PATH}",
         f"  health    {gateway}{HEALTH_PATH}",
         f"  store     {store_url}",
         "",

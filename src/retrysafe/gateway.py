@@ -9,8 +9,9 @@
 or ``retrysafe gateway --upstream http://127.0.0.1:9000``. Each request goes
 through :class:`retrysafe.asgi.IdempotencyMiddleware` to the upstream, so a
 keyed request runs upstream once and its retries get the stored answer. Paths
-under ``/_retrysafe/`` are the gateway's own (``GET /_retrysafe/health``) and
-never reach the upstream.
+under ``/_retrysafe/`` are the gateway's own and never reach the upstream:
+``health`` (always open), the live dashboard at ``/_retrysafe/``, Prometheus
+``metrics`` and the dashboard's ``api/…`` (admin token or loopback only).
 """
 
 from __future__ import annotations
@@ -28,19 +29,23 @@ from typing import Any
 
 import httpx
 
+from ._admin import FROM_ENV, AdminSite
 from ._asgi import lifespan
 from ._http import Response, problem
 from ._upstream import Pool, UpstreamError, connection_tokens
 from .asgi import ASGIApp, IdempotencyMiddleware, Message, Receive, Scope, Send, _answer
+from .dashboard import serve_admin
 from .stores import Store, redact
 
 __all__ = [
     "ADMIN_PREFIX",
+    "DASHBOARD_PATH",
     "DEFAULT_TIMEOUT",
     "ENV_REQUIRE_KEY",
     "ENV_TIMEOUT",
     "ENV_UPSTREAM",
     "HEALTH_PATH",
+    "METRICS_PATH",
     "Gateway",
     "app_from_env",
     "create_app",
@@ -54,6 +59,8 @@ log = logging.getLogger("retrysafe.gateway")
 DEFAULT_TIMEOUT = 60.0
 ADMIN_PREFIX = "/_retrysafe/"
 HEALTH_PATH = "/_retrysafe/health"
+DASHBOARD_PATH = "/_retrysafe/"
+METRICS_PATH = "/_retrysafe/metrics"
 #: The environment that :func:`app_from_env` reads (with ``RETRYSAFE_STORE``).
 ENV_UPSTREAM = "RETRYSAFE_GATEWAY_UPSTREAM"
 ENV_REQUIRE_KEY = "RETRYSAFE_GATEWAY_REQUIRE_KEY"
@@ -307,7 +314,9 @@ class Gateway:
     theirs). ``store`` is a store, a store URL or an engine (default
     ``$RETRYSAFE_STORE`` or the embedded SQLite store); a store it opened from a
     URL it closes on lifespan shutdown. ``timeout`` bounds connecting to the
-    upstream and each wait for its bytes. ``options`` are those of
+    upstream and each wait for its bytes. ``admin_token`` guards the dashboard
+    and metrics under ``/_retrysafe/`` (default ``$RETRYSAFE_ADMIN_TOKEN``; None:
+    loopback only). ``options`` are those of
     :class:`retrysafe.asgi.IdempotencyMiddleware`.
     """
 
@@ -317,6 +326,7 @@ class Gateway:
         *,
         store: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
+        admin_token: str | None = FROM_ENV,
         **options: Any,
     ) -> None:
         if (
@@ -331,24 +341,27 @@ class Gateway:
         self.engine = self.middleware.policy.engine
         self.store: Store[Any] = self.engine.store
         self._owns_store = store is None or isinstance(store, str)
+        self.admin = AdminSite(self.store, token=admin_token)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
             path = scope["path"]
-            if path.startswith(ADMIN_PREFIX) or path == ADMIN_PREFIX[:-1]:
-                await _answer(send, await self._admin(scope))
+            if path == HEALTH_PATH:
+                await _answer(send, await self._health(scope))
+            elif path.startswith(ADMIN_PREFIX) or path == ADMIN_PREFIX[:-1]:
+                base = ADMIN_PREFIX[:-1]
+                await serve_admin(self.admin, scope, send, path[len(base) :], base)
             else:
                 await self.middleware(scope, receive, send)
         elif kind == "lifespan":
-            await lifespan(receive, send, self.aclose)
+            # Sampling from the start, the dashboard has history when it is first opened.
+            await lifespan(receive, send, self.aclose, self.admin.monitor.start)
         else:  # WebSocket is not proxied: refuse the handshake
             await send({"type": "websocket.close", "code": 1008})
 
-    async def _admin(self, scope: Scope) -> Response:
+    async def _health(self, scope: Scope) -> Response:
         path, method = scope["path"], scope["method"]
-        if path != HEALTH_PATH:
-            return problem(404, "not_found", f"the gateway has no page at {path}")
         if method not in ("GET", "HEAD"):
             return problem(
                 405,
@@ -375,6 +388,7 @@ class Gateway:
     async def aclose(self) -> None:
         """Close this event loop's upstream connections, and the store if it opened it."""
         try:
+            self.admin.monitor.close()
             await self.proxy.aclose()
             if self._owns_store:
                 await self.engine.aclose()

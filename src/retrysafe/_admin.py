@@ -1,0 +1,262 @@
+"""The admin pages: the dashboard, Prometheus metrics, their JSON API, and who may see them.
+
+One core, :class:`AdminSite`, answers a request from its method, path, query,
+headers and client address with a :class:`~retrysafe._http.Response`; the ASGI
+and WSGI apps (``retrysafe.dashboard``, ``retrysafe.metrics``) and the gateway
+only move bytes. It may call the store, so async servers run it in a thread.
+
+Access: with ``RETRYSAFE_ADMIN_TOKEN`` set, every page but ``health`` answers a
+request without ``Authorization: Bearer TOKEN`` with 401 before anything else
+(a browser gets a small page that asks for the token); without a token, only
+loopback clients are answered.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import hashlib
+import hmac
+import ipaddress
+import json
+import os
+import urllib.parse
+from collections.abc import Mapping
+from importlib import resources
+from typing import Any
+
+from ._errors import IdempotencyError, InvalidKeyError, StoreUnavailableError
+from ._http import Response, problem
+from ._keys import key_hash, validate_key
+from ._monitor import Monitor
+from ._record import Record
+from .stores import Store
+
+__all__ = ["ENV_TOKEN", "AdminSite", "record_json"]
+
+ENV_TOKEN = "RETRYSAFE_ADMIN_TOKEN"
+#: The most of a stored answer's body the inspector shows.
+MAX_SHOWN_BODY = 64 * 1024
+
+
+class _FromEnv:
+    def __repr__(self) -> str:
+        return f"${ENV_TOKEN}"
+
+
+FROM_ENV: Any = _FromEnv()
+
+
+def _asset(name: str) -> str:
+    return (resources.files("retrysafe") / "_dashboard" / name).read_text("utf-8")
+
+
+def _page(html: str, script: str) -> tuple[bytes, str, str]:
+    """The page with its style and script inlined, and their CSP hashes."""
+    style = _asset("dashboard.css")
+    page = _asset(html).replace("/*STYLE*/", style).replace("/*SCRIPT*/", script)
+
+    def digest(text: str) -> str:
+        return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+    return page.encode(), digest(style), digest(script)
+
+
+class _Pages:
+    """The dashboard and the token page, built once; one CSP allows both."""
+
+    def __init__(self) -> None:
+        self.dashboard, style, dash_js = _page("dashboard.html", _asset("dashboard.js"))
+        self.login, _, login_js = _page("login.html", _asset("login.js"))
+        self.csp = (
+            f"default-src 'none'; script-src {dash_js} {login_js}; style-src {style}; "
+            "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+            "frame-ancestors 'none'"
+        )
+
+    def html(self, status: int, body: bytes, extra: list[tuple[str, str]] = []) -> Response:  # noqa: B006
+        headers = [
+            ("content-type", "text/html; charset=utf-8"), ("content-length", str(len(body))),
+            ("cache-control", "no-store"), ("content-security-policy", self.csp),
+            ("x-content-type-options", "nosniff"), ("referrer-policy", "no-referrer"),
+            ("x-frame-options", "DENY"), *extra,
+        ]  # fmt: skip
+        return Response(status, headers, body)
+
+
+_pages: _Pages | None = None
+
+
+def pages() -> _Pages:
+    global _pages
+    if _pages is None:
+        _pages = _Pages()
+    return _pages
+
+
+def _json(status: int, doc: Any) -> Response:
+    body = json.dumps(doc, separators=(",", ":"), default=str).encode()
+    headers = [("content-type", "application/json"), ("content-length", str(len(body))),
+               ("cache-control", "no-store"), ("x-content-type-options", "nosniff")]  # fmt: skip
+    return Response(status, headers, body)
+
+
+def _when(t: float | None) -> str | None:
+    if t is None:
+        return None
+    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="milliseconds")
+
+
+def record_json(r: Record, *, answer: bool = False) -> dict[str, Any]:
+    """A record as JSON (timestamps in ISO 8601); ``answer`` adds the stored
+    answer's headers and (up to 64 KiB of) its body, as text if it is UTF-8."""
+    o = r.outcome
+    shown: dict[str, Any] | None = None
+    if o is not None:
+        shown = {"status": o.status, "media_type": o.media_type, "bytes": len(o.body)}
+        if answer:
+            try:
+                text: str | None = o.body[:MAX_SHOWN_BODY].decode("utf-8")
+            except UnicodeDecodeError:
+                text = None
+            shown["headers"] = [list(h) for h in o.headers]
+            shown["body"] = text
+            shown["truncated"] = len(o.body) > MAX_SHOWN_BODY
+    return {
+        "key": r.key, "scope": r.scope, "operation": r.operation, "key_hash": r.key_hash,
+        "status": r.status.value, "final": r.final, "attempts": r.attempts,
+        "retention": r.retention, "fingerprint": r.fingerprint, "request_id": r.request_id,
+        "created_at": _when(r.created_at), "updated_at": _when(r.updated_at),
+        "completed_at": _when(r.completed_at), "lease_until": _when(r.lease_until),
+        "expires_at": _when(r.expires_at), "answer": shown, "metadata": r.metadata,
+    }  # fmt: skip
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether a client address is this machine (no address: a Unix socket)."""
+    if host is None:
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+class AdminSite:
+    """The admin pages over ``store`` (see the module docstring).
+
+    ``token`` is the admin token (default ``$RETRYSAFE_ADMIN_TOKEN``; None
+    means loopback only). ``monitor`` the live figures (a new
+    :class:`~retrysafe._monitor.Monitor` over ``store`` by default).
+    """
+
+    def __init__(
+        self, store: Store[Any] | None = None, *, token: str | None = FROM_ENV,
+        monitor: Monitor | None = None,
+    ) -> None:  # fmt: skip
+        if token is FROM_ENV:
+            token = os.environ.get(ENV_TOKEN) or None
+        if token is not None and (not isinstance(token, str) or not token.strip()):
+            raise ValueError("the admin token must be a non-empty str (or None)")
+        self.token = token
+        self.store = store
+        self.monitor = monitor if monitor is not None else Monitor(store)
+
+    # -- access ---------------------------------------------------------------------------
+
+    def refusal(self, headers: Mapping[str, str], client: str | None) -> Response | None:
+        """401 or 403 for a request that may not see admin pages, else None."""
+        if self.token is None:
+            if is_loopback(client):
+                return None
+            return problem(
+                403, "admin_loopback_only",
+                f"no {ENV_TOKEN} is set, so the admin pages answer on loopback only; "
+                "set it to open them to other hosts",
+            )  # fmt: skip
+        scheme, _, given = headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode(), self.token.encode()
+        ):
+            return None
+        challenge = [("www-authenticate", 'Bearer realm="retrysafe"')]
+        if "text/html" in headers.get("accept", ""):
+            return pages().html(401, pages().login, challenge)
+        return problem(
+            401, "admin_token_required",
+            f"send the admin token ({ENV_TOKEN}) as Authorization: Bearer TOKEN",
+            headers=challenge,
+        )  # fmt: skip
+
+    # -- pages ----------------------------------------------------------------------------
+
+    def answer(
+        self, method: str, path: str, query: str, headers: Mapping[str, str],
+        client: str | None, base: str = "",
+    ) -> Response:  # fmt: skip
+        """The answer to a request for ``path`` (relative to where the site is
+        mounted, ``base``); ``headers`` have lower-case names."""
+        refused = self.refusal(headers, client)
+        if refused is not None:
+            return refused
+        if method not in ("GET", "HEAD"):
+            return problem(405, "method_not_allowed", f"{base}{path or '/'} answers GET and HEAD",
+                           headers=[("allow", "GET, HEAD")])  # fmt: skip
+        if path == "":
+            return Response(308, [("location", f"{base}/"), ("content-length", "0")], b"")
+        if path == "/":
+            self.monitor.start()
+            return pages().html(200, pages().dashboard)
+        if path == "/metrics":
+            return self.metrics()
+        if path == "/api/stats":
+            return self.stats(urllib.parse.parse_qs(query))
+        if path == "/api/records":
+            return self.records(urllib.parse.parse_qs(query))
+        return problem(404, "not_found", f"no admin page at {base}{path}")
+
+    def metrics(self) -> Response:
+        """The Prometheus text of every metric."""
+        body, ctype = self.monitor.exposition()
+        headers = [("content-type", ctype), ("content-length", str(len(body))),
+                   ("cache-control", "no-store")]  # fmt: skip
+        return Response(200, headers, body)
+
+    def stats(self, query: Mapping[str, list[str]] | None = None) -> Response:
+        """Every live figure as JSON (what the dashboard draws); ``points``: how
+        many points of each series (default 300, one a second)."""
+        try:
+            points = int((query or {}).get("points", ["300"])[0])
+        except ValueError:
+            points = -1
+        if not 0 <= points <= 10_000:
+            return problem(400, "bad_request", "points must be a whole number from 0 to 10000")
+        self.monitor.start()
+        doc = self.monitor.snapshot(points=points)
+        doc["admin"] = {"token": self.token is not None}
+        return _json(200, doc)
+
+    def records(self, query: Mapping[str, list[str]]) -> Response:
+        """The key inspector: the records of a raw key (in every scope and operation,
+        or the one given), with their stored answers."""
+        key = (query.get("key") or [""])[0]
+        try:
+            validate_key(key)
+        except InvalidKeyError as exc:
+            return problem(400, "idempotency_key_invalid", str(exc))
+        if self.store is None:
+            return problem(404, "no_store", "this admin site has no store to search")
+        operation = (query.get("operation") or [None])[0]
+        scope = (query.get("scope") or [""])[0]
+        try:
+            if operation is not None:
+                found = self.store.get(key_hash(scope, operation, key))
+                records = [] if found is None else [found]
+            else:
+                records = self.store.records(key=key, limit=20)
+        except StoreUnavailableError as exc:
+            return problem(503, "idempotency_store_unavailable", str(exc),
+                           headers=[("retry-after", "1")])  # fmt: skip
+        except (IdempotencyError, NotImplementedError) as exc:
+            return problem(501, "not_supported", str(exc))
+        return _json(200, {"records": [record_json(r, answer=True) for r in records]})

@@ -1,0 +1,84 @@
+"""The live dashboard as an ASGI app, mountable in any ASGI server or framework.
+
+::
+
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+    from retrysafe.dashboard import DashboardApp
+
+    app = Starlette(routes=[Mount("/_retrysafe", app=DashboardApp(store="sqlite:///retrysafe.db"))])
+
+At its root it serves the dashboard page; under it ``metrics`` (Prometheus
+text), ``api/stats`` (every live figure as JSON) and ``api/records?key=…`` (the
+key inspector). Everything it needs ships in the package: no CDN. With
+``RETRYSAFE_ADMIN_TOKEN`` set (or ``token=``) every page needs
+``Authorization: Bearer TOKEN``; without one it answers loopback clients only.
+The ``retrysafe gateway`` mounts it at ``/_retrysafe/``. See ``docs/dashboard.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ._admin import FROM_ENV, AdminSite
+from ._asgi import lifespan
+from ._engine import shared_store
+from ._http import Response
+from ._monitor import Monitor
+from .asgi import Receive, Scope, Send, _answer
+from .stores import Store
+
+__all__ = ["DashboardApp", "serve_admin"]
+
+
+def _site(store: Store[Any] | str | None, token: str | None, monitor: Monitor | None) -> AdminSite:
+    opened = None if store is None else shared_store(store)
+    return AdminSite(opened, token=token, monitor=monitor)
+
+
+async def serve_admin(site: AdminSite, scope: Scope, send: Send, path: str, base: str) -> None:
+    """Answer an admin request (``path`` relative to ``base``) from a worker thread."""
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    client = scope.get("client")
+    response: Response = await asyncio.to_thread(
+        site.answer, scope["method"], path, scope.get("query_string", b"").decode("latin-1"),
+        headers, client[0] if client else None, base,
+    )  # fmt: skip
+    if scope["method"] == "HEAD":
+        response = Response(response.status, response.headers, b"")
+    await _answer(send, response)
+
+
+def relative(scope: Scope) -> tuple[str, str]:
+    """(the path under the app's mount point, the mount point) of an ASGI request."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        return path[len(root) :], root
+    return path, root
+
+
+class DashboardApp:
+    """The dashboard, metrics and inspector over ``store`` (a store, a URL, or None).
+
+    ``token``: the admin token (default ``$RETRYSAFE_ADMIN_TOKEN``; None for
+    loopback only). ``monitor``: the live figures, if you keep your own.
+    """
+
+    def __init__(
+        self, store: Store[Any] | str | None = None, *, token: str | None = FROM_ENV,
+        monitor: Monitor | None = None,
+    ) -> None:  # fmt: skip
+        self.site = _site(store, token, monitor)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await lifespan(receive, send, self.aclose, self.site.monitor.start)
+            return
+        if scope["type"] != "http":
+            return
+        path, base = relative(scope)
+        await serve_admin(self.site, scope, send, path, base)
+
+    async def aclose(self) -> None:
+        self.site.monitor.close()

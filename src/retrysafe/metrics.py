@@ -1,0 +1,107 @@
+"""Metrics, alerts and traces from the engine, and apps that serve them.
+
+Every front door reports through the engine, so nothing needs wiring: the
+counters (``retrysafe_executions_total``, ``retrysafe_replays_total``, …, by
+operation), the histograms of store round trips and handler time, and alerts
+(``retrysafe.alerts`` log events and ``retrysafe_alerts_total``) are there as
+soon as a request is served. Serve them with :class:`MetricsApp` (ASGI) or
+:func:`wsgi_app` (WSGI), or let the gateway do it at ``/_retrysafe/metrics``.
+Several workers: set ``PROMETHEUS_MULTIPROC_DIR`` to an empty folder before they
+start. See ``docs/metrics.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ._admin import FROM_ENV, AdminSite
+from ._asgi import lifespan
+from ._metrics import COUNTERS, METRICS, Alerts, Event, Metrics, multiprocess_dir
+from ._monitor import Monitor
+from .asgi import Receive, Scope, Send
+from .dashboard import _site, serve_admin
+from .stores import Store
+
+__all__ = [
+    "COUNTERS",
+    "METRICS",
+    "Alerts",
+    "Event",
+    "Metrics",
+    "MetricsApp",
+    "Monitor",
+    "configure",
+    "disable",
+    "enable",
+    "multiprocess_dir",
+    "wsgi_app",
+]
+
+
+def enable() -> None:
+    """Report metrics (the default, unless ``RETRYSAFE_METRICS=0``)."""
+    METRICS.enabled = True
+
+
+def disable() -> None:
+    """Report nothing: every engine call skips its metrics."""
+    METRICS.enabled = False
+
+
+def configure(*, alerts: Alerts | None = None) -> None:
+    """Set the alert thresholds of this process."""
+    if alerts is not None:
+        METRICS.alerts = alerts
+
+
+class MetricsApp:
+    """Prometheus text at any path, as an ASGI app (e.g. ``Mount("/metrics", app=…)``).
+
+    ``store`` (optional) adds its gauges: records by status, the oldest
+    processing record's age, the archive's size. Access as the dashboard's.
+    """
+
+    def __init__(
+        self, store: Store[Any] | str | None = None, *, token: str | None = FROM_ENV,
+        monitor: Monitor | None = None,
+    ) -> None:  # fmt: skip
+        self.site = _site(store, token, monitor)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await lifespan(receive, send, self.aclose)
+            return
+        if scope["type"] != "http":
+            return
+        await serve_admin(self.site, scope, send, "/metrics", "")
+
+    async def aclose(self) -> None:
+        self.site.monitor.close()
+
+
+def wsgi_app(
+    store: Store[Any] | str | None = None, *, token: str | None = FROM_ENV,
+    monitor: Monitor | None = None,
+) -> Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]:  # fmt: skip
+    """Prometheus text at any path, as a WSGI app (Flask, Django, gunicorn).
+
+    Mount it with werkzeug's ``DispatcherMiddleware`` or serve it on a path of
+    its own. Access as the dashboard's.
+    """
+    site: AdminSite = _site(store, token, monitor)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        headers = {k[5:].replace("_", "-").lower(): v for k, v in environ.items()
+                   if k.startswith("HTTP_")}  # fmt: skip
+        response = site.answer(
+            environ.get("REQUEST_METHOD", "GET"), "/metrics", environ.get("QUERY_STRING", ""),
+            headers, environ.get("REMOTE_ADDR"),
+        )  # fmt: skip
+        reason = {200: "OK", 401: "Unauthorized", 403: "Forbidden", 405: "Method Not Allowed"}
+        start_response(f"{response.status} {reason.get(response.status, '')}".strip(),
+                       response.headers)  # fmt: skip
+        return [] if environ.get("REQUEST_METHOD") == "HEAD" else [response.body]
+
+    app.site = site  # type: ignore[attr-defined]
+    return app

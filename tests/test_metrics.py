@@ -1,0 +1,411 @@
+"""Metrics, alerts and traces: every outcome counted once, on every front door.
+
+Counters are per process and per operation, so each test uses an operation name
+of its own and reads what it added. The HTTP front doors run on real servers
+(threads of this process, so their counters are this process's); the
+multi-worker totals are checked in tests/test_http_workers.py.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from _http_apps import Counter
+from _http_servers import ThreadServer
+from test_http import build
+
+from retrysafe import Engine, LeaseLostError, Outcome, Store, idempotent, key_hash, open_store
+from retrysafe._admin import AdminSite
+from retrysafe._metrics import COUNTERS, Alerts, Metrics
+from retrysafe._monitor import Monitor, quantile, read_sample
+from retrysafe.a2a import A2AIdempotency
+from retrysafe.mesh import MeshIdempotency
+from retrysafe.metrics import MetricsApp, configure, disable, enable, wsgi_app
+from retrysafe.webhooks import Receiver
+
+HTTP_DOORS = ["starlette", "fastapi", "flask", "django", "gateway"]
+
+
+def counts(op: str) -> dict[str, float]:
+    """This process's counters of operation ``op`` that are not zero."""
+    totals = read_sample().totals
+    return {o: n for o in COUNTERS if (n := totals[o].get(op, 0.0))}
+
+
+def handler_count(op: str) -> float:
+    pairs = read_sample().buckets["retrysafe_handler_seconds"].get(op, [])
+    return pairs[-1][1] if pairs else 0.0
+
+
+@pytest.fixture
+def op() -> str:
+    return f"m-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def alerts(caplog: pytest.LogCaptureFixture) -> Iterator[list[logging.LogRecord]]:
+    """The ``retrysafe.alerts`` records logged during the test."""
+    caplog.set_level(logging.WARNING, logger="retrysafe.alerts")
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep()
+    logging.getLogger("retrysafe.alerts").addHandler(handler)
+    yield records
+    logging.getLogger("retrysafe.alerts").removeHandler(handler)
+
+
+# -- the HTTP front doors --------------------------------------------------------------------
+
+
+@pytest.fixture(params=HTTP_DOORS)
+def door(
+    request: pytest.FixtureRequest, counter: Counter, memory: Store[Any], op: str
+) -> Iterator[str]:
+    upstream = request.getfixturevalue("upstream") if request.param == "gateway" else None
+    app, kind = build(request.param, counter, memory, upstream, operation=op)
+    with ThreadServer(app, kind) as server:
+        yield server.url
+
+
+def test_each_outcome_is_counted_once_on_every_http_door(
+    door: str, memory: Store[Any], op: str
+) -> None:
+    tid = uuid.uuid4().hex
+
+    def keyed(key: str) -> dict[str, str]:
+        return {"idempotency-key": key, "x-test-id": tid}
+
+    with httpx.Client(base_url=door, timeout=30) as c:
+        k = uuid.uuid4().hex
+        assert c.post("/orders", json={"a": 1}, headers=keyed(k)).status_code == 201
+        assert c.post("/orders", json={"a": 1}, headers=keyed(k)).headers["idempotent-replayed"]
+        assert c.post("/orders", json={"a": 2}, headers=keyed(k)).status_code == 422
+        assert c.post("/orders", json={}, headers=keyed('"open')).status_code == 400
+        assert c.post("/status/500", json={}, headers=keyed(uuid.uuid4().hex)).status_code == 500
+        slow = uuid.uuid4().hex
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(c.post, "/slow?ms=800", json={}, headers=keyed(slow))
+            h = key_hash("", op, slow)
+            deadline = time.monotonic() + 20
+            while memory.get(h) is None:
+                assert time.monotonic() < deadline, "the first request never claimed its key"
+                time.sleep(0.005)
+            assert c.post("/slow?ms=800", json={}, headers=keyed(slow)).status_code == 409
+            assert first.result().status_code == 200
+        assert c.get("/count/" + tid).status_code == 200  # not keyed: counts nothing
+    assert counts(op) == {
+        "executed": 3, "replayed": 1, "conflict": 1, "invalid_key": 1, "failed": 1,
+        "in_flight": 1,
+    }  # fmt: skip
+    assert handler_count(op) == 3  # two completions and one failure, each timed
+
+
+@pytest.mark.parametrize("name", HTTP_DOORS)
+def test_a_store_that_is_down_is_counted_on_every_http_door(
+    name: str, counter: Counter, request: pytest.FixtureRequest, op: str
+) -> None:
+    down = open_store("redis://127.0.0.1:9/0?socket_timeout=0.5")  # the discard port
+    upstream = request.getfixturevalue("upstream") if name == "gateway" else None
+    app, kind = build(name, counter, down, upstream, operation=op)
+    with ThreadServer(app, kind) as server:
+        r = httpx.post(server.url + "/orders", json={}, headers={"idempotency-key": "k"},
+                       timeout=30)  # fmt: skip
+    assert r.status_code == 503 and r.json()["code"] == "idempotency_store_unavailable"
+    assert counts(op) == {"store_unavailable": 1}
+
+
+# -- the other front doors --------------------------------------------------------------------
+
+
+def test_the_decorator_mesh_a2a_and_webhooks_report_through_the_engine(
+    memory: Store[Any], op: str
+) -> None:
+    @idempotent(store=memory, key="{n}", operation=op)
+    def work(n: int) -> int:
+        return n
+
+    assert [work(1), work(1), work(2)] == [1, 1, 2]
+    assert counts(op) == {"executed": 2, "replayed": 1}
+    with pytest.raises(Exception, match="no idempotency key"):
+        work(None)  # type: ignore[arg-type]
+    assert counts(op)["invalid_key"] == 1
+
+    mesh = MeshIdempotency(memory)
+    function = f"svc.{op.replace('-', '_')}"
+    extension = {"urn": "urn:mesh:ext:idempotency", "options": {"key": "k1"}}
+    envelope = {"protocol": {"name": "mesh", "version": "0.1.0"}, "id": "r1",
+                "call": {"function": function, "version": "1", "arguments": {"a": 1}},
+                "extensions": [extension]}  # fmt: skip
+    for _ in range(3):
+        mesh.handle(envelope, lambda call: {"ok": True})
+    conflict = json.loads(json.dumps(envelope))
+    conflict["call"]["arguments"] = {"a": 2}
+    assert mesh.handle(conflict, lambda call: {})["errors"][0]["code"] == "IDEMPOTENCY_CONFLICT"
+    assert counts(f"{function}@1") == {"executed": 1, "replayed": 2, "conflict": 1}
+
+    a2a = A2AIdempotency(memory, operation=op + "-a2a")
+    send = {"jsonrpc": "2.0", "id": 1, "method": "message/send", "params": {"message": {
+        "kind": "message", "messageId": "m-1", "role": "user",
+        "parts": [{"kind": "text", "text": "hi"}]}}}  # fmt: skip
+    reply = {"jsonrpc": "2.0", "id": 1, "result": {"kind": "message", "messageId": "a",
+                                                   "role": "agent", "parts": []}}  # fmt: skip
+    for _ in range(2):
+        a2a.handle(send, lambda request: reply)
+    bad = json.loads(json.dumps(send))
+    del bad["params"]["message"]["messageId"]
+    assert a2a.handle(bad, lambda request: reply)["error"]["code"] == -32602
+    assert counts(op + "-a2a") == {"executed": 1, "replayed": 1, "invalid_key": 1}
+
+    before = counts("webhook")
+    secret = "shh"
+    receiver = Receiver(memory, scheme="hmac", secrets=secret, handler=lambda d: {"ok": 1},
+                        source=op.replace("-", "_"))  # fmt: skip
+    body = json.dumps({"event": op}).encode()
+    signature = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+    for _ in range(3):
+        assert receiver.handle({"x-signature": f"sha256={signature}"}, body).status == 200
+    after = counts("webhook")
+    assert after.get("executed", 0) - before.get("executed", 0) == 1
+    assert after.get("replayed", 0) - before.get("replayed", 0) == 2
+
+
+# -- the engine's own events: takeovers, stale completions, alerts -----------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_takeover_and_the_stale_completion_it_causes(
+    memory: Store[Any], op: str, alerts: list[logging.LogRecord]
+) -> None:
+    clock = Clock()
+    engine = Engine(memory, lease=1, clock=clock)
+    key = f"secret-key-{uuid.uuid4().hex}"
+    first = engine.begin(key, operation=op)
+    clock.now += 5  # the first worker stalled past its lease
+    second = engine.begin(key, operation=op)
+    assert counts(op) == {"executed": 2, "lease_takeover": 1}
+    with pytest.raises(LeaseLostError):
+        engine.complete(first, Outcome.json(1))
+    engine.complete(second, Outcome.json(2))
+    assert counts(op) == {"executed": 2, "lease_takeover": 1, "stale_refused": 1}
+    (alert,) = [a for a in alerts if a.retrysafe["alert"] == "stale_completion"]  # type: ignore[attr-defined]
+    fields = alert.retrysafe  # type: ignore[attr-defined]
+    assert fields["operation"] == op and fields["key_hash"] == key_hash("", op, key)[:16]
+    assert key not in alert.getMessage() and key not in json.dumps(fields)  # never the raw key
+    assert read_sample().alerts["stale_completion"] >= 1
+
+
+def test_a_burst_on_one_key_is_one_alert(
+    memory: Store[Any], op: str, alerts: list[logging.LogRecord]
+) -> None:
+    engine = Engine(memory)
+    claim = engine.begin("burst", operation=op)
+    for _ in range(5):  # six requests with one key at once: an alert at the third refusal
+        with pytest.raises(Exception, match="in progress"):
+            engine.begin("burst", operation=op)
+    engine.complete(claim, Outcome.json(None))
+    bursts = [a.retrysafe for a in alerts if a.retrysafe["alert"] == "burst"]  # type: ignore[attr-defined]
+    assert [b["requests"] for b in bursts] == [4]
+    assert counts(op)["in_flight"] == 5
+
+
+def test_a_key_failing_again_and_again_alerts_at_the_threshold(
+    memory: Store[Any], op: str, alerts: list[logging.LogRecord]
+) -> None:
+    engine = Engine(memory)
+    for attempt in range(1, 5):
+        claim = engine.begin("flaky", operation=op)
+        assert claim.attempts == attempt
+        engine.fail(claim)
+    repeated = [a.retrysafe for a in alerts if a.retrysafe["alert"] == "repeated_failures"]  # type: ignore[attr-defined]
+    assert [r["attempts"] for r in repeated] == [3, 4]
+    assert counts(op) == {"executed": 4, "failed": 4}
+
+
+def test_thresholds_are_options(
+    memory: Store[Any], op: str, alerts: list[logging.LogRecord]
+) -> None:
+    configure(alerts=Alerts(burst=1, failures=1))
+    try:
+        engine = Engine(memory)
+        claim = engine.begin("x", operation=op)
+        with pytest.raises(Exception, match="in progress"):
+            engine.begin("x", operation=op)
+        engine.fail(claim)
+    finally:
+        configure(alerts=Alerts())
+    assert sorted(a.retrysafe["alert"] for a in alerts) == ["burst", "repeated_failures"]  # type: ignore[attr-defined]
+    with pytest.raises(ValueError):
+        Alerts(burst=0)
+
+
+def test_a_stuck_processing_record_alerts_once(
+    memory: Store[Any], op: str, alerts: list[logging.LogRecord]
+) -> None:
+    engine = Engine(memory, lease=0.05)
+    claim = engine.begin("stuck", operation=op)  # and never completed: a crashed worker
+    time.sleep(0.1)  # the lease must really have run out on the wall clock
+    monitor = Monitor(memory)
+    for _ in range(2):
+        view = monitor.read_store()
+        assert view.up and view.by_status["processing"] == 1
+        (row,) = [r for r in view.in_flight if r["key"] == "stuck"]
+        assert row["stuck"] and row["lease_left"] < 0
+    stuck = [a.retrysafe for a in alerts if a.retrysafe["alert"] == "stuck_processing"]  # type: ignore[attr-defined]
+    assert len(stuck) == 1 and stuck[0]["operation"] == op
+    engine.fail(claim)
+
+
+def test_disabled_metrics_count_nothing(memory: Store[Any], op: str) -> None:
+    disable()
+    try:
+        with Engine(memory).attempt("k", operation=op) as att:
+            att.outcome = Outcome.json(1)
+    finally:
+        enable()
+    assert counts(op) == {}
+    with Engine(memory).attempt("k", operation=op) as att:
+        assert att.replay is not None
+    assert counts(op) == {"replayed": 1}
+
+
+def test_operation_labels_are_bounded() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from retrysafe import _metrics
+
+    m = Metrics(registry=CollectorRegistry())
+    for i in range(_metrics.MAX_OPERATIONS + 50):
+        m.count("executed", f"op-{i}")
+    labels = {s.labels["operation"] for s in m.counters["executed"].collect()[0].samples}
+    assert len(labels) == _metrics.MAX_OPERATIONS + 1 and "other" in labels
+
+
+def test_quantiles_follow_prometheus() -> None:
+    buckets = [(0.1, 10.0), (0.5, 30.0), (1.0, 40.0), (float("inf"), 40.0)]
+    assert quantile(0.5, buckets) == pytest.approx(0.3)  # rank 20: half-way into (0.1, 0.5]
+    assert quantile(0.99, buckets) == pytest.approx(0.5 + 0.5 * 9.6 / 10)
+    assert quantile(0.5, []) is None and quantile(0.5, [(0.1, 0.0)]) is None
+
+
+# -- OpenTelemetry ------------------------------------------------------------------------------
+
+
+def test_claims_completions_and_replays_are_span_events(memory: Store[Any], op: str) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    engine = Engine(memory)
+    key = f"raw-key-{uuid.uuid4().hex}"
+    for name in ("first", "retry"):
+        with tracer.start_as_current_span(name), engine.attempt(key, operation=op) as att:
+            if att.replay is None:
+                att.outcome = Outcome.json({"charged": True})
+    first, retry = sorted(exporter.get_finished_spans(), key=lambda s: s.name)
+    events = {s.name: [(e.name, dict(e.attributes or {})) for e in s.events]
+              for s in (first, retry)}  # fmt: skip
+    h = key_hash("", op, key)
+    assert [name for name, _ in events["first"]] == ["retrysafe.claim", "retrysafe.complete"]
+    assert events["first"][0][1] == {"retrysafe.operation": op, "retrysafe.outcome": "executed",
+                                     "retrysafe.key_hash": h}  # fmt: skip
+    replayed = {"retrysafe.operation": op, "retrysafe.outcome": "replayed",
+                "retrysafe.key_hash": h}  # fmt: skip
+    assert events["retry"] == [("retrysafe.replay", replayed)]
+    assert key not in repr(events) and "charged" not in repr(events)
+
+
+# -- serving the metrics -------------------------------------------------------------------------
+
+
+def test_the_asgi_and_wsgi_metrics_apps(memory: Store[Any], op: str) -> None:
+    with Engine(memory).attempt("k", operation=op) as att:
+        att.outcome = Outcome.json(1)
+    with Engine(memory).attempt("k", operation=op) as att:
+        assert att.replay is not None
+    for app, kind in (
+        (MetricsApp(memory, token=None), "asgi"),
+        (wsgi_app(memory, token=None), "wsgi"),
+    ):
+        with ThreadServer(app, kind) as server:
+            r = httpx.get(server.url + "/anything")
+            head = httpx.head(server.url + "/")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        text = r.text
+        assert f'retrysafe_replays_total{{operation="{op}"}} 1.0' in text
+        assert f'retrysafe_executions_total{{operation="{op}"}} 1.0' in text
+        assert 'retrysafe_duplicate_rate{window="lifetime"}' in text
+        assert 'retrysafe_records{status="completed"}' in text and "retrysafe_store_up 1.0" in text
+        assert 'retrysafe_store_seconds_bucket{call="claim"' in text
+        assert head.status_code == 200 and head.content == b""
+
+
+def test_admin_access() -> None:
+    site = AdminSite(open_store("memory://"), token="s3cret")
+    for auth in (None, "Bearer wrong", "Basic s3cret", "Bearer s3cret-and-more"):
+        headers = {} if auth is None else {"authorization": auth}
+        r = site.answer("GET", "/metrics", "", headers, "127.0.0.1")
+        assert r.status == 401 and json.loads(r.body)["code"] == "admin_token_required"
+        assert ("www-authenticate", 'Bearer realm="retrysafe"') in r.headers
+    ok = site.answer("GET", "/metrics", "", {"authorization": "Bearer s3cret"}, "203.0.113.9")
+    assert ok.status == 200
+    page = site.answer("GET", "/", "", {"accept": "text/html"}, "127.0.0.1")
+    assert page.status == 401 and b"admin token" in page.body and b"s3cret" not in page.body
+    open_site = AdminSite(open_store("memory://"), token=None)
+    assert open_site.answer("GET", "/metrics", "", {}, "127.0.0.1").status == 200
+    assert open_site.answer("GET", "/metrics", "", {}, "::1").status == 200
+    far = open_site.answer("GET", "/metrics", "", {}, "203.0.113.9")
+    assert far.status == 403 and json.loads(far.body)["code"] == "admin_loopback_only"
+    assert open_site.answer("POST", "/metrics", "", {}, "127.0.0.1").status == 405
+    assert open_site.answer("GET", "/nope", "", {}, "127.0.0.1").status == 404
+    with pytest.raises(ValueError):
+        AdminSite(None, token=" ")
+
+
+def test_the_inspector_api(memory: Store[Any], op: str) -> None:
+    with Engine(memory).attempt("find-me", operation=op, scope="tenant") as att:
+        att.outcome = Outcome(b"\xff\x00", 201, (("x-order", "7"),), "application/octet-stream")
+    with Engine(memory).attempt("find-me", operation=op + "-2") as att:
+        att.outcome = Outcome.json({"n": 1})
+    site = AdminSite(memory, token=None)
+
+    def find(query: str) -> Any:
+        r = site.answer("GET", "/api/records", query, {}, "127.0.0.1")
+        return r.status, json.loads(r.body)
+
+    status, doc = find("key=find-me")
+    assert status == 200 and {r["operation"] for r in doc["records"]} == {op, op + "-2"}
+    status, doc = find(f"key=find-me&operation={op}&scope=tenant")
+    (rec,) = doc["records"]
+    assert rec["status"] == "completed" and rec["scope"] == "tenant" and rec["attempts"] == 1
+    assert rec["answer"]["status"] == 201 and rec["answer"]["headers"] == [["x-order", "7"]]
+    assert rec["answer"]["body"] is None and rec["answer"]["bytes"] == 2  # binary: not shown
+    status, doc = find(f"key=find-me&operation={op}-2")
+    assert json.loads(doc["records"][0]["answer"]["body"]) == {"n": 1}
+    assert find(f"key=find-me&operation={op}")[1]["records"] == []  # another scope
+    assert find("key=")[0] == 400 and find("key=%0A")[0] == 400
+    assert find("key=nobody")[1]["records"] == []
