@@ -409,3 +409,64 @@ def test_the_inspector_api(memory: Store[Any], op: str) -> None:
     assert find(f"key=find-me&operation={op}")[1]["records"] == []  # another scope
     assert find("key=")[0] == 400 and find("key=%0A")[0] == 400
     assert find("key=nobody")[1]["records"] == []
+
+
+# -- retrysafe stats --watch -----------------------------------------------------------------------
+
+
+def test_stats_watch_from_the_store(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from retrysafe._cli import main as cli
+
+    url = f"sqlite:///{tmp_path}/w.db"
+    store = open_store(url)
+    with Engine(store).attempt("k", operation="w") as att:
+        att.outcome = Outcome.json(1)
+    store.close()
+    assert cli(["stats", "--watch", "--store", url, "--count", "2", "--interval", "0.1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all("store up" in line and "executed" in line for line in lines)
+    assert cli(["stats", "--watch", "--store", url, "--count", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["store"]["by_status"]["completed"] == 1 and "duplicate_rate" in doc
+    assert cli(["stats", "--url", "http://127.0.0.1:9/"]) == 2
+    assert "--url goes with --watch" in capsys.readouterr().err
+
+
+def test_stats_watch_from_a_dashboard(
+    memory: Store[Any], op: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from retrysafe._cli import main as cli
+    from retrysafe.dashboard import DashboardApp
+
+    for _ in range(3):  # this process serves the dashboard: these are its figures
+        with Engine(memory).attempt("k", operation=op) as att:
+            if att.replay is None:
+                att.outcome = Outcome.json(1)
+    with ThreadServer(DashboardApp(memory, token="tok"), "asgi") as server:
+        url = server.url + "/"
+        argv = ["stats", "--watch", "--url", url, "--token", "tok", "--count", "1", "--json"]
+        assert cli(argv) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["by_operation"][op] == {"executed": 1.0, "replayed": 2.0}
+        assert len(doc["series"]["t"]) <= 2  # asked for two points, not five minutes
+        assert cli(["stats", "--watch", "--url", url, "--token", "bad", "--count", "1"]) == 0
+        assert "HTTP 401" in capsys.readouterr().out
+    assert cli(["stats", "--watch", "--url", url, "--count", "1"]) == 0  # the server is gone
+    assert "cannot read the figures: ConnectError" in capsys.readouterr().out
+
+
+def test_the_terminal_view() -> None:
+    from rich.console import Console
+
+    from retrysafe._watch import render
+
+    monitor = Monitor(open_store("memory://"))
+    monitor.sample()
+    monitor.read_store()
+    doc = monitor.snapshot(points=2)
+    console = Console(record=True, width=120, force_terminal=True)
+    console.print(render(doc))
+    text = console.export_text()
+    for words in ("duplicate rate", "executed", "replayed", "in flight", "store claim p50",
+                  "records:", "store memory://", "up"):  # fmt: skip
+        assert words in text, words
