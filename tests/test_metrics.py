@@ -470,3 +470,37 @@ def test_the_terminal_view() -> None:
     for words in ("duplicate rate", "executed", "replayed", "in flight", "store claim p50",
                   "records:", "store memory://", "up"):  # fmt: skip
         assert words in text, words
+
+
+def test_alert_thresholds_from_the_idempotency_map(counter: Counter, memory: Store[Any]) -> None:
+    from retrysafe import IdempotencyMap, MapError
+
+    text = """
+include_defaults = true
+
+[alerts]
+burst = 5
+burst_window = "2s"
+failures = 4
+stuck_after = "1m"
+"""
+    imap = IdempotencyMap.loads(text)
+    assert imap.alerts == Alerts(burst=5, burst_window=2.0, failures=4, stuck_after=60.0)
+    assert IdempotencyMap.loads(imap.to_toml()) == imap  # round trip, the table included
+    assert IdempotencyMap.from_dict(imap.to_dict()) == imap
+    cases = [("burst = 0", "alerts.burst"), ('burst_window = "soon"', "alerts.burst_window"),
+             ("bursts = 3", "alerts.bursts"), ("failures = true", "alerts.failures")]  # fmt: skip
+    for bad, where in cases:
+        with pytest.raises(MapError, match=where.replace(".", r"\.")):
+            IdempotencyMap.loads(f"[alerts]\n{bad}\n")
+    try:
+        build("flask", counter, memory, None, map=imap)  # a front door loads the map
+        assert metrics_alerts() == imap.alerts
+    finally:
+        configure(alerts=Alerts())
+
+
+def metrics_alerts() -> Alerts:
+    from retrysafe._metrics import METRICS
+
+    return METRICS.alerts

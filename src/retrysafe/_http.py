@@ -420,6 +420,8 @@ class HttpPolicy:
                 "drop_headers": drop_headers,
             }  # fmt: skip
             self.map = _load_map(map)
+            if self.map.alerts is not None:  # the process's alert thresholds
+                METRICS.alerts = self.map.alerts
             for route in self.map.routes:
                 self._routes[route] = _route_policy(self.engine.store, self.map, route, common)
 

@@ -7,6 +7,7 @@ is validated when the map is built, so a front door only looks routes up
 
 from __future__ import annotations
 
+import dataclasses
 import decimal
 import difflib
 import json
@@ -24,6 +25,7 @@ from ._duration import format_duration, parse_duration
 from ._engine import DEFAULT_LEASE, DEFAULT_TTL, Engine
 from ._errors import InvalidKeyError
 from ._keys import MAX_KEY_LENGTH, validate_key
+from ._metrics import Alerts
 from ._record import FINANCIAL, RETENTIONS, STANDARD
 
 __all__ = ["IdempotencyMap", "MapError", "Operation", "Route"]
@@ -107,6 +109,10 @@ def _duration(value: Any, name: str, *, allow_zero: bool = False) -> float:
         ) from None
     except ValueError as error:
         raise MapError(str(error), field=(name,)) from None
+
+
+def _duration_or_zero(value: Any, name: str) -> float:
+    return _duration(value, name, allow_zero=True)
 
 
 def _bool(value: Any, name: str) -> bool:
@@ -671,7 +677,8 @@ _ROUTE_KEYS = (
     "method", "path", "operation", "require_key", "header", "duplicate_response", "wait",
     "validate_key",
 )  # fmt: skip
-_TOP_KEYS = ("include_defaults", "defaults", "operations", "routes")
+_ALERT_KEYS = ("burst", "burst_window", "failures", "stuck_after")
+_TOP_KEYS = ("include_defaults", "defaults", "operations", "routes", "alerts")
 
 _DEFAULT: IdempotencyMap | None = None
 
@@ -684,9 +691,12 @@ class IdempotencyMap:
     :class:`MapError` for an invalid map.
     """
 
-    __slots__ = ("_any", "_operations", "_routes", "_tables")
+    __slots__ = ("_alerts", "_any", "_operations", "_routes", "_tables")
 
-    def __init__(self, operations: Iterable[Operation] = (), routes: Iterable[Route] = ()) -> None:
+    def __init__(
+        self, operations: Iterable[Operation] = (), routes: Iterable[Route] = (),
+        alerts: Alerts | None = None,
+    ) -> None:  # fmt: skip
         if isinstance(operations, Mapping):
             operations = operations.values()
         by_name: dict[str, Operation] = {}
@@ -721,6 +731,9 @@ class IdempotencyMap:
                             "request it would; put the more specific route first"
                         )
                     raise MapError(why, field=("routes", i, "path"))
+        if alerts is not None and not isinstance(alerts, Alerts):
+            raise MapError(f"must be an Alerts, not {type(alerts).__name__}", field=("alerts",))
+        self._alerts = alerts
         self._operations = MappingProxyType(by_name)
         self._routes = routes
         # Per method, a table of the routes that can take it, in declared order.
@@ -739,6 +752,11 @@ class IdempotencyMap:
     def routes(self) -> tuple[Route, ...]:
         """Routes in declared order (the first that matches wins)."""
         return self._routes
+
+    @property
+    def alerts(self) -> Alerts | None:
+        """The alert thresholds of its ``[alerts]`` table, if it has one."""
+        return self._alerts
 
     def operation(self, name: str) -> Operation:
         """The operation called ``name``; ``KeyError`` listing the known names if none."""
@@ -798,7 +816,11 @@ class IdempotencyMap:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, IdempotencyMap):
             return NotImplemented
-        return dict(self._operations) == dict(other._operations) and self._routes == other._routes
+        return (
+            dict(self._operations) == dict(other._operations)
+            and self._routes == other._routes
+            and self._alerts == other._alerts
+        )
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -899,10 +921,13 @@ class IdempotencyMap:
 
     def to_dict(self) -> dict[str, Any]:
         """The map as plain data (durations in seconds); :meth:`from_dict` reads it back."""
-        return {
+        data: dict[str, Any] = {
             "operations": {name: op.to_dict() for name, op in self._operations.items()},
             "routes": [route.to_dict() for route in self._routes],
         }
+        if self._alerts is not None:
+            data["alerts"] = dataclasses.asdict(self._alerts)
+        return data
 
     def to_toml(self) -> str:
         """The map as a TOML file that :meth:`loads` reads back to an equal map."""
@@ -931,6 +956,15 @@ class IdempotencyMap:
             out.append(f"duplicate_response = {_toml_str(route.duplicate_response)}")
             out.append(f"wait = {_toml_str(format_duration(route.wait))}")
             out.append(f"validate_key = {str(route.validate_key).lower()}")
+        if self._alerts is not None:
+            a = self._alerts
+            if out:
+                out.append("")
+            out.append("[alerts]")
+            out.append(f"burst = {a.burst}")
+            out.append(f"burst_window = {_toml_str(format_duration(a.burst_window))}")
+            out.append(f"failures = {a.failures}")
+            out.append(f"stuck_after = {_toml_str(format_duration(a.stuck_after))}")
         return "\n".join(out) + "\n" if out else ""
 
     def describe(self) -> str:
@@ -1093,7 +1127,26 @@ def _from_data(cls: type[IdempotencyMap], data: Mapping[str, Any]) -> Idempotenc
             routes.append(Route(**table))
         except MapError as error:
             raise MapError(error.message, field=(*path, *error.field_path)) from None
-    return cls(operations.values(), routes)
+    alerts = _alerts(data["alerts"]) if "alerts" in data else None
+    return cls(operations.values(), routes, alerts)
+
+
+def _alerts(value: Any) -> Alerts:
+    """The ``[alerts]`` table: thresholds of the alerts (see retrysafe.metrics.Alerts)."""
+    table = _table(value, ("alerts",))
+    _known(table, _ALERT_KEYS, ("alerts",), "[alerts]")
+    settings: dict[str, Any] = {}
+    for name, item in table.items():
+        path = ("alerts", name)
+        if name in ("burst", "failures"):
+            if isinstance(item, bool) or not isinstance(item, int) or item < 1:
+                raise MapError(f"must be a whole number of at least 1, not {_kind(item)}",
+                               field=path)  # fmt: skip
+            settings[name] = item
+        else:
+            check = _duration_or_zero if name == "stuck_after" else _duration
+            settings[name] = _at(path, check, item, name)
+    return Alerts(**settings)
 
 
 def _at(path: FieldPath, check: Any, *args: Any) -> Any:
