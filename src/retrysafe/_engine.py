@@ -255,7 +255,8 @@ class Engine:
             try:
                 result = self.store.claim(record)
             except StoreUnavailableError as exc:
-                raise plan.unreachable(exc) from None
+                plan.unreachable(exc)
+                raise
             answer = plan.settle(result, record, started)
             if answer.__class__ is not float:
                 return answer  # type: ignore[return-value]
@@ -313,7 +314,8 @@ class Engine:
             try:
                 result = await self.store.aclaim(record)
             except StoreUnavailableError as exc:
-                raise plan.unreachable(exc) from None
+                plan.unreachable(exc)
+                raise
             answer = plan.settle(result, record, started)
             if answer.__class__ is not float:
                 return answer  # type: ignore[return-value]
@@ -492,10 +494,9 @@ class _Plan:
             self.request_id, False, None, self.request_payload, self.metadata, self.retention,
         )  # fmt: skip
 
-    def unreachable(self, error: StoreUnavailableError) -> StoreUnavailableError:
-        """``error``, reported: the claim could not reach the store."""
+    def unreachable(self, error: StoreUnavailableError) -> None:
+        """Report that the claim could not reach the store."""
         METRICS.refused(self.operation, error, self.key, self.key_hash)
-        return error
 
     def settle(self, result: ClaimResult, record: Record, started: float) -> Claim | Replay | float:
         """The answer to a claim (its store call begun at ``started``, a
