@@ -77,8 +77,12 @@ class DashboardApp:
             return
         if scope["type"] != "http":
             return
-        path, base = relative(scope)
+        path, base = self._where(scope)
         await serve_admin(self.site, scope, send, path, base)
+
+    def _where(self, scope: Scope) -> tuple[str, str]:
+        """(the page asked for, the mount point)."""
+        return relative(scope)
 
     async def aclose(self) -> None:
         self.site.monitor.close()

@@ -16,11 +16,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._admin import FROM_ENV, AdminSite
-from ._asgi import lifespan
 from ._metrics import COUNTERS, METRICS, Alerts, Event, Metrics, multiprocess_dir
 from ._monitor import Monitor
-from .asgi import Receive, Scope, Send
-from .dashboard import _site, serve_admin
+from .asgi import Scope
+from .dashboard import DashboardApp, _site
 from .stores import Store
 
 __all__ = [
@@ -55,29 +54,15 @@ def configure(*, alerts: Alerts | None = None) -> None:
         METRICS.alerts = alerts
 
 
-class MetricsApp:
+class MetricsApp(DashboardApp):
     """Prometheus text at any path, as an ASGI app (e.g. ``Mount("/metrics", app=…)``).
 
     ``store`` (optional) adds its gauges: records by status, the oldest
     processing record's age, the archive's size. Access as the dashboard's.
     """
 
-    def __init__(
-        self, store: Store[Any] | str | None = None, *, token: str | None = FROM_ENV,
-        monitor: Monitor | None = None,
-    ) -> None:  # fmt: skip
-        self.site = _site(store, token, monitor)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await lifespan(receive, send, self.aclose)
-            return
-        if scope["type"] != "http":
-            return
-        await serve_admin(self.site, scope, send, "/metrics", "")
-
-    async def aclose(self) -> None:
-        self.site.monitor.close()
+    def _where(self, scope: Scope) -> tuple[str, str]:
+        return "/metrics", ""
 
 
 def wsgi_app(
