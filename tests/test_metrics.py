@@ -294,11 +294,44 @@ def test_operation_labels_are_bounded() -> None:
 
     from retrysafe import _metrics
 
-    m = Metrics(registry=CollectorRegistry())
+    registry = CollectorRegistry()
+    m = Metrics(registry=registry)
     for i in range(_metrics.MAX_OPERATIONS + 50):
         m.count("executed", f"op-{i}")
-    labels = {s.labels["operation"] for s in m.counters["executed"].collect()[0].samples}
-    assert len(labels) == _metrics.MAX_OPERATIONS + 1 and "other" in labels
+    (family,) = [f for f in registry.collect() if f.name == "retrysafe_executions"]
+    labels = {s.labels["operation"]: s.value for s in family.samples}
+    assert len(labels) == _metrics.MAX_OPERATIONS + 1 and labels["other"] == 50
+
+
+def test_counts_from_many_threads_are_exact_and_ended_threads_retire() -> None:
+    import threading
+
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    m = Metrics(registry=registry)
+
+    def work() -> None:
+        for _ in range(500):
+            m.count("replayed", "op")
+            m.store_call("claim", 0.0007)
+
+    threads = [threading.Thread(target=work) for _ in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(m._cells._all[("replayed", "op")]) <= 2  # type: ignore[union-attr]
+    families = {f.name: f for f in registry.collect()}
+    (replays,) = families["retrysafe_replays"].samples
+    assert replays.value == 20_000
+    samples = {
+        (s.name, s.labels.get("le")): s.value for s in families["retrysafe_store_seconds"].samples
+    }
+    assert samples[("retrysafe_store_seconds_bucket", "0.0005")] == 0
+    assert samples[("retrysafe_store_seconds_bucket", "0.001")] == 20_000
+    assert samples[("retrysafe_store_seconds_count", None)] == 20_000
+    assert samples[("retrysafe_store_seconds_sum", None)] == pytest.approx(14.0)
 
 
 def test_quantiles_follow_prometheus() -> None:

@@ -11,13 +11,15 @@ counters to files there, and whichever process answers a scrape adds them up.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +136,112 @@ class _Otel:
                                   "retrysafe.key_hash": key_hash})  # fmt: skip
 
 
+_FAMILIES: dict[str, tuple[str, str, str, tuple[float, ...] | None]] = {
+    **{o: (name, text, "operation", None) for o, (name, text) in COUNTERS.items()},
+    "alert": ("retrysafe_alerts", "Alerts raised, by alert.", "alert", None),
+    "store": ("retrysafe_store_seconds", "Store round-trip time by call.", "call", _STORE_BUCKETS),
+    "handler": ("retrysafe_handler_seconds", "Time from a claim to its completion or failure.",
+                "operation", _HANDLER_BUCKETS),
+}  # fmt: skip
+
+
+class _Owner:
+    """Held in a thread's locals only: its end is that thread's end."""
+
+
+class _Child:
+    """One labelled counter or histogram: a list of values per thread, so an update
+    takes no lock (only its thread writes it) and loses nothing."""
+
+    __slots__ = ("_bounds", "_cells", "_key", "_local")
+
+    def __init__(self, cells: _Cells, key: tuple[str, str], bounds: tuple[float, ...]) -> None:
+        self._cells, self._key, self._bounds, self._local = cells, key, bounds, cells.local
+
+    def _values(self) -> list[float]:
+        try:
+            return self._local.values[self._key]  # type: ignore[no-any-return]
+        except (AttributeError, KeyError):
+            return self._cells.new(self._key, len(self._bounds) + 2)
+
+    def inc(self, n: float = 1) -> None:
+        self._values()[0] += n
+
+    def observe(self, value: float) -> None:
+        values = self._values()
+        values[bisect.bisect_left(self._bounds, value)] += 1  # Prometheus' le is inclusive
+        values[-1] += value
+
+
+class _Cells:
+    """The metrics of one process: per-thread values, added up by :meth:`collect`.
+
+    When a thread ends, its values are added to the retired totals (a server
+    that starts a thread per request must not grow a list per request).
+    """
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self._lock = threading.Lock()
+        self._all: dict[tuple[str, str], list[list[float]]] = {}
+        self._retired: dict[tuple[str, str], list[float]] = {}
+
+    def child(self, family: str, label: str) -> _Child:
+        bounds = _FAMILIES[family][3] or ()
+        return _Child(self, (family, label), bounds)
+
+    def new(self, key: tuple[str, str], size: int) -> list[float]:
+        """This thread's values for ``key`` (made on its first update)."""
+        values: list[float] = [0] * size if key[0] in ("store", "handler") else [0]
+        mine = getattr(self.local, "values", None)
+        if mine is None:
+            mine = self.local.values = {}
+            # Dropped with the thread's locals when it ends: then its values retire.
+            self.local.owner = owner = _Owner()
+            weakref.finalize(owner, self._retire, mine)
+        mine[key] = values
+        with self._lock:
+            self._all.setdefault(key, []).append(values)
+        return values
+
+    def _retire(self, mine: dict[tuple[str, str], list[float]]) -> None:
+        with self._lock:
+            for key, values in mine.items():
+                lists = self._all[key]
+                retired = self._retired.get(key)
+                if retired is None:
+                    retired = self._retired[key] = [0] * len(values)
+                    lists.append(retired)
+                for i, v in enumerate(values):
+                    retired[i] += v
+                lists[:] = [v for v in lists if v is not values]
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+        from prometheus_client.utils import floatToGoString
+
+        with self._lock:
+            cells = {key: list(lists) for key, lists in self._all.items()}
+        for family, (name, text, label, bounds) in _FAMILIES.items():
+            mine = {k[1]: lists for k, lists in cells.items() if k[0] == family}
+            if bounds is None:
+                counter = CounterMetricFamily(name, text, labels=[label])
+                for value, lists in mine.items():
+                    counter.add_metric([value], sum(v[0] for v in lists))
+                yield counter
+                continue
+            histogram = HistogramMetricFamily(name, text, labels=[label])
+            edges = [*(floatToGoString(b) for b in bounds), "+Inf"]
+            for value, lists in mine.items():
+                totals = [sum(column) for column in zip(*lists, strict=True)]
+                running, buckets = 0.0, []
+                for edge, n in zip(edges, totals[:-1], strict=True):
+                    running += n
+                    buckets.append((edge, running))
+                histogram.add_metric([value], buckets, sum_value=totals[-1])
+            yield histogram
+
+
 class Metrics:
     """The process's metrics (one instance, :data:`METRICS`); see the module docstring.
 
@@ -150,6 +258,7 @@ class Metrics:
         self.alerts = alerts or Alerts()
         self.recent: collections.deque[Event] = collections.deque(maxlen=200)
         self._made = False
+        self._cells: _Cells | None = None
         self._lock = threading.Lock()
         self._children: dict[tuple[str, str], Any] = {}
         self._operations: dict[str, str] = {}
@@ -160,15 +269,23 @@ class Metrics:
     # -- the prometheus objects ------------------------------------------------------------
 
     def _make(self) -> None:
-        """Create the metrics on first use (so an unused process registers nothing)."""
+        """Create the metrics on first use (so an unused process registers nothing).
+
+        In one process they are lock-free per-thread cells added up when scraped
+        (:class:`_Cells`); in multi-process mode, ``prometheus_client``'s own,
+        which live in memory-mapped files every worker can read.
+        """
         with self._lock:
             if self._made:
                 return
             from prometheus_client import REGISTRY, Counter, Histogram
 
             registry = self.registry
-            if registry is None and not multiprocess_dir():
-                registry = REGISTRY
+            if not multiprocess_dir():
+                self._cells = _Cells()
+                (registry or REGISTRY).register(self._cells)
+                self._made = True
+                return
             self.counters = {
                 outcome: Counter(name, text, ["operation"], registry=registry)
                 for outcome, (name, text) in COUNTERS.items()
@@ -191,6 +308,9 @@ class Metrics:
         child = self._children.get((family, label))
         if child is None:
             self._make()
+            if self._cells is not None:
+                child = self._children[(family, label)] = self._cells.child(family, label)
+                return child
             if family in self.counters:
                 child = self.counters[family].labels(label)
             elif family == "alert":
