@@ -345,6 +345,7 @@ def test_quantiles_follow_prometheus() -> None:
 
 
 def test_claims_completions_and_replays_are_span_events(memory: Store[Any], op: str) -> None:
+    from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -352,6 +353,8 @@ def test_claims_completions_and_replays_are_span_events(memory: Store[Any], op: 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
+    # Events go to the current span once an application has set its provider.
+    trace.set_tracer_provider(provider)
     tracer = provider.get_tracer("test")
     engine = Engine(memory)
     key = f"raw-key-{uuid.uuid4().hex}"

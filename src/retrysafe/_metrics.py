@@ -117,7 +117,10 @@ class Event:
 
 
 class _Otel:
-    """Span events on the current span, if ``opentelemetry-api`` is installed."""
+    """Span events on the current span, if ``opentelemetry-api`` is installed and a
+    tracer provider is set (``trace.set_tracer_provider``). Until one is set, an
+    event costs one attribute read: the API keeps the provider in a module global
+    (read directly; if a later API hides it, every event looks at the current span)."""
 
     def __init__(self) -> None:
         try:
@@ -126,9 +129,10 @@ class _Otel:
             self.current: Callable[[], Any] | None = None
         else:
             self.current = trace.get_current_span
+            self._trace = trace
 
     def event(self, name: str, operation: str, outcome: str, key_hash: str) -> None:
-        if self.current is None:
+        if self.current is None or getattr(self._trace, "_TRACER_PROVIDER", True) is None:
             return
         span = self.current()
         if span.is_recording():
@@ -242,6 +246,15 @@ class _Cells:
             yield histogram
 
 
+class _Op:
+    """An operation's label and the children of its metrics on every request."""
+
+    __slots__ = ("executed", "handler", "label", "replayed")
+
+    def __init__(self, label: str, executed: Any, replayed: Any, handler: Any) -> None:
+        self.label, self.executed, self.replayed, self.handler = label, executed, replayed, handler
+
+
 class Metrics:
     """The process's metrics (one instance, :data:`METRICS`); see the module docstring.
 
@@ -262,6 +275,8 @@ class Metrics:
         self._lock = threading.Lock()
         self._children: dict[tuple[str, str], Any] = {}
         self._operations: dict[str, str] = {}
+        self._ops: dict[str, _Op] = {}
+        self._store: dict[str, Any] = {}
         self._bursts: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
         self._stuck: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._otel = _Otel()
@@ -322,6 +337,23 @@ class Metrics:
             self._children[(family, label)] = child
         return child
 
+    def _op(self, operation: str) -> _Op:
+        """The children of an operation's frequent metrics, found with one lookup."""
+        op = self._ops.get(operation)
+        if op is None:
+            label = self._label(operation)
+            op = _Op(label, self._child("executed", label), self._child("replayed", label),
+                     self._child("handler", label))  # fmt: skip
+            if label != "other":  # bounded like the labels
+                self._ops[operation] = op
+        return op
+
+    def _store_child(self, call: str) -> Any:
+        child = self._store.get(call)
+        if child is None:
+            child = self._store[call] = self._child("store", call)
+        return child
+
     def _label(self, operation: str) -> str:
         """The operation's label; bounded, since operations can come from requests."""
         label = self._operations.get(operation)
@@ -342,12 +374,12 @@ class Metrics:
         """A claim was granted after a store call of ``seconds``."""
         if not self.enabled:
             return
-        label = self._label(operation)
-        self._child("store", "claim").observe(seconds)
-        self._child("executed", label).inc()
+        op = self._op(operation)
+        self._store_child("claim").observe(seconds)
+        op.executed.inc()
         outcome = "executed"
         if took_over is not None and getattr(took_over, "value", took_over) == "processing":
-            self._child("lease_takeover", label).inc()
+            self._child("lease_takeover", op.label).inc()
             outcome = "lease_takeover"
         self._otel.event("retrysafe.claim", operation, outcome, key_hash)
 
@@ -355,8 +387,8 @@ class Metrics:
         """A claim found a finished record to replay."""
         if not self.enabled:
             return
-        self._child("store", "claim").observe(seconds)
-        self._child("replayed", self._label(operation)).inc()
+        self._store_child("claim").observe(seconds)
+        self._op(operation).replayed.inc()
         self._otel.event("retrysafe.replay", operation, "replayed", key_hash)
 
     def refused(
@@ -393,8 +425,8 @@ class Metrics:
         """A completion or failure (``call``) was stored after ``handler`` seconds of work."""
         if not self.enabled:
             return
-        self._child("store", call).observe(seconds)
-        self._child("handler", self._label(operation)).observe(handler)
+        self._store_child(call).observe(seconds)
+        self._op(operation).handler.observe(handler)
         self._otel.event(f"retrysafe.{call}", operation, "ok", key_hash)
 
     def failed(self, operation: str, key: str, key_hash: str, attempts: int, final: bool) -> None:
@@ -411,7 +443,7 @@ class Metrics:
     def store_call(self, call: str, seconds: float) -> None:
         """A store call (``claim``, ``renew``, …) took ``seconds``."""
         if self.enabled:
-            self._child("store", call).observe(seconds)
+            self._store_child(call).observe(seconds)
 
     def stale(self, what: str, operation: str, key: str, key_hash: str) -> None:
         """A completion, failure or renewal was refused: the lease had been lost."""
