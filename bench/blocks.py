@@ -48,7 +48,6 @@ import os
 import secrets
 import shlex
 import sqlite3
-import subprocess
 import tempfile
 import time
 from collections import Counter
@@ -752,20 +751,6 @@ def render(
 # -- main -------------------------------------------------------------------------------------
 
 
-def run_rev(rev: str) -> int:
-    """Run this script again in a child whose ``retrysafe`` is ``rev``'s ``src/``."""
-    commit = subprocess.run(["git", "rev-parse", "--short", f"{rev}^{{commit}}"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="rsblocks-rev-") as tmp:
-        archive = subprocess.run(["git", "archive", commit, "src"], cwd=ROOT, capture_output=True,
-                                 check=True).stdout  # fmt: skip
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        src = str(Path(tmp) / "src")
-        env = {**os.environ, "RSBLOCKS_SRC": src, "RSBLOCKS_REV": commit,
-               "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-        return subprocess.run([sys.executable, *sys.argv], env=env, check=False).returncode
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=11)
@@ -777,8 +762,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--write", type=Path)
     p.add_argument("--rev", help="measure this git revision's src/ (git archive), not the tree")
     args = p.parse_args(argv)
-    if args.rev and "RSBLOCKS_SRC" not in os.environ:
-        return run_rev(args.rev)
+    if args.rev and not bs.in_rev():
+        return bs.run_rev(args.rev)
     chosen = [s.strip() for s in args.stores.split(",") if s.strip()]
     if set(chosen) - set(STORES) or args.rounds < 1 or args.seconds <= 0:
         p.error(f"--stores from {', '.join(STORES)}; --rounds >= 1, --seconds > 0")
@@ -786,13 +771,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = shlex.join(["python", script, *(sys.argv[1:] if argv is None else argv)])
     started = time.monotonic()
     info = bs.machine_info()
-    if "RSBLOCKS_SRC" in os.environ:
-        import retrysafe
-
-        if not retrysafe.__file__.startswith(os.environ["RSBLOCKS_SRC"]):
-            raise SystemExit(f"--rev: retrysafe came from {retrysafe.__file__}")
-        info["retrysafe"] = (f"git {os.environ['RSBLOCKS_REV']}, exported with `git archive` "
-                             "(not the working tree)")  # fmt: skip
+    bs.note_rev(info)
     sections: dict[str, list[Any]] = {}
     tx: dict[str, list[Any]] = {}
     trips: list[Trips] = []

@@ -858,20 +858,6 @@ def render(
 # -- main ------------------------------------------------------------------------------------
 
 
-def run_rev(rev: str) -> int:
-    """Run this script again in a child whose ``retrysafe`` is ``rev``'s ``src/``."""
-    commit = subprocess.run(["git", "rev-parse", "--short", f"{rev}^{{commit}}"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="rsclient-rev-") as tmp:
-        archive = subprocess.run(["git", "archive", commit, "src"], cwd=ROOT, capture_output=True,
-                                 check=True).stdout  # fmt: skip
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        src = str(Path(tmp) / "src")
-        env = {**os.environ, "RSCLIENT_SRC": src, "RSCLIENT_REV": commit,
-               "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-        return subprocess.run([sys.executable, *sys.argv], env=env, check=False).returncode
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     if raw[:1] == ["--serve"]:
@@ -888,21 +874,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--write", type=Path)
     p.add_argument("--rev", help="measure this git revision's src/ (git archive), not the tree")
     args = p.parse_args(raw)
-    if args.rev and "RSCLIENT_SRC" not in os.environ:
-        return run_rev(args.rev)
+    if args.rev and not bs.in_rev():
+        return bs.run_rev(args.rev)
     if args.rounds < 1 or args.seconds <= 0 or args.flush_items < 1:
         p.error("--rounds >= 1, --seconds > 0, --flush-items >= 1")
     script = os.path.relpath(sys.argv[0]) if sys.argv[0] else "bench/client.py"
     command = shlex.join(["python", script, *raw])
     started = time.monotonic()
     info = bs.machine_info()
-    if "RSCLIENT_SRC" in os.environ:
-        import retrysafe
-
-        if not retrysafe.__file__.startswith(os.environ["RSCLIENT_SRC"]):
-            raise SystemExit(f"--rev: retrysafe came from {retrysafe.__file__}")
-        info["retrysafe"] = (f"git {os.environ['RSCLIENT_REV']}, exported with `git archive` "
-                             "(not the working tree)")  # fmt: skip
+    bs.note_rev(info)
     cs: dict[str, Any] = {}
     tally = Tally()
     syscalls: dict[str, Syscalls] = {}

@@ -822,20 +822,6 @@ def render(
     return "\n".join(out)
 
 
-def run_rev(rev: str) -> int:
-    """Run this script again in a child whose ``retrysafe`` is ``rev``'s ``src/``."""
-    commit = subprocess.run(["git", "rev-parse", "--short", f"{rev}^{{commit}}"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="rsmetrics-rev-") as tmp:
-        archive = subprocess.run(["git", "archive", commit, "src"], cwd=ROOT, capture_output=True,
-                                 check=True).stdout  # fmt: skip
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        src = str(Path(tmp) / "src")
-        env = {**os.environ, "RSMETRICS_SRC": src, "RSMETRICS_REV": commit,
-               "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-        return subprocess.run([sys.executable, *sys.argv], env=env, check=False).returncode
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds")
@@ -877,18 +863,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.call_costs_json:  # the child of multiprocess_costs()
         print(json.dumps(call_costs()))
         return 0
-    if args.rev and "RSMETRICS_SRC" not in os.environ:
-        return run_rev(args.rev)
+    if args.rev and not bs.in_rev():
+        return bs.run_rev(args.rev)
     command = shlex.join(["python", "bench/metrics.py", *(sys.argv[1:] if argv is None else argv)])
     started = time.monotonic()
     info = bs.machine_info()
-    if "RSMETRICS_SRC" in os.environ:
-        import retrysafe
-
-        if not retrysafe.__file__.startswith(os.environ["RSMETRICS_SRC"]):
-            raise SystemExit(f"--rev: retrysafe came from {retrysafe.__file__}")
-        info["retrysafe"] = (f"git {os.environ['RSMETRICS_REV']}, exported with `git archive` "
-                             "(not the working tree)")  # fmt: skip
+    bs.note_rev(info)
     info["libraries"] = library_info()
     info["SQLite"] = sqlite3.sqlite_version
     sections: dict[str, list[Pair]] = {}

@@ -799,6 +799,41 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+#: Set in the child that ``run_rev`` starts: where its ``retrysafe`` comes from.
+REV_SRC, REV_COMMIT = "RSBENCH_SRC", "RSBENCH_REV"
+
+
+def run_rev(rev: str) -> int:
+    """Run the calling script again in a child whose ``retrysafe`` is ``rev``'s ``src/``
+    (exported with ``git archive``), so that a benchmark measures a commit, not a
+    working tree that others are editing."""
+    commit = subprocess.run(["git", "rev-parse", "--short", f"{rev}^{{commit}}"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="rsbench-rev-") as tmp:
+        archive = subprocess.run(["git", "archive", commit, "src"], cwd=ROOT, capture_output=True,
+                                 check=True).stdout  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        src = str(Path(tmp) / "src")
+        env = {**os.environ, REV_SRC: src, REV_COMMIT: commit,
+               "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+        return subprocess.run([sys.executable, *sys.argv], env=env, check=False).returncode
+
+
+def in_rev() -> bool:
+    """Whether this process is the child of :func:`run_rev`."""
+    return REV_SRC in os.environ
+
+
+def note_rev(info: dict[str, str]) -> None:
+    """In :func:`run_rev`'s child: check where ``retrysafe`` came from and say it in ``info``."""
+    if not in_rev():
+        return
+    if not retrysafe.__file__ or not retrysafe.__file__.startswith(os.environ[REV_SRC]):
+        raise SystemExit(f"--rev: retrysafe came from {retrysafe.__file__}")
+    info["retrysafe"] = (f"git {os.environ[REV_COMMIT]}, exported with `git archive` "
+                         "(not the working tree)")  # fmt: skip
+
+
 def machine_info() -> dict[str, str]:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
