@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -186,3 +187,43 @@ def test_loopback_only_without_a_token(upstream: str, browser: Any, tmp_path: Pa
         finally:
             open_page.close()
     assert open_page.errors == []
+
+
+def test_the_token_never_leaves_the_admin_pages(gateway: str, browser: Any) -> None:
+    """Opened without the trailing slash, the page still asks only /_retrysafe/…: a
+    relative URL would send the token to the app behind the gateway."""
+    anonymous = Page(browser)
+    asked: list[str] = []
+    anonymous.page.on("request", lambda request: asked.append(request.url))
+    try:
+        p = anonymous.page
+        p.goto(gateway + "/_retrysafe")
+        p.fill("#token", TOKEN)
+        p.click("#login button")
+        p.wait_for_selector('#counts [data-outcome="executed"]')
+        p.wait_for_timeout(2500)  # a few refreshes
+        assert p.url == gateway + "/_retrysafe/"
+        api = [u for u in asked if "/api/" in u]
+        assert api and all(u.startswith(gateway + "/_retrysafe/api/") for u in api), api
+    finally:
+        anonymous.close()
+    assert [e for e in anonymous.errors if "401" not in e] == []
+
+
+def test_a_json_page_opened_with_the_token_is_shown_as_text(gateway: str, browser: Any) -> None:
+    """Stored answers and keys are other people's text: never parsed as a page."""
+    key = '<meta http-equiv="refresh" content="0;url=https://example.invalid/">'
+    assert httpx.post(gateway + "/orders", json={"x": 1},
+                      headers={"idempotency-key": key}).status_code == 201  # fmt: skip
+    anonymous = Page(browser)
+    try:
+        p = anonymous.page
+        target = f"{gateway}/_retrysafe/api/records?{urllib.parse.urlencode({'key': key})}"
+        p.goto(target)
+        p.fill("#token", TOKEN)
+        p.click("#login button")
+        p.wait_for_selector("pre")
+        assert p.url == target and "example.invalid" in p.locator("pre").inner_text()
+        assert p.locator("meta[http-equiv]").count() == 0
+    finally:
+        anonymous.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import time
@@ -416,6 +417,16 @@ def test_admin_access() -> None:
     assert open_site.answer("GET", "/metrics", "", {}, "::1").status == 200
     far = open_site.answer("GET", "/metrics", "", {}, "203.0.113.9")
     assert far.status == 403 and json.loads(far.body)["code"] == "admin_loopback_only"
+    assert open_site.answer("GET", "/metrics", "", {}, "::ffff:127.0.0.1").status == 200
+    for host in ("localhost:8000", "127.0.0.1", "[::1]:8000", "app.localhost"):
+        assert open_site.answer("GET", "/metrics", "", {"host": host}, "127.0.0.1").status == 200
+    # A site rebound to 127.0.0.1 (DNS rebinding), a proxy, a Unix socket: not loopback.
+    assert (
+        open_site.answer("GET", "/metrics", "", {"host": "evil.example"}, "127.0.0.1").status == 403
+    )
+    assert open_site.answer("GET", "/metrics", "", {"x-forwarded-for": "1.2.3.4"},
+                            "127.0.0.1").status == 403  # fmt: skip
+    assert open_site.answer("GET", "/metrics", "", {}, None).status == 403
     assert open_site.answer("POST", "/metrics", "", {}, "127.0.0.1").status == 405
     assert open_site.answer("GET", "/nope", "", {}, "127.0.0.1").status == 404
     with pytest.raises(ValueError):
@@ -485,10 +496,33 @@ def test_stats_watch_from_a_dashboard(
         doc = json.loads(capsys.readouterr().out)
         assert doc["by_operation"][op] == {"executed": 1.0, "replayed": 2.0}
         assert len(doc["series"]["t"]) <= 2  # asked for two points, not five minutes
-        assert cli(["stats", "--watch", "--url", url, "--token", "bad", "--count", "1"]) == 0
+        assert cli(["stats", "--watch", "--url", url, "--token", "bad", "--count", "1"]) == 1
         assert "HTTP 401" in capsys.readouterr().out
-    assert cli(["stats", "--watch", "--url", url, "--count", "1"]) == 0  # the server is gone
+        # Not a dashboard: said so, not a KeyError.
+        assert cli(["stats", "--watch", "--url", url + "api/stats/", "--token", "tok",
+                    "--count", "1"]) == 1  # fmt: skip
+        assert "cannot read the figures" in capsys.readouterr().out
+    assert cli(["stats", "--watch", "--url", url, "--count", "1"]) == 1  # the server is gone
     assert "cannot read the figures: ConnectError" in capsys.readouterr().out
+
+
+def test_stats_watch_finds_the_gateways_dashboard(monkeypatch: pytest.MonkeyPatch) -> None:
+    from retrysafe._watch import http_source
+
+    seen: list[str] = []
+
+    def fake_get(url: str, **kwargs: Any) -> Any:
+        seen.append(url)
+        raise httpx.ConnectError("no")
+
+    monkeypatch.setattr(httpx, "get", fake_get)
+    cases = [("http://gw:8000", "http://gw:8000/_retrysafe/api/stats?points=2"),
+             ("http://gw:8000/_retrysafe", "http://gw:8000/_retrysafe/api/stats?points=2"),
+             ("http://h:9/", "http://h:9/api/stats?points=2")]  # fmt: skip
+    for given, asked in cases:
+        with pytest.raises(httpx.ConnectError):
+            http_source(given, "tok")()
+        assert seen[-1] == asked, (given, seen[-1])
 
 
 def test_the_terminal_view() -> None:
@@ -540,3 +574,157 @@ def metrics_alerts() -> Alerts:
     from retrysafe._metrics import METRICS
 
     return METRICS.alerts
+
+
+# -- found in review -----------------------------------------------------------------------------
+
+
+def test_workflow_steps_are_counted_apart_from_requests(memory: Store[Any], op: str) -> None:
+    from retrysafe.steps import Workflow
+
+    wf = Workflow(memory, operation=op, steps=("a", "b"))
+
+    def body(run: Any) -> list[Any]:
+        return [run.step(name, lambda key: {"id": key}) for name in ("a", "b")]
+
+    for _ in range(2):  # the retry replays the operation: its steps are not read again
+        wf.run("order-1", body)
+    assert counts(op) == {"executed": 1, "replayed": 1}
+    assert counts(f"{op}/a") == {"step_executed": 1} == counts(f"{op}/b")
+
+
+def test_a_completion_the_store_cannot_take_is_counted_and_alerted(
+    op: str, alerts: list[logging.LogRecord]
+) -> None:
+    from _servers import RedisServer
+
+    from retrysafe import StoreUnavailableError
+
+    with RedisServer() as server:
+        store = open_store(server.url + "?socket_timeout=0.5")
+        engine = Engine(store)
+        claim = engine.begin("k", operation=op)
+        server.stop()  # the handler ran; now its answer cannot be written
+        with pytest.raises(StoreUnavailableError):
+            engine.complete(claim, Outcome.json(1))
+        store.close()
+    assert counts(op) == {"executed": 1, "unrecorded": 1}
+    (alert,) = [a.retrysafe for a in alerts if a.retrysafe["alert"] == "unrecorded_outcome"]  # type: ignore[attr-defined]
+    assert alert["operation"] == op
+
+
+def test_a_failing_metrics_report_never_fails_the_request(
+    memory: Store[Any], op: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from retrysafe._metrics import METRICS
+
+    def broken(call: str) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(METRICS, "_store_child", broken)
+    engine = Engine(memory)
+    for _ in range(3):
+        with engine.attempt("k", operation=op) as att:
+            if att.replay is None:
+                att.outcome = Outcome.json(1)
+    errors = [r for r in caplog.records if "metrics report failed" in r.getMessage()]
+    assert len(errors) == 1  # logged once, and every request went on
+    assert memory.get(key_hash("", op, "k")) is not None
+
+
+def test_the_snapshot_survives_events_arriving_while_it_is_read(memory: Store[Any]) -> None:
+    import sys
+    import threading
+
+    from retrysafe._metrics import METRICS, Event
+
+    monitor = Monitor(memory, interval=0.001)
+    monitor.sample()
+    stop = threading.Event()
+
+    def produce() -> None:
+        while not stop.is_set():
+            METRICS.recent.append(Event(time.time(), "in_flight", "op", "k", "h" * 64, "x"))
+            monitor.samples.append(monitor.samples[-1])
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    producer = threading.Thread(target=produce)
+    producer.start()
+    try:
+        for _ in range(3000):
+            monitor.snapshot(points=50)  # a "deque mutated during iteration" would raise
+    finally:
+        stop.set()
+        producer.join()
+        sys.setswitchinterval(old)
+
+
+def test_counters_never_go_down_while_threads_end(memory: Store[Any]) -> None:
+    """Threads start and end (a thread-per-request server) while scrapes run: a thread's
+    values move into the retired total, and no scrape may count them twice."""
+    import sys
+    import threading
+
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    m = Metrics(registry=registry)
+    stop = threading.Event()
+    started = 0
+
+    def work() -> None:
+        for _ in range(10):
+            m.count("executed", "op")
+            for j in range(20):  # many cells per thread: a long retirement
+                m.count("replayed", f"op{j}")
+
+    def spawn() -> None:
+        nonlocal started
+        while not stop.is_set():
+            batch = [threading.Thread(target=work) for _ in range(8)]
+            for t in batch:
+                t.start()
+            for t in batch:
+                t.join()
+            started += len(batch)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    spawner = threading.Thread(target=spawn)
+    spawner.start()
+    seen: list[float] = []
+    try:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            seen.append(registry.get_sample_value("retrysafe_executions_total",
+                                                  {"operation": "op"}) or 0.0)  # fmt: skip
+    finally:
+        stop.set()
+        spawner.join()
+        sys.setswitchinterval(old)
+    drops = sum(1 for a, b in itertools.pairwise(seen) if b < a)
+    assert len(seen) > 10 and drops == 0, f"{drops} scrapes went down"
+    final = registry.get_sample_value("retrysafe_executions_total", {"operation": "op"})
+    assert final == started * 10
+
+
+def test_a_closed_monitor_stays_closed(memory: Store[Any]) -> None:
+    monitor = Monitor(memory, interval=0.01)
+    monitor.start()
+    monitor.close()
+    monitor.start()  # a request that arrives during shutdown
+    assert monitor._thread is None or not monitor._thread.is_alive()
+
+
+def test_the_store_is_read_only_while_someone_watches(memory: Store[Any]) -> None:
+    monitor = Monitor(memory, interval=0.01, store_every=0.01, idle=0.2)
+    monitor.sample()
+    assert monitor.view.checked_at is None  # nobody asked: the store is left alone
+    monitor.watched()
+    monitor.sample()
+    first = monitor.view.checked_at
+    assert first is not None
+    time.sleep(0.25)
+    monitor.sample()
+    assert monitor.view.checked_at == first  # idle again

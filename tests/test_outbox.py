@@ -388,3 +388,27 @@ def test_flushers_in_several_processes_at_once(stack: tuple[str, str], tmp_path:
     done = effects(db)
     assert {i: done.get(i) for i in idents} == {i: 1 for i in idents}
     assert applied(db, idents) == idents and len(Outbox(path)) == 0
+
+
+def test_a_redirect_is_not_a_delivery_but_see_other_is(box: Outbox) -> None:
+    moved, created = box.enqueue("POST", "/moved"), box.enqueue("POST", "/created")
+    answers = {"/moved": httpx.Response(307, headers={"location": "/elsewhere"}),
+               "/created": httpx.Response(303, headers={"location": "/orders/1"})}  # fmt: skip
+    client = Client(base_url=BASE, transport=httpx.MockTransport(lambda r: answers[r.url.path]))
+    result = box.flush(client)
+    assert [i.key for i in result.failed] == [moved]
+    assert [i.key for i in result.delivered] == [created]
+    assert box.failures()[0].status_code == 307
+
+
+def test_the_cli_never_turns_another_sqlite_file_into_an_outbox(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = tmp_path / "app.db"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE users (id INTEGER)")
+    before = other.read_bytes()
+    for command in (["list"], ["flush"], ["drop", "k"]):
+        assert cli(["outbox", *command, "--path", str(other)]) == 2
+        assert "is not an outbox" in capsys.readouterr().err
+    assert other.read_bytes() == before and not Path(f"{other}-wal").exists()

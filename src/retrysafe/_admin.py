@@ -17,6 +17,7 @@ import base64
 import datetime as dt
 import hashlib
 import hmac
+import html
 import ipaddress
 import json
 import os
@@ -133,13 +134,31 @@ def record_json(r: Record, *, answer: bool = False) -> dict[str, Any]:
 
 
 def is_loopback(host: str | None) -> bool:
-    """Whether a client address is this machine (no address: a Unix socket)."""
+    """Whether a client address is this machine. No address (a Unix socket, whose
+    clients may be anyone a proxy lets in) is not."""
     if host is None:
-        return True
+        return False
     try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+        ip = ipaddress.ip_address(host.split("%")[0])
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 on a dual-stack socket
+    return bool((mapped or ip).is_loopback)
+
+
+def is_local_name(host: str | None) -> bool:
+    """Whether a ``Host`` header names this machine (``localhost``, a loopback address),
+    so that a page of another site whose name was rebound to 127.0.0.1 (DNS rebinding)
+    is not answered. No ``Host`` at all (HTTP/1.0) is not a browser's request."""
+    if host is None:
+        return True
+    host = host.strip().lower()
+    name = host[1 : host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+    return name == "localhost" or name.endswith(".localhost") or is_loopback(name)
+
+
+#: Headers a proxy adds: a request that has passed one is not a loopback client's.
+_PROXIED = ("x-forwarded-for", "forwarded", "x-real-ip")
 
 
 class AdminSite:
@@ -158,7 +177,7 @@ class AdminSite:
             token = os.environ.get(ENV_TOKEN) or None
         if token is not None and (not isinstance(token, str) or not token.strip()):
             raise ValueError("the admin token must be a non-empty str (or None)")
-        self.token = token
+        self.token = None if token is None else token.strip()  # headers arrive stripped
         self.store = store
         self.monitor = monitor if monitor is not None else Monitor(store)
 
@@ -167,12 +186,14 @@ class AdminSite:
     def refusal(self, headers: Mapping[str, str], client: str | None) -> Response | None:
         """401 or 403 for a request that may not see admin pages, else None."""
         if self.token is None:
-            if is_loopback(client):
+            if (is_loopback(client) and is_local_name(headers.get("host"))
+                    and not any(name in headers for name in _PROXIED)):  # fmt: skip
                 return None
             return problem(
                 403, "admin_loopback_only",
-                f"no {ENV_TOKEN} is set, so the admin pages answer on loopback only; "
-                "set it to open them to other hosts",
+                f"no {ENV_TOKEN} is set, so the admin pages answer loopback clients only "
+                "(addressed as localhost or a loopback address, not through a proxy); set "
+                "it to open them to other hosts",
             )  # fmt: skip
         scheme, _, given = headers.get("authorization", "").strip().partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(
@@ -206,7 +227,9 @@ class AdminSite:
             return Response(308, [("location", f"{base}/"), ("content-length", "0")], b"")
         if path == "/":
             self.monitor.start()
-            return pages().html(200, pages().dashboard)
+            self.monitor.watched()
+            mount = html.escape(base + "/", quote=True).encode()
+            return pages().html(200, pages().dashboard.replace(b"/*BASE*/", mount))
         if path == "/metrics":
             return self.metrics()
         if path == "/api/stats":
@@ -217,6 +240,7 @@ class AdminSite:
 
     def metrics(self) -> Response:
         """The Prometheus text of every metric."""
+        self.monitor.watched()
         body, ctype = self.monitor.exposition()
         headers = [("content-type", ctype), ("content-length", str(len(body))),
                    ("cache-control", "no-store")]  # fmt: skip
@@ -232,6 +256,7 @@ class AdminSite:
         if not 0 <= points <= 10_000:
             return problem(400, "bad_request", "points must be a whole number from 0 to 10000")
         self.monitor.start()
+        self.monitor.watched()
         doc = self.monitor.snapshot(points=points)
         doc["admin"] = {"token": self.token is not None}
         return _json(200, doc)

@@ -496,6 +496,7 @@ def _watch_stats(
         monitor = Monitor(_open(store), interval=interval, store_every=interval)
 
         def source() -> dict[str, Any]:
+            monitor.watched()
             monitor.sample()
             return monitor.snapshot(points=2)
 
@@ -645,6 +646,19 @@ def _outbox(path: str | None) -> Any:
     file = Path(path or os.environ.get("RETRYSAFE_OUTBOX") or DEFAULT_OUTBOX)
     if not file.is_file():
         raise CliError(f"no outbox at {str(file)!r}")
+    # Read-only first: another program's SQLite file must not get the outbox's tables.
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"{file.resolve().as_uri()}?mode=ro",
+                                                uri=True)) as conn:  # fmt: skip
+            found = conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE name = 'retrysafe_outbox'"
+            ).fetchone()
+    except sqlite3.Error as exc:
+        raise CliError(f"{str(file)!r} is not an outbox: {exc}") from None
+    if found is None:
+        raise CliError(f"{str(file)!r} is not an outbox: it has no retrysafe_outbox table")
     return Outbox(file)
 
 

@@ -504,7 +504,11 @@ def idempotent(
             """The attempt of this call, or None to run it unprotected."""
             nonlocal plan
             results.check()
-            k, s, fp = call.prepare(args, kwargs)
+            try:
+                k, s, fp = call.prepare(args, kwargs)
+            except InvalidKeyError as exc:
+                METRICS.refused(op, exc)
+                raise
             if k is None:
                 message = f"no idempotency key for {op}: the {call.describe_key()} has no value"
                 if raise_on_missing_key:

@@ -269,7 +269,11 @@ class Engine:
             self.fail(claim, final=True)
             raise error
         started = time.perf_counter()
-        ok = self.store.complete(claim.key_hash, claim.token, outcome, self.clock())
+        try:
+            ok = self.store.complete(claim.key_hash, claim.token, outcome, self.clock())
+        except StoreUnavailableError:
+            METRICS.unrecorded("completion", claim.operation, claim.key, claim.key_hash)
+            raise
         self._settled(claim, ok, started)
 
     def fail(
@@ -278,7 +282,11 @@ class Engine:
         """Mark the attempt failed: retryable unless ``final`` (default: the engine's policy)."""
         final = self._final(final)
         started = time.perf_counter()
-        ok = self.store.fail(claim.key_hash, claim.token, outcome, final, self.clock())
+        try:
+            ok = self.store.fail(claim.key_hash, claim.token, outcome, final, self.clock())
+        except StoreUnavailableError:
+            METRICS.unrecorded("failure", claim.operation, claim.key, claim.key_hash)
+            raise
         self._settled(claim, ok, started, final)
 
     def renew(self, claim: Claim, lease: float | None = None) -> None:
@@ -328,7 +336,11 @@ class Engine:
             await self.afail(claim, final=True)
             raise error
         started = time.perf_counter()
-        ok = await self.store.acomplete(claim.key_hash, claim.token, outcome, self.clock())
+        try:
+            ok = await self.store.acomplete(claim.key_hash, claim.token, outcome, self.clock())
+        except StoreUnavailableError:
+            METRICS.unrecorded("completion", claim.operation, claim.key, claim.key_hash)
+            raise
         self._settled(claim, ok, started)
 
     async def afail(
@@ -337,7 +349,11 @@ class Engine:
         """Async :meth:`fail`."""
         final = self._final(final)
         started = time.perf_counter()
-        ok = await self.store.afail(claim.key_hash, claim.token, outcome, final, self.clock())
+        try:
+            ok = await self.store.afail(claim.key_hash, claim.token, outcome, final, self.clock())
+        except StoreUnavailableError:
+            METRICS.unrecorded("failure", claim.operation, claim.key, claim.key_hash)
+            raise
         self._settled(claim, ok, started, final)
 
     async def arenew(self, claim: Claim, lease: float | None = None) -> None:
@@ -410,7 +426,7 @@ class _Plan:
 
     __slots__ = (
         "deadline", "delay", "fingerprint", "key", "key_hash", "lease", "metadata",
-        "operation", "request_id", "request_payload", "retention", "scope", "ttl", "wait",
+        "operation", "request_id", "request_payload", "retention", "scope", "step", "ttl", "wait",
     )  # fmt: skip
 
     def __init__(
@@ -466,6 +482,7 @@ class _Plan:
             _json_check(self.metadata)  # every store must be able to keep it
         self.deadline: float | None = None
         self.delay = 0.01
+        self.step = False  # a workflow's step (counted apart from requests)
 
     def derive(
         self, key: str, scope: str, fingerprint: str, request_id: str | None = None
@@ -481,6 +498,7 @@ class _Plan:
         plan.key, plan.scope, plan.fingerprint = key, scope, fingerprint
         plan.request_id = request_id
         plan.retention = self.retention
+        plan.step = self.step
         plan.key_hash = key_hash(scope, plan.operation, key)
         plan.deadline = None
         plan.delay = 0.01
@@ -503,7 +521,8 @@ class _Plan:
         ``perf_counter()``), or how long to sleep before claiming again (a float)."""
         now_perf = time.perf_counter()
         if result.claimed:
-            METRICS.claimed(self.operation, self.key_hash, result.took_over, now_perf - started)
+            METRICS.claimed(self.operation, self.key_hash, result.took_over, now_perf - started,
+                            self.step)  # fmt: skip
             return Claim(
                 self.key, self.key_hash, self.scope, self.operation, self.fingerprint,
                 record.token, record.lease_until, record.expires_at, result.attempts,
@@ -513,7 +532,7 @@ class _Plan:
         assert found is not None
         decision = verdict(found, self.fingerprint)
         if decision is Verdict.REPLAY:
-            METRICS.replayed(self.operation, self.key_hash, now_perf - started)
+            METRICS.replayed(self.operation, self.key_hash, now_perf - started, self.step)
             return Replay(found)
         METRICS.store_call("claim", now_perf - started)
         if decision is Verdict.CONFLICT:

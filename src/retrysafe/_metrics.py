@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -61,6 +62,18 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "store_unavailable": (
         "retrysafe_store_unavailable",
         "Requests that found the store unreachable.",
+    ),
+    "unrecorded": (
+        "retrysafe_unrecorded_outcomes",
+        "Completions and failures that could not be written: the store was unreachable.",
+    ),
+    "step_executed": (
+        "retrysafe_step_executions",
+        "Workflow steps that ran (labelled operation/step; not requests of their own).",
+    ),
+    "step_replayed": (
+        "retrysafe_step_replays",
+        "Workflow steps answered from the store when their operation was retried.",
     ),
 }
 #: The outcomes that together are every keyed request (the duplicate rate's denominator).
@@ -224,26 +237,39 @@ class _Cells:
         from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
         from prometheus_client.utils import floatToGoString
 
-        with self._lock:
-            cells = {key: list(lists) for key, lists in self._all.items()}
+        with self._lock:  # summed under the lock: a thread retiring now is counted once
+            cells = {key: [sum(column) for column in zip(*lists, strict=True)]
+                     for key, lists in self._all.items()}  # fmt: skip
         for family, (name, text, label, bounds) in _FAMILIES.items():
-            mine = {k[1]: lists for k, lists in cells.items() if k[0] == family}
+            mine = {k[1]: totals for k, totals in cells.items() if k[0] == family}
             if bounds is None:
                 counter = CounterMetricFamily(name, text, labels=[label])
-                for value, lists in mine.items():
-                    counter.add_metric([value], sum(v[0] for v in lists))
+                for value, totals in mine.items():
+                    counter.add_metric([value], totals[0])
                 yield counter
                 continue
             histogram = HistogramMetricFamily(name, text, labels=[label])
             edges = [*(floatToGoString(b) for b in bounds), "+Inf"]
-            for value, lists in mine.items():
-                totals = [sum(column) for column in zip(*lists, strict=True)]
+            for value, totals in mine.items():
                 running, buckets = 0.0, []
                 for edge, n in zip(edges, totals[:-1], strict=True):
                     running += n
                     buckets.append((edge, running))
                 histogram.add_metric([value], buckets, sum_value=totals[-1])
             yield histogram
+
+
+def _quiet(method: Callable[..., None]) -> Callable[..., None]:
+    """A report that never raises: metrics must not fail the request they describe."""
+
+    @functools.wraps(method)
+    def report(self: Metrics, *args: Any, **kwargs: Any) -> None:
+        try:
+            method(self, *args, **kwargs)
+        except Exception as exc:
+            self._broken(exc)
+
+    return report
 
 
 class _Op:
@@ -280,6 +306,9 @@ class Metrics:
         self._bursts: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
         self._stuck: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._otel = _Otel()
+        self._failures: set[str] = set()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._after_fork)
 
     # -- the prometheus objects ------------------------------------------------------------
 
@@ -363,6 +392,7 @@ class Metrics:
             label = self._operations[operation] = operation or _NO_OPERATION
         return label
 
+    @_quiet
     def count(self, outcome: str, operation: str, n: float = 1) -> None:
         """Add ``n`` to the ``outcome`` counter of ``operation``."""
         if self.enabled:
@@ -370,27 +400,44 @@ class Metrics:
 
     # -- what the engine reports -----------------------------------------------------------
 
-    def claimed(self, operation: str, key_hash: str, took_over: object, seconds: float) -> None:
-        """A claim was granted after a store call of ``seconds``."""
+    def claimed(
+        self, operation: str, key_hash: str, took_over: object, seconds: float,
+        step: bool = False,
+    ) -> None:  # fmt: skip
+        """A claim was granted after a store call of ``seconds`` (``step``: a workflow's)."""
         if not self.enabled:
             return
-        op = self._op(operation)
-        self._store_child("claim").observe(seconds)
-        op.executed.inc()
-        outcome = "executed"
-        if took_over is not None and getattr(took_over, "value", took_over) == "processing":
-            self._child("lease_takeover", op.label).inc()
-            outcome = "lease_takeover"
-        self._otel.event("retrysafe.claim", operation, outcome, key_hash)
+        try:
+            op = self._op(operation)
+            self._store_child("claim").observe(seconds)
+            if step:
+                self._child("step_executed", op.label).inc()
+            else:
+                op.executed.inc()
+            outcome = "executed"
+            if took_over is not None and getattr(took_over, "value", took_over) == "processing":
+                self._child("lease_takeover", op.label).inc()
+                outcome = "lease_takeover"
+            self._otel.event("retrysafe.claim", operation, outcome, key_hash)
+        except Exception as exc:
+            self._broken(exc)
 
-    def replayed(self, operation: str, key_hash: str, seconds: float) -> None:
-        """A claim found a finished record to replay."""
+    def replayed(self, operation: str, key_hash: str, seconds: float, step: bool = False) -> None:
+        """A claim found a finished record to replay (``step``: a workflow's)."""
         if not self.enabled:
             return
-        self._store_child("claim").observe(seconds)
-        self._op(operation).replayed.inc()
-        self._otel.event("retrysafe.replay", operation, "replayed", key_hash)
+        try:
+            self._store_child("claim").observe(seconds)
+            op = self._op(operation)
+            if step:
+                self._child("step_replayed", op.label).inc()
+            else:
+                op.replayed.inc()
+            self._otel.event("retrysafe.replay", operation, "replayed", key_hash)
+        except Exception as exc:
+            self._broken(exc)
 
+    @_quiet
     def refused(
         self, operation: str, error: BaseException, key: str = "", key_hash: str = ""
     ) -> None:
@@ -425,10 +472,14 @@ class Metrics:
         """A completion or failure (``call``) was stored after ``handler`` seconds of work."""
         if not self.enabled:
             return
-        self._store_child(call).observe(seconds)
-        self._op(operation).handler.observe(handler)
-        self._otel.event(f"retrysafe.{call}", operation, "ok", key_hash)
+        try:
+            self._store_child(call).observe(seconds)
+            self._op(operation).handler.observe(handler)
+            self._otel.event(f"retrysafe.{call}", operation, "ok", key_hash)
+        except Exception as exc:
+            self._broken(exc)
 
+    @_quiet
     def failed(self, operation: str, key: str, key_hash: str, attempts: int, final: bool) -> None:
         """An attempt was marked failed; its key's ``attempts``-th attempt."""
         if not self.enabled:
@@ -443,8 +494,25 @@ class Metrics:
     def store_call(self, call: str, seconds: float) -> None:
         """A store call (``claim``, ``renew``, …) took ``seconds``."""
         if self.enabled:
-            self._store_child(call).observe(seconds)
+            try:
+                self._store_child(call).observe(seconds)
+            except Exception as exc:
+                self._broken(exc)
 
+    @_quiet
+    def unrecorded(self, what: str, operation: str, key: str, key_hash: str) -> None:
+        """A completion or failure could not be written: the store was unreachable.
+
+        The side effect may have run with no record of it: a retry after the lease
+        runs it again unless the handler is idempotent downstream.
+        """
+        if not self.enabled:
+            return
+        self._child("unrecorded", self._label(operation)).inc()
+        self.alert("unrecorded_outcome", operation, key, key_hash,
+                   f"the {what} could not be written: the store was unreachable")  # fmt: skip
+
+    @_quiet
     def stale(self, what: str, operation: str, key: str, key_hash: str) -> None:
         """A completion, failure or renewal was refused: the lease had been lost."""
         if not self.enabled:
@@ -453,6 +521,7 @@ class Metrics:
         self.alert("stale_completion", operation, key, key_hash,
                    f"a stale {what} was refused: the attempt had lost its lease")  # fmt: skip
 
+    @_quiet
     def stuck(self, operation: str, key: str, key_hash: str, overdue: float) -> None:
         """A processing record's lease ended ``overdue`` seconds ago (alerted once per record)."""
         if not self.enabled or key_hash in self._stuck:
@@ -463,8 +532,25 @@ class Metrics:
         detail = f"processing {overdue:.1f}s past its lease"
         self.alert("stuck_processing", operation, key, key_hash, detail, overdue=round(overdue, 3))
 
+    def _broken(self, exc: Exception) -> None:
+        """A report failed (a full disk under the multi-process folder, say): log it
+        once per kind, and go on."""
+        kind = type(exc).__name__
+        if kind not in self._failures:
+            self._failures.add(kind)
+            log.error("retrysafe: a metrics report failed (%s: %s); requests go on without it",
+                      kind, exc)  # fmt: skip
+
+    def _after_fork(self) -> None:
+        """In a forked child: new locks (one held by another thread at the fork would
+        never be released)."""
+        self._lock = threading.Lock()
+        if self._cells is not None:
+            self._cells._lock = threading.Lock()
+
     # -- alerts and recent events ------------------------------------------------------------
 
+    @_quiet
     def alert(
         self, name: str, operation: str, key: str, key_hash: str, detail: str, **extra: Any
     ) -> None:

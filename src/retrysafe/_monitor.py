@@ -132,15 +132,22 @@ class Monitor:
 
     ``window`` is the sliding window of the duplicate rate (seconds),
     ``history`` how long samples are kept, ``interval`` the sampling period and
-    ``store_every`` how often the store is read.
+    ``store_every`` how often the store is read, while someone watches: the store
+    (a full scan on Redis) is read only within ``idle`` seconds of a request for
+    the figures (a page, a scrape; see :meth:`watched`).
     """
 
     def __init__(
         self, store: Store[Any] | None = None, *, window: float = 60.0, history: float = 600.0,
-        interval: float = 1.0, store_every: float = 5.0, metrics: Metrics = METRICS,
+        interval: float = 1.0, store_every: float = 5.0, idle: float = 60.0,
+        metrics: Metrics = METRICS,
     ) -> None:  # fmt: skip
-        if not (window > 0 and history >= window and interval > 0 and store_every > 0):
-            raise ValueError("window, history, interval and store_every must be positive")
+        if not (window > 0 and history >= window and interval > 0 and store_every > 0
+                and idle > 0):  # fmt: skip
+            raise ValueError("window, history, interval, store_every and idle must be positive")
+        self.idle = float(idle)
+        self._watched = -math.inf
+        self._closed = False
         self.store, self.window, self.history = store, float(window), float(history)
         self.interval, self.store_every, self.metrics = float(interval), float(store_every), metrics
         self.samples: collections.deque[Sample] = collections.deque(
@@ -154,18 +161,25 @@ class Monitor:
 
     # -- the sampler ------------------------------------------------------------------------
 
+    def watched(self) -> None:
+        """Someone asked for the figures: keep reading the store for ``idle`` seconds."""
+        self._watched = time.monotonic()
+
     def start(self) -> None:
         """Start sampling (once; in every process that serves figures)."""
         with self._lock:
-            if self._thread is not None and self._thread.is_alive():
+            if self._closed or (self._thread is not None and self._thread.is_alive()):
                 return
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="retrysafe-monitor", daemon=True)
             self._thread.start()
 
     def close(self) -> None:
-        self._stop.set()
-        thread = self._thread
+        """Stop sampling for good (a later :meth:`start` does nothing)."""
+        with self._lock:
+            self._closed = True
+            self._stop.set()
+            thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(5)
 
@@ -182,7 +196,9 @@ class Monitor:
         """Take a sample now (and read the store if it is due)."""
         sample = read_sample()
         self.samples.append(sample)
-        if self.store is not None and time.monotonic() - self._store_read >= self.store_every:
+        now = time.monotonic()
+        if (self.store is not None and now - self._store_read >= self.store_every
+                and now - self._watched < self.idle):  # fmt: skip
             self.read_store()
         return sample
 
@@ -211,7 +227,7 @@ class Monitor:
 
     def _in_flight(self, r: Any, now: float) -> dict[str, Any]:
         overdue = now - r.lease_until
-        if overdue > self.metrics.alerts.stuck_after:
+        if overdue > self.metrics.alerts.stuck_after and _alerting_worker():
             self.metrics.stuck(r.operation, r.key, r.key_hash, overdue)
         return {
             "key": r.key, "operation": r.operation, "scope": r.scope[:16],
@@ -229,12 +245,13 @@ class Monitor:
 
     def _since(self, seconds: float) -> Sample | None:
         """The oldest sample within the last ``seconds`` (None with fewer than two)."""
-        if len(self.samples) < 2:
+        samples = list(self.samples)  # a copy: the sampler appends meanwhile
+        if len(samples) < 2:
             return None
-        last = self.samples[-1].t
-        for s in self.samples:
+        last = samples[-1].t
+        for s in samples:
             if last - s.t <= seconds + self.interval / 2:
-                return s if s is not self.samples[-1] else None
+                return s if s is not samples[-1] else None
         return None
 
     def duplicate_rate(self) -> tuple[float | None, float | None]:
@@ -274,8 +291,12 @@ class Monitor:
         """Per-second rates of each outcome between samples, and the duplicate rate."""
         samples = list(self.samples)[-(points + 1) :]
         out: dict[str, list[Any]] = {"t": [], "duplicate_rate": [], **{o: [] for o in SERIES}}
+        # Two samples taken together (the sampler's and a first request's) would make
+        # a spike of a rate: such a pair is skipped.
+        samples = [s for s, t in zip(samples, [-math.inf, *(s.t for s in samples)], strict=False)
+                   if s.t - t >= self.interval / 2]  # fmt: skip
         for a, b in itertools.pairwise(samples):
-            dt = max(b.t - a.t, 1e-6)
+            dt = b.t - a.t
             out["t"].append(round(b.t, 3))
             for o in SERIES:
                 out[o].append(round((b.total(o) - a.total(o)) / dt, 3))
@@ -313,7 +334,7 @@ class Monitor:
             "series": self.series(points),
             "store": self._store_json(),
             "in_flight": view.in_flight,
-            "recent": [_event(e) for e in reversed(self.metrics.recent)][:50],
+            "recent": [_event(e) for e in list(self.metrics.recent)[::-1][:50]],
         }
 
     def _store_json(self) -> dict[str, Any] | None:
@@ -393,6 +414,32 @@ class Monitor:
         registry = CollectorRegistry()
         registry.register(self)  # type: ignore[arg-type]
         return body + generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+_alerting: bool | None = None
+
+
+def _alerting_worker() -> bool:
+    """Whether this process raises the alerts found by reading the store: each worker
+    reads it for its own pages, but one alert per stuck record is enough. With a
+    multi-process folder, the worker holding a lock file in it (the kernel frees it
+    when that worker dies, and the next reader takes it)."""
+    global _alerting
+    folder = multiprocess_dir()
+    if folder is None:
+        return True
+    if not _alerting:
+        import fcntl
+        import os
+
+        fd = os.open(os.path.join(folder, "retrysafe_alerts.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        _alerting = True  # the fd stays open: the lock is held until this process ends
+    return True
 
 
 def _event(e: Any) -> dict[str, Any]:

@@ -13,6 +13,7 @@ overtakes it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json as _json
 import os
@@ -65,6 +66,22 @@ _COLUMNS = ("seq, key, method, url, headers, body, created_at, state, attempts, 
             "status_code, answer, finished_at")  # fmt: skip
 
 
+#: Flush locks this process holds. A child forked meanwhile closes its copies, or the
+#: lock (shared by the copies of one open file) would outlive the flush in the child.
+_held: set[int] = set()
+
+
+def _close_held() -> None:
+    for fd in list(_held):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_held)
+
+
 class OutboxError(IdempotencyError):
     """The outbox file cannot be opened, read or written."""
 
@@ -99,9 +116,10 @@ class OutboxItem:
 class FlushResult:
     """What one :meth:`Outbox.flush` did.
 
-    ``delivered`` got a final success (2xx or 3xx) and left the outbox;
-    ``failed`` got a final refusal (a 4xx that a retry cannot change) and are
-    kept as failed. ``error`` says why the flush stopped before the queue was
+    ``delivered`` got a final success (2xx, or 303 See Other) and left the
+    outbox; ``failed`` got a final refusal (a 4xx that a retry cannot change, or
+    a redirect other than 303: the mutation was not made there) and are kept as
+    failed. ``error`` says why the flush stopped before the queue was
     empty (``remaining`` items are still queued, the first of them unsent), and
     ``busy`` that another flusher held the outbox (``block=False``).
     """
@@ -221,8 +239,9 @@ class Outbox:
 
         ``url`` is absolute, or relative to the flushing client's ``base_url``.
         ``json=`` sends a JSON body (``Content-Type: application/json``).
-        Enqueuing the same key again with the same request stores nothing new;
-        with another request it raises :class:`FingerprintMismatchError`.
+        Enqueuing the same key again with the same request stores nothing new (a
+        failed one stays failed: drop it to queue it again); with another request
+        it raises :class:`FingerprintMismatchError`.
         Nothing is sent: :meth:`flush` does that.
         """
         method = self._method(method)
@@ -267,7 +286,11 @@ class Outbox:
         return found[0] if found else None
 
     def drop(self, key: str) -> bool:
-        """Remove a queued or failed mutation; whether there was one."""
+        """Remove a queued or failed mutation; whether there was one.
+
+        A mutation that a flush is sending at that moment may still reach the server
+        (with its key: once at most).
+        """
         return self._update("DELETE FROM retrysafe_outbox WHERE key = ?", (key,)) > 0
 
     def __len__(self) -> int:
@@ -316,8 +339,10 @@ class Outbox:
             except BlockingIOError:
                 yield False
                 return
+            _held.add(fd)
             yield True
         finally:
+            _held.discard(fd)
             os.close(fd)  # releases the lock
 
     def _flush(
@@ -348,7 +373,7 @@ class Outbox:
                 self._update("UPDATE retrysafe_outbox SET last_error = ? WHERE seq = ?",
                              (_describe(outcome), item.seq))  # fmt: skip
                 break
-            if outcome.status_code < 400:
+            if outcome.status_code < 300 or outcome.status_code == 303:
                 if on_answer is not None:
                     on_answer(item, outcome)
                 self._update("DELETE FROM retrysafe_outbox WHERE seq = ?", (item.seq,))

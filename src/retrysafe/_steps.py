@@ -240,6 +240,7 @@ class Workflow:
         if plan is None:
             plan = _Plan(self.engine, "-", operation=f"{self.operation}/{name}", **self._options)
             plan.wait = plan.lease  # a takeover waits out the previous owner of the step
+            plan.step = True  # counted as a step, not as a request of its own
             if len(self._plans) < _MAX_PLANS:
                 self._plans[name] = plan
         return plan

@@ -26,10 +26,16 @@ _OUTCOMES = ("executed", "replayed", "in_flight", "conflict", "failed", "lease_t
 
 
 def http_source(url: str, token: str | None, timeout: float = 5.0) -> Source:
-    """Figures from a dashboard at ``url`` (e.g. ``http://host:8000/_retrysafe/``)."""
+    """Figures from a dashboard at ``url`` (e.g. ``http://host:8000/_retrysafe/``). A URL
+    with no path at all (``http://host:8000``) means the gateway's ``/_retrysafe/``, so
+    the token never goes to the app behind it; ``http://host:8000/`` is a dashboard
+    mounted at the root."""
+    import urllib.parse
+
     import httpx
 
-    target = url.rstrip("/") + "/api/stats?points=2"
+    path = urllib.parse.urlsplit(url).path or "/_retrysafe/"
+    target = str(httpx.URL(url).copy_with(path=path.rstrip("/") + "/api/stats", query=b"points=2"))
     headers = {"authorization": f"Bearer {token}"} if token else {}
 
     def fetch() -> dict[str, Any]:
@@ -40,7 +46,13 @@ def http_source(url: str, token: str | None, timeout: float = 5.0) -> Source:
             except ValueError:
                 detail = r.text[:200]
             raise RuntimeError(f"{target}: HTTP {r.status_code}: {detail}")
-        return r.json()  # type: ignore[no-any-return]
+        try:
+            doc = r.json()
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict) or not {"totals", "duplicate_rate", "latency"} <= set(doc):
+            raise RuntimeError(f"{target} is not a retrysafe dashboard's api/stats")
+        return doc
 
     return fetch
 
@@ -131,10 +143,11 @@ def line(doc: dict[str, Any]) -> str:
 def watch(
     source: Source, out: Console, *, interval: float, as_json: bool, count: int | None = None
 ) -> int:
-    """Show ``source``'s figures every ``interval`` seconds until Ctrl-C (or ``count`` times)."""
+    """Show ``source``'s figures every ``interval`` seconds until Ctrl-C (or ``count``
+    times: then 1 if the last reading failed)."""
     from rich.live import Live
 
-    shown = 0
+    shown, failed = 0, False
 
     def take() -> tuple[dict[str, Any] | None, str | None]:
         try:
@@ -146,14 +159,16 @@ def watch(
         with Live(Text("waiting for figures…"), console=out, auto_refresh=False) as live:
             while count is None or shown < count:
                 doc, error = take()
+                failed = doc is None
                 view = render(doc) if doc else Text(f"cannot read: {error}", style="bold red")
                 live.update(view, refresh=True)
                 shown += 1
                 if count is None or shown < count:
                     time.sleep(interval)
-        return 0
+        return int(failed)
     while count is None or shown < count:
         doc, error = take()
+        failed = doc is None
         if as_json:
             print(json.dumps(doc if doc else {"error": error}), flush=True)
         else:
@@ -161,4 +176,4 @@ def watch(
         shown += 1
         if count is None or shown < count:
             time.sleep(interval)
-    return 0
+    return int(failed)

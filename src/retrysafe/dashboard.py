@@ -85,4 +85,4 @@ class DashboardApp:
         return relative(scope)
 
     async def aclose(self) -> None:
-        self.site.monitor.close()
+        await asyncio.to_thread(self.site.monitor.close)  # joins its thread

@@ -388,7 +388,7 @@ class Gateway:
     async def aclose(self) -> None:
         """Close this event loop's upstream connections, and the store if it opened it."""
         try:
-            self.admin.monitor.close()
+            await asyncio.to_thread(self.admin.monitor.close)  # joins its thread
             await self.proxy.aclose()
             if self._owns_store:
                 await self.engine.aclose()

@@ -8,8 +8,11 @@
     store_unavailable: "store unavailable",
   };
   const $ = (id) => document.getElementById(id);
-  const token = sessionStorage.getItem("retrysafe-admin-token");
+  // Set by the token page (kept in memory only); absent when the browser sent the header.
+  const token = window.retrysafeAdminToken;
   const headers = token ? { Authorization: "Bearer " + token } : {};
+  // Absolute URLs under the dashboard's own mount point, whatever the address bar says.
+  const base = document.querySelector('meta[name="retrysafe-base"]').content;
 
   function el(tag, text, cls) {
     const e = document.createElement(tag);
@@ -160,7 +163,7 @@
 
   async function refresh() {
     try {
-      const r = await fetch("api/stats", { headers, cache: "no-store" });
+      const r = await fetch(base + "api/stats", { headers, cache: "no-store" });
       if (r.status === 401 || r.status === 403) { location.reload(); return; }
       if (!r.ok) throw new Error("HTTP " + r.status);
       render(await r.json());
@@ -200,7 +203,7 @@
     if ($("inspect-operation").value) q.set("operation", $("inspect-operation").value);
     if ($("inspect-scope").value) q.set("scope", $("inspect-scope").value);
     try {
-      const r = await fetch("api/records?" + q, { headers, cache: "no-store" });
+      const r = await fetch(base + "api/records?" + q, { headers, cache: "no-store" });
       const doc = await r.json();
       out.replaceChildren();
       if (!r.ok) { out.append(el("div", doc.detail || ("HTTP " + r.status), "error")); return; }

@@ -1,18 +1,26 @@
 "use strict";
 (function () {
-  const KEY = "retrysafe-admin-token";
+  // The token stays in this page's memory only: never in storage that other pages of
+  // this origin (a proxied app behind the gateway) could read.
   async function open(token) {
     const r = await fetch(location.href, { headers: { Authorization: "Bearer " + token }, cache: "no-store" });
     if (!r.ok) return false;
-    sessionStorage.setItem(KEY, token);
-    const html = await r.text();
+    window.retrysafeAdminToken = token;
+    if (r.redirected) history.replaceState(null, "", r.url);
+    const type = r.headers.get("content-type") || "";
+    const body = await r.text();
+    if (!type.startsWith("text/html")) {
+      // JSON or metrics text: shown as text, never parsed as a page.
+      const pre = document.createElement("pre");
+      pre.textContent = body;
+      document.body.replaceChildren(pre);
+      return true;
+    }
     document.open();
-    document.write(html);
+    document.write(body);
     document.close();
     return true;
   }
-  const saved = sessionStorage.getItem(KEY);
-  if (saved) open(saved).then((ok) => { if (!ok) sessionStorage.removeItem(KEY); });
   document.getElementById("login").addEventListener("submit", async (ev) => {
     ev.preventDefault();
     const ok = await open(document.getElementById("token").value);
