@@ -566,7 +566,8 @@ _CHILD = textwrap.dedent(
     print("start", flush=True)
     def progress(report):
         print(report.deleted, flush=True)
-    Sweeper(store, batch_size=5, clock=lambda: now).run(progress=progress)
+    # Paced, so that a sweep outlasts any delay in the parent's kill (2 cores, busy).
+    Sweeper(store, batch_size=5, pause=0.002, clock=lambda: now).run(progress=progress)
     print("done", flush=True)
     """
 )
