@@ -14,7 +14,7 @@ loopback clients are answered.
 from __future__ import annotations
 
 import base64
-import datetime as dt
+import functools
 import hashlib
 import hmac
 import html
@@ -30,14 +30,12 @@ from ._errors import IdempotencyError, InvalidKeyError, StoreUnavailableError
 from ._http import Response, problem
 from ._keys import key_hash, validate_key
 from ._monitor import Monitor
-from ._record import Record
+from ._record import record_json
 from .stores import Store
 
-__all__ = ["ENV_TOKEN", "AdminSite", "record_json"]
+__all__ = ["ENV_TOKEN", "AdminSite"]
 
 ENV_TOKEN = "RETRYSAFE_ADMIN_TOKEN"
-#: The most of a stored answer's body the inspector shows.
-MAX_SHOWN_BODY = 64 * 1024
 
 
 class _FromEnv:
@@ -85,14 +83,9 @@ class _Pages:
         return Response(status, headers, body)
 
 
-_pages: _Pages | None = None
-
-
+@functools.cache
 def pages() -> _Pages:
-    global _pages
-    if _pages is None:
-        _pages = _Pages()
-    return _pages
+    return _Pages()
 
 
 def _json(status: int, doc: Any) -> Response:
@@ -100,37 +93,6 @@ def _json(status: int, doc: Any) -> Response:
     headers = [("content-type", "application/json"), ("content-length", str(len(body))),
                ("cache-control", "no-store"), ("x-content-type-options", "nosniff")]  # fmt: skip
     return Response(status, headers, body)
-
-
-def _when(t: float | None) -> str | None:
-    if t is None:
-        return None
-    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="milliseconds")
-
-
-def record_json(r: Record, *, answer: bool = False) -> dict[str, Any]:
-    """A record as JSON (timestamps in ISO 8601); ``answer`` adds the stored
-    answer's headers and (up to 64 KiB of) its body, as text if it is UTF-8."""
-    o = r.outcome
-    shown: dict[str, Any] | None = None
-    if o is not None:
-        shown = {"status": o.status, "media_type": o.media_type, "bytes": len(o.body)}
-        if answer:
-            try:
-                text: str | None = o.body[:MAX_SHOWN_BODY].decode("utf-8")
-            except UnicodeDecodeError:
-                text = None
-            shown["headers"] = [list(h) for h in o.headers]
-            shown["body"] = text
-            shown["truncated"] = len(o.body) > MAX_SHOWN_BODY
-    return {
-        "key": r.key, "scope": r.scope, "operation": r.operation, "key_hash": r.key_hash,
-        "status": r.status.value, "final": r.final, "attempts": r.attempts,
-        "retention": r.retention, "fingerprint": r.fingerprint, "request_id": r.request_id,
-        "created_at": _when(r.created_at), "updated_at": _when(r.updated_at),
-        "completed_at": _when(r.completed_at), "lease_until": _when(r.lease_until),
-        "expires_at": _when(r.expires_at), "answer": shown, "metadata": r.metadata,
-    }  # fmt: skip
 
 
 def is_loopback(host: str | None) -> bool:

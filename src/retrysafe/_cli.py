@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as dt
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ from rich.table import Table
 
 from ._errors import IdempotencyError, StoreUnavailableError
 from ._keys import key_hash
-from ._record import Record, Status
+from ._record import Status, iso_time, record_json
 from .stores import DEFAULT_STORE_URL, Store, open_store, redact
 
 __all__ = ["app", "main"]
@@ -83,12 +82,6 @@ def _open(store: str | None) -> Store[Any]:
     return open_store(_store_url(store))
 
 
-def _when(t: float | None) -> str | None:
-    if t is None:
-        return None
-    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="milliseconds")
-
-
 def _age(seconds: float) -> str:
     from ._duration import format_duration
 
@@ -101,31 +94,6 @@ def _duration(text: str | None, option: str) -> float | None:
     from ._duration import parse_duration
 
     return parse_duration(text, field=option)
-
-
-def _record_json(r: Record) -> dict[str, Any]:
-    o = r.outcome
-    return {
-        "key": r.key,
-        "scope": r.scope,
-        "operation": r.operation,
-        "key_hash": r.key_hash,
-        "status": r.status.value,
-        "final": r.final,
-        "attempts": r.attempts,
-        "retention": r.retention,
-        "fingerprint": r.fingerprint,
-        "request_id": r.request_id,
-        "created_at": _when(r.created_at),
-        "updated_at": _when(r.updated_at),
-        "completed_at": _when(r.completed_at),
-        "lease_until": _when(r.lease_until),
-        "expires_at": _when(r.expires_at),
-        "answer": None
-        if o is None
-        else {"status": o.status, "media_type": o.media_type, "bytes": len(o.body)},
-        "metadata": r.metadata,
-    }
 
 
 def _count(n: int, noun: str) -> str:
@@ -339,10 +307,10 @@ def inspect(
             f"no record for key {key!r} with operation {operation!r} and scope {scope!r}", 1
         )
     if as_json:
-        _print_json(_record_json(record))
+        _print_json(record_json(record))
         return 0
     table = Table(show_header=False, box=None, pad_edge=False)
-    for name, value in _record_json(record).items():
+    for name, value in record_json(record).items():
         if name == "answer" and value is not None:
             value = f"{value['status'] or ''} {value['media_type']}, {value['bytes']} bytes".strip()
         table.add_row(name.replace("_", " "), "-" if value in (None, {}) else str(value))
@@ -378,7 +346,7 @@ def list_(
     finally:
         s.close()
     if as_json:
-        _print_json([_record_json(r) for r in records])
+        _print_json([record_json(r) for r in records])
         return 0
     if not records:
         out.print("no records")
@@ -620,7 +588,7 @@ def archive_list(
         s.close()
     if as_json:
         _print_json(
-            [dict(_record_json(a.record), archived_at=_when(a.archived_at)) for a in archived]
+            [dict(record_json(a.record), archived_at=iso_time(a.archived_at)) for a in archived]
         )
         return 0
     if not archived:
@@ -630,8 +598,8 @@ def archive_list(
     for a in archived:
         r, o = a.record, a.record.outcome
         table.add_row(
-            _when(a.archived_at) or "", r.key, r.operation, r.status.value,
-            _when(r.created_at) or "", "-" if o is None else f"{o.status or ''} {len(o.body)} B",
+            iso_time(a.archived_at) or "", r.key, r.operation, r.status.value,
+            iso_time(r.created_at) or "", "-" if o is None else f"{o.status or ''} {len(o.body)} B",
         )  # fmt: skip
     out.print(table)
     return 0
@@ -673,10 +641,10 @@ def _item_json(item: Any) -> dict[str, Any]:
         "bytes": len(item.body),
         "attempts": item.attempts,
         "last_error": item.last_error,
-        "created_at": _when(item.created_at),
+        "created_at": iso_time(item.created_at),
         "status_code": item.status_code,
         "answer": None if answer is None else answer.decode("utf-8", "replace"),
-        "finished_at": _when(item.finished_at),
+        "finished_at": iso_time(item.finished_at),
     }
 
 

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import enum
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FINANCIAL", "RETENTIONS", "STANDARD", "ClaimResult", "Outcome", "Record", "Status"]
+__all__ = [
+    "FINANCIAL",
+    "RETENTIONS",
+    "STANDARD",
+    "ClaimResult",
+    "Outcome",
+    "Record",
+    "Status",
+    "iso_time",
+    "record_json",
+]
 
 #: Retention classes: ``standard`` records are deleted once expired; ``financial``
 #: ones are copied to the archive first (and kept 7 days by the default map).
@@ -124,3 +135,39 @@ class ClaimResult:
     record: Record | None = None
     attempts: int = 1
     took_over: Status | None = None
+
+
+#: The most of a stored answer's body :func:`record_json` shows.
+MAX_SHOWN_BODY = 64 * 1024
+
+
+def iso_time(t: float | None) -> str | None:
+    """A Unix time as ISO 8601 in UTC, to the millisecond (None stays None)."""
+    if t is None:
+        return None
+    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="milliseconds")
+
+
+def record_json(r: Record, *, answer: bool = False) -> dict[str, Any]:
+    """A record as JSON, for the CLI and the key inspector; ``answer`` adds the stored
+    answer's headers and (up to 64 KiB of) its body, as text if it is UTF-8."""
+    o = r.outcome
+    shown: dict[str, Any] | None = None
+    if o is not None:
+        shown = {"status": o.status, "media_type": o.media_type, "bytes": len(o.body)}
+        if answer:
+            try:
+                text: str | None = o.body[:MAX_SHOWN_BODY].decode("utf-8")
+            except UnicodeDecodeError:
+                text = None
+            shown["headers"] = [list(h) for h in o.headers]
+            shown["body"] = text
+            shown["truncated"] = len(o.body) > MAX_SHOWN_BODY
+    return {
+        "key": r.key, "scope": r.scope, "operation": r.operation, "key_hash": r.key_hash,
+        "status": r.status.value, "final": r.final, "attempts": r.attempts,
+        "retention": r.retention, "fingerprint": r.fingerprint, "request_id": r.request_id,
+        "created_at": iso_time(r.created_at), "updated_at": iso_time(r.updated_at),
+        "completed_at": iso_time(r.completed_at), "lease_until": iso_time(r.lease_until),
+        "expires_at": iso_time(r.expires_at), "answer": shown, "metadata": r.metadata,
+    }  # fmt: skip
