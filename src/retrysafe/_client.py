@@ -11,13 +11,11 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from ._mesh import UNITS as MESH_UNITS
+
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
-_UNIT_SECONDS = {"millisecond": 0.001, "second": 1.0, "minute": 60.0, "hour": 3600.0}
-#: Seconds per ``retry_after`` unit: short (``ms``, ``s``, ``m``, ``h``), singular or plural.
-UNITS = {
-    "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0,
-    **_UNIT_SECONDS, **{unit + "s": seconds for unit, seconds in _UNIT_SECONDS.items()},
-}  # fmt: skip
+#: Seconds per ``retry_after`` unit: Mesh's (singular or plural), or short.
+UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, **MESH_UNITS}
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,13 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from ._metrics import COUNTERS
+
 __all__ = ["Source", "line", "render", "watch"]
 
 Source = Callable[[], dict[str, Any]]
-_OUTCOMES = ("executed", "replayed", "in_flight", "conflict", "failed", "lease_takeover",
-             "stale_refused", "invalid_key", "store_unavailable")  # fmt: skip
+#: The outcomes shown (a workflow's steps are not requests of their own).
+_OUTCOMES = tuple(o for o in COUNTERS if not o.startswith("step_"))
 
 
 def http_source(url: str, token: str | None, timeout: float = 5.0) -> Source:

@@ -21,6 +21,7 @@ from ._monitor import Monitor
 from .asgi import Scope
 from .dashboard import DashboardApp, _site
 from .stores import Store
+from .wsgi import _headers, _status_line
 
 __all__ = [
     "COUNTERS",
@@ -77,15 +78,11 @@ def wsgi_app(
     site: AdminSite = _site(store, token, monitor)
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        headers = {k[5:].replace("_", "-").lower(): v for k, v in environ.items()
-                   if k.startswith("HTTP_")}  # fmt: skip
         response = site.answer(
             environ.get("REQUEST_METHOD", "GET"), "/metrics", environ.get("QUERY_STRING", ""),
-            headers, environ.get("REMOTE_ADDR"),
+            dict(_headers(environ)), environ.get("REMOTE_ADDR"),
         )  # fmt: skip
-        reason = {200: "OK", 401: "Unauthorized", 403: "Forbidden", 405: "Method Not Allowed"}
-        start_response(f"{response.status} {reason.get(response.status, '')}".strip(),
-                       response.headers)  # fmt: skip
+        start_response(_status_line(response.status), response.headers)
         return [] if environ.get("REQUEST_METHOD") == "HEAD" else [response.body]
 
     app.site = site  # type: ignore[attr-defined]

@@ -5,7 +5,7 @@
     executed: "executed", replayed: "replayed", in_flight: "in flight (409)",
     conflict: "conflict (422)", failed: "failed", lease_takeover: "lease takeovers",
     stale_refused: "stale refused", invalid_key: "invalid keys",
-    store_unavailable: "store unavailable",
+    store_unavailable: "store unavailable", unrecorded: "unrecorded outcomes",
   };
   const $ = (id) => document.getElementById(id);
   // Set by the token page (kept in memory only); absent when the browser sent the header.
