@@ -1,8 +1,9 @@
 """What the engine reports: Prometheus counters and histograms, alerts, trace events.
 
 The engine calls :data:`METRICS` at each decision, so every front door reports
-the same figures. Each call is a few dictionary lookups and a counter increment
-(``prometheus_client``); with metrics disabled it is one attribute test.
+the same figures. In one process each report is a few dictionary lookups and
+updates of this thread's own values, with no lock; with metrics disabled it is
+one attribute test.
 
 Under several worker processes, set ``PROMETHEUS_MULTIPROC_DIR`` before the
 workers start (``retrysafe gateway --workers N`` does): each process writes its
@@ -179,7 +180,8 @@ class _Child:
         try:
             return self._local.values[self._key]  # type: ignore[no-any-return]
         except (AttributeError, KeyError):
-            return self._cells.new(self._key, len(self._bounds) + 2)
+            # A counter: [n]; a histogram: a count per bucket, +Inf's, then the sum.
+            return self._cells.new(self._key, len(self._bounds) + 2 if self._bounds else 1)
 
     def inc(self, n: float = 1) -> None:
         self._values()[0] += n
@@ -209,7 +211,7 @@ class _Cells:
 
     def new(self, key: tuple[str, str], size: int) -> list[float]:
         """This thread's values for ``key`` (made on its first update)."""
-        values: list[float] = [0] * size if key[0] in ("store", "handler") else [0]
+        values: list[float] = [0] * size
         mine = getattr(self.local, "values", None)
         if mine is None:
             mine = self.local.values = {}
@@ -330,21 +332,11 @@ class Metrics:
                 (registry or REGISTRY).register(self._cells)
                 self._made = True
                 return
-            self.counters = {
-                outcome: Counter(name, text, ["operation"], registry=registry)
-                for outcome, (name, text) in COUNTERS.items()
-            }
-            self.alert_counter = Counter(
-                "retrysafe_alerts", "Alerts raised, by alert.", ["alert"], registry=registry
-            )
-            self.store_seconds = Histogram(
-                "retrysafe_store_seconds", "Store round-trip time by call.", ["call"],
-                buckets=_STORE_BUCKETS, registry=registry,
-            )  # fmt: skip
-            self.handler_seconds = Histogram(
-                "retrysafe_handler_seconds", "Time from a claim to its completion or failure.",
-                ["operation"], buckets=_HANDLER_BUCKETS, registry=registry,
-            )  # fmt: skip
+            self._families = {
+                family: Counter(name, text, [label], registry=registry) if bounds is None
+                else Histogram(name, text, [label], buckets=bounds, registry=registry)
+                for family, (name, text, label, bounds) in _FAMILIES.items()
+            }  # fmt: skip
             self._made = True
 
     def _child(self, family: str, label: str) -> Any:
@@ -353,16 +345,9 @@ class Metrics:
         if child is None:
             self._make()
             if self._cells is not None:
-                child = self._children[(family, label)] = self._cells.child(family, label)
-                return child
-            if family in self.counters:
-                child = self.counters[family].labels(label)
-            elif family == "alert":
-                child = self.alert_counter.labels(label)
-            elif family == "store":
-                child = self.store_seconds.labels(label)
+                child = self._cells.child(family, label)
             else:
-                child = self.handler_seconds.labels(label)
+                child = self._families[family].labels(label)
             self._children[(family, label)] = child
         return child
 

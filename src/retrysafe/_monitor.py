@@ -75,12 +75,10 @@ def read_sample() -> Sample:
                 label = s.labels.get(_HISTOGRAMS[family.name], "")
                 le = math.inf if s.labels["le"] == "+Inf" else float(s.labels["le"])
                 buckets[family.name].setdefault(label, []).append((le, s.value))
+    # One value per bucket (the multi-process collector has added up the workers).
     for per in buckets.values():
-        for label, pairs in per.items():
-            merged: dict[float, float] = {}
-            for le, n in pairs:  # one pair per worker in multi-process mode
-                merged[le] = merged.get(le, 0.0) + n
-            per[label] = sorted(merged.items())
+        for pairs in per.values():
+            pairs.sort()
     return Sample(time.time(), totals, buckets, alerts)
 
 
@@ -227,13 +225,14 @@ class Monitor:
 
     def _in_flight(self, r: Any, now: float) -> dict[str, Any]:
         overdue = now - r.lease_until
-        if overdue > self.metrics.alerts.stuck_after and _alerting_worker():
+        stuck = overdue > self.metrics.alerts.stuck_after
+        if stuck and _alerting_worker():
             self.metrics.stuck(r.operation, r.key, r.key_hash, overdue)
         return {
             "key": r.key, "operation": r.operation, "scope": r.scope[:16],
             "key_hash": r.key_hash[:16], "age": round(now - r.created_at, 3),
             "lease_left": round(r.lease_until - now, 3), "attempts": r.attempts,
-            "stuck": overdue > self.metrics.alerts.stuck_after,
+            "stuck": stuck,
         }  # fmt: skip
 
     # -- figures ----------------------------------------------------------------------------

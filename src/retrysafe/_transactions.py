@@ -103,12 +103,6 @@ def _pg_failed(store: Any, exc: BaseException) -> StoreUnavailableError:
     )
 
 
-def _landed(att: Attempt, claim: Claim, changed: bool, started: float) -> None:
-    """After the completion statement (begun at ``started``, a ``perf_counter()``):
-    reported, or a lost lease that rolls everything back."""
-    att._engine._settled(claim, changed, started)
-
-
 @contextmanager
 def transaction(att: Attempt, connection: Any = None) -> Iterator[Any]:
     """See :meth:`Attempt.transaction`."""
@@ -118,7 +112,7 @@ def transaction(att: Attempt, connection: Any = None) -> Iterator[Any]:
         with _sqlite(store, connection) as conn:
             yield conn
             op, started = _completion(att, claim)
-            _landed(att, claim, op(conn), started)
+            att._engine._settled(claim, op(conn), started)
     else:
         with _postgres(store, connection) as conn, conn.transaction():
             yield conn
@@ -127,7 +121,7 @@ def transaction(att: Attempt, connection: Any = None) -> Iterator[Any]:
                 cur = conn.execute(op.query, op.params)
             except _pg_unavailable() as exc:
                 raise _pg_failed(store, exc) from exc
-            _landed(att, claim, op.parse(cur.rowcount, None), started)
+            att._engine._settled(claim, op.parse(cur.rowcount, None), started)
     att.settled = True  # committed: leaving the attempt's block writes nothing more
 
 
@@ -148,7 +142,7 @@ async def atransaction(att: Attempt, connection: Any = None) -> AsyncIterator[An
             cur = await conn.execute(op.query, op.params)
         except _pg_unavailable() as exc:
             raise _pg_failed(store, exc) from exc
-        _landed(att, claim, op.parse(cur.rowcount, None), started)
+        att._engine._settled(claim, op.parse(cur.rowcount, None), started)
     att.settled = True
 
 
