@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -379,13 +379,18 @@ class Outbox:
                 self._update("DELETE FROM retrysafe_outbox WHERE seq = ?", (item.seq,))
                 delivered.append(item)
                 continue
+            refused = replace(
+                item, state="failed", attempts=item.attempts + 1, last_error=_describe(outcome),
+                status_code=outcome.status_code, answer=outcome.content[:MAX_KEPT_ANSWER],
+                finished_at=time.time(),
+            )  # fmt: skip
             self._update(
                 "UPDATE retrysafe_outbox SET state = 'failed', last_error = ?, status_code = ?,"
                 " answer = ?, finished_at = ? WHERE seq = ?",
-                (_describe(outcome), outcome.status_code, outcome.content[:MAX_KEPT_ANSWER],
-                 time.time(), item.seq),
+                (refused.last_error, refused.status_code, refused.answer, refused.finished_at,
+                 item.seq),
             )  # fmt: skip
-            failed.append(self.get(item.key) or item)
+            failed.append(refused)
         return FlushResult(tuple(delivered), tuple(failed), len(self), error)
 
     # -- input checks --------------------------------------------------------------------
