@@ -263,9 +263,9 @@ def test_thresholds_are_options(
 def test_a_stuck_processing_record_alerts_once(
     memory: Store[Any], op: str, alerts: list[logging.LogRecord]
 ) -> None:
-    engine = Engine(memory, lease=0.05)
-    claim = engine.begin("stuck", operation=op)  # and never completed: a crashed worker
-    time.sleep(0.1)  # the lease must really have run out on the wall clock
+    # Claimed a minute ago with a 1 s lease, and never completed: a crashed worker.
+    engine = Engine(memory, lease=1, clock=lambda: time.time() - 60)
+    claim = engine.begin("stuck", operation=op)
     monitor = Monitor(memory)
     for _ in range(2):
         view = monitor.read_store()
