@@ -686,8 +686,9 @@ class RedisStore(Store[_Op]):
     threads; an asyncio client is made per running event loop. redis-py's own
     retries are off (a re-sent script could apply twice): a failed round trip
     raises :class:`~retrysafe.StoreUnavailableError` at once, and the next call
-    reconnects. ``max_connections`` bounds each asyncio client's pool (per event
-    loop); a call past it waits for a free connection for up to ``socket_timeout``.
+    reconnects. ``max_connections`` bounds the sync client's pool and each asyncio
+    client's (per event loop); a call past it waits for a free connection for up to
+    ``socket_timeout``.
     """
 
     def __init__(
@@ -1154,9 +1155,20 @@ class RedisStore(Store[_Op]):
         with self._lock:
             if self._sync is None:
                 options = self._client_options(Retry(NoBackoff(), 0))
-                cls = redis.cluster.RedisCluster if self.cluster else redis.Redis
-                # A cluster client connects here (topology discovery); a plain one lazily.
-                self._sync = cls.from_url(self._client_url, **options)
+                if self.cluster:
+                    # A cluster client connects here (topology discovery); a plain one lazily.
+                    self._sync = redis.cluster.RedisCluster.from_url(self._client_url, **options)
+                else:
+                    # As for the asyncio clients below: redis-py's default pool (bounded
+                    # at 100 since redis-py 8) refuses a call past its limit, which the
+                    # store would report as unavailable; a burst of threads waits instead.
+                    pool = redis.BlockingConnectionPool.from_url(
+                        self._client_url,
+                        max_connections=self.max_connections,
+                        timeout=self._options["socket_timeout"],
+                        **options,
+                    )
+                    self._sync = redis.Redis.from_pool(pool)  # (closes the pool too)
             return self._sync
 
     def _async_client(self, loop: asyncio.AbstractEventLoop) -> Any:
