@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,12 +21,14 @@ from _servers import PostgresServer, RedisServer
 from retrysafe import (
     Claim,
     Engine,
+    LeaseLostError,
     Outcome,
     Replay,
     Status,
     StoreUnavailableError,
     open_store,
 )
+from retrysafe.stores.sqlite import SQLiteStore
 
 
 @pytest.fixture(params=["redis", "postgres"])
@@ -52,7 +56,7 @@ def run_both(mode: str) -> Callable[..., Any]:
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_server_stopped_mid_test(server: Any, mode: str) -> None:
     call = run_both(mode)
-    engine = Engine(open_store(server.url), lease=60)
+    engine = Engine(open_store(server.url), lease=60, settle_retry=0.2)
     done = call(engine, "begin", "before", operation="op")
     assert isinstance(done, Claim)
     call(engine, "complete", done, Outcome.json("kept"))
@@ -100,7 +104,7 @@ def test_opening_never_connects() -> None:
 
 def test_sqlite_locked_by_another_process(tmp_path: Path) -> None:
     path = tmp_path / "locked.db"
-    engine = Engine(open_store(f"sqlite:///{path}?timeout=0.2"))
+    engine = Engine(open_store(f"sqlite:///{path}?timeout=0.2"), settle_retry=0.2)
     claim = engine.begin("k", operation="op")
     assert isinstance(claim, Claim)
     blocker = sqlite3.connect(path, isolation_level=None)
@@ -125,3 +129,100 @@ def test_sqlite_file_that_is_not_a_database(tmp_path: Path) -> None:
     engine = Engine(open_store(f"sqlite:///{path}"))
     with pytest.raises(StoreUnavailableError, match=r"garbage\.db"):
         engine.begin("k", operation="op")
+
+
+# -- a completion the store could not take is sent again -----------------------------
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_completion_outlives_a_short_outage(server: Any, mode: str) -> None:
+    """A completion sent while the server restarts is retried (``settle_retry``) and
+    lands: the record is completed, not left in flight for a takeover to run again."""
+    call = run_both(mode)
+    engine = Engine(open_store(server.url), lease=60, settle_retry=30)
+    claim = call(engine, "begin", "k", operation="op")
+    assert isinstance(claim, Claim)
+    server.stop()
+    outage = 0.5  # how long the server stays down, not a wait for anything
+    back = threading.Timer(outage, server.start)
+    started = time.monotonic()
+    back.start()
+    try:
+        call(engine, "complete", claim, Outcome.json("done"))
+    finally:
+        back.join()
+    assert time.monotonic() - started >= outage  # it did wait for the server
+    replay = call(engine, "begin", "k", operation="op")
+    assert isinstance(replay, Replay) and replay.outcome.value == "done"
+    call(engine, "close")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_completion_gives_up_at_the_end_of_its_lease(server: Any, mode: str) -> None:
+    """The retries stop before the lease ends (another attempt may own the key then)."""
+    call = run_both(mode)
+    now = [1_800_000_000.0]
+    engine = Engine(open_store(server.url), lease=5, settle_retry=600, clock=lambda: now[0])
+    claim = call(engine, "begin", "k", operation="op")
+    assert isinstance(claim, Claim)
+    server.stop()
+    now[0] += 4.99  # the next retry would end past the lease
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailableError):
+        call(engine, "complete", claim, Outcome.json("done"))
+    assert time.monotonic() - started < 5
+    server.start()
+    call(engine, "close")
+
+
+class _LostReply(SQLiteStore):
+    """A real SQLite store whose first completion and failure apply, then report the
+    store unreachable, as when a connection drops before the reply arrives."""
+
+    lost = 0
+
+    def complete(self, *args: Any) -> bool:
+        return self._lose(super().complete(*args))
+
+    def fail(self, *args: Any) -> bool:
+        return self._lose(super().fail(*args))
+
+    def _lose(self, ok: bool) -> bool:
+        if self.lost == 0:
+            self.lost += 1
+            raise StoreUnavailableError("the reply was lost")
+        return ok
+
+
+@pytest.mark.parametrize("write", ["complete", "fail"])
+def test_a_resent_write_that_had_applied_is_not_stale(tmp_path: Path, write: str) -> None:
+    """The second send finds the record settled under this attempt's token: success,
+    not LeaseLostError (which would tell the caller its work was thrown away)."""
+    engine = Engine(_LostReply(f"sqlite:///{tmp_path}/s.db"), final_failures=True)
+    claim = engine.begin("k", operation="op")
+    assert isinstance(claim, Claim)
+    if write == "complete":
+        engine.complete(claim, Outcome.json("done"))
+    else:
+        engine.fail(claim, Outcome.json("no"))
+    record = engine.store.get(claim.key_hash)
+    assert engine.store.lost == 1 and record is not None and record.token == claim.token
+    expected = Status.COMPLETED if write == "complete" else Status.FAILED
+    assert record.status is expected
+
+
+def test_a_resent_write_after_a_takeover_is_stale(tmp_path: Path) -> None:
+    """When the record now carries another attempt's token, the resent completion is
+    refused as stale, as it would have been without the lost reply."""
+    store = _LostReply(f"sqlite:///{tmp_path}/s.db")
+    t0 = 1_800_000_000.0
+    late = Engine(store, lease=10, clock=lambda: t0)  # its clock says the lease still runs
+    first = late.begin("k", operation="op")
+    second = Engine(store, lease=10, clock=lambda: t0 + 11).begin("k", operation="op")
+    assert isinstance(first, Claim) and isinstance(second, Claim)
+    with pytest.raises(LeaseLostError):
+        late.complete(first, Outcome.json("first"))
+    assert store.lost == 1  # the refusal's reply was lost, and the resend refused too
+    record = store.get(first.key_hash)
+    assert record is not None and record.status is Status.PROCESSING
+    assert record.token == second.token and record.outcome is None

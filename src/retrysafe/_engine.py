@@ -49,6 +49,8 @@ log = logging.getLogger("retrysafe")
 DEFAULT_TTL = 24 * 3600.0
 DEFAULT_LEASE = 30.0
 DEFAULT_MAX_BODY = 1 << 20
+#: How long a completion or failure that the store could not take is retried.
+DEFAULT_SETTLE_RETRY = 5.0
 
 
 class BeginOptions(TypedDict, total=False):
@@ -150,7 +152,11 @@ class Engine:
     flight before it gets :class:`InProgressError`. ``final_failures`` makes
     failures final (replayed) instead of retryable. ``retention`` is the class of
     the records it writes (``"financial"`` ones are archived before deletion).
-    ``clock`` returns seconds since the epoch.
+    ``clock`` returns seconds since the epoch. A completion or failure the store
+    cannot take (a failover, a cut connection) is retried for up to
+    ``settle_retry`` seconds, never past the lease, before
+    :class:`StoreUnavailableError` is raised: otherwise the record would stay in
+    flight and a retry would run the handler again once the lease ran out.
     """
 
     def __init__(
@@ -164,6 +170,7 @@ class Engine:
         max_body: int = DEFAULT_MAX_BODY,
         retention: str = STANDARD,
         clock: Callable[[], float] = time.time,
+        settle_retry: float = DEFAULT_SETTLE_RETRY,
     ) -> None:
         self.store: Store[Any] = store if isinstance(store, Store) else open_store(store)
         self.ttl = _positive("ttl", ttl)
@@ -175,6 +182,9 @@ class Engine:
         self.max_body = int(max_body)
         self.retention = _retention(retention)
         self.clock = clock
+        if settle_retry < 0:
+            raise ValueError("settle_retry must not be negative")
+        self.settle_retry = float(settle_retry)
 
     def __repr__(self) -> str:
         return f"<Engine store={self.store!r} ttl={self.ttl:g}s lease={self.lease:g}s>"
@@ -216,6 +226,30 @@ class Engine:
                         started - claim.started)  # fmt: skip
         if final is not None:
             METRICS.failed(claim.operation, claim.key, claim.key_hash, claim.attempts, final)
+
+    def _settle_delay(
+        self, claim: Claim, what: str, tries: int, since: float, exc: StoreUnavailableError
+    ) -> float:
+        """How long to wait before sending a completion or failure again; or raise
+        ``exc`` once ``settle_retry`` is spent or the lease would run out first."""
+        delay = min(0.02 * 2**tries, 0.5)
+        if (
+            time.monotonic() + delay - since > self.settle_retry
+            or self.clock() + delay >= claim.lease_until
+        ):
+            METRICS.unrecorded(what, claim.operation, claim.key, claim.key_hash)
+            raise exc
+        return delay
+
+    @staticmethod
+    def _applied(claim: Claim, record: Record | None) -> bool:
+        """Whether a write whose reply was lost had applied: the record is settled and
+        still carries this attempt's token (a later attempt's would not)."""
+        return (
+            record is not None
+            and record.token == claim.token
+            and record.status is not Status.PROCESSING
+        )
 
     @staticmethod
     def _renewed(claim: Claim, until: float) -> None:
@@ -269,11 +303,7 @@ class Engine:
             self.fail(claim, final=True)
             raise error
         started = time.perf_counter()
-        try:
-            ok = self.store.complete(claim.key_hash, claim.token, outcome, self.clock())
-        except StoreUnavailableError:
-            METRICS.unrecorded("completion", claim.operation, claim.key, claim.key_hash)
-            raise
+        ok = self._settle(claim, "completion", self.store.complete, outcome, self.clock())
         self._settled(claim, ok, started)
 
     def fail(
@@ -282,12 +312,22 @@ class Engine:
         """Mark the attempt failed: retryable unless ``final`` (default: the engine's policy)."""
         final = self._final(final)
         started = time.perf_counter()
-        try:
-            ok = self.store.fail(claim.key_hash, claim.token, outcome, final, self.clock())
-        except StoreUnavailableError:
-            METRICS.unrecorded("failure", claim.operation, claim.key, claim.key_hash)
-            raise
+        ok = self._settle(claim, "failure", self.store.fail, outcome, final, self.clock())
         self._settled(claim, ok, started, final)
+
+    def _settle(self, claim: Claim, what: str, write: Callable[..., bool], *args: Any) -> bool:
+        """``write(key_hash, token, *args)``: a completion or failure, sent again while
+        the store is unreachable (see ``settle_retry``); True when a retry finds that
+        an earlier send had applied."""
+        tries, since = 0, time.monotonic()
+        while True:
+            try:
+                ok = write(claim.key_hash, claim.token, *args)
+            except StoreUnavailableError as exc:
+                time.sleep(self._settle_delay(claim, what, tries, since, exc))
+                tries += 1
+                continue
+            return ok or (tries > 0 and self._applied(claim, self.store.get(claim.key_hash)))
 
     def renew(self, claim: Claim, lease: float | None = None) -> None:
         """Extend a live lease to ``lease`` seconds from now (default: the engine's).
@@ -336,11 +376,7 @@ class Engine:
             await self.afail(claim, final=True)
             raise error
         started = time.perf_counter()
-        try:
-            ok = await self.store.acomplete(claim.key_hash, claim.token, outcome, self.clock())
-        except StoreUnavailableError:
-            METRICS.unrecorded("completion", claim.operation, claim.key, claim.key_hash)
-            raise
+        ok = await self._asettle(claim, "completion", self.store.acomplete, outcome, self.clock())
         self._settled(claim, ok, started)
 
     async def afail(
@@ -349,12 +385,22 @@ class Engine:
         """Async :meth:`fail`."""
         final = self._final(final)
         started = time.perf_counter()
-        try:
-            ok = await self.store.afail(claim.key_hash, claim.token, outcome, final, self.clock())
-        except StoreUnavailableError:
-            METRICS.unrecorded("failure", claim.operation, claim.key, claim.key_hash)
-            raise
+        ok = await self._asettle(claim, "failure", self.store.afail, outcome, final, self.clock())
         self._settled(claim, ok, started, final)
+
+    async def _asettle(
+        self, claim: Claim, what: str, write: Callable[..., Coroutine[Any, Any, bool]], *args: Any
+    ) -> bool:
+        """Async :meth:`_settle`."""
+        tries, since = 0, time.monotonic()
+        while True:
+            try:
+                ok = await write(claim.key_hash, claim.token, *args)
+            except StoreUnavailableError as exc:
+                await asyncio.sleep(self._settle_delay(claim, what, tries, since, exc))
+                tries += 1
+                continue
+            return ok or (tries > 0 and self._applied(claim, await self.store.aget(claim.key_hash)))
 
     async def arenew(self, claim: Claim, lease: float | None = None) -> None:
         """Async :meth:`renew`."""
