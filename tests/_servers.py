@@ -17,11 +17,12 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Protocol, Self
 
-__all__ = ["PostgresServer", "RedisServer", "ServerError", "free_port"]
+__all__ = ["PostgresServer", "RedisCluster", "RedisServer", "ServerError", "free_port"]
 
 _HOST = "127.0.0.1"
 _START_TIMEOUT = 10.0
@@ -142,9 +143,12 @@ class RedisServer(_Server):
     survives :meth:`restart`.
     """
 
-    def __init__(self, port: int | None = None, *, durable: bool = False) -> None:
+    def __init__(
+        self, port: int | None = None, *, durable: bool = False, extra: Sequence[str] = ()
+    ) -> None:
         super().__init__(port)
         self.durable = durable
+        self.extra = list(extra)  # more redis-server options, e.g. cluster mode
         self._dir: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -198,6 +202,7 @@ class RedisServer(_Server):
             "--appendfsync", "always",
             "--daemonize", "no",
             "--dir", str(self._dir),
+            *self.extra,
         ]  # fmt: skip
         with open(log_path, "ab") as log:
             self._proc = subprocess.Popen(
@@ -244,6 +249,13 @@ class RedisServer(_Server):
         """Stop the server (SIGTERM, SIGKILL after 5s); keep its directory."""
         self._terminate()
 
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would; keep its directory for :meth:`start`."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
     def close(self) -> None:
         """Stop the server and remove its temporary directory."""
         self._terminate()
@@ -251,6 +263,110 @@ class RedisServer(_Server):
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
         _untrack(self)
+
+
+class RedisCluster:
+    """A throwaway Redis Cluster on loopback: ``masters`` primaries, ``replicas`` each.
+
+    Every node is a :class:`RedisServer` with ``--cluster-enabled yes``; ``redis-cli
+    --cluster create`` splits the slots. ``node_timeout`` (ms) is how long the others
+    wait before failing a silent primary over to its replica. A node SIGKILLed with
+    :meth:`RedisServer.kill` and started again rejoins (its ``nodes.conf`` is kept).
+    """
+
+    def __init__(self, masters: int = 3, replicas: int = 1, *, node_timeout: int = 1000) -> None:
+        self.replicas = replicas
+        self.nodes = [
+            RedisServer(extra=["--cluster-enabled", "yes", "--cluster-node-timeout",
+                               str(node_timeout), "--cluster-port", str(free_port())])
+            for _ in range(masters * (1 + replicas))
+        ]  # fmt: skip
+        # (--cluster-port: the default, port + 10000, may be past 65535.)
+
+    @property
+    def url(self) -> str:
+        """A ``redis+cluster://`` URL naming the first node (the client finds the rest)."""
+        return f"redis+cluster://{_HOST}:{self.nodes[0].port}"
+
+    def cli(self, node: RedisServer, *args: str, timeout: float = 10) -> str:
+        """Run ``redis-cli`` against one node; its output."""
+        exe = shutil.which("redis-cli")
+        if exe is None:
+            raise ServerError("redis-cli not found on PATH")
+        done = subprocess.run(
+            [exe, "-h", _HOST, "-p", str(node.port), *args],
+            capture_output=True, text=True, timeout=timeout, check=True,
+        )  # fmt: skip
+        return done.stdout
+
+    def start(self) -> None:
+        """Start every node, create the cluster and wait until it serves every slot."""
+        for node in self.nodes:
+            node.start()
+        exe = shutil.which("redis-cli")
+        if exe is None:
+            raise ServerError("redis-cli not found on PATH")
+        subprocess.run(
+            [exe, "--cluster", "create", *(f"{_HOST}:{n.port}" for n in self.nodes),
+             "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        self.wait_healthy()
+
+    def role(self, node: RedisServer) -> str:
+        """``master`` or ``slave`` (as ROLE says)."""
+        return self.cli(node, "ROLE").split("\n", 1)[0].strip()
+
+    def primaries(self) -> list[RedisServer]:
+        """The running nodes that are primaries now."""
+        return [n for n in self.nodes if n.running and self.role(n) == "master"]
+
+    def replicas_of(self, primary: RedisServer) -> list[RedisServer]:
+        """The running nodes that replicate ``primary`` now."""
+        mine = []
+        for node in self.nodes:
+            if node is primary or not node.running:
+                continue
+            lines = self.cli(node, "INFO", "replication").splitlines()
+            if f"master_port:{primary.port}" in (line.strip() for line in lines):
+                mine.append(node)
+        return mine
+
+    def wait_healthy(self, timeout: float = 30) -> None:
+        """Wait until every running node says ``cluster_state:ok`` and every replica
+        is in sync with a primary."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if all(self._healthy(n) for n in self.nodes if n.running):
+                    return
+            except subprocess.SubprocessError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServerError("the Redis Cluster did not become healthy")
+            time.sleep(0.1)
+
+    def _healthy(self, node: RedisServer) -> bool:
+        if "cluster_state:ok" not in self.cli(node, "CLUSTER", "INFO"):
+            return False
+        info = self.cli(node, "INFO", "replication")
+        return "role:master" in info or "master_link_status:up" in info
+
+    def close(self) -> None:
+        """Stop every node and remove its directory."""
+        for node in self.nodes:
+            node.close()
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _pg_version(bin_dir: Path) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from _http_apps import Counter
 from _http_servers import Process, free_port, uvicorn_argv
-from _servers import PostgresServer, RedisServer
+from _servers import PostgresServer, RedisCluster, RedisServer
 
 from retrysafe import Engine, Store, open_store
 
@@ -24,6 +24,13 @@ SHARED_STORES = ["sqlite", "redis", "postgres"]  # visible to several processes
 def redis_server() -> Iterator[RedisServer]:
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """3 primaries with a replica each. A test that fails a node over leaves it healthy."""
+    with RedisCluster(3, 1) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")
@@ -54,6 +61,10 @@ def make_spec(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> Stor
     if name == "redis":
         server = request.getfixturevalue("redis_server")
         return StoreSpec(name, server.url, {"prefix": f"test-{tag}:"})
+    if name == "redis-cluster":
+        # Not in STORES: tests/test_redis_cluster.py runs the shared suites on it.
+        cluster = request.getfixturevalue("redis_cluster")
+        return StoreSpec(name, cluster.url, {"prefix": f"test-{tag}:"})
     if name == "postgres":
         server = request.getfixturevalue("postgres_server")
         return StoreSpec(name, server.url, {"table": f"t_{tag}"})

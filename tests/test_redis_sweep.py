@@ -7,9 +7,8 @@ what it never deletes, and the same on a real three-node Redis Cluster.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from urllib.parse import quote
 
 import pytest
 import redis
-from _servers import free_port
+from _servers import RedisCluster, free_port
 from conftest import Clock, make_spec
 
 from retrysafe import Claim, Engine, Outcome, Status, StoreUnavailableError, Sweeper
@@ -477,71 +476,14 @@ def test_records_and_stats_by_scan(store: RedisStore, clock: Clock) -> None:
 # -- Redis Cluster ----------------------------------------------------------------------
 
 
-class _Cluster:
-    """Three primaries on loopback, slots split by ``redis-cli --cluster create``."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self) -> str:
-        exe = shutil.which("redis-server")
-        cli = shutil.which("redis-cli")
-        if exe is None or cli is None:
-            pytest.skip("redis-server and redis-cli are needed for a cluster")
-        ports = [free_port() for _ in range(3)]
-        for port in ports:
-            d = self.root / str(port)
-            d.mkdir()
-            argv = [
-                exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--cluster-enabled", "yes", "--dir", str(d),
-                "--cluster-port", str(free_port()),  # port + 10000 may be past 65535
-            ]  # fmt: skip
-            out = subprocess.DEVNULL
-            self.procs.append(subprocess.Popen(argv, stdout=out, stderr=out))
-        for port in ports:
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    redis.Redis("127.0.0.1", port).ping()
-                    break
-                except redis.ConnectionError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
-        subprocess.run(
-            [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
-             "--cluster-replicas", "0", "--cluster-yes"],
-            check=True, capture_output=True, timeout=60,
-        )  # fmt: skip
-        deadline = time.monotonic() + 20
-        while any(
-            redis.Redis("127.0.0.1", p).cluster("info")["cluster_state"] != "ok" for p in ports
-        ):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the cluster did not come up")
-            time.sleep(0.1)
-        return f"redis+cluster://127.0.0.1:{ports[0]}"
-
-    def close(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    cluster = _Cluster(tmp_path_factory.mktemp("cluster"))
-    try:
-        yield cluster.start()
-    finally:
-        cluster.close()
-
-
-def test_cluster_sweep_records_and_stats(cluster_url: str, tmp_path: Path, clock: Clock) -> None:
-    store = RedisStore(cluster_url, archive=f"sqlite:///{tmp_path}/archive.db")
+def test_cluster_sweep_records_and_stats(
+    redis_cluster: RedisCluster, tmp_path: Path, clock: Clock
+) -> None:
+    store = RedisStore(
+        redis_cluster.url,
+        prefix=f"sweep-{uuid.uuid4().hex[:8]}:",
+        archive=f"sqlite:///{tmp_path}/archive.db",
+    )
     try:
         made = {
             kind: [_claim(store, clock, f"{kind}{i}", kind).key_hash for i in range(40)]
