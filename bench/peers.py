@@ -386,6 +386,7 @@ class Storm:
     name: str
     keys: int
     callers: int
+    wave: int  # keys sent at once (their callers all together)
     executions: Counter[str]  # per key
     answers: Counter[str]  # to every request of the storm
     after: Counter[str]  # to one more request per key, after the storm
@@ -408,6 +409,10 @@ def _storm_keys(tag: str, keys: int) -> list[str]:
     return [f"storm-{tag}-{i}" for i in range(keys)]
 
 
+def _waves(names: list[str], wave: int) -> list[list[str]]:
+    return [names[i : i + wave] for i in range(0, len(names), wave)]
+
+
 async def _read_counts(url: str, counts: str) -> Counter[str]:
     import redis.asyncio
 
@@ -420,13 +425,13 @@ async def _read_counts(url: str, counts: str) -> Counter[str]:
 
 
 async def asgi_storm(
-    mw: Middleware, url: str, ns: str, keys: int, callers: int, work: float
+    mw: Middleware, url: str, ns: str, keys: int, callers: int, wave: int, work: float
 ) -> Storm:
     """K keys x M concurrent asyncio tasks against one in-process app."""
     import redis.asyncio
 
     client = redis.asyncio.Redis.from_url(url)
-    counts = f"{ns}exec:{mw.name}:asgi"
+    counts = f"{ns}exec:{mw.name}:asgi:{wave}"
     endpoint = Endpoint(work, client, counts)
     app, close = mw.wrap(endpoint.app, url, f"{ns}storm-asgi:")
     names = _storm_keys(secrets.token_hex(4), keys)
@@ -434,13 +439,14 @@ async def asgi_storm(
     after: Counter[str] = Counter()
     try:
         t0 = time.perf_counter()
-        results = await asyncio.gather(
-            *(post(app, key) for key in names for _ in range(callers)), return_exceptions=True
-        )
+        for chunk in _waves(names, wave):
+            results = await asyncio.gather(
+                *(post(app, key) for key in chunk for _ in range(callers)), return_exceptions=True
+            )
+            for r in results:
+                answers[f"raised {type(r).__name__}" if isinstance(r, BaseException)
+                        else classify(r[0], r[1], mw.replay_header)] += 1  # fmt: skip
         seconds = time.perf_counter() - t0
-        for r in results:
-            answers[f"raised {type(r).__name__}" if isinstance(r, BaseException)
-                    else classify(r[0], r[1], mw.replay_header)] += 1  # fmt: skip
         for key in names:
             status, headers, _ = await post(app, key)
             after[classify(status, headers, mw.replay_header)] += 1
@@ -449,7 +455,7 @@ async def asgi_storm(
         await close()
         await client.aclose()
     executions = Counter({k.decode(): int(v) for k, v in executions.items()})
-    return Storm("in process", mw.name, keys, callers, executions, answers, after, seconds)
+    return Storm("in process", mw.name, keys, callers, wave, executions, answers, after, seconds)
 
 
 class Server:
@@ -493,12 +499,12 @@ class Server:
 
 
 async def _http_storm(
-    urls: Sequence[str], mw: Middleware, keys: int, callers: int
+    urls: Sequence[str], mw: Middleware, keys: int, callers: int, wave: int
 ) -> tuple[Counter[str], Counter[str], list[str], float]:
     import httpx
 
     names = _storm_keys(secrets.token_hex(4), keys)
-    limits = httpx.Limits(max_connections=keys * callers, max_keepalive_connections=0)
+    limits = httpx.Limits(max_connections=wave * callers, max_keepalive_connections=0)
     answers: Counter[str] = Counter()
     after: Counter[str] = Counter()
     header = mw.replay_header.decode()
@@ -517,20 +523,21 @@ async def _http_storm(
             return kind(resp)
 
         t0 = time.perf_counter()
-        results = await asyncio.gather(
-            *(one(key, i) for key in names for i in range(callers)), return_exceptions=True
-        )
+        for chunk in _waves(names, wave):
+            results = await asyncio.gather(
+                *(one(key, i) for key in chunk for i in range(callers)), return_exceptions=True
+            )
+            for r in results:
+                answers[f"raised {type(r).__name__}" if isinstance(r, BaseException) else r] += 1
         seconds = time.perf_counter() - t0
-        for r in results:
-            answers[f"raised {type(r).__name__}" if isinstance(r, BaseException) else r] += 1
         for i, key in enumerate(names):
             after[await one(key, i)] += 1
     return answers, after, names, seconds
 
 
 def server_storms(
-    url: str, ns: str, keys: int, callers: int, work: float, stack: contextlib.ExitStack,
-    free_port: Callable[[], int], processes: int = 2,
+    url: str, ns: str, keys: int, callers: int, waves: Sequence[int], work: float,
+    stack: contextlib.ExitStack, free_port: Callable[[], int], processes: int = 2,
 ) -> list[Storm]:  # fmt: skip
     """Each middleware in ``processes`` uvicorn servers; a key's duplicates alternate."""
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rsbench-peers-")))
@@ -547,23 +554,27 @@ def server_storms(
         for server in group:
             server.wait_ready()
     storms = []
-    for name, group in servers.items():
-        mw = MIDDLEWARES[name]
-        answers, after, names, seconds = asyncio.run(
-            _http_storm([s.url for s in group], mw, keys, callers)
-        )
-        executions = asyncio.run(_read_counts(url, f"{ns}exec:{name}:uvicorn"))
-        executions = Counter({k: n for k, n in executions.items() if k in set(names)})
-        where = f"{processes} uvicorn processes"
-        storms.append(Storm(where, name, keys, callers, executions, answers, after, seconds))
-        print(f"  {where} / {name}: {storm_line(storms[-1])}", flush=True)
+    where = f"{processes} uvicorn processes"
+    for wave in waves:
+        for name, group in servers.items():
+            mw = MIDDLEWARES[name]
+            answers, after, names, seconds = asyncio.run(
+                _http_storm([s.url for s in group], mw, keys, callers, wave)
+            )
+            counted = asyncio.run(_read_counts(url, f"{ns}exec:{name}:uvicorn"))
+            executions = Counter({k: n for k, n in counted.items() if k in set(names)})
+            storm = Storm(where, name, keys, callers, wave, executions, answers, after, seconds)
+            storms.append(storm)
+            print(f"  {where} / {name}: {storm_line(storm)}", flush=True)
     for group in servers.values():
         for server in group:
             server.stop()
     return storms
 
 
-def function_storms(url: str, ns: str, keys: int, callers: int, work: float) -> list[Storm]:
+def function_storms(
+    url: str, ns: str, keys: int, callers: int, waves: Sequence[int], work: float
+) -> list[Storm]:
     """K keys x M threads calling ``@idempotent`` and Powertools' ``idempotent_function``."""
     from aws_lambda_powertools.utilities.idempotency import IdempotencyConfig, idempotent_function
     from aws_lambda_powertools.utilities.idempotency.persistence.redis import (
@@ -605,8 +616,10 @@ def function_storms(url: str, ns: str, keys: int, callers: int, work: float) -> 
 
     storms = []
     try:
-        for side, func in ((SUBJECT, charge_rs), ("Powertools", charge_pt)):
-            storm = _thread_storm(side, func, executions[side], keys, callers, ran_here)
+        for wave, (side, func) in itertools.product(
+            waves, ((SUBJECT, charge_rs), ("Powertools", charge_pt))
+        ):
+            storm = _thread_storm(side, func, executions[side], keys, callers, wave, ran_here)
             storms.append(storm)
             print(f"  threads / {side}: {storm_line(storm)}", flush=True)
     finally:
@@ -617,16 +630,15 @@ def function_storms(url: str, ns: str, keys: int, callers: int, work: float) -> 
 
 def _thread_storm(
     side: str, func: Callable[..., Any], executions: Counter[str], keys: int, callers: int,
-    ran_here: threading.local,
+    wave: int, ran_here: threading.local,
 ) -> Storm:  # fmt: skip
     names = _storm_keys(secrets.token_hex(4), keys)
     answers: Counter[str] = Counter()
     after: Counter[str] = Counter()
-    barrier = threading.Barrier(keys * callers)
     lock = threading.Lock()
 
-    def call(key: str, into: Counter[str], wait: bool) -> None:
-        if wait:
+    def call(key: str, into: Counter[str], barrier: threading.Barrier | None) -> None:
+        if barrier is not None:
             barrier.wait()
         ran_here.ran = False
         try:
@@ -637,23 +649,27 @@ def _thread_storm(
         with lock:
             into[answer] += 1
 
-    threads = [threading.Thread(target=call, args=(key, answers, True))
-               for key in names for _ in range(callers)]  # fmt: skip
     t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    for chunk in _waves(names, wave):
+        barrier = threading.Barrier(len(chunk) * callers)
+        threads = [threading.Thread(target=call, args=(key, answers, barrier))
+                   for key in chunk for _ in range(callers)]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     seconds = time.perf_counter() - t0
     for key in names:
-        call(key, after, False)
-    return Storm("threads, one process", side, keys, callers, Counter(executions), answers,
+        call(key, after, None)
+    executions = Counter({k: n for k, n in executions.items() if k in set(names)})
+    return Storm("threads, one process", side, keys, callers, wave, executions, answers,
                  after, seconds)  # fmt: skip
 
 
 def storm_line(s: Storm) -> str:
-    return (f"{s.ran} executions for {s.keys} keys ({s.duplicated_keys} keys ran more than "
-            f"once); answers: {dict(s.answers)}; after: {dict(s.after)}")  # fmt: skip
+    return (f"{s.wave * s.callers} at once: {s.ran} executions for {s.keys} keys "
+            f"({s.duplicated_keys} keys ran more than once); answers: {dict(s.answers)}; "
+            f"after: {dict(s.after)}")  # fmt: skip
 
 
 # -- serving (runs in the uvicorn subprocesses) ------------------------------------------------
@@ -724,15 +740,16 @@ def pair_table(subject: Any, peers: Sequence[Any], answers: dict[str, str] | Non
 
 def storm_table(storms: Sequence[Storm]) -> list[str]:
     lines = [
-        "| callers | contender | keys x concurrent duplicates | executions | keys run "
-        "twice or more | keys never run | answers to the storm | answers to one retry per "
-        "key afterwards |",
-        "|---|---|--:|--:|--:|--:|---|---|",
+        "| callers | contender | keys x concurrent duplicates | requests at once | executions "
+        "| keys run twice or more | keys never run | answers to the storm | answers to one "
+        "retry per key afterwards |",
+        "|---|---|--:|--:|--:|--:|--:|---|---|",
     ]
     for s in storms:
         dup = f"**{s.duplicated_keys}**" if s.duplicated_keys else "0"
         lines.append(
-            f"| {s.where} | {s.name} | {s.keys} x {s.callers} | {s.ran} | {dup} | "
+            f"| {s.where} | {s.name} | {s.keys} x {s.callers} | {s.wave * s.callers} | "
+            f"{s.ran} | {dup} | "
             f"{s.unexecuted_keys} | {describe_answers(s.answers)} | {describe_answers(s.after)} |"
         )
     return lines
@@ -828,11 +845,14 @@ def render(
         out += [
             "#### Duplicate storm: executions per key",
             "",
-            f"{args.keys} distinct keys, each sent by {args.clients} concurrent callers at",
-            f"once; the handler takes {args.work * 1000:g} ms (a sleep) before it answers, so",
-            "the duplicates arrive while the first attempt is in flight. Executions are",
-            "counted per key (in Redis for the middlewares, so that several processes",
-            "add up). After the storm every key is sent once more, as a client retry.",
+            f"{args.keys} distinct keys, each sent by {args.clients} concurrent callers: once in",
+            f"waves of {min(args.wave, args.keys)} keys (their callers all released together, "
+            "the next wave",
+            "when one is answered), once with every key at once (`requests at once`). The",
+            f"handler takes {args.work * 1000:g} ms (a sleep) before it answers, so the",
+            "duplicates arrive while the first attempt is in flight. Executions are counted",
+            "per key (in Redis for the middlewares, so that several processes add up). After",
+            "the storm every key is sent once more, as a client's retry would be.",
             "",
             *storm_table(storms),
             "",
@@ -840,7 +860,10 @@ def render(
             "  together by a barrier. `returned` is a call that returned the stored result",
             "  without running the function; `raised X` is the exception the call raised.",
             "- in process: the middlewares over the same endpoint in this process, one",
-            "  asyncio task per request, all gathered at once.",
+            "  asyncio task per request, a wave's all gathered at once. `raised",
+            "  MaxConnectionsError`: redis-py's default pool (100 connections since",
+            "  redis-py 8) refused the call and the middleware let it through (a 500 in a",
+            "  server); retrysafe's pools wait for a free connection instead.",
             "- uvicorn processes: each middleware served by two uvicorn processes (as two",
             "  workers or two instances behind a load balancer would be) on one Redis; the",
             "  duplicates of a key alternate between the two, over real HTTP (httpx, one",
@@ -862,6 +885,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    + ", ".join(PARTS))  # fmt: skip
     p.add_argument("--keys", type=int, default=40, help="distinct keys in the storm")
     p.add_argument("--clients", type=int, default=8, help="concurrent callers per storm key")
+    p.add_argument("--wave", type=int, default=8,
+                   help="storm keys sent at once (then all --keys at once, too)")  # fmt: skip
     p.add_argument("--work", type=float, default=0.05, help="seconds the storm handler takes")
     p.add_argument("--write", metavar="PATH", help="write the results as Markdown here")
     p.add_argument("--rev", help="measure this commit's src/ (git archive), not the work tree")
@@ -870,8 +895,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.parts) - set(PARTS))
     if unknown:
         p.error(f"unknown parts {unknown}; choose from {', '.join(PARTS)}")
-    if args.rounds < 1 or args.seconds <= 0 or args.keys < 1 or args.clients < 2:
-        p.error("--rounds and --keys must be at least 1, --clients 2, --seconds positive")
+    if args.rounds < 1 or args.seconds <= 0 or min(args.keys, args.wave) < 1 or args.clients < 2:
+        p.error("--rounds, --keys and --wave must be at least 1, --clients 2, --seconds positive")
+    args.waves = sorted({min(args.wave, args.keys), args.keys})
     return args
 
 
@@ -928,13 +954,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "storm" in args.parts:
             print(f"\n[storm] {args.keys} keys x {args.clients} concurrent callers, handler "
                   f"{args.work * 1000:g} ms", flush=True)  # fmt: skip
-            storms += function_storms(url, ns, args.keys, args.clients, args.work)
-            for mw in MIDDLEWARES.values():
-                storm = asyncio.run(asgi_storm(mw, url, ns, args.keys, args.clients, args.work))
+            storms += function_storms(url, ns, args.keys, args.clients, args.waves, args.work)
+            for wave, mw in itertools.product(args.waves, MIDDLEWARES.values()):
+                storm = asyncio.run(
+                    asgi_storm(mw, url, ns, args.keys, args.clients, wave, args.work)
+                )
                 print(f"  in process / {mw.name}: {storm_line(storm)}", flush=True)
                 storms.append(storm)
             free_port = bs._servers_module().free_port
-            storms += server_storms(url, ns, args.keys, args.clients, args.work, stack, free_port)
+            storms += server_storms(url, ns, args.keys, args.clients, args.waves, args.work,
+                                    stack, free_port)  # fmt: skip
     elapsed = time.monotonic() - started
     if hasattr(os, "getloadavg"):
         info["load average at end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
