@@ -261,11 +261,11 @@ ANSWER_NAMES = {
 }
 
 
-def describe_answers(answers: Counter[str]) -> str:
+def describe_answers(answers: Counter[str], names: dict[str, str] = ANSWER_NAMES) -> str:
     total = sum(answers.values())
     if not total:
         return "-"
-    return ", ".join(f"{ANSWER_NAMES.get(a, a)} {n / total:.0%}" for a, n in answers.most_common())
+    return ", ".join(f"{names.get(a, a)} {n / total:.0%}" for a, n in answers.most_common())
 
 
 # -- HTTP throughput -----------------------------------------------------------------------
@@ -747,10 +747,12 @@ def storm_table(storms: Sequence[Storm]) -> list[str]:
     ]
     for s in storms:
         dup = f"**{s.duplicated_keys}**" if s.duplicated_keys else "0"
+        names = {"ran": "ran the function"} if s.where.startswith("threads") else ANSWER_NAMES
         lines.append(
             f"| {s.where} | {s.name} | {s.keys} x {s.callers} | {s.wave * s.callers} | "
             f"{s.ran} | {dup} | "
-            f"{s.unexecuted_keys} | {describe_answers(s.answers)} | {describe_answers(s.after)} |"
+            f"{s.unexecuted_keys} | {describe_answers(s.answers, names)} | "
+            f"{describe_answers(s.after, names)} |"
         )
     return lines
 
