@@ -206,6 +206,21 @@ def parse_key(values: list[str]) -> str | None:
     return validate_key(keys[0])
 
 
+def declared_length(value: str | bytes | None) -> int | None:
+    """The length a ``Content-Length`` value declares: ASCII digits, else None.
+
+    ``str.isdigit`` is true of ``²`` and other digits ``int`` refuses, and
+    ``int`` refuses more than 4300 digits: a value that long is taken as a
+    length past every limit.
+    """
+    if not value or not value.isascii() or not value.isdigit():
+        return None
+    try:
+        return int(value)
+    except ValueError:  # over sys.get_int_max_str_digits() digits
+        return 1 << 63
+
+
 # -- fingerprint and scope -------------------------------------------------------------
 
 
@@ -460,6 +475,13 @@ class HttpPolicy:
             "idempotency_key_required",
             f"this request needs an {self.header} header",
         )
+
+    def check_declared(self, value: str | bytes | None) -> None:
+        """:meth:`check_length` of a ``Content-Length`` header (one that is not a
+        number is left to the server)."""
+        length = declared_length(value)
+        if length is not None:
+            self.check_length(length)
 
     def check_length(self, length: int) -> None:
         if length > self.max_request_body:

@@ -66,9 +66,7 @@ def prepare(
         key = policy.key(values)
         if key is None:
             return policy.missing(request)
-        length = meta.get("CONTENT_LENGTH") or ""
-        if length.isdigit():
-            policy.check_length(int(length))
+        policy.check_declared(meta.get("CONTENT_LENGTH"))
         attempt = policy.attempt(
             key, method, path, meta.get("QUERY_STRING", ""), meta.get("CONTENT_TYPE"), body(),
             request, meta.get("HTTP_AUTHORIZATION"), meta.get("HTTP_X_REQUEST_ID"),

@@ -115,8 +115,7 @@ class IdempotencyMiddleware:
                 else:
                     await _answer(send, refusal)
                 return
-            if clen is not None and clen.isdigit():
-                policy.check_length(int(clen))
+            policy.check_declared(clen)
             message = await receive()
             if message["type"] != "http.request":
                 return  # the client left before sending its body

@@ -36,7 +36,7 @@ from ._asgi import (
 from ._engine import DEFAULT_MAX_BODY, Attempt, Engine, engine_for
 from ._errors import IdempotencyError
 from ._heartbeat import renewing
-from ._http import _unrecorded
+from ._http import _unrecorded, declared_length
 from ._mesh import URN, MeshCall, MeshError, Step, loads, parse, transport_error
 from .stores import Store
 
@@ -264,7 +264,7 @@ class MeshApp:
             return 405, transport_error("send Mesh requests with POST"), [("allow", "POST")]
         length = header(scope, b"content-length")
         try:
-            if length is not None and length.isdigit() and int(length) > self.max_body:
+            if (declared_length(length) or 0) > self.max_body:
                 raise BodyTooLarge
             body = await read_body(receive, self.max_body)
         except BodyTooLarge:

@@ -27,7 +27,7 @@ from types import TracebackType
 from typing import Any
 
 from ._engine import Engine
-from ._http import BodyError, Headers, HttpPolicy, HttpRequest, Response
+from ._http import BodyError, Headers, HttpPolicy, HttpRequest, Response, declared_length
 from ._http_io import Flow, Stream, enter, prepare
 from .stores import Store
 
@@ -169,9 +169,8 @@ def _respond(flow: Flow, start: _Start, chunks: Iterator[bytes]) -> Iterable[byt
 def _read_body(environ: Environ, policy: HttpPolicy) -> bytes:
     """The keyed request's body, whole; the app reads it again from a copy."""
     stream = environ["wsgi.input"]
-    length = environ.get("CONTENT_LENGTH") or ""
-    if length.isdigit():
-        size = int(length)
+    size = declared_length(environ.get("CONTENT_LENGTH"))
+    if size is not None:
         body = _read(stream, policy, size)
         if len(body) < size:
             raise BodyError(f"the request body ended after {len(body)} of its {size} bytes")
