@@ -8,7 +8,8 @@ whichever of them died:
   :func:`app_from_env`). ``POST /work`` with the key in ``Idempotency-Key`` logs a
   start ``(key, pid)``, then (body ``{"hold": true}``, first start of the key only)
   waits until the file ``$FAULT_ROOT/release`` exists, then writes one effect row
-  and answers 201 ``{"key", "effect": n, "pid"}``. A worker killed while it holds
+  and answers 201 ``{"key", "effect": n, "pid", "pad"}`` (``pad`` echoed from the
+  body). A worker killed while it holds
   a request has started it but written no effect.
 - :class:`Upstream` is what ``retrysafe gateway`` fronts (:func:`upstream_from_env`).
   ``POST /charge`` logs a call ``(key, client port)``, writes the effect once per
@@ -122,7 +123,8 @@ class Work(_App):
         cur = self.conn.execute(
             "INSERT INTO effects (key, pid, t) VALUES (?, ?, ?)", (key, pid, time.time())
         )
-        await _answer(send, 201, {"key": key, "effect": cur.lastrowid, "pid": pid})
+        answer = {"key": key, "effect": cur.lastrowid, "pid": pid, "pad": doc.get("pad", "")}
+        await _answer(send, 201, answer)
 
 
 class Upstream(_App):
