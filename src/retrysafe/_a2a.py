@@ -357,7 +357,7 @@ def parse_send(request: Any, principal: str) -> Send | None:
         # JSON, so that no choice of parts can run into another.
         scope = canonical_json([principal, tenant or "", context or ""]).decode()
         fp = fingerprint(normal_message(message), _numbers(metadata) or None)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidKeyError(f"the message cannot be fingerprinted: {exc}") from None
     return Send(str(method), version, request.get("id"), key, scope, fp)
 

@@ -374,9 +374,10 @@ class _Answer:
 
 
 def _parse(body: bytes) -> Any:
+    """The JSON in ``body``; None if it is not JSON (or nested too deeply to read)."""
     try:
         return json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
