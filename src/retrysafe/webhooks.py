@@ -52,6 +52,7 @@ import hmac
 import inspect
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
@@ -183,6 +184,12 @@ def _b64(text: str) -> bytes | None:
         return None
 
 
+def _utf8(text: str) -> bytes:
+    """``text`` as signed; a lone surrogate (only a str header can hold one) cannot
+    match any signature, but must not raise either."""
+    return text.encode("utf-8", "surrogatepass")
+
+
 def _check_time(timestamp: str, tolerance: float, now: float) -> None:
     try:
         signed = int(timestamp)
@@ -190,9 +197,13 @@ def _check_time(timestamp: str, tolerance: float, now: float) -> None:
         raise SignatureError(
             f"the signed timestamp {timestamp[:40]!r} is not a number", reason="malformed_header"
         ) from None
-    if abs(now - signed) > tolerance:
+    try:
+        skew = float(abs(now - signed))
+    except OverflowError:  # a number past float range: as far from now as there is
+        skew = math.inf
+    if skew > tolerance:
         raise SignatureError(
-            f"the signed timestamp is {abs(now - signed):.0f} s from now "
+            f"the signed timestamp is {skew:.0f} s from now "
             f"(tolerance {tolerance:g} s): a replay or a skewed clock",
             reason="timestamp_out_of_tolerance",
         )
@@ -231,12 +242,12 @@ def _stripe(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now
             "Stripe-Signature needs t=<timestamp> and at least one v1=<signature>",
             reason="malformed_header",
         )
-    signed = timestamp.encode() + b"." + body
+    signed = _utf8(timestamp) + b"." + body
     _check(map(_raw, secrets), signed, signatures)
     _check_time(timestamp, tol, now)  # after the signature: the timestamp is authentic
     try:
         event = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         event = None
     event_id = event.get("id") if isinstance(event, dict) else None
     if not isinstance(event_id, str) or not event_id:
@@ -267,7 +278,7 @@ def _standard(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, n
         raise SignatureError(
             "webhook-signature holds no v1,<base64> signature", reason="malformed_header"
         )
-    signed = f"{event_id}.{timestamp}.".encode() + body
+    signed = _utf8(f"{event_id}.{timestamp}.") + body
     _check(map(_standard_key, secrets), signed, given)
     _check_time(timestamp, tol, now)
     return event_id
