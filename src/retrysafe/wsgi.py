@@ -171,6 +171,7 @@ def _read_body(environ: Environ, policy: HttpPolicy) -> bytes:
     stream = environ["wsgi.input"]
     size = declared_length(environ.get("CONTENT_LENGTH"))
     if size is not None:
+        policy.check_length(size)  # (413 before reading a body declared too long)
         body = _read(stream, policy, size)
         if len(body) < size:
             raise BodyError(f"the request body ended after {len(body)} of its {size} bytes")
