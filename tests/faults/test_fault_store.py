@@ -117,13 +117,15 @@ def test_store_killed_and_restarted(crashable: Any, tmp_path: Path) -> None:
     print(f"\n{name} killed: answers {seen}, logged unrecorded {sorted(excused)}")
 
 
-def _cut_redis(url: str) -> Callable[[], int]:
+def _cut_redis(url: str, request: pytest.FixtureRequest) -> Callable[[], int]:
     admin = redis.Redis.from_url(url)
+    request.addfinalizer(admin.close)
     return lambda: int(admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"))
 
 
-def _cut_postgres(url: str) -> Callable[[], int]:
+def _cut_postgres(url: str, request: pytest.FixtureRequest) -> Callable[[], int]:
     admin = psycopg.connect(url, autocommit=True)
+    request.addfinalizer(admin.close)
     query = (
         "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE"
         " backend_type = 'client backend' AND pid <> pg_backend_pid()"
@@ -151,7 +153,7 @@ def test_connections_cut(name: str, request: pytest.FixtureRequest, tmp_path: Pa
     server = request.getfixturevalue(f"{name}_server")
     tag = uuid.uuid4().hex[:8]
     url = f"{server.url}?prefix=cut{tag}:" if name == "redis" else f"{server.url}?table=cut{tag}"
-    cut = (_cut_redis if name == "redis" else _cut_postgres)(server.url)
+    cut = (_cut_redis if name == "redis" else _cut_postgres)(server.url, request)
     cuts: list[int] = []
 
     def fault(load: Load) -> None:
