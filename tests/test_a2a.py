@@ -486,7 +486,7 @@ def test_an_answer_that_cannot_be_recorded_still_reaches_the_caller(
     gone = StoreUnavailableError("gone")
     monkeypatch.setattr(memory, "complete", Mock(side_effect=gone))
     monkeypatch.setattr(memory, "acomplete", AsyncMock(side_effect=gone))
-    dedupe, agent, m = A2AIdempotency(memory), Agent(), mid()
+    dedupe, agent, m = A2AIdempotency(Engine(memory, settle_retry=0)), Agent(), mid()
 
     async def answer(request: dict[str, Any]) -> dict[str, Any]:
         return agent.answer(request)

@@ -462,7 +462,7 @@ def test_answer_that_cannot_be_recorded_still_reaches_the_caller(
 
     monkeypatch.setattr(memory, "complete", down)
     monkeypatch.setattr(memory, "acomplete", adown)
-    run = Mesh(mode, MeshIdempotency(memory))
+    run = Mesh(mode, MeshIdempotency(Engine(memory, settle_retry=0)))
     with caplog.at_level(logging.ERROR, logger="retrysafe"):
         answer = run(request(), Charges())
     run.close()

@@ -602,7 +602,7 @@ def test_a_completion_the_store_cannot_take_is_counted_and_alerted(
 
     with RedisServer() as server:
         store = open_store(server.url + "?socket_timeout=0.5")
-        engine = Engine(store)
+        engine = Engine(store, settle_retry=0)
         claim = engine.begin("k", operation=op)
         server.stop()  # the handler ran; now its answer cannot be written
         with pytest.raises(StoreUnavailableError):

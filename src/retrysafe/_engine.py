@@ -49,8 +49,6 @@ log = logging.getLogger("retrysafe")
 DEFAULT_TTL = 24 * 3600.0
 DEFAULT_LEASE = 30.0
 DEFAULT_MAX_BODY = 1 << 20
-#: How long a completion or failure that the store could not take is retried.
-DEFAULT_SETTLE_RETRY = 5.0
 
 
 class BeginOptions(TypedDict, total=False):
@@ -153,8 +151,8 @@ class Engine:
     failures final (replayed) instead of retryable. ``retention`` is the class of
     the records it writes (``"financial"`` ones are archived before deletion).
     ``clock`` returns seconds since the epoch. A completion or failure the store
-    cannot take (a failover, a cut connection) is retried for up to
-    ``settle_retry`` seconds, never past the lease, before
+    cannot take (a failover, a cut connection) is sent again until the lease ends
+    (or for ``settle_retry`` seconds, if given) before
     :class:`StoreUnavailableError` is raised: otherwise the record would stay in
     flight and a retry would run the handler again once the lease ran out.
     """
@@ -170,7 +168,7 @@ class Engine:
         max_body: int = DEFAULT_MAX_BODY,
         retention: str = STANDARD,
         clock: Callable[[], float] = time.time,
-        settle_retry: float = DEFAULT_SETTLE_RETRY,
+        settle_retry: float | None = None,
     ) -> None:
         self.store: Store[Any] = store if isinstance(store, Store) else open_store(store)
         self.ttl = _positive("ttl", ttl)
@@ -182,9 +180,9 @@ class Engine:
         self.max_body = int(max_body)
         self.retention = _retention(retention)
         self.clock = clock
-        if settle_retry < 0:
+        if settle_retry is not None and settle_retry < 0:
             raise ValueError("settle_retry must not be negative")
-        self.settle_retry = float(settle_retry)
+        self.settle_retry = None if settle_retry is None else float(settle_retry)
 
     def __repr__(self) -> str:
         return f"<Engine store={self.store!r} ttl={self.ttl:g}s lease={self.lease:g}s>"
@@ -231,11 +229,10 @@ class Engine:
         self, claim: Claim, what: str, tries: int, since: float, exc: StoreUnavailableError
     ) -> float:
         """How long to wait before sending a completion or failure again; or raise
-        ``exc`` once ``settle_retry`` is spent or the lease would run out first."""
+        ``exc`` once the lease would run out first, or ``settle_retry`` is spent."""
         delay = min(0.02 * 2**tries, 0.5)
-        if (
-            time.monotonic() + delay - since > self.settle_retry
-            or self.clock() + delay >= claim.lease_until
+        if self.clock() + delay >= claim.lease_until or (
+            self.settle_retry is not None and time.monotonic() + delay - since > self.settle_retry
         ):
             METRICS.unrecorded(what, claim.operation, claim.key, claim.key_hash)
             raise exc
