@@ -674,6 +674,7 @@ def _forget_clients(ref: weakref.ref[RedisStore]) -> None:
     _INHERITED.append((store._sync, list(store._async.values())))
     store._sync = None
     store._async = weakref.WeakKeyDictionary()
+    store._starting = weakref.WeakKeyDictionary()
     store._lock = threading.Lock()
     store._sweep_lock = threading.Lock()
     store._sweep_pass = None
@@ -730,6 +731,10 @@ class RedisStore(Store[_Op]):
         self._set_claims = True  # claims use SET NX GET until the server refuses it
         self._sync: Any = None
         self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
+            weakref.WeakKeyDictionary()
+        )
+        #: Per event loop, the task mapping a new asyncio cluster client's slots.
+        self._starting: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
             weakref.WeakKeyDictionary()
         )
         # Clients must not cross a fork: redis-py's asyncio pools do not notice one
@@ -814,7 +819,10 @@ class RedisStore(Store[_Op]):
 
     # Both executors send an op, hand a failed send to _retry_or_raise and a reply
     # to _settle; either may answer with the op to run next (a takeover, a fallback
-    # to script claims). Only the send differs, by an await.
+    # to script claims). Only the send differs, by an await. Whatever the client
+    # raises is a failed send: redis-py's asyncio cluster client has been seen to
+    # raise AttributeError (a connection closed under it while slots moved), and
+    # that must reach the caller as StoreUnavailableError (503), not as a 500.
 
     def _run(self, op: _Op) -> Any:
         while True:
@@ -825,7 +833,7 @@ class RedisStore(Store[_Op]):
                 except _rx.NoScriptError:  # a new or flushed server: load, then run once
                     client.script_load(_SCRIPTS[op[0][1]])
                     reply = client.execute_command(*op[0], **op[4])
-            except (_rx.RedisError, OSError) as exc:
+            except Exception as exc:
                 op = self._retry_or_raise(op, exc)
                 continue
             result = self._settle(op, reply)
@@ -837,13 +845,13 @@ class RedisStore(Store[_Op]):
         loop = asyncio.get_running_loop()
         while True:
             try:
-                client = self._async.get(loop) or self._async_client(loop)
+                client = self._async.get(loop) or await self._aconnect(loop)
                 try:
                     reply = await client.execute_command(*op[0], **op[4])
                 except _rx.NoScriptError:
                     await client.script_load(_SCRIPTS[op[0][1]])
                     reply = await client.execute_command(*op[0], **op[4])
-            except (_rx.RedisError, OSError) as exc:
+            except Exception as exc:
                 op = self._retry_or_raise(op, exc)
                 continue
             result = self._settle(op, reply)
@@ -1171,7 +1179,33 @@ class RedisStore(Store[_Op]):
                     self._sync = redis.Redis.from_pool(pool)  # (closes the pool too)
             return self._sync
 
-    def _async_client(self, loop: asyncio.AbstractEventLoop) -> Any:
+    async def _aconnect(self, loop: asyncio.AbstractEventLoop) -> Any:
+        """The loop's client, made on first use. A cluster client maps the slots once,
+        before any task uses it: redis-py's asyncio cluster client, first used by many
+        tasks at once, maps them in each and closes connections the others are using
+        (seen as "Connection closed by server" from a healthy cluster)."""
+        if not self.cluster:
+            return self._async_client(loop)
+        task = self._starting.get(loop)
+        if task is None:
+            task = self._starting[loop] = loop.create_task(self._astart(loop))
+        return await asyncio.shield(task)  # a cancelled caller leaves the others' start
+
+    async def _astart(self, loop: asyncio.AbstractEventLoop) -> Any:
+        try:
+            client = self._async_client(loop, register=False)
+            try:
+                await client.initialize()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+                raise
+            self._async[loop] = client
+            return client
+        finally:
+            self._starting.pop(loop, None)
+
+    def _async_client(self, loop: asyncio.AbstractEventLoop, *, register: bool = True) -> Any:
         with self._lock:
             client = self._async.get(loop)
             if client is None:
@@ -1196,7 +1230,8 @@ class RedisStore(Store[_Op]):
                         **options,
                     )
                     client = redis.asyncio.Redis.from_pool(pool)  # (closes the pool too)
-                self._async[loop] = client
+                if register:
+                    self._async[loop] = client
             return client
 
     def close(self) -> None:
