@@ -285,8 +285,9 @@ class RedisCluster:
 
     @property
     def url(self) -> str:
-        """A ``redis+cluster://`` URL naming the first node (the client finds the rest)."""
-        return f"redis+cluster://{_HOST}:{self.nodes[0].port}"
+        """A ``redis+cluster://`` URL naming a running node (the client finds the rest)."""
+        node = next((n for n in self.nodes if n.running), self.nodes[0])
+        return f"redis+cluster://{_HOST}:{node.port}"
 
     def cli(self, node: RedisServer, *args: str, timeout: float = 10) -> str:
         """Run ``redis-cli`` against one node; its output."""
@@ -295,8 +296,10 @@ class RedisCluster:
             raise ServerError("redis-cli not found on PATH")
         done = subprocess.run(
             [exe, "-h", _HOST, "-p", str(node.port), *args],
-            capture_output=True, text=True, timeout=timeout, check=True,
+            capture_output=True, text=True, timeout=timeout, check=False,
         )  # fmt: skip
+        if done.returncode:
+            raise ServerError(f"redis-cli {' '.join(args)}: {done.stdout[-1500:]}{done.stderr}")
         return done.stdout
 
     def start(self) -> None:
@@ -333,18 +336,24 @@ class RedisCluster:
         return mine
 
     def wait_healthy(self, timeout: float = 30) -> None:
-        """Wait until every running node says ``cluster_state:ok`` and every replica
-        is in sync with a primary."""
+        """Wait until every running node says ``cluster_state:ok``, every replica is in
+        sync with a primary and every node has the same map of the slots."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if all(self._healthy(n) for n in self.nodes if n.running):
+                if all(self._healthy(n) for n in self.nodes if n.running) and self._agreed():
                     return
-            except subprocess.SubprocessError:
+            except (subprocess.SubprocessError, ServerError):
                 pass
             if time.monotonic() > deadline:
                 raise ServerError("the Redis Cluster did not become healthy")
             time.sleep(0.1)
+
+    def _agreed(self) -> bool:
+        """Whether every node has the same map of the slots (``--cluster check``)."""
+        node = next(n for n in self.nodes if n.running)
+        out = self.cli(node, "--cluster", "check", f"{_HOST}:{node.port}")
+        return "[OK] All nodes agree" in out and "[ERR]" not in out and "[WARNING]" not in out
 
     def _healthy(self, node: RedisServer) -> bool:
         if "cluster_state:ok" not in self.cli(node, "CLUSTER", "INFO"):
