@@ -1,0 +1,331 @@
+"""Exactly once under load: a storm of keyed requests on N worker processes, one store.
+
+``uvicorn --workers N`` serves a small ASGI endpoint behind
+``retrysafe.asgi.IdempotencyMiddleware``, every worker on the same store: SQLite (a
+file), Redis, Redis Cluster (3 primaries + 3 replicas) or PostgreSQL, each server
+started here on loopback and stopped at the end. The endpoint's side effect is one
+line per execution appended to a file of the worker's own (``O_APPEND``), so the
+count crosses processes and costs no store round trip.
+
+The storm: ``--requests`` POSTs (100,000 by default) with an ``Idempotency-Key``, of
+which ``--duplicates`` (30 %) repeat a key sent just before it on *another*
+connection, so most duplicates arrive while the first is in flight. ``--connections``
+keep-alive connections from ``--clients`` load processes send them (a minimal HTTP/1.1
+client on asyncio streams: httpx would be the bottleneck). A 409 (in flight) is sent
+again after 10 ms, as a client honouring ``Retry-After`` would, until a 2xx.
+
+It prints, per store: throughput (answers per second, 409s included), p50/p99
+latency of an answer, the status counts, executions against distinct keys, keys run
+more than once (must be 0), keys whose answers differ (must be 0), and exits 1 if
+either is not 0. This is a benchmark, not a test (pytest does not run it).
+
+    python bench/load.py [--stores sqlite,redis,cluster,postgres] [--requests N]
+                         [--duplicates F] [--workers N] [--connections C] [--clients P]
+                         [--write [docs/performance.md]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    """A module by file path, without putting its folder on sys.path."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+BEGIN_MARK = "<!-- bench/load.py: generated from here -->"
+END_MARK = "<!-- bench/load.py: up to here -->"
+EFFECTS = "RSLOAD_EFFECTS"
+STORE = "RSLOAD_STORE"
+
+
+# -- the server side (imported by uvicorn in each worker) ----------------------------------
+
+
+def app() -> Any:
+    """The endpoint behind the middleware, on the store of $RSLOAD_STORE (a factory)."""
+    from retrysafe.asgi import IdempotencyMiddleware
+
+    effects = Path(os.environ[EFFECTS])
+    state: dict[str, Any] = {"fd": None, "n": 0}
+
+    async def endpoint(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        more = True
+        while more:
+            message = await receive()
+            more = message.get("more_body", False)
+        key = dict(scope["headers"]).get(b"idempotency-key", b"").decode()
+        if state["fd"] is None:  # per worker process, opened after the fork
+            state["fd"] = os.open(
+                effects / f"{os.getpid()}", os.O_WRONLY | os.O_APPEND | os.O_CREAT
+            )
+        os.write(state["fd"], f"{key}\n".encode())
+        state["n"] += 1
+        body = json.dumps({"key": key, "by": os.getpid(), "n": state["n"]}).encode()
+        await send({"type": "http.response.start", "status": 201,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+    return IdempotencyMiddleware(endpoint, store=os.environ[STORE])
+
+
+# -- the load side -------------------------------------------------------------------------
+
+
+def plan(requests: int, duplicates: float, seed: int = 7) -> list[str]:
+    """The keys in sending order: each duplicate follows its first copy closely."""
+    rng = random.Random(seed)
+    distinct = requests - int(requests * duplicates)
+    copies = Counter({i: 1 for i in range(distinct)})
+    for _ in range(requests - distinct):
+        copies[rng.randrange(distinct)] += 1
+    run = f"{rng.getrandbits(48):012x}"
+    return [f"{run}-{i}" for i in range(distinct) for _ in range(copies[i])]
+
+
+async def _client(port: int, keys: list[str], out: list[Any], body: bytes) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = (f"POST /orders HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n").encode()  # fmt: skip
+    for key in keys:
+        while True:
+            t0 = time.perf_counter()
+            writer.write(head + b"idempotency-key: " + key.encode() + b"\r\n\r\n" + body)
+            status_line = await reader.readline()
+            status = int(status_line.split()[1])
+            length = 0
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.partition(b":")
+                if name.lower() == b"content-length":
+                    length = int(value)
+            answer = await reader.readexactly(length)
+            out.append((key, status, time.perf_counter() - t0, answer if status < 300 else b""))
+            if status != 409:
+                break
+            await asyncio.sleep(0.01)
+    writer.close()
+
+
+def _load_process(port: int, lanes: list[list[str]], queue: Any) -> None:
+    """One load process: one connection per lane, all at once."""
+    out: list[Any] = []
+    body = b'{"amount": 100, "currency": "EUR"}'
+
+    async def run() -> None:
+        await asyncio.gather(*(_client(port, lane, out, body) for lane in lanes))
+
+    asyncio.run(run())
+    queue.put(out)
+
+
+def storm(port: int, keys: list[str], connections: int, clients: int) -> tuple[list[Any], float]:
+    """Send ``keys``: key i goes to connection i % connections (so copies of one key,
+    adjacent in ``keys``, go out on different connections at about the same time)."""
+    lanes: list[list[str]] = [[] for _ in range(connections)]
+    for i, key in enumerate(keys):
+        lanes[i % connections].append(key)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_load_process, args=(port, lanes[c::clients], queue))
+             for c in range(clients)]  # fmt: skip
+    t0 = time.perf_counter()
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=1800) for _ in procs]
+    elapsed = time.perf_counter() - t0
+    for p in procs:
+        p.join(30)
+    return [r for chunk in results for r in chunk], elapsed
+
+
+# -- servers -------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_store(kind: str, tmp: Path, stack: contextlib.ExitStack) -> str:
+    servers = bs._servers_module()
+    if kind == "sqlite":
+        return f"sqlite:///{tmp}/load.db"
+    if kind == "cluster":
+        cluster = stack.enter_context(servers.RedisCluster(3, 1))
+        return str(cluster.url)
+    return bs.start_server("redis" if kind == "redis" else "postgres", stack)
+
+
+def serve(url: str, effects: Path, workers: int) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    env = {**os.environ, STORE: url, EFFECTS: str(effects)}
+    # uvicorn imports the app by name; bench/ itself cannot be on sys.path (its http.py
+    # would shadow the standard library's), so a one-line module elsewhere loads it.
+    shim = effects.parent / "rsload_app.py"
+    shim.write_text(f"import importlib.util as u\ns = u.spec_from_file_location('rsload', "
+                    f"{str(Path(__file__).resolve())!r})\nm = u.module_from_spec(s)\n"
+                    "s.loader.exec_module(m)\napp = m.app\n")  # fmt: skip
+    argv = [sys.executable, "-m", "uvicorn", "--factory", "rsload_app:app",
+            "--app-dir", str(shim.parent),
+            "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
+            "--log-level", "warning", "--no-access-log", "--backlog", "4096"]  # fmt: skip
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            break
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"uvicorn on {url} did not start")
+        time.sleep(0.1)
+    time.sleep(1.0)  # let every worker finish its startup (a bound socket is the parent's)
+    return proc, port
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+# -- one store -----------------------------------------------------------------------------
+
+
+def measure(kind: str, args: argparse.Namespace, keys: list[str]) -> dict[str, Any]:
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rsload-")))
+        effects = tmp / "effects"
+        effects.mkdir()
+        url = start_store(kind, tmp, stack)
+        proc, port = serve(url, effects, args.workers)
+        try:
+            results, elapsed = storm(port, keys, args.connections, args.clients)
+        finally:
+            stop(proc)
+        runs: Counter[str] = Counter()
+        by_worker = {}
+        for f in effects.iterdir():
+            lines = f.read_text().splitlines()
+            by_worker[f.name] = len(lines)
+            runs.update(lines)
+    statuses = Counter(status for _, status, _, _ in results)
+    answers: dict[str, set[bytes]] = {}
+    for key, status, _, body in results:
+        if status < 300:
+            answers.setdefault(key, set()).add(body)
+    latencies = sorted(t for _, _, t, _ in results)
+    distinct = set(keys)
+    return {
+        "store": kind,
+        "requests": len(keys),
+        "distinct": len(distinct),
+        "duplicates": len(keys) - len(distinct),
+        "http": len(results),
+        "seconds": elapsed,
+        "rate": len(results) / elapsed,
+        "p50": latencies[len(latencies) // 2] * 1000,
+        "p99": latencies[int(len(latencies) * 0.99)] * 1000,
+        "statuses": dict(sorted(statuses.items())),
+        "executions": sum(runs.values()),
+        "twice": sum(1 for n in runs.values() if n > 1),
+        "never": len(distinct - set(runs)),
+        "unanswered": len(distinct - set(answers)),
+        "differ": sum(1 for a in answers.values() if len(a) > 1),
+        "workers_ran": len([n for n in by_worker.values() if n]),
+    }
+
+
+def row(r: dict[str, Any]) -> str:
+    st = ", ".join(f"{k}: {v}" for k, v in r["statuses"].items())
+    return (f"| {r['store']} | {r['requests']:,} ({r['duplicates']:,} dup.) | {r['rate']:,.0f} "
+            f"| {r['p50']:.1f} / {r['p99']:.1f} | {st} | {r['executions']:,} / {r['distinct']:,} "
+            f"| {r['twice']} | {r['differ']} | {r['workers_ran']} |")  # fmt: skip
+
+
+def render(results: Sequence[dict[str, Any]], command: str, info: dict[str, str]) -> str:
+    lines = ["### The last run", "", "```sh", command, "```", ""]
+    lines += [f"- {k}: {v}" for k, v in info.items()]
+    lines += ["", "| store | requests | answers/s | p50 / p99 ms | statuses | executions / keys "
+              "| keys run twice | keys with differing answers | workers that ran |",
+              "|---|--:|--:|--:|---|--:|--:|--:|--:|"]  # fmt: skip
+    lines += [row(r) for r in results]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stores", default="sqlite,redis,cluster,postgres")
+    p.add_argument("--requests", type=int, default=100_000)
+    p.add_argument("--duplicates", type=float, default=0.3)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--connections", type=int, default=64)
+    p.add_argument("--clients", type=int, default=2)
+    p.add_argument("--write", nargs="?", const=str(ROOT / "docs/performance.md"))
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the servers on the way out
+    if shutil.which("redis-server") is None and {"redis", "cluster"} & set(args.stores.split(",")):
+        raise SystemExit("redis-server is needed (bash scripts/test.sh installs it)")
+    info = bs.machine_info()
+    command = "python bench/load.py " + " ".join(sys.argv[1:])
+    keys = plan(args.requests, args.duplicates)
+    results = []
+    for kind in args.stores.split(","):
+        r = measure(kind, args, keys)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    info["load average at end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    info["setup"] = (f"uvicorn --workers {args.workers}, {args.connections} connections from "
+                     f"{args.clients} load processes")  # fmt: skip
+    text = render(results, command, info)
+    print(text)
+    if args.write:
+        path = Path(args.write)
+        path.write_text(bs.splice(path, text, (BEGIN_MARK, END_MARK), "## Load: exactly once"))
+    bad = [r["store"] for r in results if r["twice"] or r["differ"] or r["never"]]
+    if bad:
+        print(f"DUPLICATE OR LOST EXECUTIONS on {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__" or os.environ.get(STORE) is None:
+    bs = _load("rsbench_stores", HERE / "stores.py")
+    import retrysafe  # noqa: F401  (bench/stores.py checked it imports)
+
+if __name__ == "__main__":
+    sys.exit(main())
