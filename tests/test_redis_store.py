@@ -9,9 +9,11 @@ redis-py error, and never overwrites the value.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +160,26 @@ async def test_a_burst_past_the_pool_waits_for_connections(redis_server: Any) ->
     await store.aclose()
     with pytest.raises((TypeError, ValueError)):
         RedisStore(redis_server.url, max_connections=0)
+
+
+def test_threads_past_the_pool_wait_for_connections(redis_server: Any) -> None:
+    """The sync client too: 64 threads on a pool of 4 all claim (redis-py's own pool
+    refuses a call past its limit, which reached callers as StoreUnavailableError)."""
+    store = RedisStore(
+        redis_server.url, prefix=f"tburst-{uuid.uuid4().hex[:8]}:", max_connections=4
+    )
+    engine = Engine(store)
+    gate = threading.Barrier(64)
+
+    def claim(i: int) -> Any:
+        gate.wait()
+        return engine.begin(f"k{i}", operation="burst")
+
+    with ThreadPoolExecutor(64) as pool:
+        claims = list(pool.map(claim, range(64)))
+    assert all(isinstance(c, Claim) for c in claims)
+    assert store._sync_client().connection_pool.max_connections == 4
+    store.close()
 
 
 def test_renewal_past_the_expiry_moves_the_physical_ttl(store: RedisStore, raw: Any) -> None:
