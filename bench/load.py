@@ -9,10 +9,13 @@ count crosses processes and costs no store round trip.
 
 The storm: ``--requests`` POSTs (100,000 by default) with an ``Idempotency-Key``, of
 which ``--duplicates`` (30 %) repeat a key sent just before it on *another*
-connection, so most duplicates arrive while the first is in flight. ``--connections``
+connection at about the same moment (the table counts the keys whose duplicates found the
+first copy still running: a 409). ``--connections``
 keep-alive connections from ``--clients`` load processes send them (a minimal HTTP/1.1
 client on asyncio streams: httpx would be the bottleneck). A 409 (in flight) is sent
-again after 10 ms, as a client honouring ``Retry-After`` would, until a 2xx.
+again after 10 ms, as a client honouring ``Retry-After`` would, until a 2xx. Each
+execution awaits ``--work`` seconds (5 ms) after its side effect, as a handler's own
+I/O would, so that duplicates find their first copy still running.
 
 It prints, per store: throughput (answers per second, 409s included), p50/p99
 latency of an answer, the status counts, executions against distinct keys, keys run
@@ -65,6 +68,7 @@ BEGIN_MARK = "<!-- bench/load.py: generated from here -->"
 END_MARK = "<!-- bench/load.py: up to here -->"
 EFFECTS = "RSLOAD_EFFECTS"
 STORE = "RSLOAD_STORE"
+WORK = "RSLOAD_WORK"
 
 
 # -- the server side (imported by uvicorn in each worker) ----------------------------------
@@ -75,6 +79,7 @@ def app() -> Any:
     from retrysafe.asgi import IdempotencyMiddleware
 
     effects = Path(os.environ[EFFECTS])
+    work = float(os.environ.get(WORK, "0"))
     state: dict[str, Any] = {"fd": None, "n": 0}
 
     async def endpoint(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -91,6 +96,8 @@ def app() -> Any:
             )
         os.write(state["fd"], f"{key}\n".encode())
         state["n"] += 1
+        if work:
+            await asyncio.sleep(work)  # the handler's own I/O: duplicates arrive meanwhile
         body = json.dumps({"key": key, "by": os.getpid(), "n": state["n"]}).encode()
         await send({"type": "http.response.start", "status": 201,
                     "headers": [(b"content-type", b"application/json"),
@@ -188,9 +195,11 @@ def start_store(kind: str, tmp: Path, stack: contextlib.ExitStack) -> str:
     return bs.start_server("redis" if kind == "redis" else "postgres", stack)
 
 
-def serve(url: str, effects: Path, workers: int) -> tuple[subprocess.Popen[bytes], int]:
+def serve(
+    url: str, effects: Path, workers: int, work: float
+) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
-    env = {**os.environ, STORE: url, EFFECTS: str(effects)}
+    env = {**os.environ, STORE: url, EFFECTS: str(effects), WORK: str(work)}
     # uvicorn imports the app by name; bench/ itself cannot be on sys.path (its http.py
     # would shadow the standard library's), so a one-line module elsewhere loads it.
     shim = effects.parent / "rsload_app.py"
@@ -232,7 +241,7 @@ def measure(kind: str, args: argparse.Namespace, keys: list[str]) -> dict[str, A
         effects = tmp / "effects"
         effects.mkdir()
         url = start_store(kind, tmp, stack)
-        proc, port = serve(url, effects, args.workers)
+        proc, port = serve(url, effects, args.workers, args.work)
         try:
             results, elapsed = storm(port, keys, args.connections, args.clients)
         finally:
@@ -244,6 +253,8 @@ def measure(kind: str, args: argparse.Namespace, keys: list[str]) -> dict[str, A
             by_worker[f.name] = len(lines)
             runs.update(lines)
     statuses = Counter(status for _, status, _, _ in results)
+    # A duplicate "in flight" got at least one 409: it came while its first copy ran.
+    in_flight = len({key for key, status, _, _ in results if status == 409})
     answers: dict[str, set[bytes]] = {}
     for key, status, _, body in results:
         if status < 300:
@@ -261,6 +272,7 @@ def measure(kind: str, args: argparse.Namespace, keys: list[str]) -> dict[str, A
         "p50": latencies[len(latencies) // 2] * 1000,
         "p99": latencies[int(len(latencies) * 0.99)] * 1000,
         "statuses": dict(sorted(statuses.items())),
+        "in_flight": in_flight,
         "executions": sum(runs.values()),
         "twice": sum(1 for n in runs.values() if n > 1),
         "never": len(distinct - set(runs)),
@@ -272,7 +284,8 @@ def measure(kind: str, args: argparse.Namespace, keys: list[str]) -> dict[str, A
 
 def row(r: dict[str, Any]) -> str:
     st = ", ".join(f"{k}: {v}" for k, v in r["statuses"].items())
-    return (f"| {r['store']} | {r['requests']:,} ({r['duplicates']:,} dup.) | {r['rate']:,.0f} "
+    return (f"| {r['store']} | {r['requests']:,} ({r['duplicates']:,} dup., {r['in_flight']:,} "
+            f"keys met in flight) | {r['rate']:,.0f} "
             f"| {r['p50']:.1f} / {r['p99']:.1f} | {st} | {r['executions']:,} / {r['distinct']:,} "
             f"| {r['twice']} | {r['differ']} | {r['workers_ran']} |")  # fmt: skip
 
@@ -295,6 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--connections", type=int, default=64)
     p.add_argument("--clients", type=int, default=2)
+    p.add_argument("--work", type=float, default=0.005, help="seconds each execution waits")
     p.add_argument("--write", nargs="?", const=str(ROOT / "docs/performance.md"))
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the servers on the way out
@@ -310,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(r), flush=True)
     info["load average at end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     info["setup"] = (f"uvicorn --workers {args.workers}, {args.connections} connections from "
-                     f"{args.clients} load processes")  # fmt: skip
+                     f"{args.clients} load processes, {args.work * 1000:g} ms of awaited work "
+                     "per execution")  # fmt: skip
     text = render(results, command, info)
     print(text)
     if args.write:
