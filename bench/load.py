@@ -8,14 +8,16 @@ line per execution appended to a file of the worker's own (``O_APPEND``), so the
 count crosses processes and costs no store round trip.
 
 The storm: ``--requests`` POSTs (100,000 by default) with an ``Idempotency-Key``, of
-which ``--duplicates`` (30 %) repeat a key sent just before it on *another*
-connection at about the same moment (the table counts the keys whose duplicates found the
-first copy still running: a 409). ``--connections``
-keep-alive connections from ``--clients`` load processes send them (a minimal HTTP/1.1
-client on asyncio streams: httpx would be the bottleneck). A 409 (in flight) is sent
-again after 10 ms, as a client honouring ``Retry-After`` would, until a 2xx. Each
-execution awaits ``--work`` seconds (5 ms) after its side effect, as a handler's own
-I/O would, so that duplicates find their first copy still running.
+which ``--duplicates`` (30 %) are extra copies of a key (one to a few per key). Every
+copy of a key goes out at the same moment, each on a keep-alive connection of its
+own, so a duplicate races its first copy; ``--connections`` connections from
+``--clients`` load processes (a minimal HTTP/1.1 client on asyncio streams: httpx
+would be the bottleneck) keep as many keys in flight as fit. A 409 (in flight) is
+sent again after 10 ms, as a client honouring ``Retry-After`` would, until a 2xx.
+Each execution awaits ``--work`` seconds (5 ms) after its side effect, as a
+handler's own I/O would. The table counts the keys whose duplicates found the first
+copy still running (a 409); the others were replayed. ``--stores memory`` gives each
+worker a store of its own, to see the check fail.
 
 It prints, per store: throughput (answers per second, 409s included), p50/p99
 latency of an answer, the status counts, executions against distinct keys, keys run
@@ -24,7 +26,7 @@ either is not 0. This is a benchmark, not a test (pytest does not run it).
 
     python bench/load.py [--stores sqlite,redis,cluster,postgres] [--requests N]
                          [--duplicates F] [--workers N] [--connections C] [--clients P]
-                         [--write [docs/performance.md]]
+                         [--work SECONDS] [--write [docs/performance.md]]
 """
 
 from __future__ import annotations
@@ -110,61 +112,88 @@ def app() -> Any:
 # -- the load side -------------------------------------------------------------------------
 
 
-def plan(requests: int, duplicates: float, seed: int = 7) -> list[str]:
-    """The keys in sending order: each duplicate follows its first copy closely."""
+def plan(requests: int, duplicates: float, seed: int = 7) -> list[tuple[str, int]]:
+    """(key, copies) pairs: ``requests`` in all, ``duplicates`` of them extra copies."""
     rng = random.Random(seed)
     distinct = requests - int(requests * duplicates)
     copies = Counter({i: 1 for i in range(distinct)})
     for _ in range(requests - distinct):
         copies[rng.randrange(distinct)] += 1
     run = f"{rng.getrandbits(48):012x}"
-    return [f"{run}-{i}" for i in range(distinct) for _ in range(copies[i])]
+    return [(f"{run}-{i}", copies[i]) for i in range(distinct)]
 
 
-async def _client(port: int, keys: list[str], out: list[Any], body: bytes) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    head = (f"POST /orders HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\n").encode()  # fmt: skip
-    for key in keys:
-        while True:
-            t0 = time.perf_counter()
-            writer.write(head + b"idempotency-key: " + key.encode() + b"\r\n\r\n" + body)
-            status_line = await reader.readline()
-            status = int(status_line.split()[1])
-            length = 0
-            while (line := await reader.readline()) not in (b"\r\n", b""):
-                name, _, value = line.partition(b":")
-                if name.lower() == b"content-length":
-                    length = int(value)
-            answer = await reader.readexactly(length)
-            out.append((key, status, time.perf_counter() - t0, answer if status < 300 else b""))
-            if status != 409:
-                break
-            await asyncio.sleep(0.01)
-    writer.close()
+class _Conn:
+    """One keep-alive HTTP/1.1 connection that sends the storm's POST."""
+
+    BODY = b'{"amount": 100, "currency": "EUR"}'
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.head = (b"POST /orders HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                     b"content-type: application/json\r\n"
+                     b"content-length: %d\r\n" % len(self.BODY))  # fmt: skip
+
+    async def post(self, key: str) -> tuple[int, bytes]:
+        self.writer.write(self.head + b"idempotency-key: " + key.encode() + b"\r\n\r\n"
+                          + self.BODY)  # fmt: skip
+        status = int((await self.reader.readline()).split()[1])
+        length = 0
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.lower() == b"content-length":
+                length = int(value)
+        return status, await self.reader.readexactly(length)
 
 
-def _load_process(port: int, lanes: list[list[str]], queue: Any) -> None:
-    """One load process: one connection per lane, all at once."""
+async def _ask(conn: _Conn, key: str, out: list[Any]) -> None:
+    """One copy of a key, sent again after 10 ms while it is answered 409."""
+    while True:
+        t0 = time.perf_counter()
+        status, answer = await conn.post(key)
+        out.append((key, status, time.perf_counter() - t0, answer if status < 300 else b""))
+        if status != 409:
+            return
+        await asyncio.sleep(0.01)
+
+
+def _load_process(port: int, groups: list[tuple[str, int]], connections: int, queue: Any) -> None:
+    """One load process: every copy of a key goes out at the same moment, each on a
+    connection of its own; ``connections`` connections, as many keys at once as fit."""
     out: list[Any] = []
-    body = b'{"amount": 100, "currency": "EUR"}'
 
     async def run() -> None:
-        await asyncio.gather(*(_client(port, lane, out, body) for lane in lanes))
+        free: asyncio.Queue[_Conn] = asyncio.Queue()
+        for _ in range(connections):
+            free.put_nowait(_Conn(*await asyncio.open_connection("127.0.0.1", port)))
+        taking = asyncio.Lock()  # a key takes all its connections, then the next key
+        todo = iter(groups)
+
+        async def worker() -> None:
+            for key, copies in todo:
+                async with taking:
+                    conns = [await free.get() for _ in range(copies)]
+                await asyncio.gather(*(_ask(c, key, out) for c in conns))
+                for c in conns:
+                    free.put_nowait(c)
+
+        await asyncio.gather(*(worker() for _ in range(connections)))
+        while not free.empty():
+            free.get_nowait().writer.close()
 
     asyncio.run(run())
     queue.put(out)
 
 
-def storm(port: int, keys: list[str], connections: int, clients: int) -> tuple[list[Any], float]:
-    """Send ``keys``: key i goes to connection i % connections (so copies of one key,
-    adjacent in ``keys``, go out on different connections at about the same time)."""
-    lanes: list[list[str]] = [[] for _ in range(connections)]
-    for i, key in enumerate(keys):
-        lanes[i % connections].append(key)
+def storm(
+    port: int, groups: list[tuple[str, int]], connections: int, clients: int
+) -> tuple[list[Any], float]:
+    """Send the keys from ``clients`` processes (each its share of the keys and of the
+    connections); the answers and the seconds it took."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_load_process, args=(port, lanes[c::clients], queue))
+    share = max(connections // clients, max(n for _, n in groups))
+    procs = [ctx.Process(target=_load_process, args=(port, groups[c::clients], share, queue))
              for c in range(clients)]  # fmt: skip
     t0 = time.perf_counter()
     for p in procs:
@@ -189,6 +218,8 @@ def start_store(kind: str, tmp: Path, stack: contextlib.ExitStack) -> str:
     servers = bs._servers_module()
     if kind == "sqlite":
         return f"sqlite:///{tmp}/load.db"
+    if kind == "memory":  # one store per worker: the check must find keys run twice
+        return "memory://"
     if kind == "cluster":
         cluster = stack.enter_context(servers.RedisCluster(3, 1))
         return str(cluster.url)
@@ -235,7 +266,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 # -- one store -----------------------------------------------------------------------------
 
 
-def measure(kind: str, args: argparse.Namespace, keys: list[str]) -> dict[str, Any]:
+def measure(kind: str, args: argparse.Namespace, groups: list[tuple[str, int]]) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rsload-")))
         effects = tmp / "effects"
@@ -243,7 +274,7 @@ def measure(kind: str, args: argparse.Namespace, keys: list[str]) -> dict[str, A
         url = start_store(kind, tmp, stack)
         proc, port = serve(url, effects, args.workers, args.work)
         try:
-            results, elapsed = storm(port, keys, args.connections, args.clients)
+            results, elapsed = storm(port, groups, args.connections, args.clients)
         finally:
             stop(proc)
         runs: Counter[str] = Counter()
@@ -260,12 +291,13 @@ def measure(kind: str, args: argparse.Namespace, keys: list[str]) -> dict[str, A
         if status < 300:
             answers.setdefault(key, set()).add(body)
     latencies = sorted(t for _, _, t, _ in results)
-    distinct = set(keys)
+    distinct = {key for key, _ in groups}
+    requests = sum(n for _, n in groups)
     return {
         "store": kind,
-        "requests": len(keys),
+        "requests": requests,
         "distinct": len(distinct),
-        "duplicates": len(keys) - len(distinct),
+        "duplicates": requests - len(distinct),
         "http": len(results),
         "seconds": elapsed,
         "rate": len(results) / elapsed,
@@ -316,10 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("redis-server is needed (bash scripts/test.sh installs it)")
     info = bs.machine_info()
     command = "python bench/load.py " + " ".join(sys.argv[1:])
-    keys = plan(args.requests, args.duplicates)
+    groups = plan(args.requests, args.duplicates)
     results = []
     for kind in args.stores.split(","):
-        r = measure(kind, args, keys)
+        r = measure(kind, args, groups)
         results.append(r)
         print(json.dumps(r), flush=True)
     info["load average at end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
