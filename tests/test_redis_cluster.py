@@ -6,7 +6,8 @@ cluster has: every record and script in one slot; slots moved between primaries
 while processes race on the keys (MOVED and ASK redirections); a primary failed
 over by hand, and one SIGKILLed, while they race. In each, every key's side
 effect ran exactly once, every racer got that execution's answer, and every key
-replays it afterwards.
+replays it afterwards; and the same with every client connection cut again and
+again.
 
 The load: ``PROCESSES`` spawned processes each ask for every key once (so each
 key is asked for ``PROCESSES`` times at about the same moment), half of them from
@@ -400,6 +401,25 @@ def test_primary_killed_during_load(
     assert killed_at < len(running.keys), "the load ended before the kill"
     assert seen["unavailable"] > 0, "no racer met the outage"
     assert redis_cluster.role(primary) == "slave"
+
+
+def test_connections_cut_during_load(
+    redis_cluster: RedisCluster, load: Callable[[int], Load]
+) -> None:
+    """``CLIENT KILL TYPE normal`` on every primary, every 0.2 s while the racers run:
+    a call on a cut connection raises StoreUnavailableError (503) and is asked
+    again; a completion on one is sent again on a new connection. Every key runs
+    once and none is lost."""
+    redis_cluster.wait_healthy()
+    running = load(2000)
+    running.wait_for(100)
+    cuts = 0
+    while running.executed() < len(running.keys) and any(p.is_alive() for p in running.procs):
+        for node in redis_cluster.primaries():
+            cuts += int(redis_cluster.cli(node, "CLIENT", "KILL", "TYPE", "normal") or 0)
+        time.sleep(0.2)
+    running.check()
+    assert cuts > 0, "no connection was cut"
 
 
 def test_cluster_client_reads_one_node_url(redis_cluster: RedisCluster) -> None:
