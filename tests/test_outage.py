@@ -180,12 +180,28 @@ class _LostReply(SQLiteStore):
     store unreachable, as when a connection drops before the reply arrives."""
 
     lost = 0
+    reads_lost = 0  # how many reads after it fail too
 
     def complete(self, *args: Any) -> bool:
         return self._lose(super().complete(*args))
 
     def fail(self, *args: Any) -> bool:
         return self._lose(super().fail(*args))
+
+    async def acomplete(self, *args: Any) -> bool:
+        return self._lose(await super().acomplete(*args))
+
+    async def afail(self, *args: Any) -> bool:
+        return self._lose(await super().afail(*args))
+
+    def get(self, key_hash: str) -> Any:
+        if self.reads_lost:
+            self.reads_lost -= 1
+            raise StoreUnavailableError("the read failed too")
+        return super().get(key_hash)
+
+    async def aget(self, key_hash: str) -> Any:
+        return self.get(key_hash)
 
     def _lose(self, ok: bool) -> bool:
         if self.lost == 0:
@@ -194,17 +210,25 @@ class _LostReply(SQLiteStore):
         return ok
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("write", ["complete", "fail"])
-def test_a_resent_write_that_had_applied_is_not_stale(tmp_path: Path, write: str) -> None:
+def test_a_resent_write_that_had_applied_is_not_stale(
+    tmp_path: Path, write: str, mode: str
+) -> None:
     """The second send finds the record settled under this attempt's token: success,
-    not LeaseLostError (which would tell the caller its work was thrown away)."""
-    engine = Engine(_LostReply(f"sqlite:///{tmp_path}/s.db"), final_failures=True)
-    claim = engine.begin("k", operation="op")
+    not LeaseLostError (which would tell the caller its work was thrown away). The
+    read that finds it failing once too only means one more resend."""
+    call = run_both(mode)
+    store = _LostReply(f"sqlite:///{tmp_path}/s.db")
+    store.reads_lost = 1
+    engine = Engine(store, final_failures=True)
+    claim = call(engine, "begin", "k", operation="op")
     assert isinstance(claim, Claim)
     if write == "complete":
-        engine.complete(claim, Outcome.json("done"))
+        call(engine, "complete", claim, Outcome.json("done"))
     else:
-        engine.fail(claim, Outcome.json("no"))
+        call(engine, "fail", claim, Outcome.json("no"))
+    assert store.reads_lost == 0
     record = engine.store.get(claim.key_hash)
     assert engine.store.lost == 1 and record is not None and record.token == claim.token
     expected = Status.COMPLETED if write == "complete" else Status.FAILED
@@ -226,3 +250,45 @@ def test_a_resent_write_after_a_takeover_is_stale(tmp_path: Path) -> None:
     record = store.get(first.key_hash)
     assert record is not None and record.status is Status.PROCESSING
     assert record.token == second.token and record.outcome is None
+
+
+def test_a_resent_failure_is_not_taken_for_a_completion(tmp_path: Path) -> None:
+    """A failure whose first send meets the outage, on a record this attempt had
+    already completed (a commit whose reply was lost, then the handler's error), is
+    not reported as recorded: the record holds a completion, not this failure."""
+    store = _LostReply(f"sqlite:///{tmp_path}/s.db")
+    engine = Engine(store)
+    claim = engine.begin("k", operation="op")
+    assert isinstance(claim, Claim)
+    store.lost = 1  # the completion goes through
+    engine.complete(claim, Outcome.json("done"))
+    store.lost = 0  # the failure's first send is "lost", and refused
+    with pytest.raises(LeaseLostError):
+        engine.fail(claim, Outcome.json("no"))
+    record = store.get(claim.key_hash)
+    assert record is not None and record.status is Status.COMPLETED
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_resends_end_with_a_frozen_clock(server: Any, mode: str) -> None:
+    """The lease left is measured on the monotonic clock: an engine clock that does
+    not move (a test's) cannot make the resends go on for ever."""
+    call = run_both(mode)
+    engine = Engine(open_store(server.url), lease=1, clock=lambda: 1_800_000_000.0)
+    claim = call(engine, "begin", "k", operation="op")
+    assert isinstance(claim, Claim)
+    server.stop()
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailableError):
+        call(engine, "complete", claim, Outcome.json("done"))
+    assert time.monotonic() - started < 10
+    server.start()
+    call(engine, "close")
+
+
+def test_settle_retry_is_checked() -> None:
+    for bad, error in ((-1, ValueError), (float("nan"), ValueError), (True, TypeError),
+                       ("5", TypeError)):  # fmt: skip
+        with pytest.raises(error):
+            Engine("memory://", settle_retry=bad)  # type: ignore[arg-type]
+    assert Engine("memory://", settle_retry=0).settle_retry == 0.0

@@ -131,6 +131,55 @@ def _retention(value: object) -> str:
     return str(value)
 
 
+def _seconds(name: str, value: float) -> float:
+    """A number of seconds, zero or more (infinity allowed)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+    if not value >= 0:
+        raise ValueError(f"{name} must be zero or more seconds, not {value!r}")
+    return float(value)
+
+
+class _Resends:
+    """The resends of one completion or failure that the store could not take.
+
+    They go on, with a backoff, until the lease the claim had left when the first
+    send failed has run out (measured on the monotonic clock, so a frozen or stepped
+    engine clock cannot stretch it), or ``settle_retry``, whichever is first.
+    Only the token-checked writes are resent: one that had applied is refused, and
+    :meth:`applied` then reads whether the record holds this attempt's outcome.
+    """
+
+    __slots__ = ("claim", "deadline", "status", "tries", "what")
+
+    def __init__(self, engine: Engine, claim: Claim, what: str) -> None:
+        self.claim, self.what, self.tries = claim, what, 0
+        self.status = Status.COMPLETED if what == "completion" else Status.FAILED
+        left = claim.lease_until - engine.clock()
+        if engine.settle_retry is not None:
+            left = min(left, engine.settle_retry)
+        self.deadline = time.monotonic() + left
+
+    def delay(self, exc: StoreUnavailableError) -> float:
+        """How long to wait before the next send; or raise ``exc`` when none is left."""
+        delay = min(0.02 * 2**self.tries, 0.5)
+        if time.monotonic() + delay >= self.deadline:
+            claim = self.claim
+            METRICS.unrecorded(self.what, claim.operation, claim.key, claim.key_hash)
+            raise exc
+        self.tries += 1
+        return delay
+
+    def applied(self, record: Record | None) -> bool:
+        """Whether an earlier send had applied: the record holds this attempt's token
+        and the status this write sets (a later attempt's token would differ)."""
+        return (
+            record is not None
+            and record.token == self.claim.token
+            and (record.status is self.status)
+        )
+
+
 def _positive(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
@@ -152,7 +201,7 @@ class Engine:
     the records it writes (``"financial"`` ones are archived before deletion).
     ``clock`` returns seconds since the epoch. A completion or failure the store
     cannot take (a failover, a cut connection) is sent again until the lease ends
-    (or for ``settle_retry`` seconds, if given) before
+    (or for ``settle_retry`` seconds, whichever is first) before
     :class:`StoreUnavailableError` is raised: otherwise the record would stay in
     flight and a retry would run the handler again once the lease ran out.
     """
@@ -180,9 +229,7 @@ class Engine:
         self.max_body = int(max_body)
         self.retention = _retention(retention)
         self.clock = clock
-        if settle_retry is not None and settle_retry < 0:
-            raise ValueError("settle_retry must not be negative")
-        self.settle_retry = None if settle_retry is None else float(settle_retry)
+        self.settle_retry = None if settle_retry is None else _seconds("settle_retry", settle_retry)
 
     def __repr__(self) -> str:
         return f"<Engine store={self.store!r} ttl={self.ttl:g}s lease={self.lease:g}s>"
@@ -224,29 +271,6 @@ class Engine:
                         started - claim.started)  # fmt: skip
         if final is not None:
             METRICS.failed(claim.operation, claim.key, claim.key_hash, claim.attempts, final)
-
-    def _settle_delay(
-        self, claim: Claim, what: str, tries: int, since: float, exc: StoreUnavailableError
-    ) -> float:
-        """How long to wait before sending a completion or failure again; or raise
-        ``exc`` once the lease would run out first, or ``settle_retry`` is spent."""
-        delay = min(0.02 * 2**tries, 0.5)
-        if self.clock() + delay >= claim.lease_until or (
-            self.settle_retry is not None and time.monotonic() + delay - since > self.settle_retry
-        ):
-            METRICS.unrecorded(what, claim.operation, claim.key, claim.key_hash)
-            raise exc
-        return delay
-
-    @staticmethod
-    def _applied(claim: Claim, record: Record | None) -> bool:
-        """Whether a write whose reply was lost had applied: the record is settled and
-        still carries this attempt's token (a later attempt's would not)."""
-        return (
-            record is not None
-            and record.token == claim.token
-            and record.status is not Status.PROCESSING
-        )
 
     @staticmethod
     def _renewed(claim: Claim, until: float) -> None:
@@ -300,7 +324,7 @@ class Engine:
             self.fail(claim, final=True)
             raise error
         started = time.perf_counter()
-        ok = self._settle(claim, "completion", self.store.complete, outcome, self.clock())
+        ok = self._settle(claim, "completion", self.store.complete, outcome)
         self._settled(claim, ok, started)
 
     def fail(
@@ -309,22 +333,22 @@ class Engine:
         """Mark the attempt failed: retryable unless ``final`` (default: the engine's policy)."""
         final = self._final(final)
         started = time.perf_counter()
-        ok = self._settle(claim, "failure", self.store.fail, outcome, final, self.clock())
+        ok = self._settle(claim, "failure", self.store.fail, outcome, final)
         self._settled(claim, ok, started, final)
 
     def _settle(self, claim: Claim, what: str, write: Callable[..., bool], *args: Any) -> bool:
-        """``write(key_hash, token, *args)``: a completion or failure, sent again while
-        the store is unreachable (see ``settle_retry``); True when a retry finds that
-        an earlier send had applied."""
-        tries, since = 0, time.monotonic()
+        """``write(key_hash, token, *args, now)``: a completion or failure, sent again
+        while the store is unreachable (see :class:`_Resends`)."""
+        resends = None
         while True:
             try:
-                ok = write(claim.key_hash, claim.token, *args)
+                ok = write(claim.key_hash, claim.token, *args, self.clock())
+                if ok or resends is None:
+                    return ok
+                return resends.applied(self.store.get(claim.key_hash))
             except StoreUnavailableError as exc:
-                time.sleep(self._settle_delay(claim, what, tries, since, exc))
-                tries += 1
-                continue
-            return ok or (tries > 0 and self._applied(claim, self.store.get(claim.key_hash)))
+                resends = resends or _Resends(self, claim, what)
+                time.sleep(resends.delay(exc))
 
     def renew(self, claim: Claim, lease: float | None = None) -> None:
         """Extend a live lease to ``lease`` seconds from now (default: the engine's).
@@ -373,7 +397,7 @@ class Engine:
             await self.afail(claim, final=True)
             raise error
         started = time.perf_counter()
-        ok = await self._asettle(claim, "completion", self.store.acomplete, outcome, self.clock())
+        ok = await self._asettle(claim, "completion", self.store.acomplete, outcome)
         self._settled(claim, ok, started)
 
     async def afail(
@@ -382,22 +406,23 @@ class Engine:
         """Async :meth:`fail`."""
         final = self._final(final)
         started = time.perf_counter()
-        ok = await self._asettle(claim, "failure", self.store.afail, outcome, final, self.clock())
+        ok = await self._asettle(claim, "failure", self.store.afail, outcome, final)
         self._settled(claim, ok, started, final)
 
     async def _asettle(
         self, claim: Claim, what: str, write: Callable[..., Coroutine[Any, Any, bool]], *args: Any
     ) -> bool:
         """Async :meth:`_settle`."""
-        tries, since = 0, time.monotonic()
+        resends = None
         while True:
             try:
-                ok = await write(claim.key_hash, claim.token, *args)
+                ok = await write(claim.key_hash, claim.token, *args, self.clock())
+                if ok or resends is None:
+                    return ok
+                return resends.applied(await self.store.aget(claim.key_hash))
             except StoreUnavailableError as exc:
-                await asyncio.sleep(self._settle_delay(claim, what, tries, since, exc))
-                tries += 1
-                continue
-            return ok or (tries > 0 and self._applied(claim, await self.store.aget(claim.key_hash)))
+                resends = resends or _Resends(self, claim, what)
+                await asyncio.sleep(resends.delay(exc))
 
     async def arenew(self, claim: Claim, lease: float | None = None) -> None:
         """Async :meth:`renew`."""

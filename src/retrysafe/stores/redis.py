@@ -671,7 +671,7 @@ def _forget_clients(ref: weakref.ref[RedisStore]) -> None:
     store = ref()
     if store is None:
         return
-    _INHERITED.append((store._sync, list(store._async.values())))
+    _INHERITED.append((store._sync, list(store._async.values()), list(store._starting.values())))
     store._sync = None
     store._async = weakref.WeakKeyDictionary()
     store._starting = weakref.WeakKeyDictionary()
@@ -1187,23 +1187,25 @@ class RedisStore(Store[_Op]):
         if not self.cluster:
             return self._async_client(loop)
         task = self._starting.get(loop)
-        if task is None:
+        if task is None or task.done():
             task = self._starting[loop] = loop.create_task(self._astart(loop))
+            # A start whose every caller was cancelled still has its error read.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return await asyncio.shield(task)  # a cancelled caller leaves the others' start
 
     async def _astart(self, loop: asyncio.AbstractEventLoop) -> Any:
+        client = self._async_client(loop, register=False)
         try:
-            client = self._async_client(loop, register=False)
-            try:
-                await client.initialize()
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await client.aclose()
-                raise
-            self._async[loop] = client
-            return client
+            await client.initialize()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+            raise
         finally:
-            self._starting.pop(loop, None)
+            if self._starting.get(loop) is asyncio.current_task():
+                del self._starting[loop]
+        self._async[loop] = client
+        return client
 
     def _async_client(self, loop: asyncio.AbstractEventLoop, *, register: bool = True) -> Any:
         with self._lock:
@@ -1251,6 +1253,9 @@ class RedisStore(Store[_Op]):
     async def aclose(self) -> None:
         """Close the current event loop's client, then as :meth:`close`."""
         loop = asyncio.get_running_loop()
+        starting = self._starting.pop(loop, None)
+        if starting is not None and not starting.done():  # a cluster client being started
+            await asyncio.wait([starting])  # (its client, if any, is closed below)
         with self._lock:
             client = self._async.pop(loop, None)
         if client is not None:
