@@ -21,7 +21,7 @@ import pytest
 import redis
 from conftest import make_spec
 
-from retrysafe import Claim, Engine, StoreUnavailableError, key_hash
+from retrysafe import Claim, Engine, Outcome, StoreUnavailableError, key_hash
 from retrysafe.stores.redis import RedisStore
 
 OP = "foreign"
@@ -104,6 +104,23 @@ def test_foreign_value_is_refused_and_kept(
     with pytest.raises(StoreUnavailableError, match=kh):
         store.get(kh)
     assert _dump(raw, rkey) == before
+
+
+def test_a_completion_refused_for_good_is_not_resent(store: RedisStore, raw: redis.Redis) -> None:
+    """A completion that meets a value that is not a string (WRONGTYPE: another
+    program's key) cannot land however often it is sent: it is given up at once,
+    not resent for the whole lease, and the value is kept."""
+    engine = Engine(store, lease=60)
+    claim = engine.begin("k", operation=OP)
+    assert isinstance(claim, Claim)
+    rkey = store.record_key(claim.key_hash)
+    raw.delete(rkey)
+    raw.hset(rkey, "a", "b")
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailableError) as info:
+        engine.complete(claim, Outcome.json(1))
+    assert time.monotonic() - started < 1 and info.value.transient is False
+    assert raw.type(rkey) == b"hash" and raw.hgetall(rkey) == {b"a": b"b"}
 
 
 def test_refused_command_is_unavailable_without_password(

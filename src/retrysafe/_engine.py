@@ -147,7 +147,8 @@ class _Resends:
     send failed has run out (measured on the monotonic clock, so a frozen or stepped
     engine clock cannot stretch it), or ``settle_retry``, whichever is first.
     Only the token-checked writes are resent: one that had applied is refused, and
-    :meth:`applied` then reads whether the record holds this attempt's outcome.
+    :meth:`applied` then reads whether the record holds this attempt's outcome. An
+    error that is not ``transient`` (sending again cannot help) is raised at once.
     """
 
     __slots__ = ("claim", "deadline", "status", "tries", "what")
@@ -163,7 +164,7 @@ class _Resends:
     def delay(self, exc: StoreUnavailableError) -> float:
         """How long to wait before the next send; or raise ``exc`` when none is left."""
         delay = min(0.02 * 2**self.tries, 0.5)
-        if time.monotonic() + delay >= self.deadline:
+        if not exc.transient or time.monotonic() + delay >= self.deadline:
             claim = self.claim
             METRICS.unrecorded(self.what, claim.operation, claim.key, claim.key_hash)
             raise exc

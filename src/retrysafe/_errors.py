@@ -83,11 +83,14 @@ class StoreUnavailableError(IdempotencyError):
 
     Nothing is half-written. Whether a write that was sent before the failure
     landed is unknown (as after any network timeout); the fencing token keeps a
-    retry safe either way.
+    retry safe either way. ``transient`` is False when sending again cannot help
+    (a value that is not a record, a refused permission, a corrupt file): the
+    engine then gives up a completion at once instead of resending it.
     """
 
     code = "idempotency_store_unavailable"
 
-    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+    def __init__(self, message: str, *, retry_after: float = 1.0, transient: bool = True) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.transient = transient

@@ -582,6 +582,11 @@ def _redact_param(piece: str) -> str:
     return piece
 
 
+#: Refusals that pass (a script running, a replica loading or just demoted by a
+#: failover, a slot migrating): the engine resends a completion refused so.
+_PASSING = ("BUSY", "LOADING", "TRYAGAIN", "READONLY", "MASTERDOWN", "CLUSTERDOWN")
+
+
 #: URL schemes of the stores that can hold a Redis store's archive.
 #: Archive URLs: durable stores only. A memory:// archive would lose every record the
 #: sweep deletes from Redis when the process ends (a MemoryStore object is accepted,
@@ -887,12 +892,14 @@ class RedisStore(Store[_Op]):
         if "WRONGTYPE" in text:
             raise StoreUnavailableError(
                 f"Redis store {self._safe_url}: {key} is not a retrysafe record "
-                "(another program's key, or an older layout)"
+                "(another program's key, or an older layout)",
+                transient=False,
             ) from exc
         # NOPERM, BUSY, a script error (the script met a value it cannot read), …
         detail = text.strip() or type(exc).__name__
         raise StoreUnavailableError(
-            f"Redis store {self._safe_url} refused {args[0]} on {key}: {detail}"
+            f"Redis store {self._safe_url} refused {args[0]} on {key}: {detail}",
+            transient=detail.startswith(_PASSING),
         ) from exc
 
     def _malformed(self, op: _Op, exc: BaseException) -> StoreUnavailableError:
@@ -901,7 +908,8 @@ class RedisStore(Store[_Op]):
         return StoreUnavailableError(
             f"Redis store {self._safe_url}: {_op_key(op[0])} holds a value that is not "
             f"a readable retrysafe record ({type(exc).__name__}: {detail}); it was not "
-            "overwritten: delete it if it is stale"
+            "overwritten: delete it if it is stale",
+            transient=False,
         )
 
     def _unavailable(self, exc: BaseException) -> StoreUnavailableError:

@@ -365,7 +365,9 @@ class SQLiteStore(Store[_Op]):
                 return self._run_when_free(op)
             raise StoreUnavailableError(f"SQLite store {self.path}: {exc}") from exc
         except sqlite3.DatabaseError as exc:  # corrupt file, not a database, …
-            raise StoreUnavailableError(f"SQLite store {self.path}: {exc}") from exc
+            raise StoreUnavailableError(
+                f"SQLite store {self.path}: {exc}", transient=False
+            ) from exc
 
     def _run_when_free(self, op: _Op) -> Any:
         """Run ``op`` again until the write lock is free, for at most ``timeout`` seconds.
@@ -384,7 +386,9 @@ class SQLiteStore(Store[_Op]):
                 if not _busy(exc) or time.monotonic() >= deadline:
                     raise StoreUnavailableError(f"SQLite store {self.path}: {exc}") from exc
             except sqlite3.DatabaseError as exc:
-                raise StoreUnavailableError(f"SQLite store {self.path}: {exc}") from exc
+                raise StoreUnavailableError(
+                    f"SQLite store {self.path}: {exc}", transient=False
+                ) from exc
 
     async def _arun(self, op: _Op) -> Any:
         return await asyncio.to_thread(self._run, op)
