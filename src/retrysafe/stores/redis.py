@@ -681,6 +681,7 @@ def _forget_clients(ref: weakref.ref[RedisStore]) -> None:
     store._async = weakref.WeakKeyDictionary()
     store._starting = weakref.WeakKeyDictionary()
     store._lock = threading.Lock()
+    store._sync_lock = threading.Lock()
     store._sweep_lock = threading.Lock()
     store._sweep_pass = None
 
@@ -733,6 +734,7 @@ class RedisStore(Store[_Op]):
             "socket_connect_timeout": connect_timeout,
         }
         self._lock = threading.Lock()
+        self._sync_lock = threading.Lock()
         self._set_claims = True  # claims use SET NX GET until the server refuses it
         self._sync: Any = None
         self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
@@ -1168,7 +1170,9 @@ class RedisStore(Store[_Op]):
         return options
 
     def _sync_client(self) -> Any:
-        with self._lock:
+        # Its own lock: a cluster client connects while it is built, and the event
+        # loop must not wait on that for ``self._lock`` (which the async clients take).
+        with self._sync_lock:
             if self._sync is None:
                 options = self._client_options(Retry(NoBackoff(), 0))
                 if self.cluster:
@@ -1246,7 +1250,7 @@ class RedisStore(Store[_Op]):
 
     def close(self) -> None:
         """Close the sync client and the archive; forget clients of closed event loops."""
-        with self._lock:
+        with self._sync_lock, self._lock:
             client, self._sync = self._sync, None
             for old in [lp for lp in self._async if lp.is_closed()]:
                 del self._async[old]
