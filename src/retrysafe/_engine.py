@@ -131,15 +131,6 @@ def _retention(value: object) -> str:
     return str(value)
 
 
-def _seconds(name: str, value: float) -> float:
-    """A number of seconds, zero or more (infinity allowed)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
-    if not value >= 0:
-        raise ValueError(f"{name} must be zero or more seconds, not {value!r}")
-    return float(value)
-
-
 class _Resends:
     """The resends of one completion or failure that the store could not take.
 
@@ -175,18 +166,18 @@ class _Resends:
         """Whether an earlier send had applied: the record holds this attempt's token
         and the status this write sets (a later attempt's token would differ)."""
         return (
-            record is not None
-            and record.token == self.claim.token
-            and (record.status is self.status)
+            record is not None and record.token == self.claim.token and record.status is self.status
         )
 
 
-def _positive(name: str, value: float) -> float:
+def _positive(name: str, value: float, *, zero: bool = False) -> float:
+    """A finite number of seconds above zero (or zero too, with ``zero``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
     value = float(value)
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+    if not (value > 0 or (zero and value == 0)) or value == float("inf"):
+        sign = "zero or a positive" if zero else "a positive"
+        raise ValueError(f"{name} must be {sign} number of seconds, not {value!r}")
     return value
 
 
@@ -230,7 +221,9 @@ class Engine:
         self.max_body = int(max_body)
         self.retention = _retention(retention)
         self.clock = clock
-        self.settle_retry = None if settle_retry is None else _seconds("settle_retry", settle_retry)
+        self.settle_retry = (
+            None if settle_retry is None else _positive("settle_retry", settle_retry, zero=True)
+        )
 
     def __repr__(self) -> str:
         return f"<Engine store={self.store!r} ttl={self.ttl:g}s lease={self.lease:g}s>"

@@ -582,11 +582,6 @@ def _redact_param(piece: str) -> str:
     return piece
 
 
-#: Refusals that pass (a script running, a replica loading or just demoted by a
-#: failover, a slot migrating): the engine resends a completion refused so.
-_PASSING = ("BUSY", "LOADING", "TRYAGAIN", "READONLY", "MASTERDOWN", "CLUSTERDOWN")
-
-
 #: URL schemes of the stores that can hold a Redis store's archive.
 #: Archive URLs: durable stores only. A memory:// archive would lose every record the
 #: sweep deletes from Redis when the process ends (a MemoryStore object is accepted,
@@ -901,7 +896,7 @@ class RedisStore(Store[_Op]):
         detail = text.strip() or type(exc).__name__
         raise StoreUnavailableError(
             f"Redis store {self._safe_url} refused {args[0]} on {key}: {detail}",
-            transient=detail.startswith(_PASSING),
+            transient=detail.startswith("BUSY"),  # a script still running: it passes
         ) from exc
 
     def _malformed(self, op: _Op, exc: BaseException) -> StoreUnavailableError:
