@@ -79,6 +79,17 @@ def make_spec(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> Stor
     raise AssertionError(name)
 
 
+def store_url(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The URL of a shared store of kind ``name`` with a namespace of its own, for
+    server processes that open it from their environment."""
+    tag = uuid.uuid4().hex[:12]
+    if name == "sqlite":
+        return f"sqlite:///{tmp_path}/shared.db"
+    if name == "redis":
+        return f"{request.getfixturevalue('redis_server').url}?prefix=t{tag}:"
+    return f"{request.getfixturevalue('postgres_server').url}?table=t_{tag}"
+
+
 @pytest.fixture(params=STORES)
 def store_spec(request: pytest.FixtureRequest, tmp_path: Path) -> StoreSpec:
     return make_spec(request.param, request, tmp_path)

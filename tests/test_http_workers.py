@@ -18,18 +18,9 @@ import httpx
 import pytest
 from _http_apps import Counter
 from _http_servers import Process, free_port, gunicorn_argv, uvicorn_argv
-from conftest import SHARED_STORES
+from conftest import SHARED_STORES, store_url
 
 WORKERS = 4
-
-
-def _store_url(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    tag = uuid.uuid4().hex[:12]
-    if name == "sqlite":
-        return f"sqlite:///{tmp_path}/shared.db"
-    if name == "redis":
-        return f"{request.getfixturevalue('redis_server').url}?prefix=w{tag}:"
-    return f"{request.getfixturevalue('postgres_server').url}?table=w_{tag}"
 
 
 def _argv(door: str, port: int, store: str, upstream: str | None) -> list[str]:
@@ -52,7 +43,7 @@ def workers(
     request: pytest.FixtureRequest, counter: Counter, tmp_path: Path
 ) -> Iterator[tuple[str, str]]:
     door, store_name = request.param
-    store = _store_url(store_name, request, tmp_path)
+    store = store_url(store_name, request, tmp_path)
     upstream = request.getfixturevalue("upstream") if door == "gateway" else None
     port = free_port()
     metrics = tmp_path / "metrics"  # the workers' counters, added up by any of them

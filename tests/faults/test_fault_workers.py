@@ -41,7 +41,7 @@ from _faults import (
     wait_for,
 )
 from _http_servers import free_port, uvicorn_argv
-from conftest import SHARED_STORES
+from conftest import SHARED_STORES, store_url
 
 from retrysafe import Status, key_hash, open_store
 
@@ -50,15 +50,6 @@ from retrysafe import Status, key_hash, open_store
 #: are left at the kill), short enough to wait out.
 LEASE = 6.0
 KEYS = 24
-
-
-def store_url(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    tag = uuid.uuid4().hex[:12]
-    if name == "sqlite":
-        return f"sqlite:///{tmp_path}/store.db"
-    if name == "redis":
-        return f"{request.getfixturevalue('redis_server').url}?prefix=f{tag}:"
-    return f"{request.getfixturevalue('postgres_server').url}?table=f_{tag}"
 
 
 def retry_through_lease(url: str, key: str, lease_until: float, body: dict) -> list[Answer]:
