@@ -208,12 +208,6 @@ def storm(
 # -- servers -------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def start_store(kind: str, tmp: Path, stack: contextlib.ExitStack) -> str:
     servers = bs._servers_module()
     if kind == "sqlite":
@@ -229,7 +223,7 @@ def start_store(kind: str, tmp: Path, stack: contextlib.ExitStack) -> str:
 def serve(
     url: str, effects: Path, workers: int, work: float
 ) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
+    port = bs._servers_module().free_port()
     env = {**os.environ, STORE: url, EFFECTS: str(effects), WORK: str(work)}
     # uvicorn imports the app by name; bench/ itself cannot be on sys.path (its http.py
     # would shadow the standard library's), so a one-line module elsewhere loads it.
@@ -372,7 +366,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__" or os.environ.get(STORE) is None:
     bs = _load("rsbench_stores", HERE / "stores.py")
-    import retrysafe  # noqa: F401  (bench/stores.py checked it imports)
 
 if __name__ == "__main__":
     sys.exit(main())
