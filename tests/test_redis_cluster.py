@@ -14,6 +14,12 @@ key is asked for ``PROCESSES`` times at about the same moment), half of them fro
 threads and half from asyncio tasks. A racer that meets an unreachable store
 (what an HTTP client sees as 503 + Retry-After) or a key in flight (409) asks
 again with the same key, as a client would.
+
+A fault must meet the load, however fast the load runs on the machine: one key
+on each primary is *held*. The racer that runs it keeps its claim (renewing the
+lease) and completes it only when the test opens the gate, after the fault; the
+racers asking for it meanwhile wait and ask again. So no racer can finish before
+the fault, and a completion, a claim and waiting racers on every primary cross it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,14 +147,33 @@ def _effect(path: str, key: str, who: str) -> None:
         os.close(fd)
 
 
-def _ask_sync(engine: Engine, key: str, who: str, effects: str, seen: Counter[str]) -> Any:
+def _hold(engine: Engine, claim: Claim, gate: Any, seen: Counter[str]) -> None:
+    """A held key: keep the claim (renew its lease) until the test opens ``gate``."""
+    while not gate.wait(0.5):
+        try:
+            engine.renew(claim)
+        except StoreUnavailableError:
+            seen["unavailable"] += 1
+
+
+async def _ahold(engine: Engine, claim: Claim, gate: Any, seen: Counter[str]) -> None:
+    while not await asyncio.to_thread(gate.wait, 0.5):
+        try:
+            await engine.arenew(claim)
+        except StoreUnavailableError:
+            seen["unavailable"] += 1
+
+
+def _ask_sync(engine: Engine, key: str, who: str, race: _Race, seen: Counter[str]) -> Any:
     while True:
         try:
             result = engine.begin(key, operation=OP, fingerprint="f", wait=5)
             answer = _answer(result)
             if answer is not None:
                 return answer
-            _effect(effects, key, who)
+            _effect(race.effects, key, who)
+            if key in race.held:
+                _hold(engine, result, race.gate, seen)
             engine.complete(result, Outcome.json(who))
             return "claim", who
         except StoreUnavailableError:
@@ -158,14 +184,16 @@ def _ask_sync(engine: Engine, key: str, who: str, effects: str, seen: Counter[st
             time.sleep(0.05)
 
 
-async def _ask_async(engine: Engine, key: str, who: str, effects: str, seen: Counter[str]) -> Any:
+async def _ask_async(engine: Engine, key: str, who: str, race: _Race, seen: Counter[str]) -> Any:
     while True:
         try:
             result = await engine.abegin(key, operation=OP, fingerprint="f", wait=5)
             answer = _answer(result)
             if answer is not None:
                 return answer
-            _effect(effects, key, who)
+            _effect(race.effects, key, who)
+            if key in race.held:
+                await _ahold(engine, result, race.gate, seen)
             await engine.acomplete(result, Outcome.json(who))
             return "claim", who
         except StoreUnavailableError:
@@ -176,16 +204,29 @@ async def _ask_async(engine: Engine, key: str, who: str, effects: str, seen: Cou
             await asyncio.sleep(0.05)
 
 
-def _racer(url: str, prefix: str, keys: list[str], effects: str, n: int, queue: Any) -> None:
+@dataclass(frozen=True)
+class _Race:
+    """What every racer process shares: where effects go, the held keys, the gate."""
+
+    url: str
+    prefix: str
+    keys: list[str]
+    effects: str
+    held: frozenset[str]
+    gate: Any  # a multiprocessing Event
+
+
+def _racer(race: _Race, n: int, queue: Any) -> None:
     """One process: asks for every key once, from threads (even n) or tasks (odd n)."""
+    keys = list(race.keys)
     random.Random(n).shuffle(keys)
-    engine = Engine(RedisStore(url, prefix=prefix), lease=LEASE)
+    engine = Engine(RedisStore(race.url, prefix=race.prefix), lease=LEASE)
     seen: Counter[str] = Counter()
     me = f"p{n}"
     if n % 2 == 0:
 
         def ask(key: str) -> Any:
-            return key, _ask_sync(engine, key, me, effects, seen)
+            return key, _ask_sync(engine, key, me, race, seen)
 
         with ThreadPoolExecutor(THREADS) as pool:
             answers = list(pool.map(ask, keys))
@@ -196,7 +237,7 @@ def _racer(url: str, prefix: str, keys: list[str], effects: str, n: int, queue: 
 
             async def ask(key: str) -> Any:
                 async with gate:
-                    return key, await _ask_async(engine, key, me, effects, seen)
+                    return key, await _ask_async(engine, key, me, race, seen)
 
             return await asyncio.gather(*(ask(k) for k in keys))
 
@@ -215,14 +256,13 @@ class Load:
         self.keys = [f"key-{i}" for i in range(count)]
         self.effects = tmp_path / "effects"
         self.effects.touch()
+        self.held = _one_key_per_primary(cluster, self.keys)
         ctx = mp.get_context("spawn")
+        self.gate = ctx.Event()
         self.queue = ctx.Queue()
+        race = _Race(url, self.prefix, self.keys, str(self.effects), self.held, self.gate)
         self.procs = [
-            ctx.Process(
-                target=_racer,
-                args=(url, self.prefix, list(self.keys), str(self.effects), n, self.queue),
-            )
-            for n in range(PROCESSES)
+            ctx.Process(target=_racer, args=(race, n, self.queue)) for n in range(PROCESSES)
         ]
         for proc in self.procs:
             proc.start()
@@ -230,6 +270,18 @@ class Load:
     def executed(self) -> int:
         """Side effects so far."""
         return len(self.effects.read_bytes().splitlines())
+
+    def wait_held(self, timeout: float = 120) -> None:
+        """Wait until every held key has run (and is being held)."""
+        deadline = time.monotonic() + timeout
+        while not self.held <= {line.split()[0] for line in self.effects.read_text().splitlines()}:
+            assert time.monotonic() < deadline, "the held keys did not run"
+            assert all(p.is_alive() for p in self.procs), "a racer ended early"
+            time.sleep(0.02)
+
+    def release(self) -> None:
+        """Open the gate: the held keys complete."""
+        self.gate.set()
 
     def wait_for(self, executed: int, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -267,10 +319,20 @@ class Load:
         return seen
 
     def stop(self) -> None:
+        self.gate.set()
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
             proc.join(10)
+
+
+def _one_key_per_primary(cluster: RedisCluster, keys: list[str]) -> frozenset[str]:
+    """A key of ``keys`` in a slot of each primary."""
+    held = []
+    for primary in cluster.primaries():
+        owned = _owned_slots(cluster, primary)
+        held.append(next(k for k in keys if key_slot(key_hash("", OP, k).encode()) in owned))
+    return frozenset(held)
 
 
 @pytest.fixture
@@ -330,15 +392,15 @@ def test_slots_moved_during_load(redis_cluster: RedisCluster, load: Callable[[in
     before = _owned_slots(redis_cluster, a)
     running = load(3000)
     running.wait_for(300)
+    running.wait_held()
     _reshard(redis_cluster, a, b, 1500)
     moved = before - _owned_slots(redis_cluster, a)
     assert len(moved) == 1500 and moved <= _owned_slots(redis_cluster, b)
-    midway = running.executed()
+    running.release()
     redis_cluster.wait_healthy()  # every node knows the new owner before moving back
     _reshard(redis_cluster, b, a, 1500)
     seen = running.check()
     redis_cluster.wait_healthy()
-    assert midway < len(running.keys), "the load ended before the slots were moved"
     hashes = {key_hash("", OP, k) for k in running.keys}
     touched = [h for h in hashes if key_slot(h.encode()) in moved]
     assert len(touched) > 50, "the load should have keys in the slots that moved"
@@ -368,12 +430,12 @@ def test_manual_failover_during_load(
     (replica,) = redis_cluster.replicas_of(primary)
     running = load(3000)
     running.wait_for(300)
+    running.wait_held()
     redis_cluster.cli(replica, "CLUSTER", "FAILOVER")
     _promoted(redis_cluster, replica)
-    midway = running.executed()
+    running.release()
     redis_cluster.wait_healthy()
     running.check()
-    assert midway < len(running.keys), "the load ended before the failover"
     assert redis_cluster.role(primary) == "slave"
 
 
@@ -389,16 +451,16 @@ def test_primary_killed_during_load(
     (replica,) = redis_cluster.replicas_of(primary)
     running = load(3000)
     running.wait_for(300)
+    running.wait_held()
     try:
         primary.kill()
-        killed_at = running.executed()
         _promoted(redis_cluster, replica)
+        running.release()
         seen = running.check()
     finally:
         if not primary.running:
             primary.start()
         redis_cluster.wait_healthy()
-    assert killed_at < len(running.keys), "the load ended before the kill"
     assert seen["unavailable"] > 0, "no racer met the outage"
     assert redis_cluster.role(primary) == "slave"
 
@@ -413,10 +475,16 @@ def test_connections_cut_during_load(
     redis_cluster.wait_healthy()
     running = load(2000)
     running.wait_for(100)
+    running.wait_held()
     cuts = 0
-    while running.executed() < len(running.keys) and any(p.is_alive() for p in running.procs):
+    deadline = time.monotonic() + 240
+    while True:
         for node in redis_cluster.primaries():
             cuts += int(redis_cluster.cli(node, "CLIENT", "KILL", "TYPE", "normal") or 0)
+        running.release()  # after the first cut, made while every racer was connected
+        if running.executed() >= len(running.keys):
+            break
+        assert time.monotonic() < deadline, f"the load stalled at {running.executed()}"
         time.sleep(0.2)
     running.check()
     assert cuts > 0, "no connection was cut"
