@@ -383,8 +383,10 @@ def test_a_session_that_cannot_see_an_attached_partition_is_replaced(
         assert isinstance(claim, Claim)
         assert time.monotonic() - started < 1.0  # no backoff until it gives up
         assert count(pg, f"SELECT count(*) FROM {table} WHERE key_hash = %s", claim.key_hash) == 1
-        alive = pg.execute("SELECT pid FROM pg_stat_activity WHERE pid = %s", (stale_pid,))
-        assert alive.fetchall() == []  # the stale session was closed
+        deadline = time.monotonic() + 10  # a closed session's backend ends a moment later
+        while pg.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (stale_pid,)).fetchall():
+            assert time.monotonic() < deadline, "the stale session was not closed"
+            time.sleep(0.02)
     finally:
         store.close()
 
@@ -539,7 +541,7 @@ def test_a_pending_detach_is_finalized(
 
             thread = threading.Thread(target=detach)
             thread.start()
-            time.sleep(0.5)  # phase one committed, phase two waits for the blocker
+            _detach_waiting(pg)
             pg.execute("SELECT pg_cancel_backend(%s)", (pid,))
             thread.join(10)
         assert errors and isinstance(errors[0], psycopg.errors.QueryCanceled)
@@ -643,12 +645,32 @@ def test_killed_sweeps_lose_and_duplicate_nothing(
 # -- claims go on while a sweep works -----------------------------------------------------
 
 
-def timed_claims(store: Any, clock: Clock, tag: str) -> float:
-    """The longest of a few claims, a replay and a completion on other keys (seconds)."""
+def _detach_waiting(pg: psycopg.Connection[Any], timeout: float = 30) -> None:
+    """Wait until a ``DETACH PARTITION`` is in its phase two, waiting on older transactions."""
+    deadline = time.monotonic() + timeout
+    while not pg.execute(
+        "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        " AND query ILIKE '%DETACH PARTITION%'"
+    ).fetchall():
+        assert time.monotonic() < deadline, "the detach never waited"
+        time.sleep(0.02)
+
+
+def claims_go_on(store: Any, clock: Clock, tag: str, within: float = 10) -> None:
+    """A few claims, replays and completions on other keys finish within ``within``
+    seconds, run while the test holds what a blocked one would wait for."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        pool.submit(_claims, store, clock, tag).result(timeout=within)
+    except TimeoutError:
+        pytest.fail("claims were blocked")
+    finally:
+        pool.shutdown(wait=False)
+
+
+def _claims(store: Any, clock: Clock, tag: str) -> None:
     engine = Engine(store, clock=clock)
-    longest = 0.0
     for i in range(5):
-        started = time.monotonic()
         claim = engine.begin(f"{tag}-{i}", operation="op", ttl=(i + 1) * HOUR)
         assert isinstance(claim, Claim)
         engine.complete(claim, Outcome(b"ok"))
@@ -657,12 +679,10 @@ def timed_claims(store: Any, clock: Clock, tag: str) -> float:
             held = engine.begin(f"{tag}-held-{i}", operation="op")
             engine.begin(f"{tag}-held-{i}", operation="op")
         assert isinstance(held, Claim)
-        longest = max(longest, time.monotonic() - started)
-    return longest
 
 
 def test_claims_are_not_blocked_while_a_detach_waits(
-    sstore: Any, spec: StoreSpec, clock: Clock
+    sstore: Any, spec: StoreSpec, clock: Clock, pg: psycopg.Connection[Any]
 ) -> None:
     """An old transaction on the table makes the sweep's concurrent detach wait (phase
     two waits for every transaction that saw the partition): claims go on meanwhile,
@@ -677,9 +697,9 @@ def test_claims_are_not_blocked_while_a_detach_waits(
             blocker.execute(f"SELECT count(*) FROM {table}")
             sweeper = threading.Thread(target=lambda: batches.append(drain(sstore, clock.now)))
             sweeper.start()
-            time.sleep(0.3)
-            assert not batches  # the detach waits for the blocker
-            assert timed_claims(sstore, clock, "during") < 0.5
+            _detach_waiting(pg)
+            claims_go_on(sstore, clock, "during")
+            assert not batches  # the detach still waits for the blocker
         sweeper.join(30)
     assert batches and batches[0][:2] == (40, 10)
 
@@ -691,7 +711,7 @@ def test_claims_are_not_blocked_by_a_slow_archive(
     populate(sstore, clock, expired=30, financial=30, live=0)
     drain(sstore, clock.now)
     clock.advance(2 * HOUR)
-    reached = threading.Event()
+    reached, claimed = threading.Event(), threading.Event()
     original = sstore._archive_and_drop
 
     def slow(conn: Any, part: Any, now: float) -> tuple[int, int]:
@@ -699,16 +719,19 @@ def test_claims_are_not_blocked_by_a_slow_archive(
             result = original(conn, part, now)
             if result[0] and not reached.is_set():  # the partition with the records
                 reached.set()
-                time.sleep(1.5)
+                claimed.wait(60)  # until the test's claims are done
         return result
 
     monkeypatch.setattr(sstore, "_archive_and_drop", slow)
     batches: list[Any] = []
     sweeper = threading.Thread(target=lambda: batches.append(drain(sstore, clock.now)))
     sweeper.start()
-    assert reached.wait(10)
-    assert timed_claims(sstore, clock, "during") < 0.5
-    assert not batches  # the sweep was still in its archive step
+    try:
+        assert reached.wait(10)
+        claims_go_on(sstore, clock, "during")
+        assert not batches  # the sweep was still in its archive step
+    finally:
+        claimed.set()
     sweeper.join(30)
     assert batches and batches[0][:2] == (60, 30)
 
