@@ -51,8 +51,8 @@ from _stripe_upstream import calls
 
 from retrysafe import open_store
 
-TIMEOUT = 1.0  # the SDK's; the slow mode answers after SLOW seconds
-SLOW = "2"
+TIMEOUT = 4.0  # the SDK's: room for a loaded machine; the slow mode outlasts it
+SLOW = "6"
 NO_ANSWER = 0  # the status of an attempt that got no (whole) answer
 MODES: dict[str, dict[str, str]] = {
     "ok": {"mode": "ok"},
@@ -115,7 +115,7 @@ def sdk(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> tuple[stripe.StripeCli
     client = stripe.StripeClient(
         "sk_test_retrysafe",
         base_addresses={"api": stack.url},
-        max_network_retries=30,  # enough 409s to outwait the slow mode
+        max_network_retries=60,  # enough 409s (at most 0.25 s apart) to outwait the slow mode
         http_client=http,
     )
     return client, http

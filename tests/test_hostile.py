@@ -271,7 +271,7 @@ def test_key_header_parser_returns_a_key_or_raises_invalid_key(values: list[str]
         key = None
     else:
         assert key is None or _KEY_RE.fullmatch(key), key
-    assert time.perf_counter() - started < 1.0  # no pathological backtracking
+    assert time.perf_counter() - started < 5.0  # no pathological backtracking
 
 
 def test_key_header_parser_is_linear_on_huge_headers() -> None:
@@ -280,7 +280,8 @@ def test_key_header_parser_is_linear_on_huge_headers() -> None:
         started = time.perf_counter()
         with pytest.raises(InvalidKeyError):
             parse_key([value])
-        assert time.perf_counter() - started < 1.0, value[:20]
+        # ~0.1 s when linear; quadratic work on 200 kB would take minutes
+        assert time.perf_counter() - started < 5.0, value[:20]
 
 
 # == the fingerprint canonicaliser ================================================================

@@ -99,13 +99,13 @@ def test_each_outcome_is_counted_once_on_every_http_door(
         assert c.post("/status/500", json={}, headers=keyed(uuid.uuid4().hex)).status_code == 500
         slow = uuid.uuid4().hex
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            first = pool.submit(c.post, "/slow?ms=800", json={}, headers=keyed(slow))
+            first = pool.submit(c.post, "/slow?ms=3000", json={}, headers=keyed(slow))
             h = key_hash("", op, slow)
             deadline = time.monotonic() + 20
             while memory.get(h) is None:
                 assert time.monotonic() < deadline, "the first request never claimed its key"
                 time.sleep(0.005)
-            assert c.post("/slow?ms=800", json={}, headers=keyed(slow)).status_code == 409
+            assert c.post("/slow?ms=3000", json={}, headers=keyed(slow)).status_code == 409
             assert first.result().status_code == 200
         assert c.get("/count/" + tid).status_code == 200  # not keyed: counts nothing
     assert counts(op) == {

@@ -119,7 +119,7 @@ def test_a_completion_refused_for_good_is_not_resent(store: RedisStore, raw: red
     started = time.monotonic()
     with pytest.raises(StoreUnavailableError) as info:
         engine.complete(claim, Outcome.json(1))
-    assert time.monotonic() - started < 1 and info.value.transient is False
+    assert time.monotonic() - started < 10 and info.value.transient is False  # not 60
     assert raw.type(rkey) == b"hash" and raw.hgetall(rkey) == {b"a": b"b"}
 
 
@@ -200,12 +200,12 @@ def test_threads_past_the_pool_wait_for_connections(redis_server: Any) -> None:
 
 
 def test_renewal_past_the_expiry_moves_the_physical_ttl(store: RedisStore, raw: Any) -> None:
-    engine = Engine(store, ttl=2, lease=1)
+    engine = Engine(store, ttl=5, lease=3)
     standard = engine.begin("std", operation="ttl")
     financial = engine.begin("fin", operation="ttl", retention="financial")
     assert isinstance(standard, Claim) and isinstance(financial, Claim)
     key, fin_key = store.record_key(standard.key_hash), store.record_key(financial.key_hash)
-    assert 0 < raw.pttl(key) <= 2000 and raw.pttl(fin_key) == -1
+    assert 0 < raw.pttl(key) <= 5000 and raw.pttl(fin_key) == -1
     engine.renew(standard, 30)
     engine.renew(financial, 30)
     assert 28_000 < raw.pttl(key) <= 30_000  # the TTL followed the lease

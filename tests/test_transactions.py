@@ -349,7 +349,7 @@ def test_racing_processes_create_one_order(sql_spec: StoreSpec, orders: Orders) 
 
 def _crashing_worker(spec: StoreSpec, table: str, crash: str) -> None:
     store = spec.open()
-    create_order(Engine(store), Orders(spec, table), "m", "u", 11, crash=crash, lease=0.5)
+    create_order(Engine(store), Orders(spec, table), "m", "u", 11, crash=crash, lease=3)
 
 
 @pytest.mark.parametrize("crash", ["before_commit", "after_commit"])

@@ -684,11 +684,11 @@ def test_long_handler_keeps_its_key(memory: Store[Any]) -> None:
     def slow(delivery: Delivery) -> Any:
         runs.append(delivery.event_id)
         if len(runs) == 1:
-            time.sleep(0.6)  # two leases: without renewal a redelivery would take the key
+            time.sleep(2.0)  # two leases: without renewal a redelivery would take the key
             inner.append(receiver.handle(headers, body))
         return "done"
 
-    receiver = Receiver(memory, scheme="stripe", secrets=STRIPE_SECRET, handler=slow, lease=0.3)
+    receiver = Receiver(memory, scheme="stripe", secrets=STRIPE_SECRET, handler=slow, lease=1.0)
     assert receiver.handle(headers, body).body["status"] == "processed"
     assert inner[0].status == 409 and runs == ["evt_1R"]
 
