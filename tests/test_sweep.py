@@ -156,17 +156,57 @@ def test_records_and_stats(sstore: Store[Any], clock: Clock) -> None:
 
 _CHILD = textwrap.dedent(
     """
-    import json, sys
-    from retrysafe import open_store, Sweeper
+    import json, sys, time
+    from retrysafe import open_store
     url, options, now = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
+    free = int(sys.argv[4])
     store = open_store(url, **options)
-    def progress(report):
-        print(report.deleted, flush=True)
-    # Paced, so that a sweep outlasts any delay in the parent's kill (2 cores, busy).
-    Sweeper(store, batch_size=5, pause=0.005, clock=lambda: now).run(progress=progress)
-    print("done", flush=True)
+    if hasattr(store, "migrate"):
+        store.migrate()  # the schema before the sweep: no kill in a migration
+    for step in range(1_000_000):
+        if step >= free:  # each further batch only when the parent says
+            print("held", flush=True)
+            sys.stdin.readline()
+        if store.sweep(now, 5).done:
+            break
+        time.sleep(0.002)
+    print("done", step, flush=True)
     """
 )
+
+
+def kill_sweeps_until_one_finishes(spec: StoreSpec, now: float, free: tuple[int, int]) -> int:
+    """Sweep in child processes, each SIGKILLed at a random moment, until one finishes.
+
+    A child sweeps a random number (within ``free``) of batches, then waits; the
+    parent lets it start one more and kills it at a random moment, inside that
+    batch or after it (the child then waits again), however fast or busy the
+    machine. So every kill lands in a sweep in progress, and a run advances at
+    most ``free[1] + 1`` batches. The moments grow later from kill to kill, so
+    that a batch longer than the first ones gets its turn to finish. Returns the
+    number of kills.
+    """
+    rng = random.Random(int(os.environ.get("PYTEST_SEED", "0")) or None)
+    argv = [sys.executable, "-c", _CHILD, spec.url, json.dumps(spec.options), repr(now)]
+    for kills in range(200):
+        child = subprocess.Popen(
+            [*argv, str(rng.randint(*free))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert child.stdin is not None and child.stdout is not None
+        said = child.stdout.readline().strip()
+        if said == "held":
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            time.sleep(rng.uniform(0, 0.004 * 1.2**kills))
+            child.send_signal(signal.SIGKILL)
+            said = child.stdout.read()
+        _, errors = child.communicate(timeout=30)
+        if "done" in said.split():  # (the kill may still have come before its exit)
+            assert child.returncode in (0, -signal.SIGKILL), errors
+            return kills
+        assert child.returncode == -signal.SIGKILL, errors
+    pytest.fail("the sweep never finished")
 
 
 @pytest.mark.parametrize("store_spec", ["sqlite", "redis", "postgres"], indirect=True)
@@ -174,27 +214,9 @@ def test_killed_sweeps_lose_and_duplicate_nothing(
     spec: StoreSpec, sstore: Store[Any], clock: Clock
 ) -> None:
     made = populate(sstore, clock, expired=120, financial=120, live=20)
-    now = clock.now + 2 * HOUR
-    rng = random.Random(int(os.environ.get("PYTEST_SEED", "0")) or None)
-    kills = 0
-    for _ in range(200):
-        child = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, spec.url, json.dumps(spec.options), repr(now)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert child.stdout is not None
-        first = child.stdout.readline()  # a batch is done: the sweep is under way
-        time.sleep(rng.uniform(0, 0.008))  # a random moment: between or inside batches
-        child.send_signal(signal.SIGKILL)
-        rest = child.stdout.read()
-        child.wait(30)
-        if "done" in (first + rest).split():
-            break
-        kills += 1
-    else:
-        pytest.fail("the sweep never finished")
-    assert kills >= 5, "the kills must interrupt sweeps in progress"
+    kills = kill_sweeps_until_one_finishes(spec, clock.now + 2 * HOUR, free=(0, 4))
+    # 240 expired records in batches of 5: at least 48 batches, at most 5 a run.
+    assert kills >= 9, kills
 
     for kh in made["standard"] + made["financial"]:
         assert sstore.get(kh) is None
