@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _http_servers import TESTS, Process, wait_until_up
+from _fault_apps import connect
+from _http_servers import TESTS, Process, free_port, uvicorn_argv, wait_until_up
 from _servers import PostgresServer, RedisServer, _pg_bin
 
 from retrysafe import key_hash
@@ -80,6 +81,27 @@ class Server(Process):
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def work_server(root: Path, store: str, lease: float) -> Server:
+    """:class:`~_fault_apps.Work` behind the middleware on ``store`` with ``lease``, in
+    ``uvicorn --workers 2``, logging to ``root/app.log`` (enter it to start it)."""
+    connect(root).close()  # the effects file, made before the workers race to make it
+    port = free_port()
+    env = {"FAULT_ROOT": str(root), "FAULT_STORE": store, "FAULT_LEASE": str(lease)}
+    argv = uvicorn_argv("_fault_apps:app_from_env", port, workers=2)
+    return Server(argv, port, env, "/health", root / "app.log")
+
+
+def first_of(root: Path, query: str, key: str) -> Any:
+    """The first column of the first row ``query`` finds for ``key`` in the effects
+    file, or None."""
+    conn = sqlite3.connect(root / "effects.db", timeout=30)
+    try:
+        row = conn.execute(query, (key,)).fetchone()
+    finally:
+        conn.close()
+    return row[0] if row else None
 
 
 def children(pid: int) -> list[int]:

@@ -22,13 +22,11 @@ from typing import Any
 import psycopg
 import pytest
 import redis
-from _fault_apps import connect
 from _faults import (
     Answer,
     CrashablePostgres,
     CrashableRedis,
     Load,
-    Server,
     check_answers,
     check_runs,
     client,
@@ -36,8 +34,8 @@ from _faults import (
     post,
     unrecorded,
     wait_for,
+    work_server,
 )
-from _http_servers import free_port, uvicorn_argv
 
 LEASE = 2.0
 
@@ -49,11 +47,7 @@ def run_case(
 
     Returns the statuses seen and the excused keys.
     """
-    connect(tmp_path).close()
-    port = free_port()
-    env = {"FAULT_ROOT": str(tmp_path), "FAULT_STORE": url, "FAULT_LEASE": str(lease)}
-    argv = uvicorn_argv("_fault_apps:app_from_env", port, workers=2)
-    with Server(argv, port, env, "/health", tmp_path / "app.log") as app:
+    with work_server(tmp_path, url, lease) as app:
         work = app.url + "/work"
         names = [f"k{i}-{uuid.uuid4().hex[:6]}" for i in range(keys)]
         load = Load(work, names, copies=2, threads=12).start()

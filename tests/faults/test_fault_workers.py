@@ -36,9 +36,11 @@ from _faults import (
     children,
     client,
     effects,
+    first_of,
     pid_with_local_port,
     post,
     wait_for,
+    work_server,
 )
 from _http_servers import free_port, uvicorn_argv
 from conftest import SHARED_STORES, store_url
@@ -102,24 +104,15 @@ def test_middleware_worker_killed_mid_request(
     did but never answered (no client saw it), which may run again (none expected).
     """
     url = store_url(name, request, tmp_path)
-    connect(tmp_path).close()
-    port = free_port()
-    env = {"FAULT_ROOT": str(tmp_path), "FAULT_STORE": url, "FAULT_LEASE": str(LEASE)}
-    argv = uvicorn_argv("_fault_apps:app_from_env", port, workers=2)
-    with Server(argv, port, env, "/health", tmp_path / "app.log") as app:
+    with work_server(tmp_path, url, LEASE) as app:
         work = app.url + "/work"
         victim, body = f"victim-{uuid.uuid4().hex[:8]}", {"hold": True}
         held: list[Answer] = []
         first = threading.Thread(target=lambda: held.append(post(client(), work, victim, body)))
         first.start()
 
-        def started() -> int | None:
-            conn = sqlite3.connect(tmp_path / "effects.db", timeout=30)
-            row = conn.execute("SELECT pid FROM starts WHERE key = ?", (victim,)).fetchone()
-            conn.close()
-            return row[0] if row else None
-
-        pid = wait_for("the victim's handler to start", started)
+        started = "SELECT pid FROM starts WHERE key = ?"
+        pid = wait_for("the victim's handler to start", lambda: first_of(tmp_path, started, victim))
         keys = [f"k{i}-{uuid.uuid4().hex[:6]}" for i in range(KEYS)]
         load = Load(work, keys, copies=3).start()
         wait_for("a first part of the load to be answered", lambda: len(load.ok_keys()) >= 4)
@@ -234,13 +227,10 @@ def test_gateway_worker_killed_after_the_upstream_ran(
             )
             first.start()
 
-            def called() -> int | None:
-                conn = sqlite3.connect(tmp_path / "effects.db", timeout=30)
-                row = conn.execute("SELECT port FROM calls WHERE key = ?", (victim,)).fetchone()
-                conn.close()
-                return row[0] if row else None
-
-            port = wait_for("the upstream to get the victim's call", called)
+            called = "SELECT port FROM calls WHERE key = ?"
+            port = wait_for(
+                "the upstream to get the victim's call", lambda: first_of(tmp_path, called, victim)
+            )
             pid = wait_for(
                 "the gateway worker that forwards it",
                 lambda: pid_with_local_port(children(gw.proc.pid), port),  # type: ignore[union-attr]
