@@ -5,8 +5,8 @@ Start the demo (the gateway in front of the demo shop) and run the storm::
     retrysafe demo                       # serves on http://127.0.0.1:8000
     python examples/retry_storm.py       # or: python examples/retry_storm.py URL
 
-For each of ``--customers`` customers, all at once, the script walks seed 000's
-agentic-commerce flow the way agents on a bad network do: every call is fired
+For each of ``--customers`` customers, all at once, the script walks the
+agentic-commerce flow of the idempotency map the way agents on a bad network do: every call is fired
 several times concurrently (``asyncio.gather``), some with an ``Idempotency-Key``
 and some without, some webhooks are delivered out of order and again. Then it
 compares the shop's side-effect counters (``GET /stats``, before and after) with
@@ -76,7 +76,9 @@ class Storm:
         ``retrysafe demo --check``): a transport error, a 409 ``idempotency_in_flight``
         (the first attempt is still running) or a 502/503/504 is asked again after a
         short, jittered, growing backoff."""
-        sent = dict(headers or {})
+        # The agent's token: the gateway keeps each caller's answers apart (a keyed
+        # request without credentials would run there without a record).
+        sent = {"Authorization": f"Bearer agent-{self.run}", **(headers or {})}
         if key is not None:
             sent["Idempotency-Key"] = key
         deadline, backoff = time.monotonic() + 30, 0.02

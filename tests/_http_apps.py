@@ -16,8 +16,11 @@ can tell how often a side effect ran, even across worker processes:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -312,16 +315,26 @@ def django_app(counter: Counter, options: dict[str, Any]) -> Any:
 
     _django_counter = counter
     if not settings.configured:
+        # Users and sessions (tests/test_principals.py logs users in) live in a
+        # SQLite file of this process's own, migrated by the tests that use it.
+        folder = tempfile.mkdtemp(prefix="retrysafe-django-")
+        atexit.register(shutil.rmtree, folder, True)
         settings.configure(
             DEBUG=False,
             SECRET_KEY="retrysafe-tests",
             ALLOWED_HOSTS=["*"],
             ROOT_URLCONF=__name__,
             MIDDLEWARE=["retrysafe.django.IdempotencyMiddleware"],
+            INSTALLED_APPS=[
+                "django.contrib.auth", "django.contrib.contenttypes", "django.contrib.sessions",
+            ],
+            DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3",
+                                   "NAME": os.path.join(folder, "django.sqlite3")}},
+            PASSWORD_HASHERS=["django.contrib.auth.hashers.MD5PasswordHasher"],
             DATA_UPLOAD_MAX_MEMORY_SIZE=None,
             LOGGING_CONFIG=None,
             USE_TZ=True,
-        )
+        )  # fmt: skip
         django.setup()
     from django.core.handlers.wsgi import WSGIHandler
     from django.test import override_settings

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _doors import DOORS, Door
 from _http_apps import Counter
 from _http_servers import Process, free_port, uvicorn_argv
 from _servers import PostgresServer, RedisCluster, RedisServer
@@ -199,6 +200,23 @@ def upstream(counter: Counter) -> Iterator[str]:
     env = {"RETRYSAFE_TEST_COUNTERS": str(counter.root)}
     with Process(argv, port, env, health="/count/none") as proc:
         yield proc.url
+
+
+@pytest.fixture(scope="module", params=[(d, s) for d in DOORS for s in STORES],
+                ids=lambda p: f"{p[0]}-{p[1]}")  # fmt: skip
+def door(
+    request: pytest.FixtureRequest, counter: Counter, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Door]:
+    """Each front door (``_doors.DOORS``) on each store, served for one test module."""
+    name, store_name = request.param
+    spec = make_spec(store_name, request, tmp_path_factory.mktemp(store_name))
+    store = spec.open()
+    upstream = request.getfixturevalue("upstream") if name == "gateway" else None
+    d = Door(name, spec, store, counter, upstream)
+    with d.serve() as url:
+        d.url = url
+        yield d
+    store.close()
 
 
 @pytest.fixture

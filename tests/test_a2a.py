@@ -30,7 +30,7 @@ from conftest import StoreSpec
 from retrysafe import Engine, Store, StoreUnavailableError
 from retrysafe._a2a import normal_message, part_v03, part_v10, result_as
 from retrysafe._asgi import principal
-from retrysafe._http import credentials_scope
+from retrysafe._principal import Principals
 from retrysafe.a2a import SEND_METHODS, A2AIdempotency, ErrorCode, IdempotencyMiddleware
 
 _ids = itertools.count(1)
@@ -55,6 +55,10 @@ def rpc(method: str, params: dict[str, Any]) -> dict[str, Any]:
     return {"jsonrpc": "2.0", "id": next(_ids), "method": method, "params": params}
 
 
+#: The credentials a test's requests carry unless it says otherwise (None: none).
+CALLER = "Bearer agent-caller"
+
+
 class Client:
     """Posts JSON-RPC requests for one test (its test id, its principal)."""
 
@@ -62,7 +66,7 @@ class Client:
         self.url, self.tid, self.counter = url, tid, counter
         self.http = httpx.Client(timeout=30)
 
-    def post(self, body: Any, auth: str | None = None, **kwargs: Any) -> httpx.Response:
+    def post(self, body: Any, auth: str | None = CALLER, **kwargs: Any) -> httpx.Response:
         headers = {"x-test-id": self.tid, "a2a-version": "0.3"}
         if isinstance(body, dict) and body.get("method", "")[:1].isupper():
             headers["a2a-version"] = "1.0"
@@ -70,7 +74,7 @@ class Client:
             headers["authorization"] = auth
         return self.http.post(self.url + "/", json=body, headers=headers, **kwargs)
 
-    def call(self, body: Any, auth: str | None = None) -> dict[str, Any]:
+    def call(self, body: Any, auth: str | None = CALLER) -> dict[str, Any]:
         response = self.post(body, auth)
         assert response.status_code == 200, response.text
         doc = response.json()
@@ -501,17 +505,23 @@ def test_an_answer_that_cannot_be_recorded_still_reaches_the_caller(
 
 
 def test_the_principal_of_a_request() -> None:
-    def scope(headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
-        return {"type": "http", "headers": headers}
+    def scope(headers: list[tuple[bytes, bytes]], **extra: Any) -> dict[str, Any]:
+        return {"type": "http", "method": "POST", "path": "/", "query_string": b"",
+                "headers": headers, **extra}  # fmt: skip
+
+    def named(asgi: dict[str, Any], principals: Principals | None = None) -> str | None:
+        who = principal(asgi, principals or Principals())
+        return None if who is None else who.scope(b"s" * 32)
 
     bearer = scope([(b"authorization", b"Bearer alice")])
-    assert principal(bearer, None) == credentials_scope("Bearer alice") != ""
-    assert principal(bearer, None) != principal(scope([(b"authorization", b"Bearer bob")]), None)
-    assert principal(scope([]), None) == ""  # no Authorization: one shared principal
-    assert principal(bearer, lambda s: "tenant-a") == "tenant-a"
-    assert principal(bearer, lambda s: None) == ""
+    assert named(bearer) is not None and "alice" not in named(bearer)  # type: ignore[operator]
+    assert named(bearer) != named(scope([(b"authorization", b"Bearer bob")]))
+    assert named(scope([])) is None  # no credential: anonymous, never shared by default
+    tenant = Principals(principal=lambda request: request.native["path"])
+    assert named(bearer, tenant) == named(scope([], path="/"), tenant) != named(bearer)
+    assert named(bearer, Principals(principal=lambda request: None)) == named(bearer)
     with pytest.raises(TypeError, match="must return a str or None, not int"):
-        principal(bearer, lambda s: 42)  # type: ignore[arg-type,return-value]
+        named(bearer, Principals(principal=lambda request: 42))  # type: ignore[arg-type,return-value]
 
 
 def test_many_threads_run_the_wrapper_once(store: Store[Any]) -> None:
@@ -626,7 +636,8 @@ async def test_a_cancelled_request_runs_its_send_once(memory: Store[Any]) -> Non
         async def send(message: Any) -> None:
             sent.append(message)
 
-        await middleware({"type": "http", "method": "POST", "path": "/", "headers": []},
+        caller = [(b"authorization", CALLER.encode())]
+        await middleware({"type": "http", "method": "POST", "path": "/", "headers": caller},
                          receive, send)  # fmt: skip
         return json.loads(sent[-1]["body"])  # type: ignore[no-any-return]
 

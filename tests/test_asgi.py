@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from _hangup import CALLER
 from _http_servers import ThreadServer
 
 from retrysafe.asgi import IdempotencyMiddleware
@@ -58,7 +59,7 @@ def test_an_answer_is_recorded_when_its_content_length_is_reached(
 ) -> None:
     """The client has the whole answer before the app's last message: a retry replays."""
     app, url = late
-    headers = {"idempotency-key": uuid.uuid4().hex}
+    headers = {"idempotency-key": uuid.uuid4().hex, **CALLER}
     first = httpx.post(url, json={}, headers=headers, timeout=10)
     assert first.status_code == 201 and first.json() == {"run": 1}
     again = httpx.post(url, json={}, headers=headers, timeout=10)
@@ -112,7 +113,8 @@ async def test_a_cancelled_request_runs_once() -> None:
 
         scope = {"type": "http", "method": "POST", "path": "/o", "raw_path": b"/o",
                  "query_string": b"", "root_path": "", "scheme": "http", "http_version": "1.1",
-                 "headers": [(b"idempotency-key", b"k1"), (b"content-type", b"application/json")],
+                 "headers": [(b"idempotency-key", b"k1"), (b"content-type", b"application/json"),
+                             (b"authorization", b"Bearer test-caller")],
                  "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1)}  # fmt: skip
         await app(scope, receive, send)
         return sent

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _hangup import CALLER
 from _upstream import UpstreamProcess
 
 from retrysafe import Engine, Outcome
@@ -142,7 +143,7 @@ def test_gateway_serves_and_stops_on_ctrl_c(
         url = gw.read_until("listening on").split()[-1]
         gw.read_until("store")
         gw.ready(url)
-        key = {"Idempotency-Key": "cli-1"}
+        key = {"Idempotency-Key": "cli-1", **CALLER}
         answers = [httpx.post(url + "/orders", json={}, headers=key) for _ in range(4)]
         assert [r.status_code for r in answers] == [201] * 4
         assert [r.headers.get("idempotent-replayed") for r in answers] == [None] + ["true"] * 3

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from _flaky_upstream import FRONTS, effects, serve
+from _hangup import CALLER
 
 from retrysafe.client import AsyncClient, Client, RetryPolicy, decide, was_replayed
 
@@ -371,7 +372,7 @@ def check(db: str, results: list[tuple[str, str, httpx.Response]]) -> None:
 def test_real_server_sync_exactly_once(stack: tuple[str, str]) -> None:
     url, db = stack
     results = []
-    with Client(base_url=url, timeout=0.5, retry=real_policy()) as c:
+    with Client(base_url=url, timeout=0.5, retry=real_policy(), headers=CALLER) as c:
         for mode in MODES:
             ident = uuid.uuid4().hex
             results.append((ident, mode, c.post(f"/work?mode={mode}", json={"id": ident})))
@@ -386,7 +387,7 @@ def test_real_server_async_16_concurrent_callers(stack: tuple[str, str]) -> None
         return ident, mode, await c.post(f"/work?mode={mode}", json={"id": ident})
 
     async def main() -> list[tuple[str, str, httpx.Response]]:
-        async with AsyncClient(base_url=url, timeout=0.5, retry=real_policy()) as c:
+        async with AsyncClient(base_url=url, timeout=0.5, retry=real_policy(), headers=CALLER) as c:
             return list(await asyncio.gather(*(one(c, MODES[i % 4]) for i in range(16))))
 
     check(db, asyncio.run(main()))
@@ -399,7 +400,7 @@ def test_real_server_sync_16_concurrent_threads(stack: tuple[str, str]) -> None:
 
     def one(mode: str) -> tuple[str, str, httpx.Response]:
         ident = uuid.uuid4().hex
-        with Client(base_url=url, timeout=0.5, retry=real_policy()) as c:
+        with Client(base_url=url, timeout=0.5, retry=real_policy(), headers=CALLER) as c:
             return ident, mode, c.post(f"/work?mode={mode}", json={"id": ident})
 
     with ThreadPoolExecutor(16) as pool:
@@ -409,7 +410,7 @@ def test_real_server_sync_16_concurrent_threads(stack: tuple[str, str]) -> None:
 
 def test_real_server_conflict_is_not_retried(stack: tuple[str, str]) -> None:
     url, db = stack
-    with Client(base_url=url, timeout=2, retry=real_policy()) as c:
+    with Client(base_url=url, timeout=2, retry=real_policy(), headers=CALLER) as c:
         key = str(uuid.uuid4())
         first = c.post("/work", json={"id": "c-" + key}, headers={"Idempotency-Key": key})
         again = c.post("/work", json={"id": "c-" + key}, headers={"Idempotency-Key": key})
@@ -423,7 +424,7 @@ def test_real_server_conflict_is_not_retried(stack: tuple[str, str]) -> None:
 def test_the_server_sees_one_key(stack: tuple[str, str], tmp_path: Path) -> None:
     # Effects are counted per mutation; the key the gateway saw is the client's one key.
     url, _ = stack
-    with Client(base_url=url, timeout=0.5, retry=real_policy()) as c:
+    with Client(base_url=url, timeout=0.5, retry=real_policy(), headers=CALLER) as c:
         r = c.post("/work?mode=503&n=3", json={"id": uuid.uuid4().hex})
         key = r.request.headers["idempotency-key"]
         replay = c.post(

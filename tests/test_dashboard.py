@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from _hangup import CALLER, cookieless
 from _http_servers import ThreadServer
 
 from retrysafe.gateway import create_app
@@ -80,7 +81,7 @@ def count(page: Any, outcome: str) -> int:
 
 def load(url: str, seconds: float, stop: threading.Event) -> None:
     """Keyed orders for a while: each key sent three times."""
-    with httpx.Client(base_url=url, timeout=10) as c:
+    with httpx.Client(base_url=url, timeout=10, headers=CALLER, cookies=cookieless()) as c:
         end = time.monotonic() + seconds
         while time.monotonic() < end and not stop.is_set():
             key = uuid.uuid4().hex
@@ -122,7 +123,8 @@ def test_the_numbers_and_charts_move_while_load_runs(gateway: str, page: Page) -
 
 def test_the_inspector_finds_a_key(gateway: str, page: Page) -> None:
     key = "inspect-" + uuid.uuid4().hex
-    r = httpx.post(gateway + "/orders", json={"find": "me"}, headers={"idempotency-key": key})
+    r = httpx.post(gateway + "/orders", json={"find": "me"},
+                   headers={"idempotency-key": key, **CALLER})  # fmt: skip
     assert r.status_code == 201
     p = page.page
     p.goto(gateway + "/_retrysafe/")
@@ -217,7 +219,7 @@ def test_a_json_page_opened_with_the_token_is_shown_as_text(gateway: str, browse
     """Stored answers and keys are other people's text: never parsed as a page."""
     key = '<meta http-equiv="refresh" content="0;url=https://example.invalid/">'
     assert httpx.post(gateway + "/orders", json={"x": 1},
-                      headers={"idempotency-key": key}).status_code == 201  # fmt: skip
+                      headers={"idempotency-key": key, **CALLER}).status_code == 201  # fmt: skip
     anonymous = Page(browser)
     try:
         p = anonymous.page

@@ -21,7 +21,7 @@ from wsgiref.util import setup_testing_defaults
 
 import httpx
 import pytest
-from _hangup import hang_up, status_of, wait_for
+from _hangup import CALLER, cookieless, hang_up, status_of, wait_for
 from _http_apps import Counter, django_app
 from _http_servers import ThreadServer
 from asgiref.sync import iscoroutinefunction
@@ -37,6 +37,8 @@ from django.test import RequestFactory, override_settings
 from django.urls import path
 
 from retrysafe import Status, Store, open_store
+from retrysafe._principal import Principal
+from retrysafe._secret import secret_of
 from retrysafe.django import IdempotencyMiddleware
 
 pytestmark = pytest.mark.filterwarnings(
@@ -183,7 +185,7 @@ def kind(request: pytest.FixtureRequest) -> str:
 
 
 def keyed(tid: str, key: str | None = None, **extra: str) -> dict[str, str]:
-    return {"x-test-id": tid, "idempotency-key": key or f"key-{tid}", **extra}
+    return {"x-test-id": tid, "idempotency-key": key or f"key-{tid}", **CALLER, **extra}
 
 
 def problem(response: httpx.Response, status: int, code: str) -> None:
@@ -199,7 +201,10 @@ def problem(response: httpx.Response, status: int, code: str) -> None:
 def test_replay_is_byte_for_byte_and_the_cookie_only_first(
     kind: str, view: str, store: Store[Any], tid: str
 ) -> None:
-    with serve(kind, store=store) as server, httpx.Client(base_url=server.url) as client:
+    with (
+        serve(kind, store=store) as server,
+        httpx.Client(base_url=server.url, cookies=cookieless()) as client,
+    ):
         first = client.post(f"/{view}", json={"item": "book"}, headers=keyed(tid))
         again = client.post(f"/{view}", json={"item": "book"}, headers=keyed(tid))
     assert first.status_code == again.status_code == 201
@@ -295,7 +300,8 @@ def test_a_file_response_does_not_go_to_wsgi_file_wrapper(memory: Store[Any], ti
     environ: dict[str, Any] = {}
     setup_testing_defaults(environ)
     environ.update(REQUEST_METHOD="POST", PATH_INFO="/file", HTTP_IDEMPOTENCY_KEY="k",
-                   HTTP_X_TEST_ID=tid, CONTENT_LENGTH="0")  # fmt: skip
+                   HTTP_X_TEST_ID=tid, CONTENT_LENGTH="0",
+                   HTTP_AUTHORIZATION=CALLER["authorization"])  # fmt: skip
     environ["wsgi.file_wrapper"] = lambda *args: pytest.fail("handed to wsgi.file_wrapper")
     app = handler("wsgi", store=memory)
     response = app(environ, lambda status, headers: None)
@@ -320,8 +326,9 @@ def test_a_client_that_leaves_mid_stream_still_gets_the_replay(
 
 def _request(key: str = "k") -> HttpRequest:
     return RequestFactory().post(
-        "/x", b"", content_type="application/octet-stream", headers={"idempotency-key": key}
-    )
+        "/x", b"", content_type="application/octet-stream",
+        headers={"idempotency-key": key, **CALLER},
+    )  # fmt: skip
 
 
 def test_a_sync_stream_is_recorded_before_its_last_chunk(store: Store[Any]) -> None:
@@ -399,7 +406,7 @@ def test_settings_drive_the_middleware(kind: str, tmp_path: Path, tid: str) -> N
         response = httpx.put(server.url + "/raw", content=b"a", headers={"x-test-id": tid})
         problem(response, 400, "idempotency_key_required")
         assert "X-Request-Key" in response.json()["detail"]
-        headers = {"x-test-id": tid, "x-request-key": f"k-{tid}"}
+        headers = {"x-test-id": tid, "x-request-key": f"k-{tid}", **CALLER}
         for _ in range(2):
             assert httpx.put(server.url + "/raw", content=b"a", headers=headers).content == b"a"
         assert httpx.post(server.url + "/raw", content=b"b", headers=headers).status_code == 200
@@ -410,17 +417,18 @@ def test_settings_drive_the_middleware(kind: str, tmp_path: Path, tid: str) -> N
 
 
 def tenant(request: Any) -> str | None:
-    """A ``scope`` named by its dotted path in the settings."""
+    """A ``principal`` named by its dotted path in the settings."""
     assert isinstance(request.native, HttpRequest)
     return request.headers.get("x-tenant")
 
 
-def test_scope_by_dotted_path(kind: str, memory: Store[Any], tid: str) -> None:
-    with serve(kind, store=memory, scope=f"{__name__}.tenant") as server:
+def test_principal_by_dotted_path(kind: str, memory: Store[Any], tid: str) -> None:
+    with serve(kind, store=memory, principal=f"{__name__}.tenant") as server:
         for t in ("t1", "t2", "t1"):
             httpx.post(server.url + "/raw", content=b"a", headers=keyed(tid, **{"x-tenant": t}))
     assert RUNS[tid] == 2
-    assert status_of(memory, f"key-{tid}", scope="t2") is Status.COMPLETED
+    t2 = Principal("principal", "t2").scope(secret_of(memory))
+    assert status_of(memory, f"key-{tid}", scope=t2) is Status.COMPLETED
 
 
 def test_the_store_defaults_to_retrysafe_store(
@@ -446,7 +454,7 @@ def test_the_store_defaults_to_retrysafe_store(
         ({"require_key": 1}, "RETRYSAFE: require_key must be a bool or a callable"),
         ({"store": "mysql://db"}, "RETRYSAFE: unknown store URL"),
         ({"ttl": "1h"}, "RETRYSAFE: ttl must be a number of seconds"),
-        ({"scope": "nowhere.who"}, "RETRYSAFE: scope 'nowhere.who' is not the dotted path"),
+        ({"principal": "nowhere.who"}, "RETRYSAFE: principal 'nowhere.who' is not the dotted path"),
         ({"store": "memory://", "map": "/nonexistent/idempotency.toml"},
          "RETRYSAFE: .*idempotency.toml"),
     ],

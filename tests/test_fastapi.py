@@ -6,6 +6,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+from _hangup import CALLER
 from _http_apps import Counter, fastapi_app
 from _http_servers import ThreadServer
 
@@ -19,7 +20,7 @@ def test_install_protects_and_documents(tmp_path: Path) -> None:
     tid = uuid.uuid4().hex
     with ThreadServer(app, "asgi") as server:
         schema = httpx.get(server.url + "/openapi.json").json()
-        headers = {"idempotency-key": tid, "x-test-id": tid}
+        headers = {"idempotency-key": tid, "x-test-id": tid, **CALLER}
         first = httpx.post(server.url + "/orders", json={"a": 1}, headers=headers)
         again = httpx.post(server.url + "/orders", json={"a": 1}, headers=headers)
         missing = httpx.post(server.url + "/orders", json={"a": 1}, headers={"x-test-id": tid})

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+from _hangup import CALLER, caller_scope
 from _upstream import GZIP_TEXT, RawUpstream, Reply, UpstreamProcess, pattern
 
 from retrysafe import Status, key_hash
@@ -45,7 +46,7 @@ class Running:
         self.port = int(server.url.rsplit(":", 1)[1])
 
     def record(self, key: str) -> Any:
-        return self.app.store.get(key_hash("", "http", key))
+        return self.app.store.get(key_hash(caller_scope(self.app.store), "http", key))
 
 
 @pytest.fixture
@@ -208,7 +209,7 @@ def test_answer_streams_before_the_upstream_finishes(gw: Running, origin: Upstre
 
 def test_keyed_answer_over_max_body_streams_then_replays_without_body(gw: Running) -> None:
     url = f"{gw.url}/stream?chunks=32&size=65536"  # 2 MiB, over the 1 MiB max_body
-    key = {"Idempotency-Key": "big-1"}
+    key = {"Idempotency-Key": "big-1", **CALLER}
     first = httpx.post(url, headers=key)
     assert first.status_code == 200 and len(first.content) == 2 * MiB
     assert first.content == b"".join(pattern(i, 65536) for i in range(32))
@@ -228,7 +229,7 @@ def test_memory_stays_flat_while_streaming(gw: Running) -> None:
     url = f"{gw.url}/stream?chunks=1024&size=65536"
     tracemalloc.start()
     try:
-        for method, headers in (("GET", {}), ("POST", {"Idempotency-Key": "flat-1"})):
+        for method, headers in (("GET", {}), ("POST", {"Idempotency-Key": "flat-1", **CALLER})):
             with httpx.stream(method, url, headers=headers) as r:
                 total = sum(len(part) for part in r.iter_raw())
             assert r.status_code == 200 and total == 64 * MiB
@@ -257,7 +258,7 @@ def test_memory_stays_flat_while_uploading(gw: Running) -> None:
 
 def test_keyed_post_runs_once_and_is_replayed(gw: Running, origin: UpstreamProcess) -> None:
     before = orders(gw.url)  # an unkeyed GET, proxied
-    key = {"Idempotency-Key": "order-1"}
+    key = {"Idempotency-Key": "order-1", **CALLER}
     first = httpx.post(gw.url + "/orders", json={"item": "book"}, headers=key)
     assert first.status_code == 201 and "idempotent-replayed" not in first.headers
     for _ in range(3):
@@ -284,7 +285,7 @@ def test_a_retry_sent_the_moment_the_answer_arrives_is_replayed(
     origin: UpstreamProcess, gateway: Callable[..., Running]
 ) -> None:
     gw = gateway(origin.url, store=SlowCompletes("memory://"))
-    key = {"Idempotency-Key": "fast-retry"}
+    key = {"Idempotency-Key": "fast-retry", **CALLER}
     first = httpx.post(gw.url + "/orders", json={}, headers=key)  # has its whole body here
     second = httpx.post(gw.url + "/orders", json={}, headers=key)  # on a new connection
     assert first.status_code == second.status_code == 201
@@ -303,7 +304,7 @@ def test_upstream_down_is_502_and_a_retry_runs_once_it_is_back(
 ) -> None:
     with UpstreamProcess() as later:  # bound, not listening yet: connections are refused
         gw = gateway(later.url)
-        key = {"Idempotency-Key": "down-1"}
+        key = {"Idempotency-Key": "down-1", **CALLER}
         r = httpx.post(gw.url + "/orders", json={"n": 1}, headers=key)
         assert r.status_code == 502
         assert r.headers["content-type"] == "application/problem+json"
@@ -325,7 +326,7 @@ def test_slow_upstream_is_504(origin: UpstreamProcess, gateway: Callable[..., Ru
     gw = gateway(origin.url, timeout=0.5)
     r = httpx.get(gw.url + "/slow?s=3")
     assert r.status_code == 504 and r.json()["code"] == "upstream_timeout"
-    r = httpx.post(gw.url + "/slow?s=3", headers={"Idempotency-Key": "slow-1"})
+    r = httpx.post(gw.url + "/slow?s=3", headers={"Idempotency-Key": "slow-1", **CALLER})
     assert r.status_code == 504
     assert gw.record("slow-1").status is Status.FAILED  # retryable
 
@@ -400,7 +401,7 @@ def test_answer_framings(
 def test_malformed_answer_is_502(gateway: Callable[..., Running], answer: bytes) -> None:
     with RawUpstream(always(answer, close=True)) as up:
         gw = gateway(up.url)
-        r = httpx.post(gw.url + "/x", json={}, headers={"Idempotency-Key": "bad-1"})
+        r = httpx.post(gw.url + "/x", json={}, headers={"Idempotency-Key": "bad-1", **CALLER})
         assert r.status_code == 502 and r.json()["code"] == "upstream_unavailable"
         assert gw.record("bad-1").status is Status.FAILED
 
@@ -420,7 +421,7 @@ def test_broken_off_answer_is_left_unfinished(
     with RawUpstream(always(answer, close=True)) as up:
         gw = gateway(up.url)
         with pytest.raises(httpx.RemoteProtocolError):  # truncated, never a short answer
-            httpx.post(gw.url + "/x", json={}, headers={"Idempotency-Key": "cut-1"})
+            httpx.post(gw.url + "/x", json={}, headers={"Idempotency-Key": "cut-1", **CALLER})
         assert gw.record("cut-1").status is Status.FAILED
 
 
@@ -494,7 +495,7 @@ def test_health_and_own_paths(gw: Running) -> None:
     assert r.headers["cache-control"] == "no-store"
     head = httpx.head(gw.url + "/_retrysafe/health")
     assert head.status_code == 200 and head.content == b""
-    post = httpx.post(gw.url + "/_retrysafe/health", headers={"Idempotency-Key": "h"})
+    post = httpx.post(gw.url + "/_retrysafe/health", headers={"Idempotency-Key": "h", **CALLER})
     assert post.status_code == 405 and post.headers["allow"] == "GET, HEAD"
     for path in ("/_retrysafe/x", "/%5Fretrysafe/x", "/_retrysafe/api/nope"):
         status, head_bytes, body = raw_get(gw.port, path.encode(), host=b"127.0.0.1")
@@ -524,7 +525,7 @@ def test_health_is_503_when_the_store_is_down(
         r = httpx.get(gw.url + "/_retrysafe/health")
         assert r.status_code == 503
         assert r.json() == {"status": "unavailable", "store": "unavailable"}
-        keyed = httpx.post(gw.url + "/orders", headers={"Idempotency-Key": "k"})
+        keyed = httpx.post(gw.url + "/orders", headers={"Idempotency-Key": "k", **CALLER})
         assert keyed.status_code == 503
         assert keyed.json()["code"] == "idempotency_store_unavailable"
         assert httpx.get(gw.url + "/count").status_code == 200  # unkeyed: still proxied

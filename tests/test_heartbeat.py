@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from _hangup import CALLER
 from _http_servers import ThreadServer
 
 from retrysafe import Engine, Store, open_store
@@ -75,7 +76,8 @@ def wsgi(engine: Engine, slow: Slow) -> Iterator[Callable[[], Any]]:
 def _http_call(url: str) -> Callable[[], Any]:
     def call() -> Any:
         with httpx.Client(timeout=30) as client:
-            answer = client.post(f"{url}/o", json={"n": 1}, headers={"Idempotency-Key": "k1"})
+            answer = client.post(f"{url}/o", json={"n": 1},
+                                 headers={"Idempotency-Key": "k1", **CALLER})  # fmt: skip
         if answer.status_code == 409:
             return "in flight"
         assert answer.status_code == 201, answer.text

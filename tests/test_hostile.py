@@ -73,6 +73,7 @@ HOSTILE = settings(
 HTTP_CODES = {
     "idempotency_key_required", "idempotency_key_invalid", "idempotency_body_invalid",
     "idempotency_body_too_large", "idempotency_in_flight", "idempotency_conflict",
+    "idempotency_credentials_ambiguous", "idempotency_principal_required",
 }  # fmt: skip
 MAX_REQUEST_BODY = 4096
 
@@ -439,15 +440,18 @@ def http_cases(draw: st.DrawFn) -> HttpCase:
 
 
 @HOSTILE
-@given(case=http_cases())
+@given(case=http_cases(), anonymous=st.sampled_from(["run", "share", "refuse"]))
 @example(case=HttpCase("POST", "/", b"", [(b"idempotency-key", b"k"),
                                           (b"content-length", b"9" * 5000)], [b"{}"], False,
-                       False))  # fmt: skip
-def test_asgi_front_door(case: HttpCase) -> None:
+                       False), anonymous="share")  # fmt: skip
+def test_asgi_front_door(case: HttpCase, anonymous: str) -> None:
+    """Hostile requests; the credentials among their headers (Authorization lines,
+    cookies) name the caller, and a request without any is run unrecorded, refused
+    or shared as ``anonymous`` says."""
     store = open_store("memory://")
     app = ASGIMiddleware(
         starlette_app(), store=store, require_key=case.require_key,
-        max_request_body=MAX_REQUEST_BODY,
+        max_request_body=MAX_REQUEST_BODY, anonymous=anonymous,
     )  # fmt: skip
     RUNS.calls.clear()
     try:
@@ -514,7 +518,7 @@ def wsgi_apps() -> dict[bool, Any]:
     return {
         required: WSGIMiddleware(flask_app().wsgi_app, store=sqlite_store(),
                                  require_key=required, max_request_body=MAX_REQUEST_BODY,
-                                 scope=_run_scope)
+                                 principal=_run_scope)
         for required in (False, True)
     }  # fmt: skip
 
@@ -709,7 +713,8 @@ def test_mesh_app(
         return {"charged": call.get("arguments")}
 
     app = MeshApp({"charge": charge}, store, max_body=MAX_REQUEST_BODY * 16)
-    headers: Headers = [] if ctype is None else [(b"content-type", ctype)]
+    caller = (b"authorization", b"Bearer hostile")
+    headers: Headers = [caller] if ctype is None else [caller, (b"content-type", ctype)]
     length = _length_for(declared, body)
     if length is not None:
         headers.append((b"content-length", length))
@@ -732,7 +737,7 @@ def test_mesh_app(
         return
     assert doc["extensions"][0]["data"]["status"] == "processed"
     [record] = store.records()
-    again = run(asgi_call(app, "POST", "/", [], [body]))
+    again = run(asgi_call(app, "POST", "/", [caller], [body]))
     status = again.json()["extensions"][0]["data"]["status"]
     if status == "processed":  # only if the request's own ttl ran out before its retry
         event("processed, expired (the request's ttl), processed again")

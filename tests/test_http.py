@@ -9,83 +9,20 @@ files, so "ran once" is checked even across processes.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import socket
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
-from _http_apps import Counter, django_app, fastapi_app, flask_app, starlette_app
-from _http_servers import ThreadServer, free_port
-from conftest import STORES, StoreSpec, make_spec
-
-from retrysafe import Store
-
-DOORS = ["starlette", "fastapi", "flask", "django", "gateway"]
-
-
-def build(door: str, counter: Counter, store: Store[Any], upstream: str | None,
-          **options: Any) -> tuple[Any, str]:  # fmt: skip
-    """The test API behind front door ``door``, and its kind (asgi or wsgi)."""
-    if door in ("starlette", "fastapi"):
-        from retrysafe.asgi import IdempotencyMiddleware
-
-        app = starlette_app(counter) if door == "starlette" else fastapi_app(counter)
-        app.add_middleware(IdempotencyMiddleware, store=store, **options)
-        return app, "asgi"
-    if door == "flask":
-        from retrysafe.wsgi import IdempotencyMiddleware as WsgiMiddleware
-
-        app = flask_app(counter)
-        app.wsgi_app = WsgiMiddleware(app.wsgi_app, store=store, **options)  # type: ignore[method-assign]
-        return app, "wsgi"
-    if door == "django":
-        return django_app(counter, {"store": store, **options}), "wsgi"
-    if door == "gateway":
-        from retrysafe.gateway import create_app
-
-        assert upstream is not None
-        return create_app(upstream, store=store, **options), "asgi"
-    raise AssertionError(door)
-
-
-@dataclass
-class Door:
-    """One front door on one store, served for a whole module; ``serve`` makes variants."""
-
-    name: str
-    spec: StoreSpec
-    store: Store[Any]
-    counter: Counter
-    upstream: str | None
-    url: str = ""
-
-    @contextlib.contextmanager
-    def serve(self, **options: Any) -> Iterator[str]:
-        app, kind = build(self.name, self.counter, self.store, self.upstream, **options)
-        with ThreadServer(app, kind) as server:
-            yield server.url
-
-
-@pytest.fixture(scope="module", params=[(d, s) for d in DOORS for s in STORES],
-                ids=lambda p: f"{p[0]}-{p[1]}")  # fmt: skip
-def door(
-    request: pytest.FixtureRequest, counter: Counter, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Door]:
-    name, store_name = request.param
-    spec = make_spec(store_name, request, tmp_path_factory.mktemp(store_name))
-    store = spec.open()
-    upstream = request.getfixturevalue("upstream") if name == "gateway" else None
-    d = Door(name, spec, store, counter, upstream)
-    with d.serve() as url:
-        d.url = url
-        yield d
-    store.close()
+from _doors import DOORS, Door
+from _hangup import CALLER, caller_scope, cookieless
+from _http_apps import Counter
+from _http_servers import free_port
+from conftest import StoreSpec
 
 
 @pytest.fixture
@@ -95,12 +32,14 @@ def tid() -> str:
 
 @pytest.fixture
 def client(door: Door) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=door.url, timeout=30) as c:
+    with httpx.Client(base_url=door.url, timeout=30, cookies=cookieless()) as c:
         yield c
 
 
 def keyed(tid: str, key: str | None = None, **extra: str) -> dict[str, str]:
-    headers = {"x-test-id": tid, "idempotency-key": key or f"key-{tid}"}
+    """The headers of a keyed request of test ``tid``, sent by :data:`CALLER` (``extra``
+    may give other credentials)."""
+    headers = {"x-test-id": tid, "idempotency-key": key or f"key-{tid}", **CALLER}
     headers.update(extra)
     return headers
 
@@ -179,7 +118,7 @@ def test_quoted_and_bare_forms_are_one_key(door: Door, client: httpx.Client, tid
     client.post("/orders", json={}, headers=keyed(tid, f"k-{tid}"))
     quoted = client.post("/orders", json={}, headers=keyed(tid, f'"k-{tid}"'))
     assert quoted.headers["idempotent-replayed"] == "true"
-    legacy = {"x-test-id": tid, "x-idempotency-key": f"k-{tid}"}
+    legacy = {"x-test-id": tid, "x-idempotency-key": f"k-{tid}", **CALLER}
     assert client.post("/orders", json={}, headers=legacy).headers["idempotent-replayed"] == "true"
     assert door.counter.count(tid) == 1
 
@@ -311,11 +250,11 @@ def _in_background(url: str, path: str, headers: dict[str, str]) -> concurrent.f
     return future
 
 
-def _wait_until_claimed(door: Door, key: str, scope: str = "") -> None:
+def _wait_until_claimed(door: Door, key: str) -> None:
     """Poll the store until the first request's claim is there (no blind sleep)."""
     from retrysafe import key_hash
 
-    h = key_hash(scope, "http", key)
+    h = key_hash(caller_scope(door.store), "http", key)
     for _ in range(2000):
         if door.store.get(h) is not None:
             return
@@ -393,8 +332,8 @@ def test_two_principals_never_share_a_record(door: Door, client: httpx.Client, t
     assert door.counter.count(tid) == 2
 
 
-def test_a_custom_scope(door: Door, tid: str) -> None:
-    with door.serve(scope=lambda request: request.headers.get("x-tenant")) as url:
+def test_a_principal_callable(door: Door, tid: str) -> None:
+    with door.serve(principal=lambda request: request.headers.get("x-tenant")) as url:
         for tenant in ("t1", "t2", "t1"):
             httpx.post(url + "/orders", json={}, headers=keyed(tid, **{"x-tenant": tenant}))
     assert door.counter.count(tid) == 2
@@ -477,7 +416,7 @@ def test_a_client_that_gave_up_gets_the_replay(door: Door, tid: str) -> None:
     headers = keyed(tid)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(door.url + "/slow?ms=700", json={}, headers=headers, timeout=0.2)
-    h = key_hash("", "http", headers["idempotency-key"])
+    h = key_hash(caller_scope(door.store), "http", headers["idempotency-key"])
     for _ in range(2000):
         record = door.store.get(h)
         if record is not None and record.status is Status.COMPLETED:

@@ -13,7 +13,6 @@ from retrysafe._http import (
     OMITTED,
     BodyError,
     HttpPolicy,
-    credentials_scope,
     parse_key,
     request_fingerprint,
 )
@@ -102,10 +101,15 @@ def test_bad_json_bodies_are_refused(body: bytes) -> None:
     assert info.value.code == "idempotency_body_invalid" and info.value.status == 400
 
 
-def test_the_default_scope_hides_the_credential() -> None:
-    scope = credentials_scope("Bearer secret-token")
-    assert scope.startswith("auth:") and "secret" not in scope
-    assert scope != credentials_scope("Bearer other") and credentials_scope(None) == ""
+def test_a_keyed_fingerprint_needs_the_secret() -> None:
+    """The stored fingerprint of a body holding a password is an HMAC: without the
+    deployment secret, hashing guesses never finds it."""
+    body = b'{"user":"alice","password":"hunter2"}'
+    plain = request_fingerprint("POST", "/login", "", "application/json", body)
+    keyed = request_fingerprint("POST", "/login", "", "application/json", body, b"s" * 32)
+    assert keyed != plain
+    assert keyed == request_fingerprint("POST", "/login", "", "application/json", body, b"s" * 32)
+    assert keyed != request_fingerprint("POST", "/login", "", "application/json", body, b"t" * 32)
 
 
 def test_sensitive_headers_are_not_stored_unless_allowed() -> None:

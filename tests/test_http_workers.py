@@ -1,8 +1,10 @@
-"""Four worker processes on one shared store: still one run per key.
+"""Four worker processes on one shared store: still one run per key and caller.
 
 Starlette on ``uvicorn --workers 4``, Flask and Django on ``gunicorn -w 4``
 and the gateway on ``retrysafe gateway --workers 4``, each on SQLite, Redis
-and PostgreSQL; duplicates race across processes.
+and PostgreSQL; duplicates race across processes, and two callers race on
+every key (one by bearer token, one by a session cookie beside an analytics
+cookie that changes with every copy): each caller's request runs once.
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ from _http_servers import Process, free_port, gunicorn_argv, uvicorn_argv
 from conftest import SHARED_STORES, store_url
 
 WORKERS = 4
+#: The two callers of every key: a bearer token, and a session cookie beside an
+#: analytics cookie that is new on every copy.
+CALLERS = {
+    "a": lambda: {"authorization": "Bearer alice"},
+    "b": lambda: {"cookie": f"session=bob; _ga=GA1.1.{uuid.uuid4().int % 10**9}"},
+}
 
 
 def _argv(door: str, port: int, store: str, upstream: str | None) -> list[str]:
@@ -61,7 +69,8 @@ ROUNDS = 3
 def test_duplicates_across_worker_processes_run_once(
     workers: tuple[str, str], counter: Counter
 ) -> None:
-    """20 keys, 10 concurrent copies each, 50 at a time, over 4 processes.
+    """20 keys, 10 concurrent copies each (5 from each of two callers), 50 at a
+    time, over 4 processes.
 
     Every round must run each key once. The kernel, not the test, decides which
     worker accepts a connection, and an async worker can take a whole round by
@@ -77,7 +86,7 @@ def test_duplicates_across_worker_processes_run_once(
         # Every worker's counters, added up by whichever worker answers the scrape.
         for _ in range(3):
             after = _totals(metrics)
-            assert after["executions"] - before["executions"] == 20, (before, after)
+            assert after["executions"] - before["executions"] == 40, (before, after)
             keyed = sum(after[n] - before[n] for n in ("executions", "replays", "in_flight"))
             assert keyed == 200 and after["conflicts"] == before["conflicts"], (before, after)
         seen.append(pids)
@@ -108,31 +117,35 @@ def _totals(url: str) -> dict[str, float]:
 
 
 def _round(url: str, counter: Counter) -> set[str]:
-    """One storm of keyed duplicates, with unkeyed requests mixed in.
+    """One storm of keyed duplicates from two callers, with unkeyed requests mixed in.
 
     Returns the pids that ran handlers: each unkeyed request runs one, so they
     show which workers took the load.
     """
-    tids = [uuid.uuid4().hex for _ in range(20)]
+    keys = [uuid.uuid4().hex for _ in range(20)]
+    tids = [f"{key}-{who}" for key in keys for who in CALLERS]
     filler = uuid.uuid4().hex
     # One unkeyed request before every third keyed one.
     jobs: list[str | None] = []
-    for i, tid in enumerate(tid for tid in tids for _ in range(10)):
+    for i, tid in enumerate(tid for tid in tids for _ in range(5)):
         jobs.extend((None, tid) if i % 3 == 0 else (tid,))
 
     local = threading.local()
     clients: list[httpx.Client] = []
 
     def send(tid: str | None) -> httpx.Response:
-        headers = {"x-test-id": filler} if tid is None else {
-            "x-test-id": tid, "idempotency-key": f"k-{tid}"
-        }  # fmt: skip
+        if tid is None:
+            headers = {"x-test-id": filler}
+        else:
+            key, who = tid.split("-")
+            headers = {"x-test-id": tid, "idempotency-key": f"k-{key}", **CALLERS[who]()}
         # A client per thread (httpx's shared pool raced under this load) and a new
         # connection per request, so the kernel spreads them over the workers.
         if not hasattr(local, "client"):
             local.client = httpx.Client(timeout=60, headers={"connection": "close"})
             clients.append(local.client)
-        return local.client.post(f"{url}/slow?ms=200", json={"t": tid}, headers=headers)
+        body = {"t": tid and tid.split("-")[0]}  # one request for both callers
+        return local.client.post(f"{url}/slow?ms=200", json=body, headers=headers)
 
     with ThreadPoolExecutor(50) as pool:
         answers = list(pool.map(send, jobs))
@@ -146,4 +159,7 @@ def _round(url: str, counter: Counter) -> set[str]:
     assert counter.count(filler) == len(unkeyed)
     ran = [r for r in keyed if r.status_code == 200 and "idempotent-replayed" not in r.headers]
     assert len(ran) == len(tids)
+    for tid in tids:  # a caller's replays are its own answer, never the other caller's
+        mine = [r for r, t in zip(answers, jobs, strict=True) if t == tid and r.status_code == 200]
+        assert len({r.content for r in mine}) == 1, tid
     return {r.headers.get("x-pid", "?") for r in ran + unkeyed}

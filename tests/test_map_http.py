@@ -14,9 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
+from _doors import DOORS, build
+from _hangup import CALLER, caller_scope, cookieless
 from _http_apps import Counter
 from _http_servers import ThreadServer
-from test_http import DOORS, build, problem
+from test_http import problem
 
 from retrysafe import IdempotencyMap, Store, key_hash, open_store
 
@@ -68,7 +70,7 @@ def served(
 
 @pytest.fixture
 def client(served: tuple[str, Store[Any], Counter]) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=served[0], timeout=30) as c:
+    with httpx.Client(base_url=served[0], timeout=30, headers=CALLER, cookies=cookieless()) as c:
         yield c
 
 
@@ -87,7 +89,7 @@ def test_route_requires_its_key_and_answers_duplicates_with_204(
     again = client.post("/orders", json={"a": 1}, headers=headers)
     assert again.status_code == 204 and again.headers["idempotent-replayed"] == "true"
     assert counter.count(tid) == 1
-    record = store.get(key_hash("", "order", key))
+    record = store.get(key_hash(caller_scope(store), "order", key))
     assert record is not None and record.operation == "order"
     assert record.retention == "standard"
     assert record.expires_at - record.created_at == pytest.approx(2 * 3600)
@@ -104,7 +106,7 @@ def test_route_reads_its_own_header_and_checks_the_key_format(
     assert first.status_code == 200, first.text
     again = client.post("/raw", content=b"charge", headers=headers)
     assert again.headers["idempotent-replayed"] == "true" and again.content == b"charge"
-    record = store.get(key_hash("", "payment", key))
+    record = store.get(key_hash(caller_scope(store), "payment", key))
     assert record is not None and record.retention == "financial"
     assert record.expires_at - record.created_at == pytest.approx(7 * 86400)
 
@@ -113,7 +115,7 @@ def test_route_reads_its_own_header_and_checks_the_key_format(
     doc = problem(bad, 400, "idempotency_key_invalid")
     assert "payment:{order_id}:{amount}:{currency}:{timestamp}" in doc["detail"]
     assert counter.count(tid) == 1  # the replay and the refused key ran nothing
-    assert store.get(key_hash("", "payment", "pay-123")) is None
+    assert store.get(key_hash(caller_scope(store), "payment", "pay-123")) is None
 
 
 def test_unmatched_requests_get_the_middleware_options(
@@ -125,7 +127,7 @@ def test_unmatched_requests_get_the_middleware_options(
     again = client.post("/status/201", headers={"idempotency-key": key})
     assert first.status_code == again.status_code == 201
     assert again.headers["idempotent-replayed"] == "true"
-    record = store.get(key_hash("", "http", key))
+    record = store.get(key_hash(caller_scope(store), "http", key))
     assert record is not None and record.operation == "http"
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from _hangup import CALLER
 from _http_servers import ThreadServer
 from _racing import race_processes
 from conftest import Clock, StoreSpec
@@ -833,7 +834,10 @@ def served(tmp_path: Path) -> Iterator[tuple[httpx.Client, Functions, Store[Any]
     functions = Functions()
     store = open_store(f"sqlite:///{tmp_path}/mesh.db")
     app = MeshApp(functions.handlers(), store, max_body=4096)
-    with ThreadServer(app, "asgi") as server, httpx.Client(base_url=server.url) as client:
+    with (
+        ThreadServer(app, "asgi") as server,
+        httpx.Client(base_url=server.url, headers=CALLER) as client,
+    ):
         yield client, functions, store
     store.close()
 
@@ -922,15 +926,35 @@ def test_http_method_and_size(served: tuple[httpx.Client, Functions, Store[Any]]
     assert functions.runs == [] and store.records() == []
 
 
-def test_http_custom_scope_and_store_down() -> None:
-    def scope(asgi_scope: dict[str, Any]) -> str:
-        return "tenant"
+def test_http_custom_principal_and_store_down() -> None:
+    """A principal= callable names an anonymous caller; the store is down, so even
+    the deployment secret cannot be read: a retryable Mesh error, nothing run."""
+    runs: list[int] = []
 
-    app = MeshApp({"payments.charge": lambda call: RESULT}, "redis://127.0.0.1:1", scope=scope)
+    def charge(call: Any) -> Any:
+        runs.append(1)
+        return RESULT
+
+    app = MeshApp(
+        {"payments.charge": charge}, "redis://127.0.0.1:1", principal=lambda request: "tenant"
+    )
     with ThreadServer(app, "asgi") as server:
         answer = httpx.post(server.url, json=request())
     assert answer.status_code == 200
-    assert answer.json()["errors"][0]["code"] == "IDEMPOTENCY_STORE_UNAVAILABLE"
+    [error] = answer.json()["errors"]
+    assert error["code"] == "IDEMPOTENCY_STORE_UNAVAILABLE" and error["retryable"] is True
+    assert runs == []
+
+
+def test_the_old_scope_option_still_names_the_caller(memory: Store[Any]) -> None:
+    """``scope=`` (a callable over the ASGI scope) is ``principal=``'s old name."""
+    with pytest.warns(DeprecationWarning, match="principal="):
+        app = MeshApp({"payments.charge": lambda call: RESULT}, memory,
+                      scope=lambda asgi: asgi["path"])  # fmt: skip
+    with ThreadServer(app, "asgi") as server:
+        for path in ("/a", "/b", "/a"):
+            httpx.post(server.url + path, json=request())
+    assert len(memory.records()) == 2
 
 
 async def test_app_lifespan_and_deep_json(memory: Store[Any]) -> None:
@@ -967,7 +991,8 @@ async def call_app(app: MeshApp, envelope: dict[str, Any]) -> dict[str, Any]:
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    await app({"type": "http", "method": "POST", "headers": []}, receive, send)
+    caller = [(b"authorization", CALLER["authorization"].encode())]
+    await app({"type": "http", "method": "POST", "headers": caller}, receive, send)
     assert sent[0]["status"] == 200
     return json.loads(sent[1]["body"])  # type: ignore[no-any-return]
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from _hangup import CALLER
 from _http_servers import Process, free_port, uvicorn_argv
 from test_client import FakeTime, expected_delays, policy
 from test_client import scripted as scripted_once
@@ -430,7 +431,9 @@ def test_real_server_8_threads_one_key(server: tuple[str, Path]) -> None:
     barrier = threading.Barrier(CALLERS)
 
     def caller(_: int) -> dict[str, Any]:
-        with MeshClient(transport=Recording(seen), retry=real_policy(), timeout=10) as c:
+        with MeshClient(
+            transport=Recording(seen), retry=real_policy(), timeout=10, headers=CALLER
+        ) as c:
             barrier.wait()
             return c.call(url, "payments.charge", {"order": order}, key=key)
 
@@ -446,7 +449,9 @@ def test_real_server_8_tasks_one_key(server: tuple[str, Path]) -> None:
 
     async def main() -> list[dict[str, Any]]:
         transport = AsyncRecording(seen)
-        async with AsyncMeshClient(transport=transport, retry=real_policy(), timeout=10) as c:
+        async with AsyncMeshClient(
+            transport=transport, retry=real_policy(), timeout=10, headers=CALLER
+        ) as c:
             one = {"order": order}
             calls = [c.call(url, "payments.charge", one, key=key) for _ in range(CALLERS)]
             return list(await asyncio.gather(*calls))
@@ -461,12 +466,16 @@ def test_real_server_lost_answer_is_replayed(mode: str, server: tuple[str, Path]
     timeout = httpx.Timeout(5, read=SLOW / 2)  # the first answer comes after the client left
 
     def sync() -> dict[str, Any]:
-        with MeshClient(transport=Recording(seen), retry=real_policy(), timeout=timeout) as c:
+        with MeshClient(
+            transport=Recording(seen), retry=real_policy(), timeout=timeout, headers=CALLER
+        ) as c:
             return c.call(url, "payments.charge", {"order": order})
 
     async def asynchronous() -> dict[str, Any]:
         transport = AsyncRecording(seen)
-        async with AsyncMeshClient(transport=transport, retry=real_policy(), timeout=timeout) as c:
+        async with AsyncMeshClient(
+            transport=transport, retry=real_policy(), timeout=timeout, headers=CALLER
+        ) as c:
             return await c.call(url, "payments.charge", {"order": order})
 
     doc = sync() if mode == "sync" else asyncio.run(asynchronous())

@@ -21,9 +21,10 @@ from typing import Any
 
 import httpx
 import pytest
+from _doors import build
+from _hangup import CALLER, caller_scope, cookieless
 from _http_apps import Counter
 from _http_servers import ThreadServer
-from test_http import build
 
 from retrysafe import Engine, LeaseLostError, Outcome, Store, idempotent, key_hash, open_store
 from retrysafe._admin import AdminSite
@@ -88,19 +89,21 @@ def test_each_outcome_is_counted_once_on_every_http_door(
     tid = uuid.uuid4().hex
 
     def keyed(key: str) -> dict[str, str]:
-        return {"idempotency-key": key, "x-test-id": tid}
+        return {"idempotency-key": key, "x-test-id": tid, **CALLER}
 
-    with httpx.Client(base_url=door, timeout=30) as c:
+    with httpx.Client(base_url=door, timeout=30, cookies=cookieless()) as c:
         k = uuid.uuid4().hex
         assert c.post("/orders", json={"a": 1}, headers=keyed(k)).status_code == 201
         assert c.post("/orders", json={"a": 1}, headers=keyed(k)).headers["idempotent-replayed"]
         assert c.post("/orders", json={"a": 2}, headers=keyed(k)).status_code == 422
         assert c.post("/orders", json={}, headers=keyed('"open')).status_code == 400
+        anonymous = {"idempotency-key": k, "x-test-id": tid}  # runs, unrecorded
+        assert c.post("/orders", json={"a": 1}, headers=anonymous).status_code == 201
         assert c.post("/status/500", json={}, headers=keyed(uuid.uuid4().hex)).status_code == 500
         slow = uuid.uuid4().hex
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             first = pool.submit(c.post, "/slow?ms=3000", json={}, headers=keyed(slow))
-            h = key_hash("", op, slow)
+            h = key_hash(caller_scope(memory), op, slow)
             deadline = time.monotonic() + 20
             while memory.get(h) is None:
                 assert time.monotonic() < deadline, "the first request never claimed its key"
@@ -110,7 +113,7 @@ def test_each_outcome_is_counted_once_on_every_http_door(
         assert c.get("/count/" + tid).status_code == 200  # not keyed: counts nothing
     assert counts(op) == {
         "executed": 3, "replayed": 1, "conflict": 1, "invalid_key": 1, "failed": 1,
-        "in_flight": 1,
+        "in_flight": 1, "unscoped": 1,
     }  # fmt: skip
     assert handler_count(op) == 3  # two completions and one failure, each timed
 
@@ -123,8 +126,8 @@ def test_a_store_that_is_down_is_counted_on_every_http_door(
     upstream = request.getfixturevalue("upstream") if name == "gateway" else None
     app, kind = build(name, counter, down, upstream, operation=op)
     with ThreadServer(app, kind) as server:
-        r = httpx.post(server.url + "/orders", json={}, headers={"idempotency-key": "k"},
-                       timeout=30)  # fmt: skip
+        r = httpx.post(server.url + "/orders", json={},
+                       headers={"idempotency-key": "k", **CALLER}, timeout=30)  # fmt: skip
     assert r.status_code == 503 and r.json()["code"] == "idempotency_store_unavailable"
     assert counts(op) == {"store_unavailable": 1}
 

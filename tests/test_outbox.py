@@ -21,10 +21,13 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from _flaky_upstream import FRONTS, SCHEMA, effects, serve
+from _hangup import CALLER
+from _http_servers import ThreadServer
 from test_client import FakeTime, policy, problem, scripted
 
 from retrysafe import FingerprintMismatchError, InvalidKeyError
@@ -282,6 +285,32 @@ def test_cli(box: Outbox, capsys: pytest.CaptureFixture[str]) -> None:
     assert "the outbox is empty" in capsys.readouterr().out
 
 
+def test_cli_flush_sends_the_callers_headers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The outbox keeps no credentials: ``--header`` and ``--header-env`` give them to
+    the flusher, whose every request carries them (the server tells callers apart)."""
+    seen: list[dict[str, str]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        seen.append({k.decode(): v.decode() for k, v in scope["headers"]})
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    box = Outbox(tmp_path / "o.db")
+    box.enqueue("POST", "/x", json={"a": 1})
+    monkeypatch.setenv("TEST_TOKEN", "Bearer from-env")
+    with ThreadServer(app, "asgi") as server:
+        argv = ["outbox", "flush", "--path", str(box.path), "--base-url", server.url,
+                "--header", "X-Tenant: t1", "--header-env", "Authorization=TEST_TOKEN"]  # fmt: skip
+        assert cli(argv) == 0
+    [sent] = seen
+    assert sent["authorization"] == "Bearer from-env" and sent["x-tenant"] == "t1"
+    assert "idempotency-key" in sent and len(box) == 0
+
+
 def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli(["outbox", "list", "--path", str(tmp_path / "none.db")]) == 2
     assert capsys.readouterr().err.strip() == (
@@ -292,6 +321,16 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert cli(["outbox", "flush", "--path", str(box.path), "--base-url", "http://[::1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("retrysafe outbox flush: error: cannot send") and err.count("\n") == 1
+    assert len(box) == 1
+    for given in (
+        ["--header", "no colon"],
+        ["--header", ": v"],
+        ["--header-env", "Authorization"],
+        ["--header-env", "A=NO_SUCH_VARIABLE"],
+    ):
+        assert cli(["outbox", "flush", "--path", str(box.path), *given]) == 2, given
+        err = capsys.readouterr().err
+        assert err.startswith("retrysafe outbox flush: error: --header") and err.count("\n") == 1
     assert len(box) == 1
     bad = tmp_path / "bad.db"
     bad.write_text("garbage " * 200)
@@ -320,9 +359,13 @@ def applied(db: str, idents: list[str]) -> list[str]:
 
 
 def flusher(url: str, path: Path) -> subprocess.Popen[bytes]:
+    """A ``retrysafe outbox flush`` process, sending the caller's token (the outbox
+    keeps no credentials; the server keeps each caller's answers apart)."""
     argv = [sys.executable, "-m", "retrysafe", "outbox", "flush", "--path", str(path),
-            "--base-url", url, "--timeout", "2", "--max-time", "20"]  # fmt: skip
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            "--base-url", url, "--timeout", "2", "--max-time", "20",
+            "--header-env", "Authorization=TEST_AUTHORIZATION"]  # fmt: skip
+    env = {**os.environ, "TEST_AUTHORIZATION": CALLER["authorization"]}
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
 
 
 def queue(path: Path, n: int) -> list[str]:

@@ -17,7 +17,7 @@ from wsgiref.util import setup_testing_defaults
 
 import httpx
 import pytest
-from _hangup import hang_up, status_of, wait_for
+from _hangup import CALLER, cookieless, hang_up, status_of, wait_for
 from _http_apps import Counter, flask_app
 from _http_servers import ThreadServer
 
@@ -28,7 +28,7 @@ WSGIApp = Callable[..., Iterable[bytes]]
 
 
 def keyed(tid: str, key: str | None = None) -> dict[str, str]:
-    return {"x-test-id": tid, "idempotency-key": key or f"key-{tid}"}
+    return {"x-test-id": tid, "idempotency-key": key or f"key-{tid}", **CALLER}
 
 
 # -- Flask on a real server ---------------------------------------------------------------
@@ -59,7 +59,10 @@ def flask(counter: Counter, store: Store[Any], **options: Any) -> ThreadServer:
 def test_flask_replays_byte_for_byte_without_the_cookie(
     store: Store[Any], counter: Counter, tid: str
 ) -> None:
-    with flask(counter, store) as server, httpx.Client(base_url=server.url) as client:
+    with (
+        flask(counter, store) as server,
+        httpx.Client(base_url=server.url, cookies=cookieless()) as client,
+    ):
         first = client.post("/orders", json={"item": "book"}, headers=keyed(tid))
         again = client.post("/orders", json={"item": "book"}, headers=keyed(tid))
     assert first.status_code == again.status_code == 201
@@ -113,7 +116,10 @@ def test_a_chunked_request_body_is_read_whole(
     memory: Store[Any], counter: Counter, tid: str
 ) -> None:
     data = bytes(range(256)) * 40
-    with flask(counter, memory) as server, httpx.Client(base_url=server.url) as client:
+    with (
+        flask(counter, memory) as server,
+        httpx.Client(base_url=server.url, cookies=cookieless()) as client,
+    ):
         first = client.post("/raw", content=_chunked(data), headers=keyed(tid))
         assert first.request.headers["transfer-encoding"] == "chunked"
         again = client.post("/raw", content=_chunked(data), headers=keyed(tid))
@@ -190,6 +196,7 @@ class Server:
         environ["wsgi.input"] = io.BytesIO(body)
         if key is not None:
             environ["HTTP_IDEMPOTENCY_KEY"] = key
+            environ["HTTP_AUTHORIZATION"] = CALLER["authorization"]
         return self.app(environ, self.start_response)
 
     def get(self, body: bytes = b"", key: str | None = "k") -> bytes:
@@ -390,7 +397,8 @@ def test_a_short_request_body_is_refused(memory: Store[Any]) -> None:
     server = Server(IdempotencyMiddleware(app_of(Body(1, 1)), store=memory))
     environ: dict[str, Any] = {}
     setup_testing_defaults(environ)
-    environ.update(REQUEST_METHOD="POST", CONTENT_LENGTH="100", HTTP_IDEMPOTENCY_KEY="k")
+    environ.update(REQUEST_METHOD="POST", CONTENT_LENGTH="100", HTTP_IDEMPOTENCY_KEY="k",
+                   HTTP_AUTHORIZATION=CALLER["authorization"])  # fmt: skip
     environ["wsgi.input"] = io.BytesIO(b"only ten b")
     body = b"".join(server.app(environ, server.start_response))
     assert server.status == "400 Bad Request"

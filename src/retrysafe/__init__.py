@@ -8,11 +8,13 @@ from __future__ import annotations
 from ._decorator import idempotent
 from ._engine import DEFAULT_LEASE, DEFAULT_TTL, Attempt, Claim, Engine, Replay
 from ._errors import (
+    AmbiguousCredentialsError,
     FingerprintMismatchError,
     IdempotencyError,
     InProgressError,
     InvalidKeyError,
     LeaseLostError,
+    PrincipalRequiredError,
     StoreUnavailableError,
 )
 from ._keys import canonical_json, fingerprint, key_hash, validate_key
@@ -26,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_LEASE",
     "DEFAULT_TTL",
+    "AmbiguousCredentialsError",
     "Attempt",
     "Claim",
     "ClaimResult",
@@ -39,6 +42,7 @@ __all__ = [
     "MapError",
     "Operation",
     "Outcome",
+    "PrincipalRequiredError",
     "Record",
     "Replay",
     "Route",

@@ -28,10 +28,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._errors import (
+    AmbiguousCredentialsError,
     FingerprintMismatchError,
     IdempotencyError,
     InProgressError,
     InvalidKeyError,
+    PrincipalRequiredError,
     StoreUnavailableError,
 )
 from ._keys import canonical_json, fingerprint, validate_key
@@ -73,6 +75,7 @@ class ErrorCode(enum.IntEnum):
     CONFLICT = -32091
     STORE_UNAVAILABLE = -32092
     FAILED = -32093
+    PRINCIPAL_REQUIRED = -32094
 
 
 # -- the two spellings ---------------------------------------------------------------
@@ -383,6 +386,12 @@ def refusal(request_id: Any, exc: IdempotencyError, operation: str = "a2a.send")
     if isinstance(exc, InvalidKeyError):
         return error_reply(request_id, ErrorCode.INVALID_PARAMS, f"Invalid params: {exc}",
                            {"code": exc.code})  # fmt: skip
+    if isinstance(exc, AmbiguousCredentialsError):
+        return error_reply(request_id, ErrorCode.INVALID_REQUEST, str(exc),
+                           {"code": exc.code, "retryable": False})  # fmt: skip
+    if isinstance(exc, PrincipalRequiredError):
+        return error_reply(request_id, ErrorCode.PRINCIPAL_REQUIRED, str(exc),
+                           {"code": exc.code, "retryable": False})  # fmt: skip
     if isinstance(exc, InProgressError):
         return error_reply(
             request_id, ErrorCode.IN_FLIGHT,

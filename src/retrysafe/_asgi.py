@@ -7,9 +7,14 @@ import inspect
 import json
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, MutableMapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._http import credentials_scope
+from ._http import Headers, HttpRequest
+from ._principal import Principal, Principals, asgi_user, unscoped
+from ._secret import asecret_of
+
+if TYPE_CHECKING:
+    from .stores import Store
 
 __all__ = [
     "ASGIApp",
@@ -18,8 +23,10 @@ __all__ = [
     "Receive",
     "Scope",
     "Send",
+    "caller_scope",
     "closing",
     "header",
+    "http_request",
     "is_async",
     "lifespan",
     "principal",
@@ -110,21 +117,40 @@ def header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def principal(scope: Scope, scope_fn: Callable[[Scope], str | None] | None) -> str:
-    """The caller of a request: ``scope_fn(scope)``, or by default a hash of its
-    ``Authorization`` header ("" without one).
+def http_request(scope: Scope) -> HttpRequest:
+    """The request of an ASGI ``scope``, as ``principal=`` and ``require_key=`` see it."""
+    return HttpRequest(
+        scope["method"],
+        scope["path"],
+        scope.get("query_string", b"").decode("latin-1"),
+        Headers((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]),
+        scope,
+    )
 
-    ``scope_fn`` returning None is the empty principal; anything else but a str
-    is a TypeError.
+
+async def caller_scope(
+    scope: Scope, principals: Principals, store: Store[Any], operation: str
+) -> str | None:
+    """The record scope of an ASGI request's caller (a keyed hash, see
+    :mod:`retrysafe._principal`); None: anonymous, to run without a record.
+
+    Raises what :meth:`Principals.identify` raises, and
+    :class:`~retrysafe.StoreUnavailableError` if the deployment secret cannot be read.
     """
-    if scope_fn is None:
-        return credentials_scope(header(scope, b"authorization"))
-    value = scope_fn(scope)
-    if value is None:
-        return ""
-    if type(value) is not str:
-        raise TypeError(f"scope= must return a str or None, not {type(value).__name__}")
-    return value
+    who = principal(scope, principals)
+    if who is None:
+        unscoped(operation)
+        return None
+    return who.scope(await asecret_of(store))
+
+
+def principal(scope: Scope, principals: Principals) -> Principal | None:
+    """Who sends an ASGI request (see :meth:`Principals.identify`); None: anonymous,
+    to run without a record."""
+    wanted = principals.raw_names
+    found = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k in wanted]
+    query = scope.get("query_string", b"").decode("latin-1")
+    return principals.identify(lambda: http_request(scope), asgi_user(scope), found, query)
 
 
 def is_async(handler: Callable[..., Any]) -> bool:

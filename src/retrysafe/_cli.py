@@ -160,8 +160,49 @@ def gateway(
     timeout: Annotated[
         float, typer.Option(help="Seconds to wait for the upstream to connect or send.")
     ] = 60.0,
+    principal_header: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--principal-header",
+            metavar="NAME",
+            help="A header that carries a credential (repeat for several). Given at all, "
+            "it replaces the default list (Proxy-Authorization, X-API-Key, Api-Key, "
+            "X-Api-Token, X-Auth-Token, X-Access-Token, X-Session-Token, X-User-Token); "
+            "every Authorization line always counts.",
+        ),
+    ] = None,
+    principal_cookie: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--principal-cookie",
+            metavar="NAME",
+            help="A session cookie's name (repeat for several): only these cookies name "
+            "the caller. Default: every cookie but analytics, consent, CSRF and "
+            "load-balancer ones.",
+        ),
+    ] = None,
+    principal_query: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--principal-query",
+            metavar="NAME",
+            help="A query parameter that carries a credential (repeat for several).",
+        ),
+    ] = None,
+    anonymous: Annotated[
+        str | None,
+        typer.Option(
+            metavar="run|refuse|share",
+            help="What a keyed request without credentials gets: run without a record "
+            "(default), refuse (403), or share one public record space.",
+        ),
+    ] = None,
 ) -> int:
-    """A reverse proxy that makes an HTTP API's retries safe."""
+    """A reverse proxy that makes an HTTP API's retries safe.
+
+    Answers never cross callers: a caller is named by its credentials (every
+    Authorization line, API-key headers, session cookies); see docs/principals.md.
+    """
     import uvicorn
 
     from . import gateway as gw
@@ -183,9 +224,17 @@ def gateway(
         from ._map import IdempotencyMap
 
         imap = IdempotencyMap.load(map_file)
+    principals = {
+        "principal_headers": principal_header or None,
+        "principal_cookies": principal_cookie or None,
+        "principal_query": principal_query or None,
+        "anonymous": anonymous,
+    }
+    principals = {name: value for name, value in principals.items() if value is not None}
     application = gw.create_app(
-        upstream, store=store_url, require_key=require_key, timeout=timeout, map=imap
-    )
+        upstream, store=store_url, require_key=require_key, timeout=timeout, map=imap,
+        **principals,
+    )  # fmt: skip
     try:
         gw.probe_store(application.store)
     except StoreUnavailableError as exc:
@@ -223,6 +272,8 @@ def gateway(
             }
             if map_file is not None:
                 env[gw.ENV_MAP] = str(Path(map_file).resolve())
+            if principals:
+                env[gw.ENV_PRINCIPALS] = json.dumps(principals)
             os.environ.update(env)
             stack.enter_context(_shared_metrics())  # the workers' counters, added up
             uvicorn.run(
@@ -688,6 +739,22 @@ def outbox_flush(
     timeout: Annotated[float, typer.Option(help="Seconds for each HTTP attempt.")] = 10.0,
     max_attempts: Annotated[int, typer.Option(min=1, help="Attempts per mutation.")] = 5,
     max_time: Annotated[float, typer.Option(help="Seconds of retrying per mutation.")] = 30.0,
+    header: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="'NAME: VALUE'",
+            help="A header every request carries (repeat for several), such as the "
+            "caller's credentials: the outbox never keeps them, the flusher adds them.",
+        ),
+    ] = None,
+    header_env: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="NAME=VAR",
+            help="A header whose value is read from the environment variable VAR (keeps "
+            "a token off the command line), e.g. Authorization=API_AUTHORIZATION.",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> int:
     """Send the queued mutations in order; exit 1 unless every one was accepted."""
@@ -698,6 +765,9 @@ def outbox_flush(
     box = _outbox(path)
     policy = RetryPolicy(max_attempts=max_attempts, max_time=max_time)
     options: dict[str, Any] = {"retry": policy, "timeout": timeout}
+    headers = _flush_headers(header or [], header_env or [])
+    if headers:
+        options["headers"] = headers
     if base_url is not None:
         options["base_url"] = base_url
     try:
@@ -720,6 +790,25 @@ def outbox_flush(
         if result.error:
             print(f"  stopped at {result.error}")
     return 0 if result.complete else 1
+
+
+def _flush_headers(given: list[str], from_env: list[str]) -> dict[str, str]:
+    """``--header 'NAME: VALUE'`` and ``--header-env NAME=VAR`` as one dict (CliError if bad)."""
+    headers: dict[str, str] = {}
+    for text in given:
+        name, sep, value = text.partition(":")
+        if not sep or not name.strip():
+            raise CliError(f"--header {text.split(':', 1)[0]!r}...: give it as 'NAME: VALUE'")
+        headers[name.strip()] = value.strip()
+    for text in from_env:
+        name, sep, var = text.partition("=")
+        if not sep or not name.strip() or not var.strip():
+            raise CliError(f"--header-env {text!r}: give it as NAME=VARIABLE")
+        value = os.environ.get(var.strip())
+        if value is None:
+            raise CliError(f"--header-env {text!r}: the environment has no {var.strip()}")
+        headers[name.strip()] = value
+    return headers
 
 
 @outbox_app.command("drop")

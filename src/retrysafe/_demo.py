@@ -95,7 +95,7 @@ async def _order_until_answered(
     while time.monotonic() < deadline:
         report.requests += 1
         try:
-            r = await client.post("/orders", json=body, headers={"Idempotency-Key": key})
+            r = await client.post("/orders", json=body, headers=_headers(key, body))
         except httpx.TransportError:
             r = None
         if r is None or r.status_code == 409 or r.status_code >= 500:
@@ -117,6 +117,12 @@ async def _order_until_answered(
         report.answers[f"http_{r.status_code}"] += 1
         break
     report.unanswered += 1
+
+
+def _headers(key: str, body: dict[str, Any]) -> dict[str, str]:
+    """An order's headers: its key, and its customer's token (the gateway tells callers
+    apart by their credentials; a keyed request without any runs unrecorded)."""
+    return {"Idempotency-Key": key, "Authorization": f"Bearer {body['user_id']}-token"}
 
 
 def _cart(run: str, i: int, quantity: int) -> dict[str, Any]:
@@ -222,6 +228,7 @@ def _banner(gateway: str, api: str, store_url: str, note: str | None) -> str:
     body = json.dumps({"user_id": "alice", "items": [item]})
     curl = (
         f"curl -i {gateway}/orders -H {shlex.quote('Idempotency-Key: ' + key)} "
+        "-H 'Authorization: Bearer alice-token' "
         f"-H 'Content-Type: application/json' -d {shlex.quote(body)}"
     )
     lines = [
@@ -236,6 +243,8 @@ def _banner(gateway: str, api: str, store_url: str, note: str | None) -> str:
         "",
         "Create an order through the gateway. Run it twice: the second answer is the",
         "first one replayed (Idempotent-Replayed: true) and the API does not run again.",
+        "The token says who asks: another caller's retry never gets alice's answer, and",
+        "a keyed request without credentials runs without a record (docs/principals.md).",
         "",
         f"  {curl}",
         "",

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 __all__ = [
+    "AmbiguousCredentialsError",
     "FingerprintMismatchError",
     "IdempotencyError",
     "InProgressError",
     "InvalidKeyError",
     "LeaseLostError",
+    "PrincipalRequiredError",
     "StoreUnavailableError",
 ]
 
@@ -22,6 +24,20 @@ class InvalidKeyError(IdempotencyError, ValueError):
     """The idempotency key is missing or malformed. Nothing was written."""
 
     code = "idempotency_key_invalid"
+
+
+class AmbiguousCredentialsError(IdempotencyError, ValueError):
+    """The request carries two different values of one credential header (two
+    ``Authorization`` lines, say): who sends it is unclear. Nothing was written."""
+
+    code = "idempotency_credentials_ambiguous"
+
+
+class PrincipalRequiredError(IdempotencyError):
+    """A keyed request carries no credential and anonymous requests are refused
+    (``anonymous="refuse"``). Nothing was written."""
+
+    code = "idempotency_principal_required"
 
 
 class InProgressError(IdempotencyError):

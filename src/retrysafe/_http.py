@@ -8,6 +8,7 @@ answers (replays and RFC 9457 problems). The adapters only move bytes.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import math
@@ -19,16 +20,20 @@ from typing import Any, Literal
 
 from ._engine import DEFAULT_MAX_BODY, Attempt, Claim, Engine, Replay, _Plan, engine_for
 from ._errors import (
+    AmbiguousCredentialsError,
     FingerprintMismatchError,
     IdempotencyError,
     InProgressError,
     InvalidKeyError,
+    PrincipalRequiredError,
     StoreUnavailableError,
 )
 from ._keys import _KEY_RE, canonical_json, validate_key
 from ._map import IdempotencyMap, Route
 from ._metrics import METRICS
+from ._principal import Anonymous, Principal, Principals, principal_option, unscoped
 from ._record import Outcome
+from ._secret import asecret_of, check_secret, secret_of
 from .stores import Store
 
 __all__ = [
@@ -113,7 +118,7 @@ class Headers:
 
 @dataclass(slots=True)
 class HttpRequest:
-    """The request as ``scope=`` and ``require_key=`` callables see it.
+    """The request as ``principal=`` and ``require_key=`` callables see it.
 
     ``native`` is the framework's own object: the ASGI scope, the WSGI environ
     or the Django ``HttpRequest``.
@@ -275,12 +280,19 @@ else:  # pragma: no cover
 
 
 def request_fingerprint(
-    method: str, path: str, query: str, content_type: str | None, body: bytes
+    method: str,
+    path: str,
+    query: str,
+    content_type: str | None,
+    body: bytes,
+    secret: bytes | None = None,
 ) -> str:
     """SHA-256 over method, path, query and body; JSON bodies in canonical form.
 
-    Raises :class:`BodyError` for a body declared as JSON that is not valid
-    UTF-8 JSON (RFC 8259).
+    With ``secret``, an HMAC-SHA256 under it instead (what the front doors
+    store: a body may hold a password, and a plain hash of it could be
+    reversed with a dictionary). Raises :class:`BodyError` for a body declared
+    as JSON that is not valid UTF-8 JSON (RFC 8259).
     """
     if body and _is_json(content_type):
         try:
@@ -292,14 +304,9 @@ def request_fingerprint(
         kind = b"b"
     m, p, q = method.encode(), path.encode("utf-8", "surrogateescape"), query.encode()
     head = b"%d:%s%d:%s%d:%s%s" % (len(m), m, len(p), p, len(q), q, kind)
+    if secret is not None:
+        return hmac.digest(secret, head + body, "sha256").hex()
     return hashlib.sha256(head + body).hexdigest()
-
-
-def credentials_scope(authorization: str | None) -> str:
-    """The default scope: a hash of the ``Authorization`` header, else none."""
-    if not authorization:
-        return ""
-    return "auth:" + hashlib.sha256(authorization.encode("latin-1")).hexdigest()[:32]
 
 
 # -- answers ----------------------------------------------------------------------
@@ -312,6 +319,8 @@ _TITLES = {
     "idempotency_store_unavailable": "Idempotency store unavailable",
     "idempotency_body_invalid": "Request body cannot be fingerprinted",
     "idempotency_body_too_large": "Request body too large",
+    "idempotency_credentials_ambiguous": "Ambiguous credentials",
+    "idempotency_principal_required": "Credentials required",
     "idempotency_failed": "Request failed",
     "upstream_unavailable": "Upstream unavailable",
     "upstream_timeout": "Upstream timed out",
@@ -349,7 +358,7 @@ def _retry_after(seconds: float) -> tuple[str, str]:
 
 # -- the policy ---------------------------------------------------------------------
 
-ScopeSpec = Callable[[HttpRequest], str | None] | None
+PrincipalSpec = Callable[[HttpRequest], str | None] | None
 RequireSpec = bool | Callable[[HttpRequest], bool]
 
 
@@ -366,7 +375,12 @@ class HttpPolicy:
         methods: Collection[str] = ("POST", "PATCH"),
         require_key: RequireSpec = False,
         header: str | Collection[str] = DEFAULT_HEADERS,
-        scope: ScopeSpec = None,
+        principal: PrincipalSpec = None,
+        principal_headers: Collection[str] | None = None,
+        principal_cookies: Collection[str] | None = None,
+        principal_query: Collection[str] | None = None,
+        anonymous: Anonymous | None = None,
+        scope: PrincipalSpec = None,
         operation: str = "http",
         ttl: float | None = None,
         lease: float | None = None,
@@ -398,9 +412,21 @@ class HttpPolicy:
         self.raw_header_names = frozenset(n.encode("latin-1") for n in self.header_names)
         # What WSGI servers call them: HTTP_IDEMPOTENCY_KEY.
         self.environ_names = tuple("HTTP_" + n.upper().replace("-", "_") for n in names)
-        if scope is not None and not callable(scope):
-            raise TypeError("scope must be a callable taking the request (or None)")
-        self.scope = scope
+        principal = principal_option(principal, scope, native=False)
+        imap = None if map is None else _load_map(map)
+        table = imap.principals if imap is not None else None
+        if table is not None:  # the map's [principals] table, under explicit options
+            principal_headers = _given(principal_headers, table.headers)
+            principal_cookies = _given(principal_cookies, table.cookies)
+            principal_query = _given(principal_query, table.query)
+            anonymous = _given(anonymous, table.anonymous)
+        self.principals = Principals(
+            principal=principal, principal_headers=principal_headers,
+            principal_cookies=principal_cookies, principal_query=principal_query,
+            anonymous=anonymous,
+        )  # fmt: skip
+        check_secret(self.engine.store)
+        self._secret: bytes | None = None
         if not isinstance(operation, str):
             raise TypeError("operation must be a str")
         self.operation = operation
@@ -428,17 +454,21 @@ class HttpPolicy:
         # The Idempotency Map's routes: a policy per route, sharing the store.
         self.map: IdempotencyMap | None = None
         self._routes: dict[Route, HttpPolicy] = {}
-        if map is not None:
+        if imap is not None:
+            p = self.principals
             common = {
-                "scope": scope, "fail_mode": fail_mode, "max_body": max_body,
+                "principal": p.fn, "principal_headers": p.headers,
+                "principal_cookies": p.cookies, "principal_query": p.query,
+                "fail_mode": fail_mode, "max_body": max_body,
                 "max_request_body": max_request_body, "store_headers": store_headers,
                 "drop_headers": drop_headers,
             }  # fmt: skip
-            self.map = _load_map(map)
-            if self.map.alerts is not None:  # the process's alert thresholds
-                METRICS.alerts = self.map.alerts
-            for route in self.map.routes:
-                self._routes[route] = _route_policy(self.engine.store, self.map, route, common)
+            self.map = imap
+            if imap.alerts is not None:  # the process's alert thresholds
+                METRICS.alerts = imap.alerts
+            for route in imap.routes:
+                common["anonymous"] = route.anonymous or p.anonymous
+                self._routes[route] = _route_policy(self.engine.store, imap, route, common)
 
     def select(self, method: str, path: str) -> HttpPolicy | None:
         """The policy of a request: its map route's, else this one for a protected
@@ -492,6 +522,38 @@ class HttpPolicy:
                 code="idempotency_body_too_large",
             )
 
+    def principal(
+        self,
+        request: Callable[[], HttpRequest],
+        user: str | None,
+        headers: Iterable[tuple[str, str]],
+        query: str,
+    ) -> Principal | None:
+        """Who sends a keyed request (see :meth:`Principals.identify`); None: it is
+        anonymous and runs without a record (counted, and logged once)."""
+        who = self.principals.identify(request, user, headers, query)
+        if who is None:
+            unscoped(self.operation)
+        return who
+
+    @property
+    def secret(self) -> bytes | None:
+        """The deployment secret once this policy has it, else None (see :meth:`load_secret`)."""
+        return self._secret
+
+    def load_secret(self) -> bytes:
+        """The deployment secret, read from the environment or the store once
+        (:class:`~retrysafe.StoreUnavailableError` if the store cannot be read)."""
+        if self._secret is None:
+            self._secret = secret_of(self.engine.store)
+        return self._secret
+
+    async def aload_secret(self) -> bytes:
+        """Async :meth:`load_secret`."""
+        if self._secret is None:
+            self._secret = await asecret_of(self.engine.store)
+        return self._secret
+
     def attempt(
         self,
         key: str,
@@ -500,22 +562,19 @@ class HttpPolicy:
         query: str,
         content_type: str | None,
         body: bytes,
-        request: Callable[[], HttpRequest],
-        authorization: str | None,
+        who: Principal,
+        secret: bytes,
         request_id: str | None,
     ) -> Attempt:
-        """The engine attempt of a keyed request (:class:`BodyError` for a bad body)."""
+        """The engine attempt of a keyed request (:class:`BodyError` for a bad body).
+
+        The scope and the fingerprint are keyed hashes under ``secret``; the
+        query's credential parameters are left out of the fingerprint.
+        """
         self.check_length(len(body))
-        fp = request_fingerprint(method, path, query, content_type, body)
-        if self.scope is None:
-            scope = credentials_scope(authorization) if authorization else ""
-        else:
-            scope = self.scope(request())
-            if scope is None:
-                scope = ""
-            elif type(scope) is not str:
-                raise TypeError(f"scope= must return a str or None, not {type(scope).__name__}")
-        return Attempt(self.engine, self._plan.derive(key, scope, fp, request_id))
+        query = self.principals.strip_query(query)
+        fp = request_fingerprint(method, path, query, content_type, body, secret)
+        return Attempt(self.engine, self._plan.derive(key, who.scope(secret), fp, request_id))
 
     # -- answers instead of the handler --------------------------------------------
 
@@ -524,6 +583,10 @@ class HttpPolicy:
         METRICS.refused(self.operation, error)  # once: the engine's errors are counted there
         if isinstance(error, InvalidKeyError):
             return problem(400, "idempotency_key_invalid", str(error))
+        if isinstance(error, AmbiguousCredentialsError):
+            return problem(400, error.code, str(error))
+        if isinstance(error, PrincipalRequiredError):
+            return problem(403, error.code, str(error))
         if isinstance(error, BodyError):
             return problem(error.status, error.code, str(error))
         if isinstance(error, InProgressError):
@@ -634,6 +697,10 @@ class HttpPolicy:
                 att.complete(outcome)
         except IdempotencyError as exc:
             _unrecorded(att.claim, exc)
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 def _unrecorded(claim: Claim | None, exc: Exception, answer: str = "the answer") -> None:

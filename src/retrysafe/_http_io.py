@@ -4,8 +4,10 @@
 doors whose requests carry their headers in a WSGI environ (Django's
 ``request.META`` has the same form, under WSGI and ASGI alike):
 
-- :func:`prepare`: the key and engine options of a request, an answer instead
-  (400, 413...), or None to pass it through untouched;
+- :func:`prepare`: the key, principal and engine options of a request, an
+  answer instead (400, 413...), or None to pass it through untouched; a flow
+  that asks its driver (:func:`run_prepare` or :func:`arun_prepare`) for the
+  two things that may need I/O: the framework's user and the deployment secret;
 - :func:`enter` / :func:`aenter`: begin the attempt, or the answer instead of
   running the app (a refusal, a replay);
 - :class:`Flow`: the rule every HTTP front door keeps, as plain code: *the
@@ -26,7 +28,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Generator,
+    Iterable,
+    Iterator,
+    Mapping,
+)
 from contextlib import AsyncExitStack, ExitStack
 from typing import Any
 
@@ -36,7 +46,20 @@ from ._heartbeat import renewing
 from ._http import Capture, HttpPolicy, HttpRequest, Response
 from ._record import Outcome
 
-__all__ = ["Answer", "Flow", "Prepared", "Stream", "aenter", "astream", "enter", "prepare"]
+__all__ = [
+    "USER",
+    "Answer",
+    "Flow",
+    "PrepareFlow",
+    "Prepared",
+    "Stream",
+    "aenter",
+    "arun_prepare",
+    "astream",
+    "enter",
+    "prepare",
+    "run_prepare",
+]
 
 log = logging.getLogger("retrysafe.http")
 
@@ -47,6 +70,12 @@ Answer = Callable[[], tuple[int, list[tuple[str, str]]]]
 Prepared = tuple[HttpPolicy, Attempt] | Response | None
 
 
+#: What a :func:`prepare` flow asks its driver for: the identity the framework
+#: authenticated (a str, or None), or (yielding the policy) its deployment secret.
+USER = "user"
+PrepareFlow = Generator[str | HttpPolicy, Any, Prepared]
+
+
 def prepare(
     policy: HttpPolicy,
     meta: Mapping[str, Any],
@@ -54,26 +83,91 @@ def prepare(
     path: str,
     body: Callable[[], bytes],
     request: Callable[[], HttpRequest],
-) -> Prepared:
+) -> PrepareFlow:
     """What a protected request asks for, from its WSGI-style headers in ``meta``.
 
+    A flow: it yields :data:`USER` for the framework's identity and then the
+    policy whose deployment secret it needs (only for a keyed request, and the
+    secret only until the policy has it), and returns what the request gets.
     ``body()`` reads the whole request body (raising :class:`BodyError` over
-    the limit); it is called only for a keyed request, after ``Content-Length``
-    was checked against ``max_request_body``.
+    the limit); it is called only for a keyed request of a known principal,
+    after ``Content-Length`` was checked.
     """
     values = [meta[name] for name in policy.environ_names if name in meta]
     try:
         key = policy.key(values)
         if key is None:
             return policy.missing(request)
+        user = yield USER
+        query = meta.get("QUERY_STRING", "")
+        who = policy.principal(request, user, _credentials(meta, policy), query)
+        if who is None:  # anonymous: run without a record (anonymous="run")
+            return None
         policy.check_declared(meta.get("CONTENT_LENGTH"))
+        secret = policy.secret or (yield policy)
         attempt = policy.attempt(
-            key, method, path, meta.get("QUERY_STRING", ""), meta.get("CONTENT_TYPE"), body(),
-            request, meta.get("HTTP_AUTHORIZATION"), meta.get("HTTP_X_REQUEST_ID"),
+            key, method, path, query, meta.get("CONTENT_TYPE"), body(), who, secret,
+            meta.get("HTTP_X_REQUEST_ID"),
         )  # fmt: skip
     except IdempotencyError as exc:
         return policy.refusal(exc)
     return (policy, attempt)
+
+
+def _credentials(meta: Mapping[str, Any], policy: HttpPolicy) -> Iterator[tuple[str, str]]:
+    """The credential headers of a WSGI environ (the server joined repeated lines)."""
+    for name, key in policy.principals.environ_names:
+        value = meta.get(key)
+        if value is not None:
+            yield name, value
+    cookie = meta.get("HTTP_COOKIE")
+    if cookie:
+        yield "cookie", cookie
+
+
+class _Driver:
+    """Where a :func:`prepare` flow stands: what it needs next, or what it returned."""
+
+    __slots__ = ("flow", "need", "value")
+
+    def __init__(self, flow: PrepareFlow) -> None:
+        self.flow: PrepareFlow = flow
+        self.need: str | HttpPolicy | None = None
+        self.value: Prepared = None
+        self.resume(None, None)
+
+    def resume(self, reply: Any, error: IdempotencyError | None) -> None:
+        """Hand the flow what it asked for, or the error that getting it raised."""
+        try:
+            self.need = self.flow.send(reply) if error is None else self.flow.throw(error)
+        except StopIteration as stop:
+            self.need, self.value = None, stop.value
+
+
+def run_prepare(flow: PrepareFlow, user: Callable[[], str | None]) -> Prepared:
+    """Drive a :func:`prepare` flow: ``user()`` gives the framework's identity."""
+    step = _Driver(flow)
+    while (need := step.need) is not None:
+        try:
+            reply = user() if need == USER else need.load_secret()  # type: ignore[union-attr]
+        except IdempotencyError as exc:  # the store is down: the flow answers it
+            step.resume(None, exc)
+        else:
+            step.resume(reply, None)
+    return step.value
+
+
+async def arun_prepare(flow: PrepareFlow, user: Callable[[], Awaitable[str | None]]) -> Prepared:
+    """Async :func:`run_prepare`: the user and the secret are awaited."""
+    step = _Driver(flow)
+    while (need := step.need) is not None:
+        try:
+            reply = await (user() if need == USER else need.aload_secret())  # type: ignore[union-attr]
+        except IdempotencyError as exc:
+            step.resume(None, exc)
+        else:
+            step.resume(reply, None)
+    return step.value
 
 
 def enter(policy: HttpPolicy, stack: ExitStack, attempt: Attempt) -> Attempt | Response | None:

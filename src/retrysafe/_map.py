@@ -26,9 +26,10 @@ from ._engine import DEFAULT_LEASE, DEFAULT_TTL, Engine
 from ._errors import InvalidKeyError
 from ._keys import MAX_KEY_LENGTH, validate_key
 from ._metrics import Alerts
+from ._principal import ANONYMOUS_MODES
 from ._record import FINANCIAL, RETENTIONS, STANDARD
 
-__all__ = ["IdempotencyMap", "MapError", "Operation", "Route"]
+__all__ = ["IdempotencyMap", "MapError", "Operation", "PrincipalOptions", "Route"]
 
 FieldPath = tuple[str | int, ...]
 
@@ -536,7 +537,9 @@ class Route:
     front door how to treat the requests: whether a key is required, in which
     header, what a duplicate gets (``"replay"`` or ``"no_content"``), how long it
     waits for an attempt in flight (seconds or ``"5s"``), and whether the key
-    must fit the operation's template.
+    must fit the operation's template. ``anonymous`` is what a request without
+    credentials gets on this route (``"run"``, ``"refuse"`` or ``"share"``; None:
+    the map's ``[principals]`` or the front door's option).
     """
 
     method: str
@@ -548,6 +551,7 @@ class Route:
     duplicate_response: str = "replay"
     wait: float = 0.0
     validate_key: bool = False
+    anonymous: str | None = None
     _path: _Path = field(init=False, repr=False, compare=False)
     _hash: int = field(init=False, repr=False, compare=False)
 
@@ -580,6 +584,8 @@ class Route:
             )
         wait = _duration(self.wait, "wait", allow_zero=True)
         _bool(self.validate_key, "validate_key")
+        if self.anonymous is not None:
+            _anonymous(self.anonymous, ("anonymous",))
         setter = object.__setattr__
         setter(self, "method", method)
         setter(self, "wait", wait)
@@ -629,6 +635,7 @@ class Route:
             "duplicate_response": self.duplicate_response,
             "wait": self.wait,
             "validate_key": self.validate_key,
+            "anonymous": self.anonymous,
         }
 
 
@@ -668,6 +675,58 @@ def _rebuild_route(data: dict[str, Any]) -> Route:
     return Route(**data)
 
 
+@dataclass(frozen=True)
+class PrincipalOptions:
+    """The ``[principals]`` table: how the HTTP front doors name the caller.
+
+    Each field is the front doors' option of the same name without its
+    ``principal_`` prefix (``headers``: ``principal_headers``, and so on; see
+    docs/principals.md); None leaves the front door's own option or default.
+    An option given to the front door itself wins over the table.
+    """
+
+    headers: tuple[str, ...] | None = None
+    cookies: tuple[str, ...] | None = None
+    query: tuple[str, ...] | None = None
+    anonymous: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("headers", "cookies", "query"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            path = ("principals", name)
+            if isinstance(value, str) or not isinstance(value, Iterable):
+                raise MapError(f"must be an array of names, not {_kind(value)}", field=path)
+            value = tuple(value)
+            for item in value:
+                if not isinstance(item, str) or not _TOKEN.fullmatch(item):
+                    raise MapError(
+                        f"must be an array of names (letters, digits, !#$%&'*+-.^_`|~), "
+                        f"not one holding {_kind(item)}",
+                        field=path,
+                    )
+            object.__setattr__(self, name, value)
+        if self.anonymous is not None:
+            _anonymous(self.anonymous, ("principals", "anonymous"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            name: list(value) if isinstance(value, tuple) else value
+            for name, value in dataclasses.asdict(self).items()
+            if value is not None
+        }
+
+
+def _anonymous(value: Any, path: FieldPath) -> None:
+    if value not in ANONYMOUS_MODES:
+        raise MapError(
+            f"must be one of {', '.join(map(repr, ANONYMOUS_MODES))}, not {_kind(value)}"
+            + _suggest(str(value), ANONYMOUS_MODES),
+            field=path,
+        )
+
+
 # -- the map -----------------------------------------------------------------------
 
 
@@ -675,10 +734,11 @@ _OPERATION_KEYS = ("key", "scope", "ttl", "lease", "final_failures", "retention"
 _DEFAULTS_KEYS = ("ttl", "lease", "retention", "final_failures")
 _ROUTE_KEYS = (
     "method", "path", "operation", "require_key", "header", "duplicate_response", "wait",
-    "validate_key",
+    "validate_key", "anonymous",
 )  # fmt: skip
 _ALERT_KEYS = ("burst", "burst_window", "failures", "stuck_after")
-_TOP_KEYS = ("include_defaults", "defaults", "operations", "routes", "alerts")
+_PRINCIPAL_KEYS = ("headers", "cookies", "query", "anonymous")
+_TOP_KEYS = ("include_defaults", "defaults", "operations", "routes", "alerts", "principals")
 
 _DEFAULT: IdempotencyMap | None = None
 
@@ -691,11 +751,11 @@ class IdempotencyMap:
     :class:`MapError` for an invalid map.
     """
 
-    __slots__ = ("_alerts", "_any", "_operations", "_routes", "_tables")
+    __slots__ = ("_alerts", "_any", "_operations", "_principals", "_routes", "_tables")
 
     def __init__(
         self, operations: Iterable[Operation] = (), routes: Iterable[Route] = (),
-        alerts: Alerts | None = None,
+        alerts: Alerts | None = None, principals: PrincipalOptions | None = None,
     ) -> None:  # fmt: skip
         if isinstance(operations, Mapping):
             operations = operations.values()
@@ -734,6 +794,12 @@ class IdempotencyMap:
         if alerts is not None and not isinstance(alerts, Alerts):
             raise MapError(f"must be an Alerts, not {type(alerts).__name__}", field=("alerts",))
         self._alerts = alerts
+        if principals is not None and not isinstance(principals, PrincipalOptions):
+            raise MapError(
+                f"must be a PrincipalOptions, not {type(principals).__name__}",
+                field=("principals",),
+            )
+        self._principals = principals
         self._operations = MappingProxyType(by_name)
         self._routes = routes
         # Per method, a table of the routes that can take it, in declared order.
@@ -757,6 +823,11 @@ class IdempotencyMap:
     def alerts(self) -> Alerts | None:
         """The alert thresholds of its ``[alerts]`` table, if it has one."""
         return self._alerts
+
+    @property
+    def principals(self) -> PrincipalOptions | None:
+        """How front doors name the caller: its ``[principals]`` table, if it has one."""
+        return self._principals
 
     def operation(self, name: str) -> Operation:
         """The operation called ``name``; ``KeyError`` listing the known names if none."""
@@ -820,6 +891,7 @@ class IdempotencyMap:
             dict(self._operations) == dict(other._operations)
             and self._routes == other._routes
             and self._alerts == other._alerts
+            and self._principals == other._principals
         )
 
     __hash__ = None  # type: ignore[assignment]
@@ -837,11 +909,13 @@ class IdempotencyMap:
         by_name = dict(self._operations)
         for operation in operations:
             by_name[operation.name] = operation
-        return IdempotencyMap(by_name.values(), self._routes)
+        return IdempotencyMap(by_name.values(), self._routes, self._alerts, self._principals)
 
     def with_routes(self, *routes: Route) -> IdempotencyMap:
         """A new map with ``routes`` added after the existing ones."""
-        return IdempotencyMap(self._operations.values(), (*self._routes, *routes))
+        return IdempotencyMap(
+            self._operations.values(), (*self._routes, *routes), self._alerts, self._principals
+        )
 
     def merge(self, other: IdempotencyMap) -> IdempotencyMap:
         """A new map: ``other``'s operations replace same-named ones; its routes come after."""
@@ -927,6 +1001,8 @@ class IdempotencyMap:
         }
         if self._alerts is not None:
             data["alerts"] = dataclasses.asdict(self._alerts)
+        if self._principals is not None:
+            data["principals"] = self._principals.to_dict()
         return data
 
     def to_toml(self) -> str:
@@ -956,6 +1032,8 @@ class IdempotencyMap:
             out.append(f"duplicate_response = {_toml_str(route.duplicate_response)}")
             out.append(f"wait = {_toml_str(format_duration(route.wait))}")
             out.append(f"validate_key = {str(route.validate_key).lower()}")
+            if route.anonymous is not None:
+                out.append(f"anonymous = {_toml_str(route.anonymous)}")
         if self._alerts is not None:
             a = self._alerts
             if out:
@@ -965,6 +1043,16 @@ class IdempotencyMap:
             out.append(f"burst_window = {_toml_str(format_duration(a.burst_window))}")
             out.append(f"failures = {a.failures}")
             out.append(f"stuck_after = {_toml_str(format_duration(a.stuck_after))}")
+        if self._principals is not None:
+            if out:
+                out.append("")
+            out.append("[principals]")
+            for name, value in self._principals.to_dict().items():
+                if isinstance(value, list):
+                    value = "[" + ", ".join(_toml_str(v) for v in value) + "]"
+                else:
+                    value = _toml_str(value)
+                out.append(f"{name} = {value}")
         return "\n".join(out) + "\n" if out else ""
 
     def describe(self) -> str:
@@ -994,6 +1082,8 @@ class IdempotencyMap:
                     extra.append("key must fit the template")
                 if route.header != "Idempotency-Key":
                     extra.append(f"header {route.header}")
+                if route.anonymous is not None:
+                    extra.append(f"anonymous {route.anonymous}")
                 tail = f" ({', '.join(extra)})" if extra else ""
                 lines.append(f"{route.method} {route.path} -> {route.operation}{tail}")
         return "\n".join(line.rstrip() for line in lines) + "\n"
@@ -1128,7 +1218,12 @@ def _from_data(cls: type[IdempotencyMap], data: Mapping[str, Any]) -> Idempotenc
         except MapError as error:
             raise MapError(error.message, field=(*path, *error.field_path)) from None
     alerts = _alerts(data["alerts"]) if "alerts" in data else None
-    return cls(operations.values(), routes, alerts)
+    principals = None
+    if "principals" in data:
+        table = _table(data["principals"], ("principals",))
+        _known(table, _PRINCIPAL_KEYS, ("principals",), "[principals]")
+        principals = PrincipalOptions(**table)
+    return cls(operations.values(), routes, alerts, principals)
 
 
 def _alerts(value: Any) -> Alerts:

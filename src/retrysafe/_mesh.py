@@ -18,10 +18,12 @@ from typing import Any
 
 from ._engine import Claim, Replay
 from ._errors import (
+    AmbiguousCredentialsError,
     FingerprintMismatchError,
     IdempotencyError,
     InProgressError,
     InvalidKeyError,
+    PrincipalRequiredError,
     StoreUnavailableError,
 )
 from ._keys import canonical_json, validate_key
@@ -54,6 +56,8 @@ IDEMPOTENCY_CONFLICT = "IDEMPOTENCY_CONFLICT"
 IDEMPOTENCY_KEY_REQUIRED = "IDEMPOTENCY_KEY_REQUIRED"
 IDEMPOTENCY_KEY_INVALID = "IDEMPOTENCY_KEY_INVALID"
 IDEMPOTENCY_STORE_UNAVAILABLE = "IDEMPOTENCY_STORE_UNAVAILABLE"
+#: A keyed call without credentials, where anonymous calls are refused.
+UNAUTHORIZED = "UNAUTHORIZED"
 
 _SECONDS = {"millisecond": 0.001, "second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0}
 #: Seconds per ``ttl`` unit: the protocol's duration units, singular or plural.
@@ -478,6 +482,12 @@ class MeshCall:
                 False, {"key": self.key, "original_arguments_hash": original},
             )  # fmt: skip
             entry = self._entry("conflict", exc.original_request_id)
+        elif isinstance(exc, PrincipalRequiredError):
+            error = _error(UNAUTHORIZED, str(exc), False)
+            entry = None
+        elif isinstance(exc, AmbiguousCredentialsError):
+            error = _error(INVALID_REQUEST, str(exc), False)
+            entry = None
         elif isinstance(exc, StoreUnavailableError):
             error = _error(
                 IDEMPOTENCY_STORE_UNAVAILABLE,

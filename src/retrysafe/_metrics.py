@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import (
+    AmbiguousCredentialsError,
     FingerprintMismatchError,
     InProgressError,
     InvalidKeyError,
+    PrincipalRequiredError,
     StoreUnavailableError,
 )
 
@@ -60,6 +62,14 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "Completions, failures and renewals refused because the attempt had lost its lease.",
     ),
     "invalid_key": ("retrysafe_invalid_keys", "Requests refused for a missing or malformed key."),
+    "unscoped": (
+        "retrysafe_unscoped_requests",
+        "Keyed requests run without a record: they carried no credential (anonymous='run').",
+    ),
+    "principal_refused": (
+        "retrysafe_principal_refusals",
+        "Keyed requests refused for missing (anonymous='refuse') or ambiguous credentials.",
+    ),
     "store_unavailable": (
         "retrysafe_store_unavailable",
         "Requests that found the store unreachable.",
@@ -440,6 +450,8 @@ class Metrics:
             outcome = "invalid_key"
         elif isinstance(error, StoreUnavailableError):
             outcome = "store_unavailable"
+        elif isinstance(error, AmbiguousCredentialsError | PrincipalRequiredError):
+            outcome = "principal_refused"
         else:
             return
         with contextlib.suppress(AttributeError):  # a slotted exception is counted again

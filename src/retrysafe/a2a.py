@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import Any
 
 from ._a2a import (
@@ -39,9 +39,9 @@ from ._asgi import (
     BodyTooLarge,
     Receive,
     Scope,
+    caller_scope,
     closing,
     is_async,
-    principal,
     read_body,
     replaying,
     run_detached,
@@ -53,8 +53,10 @@ from ._asgi import (
 from ._engine import Attempt, Engine, _Plan, engine_for
 from ._errors import IdempotencyError, InvalidKeyError
 from ._heartbeat import renewing
-from ._http import DEFAULT_MAX_REQUEST_BODY, _unrecorded
+from ._http import DEFAULT_MAX_REQUEST_BODY, HttpRequest, _unrecorded
+from ._principal import Anonymous, Principals, principal_option
 from ._record import Outcome
+from ._secret import check_secret
 from .asgi import _Recorder, _run_recorded
 from .stores import Store
 
@@ -256,8 +258,13 @@ class IdempotencyMiddleware:
     from the store with ``Idempotent-Replayed: true``. Everything else reaches
     the app untouched.
 
-    - ``scope``: a callable taking the ASGI scope and returning the principal
-      (default: a hash of the ``Authorization`` header).
+    - ``principal``, ``principal_headers``, ``principal_cookies``,
+      ``principal_query``, ``anonymous``: who the caller is, as on every HTTP
+      front door (see :class:`retrysafe.asgi.IdempotencyMiddleware` and
+      docs/principals.md): an authenticated ``scope["user"]``, else the
+      request's credentials. A send without any reaches the app without a
+      record (``anonymous="run"``); ``"refuse"`` answers it with a JSON-RPC
+      error (``idempotency_principal_required``).
     - ``path``: only POSTs to this path are inspected (default: every POST).
     - ``max_request_body``: the largest POST body buffered (10 MiB); a larger
       one gets a JSON-RPC error.
@@ -268,18 +275,27 @@ class IdempotencyMiddleware:
         app: ASGIApp,
         store: Store[Any] | Engine | str | None = None,
         *,
+        principal: Callable[[HttpRequest], str | None] | None = None,
+        principal_headers: Collection[str] | None = None,
+        principal_cookies: Collection[str] | None = None,
+        principal_query: Collection[str] | None = None,
+        anonymous: Anonymous | None = None,
         scope: Callable[[Scope], str | None] | None = None,
         path: str | None = None,
         max_request_body: int = DEFAULT_MAX_REQUEST_BODY,
         **options: Any,
     ) -> None:
-        if scope is not None and not callable(scope):
-            raise TypeError("scope must be a callable taking the ASGI scope (or None)")
         if int(max_request_body) < 0:
             raise ValueError("max_request_body must not be negative")
+        self.principals = Principals(
+            principal=principal_option(principal, scope, native=True),
+            principal_headers=principal_headers, principal_cookies=principal_cookies,
+            principal_query=principal_query, anonymous=anonymous,
+        )  # fmt: skip
         self.app = app
         self.core = A2AIdempotency(store, **options)
-        self.scope, self.path = scope, path
+        check_secret(self.core.engine.store)
+        self.path = path
         self.max_request_body = int(max_request_body)
 
     async def __call__(self, scope: Scope, receive: Receive, send: ASGISend) -> None:
@@ -315,7 +331,18 @@ class IdempotencyMiddleware:
         if not _is_send(request):
             await self.app(scope, downstream, send)
             return
-        prepared = self.core._prepare(request, principal(scope, self.scope))
+        core = self.core
+        try:
+            caller = await caller_scope(
+                scope, self.principals, core.engine.store, core._plan.operation
+            )
+        except IdempotencyError as exc:
+            await _reply(send, refusal(request.get("id"), exc, self.core._plan.operation))
+            return
+        if caller is None:  # anonymous: the app answers it without a record
+            await self.app(scope, downstream, send)
+            return
+        prepared = self.core._prepare(request, caller)
         if not isinstance(prepared, Send):
             await _reply(send, prepared)  # type: ignore[arg-type]
             return

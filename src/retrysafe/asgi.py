@@ -17,17 +17,27 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ._asgi import ASGIApp, Message, Receive, Scope, Send, closing, replaying, run_detached
+from ._asgi import (
+    ASGIApp,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    closing,
+    http_request,
+    replaying,
+    run_detached,
+)
 from ._engine import Attempt
 from ._errors import IdempotencyError
 from ._heartbeat import renewing
 from ._http import (
     Capture,
-    Headers,
     HttpPolicy,
     HttpRequest,
     Response,
 )
+from ._principal import asgi_user
 
 __all__ = ["IdempotencyMiddleware"]
 
@@ -46,13 +56,27 @@ class IdempotencyMiddleware:
       or a callable taking a :class:`retrysafe.http.HttpRequest`.
     - ``header``: the key header, or several names (default ``Idempotency-Key``
       and ``X-Idempotency-Key``).
-    - ``scope``: a callable taking the request and returning the principal
-      (tenant, workspace, user id). Default: a hash of ``Authorization``.
+    - Who the caller is (records never cross callers; see docs/principals.md):
+      ``principal``, a callable taking the request and returning the caller's
+      identity (a str; None lets the rules below decide); else an
+      authenticated ``scope["user"]`` (Starlette's ``AuthenticationMiddleware``
+      placed before this one); else every credential the request carries:
+      each ``Authorization`` line, the ``principal_headers`` (default
+      ``X-API-Key``, ``Api-Key`` and the like), the session cookies
+      (``principal_cookies``: their names; default every cookie but
+      analytics, consent, CSRF and load-balancer ones) and the
+      ``principal_query`` parameters (default none). ``anonymous``: what a
+      keyed request without any of them gets: ``"run"`` (default: it runs
+      without a record, never replaying another caller's answer),
+      ``"refuse"`` (403 ``idempotency_principal_required``) or ``"share"``
+      (one record space for every anonymous caller: public endpoints only).
+      Two different ``Authorization`` lines are 400
+      ``idempotency_credentials_ambiguous``.
     - ``operation``: the operation name in the key hash (default ``"http"``).
     - ``ttl``, ``lease``, ``wait``: seconds a record is kept, an attempt owns
       its key, a duplicate waits for the attempt in flight (default 0: 409).
     - ``duplicate_response``: ``"replay"`` (default) or ``"no_content"`` (204
-      for a replayed 2xx answer, as seed 003's mobile API does).
+      for a replayed 2xx answer, as the Go middleware's mobile API does).
     - ``fail_mode``: ``"closed"`` (503 + ``Retry-After`` when the store is
       down, default) or ``"open"`` (serve without idempotency, logged).
     - ``final_failures``: record 5xx answers and exceptions as final (replayed)
@@ -88,24 +112,26 @@ class IdempotencyMiddleware:
         if policy is None:
             await self.app(scope, receive, send)
             return
-        names = policy.raw_header_names
+        names, credentials = policy.raw_header_names, policy.principals.raw_names
         values: list[str] = []
-        ctype = auth = rid = clen = None
+        found: list[tuple[str, str]] = []
+        ctype = rid = clen = None
         for name, value in scope["headers"]:
             if name in names:
                 values.append(value.decode("latin-1"))
             elif name == b"content-type":
                 ctype = value.decode("latin-1")
-            elif name == b"authorization":
-                auth = value.decode("latin-1")
+            elif name in credentials:
+                found.append((name.decode("latin-1"), value.decode("latin-1")))
             elif name == b"content-length":
                 clen = value
             elif name == b"x-request-id":
                 rid = value.decode("latin-1")
 
         def request() -> HttpRequest:
-            return _request(scope)
+            return http_request(scope)
 
+        query = scope["query_string"].decode("latin-1")
         try:
             key = policy.key(values)
             if key is None:
@@ -115,7 +141,12 @@ class IdempotencyMiddleware:
                 else:
                     await _answer(send, refusal)
                 return
+            who = policy.principal(request, asgi_user(scope), found, query)
+            if who is None:  # anonymous: run without a record (anonymous="run")
+                await self.app(scope, receive, send)
+                return
             policy.check_declared(clen)
+            secret = policy.secret or await policy.aload_secret()
             message = await receive()
             if message["type"] != "http.request":
                 return  # the client left before sending its body
@@ -126,11 +157,14 @@ class IdempotencyMiddleware:
             else:
                 body = message.get("body", b"")
             attempt = policy.attempt(
-                key, scope["method"], scope["path"], scope["query_string"].decode("latin-1"),
-                ctype, body, request, auth, rid,
-            )  # fmt: skip
+                key, scope["method"], scope["path"], query, ctype, body, who, secret, rid
+            )
         except IdempotencyError as exc:
-            await _answer(send, policy.refusal(exc))  # type: ignore[arg-type]
+            refusal = policy.refusal(exc)
+            if refusal is None:  # the store is down before the body was read; fail open
+                await self.app(scope, receive, send)
+            else:
+                await _answer(send, refusal)
             return
 
         # A cancelled request (a client that left, a timeout middleware) does not
@@ -259,13 +293,3 @@ async def _answer(send: Send, response: Response) -> None:
         "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers],
     })  # fmt: skip
     await send({"type": "http.response.body", "body": response.body})
-
-
-def _request(scope: Scope) -> HttpRequest:
-    return HttpRequest(
-        scope["method"],
-        scope["path"],
-        scope["query_string"].decode("latin-1"),
-        Headers((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]),
-        scope,
-    )

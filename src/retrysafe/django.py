@@ -16,7 +16,11 @@
 
 ``RETRYSAFE`` holds the keyword options of
 :class:`retrysafe.asgi.IdempotencyMiddleware` (the same names everywhere);
-``scope`` and ``require_key`` may be dotted paths of callables. An unknown
+``principal``, ``require_key`` and ``key_format`` may be dotted paths of
+callables. An authenticated ``request.user`` names the caller (by its model
+and primary key), so the middleware must come after Django's
+``AuthenticationMiddleware``: it says so with ``ImproperlyConfigured``
+otherwise. An unknown
 name or a bad value is an ``ImproperlyConfigured`` error when Django loads its
 middleware. The middleware runs sync under WSGI and async under
 ASGI, whichever the chain around it is; ``HttpResponse`` and
@@ -39,7 +43,18 @@ from django.http.response import HttpResponseBase
 from django.utils.module_loading import import_string
 
 from ._http import BodyError, Headers, HttpPolicy, HttpRequest, Response
-from ._http_io import Answer, Flow, Prepared, Stream, aenter, astream, enter, prepare
+from ._http_io import (
+    Answer,
+    Flow,
+    PrepareFlow,
+    Stream,
+    aenter,
+    arun_prepare,
+    astream,
+    enter,
+    prepare,
+    run_prepare,
+)
 
 __all__ = ["IdempotencyMiddleware"]
 
@@ -48,7 +63,8 @@ GetResponse = Callable[[DjangoRequest], Any]  # a response, or an awaitable of o
 #: The option names ``settings.RETRYSAFE`` may hold.
 OPTIONS = tuple(inspect.signature(HttpPolicy).parameters)
 #: Options that may also be given as the dotted path of a callable.
-_CALLABLES = ("scope", "require_key", "key_format")
+_CALLABLES = ("principal", "scope", "require_key", "key_format")
+_AUTH = "django.contrib.auth.middleware.AuthenticationMiddleware"
 
 
 class IdempotencyMiddleware:
@@ -63,6 +79,7 @@ class IdempotencyMiddleware:
 
     def __init__(self, get_response: GetResponse, **options: Any) -> None:
         self.get_response = get_response
+        _check_order(type(self))
         self.policy = _policy(options)
         self.is_async = iscoroutinefunction(get_response)
         if self.is_async:
@@ -71,7 +88,8 @@ class IdempotencyMiddleware:
     def __call__(self, request: DjangoRequest) -> Any:  # a response, or a coroutine of one
         if self.is_async:
             return self.__acall__(request)
-        step = self._prepare(request)
+        flow = self._prepare(request)
+        step = None if flow is None else run_prepare(flow, lambda: _user(request))
         if not isinstance(step, tuple):
             return self.get_response(request) if step is None else _answer(step)
         policy, attempt = step
@@ -91,7 +109,8 @@ class IdempotencyMiddleware:
         return response
 
     async def __acall__(self, request: DjangoRequest) -> HttpResponseBase:
-        step = self._prepare(request)
+        flow = self._prepare(request)
+        step = None if flow is None else await arun_prepare(flow, lambda: _auser(request))
         if not isinstance(step, tuple):
             return await self.get_response(request) if step is None else _answer(step)
         policy, attempt = step
@@ -116,8 +135,8 @@ class IdempotencyMiddleware:
         response.streaming_content = astream(flow, chunks)
         return response
 
-    def _prepare(self, request: DjangoRequest) -> Prepared:
-        """The key and engine options of a keyed request, an answer instead, or None."""
+    def _prepare(self, request: DjangoRequest) -> PrepareFlow | None:
+        """The :func:`~retrysafe._http_io.prepare` flow of a protected request, else None."""
         method = request.method or ""
         policy = self.policy.select(method, request.path)
         if policy is None:
@@ -132,6 +151,58 @@ class IdempotencyMiddleware:
         return prepare(
             policy, request.META, method, request.path, lambda: _body(request), http_request
         )
+
+
+def _check_order(middleware: type) -> None:
+    """ImproperlyConfigured if ``settings.MIDDLEWARE`` puts this middleware before
+    Django's ``AuthenticationMiddleware``: ``request.user`` would not be known yet,
+    and a token refresh of one user would run a request twice."""
+    listed = list(getattr(settings, "MIDDLEWARE", None) or ())
+    mine = auth = None
+    for i, path in enumerate(listed):
+        try:
+            cls = import_string(path)
+        except ImportError:
+            continue
+        if not isinstance(cls, type):
+            continue
+        if mine is None and issubclass(cls, middleware):
+            mine = i
+        elif path == _AUTH or any(f"{c.__module__}.{c.__qualname__}" == _AUTH for c in cls.__mro__):
+            auth = i
+    if mine is not None and auth is not None and auth > mine:
+        raise ImproperlyConfigured(
+            f"settings.MIDDLEWARE lists {listed[mine]} before {listed[auth]}: move the "
+            "idempotency middleware after it, so that request.user names the caller "
+            "(otherwise a user whose token is refreshed would run a request twice)"
+        )
+
+
+def _identity(user: Any) -> str | None:
+    """An authenticated user as its model label and primary key, else None."""
+    if user is None or getattr(user, "is_authenticated", False) is not True:
+        return None
+    pk = getattr(user, "pk", None)
+    if pk is None:
+        return None
+    meta = getattr(user, "_meta", None)
+    label = meta.label_lower if meta is not None else type(user).__qualname__
+    return f"{label}:{pk}"
+
+
+def _user(request: DjangoRequest) -> str | None:
+    """The identity of ``request.user`` (set by ``AuthenticationMiddleware``), else None."""
+    return _identity(getattr(request, "user", None))
+
+
+async def _auser(request: DjangoRequest) -> str | None:
+    """Async :func:`_user`: ``request.auser()`` reads the session without blocking."""
+    auser = getattr(request, "auser", None)
+    if auser is not None:
+        return _identity(await auser())
+    if hasattr(request, "user"):  # set by another middleware: read it in Django's sync thread
+        return await sync_to_async(_user, thread_sensitive=True)(request)
+    return None
 
 
 def _policy(overrides: Mapping[str, Any]) -> HttpPolicy:

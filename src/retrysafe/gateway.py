@@ -41,6 +41,7 @@ __all__ = [
     "ADMIN_PREFIX",
     "DASHBOARD_PATH",
     "DEFAULT_TIMEOUT",
+    "ENV_PRINCIPALS",
     "ENV_REQUIRE_KEY",
     "ENV_TIMEOUT",
     "ENV_UPSTREAM",
@@ -66,6 +67,10 @@ ENV_UPSTREAM = "RETRYSAFE_GATEWAY_UPSTREAM"
 ENV_REQUIRE_KEY = "RETRYSAFE_GATEWAY_REQUIRE_KEY"
 ENV_TIMEOUT = "RETRYSAFE_GATEWAY_TIMEOUT"
 ENV_MAP = "RETRYSAFE_GATEWAY_MAP"
+#: The principal options (JSON: ``principal_headers``, ``principal_cookies``,
+#: ``principal_query``, ``anonymous``), as ``retrysafe gateway`` gives its workers.
+ENV_PRINCIPALS = "RETRYSAFE_GATEWAY_PRINCIPALS"
+_PRINCIPAL_OPTIONS = ("principal_headers", "principal_cookies", "principal_query", "anonymous")
 
 # A key hash that no record has: reading it is the store's cheapest round trip.
 _PROBE_KEY = "0" * 64
@@ -407,8 +412,9 @@ def app_from_env() -> ASGIApp:
     """The gateway configured by the environment: a factory for ``uvicorn --factory``.
 
     ``RETRYSAFE_GATEWAY_UPSTREAM`` (required), ``RETRYSAFE_STORE``,
-    ``RETRYSAFE_GATEWAY_REQUIRE_KEY`` (``1``/``0``), ``RETRYSAFE_GATEWAY_TIMEOUT``
-    and ``RETRYSAFE_GATEWAY_MAP`` (the path of an Idempotency Map).
+    ``RETRYSAFE_GATEWAY_REQUIRE_KEY`` (``1``/``0``), ``RETRYSAFE_GATEWAY_TIMEOUT``,
+    ``RETRYSAFE_GATEWAY_MAP`` (the path of an Idempotency Map) and
+    ``RETRYSAFE_GATEWAY_PRINCIPALS`` (a JSON object of principal options).
     """
     upstream = os.environ.get(ENV_UPSTREAM, "")
     if not upstream:
@@ -422,4 +428,22 @@ def app_from_env() -> ASGIApp:
     except ValueError:
         raise ValueError(f"{ENV_TIMEOUT} must be a number of seconds, not {timeout!r}") from None
     imap = os.environ.get(ENV_MAP) or None
-    return create_app(upstream, require_key=_BOOLS[require], timeout=seconds, map=imap)
+    principals = _principal_options(os.environ.get(ENV_PRINCIPALS, ""))
+    return create_app(
+        upstream, require_key=_BOOLS[require], timeout=seconds, map=imap, **principals
+    )
+
+
+def _principal_options(text: str) -> dict[str, Any]:
+    """The principal options in ``RETRYSAFE_GATEWAY_PRINCIPALS`` (ValueError if malformed)."""
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{ENV_PRINCIPALS} is not JSON: {exc}") from None
+    if not isinstance(options, dict) or set(options) - set(_PRINCIPAL_OPTIONS):
+        raise ValueError(
+            f"{ENV_PRINCIPALS} must be a JSON object of {', '.join(_PRINCIPAL_OPTIONS)}"
+        )
+    return options

@@ -17,7 +17,7 @@ import asyncio
 import functools
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 from ._asgi import (
@@ -25,10 +25,10 @@ from ._asgi import (
     Receive,
     Scope,
     Send,
+    caller_scope,
     header,
     is_async,
     lifespan,
-    principal,
     read_body,
     send_json,
     to_the_end,
@@ -36,8 +36,11 @@ from ._asgi import (
 from ._engine import DEFAULT_MAX_BODY, Attempt, Engine, engine_for
 from ._errors import IdempotencyError
 from ._heartbeat import renewing
-from ._http import _unrecorded, declared_length
+from ._http import HttpRequest, _unrecorded, declared_length
 from ._mesh import URN, MeshCall, MeshError, Step, loads, parse, transport_error
+from ._metrics import METRICS
+from ._principal import Anonymous, Principals, principal_option
+from ._secret import check_secret
 from .stores import Store
 
 __all__ = ["URN", "MeshApp", "MeshError", "MeshIdempotency"]
@@ -137,8 +140,9 @@ class MeshIdempotency:
             return call
         return await self._ahandle(call, handler, scope)
 
-    async def _ahandle(self, call: MeshCall, handler: Handler, scope: str) -> dict[str, Any]:
-        if call.key is None:
+    async def _ahandle(self, call: MeshCall, handler: Handler, scope: str | None) -> dict[str, Any]:
+        """``scope`` None: an anonymous caller's call, run without a record."""
+        if call.key is None or scope is None:
             return call.finish(await _arun(handler, call.call), None).response
         entered = False
         try:
@@ -215,11 +219,14 @@ class MeshApp:
     ``handlers`` maps ``call.function`` to a callable taking the ``call`` object
     (plain ones run in a worker thread, async ones on the loop). Every call goes
     through :class:`MeshIdempotency` (``store`` may also be one; ``ttl``,
-    ``lease`` and ``wait`` go to it). ``scope`` is a callable over the ASGI
-    scope returning the caller's scope; by default a hash of the
-    ``Authorization`` header. Mesh answers, errors included, are 200; a body
-    that is not JSON is 400, one over ``max_body`` bytes 413, a method other
-    than POST 405.
+    ``lease`` and ``wait`` go to it). Who the caller is comes from the options
+    every HTTP front door shares (``principal``, ``principal_headers``,
+    ``principal_cookies``, ``principal_query``, ``anonymous``; see
+    :class:`retrysafe.asgi.IdempotencyMiddleware` and docs/principals.md): an
+    authenticated ``scope["user"]``, else the request's credentials; a call
+    without any runs without a record (``anonymous="run"``). Mesh answers,
+    errors included, are 200; a body that is not JSON is 400, one over
+    ``max_body`` bytes 413, a method other than POST 405.
     """
 
     def __init__(
@@ -227,6 +234,11 @@ class MeshApp:
         handlers: Mapping[str, Handler],
         store: MeshIdempotency | Store[Any] | Engine | str | None = None,
         *,
+        principal: Callable[[HttpRequest], str | None] | None = None,
+        principal_headers: Collection[str] | None = None,
+        principal_cookies: Collection[str] | None = None,
+        principal_query: Collection[str] | None = None,
+        anonymous: Anonymous | None = None,
         scope: Callable[[Scope], str | None] | None = None,
         max_body: int = DEFAULT_MAX_BODY,
         ttl: float | None = None,
@@ -236,9 +248,11 @@ class MeshApp:
         if not isinstance(handlers, Mapping):
             raise TypeError("handlers must map function names to callables")
         self.handlers = {str(name): _asynchronous(h) for name, h in handlers.items()}
-        if scope is not None and not callable(scope):
-            raise TypeError("scope must be a callable taking the ASGI scope (or None)")
-        self.scope = scope
+        self.principals = Principals(
+            principal=principal_option(principal, scope, native=True),
+            principal_headers=principal_headers, principal_cookies=principal_cookies,
+            principal_query=principal_query, anonymous=anonymous,
+        )  # fmt: skip
         if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 0:
             raise ValueError(f"max_body must be a number of bytes >= 0, not {max_body!r}")
         self.max_body = max_body
@@ -246,6 +260,7 @@ class MeshApp:
             self.mesh = store
         else:
             self.mesh = MeshIdempotency(store, ttl=ttl, lease=lease, wait=wait)
+        check_secret(self.mesh.engine.store)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -255,6 +270,12 @@ class MeshApp:
             if answer is not None:
                 status, body, headers = answer
                 await send_json(send, status, body, headers)
+
+    async def _caller(self, scope: Scope, call: MeshCall) -> str | None:
+        """The record scope of the call's caller; None: anonymous, run without a record."""
+        if call.key is None:
+            return ""  # no idempotency asked: nothing is recorded
+        return await caller_scope(scope, self.principals, self.mesh.engine.store, call.operation)
 
     async def _answer(
         self, scope: Scope, receive: Receive
@@ -281,7 +302,11 @@ class MeshApp:
         if handler is None:
             return 200, call.not_found(), []
         try:
-            caller = principal(scope, self.scope)
+            caller = await self._caller(scope, call)
+        except IdempotencyError as exc:
+            METRICS.refused(call.operation, exc)
+            return 200, call.refused(exc), []
+        try:
             return 200, await to_the_end(self.mesh._ahandle(call, handler, caller)), []
         except Exception:
             log.exception("retrysafe: mesh function %r failed", call.function)

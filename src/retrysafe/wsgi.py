@@ -28,7 +28,7 @@ from typing import Any
 
 from ._engine import Engine
 from ._http import BodyError, Headers, HttpPolicy, HttpRequest, Response, declared_length
-from ._http_io import Flow, Stream, enter, prepare
+from ._http_io import Flow, Stream, enter, prepare, run_prepare
 from .stores import Store
 
 __all__ = ["IdempotencyMiddleware"]
@@ -73,7 +73,8 @@ class IdempotencyMiddleware:
         def request() -> HttpRequest:
             return _request(environ)
 
-        step = prepare(policy, environ, method, path, lambda: _read_body(environ, policy), request)
+        flow = prepare(policy, environ, method, path, lambda: _read_body(environ, policy), request)
+        step = run_prepare(flow, _no_user)
         if step is None:
             return self.app(environ, start_response)
         if isinstance(step, Response):
@@ -91,6 +92,14 @@ class IdempotencyMiddleware:
                 stack.callback(close)
             flow = Flow(policy, att, stack.pop_all(), start.answer)
         return _respond(flow, start, _body(start.written, result))
+
+
+def _no_user() -> None:
+    """WSGI has no framework identity: ``principal=`` or the credentials name the caller.
+
+    ``REMOTE_USER`` is not used by default (a server may be set to take it from a
+    request header); ``principal=`` can read it where the server authenticates.
+    """
 
 
 class _Start:

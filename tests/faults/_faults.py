@@ -31,10 +31,11 @@ from typing import Any
 
 import httpx
 from _fault_apps import connect
+from _hangup import CALLER, caller_scope
 from _http_servers import TESTS, Process, free_port, uvicorn_argv, wait_until_up
 from _servers import PostgresServer, RedisServer, _pg_bin
 
-from retrysafe import key_hash
+from retrysafe import key_hash, open_store
 
 FAULTS = Path(__file__).resolve().parent
 PROBLEM = "application/problem+json"
@@ -243,7 +244,7 @@ def post(client: httpx.Client, url: str, key: str, body: dict[str, Any]) -> Answ
 def client() -> httpx.Client:
     """A client whose every request opens a new connection (the kernel spreads them over
     workers, and no request waits on a connection a dead worker held)."""
-    return httpx.Client(timeout=60, headers={"connection": "close"})
+    return httpx.Client(timeout=60, headers={"connection": "close", **CALLER})
 
 
 @dataclass
@@ -385,11 +386,22 @@ def check_runs(
     assert not problems, "\n".join(problems[:20])
 
 
-def unrecorded(log: str, keys: Iterable[str], operation: str = "http") -> set[str]:
-    """The keys whose answer a front door logged as sent but not recorded (scope "")."""
+def unrecorded(log: str, keys: Iterable[str], url: str, operation: str = "http") -> set[str]:
+    """The keys whose answer a front door logged as sent but not recorded (the
+    requests of :data:`CALLER`, on the store at ``url``)."""
     marks = {
         line.rsplit("key_hash=", 1)[1].strip(" )\n")[:16]
         for line in log.splitlines()
         if "was sent but not recorded" in line and "key_hash=" in line
     }
-    return {k for k in keys if key_hash("", operation, k)[:16] in marks}
+    scope = scope_on(url)
+    return {k for k in keys if key_hash(scope, operation, k)[:16] in marks}
+
+
+def scope_on(url: str) -> str:
+    """The record scope of :data:`CALLER`'s requests on the store at ``url``."""
+    store = open_store(url)
+    try:
+        return caller_scope(store)
+    finally:
+        store.close()

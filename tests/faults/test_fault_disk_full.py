@@ -30,6 +30,7 @@ from _faults import (
     post,
     unrecorded,
 )
+from _hangup import caller_scope
 from _http_servers import ThreadServer
 
 from retrysafe import (
@@ -130,7 +131,7 @@ def test_disk_full_http(disk: Path, tmp_path: Path, caplog: pytest.LogCaptureFix
         runs = effects(tmp_path)
         refused = {a.key for a in full if a.status == 503}
         for key in refused:
-            assert store.get(key_hash("", "http", key)) is None, key
+            assert store.get(key_hash(caller_scope(store), "http", key)) is None, key
             assert key not in runs, key
         integrity(db)
 
@@ -148,12 +149,12 @@ def test_disk_full_http(disk: Path, tmp_path: Path, caplog: pytest.LogCaptureFix
                 time.sleep(0.1)
         check_answers(answers, {201, 409, 503})
         runs = effects(tmp_path)
-        excused = unrecorded(caplog.text, keys)
+        excused = unrecorded(caplog.text, keys, f"sqlite:///{db}")
         check_runs(answers, runs, keys, excused)
         for key in refused:
             assert len(runs[key]) == 1
         for key in keys:
-            record = store.get(key_hash("", "http", key))
+            record = store.get(key_hash(caller_scope(store), "http", key))
             assert record is not None and record.status is Status.COMPLETED, key
         store.close()
         integrity(db)

@@ -57,7 +57,7 @@ def run_case(
         answers = load.join()
         seen = check_answers(answers, {201, 409, 503})
         runs = effects(tmp_path)
-        excused = unrecorded(app.log_text(), names)
+        excused = unrecorded(app.log_text(), names, url)
         check_runs(answers, runs, names, excused)
         # No completed record lost: what was answered before the fault replays as it was.
         before: dict[str, Answer] = {}

@@ -42,6 +42,7 @@ from _faults import (
     wait_for,
     work_server,
 )
+from _hangup import caller_scope
 from _http_servers import free_port, uvicorn_argv
 from conftest import SHARED_STORES, store_url
 
@@ -123,7 +124,7 @@ def test_middleware_worker_killed_mid_request(
 
         store = open_store(url)
         try:
-            record = store.get(key_hash("", "http", victim))
+            record = store.get(key_hash(caller_scope(store), "http", victim))
         finally:
             store.close()
         assert record is not None and record.status is Status.PROCESSING, record
@@ -248,7 +249,7 @@ def test_gateway_worker_killed_after_the_upstream_ran(
 
             store = open_store(url)
             try:
-                record = store.get(key_hash("", "charge", victim))
+                record = store.get(key_hash(caller_scope(store), "charge", victim))
             finally:
                 store.close()
             assert record is not None and record.status is Status.PROCESSING, record

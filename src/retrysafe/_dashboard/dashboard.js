@@ -6,6 +6,7 @@
     conflict: "conflict (422)", failed: "failed", lease_takeover: "lease takeovers",
     stale_refused: "stale refused", invalid_key: "invalid keys",
     store_unavailable: "store unavailable", unrecorded: "unrecorded outcomes",
+    unscoped: "run unrecorded (anonymous)", principal_refused: "refused (credentials)",
   };
   const $ = (id) => document.getElementById(id);
   // Set by the token page (kept in memory only); absent when the browser sent the header.

@@ -1,0 +1,354 @@
+"""Who the caller is: the principal whose records a keyed request may read and write.
+
+Every HTTP front door (ASGI, WSGI, Django, FastAPI, the gateway, ``MeshApp``
+and the A2A middleware) names the caller the same way; the first rule that
+gives an answer wins:
+
+1. ``principal=``: a callable over the :class:`~retrysafe.http.HttpRequest`
+   returning a str (None: the next rules decide);
+2. the identity the framework authenticated: Django's ``request.user``,
+   Starlette's ``scope["user"]``;
+3. every credential the request carries: each ``Authorization`` line, the
+   ``principal_headers`` (API keys), the session cookies and the
+   ``principal_query`` parameters, all together;
+4. none: the request is anonymous, and ``anonymous`` decides: ``"run"`` it
+   without a record (default), ``"refuse"`` it, or ``"share"`` one public scope.
+
+The scope a record keeps is an HMAC of the principal under the deployment
+secret (:mod:`retrysafe._secret`): never a credential, nor a plain hash of one.
+No I/O here; the front doors hand in what they read.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import urllib.parse
+import warnings
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ._errors import AmbiguousCredentialsError, PrincipalRequiredError
+from ._metrics import METRICS
+
+__all__ = [
+    "ANONYMOUS_MODES",
+    "DEFAULT_PRINCIPAL_HEADERS",
+    "NOT_IDENTITY_COOKIES",
+    "Anonymous",
+    "Principal",
+    "Principals",
+    "is_identity_cookie",
+    "principal_option",
+    "unscoped",
+]
+
+log = logging.getLogger("retrysafe.http")
+
+Anonymous = Literal["run", "refuse", "share"]
+ANONYMOUS_MODES: tuple[str, ...] = ("run", "refuse", "share")
+
+#: Headers whose values are credentials, besides every ``Authorization`` line
+#: (which always counts). ``principal_headers=`` replaces this list.
+DEFAULT_PRINCIPAL_HEADERS: tuple[str, ...] = (
+    "Proxy-Authorization",
+    "X-API-Key",
+    "Api-Key",
+    "X-Api-Token",
+    "X-Auth-Token",
+    "X-Access-Token",
+    "X-Session-Token",
+    "X-User-Token",
+)
+
+#: Cookies that never name a caller, by the default rule (lower case, without a
+#: ``__Host-`` or ``__Secure-`` prefix): analytics, consent, CSRF, load balancing
+#: and display preferences. They change between retries without the session
+#: changing, so counting them would run a retry twice.
+NOT_IDENTITY_COOKIES: frozenset[str] = frozenset({
+    # analytics and advertising
+    "_ga", "_gid", "_gat", "__utma", "__utmb", "__utmc", "__utmt", "__utmz", "__utmv",
+    "amp_token", "_fbp", "_fbc", "_clck", "_clsk", "_uetsid", "_uetvid", "muid",
+    "ajs_anonymous_id", "ajs_user_id", "ajs_group_id", "hubspotutk", "__hstc", "__hssc",
+    "__hssrc", "_ttp", "__stripe_mid", "__stripe_sid", "_pin_unauth",
+    # consent
+    "cookieconsent_status", "cookieconsent", "optanonconsent", "optanonalertboxclosed",
+    "euconsent-v2", "cookie_consent",
+    # CSRF: a per-browser token, not an identity (some frameworks rotate it on every answer)
+    "csrftoken", "xsrf-token", "_csrf", "csrf_token", "csrf",
+    # load balancers and edge
+    "awsalb", "awsalbcors", "awselb", "awsalbtg", "awsalbtgcors", "arraffinity",
+    "arraffinitysamesite", "__cf_bm", "cf_clearance", "__cflb", "_cfuvid", "serverid",
+    "route", "routeid",
+    # display preferences
+    "django_language", "lang", "language", "locale", "theme", "timezone", "tz",
+})  # fmt: skip
+#: Name prefixes of cookies that never name a caller (lower case).
+NOT_IDENTITY_PREFIXES: tuple[str, ...] = (
+    "_ga_", "_gat_", "_gcl_", "_gac_", "_hj", "mp_", "amp_", "amplitude_id", "_pk_", "mtm_",
+    "intercom-", "optimizely", "bigipserver", "_dc_gtm_",
+)  # fmt: skip
+
+
+def is_identity_cookie(name: str) -> bool:
+    """Whether a cookie may name the caller by the default rule (:data:`NOT_IDENTITY_COOKIES`)."""
+    name = name.strip().lower()
+    for prefix in ("__host-", "__secure-"):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+    return not (name in NOT_IDENTITY_COOKIES or name.startswith(NOT_IDENTITY_PREFIXES))
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who sent a request: ``kind`` (``user``, ``principal``, ``credentials`` or
+    ``public``) and what names them (an identity, or the canonical credentials)."""
+
+    kind: str
+    material: str
+
+    def scope(self, secret: bytes) -> str:
+        """The record scope: ``kind:`` and 32 hex digits of an HMAC-SHA256 under ``secret``."""
+        text = f"{len(self.kind)}:{self.kind}{self.material}"
+        mac = hmac.digest(secret, text.encode("utf-8", "surrogatepass"), "sha256")
+        return f"{self.kind}:{mac[:16].hex()}"
+
+
+#: The principal of anonymous callers that opted in to sharing (``anonymous="share"``).
+PUBLIC = Principal("public", "")
+
+#: A ``principal=`` callable: the caller's identity, or None to let the default rules decide.
+PrincipalFn = Callable[[Any], "str | None"]
+
+
+def principal_option(
+    principal: PrincipalFn | None, scope: Callable[[Any], str | None] | None, *, native: bool
+) -> PrincipalFn | None:
+    """The ``principal=`` callable, from ``scope=`` (its old name, deprecated) if given.
+
+    ``native``: the old ``scope=`` took the ASGI scope itself (Mesh, A2A), so it is
+    called with the request's ``native`` object.
+    """
+    if scope is None:
+        return principal
+    if principal is not None:
+        raise TypeError("give principal= only (scope= is its old name)")
+    if not callable(scope):
+        raise TypeError("scope must be a callable (it is now called principal=)")
+    warnings.warn(
+        "scope= is now called principal= and takes the request (retrysafe.http.HttpRequest); "
+        "a None answer now lets the default rules name the caller",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if native:
+        return lambda request: scope(request.native)
+    return scope
+
+
+def _names(value: Collection[str] | str, option: str) -> tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else tuple(value)
+    for name in names:
+        if not isinstance(name, str) or not name.strip():
+            raise TypeError(f"{option} must be a list of non-empty names, not {value!r}")
+    return tuple(dict.fromkeys(n.strip().lower() for n in names))
+
+
+class Principals:
+    """The principal options every HTTP front door takes, validated once.
+
+    ``principal``: a callable over the request (see the module docstring);
+    ``principal_headers``: headers carrying credentials besides ``Authorization``
+    (default :data:`DEFAULT_PRINCIPAL_HEADERS`); ``principal_cookies``: the
+    session cookies' names (default None: every cookie but those that never
+    name a caller, :func:`is_identity_cookie`); ``principal_query``: query
+    parameters carrying credentials (default none); ``anonymous``: what a
+    request without any gets (``"run"``, ``"refuse"`` or ``"share"``).
+    """
+
+    __slots__ = (
+        "anonymous", "cookies", "environ_names", "fn", "headers", "query", "raw_names",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        *,
+        principal: PrincipalFn | None = None,
+        principal_headers: Collection[str] | None = None,
+        principal_cookies: Collection[str] | None = None,
+        principal_query: Collection[str] | None = None,
+        anonymous: Anonymous | None = None,
+    ) -> None:
+        if principal is not None and not callable(principal):
+            raise TypeError("principal must be a callable taking the request (or None)")
+        self.fn = principal
+        headers = _names(
+            DEFAULT_PRINCIPAL_HEADERS if principal_headers is None else principal_headers,
+            "principal_headers",
+        )
+        self.headers = tuple(h for h in headers if h != "authorization")
+        self.cookies = (
+            None if principal_cookies is None
+            else frozenset(_names(principal_cookies, "principal_cookies"))
+        )  # fmt: skip
+        self.query = frozenset(_names(principal_query or (), "principal_query"))
+        if anonymous is None:
+            anonymous = "run"
+        if anonymous not in ANONYMOUS_MODES:
+            raise ValueError(f'anonymous must be "run", "refuse" or "share", not {anonymous!r}')
+        self.anonymous: Anonymous = anonymous
+        #: The raw (ASGI) names of every header read: credentials and cookies.
+        self.raw_names = frozenset(
+            n.encode("latin-1") for n in ("authorization", "cookie", *self.headers)
+        )
+        #: (lower-case name, WSGI environ name) of each credential header.
+        self.environ_names = tuple(
+            (n, "HTTP_" + n.upper().replace("-", "_")) for n in ("authorization", *self.headers)
+        )
+
+    # -- the decision -----------------------------------------------------------------
+
+    def identify(
+        self,
+        request: Callable[[], Any],
+        user: str | None,
+        headers: Iterable[tuple[str, str]],
+        query: str,
+    ) -> Principal | None:
+        """The principal of a request, or None when it is anonymous and may run unrecorded.
+
+        ``request()`` builds the :class:`~retrysafe.http.HttpRequest` for the
+        ``principal`` callable; ``user`` is the framework's authenticated
+        identity (None: none); ``headers`` are the request's (lower-case name,
+        value) pairs of ``Authorization``, ``Cookie`` and the principal headers
+        (others are ignored); ``query`` is the raw query string.
+
+        Raises :class:`~retrysafe.AmbiguousCredentialsError` for two different
+        values of one credential header, and
+        :class:`~retrysafe.PrincipalRequiredError` for an anonymous request
+        when ``anonymous="refuse"``.
+        """
+        if self.fn is not None:
+            named = self.fn(request())
+            if named is not None:
+                if type(named) is not str:
+                    raise TypeError(
+                        f"principal= must return a str or None, not {type(named).__name__}"
+                    )
+                return Principal("principal", named)
+        if user is not None:
+            return Principal("user", user)
+        found = self.credentials(headers, query)
+        if found is not None:
+            return found
+        if self.anonymous == "share":
+            return PUBLIC
+        if self.anonymous == "refuse":
+            raise PrincipalRequiredError(
+                "this request carries no credentials; an idempotent request must say who "
+                "sends it (Authorization, an API key or a session cookie)"
+            )
+        return None
+
+    def credentials(self, headers: Iterable[tuple[str, str]], query: str) -> Principal | None:
+        """Every credential of the request as one principal; None if it carries none."""
+        found: dict[str, str] = {}
+        cookies: list[str] = []
+        for name, value in headers:
+            if name == "cookie":
+                cookies.append(value)
+                continue
+            if name != "authorization" and name not in self.headers:
+                continue
+            value = value.strip(" \t")
+            if found.setdefault(name, value) != value:  # an empty line differs too
+                raise AmbiguousCredentialsError(
+                    f"the request carries two different {name} headers; send one"
+                )
+        parts = [[name, "", value] for name, value in found.items() if value]
+        for text in cookies:
+            parts.extend(["cookie", n, v] for n, v in self._cookies(text))
+        if self.query and query:
+            for name, value in urllib.parse.parse_qsl(query, keep_blank_values=False):
+                if name.lower() in self.query:
+                    parts.append(["query", name.lower(), value])
+        if not parts:
+            return None
+        parts.sort()
+        return Principal("credentials", json.dumps(parts, ensure_ascii=False))
+
+    def _cookies(self, header: str) -> Iterable[tuple[str, str]]:
+        """The ``(name, value)`` pairs of a ``Cookie`` header that name the caller."""
+        wanted = self.cookies
+        for pair in header.split(";"):
+            name, eq, value = pair.partition("=")
+            name, value = name.strip(), value.strip()
+            if not eq or not name or not value:
+                continue
+            if wanted is None:
+                if not is_identity_cookie(name):
+                    continue
+            elif name.lower() not in wanted:
+                continue
+            yield name, value
+
+    def strip_query(self, query: str) -> str:
+        """``query`` without the credential parameters (they are in the scope, and a
+        fingerprint must not hold a credential)."""
+        if not self.query or not query:
+            return query
+        kept = [
+            part for part in query.split("&")
+            if urllib.parse.unquote_plus(part.partition("=")[0]).lower() not in self.query
+        ]  # fmt: skip
+        return "&".join(kept)
+
+
+def unscoped(operation: str) -> None:
+    """A keyed request without credentials runs without a record: counted, and said
+    once per process (a deployment whose callers authenticate in a way retrysafe
+    does not see would otherwise lose its idempotency silently)."""
+    METRICS.count("unscoped", operation)
+    _warn_once(
+        "a keyed request without credentials ran without a record: anonymous callers "
+        "never share answers (anonymous='run'). If your callers authenticate in a way "
+        "retrysafe does not see, name it: principal=, principal_headers=, "
+        "principal_cookies= or principal_query= (docs/principals.md)"
+    )
+
+
+def asgi_user(scope: Any) -> str | None:
+    """The identity of an authenticated ``scope["user"]`` (Starlette's
+    ``AuthenticationMiddleware``), else None.
+
+    The user's ``identity`` names it; a user object without one is not used
+    (logged once), so the request's credentials decide instead.
+    """
+    user = scope.get("user")
+    if user is None:
+        return None
+    try:
+        if getattr(user, "is_authenticated", False) is not True:
+            return None
+        identity = user.identity
+    except (NotImplementedError, AttributeError):
+        _warn_once(
+            f"scope['user'] ({type(user).__name__}) is authenticated but has no identity; "
+            "the request's credentials name the caller instead (give the user class an "
+            "identity property, or pass principal=)"
+        )
+        return None
+    if identity is None or identity == "":
+        return None
+    return f"{type(user).__module__}.{type(user).__qualname__}:{identity}"
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned and len(_warned) < 64:
+        _warned.add(message)
+        log.warning("retrysafe: %s", message)
