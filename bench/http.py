@@ -425,6 +425,7 @@ function init(args)
   wrk.method = "POST"
   wrk.body = BODY
   wrk.headers["Content-Type"] = "application/json"
+  wrk.headers["Authorization"] = "Bearer rsbench" -- a caller: keyed requests are recorded
 end
 
 function request()
@@ -542,7 +543,8 @@ class Variant:
 
     def _post(self, key: str) -> tuple[int, dict[str, str], bytes]:
         return _request(self.server.port, "POST", PATH, REQUEST_BODY,
-                        {"Content-Type": "application/json", "Idempotency-Key": key})  # fmt: skip
+                        {"Content-Type": "application/json", "Idempotency-Key": key,
+                         "Authorization": "Bearer rsbench"})  # fmt: skip
 
     def warm_replay_keys(self, prefix: str) -> None:
         """Send each replay key once, so the measurement only replays."""
@@ -864,6 +866,7 @@ def breakdown_run(argv: Sequence[str]) -> int:
         headers = [(b"host", b"127.0.0.1"), (b"user-agent", b"wrk"),
                    (b"content-type", b"application/json"),
                    (b"content-length", str(len(body)).encode()),
+                   (b"authorization", b"Bearer rsbench"),
                    (b"idempotency-key", key.encode())]  # fmt: skip
         return {"type": "http", "method": "POST", "path": PATH, "raw_path": PATH.encode(),
                 "query_string": b"", "headers": headers}  # fmt: skip

@@ -132,6 +132,7 @@ class _Conn:
         self.reader, self.writer = reader, writer
         self.head = (b"POST /orders HTTP/1.1\r\nhost: 127.0.0.1\r\n"
                      b"content-type: application/json\r\n"
+                     b"authorization: Bearer rsbench\r\n"
                      b"content-length: %d\r\n" % len(self.BODY))  # fmt: skip
 
     async def post(self, key: str) -> tuple[int, bytes]:

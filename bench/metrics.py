@@ -256,7 +256,7 @@ def loop_name() -> str:
 
 
 HEADERS = [(b"host", b"127.0.0.1"), (b"user-agent", b"rsbench"),
-           (b"content-type", b"application/json"),
+           (b"content-type", b"application/json"), (b"authorization", b"Bearer rsbench"),
            (b"content-length", str(len(BODY)).encode())]  # fmt: skip
 
 
@@ -378,7 +378,7 @@ def server_pairs(store: str, url: str, stack: contextlib.ExitStack) -> list[Pair
     app = IdempotencyMiddleware(endpoint, store=url, operation=f"rsbench.server.{store}")
     server = stack.enter_context(ServerThread(app, bind(HOST, 0)))
     client = stack.enter_context(httpx.Client(base_url=server.url, timeout=30))
-    headers = {"content-type": "application/json"}
+    headers = {"content-type": "application/json", "authorization": "Bearer rsbench"}
     sent = [0]
     assert server.thread.ident is not None
     clock = time.pthread_getcpuclockid(server.thread.ident)

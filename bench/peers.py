@@ -214,6 +214,7 @@ async def post(app: Any, key: str) -> tuple[int, list[tuple[bytes, bytes]], byte
         "scheme": "http", "path": PATH, "raw_path": PATH.encode(), "root_path": "",
         "query_string": b"", "client": (HOST, 50000), "server": (HOST, 80),
         "headers": [(b"host", b"bench"), (b"content-type", b"application/json"),
+                    (b"authorization", b"Bearer rsbench"),
                     (b"content-length", str(len(REQUEST_BODY)).encode()),
                     (b"idempotency-key", key.encode())],
     }  # fmt: skip
@@ -519,6 +520,7 @@ async def _http_storm(
         async def one(key: str, i: int) -> str:
             resp = await client.post(urls[i % len(urls)] + PATH, content=REQUEST_BODY,
                                      headers={"content-type": "application/json",
+                                              "authorization": "Bearer rsbench",
                                               "idempotency-key": key})  # fmt: skip
             return kind(resp)
 
