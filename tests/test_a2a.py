@@ -29,7 +29,7 @@ from conftest import StoreSpec
 
 from retrysafe import Engine, Store, StoreUnavailableError
 from retrysafe._a2a import normal_message, part_v03, part_v10, result_as
-from retrysafe._asgi import principal
+from retrysafe._asgi import caller
 from retrysafe._principal import Principals
 from retrysafe.a2a import SEND_METHODS, A2AIdempotency, ErrorCode, IdempotencyMiddleware
 
@@ -510,7 +510,7 @@ def test_the_principal_of_a_request() -> None:
                 "headers": headers, **extra}  # fmt: skip
 
     def named(asgi: dict[str, Any], principals: Principals | None = None) -> str | None:
-        who = principal(asgi, principals or Principals())
+        who = caller(asgi, principals or Principals())
         return None if who is None else who.scope(b"s" * 32)
 
     bearer = scope([(b"authorization", b"Bearer alice")])

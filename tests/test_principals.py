@@ -140,18 +140,68 @@ def test_the_principal_callable_and_the_user_come_first() -> None:
     def request() -> Any:
         return None
 
+    def alice() -> str:
+        return "alice"
+
+    def nobody() -> None:
+        return None
+
+    def unread() -> str:
+        raise AssertionError("the user is read only when principal= does not decide")
+
     p = Principals(principal=lambda r: "tenant-1")
-    assert p.identify(request, "alice", [], "") == Principal("principal", "tenant-1")
-    p = Principals(principal=lambda r: None)  # None: the other rules decide
-    assert p.identify(request, "alice", [("authorization", "Bearer x")], "") == Principal(
-        "user", "alice"
-    )
-    assert p.identify(request, None, [], "") is None
+    assert p.identify(request, unread, [], "") == Principal("principal", "tenant-1")
+    for undecided in (None, "", "  "):  # None or blank: the other rules decide
+        p = Principals(principal=lambda r, u=undecided: u)  # type: ignore[misc]
+        assert p.identify(request, alice, [("authorization", "Bearer x")], "") == Principal(
+            "user", "alice"
+        )
+        assert p.identify(request, nobody, [], "") is None
     with pytest.raises(PrincipalRequiredError):
-        Principals(anonymous="refuse").identify(request, None, [], "")
-    assert Principals(anonymous="share").identify(request, None, [], "") == PUBLIC
+        Principals(anonymous="refuse").identify(request, nobody, [], "")
+    assert Principals(anonymous="share").identify(request, nobody, [], "") == PUBLIC
     with pytest.raises(TypeError, match="not int"):
-        Principals(principal=lambda r: 7).identify(request, None, [], "")  # type: ignore[arg-type,return-value]
+        Principals(principal=lambda r: 7).identify(request, nobody, [], "")  # type: ignore[arg-type,return-value]
+
+
+def test_cookies_alone_need_a_session_cookie() -> None:
+    """A cookie everyone has (``currency=USD``) beside a credential retrysafe cannot see
+    (an unlisted header) must not make all those callers one principal."""
+    p = Principals()
+    assert creds(p, cookie="currency=USD; ab_variant=b") is None  # anonymous, never shared
+    assert creds(p, cookie="currency=USD; sessionid=s1") is not None
+    assert creds(p, cookie="currency=USD; sessionid=s1") != creds(p, cookie="sessionid=s1")
+    sessions = [
+        "PHPSESSID", "connect.sid", "_app_session", ".ASPXAUTH", "access_token",
+        "__Secure-next-auth.session-token", "remember_web_59", "wordpress_logged_in_1",
+    ]  # fmt: skip
+    for name in sessions:
+        assert creds(p, cookie=f"{name}=v") is not None, name
+    # Beside another credential, every cookie that may name a caller counts.
+    assert creds(p, authorization="Basic c2hhcmVk", cookie="pf=alice") != creds(
+        p, authorization="Basic c2hhcmVk", cookie="pf=bob"
+    )
+    named = Principals(principal_cookies=["pf"])  # a session cookie by any name, when named
+    assert creds(named, cookie="pf=alice") is not None
+
+
+def test_a_user_class_that_raises_never_fails_the_request() -> None:
+    from retrysafe._principal import asgi_user
+
+    class Claims:
+        is_authenticated = True
+
+        @property
+        def identity(self) -> str:
+            raise KeyError("sub")
+
+    class Plain:
+        is_authenticated = True
+        identity = 42
+
+    assert asgi_user({"user": Claims()}) is None  # the credentials decide instead
+    assert asgi_user({"user": Plain()}).endswith("Plain:42")  # type: ignore[union-attr]
+    assert asgi_user({"user": object()}) is None and asgi_user({}) is None
 
 
 @pytest.mark.parametrize(
@@ -253,13 +303,17 @@ def test_a_store_without_cells_needs_the_environment_secret(
     check_secret(Bare())
 
 
-def test_a_secret_that_retrysafe_did_not_write_is_refused(memory: Store[Any]) -> None:
+def test_a_secret_that_retrysafe_did_not_write_is_refused(
+    memory: Store[Any], caplog: pytest.LogCaptureFixture
+) -> None:
     from retrysafe import StoreUnavailableError
     from retrysafe._state import Cells
 
     assert Cells(memory, "retrysafe", "deployment").write(CELL_KEY, None, "short", None)
-    with pytest.raises(StoreUnavailableError, match="not one retrysafe wrote"):
+    with pytest.raises(StoreUnavailableError, match="not one retrysafe wrote") as info:
         secret_of(memory)
+    assert info.value.transient is False  # no retry helps: said as an error, not an outage
+    assert any(r.levelname == "ERROR" and CELL_KEY in r.getMessage() for r in caplog.records)
 
 
 # -- every door, every store ----------------------------------------------------------------------
@@ -339,6 +393,15 @@ def test_anonymous_callers_never_share_and_leave_no_record(door: Door, tid: str)
     assert not replayed(second) and (first.json()["n"], second.json()["n"]) == (1, 2)
     assert door.counter.count(tid) == 2
     assert door.store.records(key=f"k-{tid}") == []  # nothing written for anyone
+
+
+def test_a_cookie_everyone_has_names_no_caller(door: Door, tid: str) -> None:
+    """Callers whose credential retrysafe cannot see (``X-Token``, not in the list), each
+    with the cookie everyone has: anonymous, so each runs and nothing is kept."""
+    alice = post(door.url, tid, x_token="alice", cookie="currency=USD")
+    bob = post(door.url, tid, x_token="bob", cookie="currency=USD")
+    assert not replayed(bob) and (alice.json()["n"], bob.json()["n"]) == (1, 2)
+    assert door.store.records(key=f"k-{tid}") == []
 
 
 def test_anonymous_callers_refused_or_sharing(door: Door, tid: str) -> None:
@@ -723,6 +786,8 @@ anonymous = "refuse"
 """
     )
     assert IdempotencyMap.loads(imap.to_toml()) == imap
+    merged = IdempotencyMap.default().merge(imap)  # the table survives a merge
+    assert merged.principals == imap.principals and merged.routes == imap.routes
     app = starlette_app(counter)
     app.add_middleware(IdempotencyMiddleware, store=memory, map=imap)
     with ThreadServer(app, "asgi") as server:

@@ -23,13 +23,13 @@ __all__ = [
     "Receive",
     "Scope",
     "Send",
+    "caller",
     "caller_scope",
     "closing",
     "header",
     "http_request",
     "is_async",
     "lifespan",
-    "principal",
     "read_body",
     "replaying",
     "send_json",
@@ -137,20 +137,20 @@ async def caller_scope(
     Raises what :meth:`Principals.identify` raises, and
     :class:`~retrysafe.StoreUnavailableError` if the deployment secret cannot be read.
     """
-    who = principal(scope, principals)
+    who = caller(scope, principals)
     if who is None:
         unscoped(operation)
         return None
     return who.scope(await asecret_of(store))
 
 
-def principal(scope: Scope, principals: Principals) -> Principal | None:
+def caller(scope: Scope, principals: Principals) -> Principal | None:
     """Who sends an ASGI request (see :meth:`Principals.identify`); None: anonymous,
     to run without a record."""
     wanted = principals.raw_names
     found = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k in wanted]
     query = scope.get("query_string", b"").decode("latin-1")
-    return principals.identify(lambda: http_request(scope), asgi_user(scope), found, query)
+    return principals.identify(lambda: http_request(scope), lambda: asgi_user(scope), found, query)
 
 
 def is_async(handler: Callable[..., Any]) -> bool:

@@ -31,7 +31,7 @@ from ._errors import (
 from ._keys import _KEY_RE, canonical_json, validate_key
 from ._map import IdempotencyMap, Route
 from ._metrics import METRICS
-from ._principal import Anonymous, Principal, Principals, principal_option, unscoped
+from ._principal import Anonymous, Principal, Principals, principal_option
 from ._record import Outcome
 from ._secret import asecret_of, check_secret, secret_of
 from .stores import Store
@@ -521,20 +521,6 @@ class HttpPolicy:
                 status=413,
                 code="idempotency_body_too_large",
             )
-
-    def principal(
-        self,
-        request: Callable[[], HttpRequest],
-        user: str | None,
-        headers: Iterable[tuple[str, str]],
-        query: str,
-    ) -> Principal | None:
-        """Who sends a keyed request (see :meth:`Principals.identify`); None: it is
-        anonymous and runs without a record (counted, and logged once)."""
-        who = self.principals.identify(request, user, headers, query)
-        if who is None:
-            unscoped(self.operation)
-        return who
 
     @property
     def secret(self) -> bytes | None:

@@ -44,6 +44,7 @@ from ._engine import Attempt, _keep
 from ._errors import IdempotencyError
 from ._heartbeat import renewing
 from ._http import Capture, HttpPolicy, HttpRequest, Response
+from ._principal import unscoped
 from ._record import Outcome
 
 __all__ = [
@@ -86,9 +87,10 @@ def prepare(
 ) -> PrepareFlow:
     """What a protected request asks for, from its WSGI-style headers in ``meta``.
 
-    A flow: it yields :data:`USER` for the framework's identity and then the
-    policy whose deployment secret it needs (only for a keyed request, and the
-    secret only until the policy has it), and returns what the request gets.
+    A flow: it yields :data:`USER` for the framework's identity (only when the
+    ``principal`` callable does not decide) and then the policy whose deployment
+    secret it needs (until the policy has it), only for a keyed request, and
+    returns what the request gets.
     ``body()`` reads the whole request body (raising :class:`BodyError` over
     the limit); it is called only for a keyed request of a known principal,
     after ``Content-Length`` was checked.
@@ -98,11 +100,14 @@ def prepare(
         key = policy.key(values)
         if key is None:
             return policy.missing(request)
-        user = yield USER
         query = meta.get("QUERY_STRING", "")
-        who = policy.principal(request, user, _credentials(meta, policy), query)
-        if who is None:  # anonymous: run without a record (anonymous="run")
-            return None
+        who = policy.principals.named(request)
+        if who is None:  # the framework's user is read only when principal= did not decide
+            user = yield USER
+            who = policy.principals.others(user, _credentials(meta, policy), query)
+            if who is None:  # anonymous: run without a record (anonymous="run")
+                unscoped(policy.operation)
+                return None
         policy.check_declared(meta.get("CONTENT_LENGTH"))
         secret = policy.secret or (yield policy)
         attempt = policy.attempt(

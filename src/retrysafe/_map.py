@@ -918,8 +918,13 @@ class IdempotencyMap:
         )
 
     def merge(self, other: IdempotencyMap) -> IdempotencyMap:
-        """A new map: ``other``'s operations replace same-named ones; its routes come after."""
-        return self.with_operations(*other._operations.values()).with_routes(*other._routes)
+        """A new map: ``other``'s operations replace same-named ones; its routes come after;
+        its ``[alerts]`` and ``[principals]`` tables, when it has them, replace these."""
+        by_name = {**self._operations, **other._operations}
+        return IdempotencyMap(
+            by_name.values(), (*self._routes, *other._routes),
+            other._alerts or self._alerts, other._principals or self._principals,
+        )  # fmt: skip
 
     @classmethod
     def default(cls) -> IdempotencyMap:

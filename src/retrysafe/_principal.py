@@ -37,9 +37,13 @@ __all__ = [
     "ANONYMOUS_MODES",
     "DEFAULT_PRINCIPAL_HEADERS",
     "NOT_IDENTITY_COOKIES",
+    "PUBLIC",
+    "SESSION_HINTS",
     "Anonymous",
     "Principal",
+    "PrincipalFn",
     "Principals",
+    "asgi_user",
     "is_identity_cookie",
     "principal_option",
     "unscoped",
@@ -92,13 +96,33 @@ NOT_IDENTITY_PREFIXES: tuple[str, ...] = (
 )  # fmt: skip
 
 
-def is_identity_cookie(name: str) -> bool:
-    """Whether a cookie may name the caller by the default rule (:data:`NOT_IDENTITY_COOKIES`)."""
+#: Parts of the names of session cookies (lower case): ``sessionid``, ``PHPSESSID``,
+#: ``connect.sid``, ``_app_session``, ``.ASPXAUTH``, ``next-auth.session-token``,
+#: ``remember_web_*``, ``wordpress_logged_in_*``. By the default rule, cookies alone
+#: name a caller only if one of them is a session cookie.
+SESSION_HINTS: tuple[str, ...] = (
+    "sess", "sid", "auth", "token", "jwt", "login", "logged", "remember", "identity", "sso",
+)  # fmt: skip
+
+
+def _bare(name: str) -> str:
     name = name.strip().lower()
     for prefix in ("__host-", "__secure-"):
         if name.startswith(prefix):
-            name = name[len(prefix) :]
+            return name[len(prefix) :]
+    return name
+
+
+def is_identity_cookie(name: str) -> bool:
+    """Whether a cookie may name the caller by the default rule (:data:`NOT_IDENTITY_COOKIES`)."""
+    name = _bare(name)
     return not (name in NOT_IDENTITY_COOKIES or name.startswith(NOT_IDENTITY_PREFIXES))
+
+
+def _is_session(name: str) -> bool:
+    """Whether a cookie (one that may name the caller) looks like a session cookie."""
+    name = _bare(name)
+    return any(hint in name for hint in SESSION_HINTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,31 +237,43 @@ class Principals:
     def identify(
         self,
         request: Callable[[], Any],
-        user: str | None,
+        user: Callable[[], str | None],
         headers: Iterable[tuple[str, str]],
         query: str,
     ) -> Principal | None:
         """The principal of a request, or None when it is anonymous and may run unrecorded.
 
         ``request()`` builds the :class:`~retrysafe.http.HttpRequest` for the
-        ``principal`` callable; ``user`` is the framework's authenticated
-        identity (None: none); ``headers`` are the request's (lower-case name,
-        value) pairs of ``Authorization``, ``Cookie`` and the principal headers
-        (others are ignored); ``query`` is the raw query string.
+        ``principal`` callable; ``user()`` gives the framework's authenticated
+        identity (None: none), read only when the callable does not decide;
+        ``headers`` are the request's (lower-case name, value) pairs of
+        ``Authorization``, ``Cookie`` and the principal headers (others are
+        ignored); ``query`` is the raw query string.
 
         Raises :class:`~retrysafe.AmbiguousCredentialsError` for two different
         values of one credential header, and
         :class:`~retrysafe.PrincipalRequiredError` for an anonymous request
         when ``anonymous="refuse"``.
         """
-        if self.fn is not None:
-            named = self.fn(request())
-            if named is not None:
-                if type(named) is not str:
-                    raise TypeError(
-                        f"principal= must return a str or None, not {type(named).__name__}"
-                    )
-                return Principal("principal", named)
+        return self.named(request) or self.others(user(), headers, query)
+
+    def named(self, request: Callable[[], Any]) -> Principal | None:
+        """Rule 1: what the ``principal`` callable says; None (or a blank str): it does
+        not decide."""
+        if self.fn is None:
+            return None
+        named = self.fn(request())
+        if named is None:
+            return None
+        if not isinstance(named, str):
+            raise TypeError(f"principal= must return a str or None, not {type(named).__name__}")
+        named = str(named)
+        return Principal("principal", named) if named.strip() else None
+
+    def others(
+        self, user: str | None, headers: Iterable[tuple[str, str]], query: str
+    ) -> Principal | None:
+        """Rules 2 to 4: the framework's user, the credentials, else ``anonymous``."""
         if user is not None:
             return Principal("user", user)
         found = self.credentials(headers, query)
@@ -268,12 +304,16 @@ class Principals:
                     f"the request carries two different {name} headers; send one"
                 )
         parts = [[name, "", value] for name, value in found.items() if value]
-        for text in cookies:
-            parts.extend(["cookie", n, v] for n, v in self._cookies(text))
         if self.query and query:
             for name, value in urllib.parse.parse_qsl(query, keep_blank_values=False):
                 if name.lower() in self.query:
                     parts.append(["query", name.lower(), value])
+        jar = [["cookie", n, v] for text in cookies for n, v in self._cookies(text)]
+        # Cookies alone name a caller only if one of them is a session cookie: a
+        # request whose credential retrysafe cannot see (an unlisted header) may still
+        # carry a cookie everyone has (currency=USD), and that must not be a principal.
+        if jar and (parts or self.cookies is not None or any(_is_session(c[1]) for c in jar)):
+            parts.extend(jar)
         if not parts:
             return None
         parts.sort()
@@ -333,14 +373,14 @@ def asgi_user(scope: Any) -> str | None:
         if getattr(user, "is_authenticated", False) is not True:
             return None
         identity = user.identity
-    except (NotImplementedError, AttributeError):
+    except Exception as exc:  # the app's user class: whatever it raises, never a 500
         _warn_once(
-            f"scope['user'] ({type(user).__name__}) is authenticated but has no identity; "
+            f"scope['user'] ({type(user).__name__}) gave no identity ({type(exc).__name__}); "
             "the request's credentials name the caller instead (give the user class an "
             "identity property, or pass principal=)"
         )
         return None
-    if identity is None or identity == "":
+    if identity is None or str(identity).strip() == "":
         return None
     return f"{type(user).__module__}.{type(user).__qualname__}:{identity}"
 

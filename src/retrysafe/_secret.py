@@ -17,6 +17,7 @@ request that needs it) and keeps it in memory.
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import secrets
 import threading
@@ -30,7 +31,16 @@ from ._state import KEEP, Cell, Cells, Flow, cas_update
 if TYPE_CHECKING:
     from .stores import Store
 
-__all__ = ["ENV_SECRET", "MIN_SECRET_LENGTH", "SecretError", "check_secret", "secret_of"]
+__all__ = [
+    "CELL_KEY",
+    "ENV_SECRET",
+    "MIN_SECRET_LENGTH",
+    "SecretError",
+    "asecret_of",
+    "cached",
+    "check_secret",
+    "secret_of",
+]
 
 #: The environment variable that sets the deployment secret.
 ENV_SECRET = "RETRYSAFE_SECRET"
@@ -38,8 +48,10 @@ MIN_SECRET_LENGTH = 32
 
 #: The cell's kind: no guard uses it, so no guard's cell can be this one.
 _KIND, _NAMESPACE = "retrysafe", "deployment"
-#: Where the store keeps the secret (the cell key, as ``retrysafe._state.Cells`` makes it).
-CELL_KEY = '["retrysafe","deployment","secret"]'
+#: Where the store keeps the secret: a cell key as ``retrysafe._state.Cells`` makes them.
+CELL_KEY = Cells(None, _KIND, _NAMESPACE).key("secret")  # type: ignore[arg-type]
+
+log = logging.getLogger("retrysafe")
 
 _known: weakref.WeakKeyDictionary[Store[Any], bytes] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -93,11 +105,14 @@ def _cells(store: Store[Any]) -> tuple[Cells, Flow[str]]:
 
 def _decoded(value: object) -> bytes:
     if not isinstance(value, str) or len(value) < MIN_SECRET_LENGTH:
-        raise StoreUnavailableError(
-            "the deployment secret kept in the store is not one retrysafe wrote; "
-            f"delete the cell {CELL_KEY} or set ${ENV_SECRET}",
-            transient=False,
+        # Not an outage: no retry helps, so it is said as an error, every time.
+        message = (
+            "the deployment secret kept in the store is not one retrysafe wrote; keyed "
+            f"requests cannot be recorded until the cell {CELL_KEY} is deleted or "
+            f"${ENV_SECRET} is set"
         )
+        log.error("retrysafe: %s", message)
+        raise StoreUnavailableError(message, transient=False)
     return value.encode()
 
 

@@ -108,6 +108,7 @@ class A2AIdempotency:
             store, share=True, ttl=ttl, lease=lease, retention=retention, max_body=max_body
         )
         self.final_failures = final_failures
+        self.operation = operation
         # The engine options every send shares, validated once.
         self._plan = _Plan(
             self.engine, "-", operation=operation, ttl=ttl, lease=lease, wait=wait,
@@ -333,16 +334,14 @@ class IdempotencyMiddleware:
             return
         core = self.core
         try:
-            caller = await caller_scope(
-                scope, self.principals, core.engine.store, core._plan.operation
-            )
+            caller = await caller_scope(scope, self.principals, core.engine.store, core.operation)
         except IdempotencyError as exc:
-            await _reply(send, refusal(request.get("id"), exc, self.core._plan.operation))
+            await _reply(send, refusal(request.get("id"), exc, core.operation))
             return
         if caller is None:  # anonymous: the app answers it without a record
             await self.app(scope, downstream, send)
             return
-        prepared = self.core._prepare(request, caller)
+        prepared = core._prepare(request, caller)
         if not isinstance(prepared, Send):
             await _reply(send, prepared)  # type: ignore[arg-type]
             return

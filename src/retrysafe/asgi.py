@@ -37,7 +37,7 @@ from ._http import (
     HttpRequest,
     Response,
 )
-from ._principal import asgi_user
+from ._principal import asgi_user, unscoped
 
 __all__ = ["IdempotencyMiddleware"]
 
@@ -141,8 +141,9 @@ class IdempotencyMiddleware:
                 else:
                     await _answer(send, refusal)
                 return
-            who = policy.principal(request, asgi_user(scope), found, query)
+            who = policy.principals.identify(request, lambda: asgi_user(scope), found, query)
             if who is None:  # anonymous: run without a record (anonymous="run")
+                unscoped(policy.operation)
                 await self.app(scope, receive, send)
                 return
             policy.check_declared(clen)

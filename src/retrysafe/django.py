@@ -40,6 +40,7 @@ from django.core.exceptions import ImproperlyConfigured, RequestDataTooBig
 from django.http import HttpRequest as DjangoRequest
 from django.http import HttpResponse
 from django.http.response import HttpResponseBase
+from django.utils.functional import SimpleLazyObject, empty
 from django.utils.module_loading import import_string
 
 from ._http import BodyError, Headers, HttpPolicy, HttpRequest, Response
@@ -196,13 +197,21 @@ def _user(request: DjangoRequest) -> str | None:
 
 
 async def _auser(request: DjangoRequest) -> str | None:
-    """Async :func:`_user`: ``request.auser()`` reads the session without blocking."""
-    auser = getattr(request, "auser", None)
-    if auser is not None:
-        return _identity(await auser())
-    if hasattr(request, "user"):  # set by another middleware: read it in Django's sync thread
+    """Async :func:`_user`, the same user without a blocking query on the event loop.
+
+    ``request.user`` as it stands wins, as under WSGI: a user another middleware
+    set, or the lazy one once read. Still lazy, it is read with ``request.auser()``
+    (the session, read without blocking), else in Django's sync thread.
+    """
+    user = request.__dict__.get("user")
+    if user is None:
+        return None
+    if isinstance(user, SimpleLazyObject) and user._wrapped is empty:  # type: ignore[attr-defined]
+        auser = request.__dict__.get("auser")
+        if auser is not None:
+            return _identity(await auser())
         return await sync_to_async(_user, thread_sensitive=True)(request)
-    return None
+    return _identity(user)
 
 
 def _policy(overrides: Mapping[str, Any]) -> HttpPolicy:
