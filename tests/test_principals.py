@@ -136,6 +136,17 @@ def test_the_scope_is_a_keyed_hash_that_holds_no_credential() -> None:
     assert PUBLIC.scope(SECRET).startswith("public:")
 
 
+@pytest.mark.parametrize("key", [b"", b"s" * 32, b"k" * 64, b"x" * 100])
+def test_the_keyed_hash_is_hmac_sha256(key: bytes) -> None:
+    from retrysafe._secret import Secret
+
+    for message in (b"", b"abc", bytes(range(256)) * 9):
+        expected = hmac.new(key, message, "sha256").hexdigest()
+        assert Secret(key).hmac(message) == expected
+        assert Secret(key).hmac(message[:5], message[5:]) == expected
+    assert "s" * 8 not in repr(Secret(key))
+
+
 def test_the_principal_callable_and_the_user_come_first() -> None:
     def request() -> Any:
         return None
@@ -224,12 +235,12 @@ def test_bad_options_fail_at_construction(options: dict[str, Any]) -> None:
 def test_the_secret_is_made_once_and_kept_in_the_store(store_spec: StoreSpec) -> None:
     first = store_spec.open()
     try:
-        secret = secret_of(first)
-        assert len(secret) >= 32 and secret_of(first) == secret
+        secret = secret_of(first).value
+        assert len(secret) >= 32 and secret_of(first).value == secret
         if store_spec.name != "memory":  # another process opening the store agrees
             second = store_spec.open()
             try:
-                assert secret_of(second) == secret
+                assert secret_of(second).value == secret
             finally:
                 second.close()
     finally:
@@ -239,13 +250,13 @@ def test_the_secret_is_made_once_and_kept_in_the_store(store_spec: StoreSpec) ->
 async def test_the_secret_from_a_coroutine(store: Store[Any]) -> None:
     from retrysafe._secret import asecret_of
 
-    assert await asecret_of(store) == secret_of(store)
+    assert (await asecret_of(store)).value == secret_of(store).value
     await store.aclose()
 
 
 def _secret_racer(store: Store[Any]) -> Any:
     def race(who: str) -> str:
-        return base64.b64encode(secret_of(store)).decode()
+        return base64.b64encode(secret_of(store).value).decode()
 
     return race
 
@@ -257,7 +268,7 @@ def test_racing_processes_agree_on_one_secret(shared_spec: StoreSpec) -> None:
     assert len(answers) == 32 and len(set(answers)) == 1
     store = shared_spec.open()
     try:
-        assert base64.b64encode(secret_of(store)).decode() == answers[0]
+        assert base64.b64encode(secret_of(store).value).decode() == answers[0]
     finally:
         store.close()
 
@@ -267,7 +278,7 @@ def test_racing_threads_agree_on_one_secret(store: Store[Any]) -> None:
 
     def read(_: int) -> bytes:
         barrier.wait()
-        return secret_of(store)
+        return secret_of(store).value
 
     with ThreadPoolExecutor(16) as pool:
         assert len(set(pool.map(read, range(16)))) == 1
@@ -276,7 +287,7 @@ def test_racing_threads_agree_on_one_secret(store: Store[Any]) -> None:
 def test_the_environment_secret_wins_and_must_be_long(monkeypatch: pytest.MonkeyPatch) -> None:
     store = open_store("memory://")
     monkeypatch.setenv(ENV_SECRET, "x" * 40)
-    assert secret_of(store) == b"x" * 40
+    assert secret_of(store).value == b"x" * 40
     assert store._cells == {}  # type: ignore[attr-defined]  # nothing was written
     monkeypatch.setenv(ENV_SECRET, "short")
     with pytest.raises(SecretError, match="at least 32"):
@@ -484,7 +495,8 @@ def test_no_credential_reaches_the_store(door: Door, tid: str) -> None:
             assert digest[:16] not in dumped
     head = b"4:POST7:/orders0:j"
     assert hashlib.sha256(head + canonical).hexdigest() not in dumped  # fingerprints are keyed
-    assert hmac.new(secret_of(door.store), head + canonical, "sha256").hexdigest() in dumped
+    secret = secret_of(door.store).value
+    assert hmac.new(secret, head + canonical, "sha256").hexdigest() in dumped
 
 
 def test_scopes_and_fingerprints_are_keyed_by_the_deployment_secret(

@@ -8,7 +8,6 @@ answers (replays and RFC 9457 problems). The adapters only move bytes.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import logging
 import math
@@ -33,7 +32,7 @@ from ._map import IdempotencyMap, Route
 from ._metrics import METRICS
 from ._principal import Anonymous, Principal, Principals, principal_option
 from ._record import Outcome
-from ._secret import asecret_of, check_secret, secret_of
+from ._secret import Secret, asecret_of, check_secret, secret_of
 from .stores import Store
 
 __all__ = [
@@ -285,7 +284,7 @@ def request_fingerprint(
     query: str,
     content_type: str | None,
     body: bytes,
-    secret: bytes | None = None,
+    secret: Secret | bytes | None = None,
 ) -> str:
     """SHA-256 over method, path, query and body; JSON bodies in canonical form.
 
@@ -304,9 +303,11 @@ def request_fingerprint(
         kind = b"b"
     m, p, q = method.encode(), path.encode("utf-8", "surrogateescape"), query.encode()
     head = b"%d:%s%d:%s%d:%s%s" % (len(m), m, len(p), p, len(q), q, kind)
-    if secret is not None:
-        return hmac.digest(secret, head + body, "sha256").hex()
-    return hashlib.sha256(head + body).hexdigest()
+    if secret is None:
+        return hashlib.sha256(head + body).hexdigest()
+    if not isinstance(secret, Secret):
+        secret = Secret(secret)
+    return secret.hmac(head, body)
 
 
 # -- answers ----------------------------------------------------------------------
@@ -426,7 +427,7 @@ class HttpPolicy:
             anonymous=anonymous,
         )  # fmt: skip
         check_secret(self.engine.store)
-        self._secret: bytes | None = None
+        self._secret: Secret | None = None
         if not isinstance(operation, str):
             raise TypeError("operation must be a str")
         self.operation = operation
@@ -523,18 +524,18 @@ class HttpPolicy:
             )
 
     @property
-    def secret(self) -> bytes | None:
+    def secret(self) -> Secret | None:
         """The deployment secret once this policy has it, else None (see :meth:`load_secret`)."""
         return self._secret
 
-    def load_secret(self) -> bytes:
+    def load_secret(self) -> Secret:
         """The deployment secret, read from the environment or the store once
         (:class:`~retrysafe.StoreUnavailableError` if the store cannot be read)."""
         if self._secret is None:
             self._secret = secret_of(self.engine.store)
         return self._secret
 
-    async def aload_secret(self) -> bytes:
+    async def aload_secret(self) -> Secret:
         """Async :meth:`load_secret`."""
         if self._secret is None:
             self._secret = await asecret_of(self.engine.store)
@@ -549,7 +550,7 @@ class HttpPolicy:
         content_type: str | None,
         body: bytes,
         who: Principal,
-        secret: bytes,
+        secret: Secret,
         request_id: str | None,
     ) -> Attempt:
         """The engine attempt of a keyed request (:class:`BodyError` for a bad body).

@@ -21,17 +21,15 @@ No I/O here; the front doors hand in what they read.
 
 from __future__ import annotations
 
-import hmac
-import json
 import logging
 import urllib.parse
 import warnings
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from ._errors import AmbiguousCredentialsError, PrincipalRequiredError
 from ._metrics import METRICS
+from ._secret import Secret
 
 __all__ = [
     "ANONYMOUS_MODES",
@@ -125,19 +123,20 @@ def _is_session(name: str) -> bool:
     return any(hint in name for hint in SESSION_HINTS)
 
 
-@dataclass(frozen=True, slots=True)
-class Principal:
+class Principal(NamedTuple):
     """Who sent a request: ``kind`` (``user``, ``principal``, ``credentials`` or
     ``public``) and what names them (an identity, or the canonical credentials)."""
 
     kind: str
     material: str
 
-    def scope(self, secret: bytes) -> str:
-        """The record scope: ``kind:`` and 32 hex digits of an HMAC-SHA256 under ``secret``."""
+    def scope(self, secret: Secret | bytes) -> str:
+        """The record scope: ``kind:`` and 32 hex digits of an HMAC-SHA256 under the
+        deployment ``secret``."""
+        if not isinstance(secret, Secret):
+            secret = Secret(secret)
         text = f"{len(self.kind)}:{self.kind}{self.material}"
-        mac = hmac.digest(secret, text.encode("utf-8", "surrogatepass"), "sha256")
-        return f"{self.kind}:{mac[:16].hex()}"
+        return f"{self.kind}:{secret.hmac(text.encode('utf-8', 'surrogatepass'))[:32]}"
 
 
 #: The principal of anonymous callers that opted in to sharing (``anonymous="share"``).
@@ -193,7 +192,8 @@ class Principals:
     """
 
     __slots__ = (
-        "anonymous", "cookies", "environ_names", "fn", "headers", "query", "raw_names",
+        "anonymous", "cookies", "environ_names", "fn", "header_set", "headers", "query",
+        "raw_names",
     )  # fmt: skip
 
     def __init__(
@@ -213,6 +213,8 @@ class Principals:
             "principal_headers",
         )
         self.headers = tuple(h for h in headers if h != "authorization")
+        #: Every credential header (lower case), ``authorization`` included.
+        self.header_set = frozenset(("authorization", *self.headers))
         self.cookies = (
             None if principal_cookies is None
             else frozenset(_names(principal_cookies, "principal_cookies"))
@@ -292,32 +294,35 @@ class Principals:
         """Every credential of the request as one principal; None if it carries none."""
         found: dict[str, str] = {}
         cookies: list[str] = []
+        wanted = self.header_set
         for name, value in headers:
-            if name == "cookie":
+            if name in wanted:
+                value = value.strip(" \t")
+                if found.setdefault(name, value) != value:  # an empty line differs too
+                    raise AmbiguousCredentialsError(
+                        f"the request carries two different {name} headers; send one"
+                    )
+            elif name == "cookie":
                 cookies.append(value)
-                continue
-            if name != "authorization" and name not in self.headers:
-                continue
-            value = value.strip(" \t")
-            if found.setdefault(name, value) != value:  # an empty line differs too
-                raise AmbiguousCredentialsError(
-                    f"the request carries two different {name} headers; send one"
-                )
-        parts = [[name, "", value] for name, value in found.items() if value]
+        parts = [("header", name, value) for name, value in found.items() if value]
         if self.query and query:
             for name, value in urllib.parse.parse_qsl(query, keep_blank_values=False):
                 if name.lower() in self.query:
-                    parts.append(["query", name.lower(), value])
-        jar = [["cookie", n, v] for text in cookies for n, v in self._cookies(text)]
-        # Cookies alone name a caller only if one of them is a session cookie: a
-        # request whose credential retrysafe cannot see (an unlisted header) may still
-        # carry a cookie everyone has (currency=USD), and that must not be a principal.
-        if jar and (parts or self.cookies is not None or any(_is_session(c[1]) for c in jar)):
-            parts.extend(jar)
+                    parts.append(("query", name.lower(), value))
+        if cookies:
+            jar = [("cookie", n, v) for text in cookies for n, v in self._cookies(text)]
+            # Cookies alone name a caller only if one of them is a session cookie: a
+            # request whose credential retrysafe cannot see (an unlisted header) may
+            # still carry a cookie everyone has (currency=USD): never a principal.
+            if parts or self.cookies is not None or any(_is_session(c[1]) for c in jar):
+                parts.extend(jar)
         if not parts:
             return None
-        parts.sort()
-        return Principal("credentials", json.dumps(parts, ensure_ascii=False))
+        if len(parts) > 1:
+            parts.sort()
+        # Each part length-prefixed: no choice of names and values can run into another.
+        material = "".join(f"{len(k)}:{k}{len(n)}:{n}{len(v)}:{v}" for k, n, v in parts)
+        return Principal("credentials", material)
 
     def _cookies(self, header: str) -> Iterable[tuple[str, str]]:
         """The ``(name, value)`` pairs of a ``Cookie`` header that name the caller."""

@@ -17,6 +17,7 @@ request that needs it) and keeps it in memory.
 from __future__ import annotations
 
 import base64
+import hashlib
 import logging
 import os
 import secrets
@@ -35,6 +36,7 @@ __all__ = [
     "CELL_KEY",
     "ENV_SECRET",
     "MIN_SECRET_LENGTH",
+    "Secret",
     "SecretError",
     "asecret_of",
     "cached",
@@ -53,7 +55,8 @@ CELL_KEY = Cells(None, _KIND, _NAMESPACE).key("secret")  # type: ignore[arg-type
 
 log = logging.getLogger("retrysafe")
 
-_known: weakref.WeakKeyDictionary[Store[Any], bytes] = weakref.WeakKeyDictionary()
+_known: weakref.WeakKeyDictionary[Store[Any], Secret] = weakref.WeakKeyDictionary()
+_from_environ: Secret | None = None
 _lock = threading.Lock()
 
 
@@ -61,7 +64,43 @@ class SecretError(ValueError):
     """``$RETRYSAFE_SECRET`` is set but unusable, or the store cannot keep a secret."""
 
 
-def _from_env() -> bytes | None:
+class Secret:
+    """The deployment secret, and HMAC-SHA256 under it (RFC 2104).
+
+    The key's inner and outer pads are hashed once, so a keyed hash costs two
+    hash copies more than a plain SHA-256 (``hmac.digest`` sets the key up on
+    every call: about six times the cost of the hash of a small request).
+    """
+
+    __slots__ = ("_inner", "_outer", "value")
+
+    def __init__(self, value: bytes) -> None:
+        self.value = value
+        key = hashlib.sha256(value).digest() if len(value) > _BLOCK else value
+        key = key.ljust(_BLOCK, b"\0")
+        self._inner = hashlib.sha256(key.translate(_IPAD))
+        self._outer = hashlib.sha256(key.translate(_OPAD))
+
+    def hmac(self, *parts: bytes) -> str:
+        """HMAC-SHA256 (hex) of the concatenated ``parts``."""
+        inner = self._inner.copy()
+        for part in parts:
+            inner.update(part)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.hexdigest()
+
+    def __repr__(self) -> str:
+        return "<Secret ***>"
+
+
+_BLOCK = 64  # SHA-256's block size
+_IPAD = bytes(b ^ 0x36 for b in range(256))
+_OPAD = bytes(b ^ 0x5C for b in range(256))
+
+
+def _from_env() -> Secret | None:
+    global _from_environ
     value = os.environ.get(ENV_SECRET)
     if value is None:
         return None
@@ -71,7 +110,11 @@ def _from_env() -> bytes | None:
             f"{len(value)}); generate one with: python -c 'import secrets; "
             "print(secrets.token_urlsafe(32))'"
         )
-    return value.encode("utf-8", "surrogateescape")
+    raw = value.encode("utf-8", "surrogateescape")
+    known = _from_environ
+    if known is None or known.value != raw:
+        known = _from_environ = Secret(raw)
+    return known
 
 
 def check_secret(store: Store[Any]) -> None:
@@ -116,13 +159,19 @@ def _decoded(value: object) -> bytes:
     return value.encode()
 
 
-def cached(store: Store[Any]) -> bytes | None:
+def cached(store: Store[Any]) -> Secret | None:
     """The secret for ``store`` if this process already has it (no I/O)."""
     env = _from_env()
     return env if env is not None else _known.get(store)
 
 
-def secret_of(store: Store[Any]) -> bytes:
+def _keep(store: Store[Any], value: object) -> Secret:
+    found = Secret(_decoded(value))
+    with _lock:
+        return _known.setdefault(store, found)
+
+
+def secret_of(store: Store[Any]) -> Secret:
     """The deployment secret for ``store``: from the environment, memory or the store.
 
     Raises :class:`~retrysafe.StoreUnavailableError` when the store cannot be read.
@@ -130,18 +179,14 @@ def secret_of(store: Store[Any]) -> bytes:
     found = cached(store)
     if found is None:
         cells, flow = _cells(store)
-        found = _decoded(cells.run(flow))
-        with _lock:
-            found = _known.setdefault(store, found)
+        found = _keep(store, cells.run(flow))
     return found
 
 
-async def asecret_of(store: Store[Any]) -> bytes:
+async def asecret_of(store: Store[Any]) -> Secret:
     """Async :func:`secret_of`."""
     found = cached(store)
     if found is None:
         cells, flow = _cells(store)
-        found = _decoded(await cells.arun(flow))
-        with _lock:
-            found = _known.setdefault(store, found)
+        found = _keep(store, await cells.arun(flow))
     return found
