@@ -142,6 +142,7 @@ def test_gateway_serves_and_stops_on_ctrl_c(
         serving.append(gw)
         url = gw.read_until("listening on").split()[-1]
         gw.read_until("store")
+        callers = gw.read_until("callers")
         gw.ready(url)
         key = {"Idempotency-Key": "cli-1", **CALLER}
         answers = [httpx.post(url + "/orders", json={}, headers=key) for _ in range(4)]
@@ -150,6 +151,7 @@ def test_gateway_serves_and_stops_on_ctrl_c(
         assert httpx.get(url + "/count").json() == {"orders": 1}
         out, _ = gw.interrupt(signum)
     assert f"upstream  {origin.url}" in out and f"sqlite:///{tmp_path}/gw.db" in out
+    assert "callers   by their credentials: headers Authorization, " in callers
     assert "retrysafe gateway: stopped" in out
 
 

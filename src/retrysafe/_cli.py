@@ -252,6 +252,7 @@ def gateway(
     print(f"  store     {redact(store_url)}", flush=True)
     if map_file is not None:
         print(f"  map       {map_file}", flush=True)
+    print(f"  callers   {application.middleware.policy.principals.describe()}", flush=True)
     print(f"  health    {url}{gw.HEALTH_PATH}", flush=True)
     print(f"  dashboard {url}{gw.DASHBOARD_PATH}  ({_admin_access()})", flush=True)
     print(f"  metrics   {url}{gw.METRICS_PATH}", flush=True)

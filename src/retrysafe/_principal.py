@@ -234,6 +234,17 @@ class Principals:
             (n, "HTTP_" + n.upper().replace("-", "_")) for n in ("authorization", *self.headers)
         )
 
+    def describe(self) -> str:
+        """One line saying how callers are told apart (for a server's start-up lines)."""
+        headers = ", ".join(["Authorization", *self.headers])
+        cookies = "all but analytics and the like" if self.cookies is None else (
+            ", ".join(sorted(self.cookies)) or "none"
+        )  # fmt: skip
+        said = f"by their credentials: headers {headers}; cookies {cookies}"
+        if self.query:
+            said += f"; query {', '.join(sorted(self.query))}"
+        return f"{said}; without any: {self.anonymous}"
+
     # -- the decision -----------------------------------------------------------------
 
     def identify(
