@@ -212,7 +212,8 @@ class Principals:
             DEFAULT_PRINCIPAL_HEADERS if principal_headers is None else principal_headers,
             "principal_headers",
         )
-        self.headers = tuple(h for h in headers if h != "authorization")
+        # Authorization always counts, and cookies by the cookie rule: not twice.
+        self.headers = tuple(h for h in headers if h not in ("authorization", "cookie"))
         #: Every credential header (lower case), ``authorization`` included.
         self.header_set = frozenset(("authorization", *self.headers))
         self.cookies = (
