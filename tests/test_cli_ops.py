@@ -198,3 +198,43 @@ def test_errors_are_one_line(tmp_path: Path, url: str) -> None:
         assert "Traceback" not in result.stderr and "s3cret" not in result.stderr
         assert result.stderr.startswith("retrysafe") and "error:" in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
+
+
+#: Client keys that Rich would read as markup or emoji codes, and an operation with an
+#: ANSI colour sequence, a bell and a right-to-left override.
+MARKUP_KEYS = ["a[/]b", "order:ok:1", "[bold]k1", "[link=http://evil]k2[/link]", ":smile:"]
+CONTROL_OP = "op\x1b[31mred\x07\u202e"
+ESCAPED_OP = "op\\x1b[31mred\\x07\\u202e"
+
+
+def test_keys_and_operations_print_literally(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/keys.db"
+    engine = Engine(url)
+    for key in MARKUP_KEYS:
+        claim = engine.begin(key, operation=CONTROL_OP, fingerprint="fp")
+        assert isinstance(claim, Claim)
+        if key != "[bold]k1":  # left processing: the oldest in `stats`
+            engine.complete(claim, Outcome.json({"k": key}, status=201))
+    engine.close()
+    wide = {**ENV, "COLUMNS": "250"}
+    printed = {
+        "list": run("list", "--store", url, cwd=tmp_path, env=wide),
+        "stats": run("stats", "--store", url, cwd=tmp_path, env=wide),
+        **{
+            f"inspect {key}": run(
+                "inspect", key, "--operation", CONTROL_OP, "--store", url, cwd=tmp_path, env=wide
+            )
+            for key in MARKUP_KEYS
+        },
+    }
+    for command, result in printed.items():
+        assert result.returncode == 0, (command, result.stderr)
+        assert "Traceback" not in result.stderr and not result.stderr, (command, result.stderr)
+        for raw in ("\x1b", "\x07", "\u202e", "\U0001f604", "\U0001f197"):
+            assert raw not in result.stdout, (command, raw, result.stdout)
+    for key in MARKUP_KEYS:
+        assert key in printed["list"].stdout, printed["list"].stdout
+        assert key in printed[f"inspect {key}"].stdout
+        assert ESCAPED_OP in printed[f"inspect {key}"].stdout
+    assert ESCAPED_OP in printed["list"].stdout and ESCAPED_OP in printed["stats"].stdout
+    assert "oldest processing record: '[bold]k1'" in printed["stats"].stdout

@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ._errors import IdempotencyError, StoreUnavailableError
-from ._keys import key_hash
+from ._keys import key_hash, printable
 from ._record import Status, iso_time, record_json
 from .stores import DEFAULT_STORE_URL, Store, open_store, redact
 
@@ -62,8 +62,10 @@ OutboxOpt = Annotated[
                  help=f"The outbox file (default: $RETRYSAFE_OUTBOX or {DEFAULT_OUTBOX})."),
 ]  # fmt: skip
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# Keys, operations, URLs and errors are client input: printed literally, never as Rich
+# markup or emoji codes, and with control characters escaped (see _row).
+out = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True, markup=False, emoji=False)
 
 
 class CliError(Exception):
@@ -98,6 +100,11 @@ def _duration(text: str | None, option: str) -> float | None:
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _row(table: Table, *cells: str) -> None:
+    """Add a row of text shown as it is (control characters escaped visibly)."""
+    table.add_row(*(printable(c) for c in cells))
 
 
 def _print_json(value: Any) -> None:
@@ -365,7 +372,7 @@ def inspect(
     for name, value in record_json(record).items():
         if name == "answer" and value is not None:
             value = f"{value['status'] or ''} {value['media_type']}, {value['bytes']} bytes".strip()
-        table.add_row(name.replace("_", " "), "-" if value in (None, {}) else str(value))
+        _row(table, name.replace("_", " "), "-" if value in (None, {}) else str(value))
     out.print(table)
     return 0
 
@@ -408,8 +415,8 @@ def list_(
         status_text = r.status.value + (" (final)" if r.final else "")
         if r.expires_at <= now:
             status_text += " (expired)"
-        table.add_row(
-            r.key, r.operation, (r.scope[:12] + "…") if len(r.scope) > 13 else r.scope,
+        _row(
+            table, r.key, r.operation, (r.scope[:12] + "…") if len(r.scope) > 13 else r.scope,
             status_text, _age(now - r.created_at), str(r.attempts),
             "-" if r.expires_at <= now else _age(r.expires_at - now),
         )  # fmt: skip
@@ -480,8 +487,8 @@ def stats(
         per_op.setdefault(op, {})[state] = n
     for op in sorted(per_op):
         row = per_op[op]
-        table.add_row(op or "(none)", *(str(row.get(x.value, 0)) for x in Status),
-                      str(sum(row.values())))  # fmt: skip
+        _row(table, op or "(none)", *(str(row.get(x.value, 0)) for x in Status),
+             str(sum(row.values())))  # fmt: skip
     totals = data["by_status"]
     table.add_row("all", *(str(totals.get(x.value, 0)) for x in Status), str(data["live"]),
                   style="bold")  # fmt: skip
@@ -494,7 +501,7 @@ def stats(
     else:
         late = " (lease expired: a crashed attempt)" if oldest.lease_until <= now else ""
         out.print(
-            f"oldest processing record: {oldest.key!r} ({oldest.operation}), "
+            f"oldest processing record: {oldest.key!r} ({oldest.operation!r}), "
             f"{_age(now - oldest.created_at)} old{late}"
         )
     return 0
@@ -649,8 +656,8 @@ def archive_list(
     table = Table("archived", "key", "operation", "status", "created", "answer")
     for a in archived:
         r, o = a.record, a.record.outcome
-        table.add_row(
-            iso_time(a.archived_at) or "", r.key, r.operation, r.status.value,
+        _row(
+            table, iso_time(a.archived_at) or "", r.key, r.operation, r.status.value,
             iso_time(r.created_at) or "", "-" if o is None else f"{o.status or ''} {len(o.body)} B",
         )  # fmt: skip
     out.print(table)
@@ -724,8 +731,8 @@ def outbox_list(
     for i in items:
         last = f"{i.status_code} {(i.answer or b'')[:60].decode('utf-8', 'replace')}" if failed \
             else (i.last_error or "-")  # fmt: skip
-        table.add_row(str(i.seq), f"{i.method} {i.url}", str(len(i.body)),
-                      _age(now - i.created_at), str(i.attempts), last, i.key)  # fmt: skip
+        _row(table, str(i.seq), f"{i.method} {i.url}", str(len(i.body)),
+             _age(now - i.created_at), str(i.attempts), last, i.key)  # fmt: skip
     out.print(table)
     return 0
 
@@ -787,9 +794,9 @@ def outbox_flush(
         print(f"{_count(len(result.delivered), 'mutation')} delivered, {len(result.failed)} "
               f"refused, {result.remaining} still queued")  # fmt: skip
         for i in result.failed:
-            print(f"  refused: {i.method} {i.url} (key {i.key}): HTTP {i.status_code}")
+            print(printable(f"  refused: {i.method} {i.url} (key {i.key}): HTTP {i.status_code}"))
         if result.error:
-            print(f"  stopped at {result.error}")
+            print(f"  stopped at {printable(str(result.error))}")
     return 0 if result.complete else 1
 
 
@@ -820,7 +827,7 @@ def outbox_drop(
     """Remove a queued or failed mutation (it will not be sent)."""
     if not _outbox(path).drop(key):
         raise CliError(f"no mutation with key {key!r}", 1)
-    print(f"dropped {key}")
+    print(f"dropped {printable(key)}")
     return 0
 
 
@@ -892,14 +899,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = command.main(args=argv, prog_name="retrysafe", standalone_mode=False)
     except CliError as exc:
-        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        print(f"{prefix}: error: {printable(str(exc))}", file=sys.stderr)
         return exc.status
     except (
         IdempotencyError, ValueError, TypeError, ImportError, OSError, NotImplementedError,
         KeyError,
     ) as exc:  # fmt: skip
         text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"{prefix}: error: {text}", file=sys.stderr)
+        print(f"{prefix}: error: {printable(str(text))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -15,7 +15,14 @@ from typing import Any
 
 from ._errors import InvalidKeyError
 
-__all__ = ["MAX_KEY_LENGTH", "canonical_json", "fingerprint", "key_hash", "validate_key"]
+__all__ = [
+    "MAX_KEY_LENGTH",
+    "canonical_json",
+    "fingerprint",
+    "key_hash",
+    "printable",
+    "validate_key",
+]
 
 MAX_KEY_LENGTH = 255
 _KEY_RE = re.compile(r"[\x20-\x7e]{1,255}")
@@ -40,6 +47,27 @@ def validate_key(key: object) -> str:
     raise InvalidKeyError(
         f"idempotency key contains {bad!r}: only visible ASCII characters and space are allowed"
     )
+
+
+#: C0 and C1 control characters, DEL, and the invisible bidirectional controls that
+#: reorder what a terminal shows.
+_UNPRINTABLE = re.compile(
+    r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+)
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters shown as ``\\xNN`` or ``\\uNNNN`` escapes.
+
+    For printing client input (keys, operations, headers) on a terminal: an
+    ANSI escape sequence or a bidirectional override is shown, never obeyed.
+    """
+    return _UNPRINTABLE.sub(_escape, text)
 
 
 def key_hash(scope: str, operation: str, key: str) -> str:

@@ -18,6 +18,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from ._keys import printable
 from ._metrics import COUNTERS
 
 __all__ = ["Source", "line", "render", "watch"]
@@ -122,8 +123,9 @@ def render(doc: dict[str, Any]) -> Group:
     if recent:
         table = Table("when", "what", "detail", box=None, pad_edge=False)
         for e in recent:
-            table.add_row(time.strftime("%H:%M:%S", time.localtime(e["at"])),
-                          f"{e['kind']} {e['operation']}", e["detail"])  # fmt: skip
+            what = printable(f"{e['kind']} {e['operation']}")
+            when = time.strftime("%H:%M:%S", time.localtime(e["at"]))
+            table.add_row(when, what, printable(e["detail"]))
         parts.append(table)
     return Group(*parts)
 
