@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import re
 import urllib.parse
 from typing import Any
 
 from ._base import ArchivedRecord, Store, StoreStats, SweepBatch
+from ._redact import redact
 
 __all__ = [
     "DEFAULT_STORE_URL",
@@ -53,17 +53,3 @@ def open_store(url: str | None = None, **options: Any) -> Store[Any]:
         f"unknown store URL {redact(url)!r}: use memory://, sqlite:///path, redis://, "
         "rediss://, redis+cluster:// or postgresql://"
     )
-
-
-_PASSWORD_IN_URL = re.compile(r"(://[^:/@?#]*:)[^@/?#]*@")
-_PASSWORD_PARAM = re.compile(r"(?i)([?&]password=)[^&#]*")
-# The same inside a URL-encoded URL (a Redis store's ?archive=postgresql%3A%2F%2Fu%3Apw%40h).
-_PASSWORD_IN_QUOTED_URL = re.compile(
-    r"(?i)(%3A%2F%2F(?:(?!%3A|%40)[^/?#&])*%3A)(?:(?!%40)[^/?#&])*%40"
-)
-
-
-def redact(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for messages and logs)."""
-    url = _PASSWORD_IN_QUOTED_URL.sub(r"\1***%40", url)
-    return _PASSWORD_PARAM.sub(r"\1***", _PASSWORD_IN_URL.sub(r"\1***@", url))

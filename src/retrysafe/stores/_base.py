@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from .._record import ClaimResult, Outcome, Record, Status
+from ._redact import redact
 
 __all__ = ["ArchivedRecord", "Store", "StoreStats", "SweepBatch"]
 
@@ -243,4 +244,4 @@ class Store(abc.ABC, Generic[OpT]):
         self.close()
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.url}>"
+        return f"<{type(self).__name__} {redact(self.url)}>"

@@ -120,6 +120,7 @@ from .._duration import parse_duration
 from .._errors import StoreUnavailableError
 from .._record import ClaimResult, Outcome, Record, Status
 from ._base import ArchivedRecord, Store, StoreStats, SweepBatch
+from ._redact import redact, redact_in
 from ._sql import (
     ARCHIVE_COLUMNS,
     COLUMNS,
@@ -565,8 +566,6 @@ _OWN_OPTIONS = (
     "partition_interval",
     "partition_ahead",
 )
-_PASSWORD_IN_URL = re.compile(r"(://[^:/@?#]*:)[^@/?#]*@")
-_PASSWORD_PARAM = re.compile(r"(?i)([?&]password=)[^&#]*")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -585,11 +584,6 @@ def _split_url(url: str) -> tuple[str, dict[str, str]]:
             keep.append(item)
     conninfo = base + ("?" + "&".join(keep) if keep else "") + hash_ + fragment
     return conninfo, ours
-
-
-def _redact(url: str) -> str:
-    """``url`` with any password replaced by ``***``."""
-    return _PASSWORD_PARAM.sub(r"\1***", _PASSWORD_IN_URL.sub(r"\1***@", url))
 
 
 def _table_parts(table: str) -> tuple[str, ...]:
@@ -873,7 +867,14 @@ class PostgresStore(Store[_Op]):
     ) -> None:
         scheme = url.partition("://")[0].lower()
         if scheme not in {"postgresql", "postgres"}:
-            raise ValueError(f"not a postgresql:// URL: {_redact(url)!r}")
+            raise ValueError(f"not a postgresql:// URL: {redact(url)!r}")
+        authority = url.partition("://")[2].partition("?")[0]
+        if "@" in authority and set(authority.rpartition("@")[0].partition(":")[2]) & {"@", "/"}:
+            # libpq would read the password's tail as the host or the database.
+            raise ValueError(
+                f"invalid PostgreSQL URL {redact(url)!r}: the password holds '@' or '/'; "
+                "percent-encode them (%40, %2F)"
+            )
         self.url = url
         conninfo, options = _split_url(url)
         table = _option("table", table, "retrysafe_records", options.get("table"), str)
@@ -909,7 +910,8 @@ class PostgresStore(Store[_Op]):
         try:
             params = psycopg.conninfo.conninfo_to_dict(conninfo)
         except psycopg.Error as exc:
-            raise ValueError(f"invalid PostgreSQL URL {_redact(url)!r}: {exc}") from None
+            detail = redact_in(str(exc), url)
+            raise ValueError(f"invalid PostgreSQL URL {redact(url)!r}: {detail}") from None
         kwargs: dict[str, Any] = {"autocommit": True}
         if "connect_timeout" in params:
             connect_timeout = float(params["connect_timeout"])
@@ -933,7 +935,8 @@ class PostgresStore(Store[_Op]):
         host = str(params.get("host") or params.get("hostaddr") or "localhost")
         port = str(params.get("port") or "5432")
         dbname = str(params.get("dbname") or params.get("user") or "")
-        self._where = f"{host}:{port}/{dbname} (table {table})"
+        # libpq reads a password holding "/" or "@" as part of the host or database.
+        self._where = redact_in(f"{host}:{port}/{dbname} (table {table})", url)
 
         self._pool: ConnectionPool[_Connection] | None = None
         self._apools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopPool] = (
@@ -1190,7 +1193,7 @@ class PostgresStore(Store[_Op]):
         ).format(table=names.table, archive=names.archive, cols=cols, archive_cols=archive_cols)
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {_redact(self.url)} table={self.table}>"
+        return f"<{type(self).__name__} {redact(self.url)} table={self.table}>"
 
     # -- schema ------------------------------------------------------------------
 

@@ -105,7 +105,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
-from urllib.parse import quote, unquote_plus, urlsplit, urlunsplit
+from urllib.parse import unquote_plus, urlsplit, urlunsplit
 
 try:
     import redis
@@ -131,6 +131,7 @@ from .._errors import StoreUnavailableError
 from .._record import FINANCIAL, STANDARD, ClaimResult, Outcome, Record, Status
 from . import open_store
 from ._base import ArchivedRecord, Store, StoreStats, SweepBatch
+from ._redact import redact
 
 __all__ = ["HEADER", "LAYOUT_VERSION", "RedisStore", "record_from_value"]
 
@@ -558,30 +559,6 @@ def _parse_cell(reply: Any, op: _Op) -> list[Any] | None:
 # -- URLs --------------------------------------------------------------------------
 
 
-def _redact(url: str) -> str:
-    """``url`` with any password (userinfo or ``password=`` query) replaced by ``***``.
-
-    The URL of an ``archive=`` parameter is redacted the same way.
-    """
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    userinfo, at, hostport = netloc.rpartition("@")
-    if at and ":" in userinfo:
-        netloc = f"{userinfo.split(':', 1)[0]}:***@{hostport}"
-    query = "&".join(_redact_param(p) for p in parts.query.split("&") if p)
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
-
-
-def _redact_param(piece: str) -> str:
-    raw, _, value = piece.partition("=")
-    name = unquote_plus(raw)
-    if name == "password":
-        return f"{raw}=***"
-    if name == "archive" and value:
-        return f"{raw}={quote(_redact(unquote_plus(value)), safe=':/@*')}"
-    return piece
-
-
 #: URL schemes of the stores that can hold a Redis store's archive.
 #: Archive URLs: durable stores only. A memory:// archive would lose every record the
 #: sweep deletes from Redis when the process ends (a MemoryStore object is accepted,
@@ -599,7 +576,7 @@ def _parse_url(url: str, prefix: str) -> tuple[str, bool, str, str | None]:
     scheme = parts.scheme.lower()
     if scheme not in _SCHEMES:
         raise ValueError(
-            f"not a Redis URL: {_redact(url)!r} (expected redis://, rediss://, unix://, "
+            f"not a Redis URL: {redact(url)!r} (expected redis://, rediss://, unix://, "
             "redis+cluster:// or rediss+cluster://)"
         )
     client_scheme, cluster = _SCHEMES[scheme]
@@ -619,7 +596,7 @@ def _parse_url(url: str, prefix: str) -> tuple[str, bool, str, str | None]:
         else:
             keep.append(piece)
     if cluster and parts.path not in ("", "/", "/0"):
-        raise ValueError(f"Redis Cluster has only database 0: {_redact(url)!r}")
+        raise ValueError(f"Redis Cluster has only database 0: {redact(url)!r}")
     client_url = urlunsplit(parts._replace(scheme=client_scheme, query="&".join(keep)))
     return client_url, cluster, prefix, archive
 
@@ -631,7 +608,7 @@ def _check_archive(archive: object) -> None:
     if isinstance(archive, str):
         if urlsplit(archive).scheme.lower() not in _ARCHIVE_SCHEMES:
             raise ValueError(
-                f"archive must be a sqlite:/// or postgresql:// store URL, not {_redact(archive)!r}"
+                f"archive must be a sqlite:/// or postgresql:// store URL, not {redact(archive)!r}"
             )
         return
     if isinstance(archive, RedisStore) or not isinstance(archive, Store):
@@ -710,7 +687,7 @@ class RedisStore(Store[_Op]):
             raise ValueError("max_connections must be at least 1")
         self.max_connections = max_connections
         self._client_url, self.cluster, self.prefix, in_url = _parse_url(url, prefix)
-        self._safe_url = _redact(url)
+        self._safe_url = redact(url)
         if in_url is not None:
             if archive is not None:
                 raise ValueError(
