@@ -71,11 +71,36 @@ def test_shopify() -> None:
     headers = shopify_headers(
         BODY, "shpss_1", **{"X-Shopify-Event-Id": "ev-9", "X-Shopify-Webhook-Id": "wh-1"}
     )
-    assert verify("shopify", headers, BODY, "shpss_1") == "ev-9"
+    signed = "sha256:" + hashlib.sha256(BODY).hexdigest()
+    assert verify("shopify", headers, BODY, "shpss_1") == signed
+    assert verify("shopify", headers, BODY, "shpss_1", trust_event_ids=True) == "ev-9"
     del headers["X-Shopify-Event-Id"]
     lower = {k.lower(): v for k, v in headers.items()}  # any case, any mapping
-    assert verify("shopify", lower, BODY, "shpss_1") == "wh-1"
-    assert verify("shopify", list(lower.items()), BODY, ["old", "shpss_1"]) == "wh-1"
+    assert verify("shopify", lower, BODY, "shpss_1", trust_event_ids=True) == "wh-1"
+    assert verify("shopify", list(lower.items()), BODY, ["old", "shpss_1"]) == signed
+
+
+@pytest.mark.parametrize("scheme", ["shopify", "hmac"])
+def test_an_unsigned_event_id_is_not_what_verify_returns(scheme: str) -> None:
+    """A captured delivery resent under another event-id header (the signature
+    still checks out, since it covers only the body) gets the same id: it cannot be
+    handled again under a new id, nor take the id of an event still to come."""
+    if scheme == "shopify":
+        headers = shopify_headers(BODY, "s3cret", **{"X-Shopify-Event-Id": "ev-1"})
+        name = "X-Shopify-Event-Id"
+    else:
+        mac = hmac.new(b"s3cret", BODY, hashlib.sha256).hexdigest()
+        headers, name = {"X-Signature": mac, "X-Event-Id": "ev-1"}, "X-Event-Id"
+    ids = {verify(scheme, {**headers, name: forged}, BODY, "s3cret")
+           for forged in ("ev-1", "ev-2", "ev-from-tomorrow")}  # fmt: skip
+    assert ids == {"sha256:" + hashlib.sha256(BODY).hexdigest()}
+    other = BODY.replace(b"evt_1Q2w3E", b"evt_other")
+    resigned = (
+        shopify_headers(other, "s3cret", **{name: "ev-1"})
+        if scheme == "shopify"
+        else {"X-Signature": hmac.new(b"s3cret", other, hashlib.sha256).hexdigest(), name: "ev-1"}
+    )
+    assert verify(scheme, resigned, other, "s3cret") not in ids  # another body, another id
 
 
 def test_stripe_agrees_with_the_stripe_sdk() -> None:
@@ -116,9 +141,11 @@ def test_generic_hmac() -> None:
         "sha256=" + mac.hexdigest(),
         base64.b64encode(mac.digest()).decode(),
     ):
-        assert verify("hmac", {"X-Signature": value, "X-Event-Id": "e1"}, BODY, "s3cret") == "e1"
+        headers = {"X-Signature": value, "X-Event-Id": "e1"}
+        assert verify("hmac", headers, BODY, "s3cret", trust_event_ids=True) == "e1"
     github = {"X-Hub-Signature-256": "sha256=" + mac.hexdigest(), "X-GitHub-Delivery": "d-7"}
-    assert verify("hmac", github, BODY, b"s3cret") == "d-7"
+    assert verify("hmac", github, BODY, b"s3cret", trust_event_ids=True) == "d-7"
+    assert verify("hmac", github, BODY, b"s3cret") == "sha256:" + hashlib.sha256(BODY).hexdigest()
     anonymous = verify("hmac", {"X-Signature": mac.hexdigest()}, BODY, "s3cret")
     assert anonymous == "sha256:" + hashlib.sha256(BODY).hexdigest()  # a redelivery shares it
 

@@ -8,15 +8,16 @@
                         handler=on_event)
     answer = receiver.handle(request.headers, raw_body)   # or await receiver.ahandle(...)
 
-    event_id = verify("stripe", request.headers, raw_body, ["whsec_new", "whsec_old"])
+    dedup_id = verify("stripe", request.headers, raw_body, ["whsec_new", "whsec_old"])
 
 :class:`Receiver` runs ``handler`` once per event (the Idempotency Map's
 ``webhook:{source}:{event_id}``, or ``webhook:{source}:{transaction_id}:{event_type}``
 for a payment gateway) and answers every delivery (see docs/webhooks.md for
 the table); ``receiver.asgi`` and ``receiver.wsgi`` serve it over HTTP.
 
-:func:`verify` is one plain function for every scheme. It returns the
-delivery's event id (the deduplication key) or raises :class:`SignatureError`
+:func:`verify` is one plain function for every scheme. It returns an id
+the signature covers, to deduplicate on (the event id where it is signed, the
+body's hash where only the body is), or raises :class:`SignatureError`
 (a :class:`~retrysafe.IdempotencyError`); it never stores anything. Every
 comparison of a signature is in constant time, and several secrets may be given
 at once, so a secret can be rotated without dropping deliveries.
@@ -25,7 +26,8 @@ Schemes:
 
 * ``"shopify"``: ``X-Shopify-Hmac-Sha256``, the base64 HMAC-SHA256 of the raw
   body. Event id: ``X-Shopify-Event-Id`` (the same for every retry of an
-  event), else ``X-Shopify-Webhook-Id``. No timestamp is signed.
+  event), else ``X-Shopify-Webhook-Id``, neither signed: :func:`verify`
+  returns ``sha256:`` and the body's hash. No timestamp is signed.
 * ``"stripe"``: ``Stripe-Signature: t=…,v1=…`` (several ``v1`` during a
   rotation), the hex HMAC-SHA256 of ``"{t}.{body}"`` with the endpoint secret
   as given (``whsec_…``). A ``t`` more than ``tolerance`` (300 s) from now is
@@ -36,8 +38,9 @@ Schemes:
   the base64 after ``whsec_``. Tolerance 300 s. Event id: ``webhook-id``.
 * ``"hmac"``: a generic scheme, ``X-Signature`` (or ``X-Hub-Signature-256``):
   the HMAC-SHA256 of the raw body, hex (optionally ``sha256=…``) or base64. Event
-  id: ``X-Event-Id``, ``X-Webhook-Id`` or ``X-GitHub-Delivery``, else the SHA-256
-  of the body (identical redeliveries share it). No timestamp: no replay window.
+  id: ``X-Event-Id``, ``X-Webhook-Id`` or ``X-GitHub-Delivery``, unsigned:
+  :func:`verify` returns ``sha256:`` and the body's hash (identical
+  redeliveries share it). No timestamp: no replay window.
 """
 
 from __future__ import annotations
@@ -212,7 +215,7 @@ def _check_time(timestamp: str, tolerance: float, now: float) -> None:
 # -- the schemes ---------------------------------------------------------------------
 
 
-def _shopify(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> str:
+def _shopify(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> _Ids:
     given = _b64(h.need("X-Shopify-Hmac-Sha256"))
     if given is None:
         raise SignatureError("X-Shopify-Hmac-Sha256 is not base64", reason="malformed_header")
@@ -222,10 +225,10 @@ def _shopify(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, no
         raise SignatureError(
             "neither X-Shopify-Event-Id nor X-Shopify-Webhook-Id is present", reason="no_event_id"
         )
-    return event
+    return event, _signed_body(body)
 
 
-def _stripe(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> str:
+def _stripe(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> _Ids:
     header = h.need("Stripe-Signature")
     timestamp, signatures = None, []
     for part in header.split(","):
@@ -252,7 +255,7 @@ def _stripe(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now
     event_id = event.get("id") if isinstance(event, dict) else None
     if not isinstance(event_id, str) or not event_id:
         raise SignatureError("the Stripe event has no id", reason="no_event_id")
-    return event_id
+    return event_id, event_id  # the id is in the signed body
 
 
 def _standard_key(secret: str | bytes) -> bytes:
@@ -266,7 +269,7 @@ def _standard_key(secret: str | bytes) -> bytes:
     return key
 
 
-def _standard(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> str:
+def _standard(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> _Ids:
     event_id = h.need("webhook-id")
     timestamp = h.need("webhook-timestamp")
     given = []
@@ -281,10 +284,10 @@ def _standard(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, n
     signed = _utf8(f"{event_id}.{timestamp}.") + body
     _check(map(_standard_key, secrets), signed, given)
     _check_time(timestamp, tol, now)
-    return event_id
+    return event_id, event_id  # webhook-id is signed
 
 
-def _generic(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> str:
+def _generic(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> _Ids:
     header = h.first("X-Signature", "X-Hub-Signature-256")
     if header is None:
         raise SignatureError("the X-Signature header is missing", reason="missing_header")
@@ -300,11 +303,20 @@ def _generic(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, no
             "the signature is neither hex nor base64 of a SHA-256 HMAC", reason="malformed_header"
         )
     _check(map(_raw, secrets), body, given)
+    signed = _signed_body(body)
     event = h.first("X-Event-Id", "X-Webhook-Id", "X-GitHub-Delivery")
-    return event if event is not None else "sha256:" + hashlib.sha256(body).hexdigest()
+    return (event if event is not None else signed), signed
 
 
-_Scheme = Callable[[Headers, bytes, list[str | bytes], float, float], str]
+def _signed_body(body: bytes) -> str:
+    """The id of a delivery by what its signature covers: ``sha256:`` and the body's hash."""
+    return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+#: (the provider's event id, an id the signature covers): the same for Stripe and
+#: Standard Webhooks; the body's hash for schemes that sign only the body.
+_Ids = tuple[str, str]
+_Scheme = Callable[[Headers, bytes, list[str | bytes], float, float], _Ids]
 
 #: Every scheme :func:`verify` knows, by name.
 SCHEMES: dict[str, _Scheme] = {
@@ -323,8 +335,15 @@ def verify(
     *,
     tolerance: float | None = None,
     now: float | None = None,
+    trust_event_ids: bool = False,
 ) -> str:
-    """The event id of a delivery whose signature checks out; :class:`SignatureError` else.
+    """The id to deduplicate an authentic delivery on; :class:`SignatureError` if it is not.
+
+    The id is one the signature covers: the event id for ``stripe`` (in the
+    body) and ``standard`` (``webhook-id``); for ``shopify`` and ``hmac``, which
+    sign the body only, ``sha256:`` and the body's SHA-256, since their event-id
+    header could be replaced by anyone who captured a delivery.
+    ``trust_event_ids=True`` returns that unsigned header id instead.
 
     ``headers``: any mapping (or list of pairs), looked up case-insensitively.
     ``body``: the raw bytes as received (never re-serialized JSON). ``secrets``:
@@ -332,6 +351,15 @@ def verify(
     from ``now`` (default 300; schemes without a timestamp ignore it). ``now``:
     seconds since the epoch (default: the clock).
     """
+    event_id, signed_id = _verify(scheme, headers, body, secrets, tolerance, now)
+    return event_id if trust_event_ids else signed_id
+
+
+def _verify(
+    scheme: str, headers: Any, body: bytes, secrets: Any, tolerance: float | None,
+    now: float | None,
+) -> _Ids:  # fmt: skip
+    """:func:`verify`'s checks: (the provider's event id, an id the signature covers)."""
     check = SCHEMES.get(scheme) if isinstance(scheme, str) else None
     if check is None:
         raise SignatureError(
@@ -366,7 +394,8 @@ _PROBLEM_TITLES = {
 class Delivery:
     """One authentic delivery, as the handler gets it (its signature checked out).
 
-    ``event_id``: the provider's id of the event (see :func:`verify`);
+    ``event_id``: the provider's id of the event (for ``shopify`` and ``hmac`` an
+    unsigned header: show it, never deduplicate on it; ``key`` is safe);
     ``source``: the receiver's name for the provider; ``key``: the
     deduplication key (``webhook:{source}:{event_id}``, or
     ``webhook:{source}:{transaction_id}:{event_type}`` for a payment gateway);
@@ -522,9 +551,9 @@ class Receiver:
     under new ids (each handled again) or under an id the provider will use
     later (the real event then dropped as a duplicate). So for them the key's
     event id is the SHA-256 of the signed body (``sha256-…``), and the header's
-    id is kept as the record's request id. ``trust_event_ids=True`` keys by the
-    header instead, as seed 000 writes it: only behind a transport that no one
-    else can send through.
+    id is kept as the record's request id and the delivery's ``event_id``.
+    ``trust_event_ids=True`` keys by the header instead: only behind a transport
+    that no one else can send through.
     """
 
     def __init__(
@@ -598,7 +627,7 @@ class Receiver:
         h = Headers(headers)
         body = bytes(body)
         try:
-            event_id = verify(self.scheme, h, body, self._secrets, tolerance=self.tolerance)
+            event_id, _ = _verify(self.scheme, h, body, self._secrets, self.tolerance, None)
         except SignatureError as exc:
             log.warning("retrysafe: webhook from %s refused (%s): %s", self.source, exc.reason, exc)
             return _problem(401, exc.code, str(exc), reason=exc.reason)
