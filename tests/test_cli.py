@@ -105,6 +105,9 @@ def test_demo_check_reports_exactly_once(tmp_path: Path) -> None:
     assert "exactly once" in out and "orders created       10" in out
     assert "answers that differ  0" in out and "conflicts (422)      2" in out
     assert "Traceback" not in result.stderr
+    assert "retrysafe: retrysafe" not in result.stderr  # one prefix per log line
+    bursts = [line for line in result.stderr.splitlines() if "alert burst" in line]
+    assert len(bursts) <= 2, bursts  # the first one, then at most one summary
     assert (tmp_path / "retrysafe-demo.db").exists()  # the embedded store by default
 
 

@@ -14,9 +14,13 @@ import hmac
 import itertools
 import json
 import logging
+import subprocess
+import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,7 +32,7 @@ from _http_servers import ThreadServer
 
 from retrysafe import Engine, LeaseLostError, Outcome, Store, idempotent, key_hash, open_store
 from retrysafe._admin import AdminSite
-from retrysafe._metrics import COUNTERS, Alerts, Metrics
+from retrysafe._metrics import COUNTERS, METRICS, AlertLog, Alerts, Metrics
 from retrysafe._monitor import Monitor, quantile, read_sample
 from retrysafe.a2a import A2AIdempotency
 from retrysafe.mesh import MeshIdempotency
@@ -66,7 +70,9 @@ def alerts(caplog: pytest.LogCaptureFixture) -> Iterator[list[logging.LogRecord]
 
     handler = Keep()
     logging.getLogger("retrysafe.alerts").addHandler(handler)
+    previous, METRICS.alert_log = METRICS.alert_log, AlertLog(timer=False)  # a fresh interval
     yield records
+    METRICS.alert_log = previous
     logging.getLogger("retrysafe.alerts").removeHandler(handler)
 
 
@@ -242,8 +248,101 @@ def test_a_key_failing_again_and_again_alerts_at_the_threshold(
         assert claim.attempts == attempt
         engine.fail(claim)
     repeated = [a.retrysafe for a in alerts if a.retrysafe["alert"] == "repeated_failures"]  # type: ignore[attr-defined]
-    assert [r["attempts"] for r in repeated] == [3, 4]
+    assert [r["attempts"] for r in repeated] == [3]  # the 4th: in this interval's summary
+    METRICS.alert_log.flush(everything=True)
+    (summary,) = [a.retrysafe for a in alerts if a.retrysafe.get("summary")]  # type: ignore[attr-defined]
+    assert summary["alert"] == "repeated_failures" and summary["count"] == 1
     assert counts(op) == {"executed": 4, "failed": 4}
+
+
+def test_an_alert_storm_is_one_line_per_interval(
+    memory: Store[Any], op: str, alerts: list[logging.LogRecord]
+) -> None:
+    """1,000 keys raced by 16 threads, an alert each: one line at once, then one
+    summary per interval with the right count; the counter still sees every alert."""
+    clock = Clock()
+    METRICS.alert_log = AlertLog(interval=10, clock=clock, timer=False)
+    before = read_sample().alerts.get("burst", 0.0)
+    configure(alerts=Alerts(burst=1))
+    engine = Engine(memory)
+
+    def race(key: str) -> None:
+        with pytest.raises(Exception, match="in progress"):
+            engine.begin(key, operation=op)
+
+    try:
+        for storm in ("a", "b"):
+            keys = [f"storm-{storm}-{i}" for i in range(1000)]
+            for key in keys:
+                engine.begin(key, operation=op)
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                list(pool.map(race, keys))
+            clock.now += 10  # the interval ends
+            METRICS.alert_log.flush()
+    finally:
+        configure(alerts=Alerts())
+    lines = [a.retrysafe for a in alerts]  # type: ignore[attr-defined]
+    first, *summaries = lines
+    assert first["alert"] == "burst" and not first.get("summary")
+    assert [(s["alert"], s["count"], s["operations"]) for s in summaries] == [
+        ("burst", 999, {op: 999}), ("burst", 1000, {op: 1000})]  # fmt: skip
+    assert all(len(s["key_hashes"]) == 5 for s in summaries)
+    assert "999 more within 10s" in alerts[1].getMessage()
+    assert read_sample().alerts["burst"] - before == 2000
+    METRICS.alert_log.flush(everything=True)
+    assert len(alerts) == 3  # nothing was left held
+
+
+def test_an_alert_summary_comes_when_the_interval_ends() -> None:
+    """Without another alert or a flush: the timer writes it (waited on, not slept)."""
+    written = threading.Event()
+    seen: list[logging.LogRecord] = []
+
+    class Summary(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+            if record.retrysafe.get("summary"):  # type: ignore[attr-defined]
+                written.set()
+
+    handler = Summary()
+    logging.getLogger("retrysafe.alerts").addHandler(handler)
+    try:
+        log = AlertLog(interval=0.05)
+        for i in range(50):
+            log.emit(
+                "burst",
+                "retrysafe alert %s: %d",
+                ("burst", i),
+                {"operation": "o", "key_hash": str(i)},
+            )
+        assert written.wait(10)  # 200 times the interval
+    finally:
+        logging.getLogger("retrysafe.alerts").removeHandler(handler)
+    assert [r.retrysafe.get("count") for r in seen] == [None, 49]  # type: ignore[attr-defined]
+    assert seen[1].retrysafe["key_hashes"] == ["1", "2", "3", "4", "5"]  # type: ignore[attr-defined]
+
+
+def test_cli_alerts_are_prefixed_once_and_summarised(tmp_path: Path) -> None:
+    """The CLI's stderr handler (used when nothing else handles logging): one
+    ``retrysafe`` prefix, and 1,000 alerts make two lines (the first, the summary at exit)."""
+    code = (
+        "from retrysafe._cli import main\n"
+        "from retrysafe._metrics import METRICS\n"
+        "main(['map', 'check', 'none.toml'])\n"
+        "for i in range(1000):\n"
+        "    METRICS.alert('burst', 'op', 'k', f'{i:016x}' + '0' * 48, '4 requests with one key')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("retrysafe map check: error:")
+    assert lines[1:] == [
+        "retrysafe alert burst: 4 requests with one key (operation=op key_hash=0000000000000000)",
+        "retrysafe alert burst: 999 more within 10s (operations: op x999; key_hash e.g. "
+        "0000000000000001, 0000000000000002, 0000000000000003, 0000000000000004, "
+        "0000000000000005)",
+    ]
 
 
 def test_thresholds_are_options(

@@ -107,6 +107,14 @@ def _row(table: Table, *cells: str) -> None:
     table.add_row(*(printable(c) for c in cells))
 
 
+class _Prefixed(logging.Formatter):
+    """``retrysafe: `` before a log line, unless it already names retrysafe."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text if text.startswith("retrysafe") else f"retrysafe: {text}"
+
+
 def _print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=False))
 
@@ -893,7 +901,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = _command_name(argv)
     prefix = f"retrysafe {name}".strip()
     # Errors are reported once, below; connection pools must not add their own.
-    logging.basicConfig(level=logging.WARNING, format="retrysafe: %(message)s")
+    stderr = logging.StreamHandler()
+    stderr.setFormatter(_Prefixed())
+    logging.basicConfig(level=logging.WARNING, handlers=[stderr])  # unless one is set
     logging.getLogger("psycopg").setLevel(logging.CRITICAL)
     command = typer.main.get_command(app)
     try:

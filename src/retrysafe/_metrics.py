@@ -12,11 +12,13 @@ counters to files there, and whichever process answers a scrape adds them up.
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import collections
 import contextlib
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -34,7 +36,15 @@ from ._errors import (
     StoreUnavailableError,
 )
 
-__all__ = ["COUNTERS", "METRICS", "Alerts", "Event", "Metrics", "multiprocess_dir"]
+__all__ = [
+    "COUNTERS",
+    "METRICS",
+    "AlertLog",
+    "Alerts",
+    "Event",
+    "Metrics",
+    "multiprocess_dir",
+]
 
 log = logging.getLogger("retrysafe.alerts")
 
@@ -125,6 +135,127 @@ class Alerts:
             raise ValueError("burst and failures must be at least 1")
         if not self.burst_window > 0 or self.stuck_after < 0:
             raise ValueError("burst_window must be positive and stuck_after not negative")
+
+
+class _Held:
+    """The alerts of one kind held back in the current interval."""
+
+    __slots__ = ("count", "key_hashes", "operations", "until")
+
+    def __init__(self, until: float) -> None:
+        self.until = until
+        self.count = 0
+        self.operations: dict[str, int] = {}
+        self.key_hashes: list[str] = []
+
+
+class AlertLog:
+    """Alert log lines, at most one per alert kind per ``interval`` seconds.
+
+    The first alert of a kind is logged at once, with its detail. The ones that
+    follow within the interval are counted, and when it ends one summary line
+    per kind says how many there were, on which operations (the first
+    :data:`MAX_SUMMARY_OPERATIONS`, the rest as ``other``) and a few key hashes
+    (at most ``samples``). Summaries are written by a timer thread, by the next
+    alert of the kind, by :meth:`flush`, and at exit. Counters and the
+    dashboard's recent events still see every alert.
+    """
+
+    def __init__(
+        self,
+        interval: float = 10.0,
+        *,
+        samples: int = 5,
+        clock: Callable[[], float] = time.monotonic,
+        timer: bool = True,
+    ) -> None:
+        if not interval > 0 or samples < 0:
+            raise ValueError("interval must be positive and samples not negative")
+        self.interval = float(interval)
+        self.samples = samples
+        self.clock = clock
+        self._timer_on = timer
+        self._timer: threading.Timer | None = None
+        self._held: dict[str, _Held] = {}
+        self._lock = threading.Lock()
+
+    def emit(self, name: str, message: str, args: tuple[Any, ...], fields: dict[str, Any]) -> None:
+        """Log ``message % args`` now, or count it in this interval's summary of ``name``."""
+        with self._lock:
+            now = self.clock()
+            summaries = self._due(now, name)
+            held = self._held.get(name)
+            if held is None:
+                self._held[name] = _Held(now + self.interval)
+            else:
+                held.count += 1
+                op = fields.get("operation", "")
+                ops = held.operations
+                if op not in ops and len(ops) >= MAX_SUMMARY_OPERATIONS:
+                    op = "other"
+                ops[op] = ops.get(op, 0) + 1
+                if len(held.key_hashes) < self.samples:
+                    held.key_hashes.append(str(fields.get("key_hash", "")))
+                self._schedule(held.until - now)
+        self._write(summaries)
+        if held is None:
+            log.warning(message, *args, extra={"retrysafe": fields})
+
+    def flush(self, *, everything: bool = False) -> None:
+        """Write the summaries of the intervals that have ended (``everything``: all)."""
+        with self._lock:
+            summaries = self._due(math.inf if everything else self.clock(), None)
+        self._write(summaries)
+
+    def _due(self, now: float, name: str | None) -> list[tuple[str, _Held]]:
+        """Take the held alerts of the ended intervals (``name``'s, or all). A summary
+        opens the next interval; an interval that held nothing just ends."""
+        due: list[tuple[str, _Held]] = []
+        for kind in [name] if name is not None else list(self._held):
+            held = self._held.get(kind)
+            if held is None or now < held.until:
+                continue
+            if held.count:
+                due.append((kind, held))
+                self._held[kind] = _Held(now + self.interval)
+            else:
+                del self._held[kind]
+        return due
+
+    def _schedule(self, delay: float) -> None:
+        if not self._timer_on or (self._timer is not None and self._timer.is_alive()):
+            return
+        self._timer = threading.Timer(max(delay, 0.0) + 0.01, self._tick)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _tick(self) -> None:
+        self.flush()
+        with self._lock:
+            pending = [h.until for h in self._held.values() if h.count]
+            self._timer = None
+            if pending:
+                self._schedule(min(pending) - self.clock())
+
+    def _write(self, summaries: list[tuple[str, _Held]]) -> None:
+        for name, held in summaries:
+            ops = ", ".join(f"{op or _NO_OPERATION} x{n}" for op, n in held.operations.items())
+            fields = {"alert": name, "summary": True, "count": held.count,
+                      "interval": self.interval, "operations": dict(held.operations),
+                      "key_hashes": list(held.key_hashes)}  # fmt: skip
+            log.warning(
+                "retrysafe alert %s: %d more within %gs (operations: %s; key_hash e.g. %s)",
+                name, held.count, self.interval, ops, ", ".join(held.key_hashes) or "-",
+                extra={"retrysafe": fields},
+            )  # fmt: skip
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._timer = None
+
+
+#: Operations named in an alert summary; the others are counted as ``other``.
+MAX_SUMMARY_OPERATIONS = 10
 
 
 @dataclass(frozen=True)
@@ -302,11 +433,16 @@ class Metrics:
     """
 
     def __init__(
-        self, enabled: bool = True, alerts: Alerts | None = None, registry: Any = None
+        self,
+        enabled: bool = True,
+        alerts: Alerts | None = None,
+        registry: Any = None,
+        alert_log: AlertLog | None = None,
     ) -> None:
         self.enabled = enabled
         self.registry = registry
         self.alerts = alerts or Alerts()
+        self.alert_log = alert_log or AlertLog()
         self.recent: collections.deque[Event] = collections.deque(maxlen=200)
         self._made = False
         self._cells: _Cells | None = None
@@ -544,6 +680,7 @@ class Metrics:
         self._lock = threading.Lock()
         if self._cells is not None:
             self._cells._lock = threading.Lock()
+        self.alert_log._after_fork()
 
     # -- alerts and recent events ------------------------------------------------------------
 
@@ -551,13 +688,14 @@ class Metrics:
     def alert(
         self, name: str, operation: str, key: str, key_hash: str, detail: str, **extra: Any
     ) -> None:
-        """Log a structured ``retrysafe.alerts`` event and count it. Never the raw key."""
+        """Count an alert and log it as a structured ``retrysafe.alerts`` event, at most
+        one line per kind per interval (see :class:`AlertLog`). Never the raw key."""
         if not self.enabled:
             return
         self._child("alert", name).inc()
         fields = {"alert": name, "operation": operation, "key_hash": key_hash[:16], **extra}
-        log.warning("retrysafe alert %s: %s (operation=%s key_hash=%s)", name, detail, operation,
-                    key_hash[:16], extra={"retrysafe": fields})  # fmt: skip
+        self.alert_log.emit(name, "retrysafe alert %s: %s (operation=%s key_hash=%s)",
+                            (name, detail, operation, key_hash[:16]), fields)  # fmt: skip
         self._note(f"alert:{name}", operation, key, key_hash, detail, **extra)
 
     def _note(
@@ -585,3 +723,5 @@ class Metrics:
 #: The process's metrics; the engine reports here.
 METRICS = Metrics(enabled=os.environ.get("RETRYSAFE_METRICS", "1").strip().lower()
                   not in ("0", "false", "no", "off"))  # fmt: skip
+# The alerts held back for a summary are written when the process ends.
+atexit.register(lambda: METRICS.alert_log.flush(everything=True))

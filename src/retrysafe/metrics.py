@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._admin import FROM_ENV, AdminSite
-from ._metrics import COUNTERS, METRICS, Alerts, Event, Metrics, multiprocess_dir
+from ._metrics import COUNTERS, METRICS, AlertLog, Alerts, Event, Metrics, multiprocess_dir
 from ._monitor import Monitor
 from .asgi import Scope
 from .dashboard import DashboardApp, _site
@@ -49,8 +49,12 @@ def disable() -> None:
     METRICS.enabled = False
 
 
-def configure(*, alerts: Alerts | None = None) -> None:
-    """Set the alert thresholds of this process."""
+def configure(*, alerts: Alerts | None = None, alert_interval: float | None = None) -> None:
+    """Set the alert thresholds of this process, and ``alert_interval``: the seconds
+    over which alerts of one kind make at most one log line (default 10)."""
+    if alert_interval is not None:
+        METRICS.alert_log.flush(everything=True)
+        METRICS.alert_log = AlertLog(alert_interval)
     if alerts is not None:
         METRICS.alerts = alerts
 
