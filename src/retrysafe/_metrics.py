@@ -194,8 +194,9 @@ class AlertLog:
                 if op not in ops and len(ops) >= MAX_SUMMARY_OPERATIONS:
                     op = "other"
                 ops[op] = ops.get(op, 0) + 1
-                if len(held.key_hashes) < self.samples:
-                    held.key_hashes.append(str(fields.get("key_hash", "")))
+                sample = str(fields.get("key_hash", ""))
+                if len(held.key_hashes) < self.samples and sample not in held.key_hashes:
+                    held.key_hashes.append(sample)
                 self._schedule(held.until - now)
         self._write(summaries)
         if held is None:
