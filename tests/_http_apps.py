@@ -372,7 +372,7 @@ def starlette_from_env() -> Any:
 
     counter, options = _env()
     app = starlette_app(counter)
-    app.router.routes.append(Mount("/_metrics", app=MetricsApp(token=None)))
+    app.router.routes.append(Mount("/_metrics", app=MetricsApp(token=None, loopback=True)))
     app.add_middleware(IdempotencyMiddleware, **options)
     return app
 
@@ -383,7 +383,7 @@ def _with_metrics(app: Any) -> Any:
 
     from retrysafe.metrics import wsgi_app
 
-    return DispatcherMiddleware(app, {"/_metrics": wsgi_app(token=None)})
+    return DispatcherMiddleware(app, {"/_metrics": wsgi_app(token=None, loopback=True)})
 
 
 def flask_from_env() -> Any:

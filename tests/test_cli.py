@@ -129,6 +129,9 @@ def test_demo_curl_example_replays_and_ctrl_c_stops(tmp_path: Path, serving: lis
     stats = httpx.get(gateway + "/stats").json()
     assert stats["orders_created"] == stats["cart_mandates_created"] == 1
     assert stats["gateway_charges"] == 0
+    # The demo opts in to loopback access: its dashboard answers without a token.
+    assert httpx.get(gateway + "/_retrysafe/api/stats").status_code == 200
+    assert "retrysafe dashboard" in httpx.get(gateway + "/_retrysafe/").text
     out, _ = demo.interrupt()
     assert "replayed: the API did not run" in out and "retrysafe demo: stopped" in out
 

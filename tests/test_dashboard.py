@@ -179,7 +179,9 @@ def test_readable_on_a_phone(gateway: str, browser: Any) -> None:
 
 
 def test_loopback_only_without_a_token(upstream: str, browser: Any, tmp_path: Path) -> None:
-    app = create_app(upstream, store=f"sqlite:///{tmp_path}/open.db", admin_token=None)
+    app = create_app(
+        upstream, store=f"sqlite:///{tmp_path}/open.db", admin_token=None, admin_loopback=True
+    )
     with ThreadServer(app, "asgi") as s:
         open_page = Page(browser)
         try:
@@ -189,6 +191,23 @@ def test_loopback_only_without_a_token(upstream: str, browser: Any, tmp_path: Pa
         finally:
             open_page.close()
     assert open_page.errors == []
+
+
+def test_closed_without_a_token_or_the_loopback_opt_in(
+    upstream: str, browser: Any, tmp_path: Path
+) -> None:
+    """The default: a browser on this machine (or a proxy on it) gets no dashboard."""
+    app = create_app(upstream, store=f"sqlite:///{tmp_path}/closed.db", admin_token=None,
+                     admin_loopback=False)  # fmt: skip
+    with ThreadServer(app, "asgi") as s:
+        closed = Page(browser)
+        try:
+            answer = closed.page.goto(s.url + "/_retrysafe/")
+            assert answer is not None and answer.status == 403
+            assert answer.json()["code"] == "admin_closed"
+            assert closed.page.locator("#loopback-note").count() == 0  # no dashboard at all
+        finally:
+            closed.close()
 
 
 def test_the_token_never_leaves_the_admin_pages(gateway: str, browser: Any) -> None:

@@ -489,7 +489,8 @@ def test_lifespan_shutdown_closes_the_upstream_connections(
 # -- the gateway's own pages ---------------------------------------------------------------
 
 
-def test_health_and_own_paths(gw: Running) -> None:
+def test_health_and_own_paths(origin: UpstreamProcess, gateway: Callable[..., Running]) -> None:
+    gw = gateway(origin.url, admin_loopback=True)
     r = httpx.get(gw.url + "/_retrysafe/health")
     assert r.status_code == 200 and r.json() == {"status": "ok", "store": "ok"}
     assert r.headers["cache-control"] == "no-store"
@@ -502,7 +503,7 @@ def test_health_and_own_paths(gw: Running) -> None:
         assert status == 404, path
         assert b"application/problem+json" in head_bytes
         assert json.loads(body)["code"] == "not_found"
-    # The admin pages (loopback here, no token): never the upstream's.
+    # The admin pages (loopback here, opted in, no token): never the upstream's.
     r = httpx.get(gw.url + "/_retrysafe")
     assert r.status_code == 308 and r.headers["location"] == "/_retrysafe/"
     r = httpx.get(gw.url + "/_retrysafe/")
@@ -512,6 +513,28 @@ def test_health_and_own_paths(gw: Running) -> None:
     # Not for a page of another site rebound to 127.0.0.1, nor through a proxy.
     status, _, body = raw_get(gw.port, b"/_retrysafe/metrics")  # Host: gw.test
     assert status == 403 and json.loads(body)["code"] == "admin_loopback_only"
+
+
+def test_admin_pages_are_closed_by_default(
+    origin: UpstreamProcess, gateway: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a token or the loopback opt-in, a loopback connection with no proxy
+    header (what nginx in front on this host sends by default) gets no admin page,
+    nor the key inspector; health still answers, and the upstream is never asked."""
+    monkeypatch.delenv("RETRYSAFE_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("RETRYSAFE_ADMIN_LOOPBACK", raising=False)
+    gw = gateway(origin.url)
+    before = orders(gw.url)  # (the upstream serves the whole module)
+    httpx.post(gw.url + "/orders", json={}, headers={"Idempotency-Key": "k-1", **CALLER})
+    for path in (b"/_retrysafe/", b"/_retrysafe/metrics", b"/_retrysafe/api/stats",
+                 b"/_retrysafe/api/records?key=k-1", b"/_retrysafe/x"):  # fmt: skip
+        status, head, body = raw_get(gw.port, path, host=b"127.0.0.1")
+        assert status == 403 and b"application/problem+json" in head, path
+        problem = json.loads(body)
+        assert problem["code"] == "admin_closed" and "--admin-loopback" in problem["detail"]
+        assert b"k-1" not in body
+    assert httpx.get(gw.url + "/_retrysafe/health").status_code == 200
+    assert orders(gw.url) == before + 1  # the admin paths never reached the upstream
 
 
 def test_health_is_503_when_the_store_is_down(

@@ -39,7 +39,7 @@ def _argv(door: str, port: int, store: str, upstream: str | None) -> list[str]:
     assert upstream is not None
     return [
         sys.executable, "-m", "retrysafe", "gateway", "--upstream", upstream, "--store", store,
-        "--listen", f"127.0.0.1:{port}", "--workers", str(WORKERS),
+        "--listen", f"127.0.0.1:{port}", "--workers", str(WORKERS), "--admin-loopback",
     ]  # fmt: skip
 
 

@@ -487,8 +487,8 @@ def test_the_asgi_and_wsgi_metrics_apps(memory: Store[Any], op: str) -> None:
     with Engine(memory).attempt("k", operation=op) as att:
         assert att.replay is not None
     for app, kind in (
-        (MetricsApp(memory, token=None), "asgi"),
-        (wsgi_app(memory, token=None), "wsgi"),
+        (MetricsApp(memory, token=None, loopback=True), "asgi"),
+        (wsgi_app(memory, token=None, loopback=True), "wsgi"),
     ):
         with ThreadServer(app, kind) as server:
             r = httpx.get(server.url + "/anything")
@@ -514,7 +514,7 @@ def test_admin_access() -> None:
     assert ok.status == 200
     page = site.answer("GET", "/", "", {"accept": "text/html"}, "127.0.0.1")
     assert page.status == 401 and b"admin token" in page.body and b"s3cret" not in page.body
-    open_site = AdminSite(open_store("memory://"), token=None)
+    open_site = AdminSite(open_store("memory://"), token=None, loopback=True)
     assert open_site.answer("GET", "/metrics", "", {}, "127.0.0.1").status == 200
     assert open_site.answer("GET", "/metrics", "", {}, "::1").status == 200
     far = open_site.answer("GET", "/metrics", "", {}, "203.0.113.9")
@@ -533,6 +533,35 @@ def test_admin_access() -> None:
     assert open_site.answer("GET", "/nope", "", {}, "127.0.0.1").status == 404
     with pytest.raises(ValueError):
         AdminSite(None, token=" ")
+    with pytest.raises(TypeError):
+        AdminSite(None, token=None, loopback="yes")  # type: ignore[arg-type]
+    # The token and the loopback opt-in together: loopback without it, others with it.
+    both = AdminSite(open_store("memory://"), token="s3cret", loopback=True)
+    assert both.answer("GET", "/metrics", "", {}, "127.0.0.1").status == 200
+    assert both.answer("GET", "/metrics", "", {}, "203.0.113.9").status == 401
+    bearer = {"authorization": "Bearer s3cret"}
+    assert both.answer("GET", "/metrics", "", bearer, "203.0.113.9").status == 200
+
+
+def test_admin_pages_are_closed_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No token and no opt-in: nothing answers, not even loopback. A proxy on this host
+    that adds no X-Forwarded-For (nginx's default) connects from loopback."""
+    monkeypatch.delenv("RETRYSAFE_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("RETRYSAFE_ADMIN_LOOPBACK", raising=False)
+    site = AdminSite(open_store("memory://"))
+    assert site.token is None and site.loopback is False
+    for path in ("/", "/metrics", "/api/stats", "/api/records"):
+        for client in ("127.0.0.1", "::1", "203.0.113.9"):
+            r = site.answer("GET", path, "key=k", {"host": "localhost"}, client)
+            problem = json.loads(r.body)
+            assert r.status == 403 and problem["code"] == "admin_closed", (path, client)
+            assert "RETRYSAFE_ADMIN_TOKEN" in problem["detail"]
+            assert "RETRYSAFE_ADMIN_LOOPBACK=1" in problem["detail"]
+    monkeypatch.setenv("RETRYSAFE_ADMIN_LOOPBACK", "1")
+    assert AdminSite(None).answer("GET", "/metrics", "", {}, "127.0.0.1").status == 200
+    monkeypatch.setenv("RETRYSAFE_ADMIN_LOOPBACK", "maybe")
+    with pytest.raises(ValueError, match="RETRYSAFE_ADMIN_LOOPBACK"):
+        AdminSite(None)
 
 
 def test_the_inspector_api(memory: Store[Any], op: str) -> None:
@@ -540,7 +569,7 @@ def test_the_inspector_api(memory: Store[Any], op: str) -> None:
         att.outcome = Outcome(b"\xff\x00", 201, (("x-order", "7"),), "application/octet-stream")
     with Engine(memory).attempt("find-me", operation=op + "-2") as att:
         att.outcome = Outcome.json({"n": 1})
-    site = AdminSite(memory, token=None)
+    site = AdminSite(memory, token=None, loopback=True)
 
     def find(query: str) -> Any:
         r = site.answer("GET", "/api/records", query, {}, "127.0.0.1")

@@ -5,10 +5,15 @@ headers and client address with a :class:`~retrysafe._http.Response`; the ASGI
 and WSGI apps (``retrysafe.dashboard``, ``retrysafe.metrics``) and the gateway
 only move bytes. It may call the store, so async servers run it in a thread.
 
-Access: with ``RETRYSAFE_ADMIN_TOKEN`` set, every page but ``health`` answers a
-request without ``Authorization: Bearer TOKEN`` with 401 before anything else
-(a browser gets a small page that asks for the token); without a token, only
-loopback clients are answered.
+Access, decided before anything else (``health`` is not an admin page and
+stays open): with ``RETRYSAFE_ADMIN_TOKEN`` set, a request without
+``Authorization: Bearer TOKEN`` gets 401 (a browser gets a small page that asks
+for the token). Without a token the pages are closed (403 ``admin_closed``),
+unless the operator opts in to loopback access (``loopback=True``,
+``RETRYSAFE_ADMIN_LOOPBACK=1``, ``--admin-loopback``): then a loopback client,
+addressed by a local name and with no proxy header, is answered without a
+token. A proxy on the same host that adds no ``X-Forwarded-For`` is such a
+client, which is why loopback access is never the default.
 """
 
 from __future__ import annotations
@@ -33,17 +38,29 @@ from ._monitor import Monitor
 from ._record import record_json
 from .stores import Store
 
-__all__ = ["ENV_TOKEN", "AdminSite"]
+__all__ = ["ENV_LOOPBACK", "ENV_TOKEN", "AdminSite", "loopback_from_env"]
 
 ENV_TOKEN = "RETRYSAFE_ADMIN_TOKEN"
+#: Set to 1 (true, yes, on) to answer loopback clients without a token.
+ENV_LOOPBACK = "RETRYSAFE_ADMIN_LOOPBACK"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
 
 
 class _FromEnv:
     def __repr__(self) -> str:
-        return f"${ENV_TOKEN}"
+        return "(from the environment)"
 
 
 FROM_ENV: Any = _FromEnv()
+
+
+def loopback_from_env() -> bool:
+    """``$RETRYSAFE_ADMIN_LOOPBACK`` as a bool (unset: False); ValueError if unclear."""
+    value = os.environ.get(ENV_LOOPBACK, "").strip().lower()
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    raise ValueError(f"{ENV_LOOPBACK} must be 1 or 0 (true/false, yes/no, on/off), not {value!r}")
 
 
 def _asset(name: str) -> str:
@@ -126,20 +143,27 @@ _PROXIED = ("x-forwarded-for", "forwarded", "x-real-ip")
 class AdminSite:
     """The admin pages over ``store`` (see the module docstring).
 
-    ``token`` is the admin token (default ``$RETRYSAFE_ADMIN_TOKEN``; None
-    means loopback only). ``monitor`` the live figures (a new
+    ``token`` is the admin token (default ``$RETRYSAFE_ADMIN_TOKEN``; None: no
+    token). ``loopback``: answer loopback clients without a token (default
+    ``$RETRYSAFE_ADMIN_LOOPBACK``, else False); with neither, every admin page
+    is closed. ``monitor`` the live figures (a new
     :class:`~retrysafe._monitor.Monitor` over ``store`` by default).
     """
 
     def __init__(
         self, store: Store[Any] | None = None, *, token: str | None = FROM_ENV,
-        monitor: Monitor | None = None,
+        loopback: bool = FROM_ENV, monitor: Monitor | None = None,
     ) -> None:  # fmt: skip
         if token is FROM_ENV:
             token = os.environ.get(ENV_TOKEN) or None
         if token is not None and (not isinstance(token, str) or not token.strip()):
             raise ValueError("the admin token must be a non-empty str (or None)")
+        if loopback is FROM_ENV:
+            loopback = loopback_from_env()
+        if not isinstance(loopback, bool):
+            raise TypeError(f"loopback must be True or False, not {loopback!r}")
         self.token = None if token is None else token.strip()  # headers arrive stripped
+        self.loopback = loopback
         self.store = store
         self.monitor = monitor if monitor is not None else Monitor(store)
 
@@ -147,10 +171,17 @@ class AdminSite:
 
     def refusal(self, headers: Mapping[str, str], client: str | None) -> Response | None:
         """401 or 403 for a request that may not see admin pages, else None."""
+        if self.loopback and (is_loopback(client) and is_local_name(headers.get("host"))
+                              and not any(name in headers for name in _PROXIED)):  # fmt: skip
+            return None
+        if self.token is None and not self.loopback:
+            return problem(
+                403, "admin_closed",
+                f"the admin pages are closed: set {ENV_TOKEN} and send it as "
+                f"Authorization: Bearer TOKEN, or, if no proxy runs on this host, answer "
+                f"loopback clients without a token ({ENV_LOOPBACK}=1, --admin-loopback)",
+            )  # fmt: skip
         if self.token is None:
-            if (is_loopback(client) and is_local_name(headers.get("host"))
-                    and not any(name in headers for name in _PROXIED)):  # fmt: skip
-                return None
             return problem(
                 403, "admin_loopback_only",
                 f"no {ENV_TOKEN} is set, so the admin pages answer loopback clients only "

@@ -212,6 +212,16 @@ def gateway(
             "(default), refuse (403), or share one public record space.",
         ),
     ] = None,
+    admin_loopback: Annotated[
+        bool,
+        typer.Option(
+            "--admin-loopback",
+            help="Open the dashboard, metrics and key inspector to every loopback "
+            "connection without the admin token (default $RETRYSAFE_ADMIN_LOOPBACK, else "
+            "off: without $RETRYSAFE_ADMIN_TOKEN they are closed). Not behind a proxy on "
+            "this host: its connections are loopback ones.",
+        ),
+    ] = False,
 ) -> int:
     """A reverse proxy that makes an HTTP API's retries safe.
 
@@ -246,9 +256,12 @@ def gateway(
         "anonymous": anonymous,
     }
     principals = {name: value for name, value in principals.items() if value is not None}
+    from ._admin import ENV_LOOPBACK, loopback_from_env
+
+    admin_loopback = admin_loopback or loopback_from_env()  # (a bad value: an error now)
     application = gw.create_app(
         upstream, store=store_url, require_key=require_key, timeout=timeout, map=imap,
-        **principals,
+        admin_loopback=admin_loopback, **principals,
     )  # fmt: skip
     try:
         gw.probe_store(application.store)
@@ -269,7 +282,7 @@ def gateway(
         print(f"  map       {map_file}", flush=True)
     print(f"  callers   {application.middleware.policy.principals.describe()}", flush=True)
     print(f"  health    {url}{gw.HEALTH_PATH}", flush=True)
-    print(f"  dashboard {url}{gw.DASHBOARD_PATH}  ({_admin_access()})", flush=True)
+    print(f"  dashboard {url}{gw.DASHBOARD_PATH}  ({_admin_access(admin_loopback)})", flush=True)
     print(f"  metrics   {url}{gw.METRICS_PATH}", flush=True)
     try:
         if workers == 1:
@@ -285,6 +298,7 @@ def gateway(
                 "RETRYSAFE_STORE": store_url,
                 gw.ENV_REQUIRE_KEY: "1" if require_key else "0",
                 gw.ENV_TIMEOUT: repr(timeout),
+                ENV_LOOPBACK: "1" if admin_loopback else "0",
             }
             if map_file is not None:
                 env[gw.ENV_MAP] = str(Path(map_file).resolve())
@@ -310,12 +324,17 @@ def gateway(
     return 0
 
 
-def _admin_access() -> str:
+def _admin_access(loopback: bool) -> str:
     from ._admin import ENV_TOKEN
 
-    if os.environ.get(ENV_TOKEN):
+    token = bool(os.environ.get(ENV_TOKEN))
+    if token and loopback:
+        return f"loopback connections, or the admin token from ${ENV_TOKEN}"
+    if token:
         return f"needs the admin token from ${ENV_TOKEN}"
-    return f"loopback only: no ${ENV_TOKEN} is set"
+    if loopback:
+        return f"open to loopback connections (--admin-loopback), no ${ENV_TOKEN}"
+    return f"closed: set ${ENV_TOKEN}, or --admin-loopback"
 
 
 @contextlib.contextmanager

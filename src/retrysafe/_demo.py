@@ -288,7 +288,8 @@ def run_demo(
         raise
     try:
         with sigterm_as_interrupt(), ServerThread(api, bind("127.0.0.1", 0)) as api_server:
-            app: ASGIApp = create_app(api_server.url, store=store)
+            # The demo's dashboard is for whoever runs it on this machine.
+            app: ASGIApp = create_app(api_server.url, store=store, admin_loopback=True)
             if not check:
                 app = _Narrator(app)
             with ServerThread(app, gw_sock) as gw_server:

@@ -12,7 +12,8 @@ At its root it serves the dashboard page; under it ``metrics`` (Prometheus
 text), ``api/stats`` (every live figure as JSON) and ``api/records?key=…`` (the
 key inspector). Everything it needs ships in the package: no CDN. With
 ``RETRYSAFE_ADMIN_TOKEN`` set (or ``token=``) every page needs
-``Authorization: Bearer TOKEN``; without one it answers loopback clients only.
+``Authorization: Bearer TOKEN``; without one every page is closed (403), unless
+``loopback=True`` (or ``RETRYSAFE_ADMIN_LOOPBACK=1``) opens it to loopback clients.
 The ``retrysafe gateway`` mounts it at ``/_retrysafe/``. See ``docs/dashboard.md``.
 """
 
@@ -29,12 +30,15 @@ from ._monitor import Monitor
 from .asgi import Receive, Scope, Send, _answer
 from .stores import Store
 
-__all__ = ["DashboardApp", "serve_admin"]
+__all__ = ["DashboardApp", "admin_site", "serve_admin"]
 
 
-def _site(store: Store[Any] | str | None, token: str | None, monitor: Monitor | None) -> AdminSite:
+def admin_site(
+    store: Store[Any] | str | None, token: str | None, loopback: bool, monitor: Monitor | None
+) -> AdminSite:
+    """The admin site over ``store`` (a store, a URL opened once per process, or None)."""
     opened = None if store is None else shared_store(store)
-    return AdminSite(opened, token=token, monitor=monitor)
+    return AdminSite(opened, token=token, loopback=loopback, monitor=monitor)
 
 
 async def serve_admin(site: AdminSite, scope: Scope, send: Send, path: str, base: str) -> None:
@@ -61,15 +65,17 @@ def relative(scope: Scope) -> tuple[str, str]:
 class DashboardApp:
     """The dashboard, metrics and inspector over ``store`` (a store, a URL, or None).
 
-    ``token``: the admin token (default ``$RETRYSAFE_ADMIN_TOKEN``; None for
-    loopback only). ``monitor``: the live figures, if you keep your own.
+    ``token``: the admin token (default ``$RETRYSAFE_ADMIN_TOKEN``; None: no
+    token). ``loopback``: answer loopback clients without a token (default
+    ``$RETRYSAFE_ADMIN_LOOPBACK``, else False); with neither every page is closed.
+    ``monitor``: the live figures, if you keep your own.
     """
 
     def __init__(
         self, store: Store[Any] | str | None = None, *, token: str | None = FROM_ENV,
-        monitor: Monitor | None = None,
+        loopback: bool = FROM_ENV, monitor: Monitor | None = None,
     ) -> None:  # fmt: skip
-        self.site = _site(store, token, monitor)
+        self.site = admin_site(store, token, loopback, monitor)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":

@@ -11,7 +11,8 @@ through :class:`retrysafe.asgi.IdempotencyMiddleware` to the upstream, so a
 keyed request runs upstream once and its retries get the stored answer. Paths
 under ``/_retrysafe/`` are the gateway's own and never reach the upstream:
 ``health`` (always open), the live dashboard at ``/_retrysafe/``, Prometheus
-``metrics`` and the dashboard's ``api/…`` (admin token or loopback only).
+``metrics`` and the dashboard's ``api/…`` (the admin token, or loopback clients
+when opted in; closed otherwise).
 """
 
 from __future__ import annotations
@@ -320,8 +321,10 @@ class Gateway:
     ``$RETRYSAFE_STORE`` or the embedded SQLite store); a store it opened from a
     URL it closes on lifespan shutdown. ``timeout`` bounds connecting to the
     upstream and each wait for its bytes. ``admin_token`` guards the dashboard
-    and metrics under ``/_retrysafe/`` (default ``$RETRYSAFE_ADMIN_TOKEN``; None:
-    loopback only). ``options`` are those of
+    and metrics under ``/_retrysafe/`` (default ``$RETRYSAFE_ADMIN_TOKEN``);
+    ``admin_loopback=True`` (default ``$RETRYSAFE_ADMIN_LOOPBACK``) answers
+    loopback clients without it; with neither those pages are closed
+    (``/_retrysafe/health`` always answers). ``options`` are those of
     :class:`retrysafe.asgi.IdempotencyMiddleware`.
     """
 
@@ -332,6 +335,7 @@ class Gateway:
         store: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
         admin_token: str | None = FROM_ENV,
+        admin_loopback: bool = FROM_ENV,
         **options: Any,
     ) -> None:
         if (
@@ -346,7 +350,7 @@ class Gateway:
         self.engine = self.middleware.policy.engine
         self.store: Store[Any] = self.engine.store
         self._owns_store = store is None or isinstance(store, str)
-        self.admin = AdminSite(self.store, token=admin_token)
+        self.admin = AdminSite(self.store, token=admin_token, loopback=admin_loopback)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -414,7 +418,8 @@ def app_from_env() -> ASGIApp:
     ``RETRYSAFE_GATEWAY_UPSTREAM`` (required), ``RETRYSAFE_STORE``,
     ``RETRYSAFE_GATEWAY_REQUIRE_KEY`` (``1``/``0``), ``RETRYSAFE_GATEWAY_TIMEOUT``,
     ``RETRYSAFE_GATEWAY_MAP`` (the path of an Idempotency Map) and
-    ``RETRYSAFE_GATEWAY_PRINCIPALS`` (a JSON object of principal options).
+    ``RETRYSAFE_GATEWAY_PRINCIPALS`` (a JSON object of principal options); the admin
+    pages read ``RETRYSAFE_ADMIN_TOKEN`` and ``RETRYSAFE_ADMIN_LOOPBACK``.
     """
     upstream = os.environ.get(ENV_UPSTREAM, "")
     if not upstream:

@@ -19,7 +19,7 @@ from ._admin import FROM_ENV, AdminSite
 from ._metrics import COUNTERS, METRICS, AlertLog, Alerts, Event, Metrics, multiprocess_dir
 from ._monitor import Monitor
 from .asgi import Scope
-from .dashboard import DashboardApp, _site
+from .dashboard import DashboardApp, admin_site
 from .stores import Store
 from .wsgi import _headers, _status_line
 
@@ -72,14 +72,14 @@ class MetricsApp(DashboardApp):
 
 def wsgi_app(
     store: Store[Any] | str | None = None, *, token: str | None = FROM_ENV,
-    monitor: Monitor | None = None,
+    loopback: bool = FROM_ENV, monitor: Monitor | None = None,
 ) -> Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]:  # fmt: skip
     """Prometheus text at any path, as a WSGI app (Flask, Django, gunicorn).
 
     Mount it with werkzeug's ``DispatcherMiddleware`` or serve it on a path of
     its own. Access as the dashboard's.
     """
-    site: AdminSite = _site(store, token, monitor)
+    site: AdminSite = admin_site(store, token, loopback, monitor)
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         response = site.answer(
