@@ -16,6 +16,7 @@ from retrysafe._http import (
     parse_key,
     request_fingerprint,
 )
+from retrysafe.http import MAX_KEY_HEADER
 
 KEYS = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=255)
 
@@ -72,6 +73,29 @@ def test_sf_string_forms(value: str, key: str | None) -> None:
 def test_malformed_key_headers(values: list[str]) -> None:
     with pytest.raises(InvalidKeyError):
         parse_key(values)
+
+
+def test_the_longest_legal_key_header_fits_the_bound() -> None:
+    key = ('"\\' * 128)[:255]  # every character escaped when quoted
+    quoted = sf_string(key)
+    assert len(f"{quoted}, {quoted}") <= MAX_KEY_HEADER
+    assert parse_key([f"{quoted}, {quoted}"]) == key
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        ["k," * (2 << 20) + "k"],  # 4 MiB of one key repeated: a valid header, if a costly one
+        ["k"] * (MAX_KEY_HEADER + 1),  # many short lines of the same key
+        ['"' + "k" * MAX_KEY_HEADER + '"'],
+    ],
+    ids=["4MiB-comma-list", "many-lines", "one-long-member"],
+)
+def test_a_key_header_over_the_bound_is_refused_unparsed(values: list[str]) -> None:
+    with pytest.raises(InvalidKeyError, match=f"the limit is {MAX_KEY_HEADER}"):
+        parse_key(values)
+    with pytest.raises(InvalidKeyError, match=f"the limit is {MAX_KEY_HEADER}"):
+        HttpPolicy("memory://").key(values)
 
 
 def test_no_header_is_no_key() -> None:

@@ -36,6 +36,7 @@ from ._secret import Secret, asecret_of, check_secret, secret_of
 from .stores import Store
 
 __all__ = [
+    "MAX_KEY_HEADER",
     "BodyError",
     "Headers",
     "HttpPolicy",
@@ -48,6 +49,10 @@ log = logging.getLogger("retrysafe.http")
 
 DEFAULT_HEADERS = ("Idempotency-Key", "X-Idempotency-Key")
 DEFAULT_MAX_REQUEST_BODY = 10 << 20
+#: The most characters the key header's lines may hold together, checked before
+#: any parsing: the longest key (255 characters) quoted with every character
+#: escaped, twice over (a proxy that repeats the line), with room to spare.
+MAX_KEY_HEADER = 2048
 REPLAYED = ("idempotent-replayed", "true")
 PROBLEM_TYPE = "application/problem+json"
 #: The stored media type of an answer whose body was over ``max_body``.
@@ -171,8 +176,14 @@ def parse_key(values: list[str]) -> str | None:
     A member that starts with ``"`` is an RFC 8941 sf-string; any other member is
     the key as it stands. Commas outside quotes separate members (servers fold
     repeated header lines into one comma-separated value), so a bare key cannot
-    hold a comma: quote it. Several members must all be the same key.
+    hold a comma: quote it. Several members must all be the same key. Lines
+    over :data:`MAX_KEY_HEADER` characters together are refused unread.
     """
+    size = sum(map(len, values))
+    if size > MAX_KEY_HEADER:
+        raise InvalidKeyError(
+            f"the idempotency key header is {size} characters long; the limit is {MAX_KEY_HEADER}"
+        )
     if len(values) == 1:
         value = values[0].strip(" \t")
         if value and value[0] != '"' and "," not in value:

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from ._http import Headers, HttpRequest, parse_key, request_fingerprint
+from ._http import MAX_KEY_HEADER, Headers, HttpRequest, parse_key, request_fingerprint
 
-__all__ = ["Headers", "HttpRequest", "parse_key", "request_fingerprint"]
+__all__ = ["MAX_KEY_HEADER", "Headers", "HttpRequest", "parse_key", "request_fingerprint"]
