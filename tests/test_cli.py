@@ -188,6 +188,11 @@ def test_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
             (*up, "--listen", "127.0.0.1:99999"),
             (*up, "--workers", "0"),
             (*up, "--timeout", "0"),
+            (*up, "--max-head-size", "0"),
+            (*up, "--head-timeout", "0"),
+            (*up, "--body-timeout", "-1"),
+            (*up, "--max-connections", "0"),
+            (*up, "--http", "spdy"),
         ):  # fmt: skip
             result = run(*args, cwd=tmp_path)
             assert result.returncode == 2, (args, result.stdout, result.stderr)

@@ -26,7 +26,7 @@ from _upstream import GZIP_TEXT, RawUpstream, Reply, UpstreamProcess, pattern
 
 from retrysafe import Status, key_hash
 from retrysafe._serve import ServerThread, bind
-from retrysafe.gateway import Gateway, create_app
+from retrysafe.gateway import Gateway, HTTPProtocol, create_app
 from retrysafe.stores.memory import MemoryStore
 
 MiB = 1 << 20
@@ -57,7 +57,7 @@ def gateway(tmp_path: Path) -> Iterator[Callable[..., Running]]:
     def start(upstream_url: str, **options: Any) -> Running:
         options.setdefault("store", f"sqlite:///{tmp_path}/gateway-{len(servers)}.db")
         app = create_app(upstream_url, **options)
-        server = ServerThread(app, bind("127.0.0.1", 0))
+        server = ServerThread(app, bind("127.0.0.1", 0), http=HTTPProtocol)
         servers.append(server)
         server.start()
         ready(server.url)

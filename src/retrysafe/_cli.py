@@ -222,6 +222,45 @@ def gateway(
             "this host: its connections are loopback ones.",
         ),
     ] = False,
+    max_head_size: Annotated[
+        int | None,
+        typer.Option(
+            metavar="BYTES",
+            help="The most bytes of request line and headers read (default 65536); "
+            "a larger head gets 431.",
+        ),
+    ] = None,
+    head_timeout: Annotated[
+        float | None,
+        typer.Option(
+            metavar="SECONDS",
+            help="Seconds for a request's line and headers to arrive (default 30); "
+            "a slower head gets 408.",
+        ),
+    ] = None,
+    body_timeout: Annotated[
+        float | None,
+        typer.Option(
+            metavar="SECONDS",
+            help="Seconds the gateway waits for the next byte of a request body "
+            "(default 60); then 408.",
+        ),
+    ] = None,
+    max_connections: Annotated[
+        int | None,
+        typer.Option(
+            metavar="N",
+            help="Open client connections per worker (default 512); one more gets 503.",
+        ),
+    ] = None,
+    http: Annotated[
+        str,
+        typer.Option(
+            metavar="auto|httptools|h11",
+            help="The HTTP/1.1 parser: httptools (fast, the 'speed' extra) or h11; "
+            "auto picks httptools when it is installed.",
+        ),
+    ] = "auto",
 ) -> int:
     """A reverse proxy that makes an HTTP API's retries safe.
 
@@ -231,6 +270,7 @@ def gateway(
     import uvicorn
 
     from . import gateway as gw
+    from ._limits import protocol_class
     from ._serve import (
         SERVER_OPTIONS,
         bind,
@@ -259,9 +299,17 @@ def gateway(
     from ._admin import ENV_LOOPBACK, loopback_from_env
 
     admin_loopback = admin_loopback or loopback_from_env()  # (a bad value: an error now)
+    limits = {
+        "max_head_size": max_head_size,
+        "head_timeout": head_timeout,
+        "body_timeout": body_timeout,
+        "max_connections": max_connections,
+    }
+    limits = {name: value for name, value in limits.items() if value is not None}
+    protocol = protocol_class(http)
     application = gw.create_app(
         upstream, store=store_url, require_key=require_key, timeout=timeout, map=imap,
-        admin_loopback=admin_loopback, **principals,
+        admin_loopback=admin_loopback, **principals, **limits,
     )  # fmt: skip
     try:
         gw.probe_store(application.store)
@@ -281,13 +329,15 @@ def gateway(
     if map_file is not None:
         print(f"  map       {map_file}", flush=True)
     print(f"  callers   {application.middleware.policy.principals.describe()}", flush=True)
+    print(f"  limits    {_limits_line(application.server_limits, protocol)}", flush=True)
     print(f"  health    {url}{gw.HEALTH_PATH}", flush=True)
     print(f"  dashboard {url}{gw.DASHBOARD_PATH}  ({_admin_access(admin_loopback)})", flush=True)
     print(f"  metrics   {url}{gw.METRICS_PATH}", flush=True)
     try:
         if workers == 1:
             with sigterm_as_interrupt():  # uvicorn stops gracefully, then re-raises it
-                uvicorn.Server(server_config(application, lifespan="on")).run(sockets=[sock])
+                config = server_config(application, lifespan="on", http=protocol)
+                uvicorn.Server(config).run(sockets=[sock])
         else:
             # Workers import the app: a factory configured by the environment.
             port = sock.getsockname()[1]
@@ -299,6 +349,10 @@ def gateway(
                 gw.ENV_REQUIRE_KEY: "1" if require_key else "0",
                 gw.ENV_TIMEOUT: repr(timeout),
                 ENV_LOOPBACK: "1" if admin_loopback else "0",
+                gw.ENV_MAX_HEAD_SIZE: str(application.server_limits.max_head_size),
+                gw.ENV_HEAD_TIMEOUT: repr(application.server_limits.head_timeout),
+                gw.ENV_BODY_TIMEOUT: repr(application.server_limits.body_timeout),
+                gw.ENV_MAX_CONNECTIONS: str(application.server_limits.max_connections),
             }
             if map_file is not None:
                 env[gw.ENV_MAP] = str(Path(map_file).resolve())
@@ -313,6 +367,7 @@ def gateway(
                 port=port,
                 workers=workers,
                 lifespan="on",
+                http=protocol,
                 **SERVER_OPTIONS,
             )
     except KeyboardInterrupt:
@@ -322,6 +377,16 @@ def gateway(
         stack.close()
     print("retrysafe gateway: stopped", flush=True)
     return 0
+
+
+def _limits_line(limits: Any, protocol: type) -> str:
+    """What one client may hold of the gateway, for its start-up lines."""
+    parser = "httptools" if "HttpTools" in protocol.__name__ else "h11"
+    return (
+        f"head {limits.max_head_size} bytes in {limits.head_timeout:g} s, "
+        f"body idle {limits.body_timeout:g} s, {limits.max_connections} connections "
+        f"per worker ({parser})"
+    )
 
 
 def _admin_access(loopback: bool) -> str:

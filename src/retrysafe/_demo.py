@@ -24,7 +24,14 @@ import httpx
 from ._demo_api import DemoApi
 from ._serve import ServerThread, bind, parse_listen, sigterm_as_interrupt, url_of
 from .asgi import ASGIApp, Message, Receive, Scope, Send
-from .gateway import DASHBOARD_PATH, HEALTH_PATH, METRICS_PATH, create_app, probe_store
+from .gateway import (
+    DASHBOARD_PATH,
+    HEALTH_PATH,
+    METRICS_PATH,
+    HTTPProtocol,
+    create_app,
+    probe_store,
+)
 from .stores import open_store, redact
 
 __all__ = ["StormReport", "run_demo", "storm"]
@@ -292,7 +299,7 @@ def run_demo(
             app: ASGIApp = create_app(api_server.url, store=store, admin_loopback=True)
             if not check:
                 app = _Narrator(app)
-            with ServerThread(app, gw_sock) as gw_server:
+            with ServerThread(app, gw_sock, http=HTTPProtocol) as gw_server:
                 if check:
                     report = asyncio.run(storm(gw_server.url, orders=orders, retries=retries))
                     print(report.render(gw_server.url, redact(store_url)), flush=True)

@@ -338,6 +338,10 @@ _TITLES = {
     "upstream_timeout": "Upstream timed out",
     "not_found": "Not found",
     "method_not_allowed": "Method not allowed",
+    "request_header_too_large": "Request header too large",
+    "request_header_timeout": "Request header timeout",
+    "request_body_timeout": "Request body timeout",
+    "too_many_connections": "Too many connections",
 }
 
 

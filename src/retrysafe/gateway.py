@@ -13,6 +13,11 @@ under ``/_retrysafe/`` are the gateway's own and never reach the upstream:
 ``health`` (always open), the live dashboard at ``/_retrysafe/``, Prometheus
 ``metrics`` and the dashboard's ``api/…`` (the admin token, or loopback clients
 when opted in; closed otherwise).
+
+What one client may hold is bounded (``max_head_size``, ``head_timeout``,
+``body_timeout``, ``max_connections``): serve the app with
+``http=HTTPProtocol`` (``retrysafe gateway`` does) for the head and connection
+bounds; the idle-body bound is the app's own.
 """
 
 from __future__ import annotations
@@ -33,6 +38,15 @@ import httpx
 from ._admin import FROM_ENV, AdminSite
 from ._asgi import lifespan
 from ._http import Response, problem
+from ._limits import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEAD_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_HEAD_SIZE,
+    ServerLimits,
+    protocol_class,
+    with_body_timeout,
+)
 from ._upstream import Pool, UpstreamError, connection_tokens
 from .asgi import ASGIApp, IdempotencyMiddleware, Message, Receive, Scope, Send, _answer
 from .dashboard import serve_admin
@@ -41,7 +55,15 @@ from .stores import Store, redact
 __all__ = [
     "ADMIN_PREFIX",
     "DASHBOARD_PATH",
+    "DEFAULT_BODY_TIMEOUT",
+    "DEFAULT_HEAD_TIMEOUT",
+    "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_HEAD_SIZE",
     "DEFAULT_TIMEOUT",
+    "ENV_BODY_TIMEOUT",
+    "ENV_HEAD_TIMEOUT",
+    "ENV_MAX_CONNECTIONS",
+    "ENV_MAX_HEAD_SIZE",
     "ENV_PRINCIPALS",
     "ENV_REQUIRE_KEY",
     "ENV_TIMEOUT",
@@ -49,6 +71,7 @@ __all__ = [
     "HEALTH_PATH",
     "METRICS_PATH",
     "Gateway",
+    "HTTPProtocol",
     "app_from_env",
     "create_app",
     "parse_upstream",
@@ -68,6 +91,13 @@ ENV_UPSTREAM = "RETRYSAFE_GATEWAY_UPSTREAM"
 ENV_REQUIRE_KEY = "RETRYSAFE_GATEWAY_REQUIRE_KEY"
 ENV_TIMEOUT = "RETRYSAFE_GATEWAY_TIMEOUT"
 ENV_MAP = "RETRYSAFE_GATEWAY_MAP"
+ENV_MAX_HEAD_SIZE = "RETRYSAFE_GATEWAY_MAX_HEAD_SIZE"
+ENV_HEAD_TIMEOUT = "RETRYSAFE_GATEWAY_HEAD_TIMEOUT"
+ENV_BODY_TIMEOUT = "RETRYSAFE_GATEWAY_BODY_TIMEOUT"
+ENV_MAX_CONNECTIONS = "RETRYSAFE_GATEWAY_MAX_CONNECTIONS"
+#: The uvicorn protocol (``http=``) that holds clients to the gateway's limits:
+#: uvicorn's httptools one when httptools is installed, else its h11 one.
+HTTPProtocol = protocol_class()
 #: The principal options (JSON: ``principal_headers``, ``principal_cookies``,
 #: ``principal_query``, ``anonymous``), as ``retrysafe gateway`` gives its workers.
 ENV_PRINCIPALS = "RETRYSAFE_GATEWAY_PRINCIPALS"
@@ -324,8 +354,12 @@ class Gateway:
     and metrics under ``/_retrysafe/`` (default ``$RETRYSAFE_ADMIN_TOKEN``);
     ``admin_loopback=True`` (default ``$RETRYSAFE_ADMIN_LOOPBACK``) answers
     loopback clients without it; with neither those pages are closed
-    (``/_retrysafe/health`` always answers). ``options`` are those of
-    :class:`retrysafe.asgi.IdempotencyMiddleware`.
+    (``/_retrysafe/health`` always answers). ``max_head_size`` (bytes of request line and headers),
+    ``head_timeout`` (seconds for a whole head), ``body_timeout`` (seconds
+    without a byte of a body being read) and ``max_connections`` (open client
+    connections per process) bound each client; the head and connection bounds
+    hold when the app is served with ``http=HTTPProtocol``. ``options`` are
+    those of :class:`retrysafe.asgi.IdempotencyMiddleware`.
     """
 
     def __init__(
@@ -336,8 +370,15 @@ class Gateway:
         timeout: float = DEFAULT_TIMEOUT,
         admin_token: str | None = FROM_ENV,
         admin_loopback: bool = FROM_ENV,
+        max_head_size: int = DEFAULT_MAX_HEAD_SIZE,
+        head_timeout: float = DEFAULT_HEAD_TIMEOUT,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
         **options: Any,
     ) -> None:
+        self.server_limits = ServerLimits(
+            max_head_size, head_timeout, body_timeout, max_connections
+        )
         if (
             isinstance(timeout, bool)
             or not isinstance(timeout, int | float)
@@ -362,7 +403,8 @@ class Gateway:
                 base = ADMIN_PREFIX[:-1]
                 await serve_admin(self.admin, scope, send, path[len(base) :], base)
             else:
-                await self.middleware(scope, receive, send)
+                body_timeout = self.server_limits.body_timeout
+                await with_body_timeout(self.middleware, scope, receive, send, body_timeout)
         elif kind == "lifespan":
             # Sampling from the start, the dashboard has history when it is first opened.
             await lifespan(receive, send, self.aclose, self.admin.monitor.start)
@@ -417,9 +459,11 @@ def app_from_env() -> ASGIApp:
 
     ``RETRYSAFE_GATEWAY_UPSTREAM`` (required), ``RETRYSAFE_STORE``,
     ``RETRYSAFE_GATEWAY_REQUIRE_KEY`` (``1``/``0``), ``RETRYSAFE_GATEWAY_TIMEOUT``,
-    ``RETRYSAFE_GATEWAY_MAP`` (the path of an Idempotency Map) and
-    ``RETRYSAFE_GATEWAY_PRINCIPALS`` (a JSON object of principal options); the admin
-    pages read ``RETRYSAFE_ADMIN_TOKEN`` and ``RETRYSAFE_ADMIN_LOOPBACK``.
+    ``RETRYSAFE_GATEWAY_MAP`` (the path of an Idempotency Map),
+    ``RETRYSAFE_GATEWAY_PRINCIPALS`` (a JSON object of principal options),
+    ``RETRYSAFE_GATEWAY_MAX_HEAD_SIZE``, ``RETRYSAFE_GATEWAY_HEAD_TIMEOUT``,
+    ``RETRYSAFE_GATEWAY_BODY_TIMEOUT`` and ``RETRYSAFE_GATEWAY_MAX_CONNECTIONS``; the
+    admin pages read ``RETRYSAFE_ADMIN_TOKEN`` and ``RETRYSAFE_ADMIN_LOOPBACK``.
     """
     upstream = os.environ.get(ENV_UPSTREAM, "")
     if not upstream:
@@ -427,16 +471,31 @@ def app_from_env() -> ASGIApp:
     require = os.environ.get(ENV_REQUIRE_KEY, "").strip().lower()
     if require not in _BOOLS:
         raise ValueError(f"{ENV_REQUIRE_KEY} must be 1 or 0, not {require!r}")
-    timeout = os.environ.get(ENV_TIMEOUT, "")
-    try:
-        seconds = float(timeout) if timeout else DEFAULT_TIMEOUT
-    except ValueError:
-        raise ValueError(f"{ENV_TIMEOUT} must be a number of seconds, not {timeout!r}") from None
     imap = os.environ.get(ENV_MAP) or None
     principals = _principal_options(os.environ.get(ENV_PRINCIPALS, ""))
     return create_app(
-        upstream, require_key=_BOOLS[require], timeout=seconds, map=imap, **principals
+        upstream,
+        require_key=_BOOLS[require],
+        timeout=_env_number(ENV_TIMEOUT, float, DEFAULT_TIMEOUT),
+        map=imap,
+        max_head_size=_env_number(ENV_MAX_HEAD_SIZE, int, DEFAULT_MAX_HEAD_SIZE),
+        head_timeout=_env_number(ENV_HEAD_TIMEOUT, float, DEFAULT_HEAD_TIMEOUT),
+        body_timeout=_env_number(ENV_BODY_TIMEOUT, float, DEFAULT_BODY_TIMEOUT),
+        max_connections=_env_number(ENV_MAX_CONNECTIONS, int, DEFAULT_MAX_CONNECTIONS),
+        **principals,
     )
+
+
+def _env_number(name: str, kind: type[int] | type[float], default: float) -> Any:
+    """The number in environment variable ``name`` (``default`` if unset or empty)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return kind(text)
+    except ValueError:
+        what = "a whole number" if kind is int else "a number of seconds"
+        raise ValueError(f"{name} must be {what}, not {text!r}") from None
 
 
 def _principal_options(text: str) -> dict[str, Any]:
