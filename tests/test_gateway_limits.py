@@ -175,6 +175,21 @@ def test_the_head_limit_is_exact(gateway: Callable[..., Running]) -> None:
     assert problem_code(headers, body) == "request_header_too_large"
 
 
+def test_pipelined_requests_are_counted_head_by_head(gateway: Callable[..., Running]) -> None:
+    """Two requests in one write, 5 KB in all: the first's head, its body and the
+    start of the second's head come in the first 4 KB read, and neither head is
+    over the limit, so both are answered."""
+    gw = gateway(max_head_size=4096)
+    first = b"POST /echo HTTP/1.1\r\nHost: gw.test\r\nContent-Length: 3000\r\n\r\n" + b"b" * 3000
+    second = b"GET /echo HTTP/1.1\r\nHost: gw.test\r\nConnection: close\r\nX-Pad: " + b"p" * 2000
+    with gw.connect() as sock:
+        sock.sendall(first + second + b"\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    assert data.count(b"HTTP/1.1 200 ") == 2, data[:300]
+
+
 def test_a_4MiB_key_header_is_refused_before_it_is_parsed(
     gateway: Callable[..., Running], origin: UpstreamProcess
 ) -> None:

@@ -155,6 +155,7 @@ class _Limited:
         self._head_timer: asyncio.TimerHandle | None = None
         self._linger: asyncio.TimerHandle | None = None
         self._refused = False
+        self._heads = 0  # heads completed, where the parser says so (httptools)
 
     def _reading_head(self) -> bool:
         """True while a request head is awaited or partly received."""
@@ -187,10 +188,16 @@ class _Limited:
             room = limit - self._head_used
             piece, data = (data, b"") if len(data) <= room else (data[:room], data[room:])
             self._head_used += len(piece)
+            heads = self._heads
             feed(piece)
             if self.transport.is_closing():
                 return
-            if self._reading_head() and self._head_used >= limit:
+            if heads != self._heads or not self._reading_head():
+                # The head ended in this piece; a pipelined one begun after it in
+                # the same piece is counted from the next piece on.
+                self._head_used = 0
+                self._cancel_head_timer()
+            elif self._head_used >= limit:
                 self._refuse(
                     problem(
                         431,
@@ -200,15 +207,8 @@ class _Limited:
                     )
                 )
                 return
-            if not self._reading_head():
-                self._head_used = 0
-        if self.transport.is_closing():
-            return
-        if self._reading_head():
+        if not self.transport.is_closing() and self._reading_head():
             self._arm_head_timer()
-        else:
-            self._head_used = 0
-            self._cancel_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
@@ -229,6 +229,9 @@ class _Limited:
     def _head_late(self) -> None:
         self._head_timer = None
         if self.transport.is_closing() or not self._reading_head():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._arm_head_timer()  # a pipelined head waits for the answer before it
             return
         seconds = f"{self.limits.head_timeout:g}"
         self._refuse(
@@ -288,6 +291,7 @@ if HttpToolsProtocol is not None:
 
         def on_headers_complete(self) -> None:
             self._in_head = False
+            self._heads += 1
             super().on_headers_complete()
 
 else:  # pragma: no cover - without httptools
