@@ -159,6 +159,7 @@ BAD_KEYS = {
     "text-after-sf-string": b'"abc" junk',
     "two-keys": b"a, b",
     "empty-member": b"a,,a",
+    "one-key-listed-over-2048-characters": b"k," * 1500 + b"k",
 }
 
 
