@@ -6,7 +6,7 @@ whole, a connection that sends half a head is held until the client leaves, and
 every connection is accepted. :class:`ServerLimits` names the bounds; the
 protocol classes here (thin subclasses of uvicorn's httptools and h11 ones,
 sharing one mixin) enforce the head and connection bounds, reading the limits
-from the served app's ``server_limits`` attribute; :func:`with_body_timeout`
+from the served app's ``server_limits`` attribute; :class:`BodyTimeout`
 enforces the idle-body bound around an ASGI app.
 
 A refusal is an ``application/problem+json`` answer and a closed connection:
@@ -49,12 +49,12 @@ __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_MAX_HEAD_SIZE",
     "PROTOCOLS",
+    "BodyTimeout",
     "LimitedH11Protocol",
     "LimitedHttpToolsProtocol",
     "ServerLimits",
     "limits_of",
     "protocol_class",
-    "with_body_timeout",
 ]
 
 #: Bytes of request line and headers together (nginx reads up to 4 x 8 KiB
@@ -311,48 +311,99 @@ def protocol_class(name: str = "auto") -> type[asyncio.Protocol]:
     return LimitedHttpToolsProtocol
 
 
-async def with_body_timeout(
-    app: Any, scope: dict[str, Any], receive: Any, send: Any, seconds: float
-) -> None:
-    """Run the ASGI ``app`` with each wait for a body message bounded by ``seconds``.
+class _Waits:
+    """One event loop's requests waiting for body bytes, swept every ``tick`` seconds.
+
+    A wait costs a dictionary entry, not a timer: one timer per tick serves them all.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+        self.loop = loop
+        self.seconds = seconds
+        self.tick = min(1.0, seconds / 4)
+        self.deadlines: dict[asyncio.Task[Any], float] = {}
+        self.expired: set[asyncio.Task[Any]] = set()
+        self.sweeping: asyncio.TimerHandle | None = None
+
+    def start(self, task: asyncio.Task[Any]) -> None:
+        self.deadlines[task] = self.loop.time() + self.seconds
+        if self.sweeping is None:
+            self.sweeping = self.loop.call_later(self.tick, self.sweep)
+
+    def sweep(self) -> None:
+        now = self.loop.time()
+        late = [task for task, deadline in self.deadlines.items() if deadline <= now]
+        for task in late:
+            del self.deadlines[task]
+            self.expired.add(task)
+            task.cancel()
+        self.sweeping = self.loop.call_later(self.tick, self.sweep) if self.deadlines else None
+
+
+class BodyTimeout:
+    """Runs an ASGI app with each wait for a request body message bounded by ``seconds``.
 
     When a wait runs out the app gets ``http.disconnect`` (a keyed request then
     claims nothing: its body is read before its claim) and, if it had not
     started an answer, the client gets 408 ``request_body_timeout`` and the
-    connection is closed.
+    connection is closed. Waits are checked a few times per ``seconds`` (at
+    least once a second), so one may run up to a quarter longer.
     """
-    body_open = True
-    late = False
-    started = False
 
-    async def timed_receive() -> dict[str, Any]:
-        nonlocal body_open, late
-        if not body_open:
-            return await receive()  # type: ignore[no-any-return]
-        try:
-            async with asyncio.timeout(seconds):
+    def __init__(self, seconds: float) -> None:
+        self.seconds = _positive_seconds("body_timeout", seconds)
+        self._waits: dict[asyncio.AbstractEventLoop, _Waits] = {}
+
+    def _of(self, loop: asyncio.AbstractEventLoop) -> _Waits:
+        waits = self._waits.get(loop)
+        if waits is None:
+            for old in [lp for lp in self._waits if lp.is_closed()]:
+                del self._waits[old]
+            waits = self._waits[loop] = _Waits(loop, self.seconds)
+        return waits
+
+    async def __call__(self, app: Any, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        waits = self._of(asyncio.get_running_loop())
+        body_open = True
+        late = False
+        started = False
+
+        async def timed_receive() -> dict[str, Any]:
+            nonlocal body_open, late
+            if not body_open:
+                return await receive()  # type: ignore[no-any-return]
+            task = asyncio.current_task()
+            assert task is not None
+            waits.start(task)
+            try:
                 message = await receive()
-        except TimeoutError:
-            body_open, late = False, True
-            return {"type": "http.disconnect"}
-        if message["type"] != "http.request" or not message.get("more_body", False):
-            body_open = False
-        return message  # type: ignore[no-any-return]
+            except asyncio.CancelledError:
+                if task not in waits.expired:
+                    raise
+                waits.expired.discard(task)
+                task.uncancel()
+                body_open, late = False, True
+                return {"type": "http.disconnect"}
+            finally:
+                waits.deadlines.pop(task, None)
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_open = False
+            return message  # type: ignore[no-any-return]
 
-    async def watched_send(message: dict[str, Any]) -> None:
-        nonlocal started
-        if message["type"] == "http.response.start":
-            started = True
-        await send(message)
+        async def watched_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
 
-    await app(scope, timed_receive, watched_send)
-    if late and not started:
-        answer = problem(
-            408,
-            "request_body_timeout",
-            f"no byte of the request body came for {seconds:g} s",
-            headers=[("connection", "close")],
-        )
-        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers]
-        await send({"type": "http.response.start", "status": 408, "headers": headers})
-        await send({"type": "http.response.body", "body": answer.body})
+        await app(scope, timed_receive, watched_send)
+        if late and not started:
+            answer = problem(
+                408,
+                "request_body_timeout",
+                f"no byte of the request body came for {self.seconds:g} s",
+                headers=[("connection", "close")],
+            )
+            headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers]
+            await send({"type": "http.response.start", "status": 408, "headers": headers})
+            await send({"type": "http.response.body", "body": answer.body})

@@ -43,9 +43,9 @@ from ._limits import (
     DEFAULT_HEAD_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_HEAD_SIZE,
+    BodyTimeout,
     ServerLimits,
     protocol_class,
-    with_body_timeout,
 )
 from ._upstream import Pool, UpstreamError, connection_tokens
 from .asgi import ASGIApp, IdempotencyMiddleware, Message, Receive, Scope, Send, _answer
@@ -379,6 +379,7 @@ class Gateway:
         self.server_limits = ServerLimits(
             max_head_size, head_timeout, body_timeout, max_connections
         )
+        self._body_timeout = BodyTimeout(self.server_limits.body_timeout)
         if (
             isinstance(timeout, bool)
             or not isinstance(timeout, int | float)
@@ -403,8 +404,7 @@ class Gateway:
                 base = ADMIN_PREFIX[:-1]
                 await serve_admin(self.admin, scope, send, path[len(base) :], base)
             else:
-                body_timeout = self.server_limits.body_timeout
-                await with_body_timeout(self.middleware, scope, receive, send, body_timeout)
+                await self._body_timeout(self.middleware, scope, receive, send)
         elif kind == "lifespan":
             # Sampling from the start, the dashboard has history when it is first opened.
             await lifespan(receive, send, self.aclose, self.admin.monitor.start)
