@@ -198,6 +198,29 @@ def test_sqlite_schema_is_versioned(tmp_path: Path) -> None:
         newer.get("x")
 
 
+def test_sqlite_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
+    """The database, its -wal and its -shm are created 0600: they hold stored answers."""
+    import os
+    import stat
+
+    path = tmp_path / "private.db"
+    old = os.umask(0o022)  # the usual umask, under which SQLite alone creates 0644
+    try:
+        store = SQLiteStore(f"sqlite:///{path}")
+        engine = Engine(store)
+        claim = engine.begin("k")
+        assert isinstance(claim, Claim)
+        engine.complete(claim, Outcome.json({"card": "4242"}))
+        files = [path, Path(f"{path}-wal"), Path(f"{path}-shm")]
+        assert all(f.exists() for f in files)  # the connection is open: WAL and SHM exist
+        assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {
+            f.name: 0o600 for f in files
+        }
+        store.close()
+    finally:
+        os.umask(old)
+
+
 def test_sqlite_store_survives_a_fork(tmp_path: Path) -> None:
     import os
 

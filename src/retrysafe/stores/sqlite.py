@@ -227,6 +227,22 @@ def _path_from_url(url: str) -> tuple[str, dict[str, str]]:
     return path, dict(urllib.parse.parse_qsl(parts.query))
 
 
+def _create_private(path: str) -> None:
+    """Create the database file with mode 0600 (owner only) unless it exists.
+
+    SQLite would create it 0644 under the usual umask; it creates the ``-wal``
+    and ``-shm`` files with the database file's mode, so they are 0600 too. An
+    existing file keeps its mode.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    except OSError:
+        return  # no directory, no permission, ...: sqlite3.connect reports it
+    os.close(fd)
+
+
 def _forget_connections(ref: weakref.ref[SQLiteStore]) -> None:
     store = ref()
     if store is not None:  # the parent's connections are the parent's: forget, never close
@@ -276,6 +292,7 @@ class SQLiteStore(Store[_Op]):
     # -- connections ---------------------------------------------------------
 
     def _connect(self) -> sqlite3.Connection:
+        _create_private(self.path)
         # timeout=0: a busy lock raises at once and _run waits itself, in finer steps
         # than SQLite's busy handler (1, 2, 5, 10 … 100 ms), which would let a waiting
         # claim sleep through the short gaps a sweep leaves between transactions.
