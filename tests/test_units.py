@@ -25,7 +25,7 @@ from retrysafe import (
 )
 from retrysafe._decide import Verdict, claimable, retry_after, verdict
 from retrysafe._record import Record, Status
-from retrysafe.stores.memory import MemoryStore
+from retrysafe.stores.memory import MemoryStore, record_bytes
 from retrysafe.stores.sqlite import SCHEMA_VERSION as SQLITE_SCHEMA_VERSION
 from retrysafe.stores.sqlite import SQLiteStore
 
@@ -172,6 +172,54 @@ def test_memory_store_is_bounded_lru() -> None:
     assert engine.store.get(claims[0].key_hash) is not None
     with pytest.raises(ValueError):
         MemoryStore(max_size=0)
+
+
+def test_memory_store_is_bounded_in_bytes() -> None:
+    """150 answers of 1 MB each: the default 64 MiB bound holds, the newest replay."""
+    store = MemoryStore()
+    assert store.max_bytes == 64 << 20
+    engine = Engine(store, max_body=2 << 20)
+    claims = []
+    for i in range(150):
+        claim = engine.begin(f"k{i}")
+        assert isinstance(claim, Claim)
+        engine.complete(claim, Outcome(bytes([i]) * 1_000_000))
+        claims.append(claim)
+        assert store.bytes <= store.max_bytes
+    assert 50 <= len(store) <= 67  # most of the bound is used, and no more
+    assert store.bytes == sum(record_bytes(r) for r in store.records(limit=1000))
+    newest = engine.begin("k149")
+    assert isinstance(newest, Replay) and newest.outcome.body == bytes([149]) * 1_000_000
+    assert store.get(claims[0].key_hash) is None  # the oldest were forgotten
+    for claim in claims:  # deleting gives every byte back
+        store.delete(claim.key_hash)
+    assert (len(store), store.bytes) == (0, 0)
+
+
+def test_memory_store_byte_bound_spares_live_leases_and_refuses_a_giant() -> None:
+    store = open_store("memory://?max_bytes=3000000")
+    assert isinstance(store, MemoryStore) and store.max_bytes == 3_000_000
+    engine = Engine(store, max_body=8 << 20)
+    running = engine.begin("running")  # in flight: never evicted, whatever it costs
+    assert isinstance(running, Claim)
+    for key in ("a", "b", "c", "d"):
+        claim = engine.begin(key)
+        assert isinstance(claim, Claim)
+        engine.complete(claim, Outcome(b"x" * 1_000_000))
+    assert store.bytes <= 3_000_000
+    assert store.get(running.key_hash) is not None
+    giant = engine.begin("giant")
+    assert isinstance(giant, Claim)
+    engine.complete(giant, Outcome(b"y" * 4_000_000))  # over the bound alone: not kept
+    assert store.get(giant.key_hash) is None
+    assert isinstance(engine.begin("d"), Replay)  # and nothing else was evicted for it
+    with pytest.raises(InProgressError):
+        engine.begin("running")
+    for bad in ("memory://?max_bytes=0", "memory://?max_bytes=lots", "memory://?max_size=-1"):
+        with pytest.raises(ValueError):
+            open_store(bad)
+    with pytest.raises(ValueError):
+        MemoryStore(max_bytes=0)
 
 
 def test_memory_store_never_evicts_a_live_lease() -> None:

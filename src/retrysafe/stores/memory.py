@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import heapq
+import logging
 import threading
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,32 +15,82 @@ from .._record import FINANCIAL, ClaimResult, Outcome, Record, Status
 from .._state import RawCell, live, writable
 from ._base import ArchivedRecord, Store, StoreStats, SweepBatch
 
-__all__ = ["MemoryStore"]
+__all__ = ["DEFAULT_MAX_BYTES", "MemoryStore", "record_bytes"]
+
+log = logging.getLogger("retrysafe")
 
 _Op = Callable[[], Any]
 
+#: The default byte bound of a memory store's records.
+DEFAULT_MAX_BYTES = 64 << 20
+#: What a record costs beyond its strings and bytes (objects, dict slots), roughly.
+_OVERHEAD = 600
+
+
+def record_bytes(record: Record) -> int:
+    """What ``record`` holds, in bytes: its strings, stored answer and payload,
+    plus a fixed overhead per record (an estimate of its memory, not a measure)."""
+    size = _OVERHEAD + len(record.key) + len(record.scope) + len(record.operation)
+    size += len(record.fingerprint) + len(record.token) + len(record.request_id or "")
+    if record.request_payload is not None:
+        size += len(record.request_payload)
+    if record.metadata:
+        size += len(record.metadata_json())
+    outcome = record.outcome
+    if outcome is not None:
+        size += len(outcome.body) + len(outcome.media_type)
+        size += sum(len(k) + len(v) for k, v in outcome.headers)
+    return size
+
+
+def _bound(name: str, value: object, options: dict[str, str], default: int) -> int:
+    """A bound given as an argument, else in the URL's query, else ``default``; at least 1."""
+    if value is None:
+        value = options.get(name, default)
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            raise ValueError(f"memory:// {name} must be a whole number, not {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be at least 1, not {value!r}")
+    return value
+
 
 class MemoryStore(Store[_Op]):
-    """Records in a dict guarded by a lock; the least recently used go past ``max_size``.
+    """Records in a dict guarded by a lock; the least recently used go past
+    ``max_size`` records or ``max_bytes`` bytes (see :func:`record_bytes`).
 
     For tests and single-process services: nothing survives the process, and an
     evicted record is forgotten (a later retry of it runs again). Records whose
-    lease is alive are never evicted. The archive of swept financial records is a
-    dict in the process as well (unbounded; eviction does not archive).
+    lease is alive are never evicted. A finished record larger than ``max_bytes``
+    on its own is forgotten at once. The bounds may be given in the URL too:
+    ``memory://?max_size=1000&max_bytes=16777216``. The archive of swept
+    financial records is a dict in the process as well (unbounded; eviction
+    does not archive).
     """
 
-    def __init__(self, url: str = "memory://", *, max_size: int = 100_000) -> None:
-        if max_size < 1:
-            raise ValueError("max_size must be at least 1")
+    def __init__(
+        self,
+        url: str = "memory://",
+        *,
+        max_size: int | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
+        options = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))
         self.url = url
-        self.max_size = max_size
+        self.max_size = _bound("max_size", max_size, options, 100_000)
+        self.max_bytes = _bound("max_bytes", max_bytes, options, DEFAULT_MAX_BYTES)
+        #: The records' bytes, as :func:`record_bytes` counts them.
+        self.bytes = 0
+        self._sizes: dict[str, int] = {}
         self._records: OrderedDict[str, Record] = OrderedDict()
         self._lock = threading.Lock()
         #: Swept financial records by (key_hash, token), with when they were archived.
         self._archive: dict[tuple[str, str], ArchivedRecord] = {}
         #: Versioned cells of retrysafe.guards (see retrysafe._state), apart from records.
         self._cells: dict[str, RawCell] = {}
-        self._cells_bound = max_size  # prune expired cells past this many
+        self._cells_bound = self.max_size  # prune expired cells past this many
 
     def __len__(self) -> int:
         return len(self._records)
@@ -52,16 +104,51 @@ class MemoryStore(Store[_Op]):
         with self._lock:
             return op()
 
+    # Records and their sizes change together, under the lock, only through these.
+
+    def _put(self, key_hash: str, record: Record) -> None:
+        self._records[key_hash] = record
+        self._resized(key_hash, record)
+
+    def _resized(self, key_hash: str, record: Record) -> None:
+        size = record_bytes(record)
+        self.bytes += size - self._sizes.get(key_hash, 0)
+        self._sizes[key_hash] = size
+
+    def _drop(self, key_hash: str) -> Record | None:
+        self.bytes -= self._sizes.pop(key_hash, 0)
+        return self._records.pop(key_hash, None)
+
     def _evict(self, now: float) -> None:
-        """Forget the least recently used record, but never one whose lease is alive
-        (that would let a second attempt run beside it); look at most 16 deep and
-        stay over the bound rather than break that rule."""
+        """Forget the least recently used records until both bounds hold, but never
+        one whose lease is alive (that would let a second attempt run beside it);
+        pass over at most 16 of those and stay over the bound rather than break
+        that rule."""
         records = self._records
-        for _ in range(min(16, len(records))):
-            key_hash, oldest = records.popitem(last=False)
-            if oldest.status is not Status.PROCESSING or oldest.lease_until <= now:
-                return
-            records[key_hash] = oldest  # in flight: keep it, try the next one
+        passed = 0
+        while (len(records) > self.max_size or self.bytes > self.max_bytes) and passed < min(
+            16, len(records)
+        ):
+            key_hash, oldest = next(iter(records.items()))
+            if oldest.status is Status.PROCESSING and oldest.lease_until > now:
+                records.move_to_end(key_hash)  # in flight: keep it, try the next one
+                passed += 1
+            else:
+                self._drop(key_hash)
+
+    def _settled(self, key_hash: str, record: Record, now: float) -> None:
+        """Count a finished record's answer; forget it at once if it is over
+        ``max_bytes`` on its own (rather than evict every other record for it)."""
+        self._resized(key_hash, record)
+        if self._sizes[key_hash] > self.max_bytes:
+            self._drop(key_hash)
+            log.warning(
+                "retrysafe: a record of %d bytes is over the memory store's max_bytes=%d; "
+                "it was not kept (a retry runs again) (key_hash=%s)",
+                record_bytes(record), self.max_bytes, key_hash[:16],
+            )  # fmt: skip
+        elif self.bytes > self.max_bytes:
+            self._evict(now)
 
     def _live(self, key_hash: str, token: str) -> Record | None:
         cur = self._records.get(key_hash)
@@ -75,8 +162,8 @@ class MemoryStore(Store[_Op]):
             records, key_hash = self._records, record.key_hash
             cur = records.get(key_hash)
             if cur is None:  # the common first call
-                records[key_hash] = record  # the engine hands the record over
-                if len(records) > self.max_size:
+                self._put(key_hash, record)  # the engine hands the record over
+                if len(records) > self.max_size or self.bytes > self.max_bytes:
                     self._evict(record.updated_at)
                 return ClaimResult(True)
             records.move_to_end(key_hash)
@@ -88,7 +175,9 @@ class MemoryStore(Store[_Op]):
                 took_over = cur.status
                 record.attempts = cur.attempts + 1
                 record.created_at = cur.created_at
-            records[key_hash] = record
+            self._put(key_hash, record)
+            if self.bytes > self.max_bytes:
+                self._evict(now)
             return ClaimResult(True, attempts=record.attempts, took_over=took_over)
 
         return op
@@ -100,6 +189,7 @@ class MemoryStore(Store[_Op]):
                 return False
             cur.status, cur.outcome = Status.COMPLETED, outcome
             cur.completed_at = cur.updated_at = now
+            self._settled(key_hash, cur, now)
             return True
 
         return op
@@ -112,6 +202,7 @@ class MemoryStore(Store[_Op]):
             if cur is None:
                 return False
             cur.status, cur.outcome, cur.final, cur.updated_at = Status.FAILED, outcome, final, now
+            self._settled(key_hash, cur, now)
             return True
 
         return op
@@ -136,7 +227,7 @@ class MemoryStore(Store[_Op]):
         return op
 
     def _delete(self, key_hash: str) -> _Op:
-        return lambda: self._records.pop(key_hash, None) is not None
+        return lambda: self._drop(key_hash) is not None
 
     def _cell_read(self, key: str) -> _Op:
         return lambda: self._cells.get(key)
@@ -200,7 +291,7 @@ class MemoryStore(Store[_Op]):
                     continue  # taken over (a new record object) or deleted meanwhile
                 if r.retention == FINANCIAL and self._archive_one(r, now):
                     archived += 1
-                del records[r.key_hash]
+                self._drop(r.key_hash)
                 deleted += 1
         return SweepBatch(deleted, archived, done=len(expired) < limit)
 
