@@ -137,3 +137,39 @@ async def test_a_cancelled_request_runs_once() -> None:
     assert answer[0]["status"] == 201 and runs == [1]
     assert (b"idempotent-replayed", b"true") in answer[0]["headers"]
     assert first_sent == []  # the cancelled request heard nothing more
+
+
+def test_an_answer_with_headers_over_the_bound_is_not_stored_nor_run_again() -> None:
+    """72 KiB of answer headers (over MAX_STORED_HEADERS): the client gets them, the
+    record keeps nothing of them and is final, so a retry does not run the app again."""
+    from _hangup import caller_scope
+
+    from retrysafe import Status, key_hash
+    from retrysafe._http import MAX_STORED_HEADERS
+    from retrysafe.stores.memory import MemoryStore
+
+    runs = 0
+    big = [(b"x-big-%d" % i, b"v" * (9 << 10)) for i in range(8)]
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        nonlocal runs
+        if scope["type"] != "http":
+            return  # lifespan: nothing to start
+        await receive()
+        runs += 1
+        await send({"type": "http.response.start", "status": 200, "headers": big})
+        await send({"type": "http.response.body", "body": b"done"})
+
+    assert sum(len(k) + len(v) for k, v in big) > MAX_STORED_HEADERS
+    store = MemoryStore()
+    with ThreadServer(IdempotencyMiddleware(app, store=store), "asgi") as server:
+        headers = {"idempotency-key": uuid.uuid4().hex, **CALLER}
+        first = httpx.post(server.url, json={}, headers=headers, timeout=10)
+        assert first.status_code == 200 and first.content == b"done"
+        assert first.headers["x-big-7"] == "v" * (9 << 10)  # passed through whole
+        record = store.get(key_hash(caller_scope(store), "http", headers["idempotency-key"]))
+        assert record.status is Status.FAILED and record.final and record.outcome is None
+        again = httpx.post(server.url, json={}, headers=headers, timeout=10)
+        assert again.status_code == 500 and again.json()["code"] == "idempotency_failed"
+        assert again.headers["idempotent-replayed"] == "true"
+    assert runs == 1

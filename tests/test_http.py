@@ -430,6 +430,47 @@ def test_a_client_that_gave_up_gets_the_replay(door: Door, tid: str) -> None:
     assert door.counter.count(tid) == 1
 
 
+def _record(door: Door, key: str) -> Any:
+    from retrysafe import key_hash
+
+    return door.store.get(key_hash(caller_scope(door.store), "http", key))
+
+
+@pytest.mark.parametrize("code", [431, 413, 429])
+def test_a_refusal_of_the_request_itself_is_never_stored(
+    door: Door, client: httpx.Client, tid: str, code: int
+) -> None:
+    """Too large, head too large, rate limited: the request was not processed, so the
+    refusal is not the key's answer; the retry runs (and its answer is stored)."""
+    from retrysafe import Status
+
+    headers = keyed(tid)
+    first = client.post(f"/status/{code}", json={}, headers=headers)
+    assert first.status_code == code and first.json()["n"] == 1
+    record = _record(door, headers["idempotency-key"])
+    assert record.status is Status.FAILED and not record.final
+    assert record.outcome is None  # nothing of the refusal is kept
+    again = client.post(f"/status/{code}", json={}, headers=headers)
+    assert again.status_code == code and "idempotent-replayed" not in again.headers
+    assert again.json()["n"] == 2 and door.counter.count(tid) == 2
+
+
+def test_a_request_id_is_stored_within_128_characters(
+    door: Door, client: httpx.Client, tid: str
+) -> None:
+    """A short X-Request-Id is kept as sent; a longer one (16 KiB here) as its SHA-256."""
+    import hashlib
+
+    short = f"req-{tid}"
+    client.post("/orders", json={}, headers=keyed(tid, f"a-{tid}", **{"x-request-id": short}))
+    assert _record(door, f"a-{tid}").request_id == short
+    long = "r" * (16 << 10)
+    r = client.post("/orders", json={}, headers=keyed(tid, f"b-{tid}", **{"x-request-id": long}))
+    assert r.status_code == 201
+    stored = _record(door, f"b-{tid}").request_id
+    assert stored == "sha256:" + hashlib.sha256(long.encode()).hexdigest()
+
+
 @pytest.mark.parametrize("name", DOORS)
 def test_a_store_that_is_down(name: str, counter: Counter, request: pytest.FixtureRequest) -> None:
     """Fail closed: 503 + Retry-After and nothing runs. Fail open: served, unprotected."""

@@ -315,3 +315,19 @@ async def test_sqlite_aclose_closes_the_worker_threads_connections(tmp_path: Pat
     assert open_handles() == 0
     with pytest.raises(InProgressError):  # reopens on use; the record survived the close
         await engine.abegin("k0")
+
+
+def test_a_request_id_is_kept_within_128_characters() -> None:
+    import hashlib
+
+    from retrysafe._record import stored_request_id
+
+    assert stored_request_id("a" * 128) == "a" * 128
+    assert stored_request_id(None) is None and stored_request_id("") is None
+    for hostile in ("a" * 129, "a b", "\x1b[31mred", "é", "x\ud800"):
+        expected = hashlib.sha256(hostile.encode("utf-8", "surrogatepass")).hexdigest()
+        assert stored_request_id(hostile) == "sha256:" + expected
+    engine = Engine(MemoryStore())
+    claim = engine.begin("k", request_id="r" * (1 << 20))  # every front door, one engine
+    assert isinstance(claim, Claim)
+    assert engine.store.get(claim.key_hash).request_id.startswith("sha256:")

@@ -31,7 +31,7 @@ from ._errors import (
 )
 from ._keys import _KEY_RE, key_hash, validate_key
 from ._metrics import METRICS
-from ._record import RETENTIONS, STANDARD, ClaimResult, Outcome, Record, Status
+from ._record import RETENTIONS, STANDARD, ClaimResult, Outcome, Record, Status, stored_request_id
 from .stores import DEFAULT_STORE_URL, Store, open_store
 
 __all__ = [
@@ -534,7 +534,7 @@ class _Plan:
             raise TypeError("request_id must be a str or None")
         if request_payload is not None and type(request_payload) is not bytes:
             raise TypeError("request_payload must be bytes or None")
-        self.request_id, self.request_payload = request_id, request_payload
+        self.request_id, self.request_payload = stored_request_id(request_id), request_payload
         self.retention = engine.retention if retention is None else _retention(retention)
         self.metadata = {}
         if metadata:
@@ -558,7 +558,7 @@ class _Plan:
         plan.ttl, plan.lease, plan.wait = self.ttl, self.lease, self.wait
         plan.operation, plan.metadata, plan.request_payload = self.operation, {}, None
         plan.key, plan.scope, plan.fingerprint = key, scope, fingerprint
-        plan.request_id = request_id
+        plan.request_id = stored_request_id(request_id)
         plan.retention = self.retention
         plan.step = self.step
         plan.key_hash = key_hash(scope, plan.operation, key)

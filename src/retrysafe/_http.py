@@ -65,6 +65,13 @@ HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-connection", "te", "trailer",
     "transfer-encoding", "upgrade", "idempotent-replayed",
 })  # fmt: skip
+#: Answers that say the request was refused before it was processed (timeout
+#: waiting for it, too large, URI or head too long, rate limited): never stored,
+#: the attempt fails retryable, so the retry of a corrected request runs.
+UNPROCESSED = frozenset({408, 413, 414, 429, 431})
+#: The most bytes of answer headers a record keeps (names, values, ": " and CRLF):
+#: with ``max_body`` and the key, the byte bound of an HTTP record.
+MAX_STORED_HEADERS = 64 << 10
 #: Headers that describe a body; an omitted body is replayed without them.
 REPRESENTATION = frozenset({"content-length", "content-type", "content-encoding", "etag",
                             "content-range", "content-md5", "digest", "last-modified"})  # fmt: skip
@@ -661,6 +668,19 @@ class HttpPolicy:
         """A 5xx answer fails the attempt (retryable unless ``final_failures``)."""
         return status >= 500
 
+    def _settlement(self, status: int, outcome: Outcome) -> tuple[str, Outcome | None, bool]:
+        """How an answer settles its attempt: ("complete" or "fail", what is stored,
+        final). An :data:`UNPROCESSED` refusal stores nothing and stays retryable;
+        an answer whose stored headers are over :data:`MAX_STORED_HEADERS` stores
+        nothing and is final (it was processed: a retry must not run it again)."""
+        if status in UNPROCESSED:
+            return "fail", None, False
+        if _header_bytes(outcome.headers) > MAX_STORED_HEADERS:
+            return "fail", None, True
+        if self.is_failure(status):
+            return "fail", outcome, self.final_failures
+        return "complete", outcome, False
+
     def outcome(
         self, status: int, headers: Iterable[tuple[str, str]], body: bytes, size: int
     ) -> Outcome:
@@ -682,23 +702,29 @@ class HttpPolicy:
 
     async def asettle(self, att: Any, status: int, outcome: Outcome) -> None:
         """Record the answer (before its last byte leaves); never raises."""
+        how, kept, final = self._settlement(status, outcome)
         try:
-            if self.is_failure(status):
-                await att.afail(outcome, final=self.final_failures)
+            if how == "fail":
+                await att.afail(kept, final=final)
             else:
-                await att.acomplete(outcome)
+                await att.acomplete(kept)
         except IdempotencyError as exc:
             _unrecorded(att.claim, exc)
 
     def settle(self, att: Any, status: int, outcome: Outcome) -> None:
         """Sync :meth:`asettle`."""
+        how, kept, final = self._settlement(status, outcome)
         try:
-            if self.is_failure(status):
-                att.fail(outcome, final=self.final_failures)
+            if how == "fail":
+                att.fail(kept, final=final)
             else:
-                att.complete(outcome)
+                att.complete(kept)
         except IdempotencyError as exc:
             _unrecorded(att.claim, exc)
+
+
+def _header_bytes(headers: Iterable[tuple[str, str]]) -> int:
+    return sum(len(k) + len(v) + 4 for k, v in headers)  # ": " and CRLF, as sent
 
 
 def _given(value: Any, default: Any) -> Any:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
     "FINANCIAL",
+    "MAX_REQUEST_ID",
     "RETENTIONS",
     "STANDARD",
     "ClaimResult",
@@ -18,6 +21,7 @@ __all__ = [
     "Status",
     "iso_time",
     "record_json",
+    "stored_request_id",
 ]
 
 #: Retention classes: ``standard`` records are deleted once expired; ``financial``
@@ -25,6 +29,26 @@ __all__ = [
 STANDARD = "standard"
 FINANCIAL = "financial"
 RETENTIONS = (STANDARD, FINANCIAL)
+
+
+#: The longest request id stored as it came; a longer one is stored as its hash.
+MAX_REQUEST_ID = 128
+_PLAIN_REQUEST_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_REQUEST_ID}}}")
+
+
+def stored_request_id(value: str | None) -> str | None:
+    """The form of a client's request id that a record keeps.
+
+    1 to 128 visible ASCII characters are kept as they are; anything else
+    (longer, spaces, control or non-ASCII characters) is kept as
+    ``sha256:`` and the hex SHA-256 of its UTF-8 bytes (71 characters), so a
+    record never holds more than 128 characters of it and logs can still match
+    it. An empty id is None.
+    """
+    if not value or _PLAIN_REQUEST_ID.fullmatch(value):
+        return value or None
+    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"sha256:{digest}"
 
 
 class Status(enum.StrEnum):
