@@ -164,6 +164,43 @@ def test_gateway_serves_and_stops_on_ctrl_c(
     assert "retrysafe gateway: stopped" in out
 
 
+@pytest.mark.parametrize("sweep", ["--sweep-every=3600", "--no-sweep"])
+def test_gateway_workers_sweep_the_store_unless_told_not_to(
+    tmp_path: Path, serving: list[Serving], sweep: str
+) -> None:
+    """Two workers (configured by the environment) sweep expired records at start-up."""
+    from retrysafe import Engine, Outcome, open_store
+
+    url = f"sqlite:///{tmp_path}/gw.db"
+    store = open_store(url)
+    old = Engine(store, clock=lambda: time.time() - 2 * 86400)  # expired a day ago
+    for i in range(20):
+        old.complete(old.begin(f"old-{i}"), Outcome(b"x"))  # type: ignore[arg-type]
+    with UpstreamProcess() as origin:
+        origin.start()
+        gw = Serving(
+            "gateway", "--upstream", origin.url, "--listen", "127.0.0.1:0", "--store", url,
+            "--workers", "2", sweep, cwd=tmp_path,
+        )  # fmt: skip
+        serving.append(gw)
+        address = gw.read_until("listening on").split()[-1]
+        swept = gw.read_until("sweeper")
+        gw.ready(address)
+        if sweep == "--no-sweep":
+            assert "off (--no-sweep)" in swept
+            httpx.post(address + "/orders", json={}, headers={"Idempotency-Key": "k", **CALLER})
+            assert len(store.records(limit=100)) == 21  # the old ones are still there
+        else:
+            assert "every 3600 s" in swept
+            for _ in range(3000):  # polls the store, up to 30 s on a busy machine
+                if not store.records(limit=100):
+                    break
+                time.sleep(0.01)
+            assert store.records(limit=100) == []
+        gw.interrupt()
+    store.close()
+
+
 def test_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
@@ -193,6 +230,7 @@ def test_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
             (*up, "--body-timeout", "-1"),
             (*up, "--max-connections", "0"),
             (*up, "--http", "spdy"),
+            (*up, "--sweep-every", "0"),
         ):  # fmt: skip
             result = run(*args, cwd=tmp_path)
             assert result.returncode == 2, (args, result.stdout, result.stderr)

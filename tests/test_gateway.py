@@ -568,3 +568,69 @@ def test_bad_timeout_is_a_value_error() -> None:
     for timeout in (0, -1, float("nan"), float("inf"), "5", True):
         with pytest.raises(ValueError, match="timeout"):
             create_app("http://127.0.0.1:1", store="memory://", timeout=timeout)
+
+
+# -- the background sweeper ------------------------------------------------------------
+
+
+def _expired_records(url: str, n: int) -> None:
+    """``n`` completed records whose day-long TTL ran out a day ago."""
+    from retrysafe import Engine, Outcome, open_store
+
+    store = open_store(url)
+    engine = Engine(store, clock=lambda: time.time() - 2 * 86400)
+    for i in range(n):
+        claim = engine.begin(f"old-{i}")
+        engine.complete(claim, Outcome(b"x" * 1000))
+    store.close()
+
+
+def _wait_for(check: Callable[[], bool], what: str) -> None:
+    for _ in range(3000):  # polls a state, up to 30 s on a busy machine
+        if check():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+def test_gateway_workers_sweep_expired_records_one_at_a_time(
+    origin: UpstreamProcess, gateway: Callable[..., Running], tmp_path: Path
+) -> None:
+    """Two gateways on one SQLite file (two workers): each ticks at start-up, one sweeps."""
+    url = f"sqlite:///{tmp_path}/swept.db"
+    _expired_records(url, 50)
+    first = gateway(origin.url, store=url, sweep_every=3600)
+    second = gateway(origin.url, store=url, sweep_every=3600)
+    sweepers = [first.app.sweeper, second.app.sweeper]
+    assert all(s is not None for s in sweepers)
+    _wait_for(lambda: all(s.ticks >= 1 for s in sweepers), "both workers ticked")
+    assert sum(s.sweeps for s in sweepers) == 1  # the lease let one of them sweep
+    assert first.app.store.records(limit=100) == []
+    r = httpx.post(first.url + "/orders", json={}, headers={"Idempotency-Key": "live", **CALLER})
+    assert r.status_code == 201 and first.record("live").status is Status.COMPLETED
+
+
+def test_gateway_sweeper_can_be_turned_off(
+    origin: UpstreamProcess, gateway: Callable[..., Running], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    from retrysafe.gateway import ENV_SWEEP, ENV_UPSTREAM, app_from_env
+
+    url = f"sqlite:///{tmp_path}/kept.db"
+    _expired_records(url, 3)
+    off = gateway(origin.url, store=url, sweep_every=None)
+    assert off.app.sweeper is None
+    assert httpx.get(off.url + "/_retrysafe/health").status_code == 200
+    assert len(off.app.store.records(limit=100)) == 3  # nobody swept them
+    monkeypatch.setenv(ENV_UPSTREAM, origin.url)
+    monkeypatch.setenv("RETRYSAFE_STORE", url)
+    for text, every in [("off", None), ("0", None), ("", 300.0), ("2.5", 2.5)]:
+        monkeypatch.setenv(ENV_SWEEP, text)
+        app = app_from_env()
+        assert isinstance(app, Gateway)
+        assert (None if app.sweeper is None else app.sweeper.every) == every
+        app.store.close()
+    for bad in ("-1", "soon", "nan"):
+        monkeypatch.setenv(ENV_SWEEP, bad)
+        with pytest.raises(ValueError, match=ENV_SWEEP):
+            app_from_env()

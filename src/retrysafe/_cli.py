@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -261,6 +262,21 @@ def gateway(
             "auto picks httptools when it is installed.",
         ),
     ] = "auto",
+    sweep_every: Annotated[
+        float,
+        typer.Option(
+            metavar="SECONDS",
+            help="How often expired records are swept from the store in the background "
+            "(one worker at a time).",
+        ),
+    ] = 300.0,
+    no_sweep: Annotated[
+        bool,
+        typer.Option(
+            "--no-sweep",
+            help="Run no sweeper (when `retrysafe sweep` runs elsewhere, e.g. from cron).",
+        ),
+    ] = False,
 ) -> int:
     """A reverse proxy that makes an HTTP API's retries safe.
 
@@ -282,6 +298,9 @@ def gateway(
 
     if workers < 1:
         raise ValueError(f"--workers must be at least 1, not {workers}")
+    if not (sweep_every > 0 and math.isfinite(sweep_every)):
+        raise ValueError(f"--sweep-every must be a positive number of seconds, not {sweep_every}")
+    sweep = None if no_sweep else sweep_every
     host, port = parse_listen(listen)
     store_url = _store_url(store)
     imap = None
@@ -309,7 +328,7 @@ def gateway(
     protocol = protocol_class(http)
     application = gw.create_app(
         upstream, store=store_url, require_key=require_key, timeout=timeout, map=imap,
-        admin_loopback=admin_loopback, **principals, **limits,
+        admin_loopback=admin_loopback, sweep_every=sweep, **principals, **limits,
     )  # fmt: skip
     try:
         gw.probe_store(application.store)
@@ -330,6 +349,8 @@ def gateway(
         print(f"  map       {map_file}", flush=True)
     print(f"  callers   {application.middleware.policy.principals.describe()}", flush=True)
     print(f"  limits    {_limits_line(application.server_limits, protocol)}", flush=True)
+    swept = "off (--no-sweep)" if sweep is None else f"every {sweep:g} s, one worker at a time"
+    print(f"  sweeper   {swept}", flush=True)
     print(f"  health    {url}{gw.HEALTH_PATH}", flush=True)
     print(f"  dashboard {url}{gw.DASHBOARD_PATH}  ({_admin_access(admin_loopback)})", flush=True)
     print(f"  metrics   {url}{gw.METRICS_PATH}", flush=True)
@@ -353,6 +374,7 @@ def gateway(
                 gw.ENV_HEAD_TIMEOUT: repr(application.server_limits.head_timeout),
                 gw.ENV_BODY_TIMEOUT: repr(application.server_limits.body_timeout),
                 gw.ENV_MAX_CONNECTIONS: str(application.server_limits.max_connections),
+                gw.ENV_SWEEP: "off" if sweep is None else repr(sweep),
             }
             if map_file is not None:
                 env[gw.ENV_MAP] = str(Path(map_file).resolve())

@@ -8,15 +8,24 @@ of the store (see :meth:`Store.sweep`), so claims are never blocked for long.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ._state import Cells
 from .stores import Store, open_store
 
-__all__ = ["SweepReport", "Sweeper"]
+__all__ = ["DEFAULT_SWEEP_EVERY", "BackgroundSweeper", "SweepReport", "Sweeper"]
+
+log = logging.getLogger("retrysafe")
+
+#: How often a server that retrysafe runs (the gateway) sweeps its store, in seconds.
+DEFAULT_SWEEP_EVERY = 300.0
 
 
 @dataclass(slots=True)
@@ -135,3 +144,73 @@ class Sweeper:
                 if on_sweep is not None:
                     on_sweep(report)
             stop.wait(max(0.0, every - (time.monotonic() - tick)))
+
+
+class BackgroundSweeper:
+    """Sweep ``store`` every ``every`` seconds from an event loop, one process at a time.
+
+    At each tick a process takes a lease cell in the store by compare-and-set,
+    for ``every`` seconds; only the process that took it sweeps, so several
+    workers on one store sweep about once per interval between them (a sweep
+    that outlasts its lease may overlap the next one, which is safe: every
+    batch is atomic). The sweep runs on a worker thread and never blocks the
+    loop. A failed tick (the store is down) is logged and tried again at the
+    next. :meth:`start` on the loop, :meth:`aclose` before closing the store.
+    """
+
+    def __init__(
+        self, store: Store[Any], every: float, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        if isinstance(every, bool) or not isinstance(every, int | float) or not every > 0:
+            raise ValueError(f"every must be a positive number of seconds, not {every!r}")
+        self.every = float(every)
+        self.sweeper = Sweeper(store, clock=clock)
+        self.cells = Cells(store, "sweep", "background", clock)
+        self.lease = self.cells.key("lease")
+        #: Ticks done, and sweeps among them (the ticks where this process had the lease).
+        self.ticks = 0
+        self.sweeps = 0
+        self._stop = threading.Event()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Tick now and then every ``every`` seconds (call it on the running loop)."""
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        assert self._wake is not None
+        while not self._stop.is_set():
+            await self.tick()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.every)
+
+    async def tick(self) -> SweepReport | None:
+        """Take the lease and sweep; None if another process holds it or the tick failed."""
+        try:
+            if not await self.cells.awrite(self.lease, None, os.getpid(), self.every):
+                return None
+            report = await asyncio.to_thread(self.sweeper.run, stop=self._stop)
+        except Exception as exc:  # the store is down: the next tick tries again
+            log.warning("retrysafe: background sweep failed: %s", exc or type(exc).__name__)
+            return None
+        else:
+            self.sweeps += 1
+            if report.deleted or report.cells:
+                log.info(
+                    "retrysafe: swept %d expired records (%d archived) and %d cells in %.3f s",
+                    report.deleted, report.archived, report.cells, report.seconds,
+                )  # fmt: skip
+            return report
+        finally:
+            self.ticks += 1
+
+    async def aclose(self) -> None:
+        """Stop ticking; a sweep under way stops after its current batch."""
+        self._stop.set()
+        if self._task is not None:
+            assert self._wake is not None
+            self._wake.set()
+            await self._task

@@ -47,6 +47,7 @@ from ._limits import (
     ServerLimits,
     protocol_class,
 )
+from ._sweep import DEFAULT_SWEEP_EVERY, BackgroundSweeper
 from ._upstream import Pool, UpstreamError, connection_tokens
 from .asgi import ASGIApp, IdempotencyMiddleware, Message, Receive, Scope, Send, _answer
 from .dashboard import serve_admin
@@ -66,6 +67,7 @@ __all__ = [
     "ENV_MAX_HEAD_SIZE",
     "ENV_PRINCIPALS",
     "ENV_REQUIRE_KEY",
+    "ENV_SWEEP",
     "ENV_TIMEOUT",
     "ENV_UPSTREAM",
     "HEALTH_PATH",
@@ -98,6 +100,8 @@ ENV_MAX_CONNECTIONS = "RETRYSAFE_GATEWAY_MAX_CONNECTIONS"
 #: The uvicorn protocol (``http=``) that holds clients to the gateway's limits:
 #: uvicorn's httptools one when httptools is installed, else its h11 one.
 HTTPProtocol = protocol_class()
+#: Seconds between background sweeps; ``0`` or ``off``: no sweeper.
+ENV_SWEEP = "RETRYSAFE_GATEWAY_SWEEP"
 #: The principal options (JSON: ``principal_headers``, ``principal_cookies``,
 #: ``principal_query``, ``anonymous``), as ``retrysafe gateway`` gives its workers.
 ENV_PRINCIPALS = "RETRYSAFE_GATEWAY_PRINCIPALS"
@@ -352,14 +356,16 @@ class Gateway:
     URL it closes on lifespan shutdown. ``timeout`` bounds connecting to the
     upstream and each wait for its bytes. ``admin_token`` guards the dashboard
     and metrics under ``/_retrysafe/`` (default ``$RETRYSAFE_ADMIN_TOKEN``);
-    ``admin_loopback=True`` (default ``$RETRYSAFE_ADMIN_LOOPBACK``) answers
-    loopback clients without it; with neither those pages are closed
-    (``/_retrysafe/health`` always answers). ``max_head_size`` (bytes of request line and headers),
-    ``head_timeout`` (seconds for a whole head), ``body_timeout`` (seconds
-    without a byte of a body being read) and ``max_connections`` (open client
-    connections per process) bound each client; the head and connection bounds
-    hold when the app is served with ``http=HTTPProtocol``. ``options`` are
-    those of :class:`retrysafe.asgi.IdempotencyMiddleware`.
+    ``admin_loopback=True`` (default ``$RETRYSAFE_ADMIN_LOOPBACK``) answers loopback
+    clients without it; with neither those pages are closed (``/_retrysafe/health``
+    always answers). ``max_head_size`` (bytes of request line and headers),
+    ``head_timeout`` (seconds for a whole head), ``body_timeout`` (seconds without a
+    byte of a body being read) and ``max_connections`` (open client connections per
+    process) bound each client; the head and connection bounds hold when the app is
+    served with ``http=HTTPProtocol``. ``sweep_every`` is how often the gateway sweeps
+    expired records from its store in the background (default 300 seconds, one worker at
+    a time, see :class:`~retrysafe._sweep.BackgroundSweeper`); None turns the sweeper
+    off. ``options`` are those of :class:`retrysafe.asgi.IdempotencyMiddleware`.
     """
 
     def __init__(
@@ -374,6 +380,7 @@ class Gateway:
         head_timeout: float = DEFAULT_HEAD_TIMEOUT,
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        sweep_every: float | None = DEFAULT_SWEEP_EVERY,
         **options: Any,
     ) -> None:
         self.server_limits = ServerLimits(
@@ -393,6 +400,9 @@ class Gateway:
         self.store: Store[Any] = self.engine.store
         self._owns_store = store is None or isinstance(store, str)
         self.admin = AdminSite(self.store, token=admin_token, loopback=admin_loopback)
+        self.sweeper: BackgroundSweeper | None = None
+        if sweep_every is not None:  # the engine's clock says what has expired
+            self.sweeper = BackgroundSweeper(self.store, sweep_every, clock=self.engine.clock)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -407,9 +417,14 @@ class Gateway:
                 await self._body_timeout(self.middleware, scope, receive, send)
         elif kind == "lifespan":
             # Sampling from the start, the dashboard has history when it is first opened.
-            await lifespan(receive, send, self.aclose, self.admin.monitor.start)
+            await lifespan(receive, send, self.aclose, self._start)
         else:  # WebSocket is not proxied: refuse the handshake
             await send({"type": "websocket.close", "code": 1008})
+
+    def _start(self) -> None:
+        self.admin.monitor.start()
+        if self.sweeper is not None:
+            self.sweeper.start()
 
     async def _health(self, scope: Scope) -> Response:
         path, method = scope["path"], scope["method"]
@@ -439,6 +454,8 @@ class Gateway:
     async def aclose(self) -> None:
         """Close this event loop's upstream connections, and the store if it opened it."""
         try:
+            if self.sweeper is not None:  # before the store closes under its sweep
+                await self.sweeper.aclose()
             await asyncio.to_thread(self.admin.monitor.close)  # joins its thread
             await self.proxy.aclose()
             if self._owns_store:
@@ -462,7 +479,8 @@ def app_from_env() -> ASGIApp:
     ``RETRYSAFE_GATEWAY_MAP`` (the path of an Idempotency Map),
     ``RETRYSAFE_GATEWAY_PRINCIPALS`` (a JSON object of principal options),
     ``RETRYSAFE_GATEWAY_MAX_HEAD_SIZE``, ``RETRYSAFE_GATEWAY_HEAD_TIMEOUT``,
-    ``RETRYSAFE_GATEWAY_BODY_TIMEOUT`` and ``RETRYSAFE_GATEWAY_MAX_CONNECTIONS``; the
+    ``RETRYSAFE_GATEWAY_BODY_TIMEOUT``, ``RETRYSAFE_GATEWAY_MAX_CONNECTIONS`` and
+    ``RETRYSAFE_GATEWAY_SWEEP`` (seconds between sweeps; ``0`` or ``off``: none); the
     admin pages read ``RETRYSAFE_ADMIN_TOKEN`` and ``RETRYSAFE_ADMIN_LOOPBACK``.
     """
     upstream = os.environ.get(ENV_UPSTREAM, "")
@@ -482,8 +500,26 @@ def app_from_env() -> ASGIApp:
         head_timeout=_env_number(ENV_HEAD_TIMEOUT, float, DEFAULT_HEAD_TIMEOUT),
         body_timeout=_env_number(ENV_BODY_TIMEOUT, float, DEFAULT_BODY_TIMEOUT),
         max_connections=_env_number(ENV_MAX_CONNECTIONS, int, DEFAULT_MAX_CONNECTIONS),
+        sweep_every=_sweep_interval(os.environ.get(ENV_SWEEP, "")),
         **principals,
     )
+
+
+def _sweep_interval(text: str) -> float | None:
+    """The sweep interval in ``RETRYSAFE_GATEWAY_SWEEP``: empty for the default,
+    ``0`` or ``off`` for none, else positive seconds (ValueError otherwise)."""
+    text = text.strip().lower()
+    if not text:
+        return DEFAULT_SWEEP_EVERY
+    if text in ("0", "off", "false", "no"):
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"{ENV_SWEEP} must be a number of seconds, 0 or off, not {text!r}")
+    return seconds
 
 
 def _env_number(name: str, kind: type[int] | type[float], default: float) -> Any:
