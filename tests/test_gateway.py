@@ -9,6 +9,8 @@ connection closed unanswered), a RawUpstream answers with the bytes a test gives
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import gc
 import gzip
 import hashlib
 import json
@@ -634,3 +636,47 @@ def test_gateway_sweeper_can_be_turned_off(
         monkeypatch.setenv(ENV_SWEEP, bad)
         with pytest.raises(ValueError, match=ENV_SWEEP):
             app_from_env()
+
+
+# -- fingerprinting large JSON bodies ----------------------------------------------------------
+
+
+def _big_json(n: int) -> bytes:
+    """About ``n`` times 80 bytes of JSON with many small values (costly to parse)."""
+    items = [{"id": i, "name": f"item-{i}", "tags": ["a", "b"], "price": i * 1.5} for i in range(n)]
+    return json.dumps({"items": items, "note": "x"}).encode()
+
+
+def test_large_json_bodies_are_fingerprinted_without_stalling_others(gw: Running) -> None:
+    """Three keyed 4 MB JSON posts at once: the health page keeps answering at once
+    (the C JSON parser holds the GIL, about 0.3 s per MB, so it runs in a helper process)."""
+    body = _big_json(50_000)
+    assert len(body) > 3 * MiB
+    reordered = json.dumps(json.loads(body), indent=1, sort_keys=True).encode()
+    gc.collect()  # the parsed copy's objects: gone before the measurement
+
+    def post(key: str, content: bytes = body) -> tuple[httpx.Response, float]:
+        headers = {"Idempotency-Key": key, "content-type": "application/json", **CALLER}
+        started = time.perf_counter()
+        r = httpx.post(gw.url + "/orders", content=content, headers=headers, timeout=120)
+        return r, time.perf_counter() - started
+
+    first, _ = post("big-0")  # also starts the helper process
+    assert first.status_code == 201
+    again, _ = post("big-0", reordered)  # the same JSON, keys reordered: a replay
+    assert again.headers["idempotent-replayed"] == "true" and again.content == first.content
+    pool = concurrent.futures.ThreadPoolExecutor(3)
+    posts = [pool.submit(post, f"big-{i}") for i in range(1, 4)]
+    latencies = []
+    with httpx.Client(timeout=120) as client:
+        while not all(p.done() for p in posts):
+            started = time.perf_counter()
+            assert client.get(gw.url + "/_retrysafe/health").status_code == 200
+            latencies.append(time.perf_counter() - started)
+    pool.shutdown()
+    durations = [p.result()[1] for p in posts]
+    assert all(p.result()[0].status_code == 201 for p in posts)
+    assert len(latencies) >= 3
+    # Unblocked, the longest wait is a scheduling hiccup; blocked, it is a whole parse
+    # (the posts' own time is a few parses, one after another in the helper).
+    assert max(latencies) * 10 < max(durations), (latencies, durations)

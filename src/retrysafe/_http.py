@@ -7,12 +7,17 @@ answers (replays and RFC 9457 problems). The adapters only move bytes.
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import hashlib
 import json
 import logging
 import math
 import os
 import re
+import subprocess
+import sys
+import threading
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -37,7 +42,9 @@ from .stores import Store
 
 __all__ = [
     "MAX_KEY_HEADER",
+    "OFFLOAD_JSON",
     "BodyError",
+    "Canonicalize",
     "Headers",
     "HttpPolicy",
     "HttpRequest",
@@ -296,6 +303,153 @@ else:  # pragma: no cover
         return canonical_json(json.loads(text))
 
 
+#: A JSON body larger than this (64 KiB) is made canonical in a helper process:
+#: the C parser and encoder hold the GIL for about 0.3 s per MB, which would stall
+#: every other request of the process (its event loop and its threads alike).
+OFFLOAD_JSON = 64 << 10
+#: Body forms: (kind, the bytes fingerprinted).
+BodyForm = tuple[bytes, bytes]
+
+
+def _canonical_job(body: bytes) -> bytes | str:
+    """The canonical form of a JSON body, or why it is not JSON (the helper's job)."""
+    try:
+        return _canonical(body.decode())
+    except (ValueError, RecursionError, TypeError) as exc:
+        return f"the request body is not valid JSON: {exc}"
+
+
+def _json_form(result: bytes | str) -> BodyForm:
+    if isinstance(result, str):
+        raise BodyError(result)
+    return b"j", result
+
+
+class _Helper:
+    """A helper process that makes large JSON bodies canonical, one at a time (so
+    their memory is bounded too), started on first use and again after it died
+    or served :data:`_HELPER_JOBS` bodies (to give its memory back); a forked
+    child starts its own. Frames on its pipes: 8-byte length and bytes in; a
+    flag byte (0 canonical JSON, 1 the error's text), 8-byte length and bytes out.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._jobs = 0
+        os.register_at_fork(after_in_child=self._forget)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop the helper process, if there is one (a later body starts another)."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is not None:
+            _stop(proc)
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._proc = None  # the parent's helper: never used, never stopped, here
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.environ.get("PYTHONPATH")
+        env = {**os.environ, "PYTHONPATH": root if not path else root + os.pathsep + path}
+        self._jobs = 0
+        return subprocess.Popen(
+            [sys.executable, "-c", _HELPER_CODE],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+            start_new_session=True,  # Ctrl-C on the terminal is the parent's to handle
+        )  # fmt: skip
+
+    def canonical(self, body: bytes) -> BodyForm:
+        """The body's form, computed by the helper; this thread waits without the GIL."""
+        with self._lock:
+            proc = self._proc
+            if proc is None or proc.poll() is not None or self._jobs >= _HELPER_JOBS:
+                if proc is not None:
+                    _stop(proc)
+                proc = self._proc = self._start()
+            self._jobs += 1
+            assert proc.stdin is not None and proc.stdout is not None
+            try:
+                proc.stdin.write(len(body).to_bytes(8, "big"))
+                proc.stdin.write(body)
+                proc.stdin.flush()
+                head = _read_exactly(proc.stdout, 9)
+                data = _read_exactly(proc.stdout, int.from_bytes(head[1:], "big"))
+            except (OSError, EOFError) as exc:
+                self._proc = None
+                _stop(proc)
+                log.error("retrysafe: the JSON fingerprinting process failed: %s", exc)
+                raise BodyError(
+                    "the request body could not be fingerprinted", status=413,
+                    code="idempotency_body_too_large",
+                ) from None  # fmt: skip
+        return _json_form(data.decode() if head[0] else data)
+
+
+#: Bodies the helper process makes canonical before it is started afresh.
+_HELPER_JOBS = 64
+_HELPER_CODE = "from retrysafe._http import serve_canonical; serve_canonical()"
+
+
+def _read_exactly(stream: Any, n: int) -> bytes:
+    data = stream.read(n)
+    if len(data) != n:
+        raise EOFError("the helper process closed its pipe")
+    return bytes(data)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.kill()
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            pipe.close()
+
+
+def serve_canonical() -> None:
+    """The helper process's loop: canonical JSON for each body framed on stdin."""
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    while len(head := inp.read(8)) == 8:
+        result = _canonical_job(inp.read(int.from_bytes(head, "big")))
+        flag, data = (1, result.encode()) if isinstance(result, str) else (0, result)
+        out.write(bytes((flag,)) + len(data).to_bytes(8, "big"))
+        out.write(data)
+        out.flush()
+
+
+_HELPER = _Helper()
+
+
+class Canonicalize:
+    """A large JSON body to make canonical in the helper process (see :data:`OFFLOAD_JSON`)."""
+
+    __slots__ = ("body",)
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    def run(self) -> BodyForm:
+        """The body's form, waited for on this thread (which holds no GIL meanwhile)."""
+        return _HELPER.canonical(self.body)
+
+    async def arun(self) -> BodyForm:
+        """:meth:`run` on a worker thread: the event loop goes on meanwhile."""
+        return await asyncio.to_thread(_HELPER.canonical, self.body)
+
+
+def body_form(content_type: str | None, body: bytes) -> BodyForm | Canonicalize:
+    """What of ``body`` is fingerprinted: JSON in canonical form, else the bytes;
+    a :class:`Canonicalize` for a JSON body over :data:`OFFLOAD_JSON`."""
+    if body and _is_json(content_type):
+        if len(body) > OFFLOAD_JSON:
+            return Canonicalize(body)
+        return _json_form(_canonical_job(body))
+    return b"b", body
+
+
 def request_fingerprint(
     method: str,
     path: str,
@@ -309,16 +463,20 @@ def request_fingerprint(
     With ``secret``, an HMAC-SHA256 under it instead (what the front doors
     store: a body may hold a password, and a plain hash of it could be
     reversed with a dictionary). Raises :class:`BodyError` for a body declared
-    as JSON that is not valid UTF-8 JSON (RFC 8259).
+    as JSON that is not valid UTF-8 JSON (RFC 8259). A JSON body over
+    :data:`OFFLOAD_JSON` is made canonical in a helper process.
     """
-    if body and _is_json(content_type):
-        try:
-            body = _canonical(body.decode())
-        except (ValueError, RecursionError, TypeError) as exc:
-            raise BodyError(f"the request body is not valid JSON: {exc}") from None
-        kind = b"j"
-    else:
-        kind = b"b"
+    form = body_form(content_type, body)
+    if isinstance(form, Canonicalize):
+        form = form.run()
+    return form_fingerprint(method, path, query, form, secret)
+
+
+def form_fingerprint(
+    method: str, path: str, query: str, form: BodyForm, secret: Secret | bytes | None = None
+) -> str:
+    """:func:`request_fingerprint` of a body's :func:`body_form`."""
+    kind, body = form
     m, p, q = method.encode(), path.encode("utf-8", "surrogateescape"), query.encode()
     head = b"%d:%s%d:%s%d:%s%s" % (len(m), m, len(p), p, len(q), q, kind)
     if secret is None:
@@ -574,16 +732,27 @@ class HttpPolicy:
         who: Principal,
         secret: Secret,
         request_id: str | None,
+        form: BodyForm | None = None,
     ) -> Attempt:
         """The engine attempt of a keyed request (:class:`BodyError` for a bad body).
 
         The scope and the fingerprint are keyed hashes under ``secret``; the
-        query's credential parameters are left out of the fingerprint.
+        query's credential parameters are left out of the fingerprint. ``form``
+        is the body's :func:`body_form` if the caller has it already.
         """
-        self.check_length(len(body))
+        if form is None:
+            found = self.body_form(content_type, body)
+            form = found.run() if isinstance(found, Canonicalize) else found
+        else:
+            self.check_length(len(body))
         query = self.principals.strip_query(query)
-        fp = request_fingerprint(method, path, query, content_type, body, secret)
+        fp = form_fingerprint(method, path, query, form, secret)
         return Attempt(self.engine, self._plan.derive(key, who.scope(secret), fp, request_id))
+
+    def body_form(self, content_type: str | None, body: bytes) -> BodyForm | Canonicalize:
+        """:func:`body_form` of a body within ``max_request_body`` (:class:`BodyError` if not)."""
+        self.check_length(len(body))
+        return body_form(content_type, body)
 
     # -- answers instead of the handler --------------------------------------------
 

@@ -43,7 +43,7 @@ from typing import Any
 from ._engine import Attempt, _keep
 from ._errors import IdempotencyError
 from ._heartbeat import renewing
-from ._http import Capture, HttpPolicy, HttpRequest, Response
+from ._http import Canonicalize, Capture, HttpPolicy, HttpRequest, Response
 from ._principal import unscoped
 from ._record import Outcome
 
@@ -72,9 +72,10 @@ Prepared = tuple[HttpPolicy, Attempt] | Response | None
 
 
 #: What a :func:`prepare` flow asks its driver for: the identity the framework
-#: authenticated (a str, or None), or (yielding the policy) its deployment secret.
+#: authenticated (a str, or None), (yielding the policy) its deployment secret,
+#: or (yielding a :class:`Canonicalize`) a large JSON body's canonical form.
 USER = "user"
-PrepareFlow = Generator[str | HttpPolicy, Any, Prepared]
+PrepareFlow = Generator[str | HttpPolicy | Canonicalize, Any, Prepared]
 
 
 def prepare(
@@ -110,9 +111,13 @@ def prepare(
                 return None
         policy.check_declared(meta.get("CONTENT_LENGTH"))
         secret = policy.secret or (yield policy)
+        data, ctype = body(), meta.get("CONTENT_TYPE")
+        form = policy.body_form(ctype, data)
+        if isinstance(form, Canonicalize):
+            form = yield form
         attempt = policy.attempt(
-            key, method, path, query, meta.get("CONTENT_TYPE"), body(), who, secret,
-            meta.get("HTTP_X_REQUEST_ID"),
+            key, method, path, query, ctype, data, who, secret, meta.get("HTTP_X_REQUEST_ID"),
+            form,
         )  # fmt: skip
     except IdempotencyError as exc:
         return policy.refusal(exc)
@@ -137,7 +142,7 @@ class _Driver:
 
     def __init__(self, flow: PrepareFlow) -> None:
         self.flow: PrepareFlow = flow
-        self.need: str | HttpPolicy | None = None
+        self.need: str | HttpPolicy | Canonicalize | None = None
         self.value: Prepared = None
         self.resume(None, None)
 
@@ -154,8 +159,11 @@ def run_prepare(flow: PrepareFlow, user: Callable[[], str | None]) -> Prepared:
     step = _Driver(flow)
     while (need := step.need) is not None:
         try:
-            reply = user() if need == USER else need.load_secret()  # type: ignore[union-attr]
-        except IdempotencyError as exc:  # the store is down: the flow answers it
+            if isinstance(need, Canonicalize):
+                reply = need.run()
+            else:
+                reply = user() if need == USER else need.load_secret()  # type: ignore[union-attr]
+        except IdempotencyError as exc:  # the store is down, a bad body: the flow answers it
             step.resume(None, exc)
         else:
             step.resume(reply, None)
@@ -167,7 +175,10 @@ async def arun_prepare(flow: PrepareFlow, user: Callable[[], Awaitable[str | Non
     step = _Driver(flow)
     while (need := step.need) is not None:
         try:
-            reply = await (user() if need == USER else need.aload_secret())  # type: ignore[union-attr]
+            if isinstance(need, Canonicalize):
+                reply = await need.arun()
+            else:
+                reply = await (user() if need == USER else need.aload_secret())  # type: ignore[union-attr]
         except IdempotencyError as exc:
             step.resume(None, exc)
         else:

@@ -32,6 +32,7 @@ from ._engine import Attempt
 from ._errors import IdempotencyError
 from ._heartbeat import renewing
 from ._http import (
+    Canonicalize,
     Capture,
     HttpPolicy,
     HttpRequest,
@@ -157,8 +158,11 @@ class IdempotencyMiddleware:
                     return
             else:
                 body = message.get("body", b"")
+            form = policy.body_form(ctype, body)
+            if isinstance(form, Canonicalize):  # a large JSON body: off the event loop
+                form = await form.arun()
             attempt = policy.attempt(
-                key, scope["method"], scope["path"], query, ctype, body, who, secret, rid
+                key, scope["method"], scope["path"], query, ctype, body, who, secret, rid, form
             )
         except IdempotencyError as exc:
             refusal = policy.refusal(exc)
