@@ -36,6 +36,7 @@ import json
 import math
 import os
 import re
+import socket
 import tempfile
 import time
 import uuid
@@ -45,19 +46,37 @@ from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from starlette.requests import ClientDisconnect
 
-from retrysafe import InvalidKeyError, Store, fingerprint, open_store
+from retrysafe import (
+    Claim,
+    Engine,
+    InvalidKeyError,
+    Outcome,
+    Replay,
+    Store,
+    fingerprint,
+    open_store,
+)
 from retrysafe._a2a import Send, parse_send
-from retrysafe._http import PROBLEM_TYPE, BodyError, parse_key, request_fingerprint
-from retrysafe._keys import _KEY_RE
+from retrysafe._http import (
+    MAX_KEY_HEADER,
+    PROBLEM_TYPE,
+    BodyError,
+    parse_key,
+    request_fingerprint,
+)
+from retrysafe._keys import _KEY_RE, printable
 from retrysafe._mesh import loads
+from retrysafe._record import MAX_REQUEST_ID, stored_request_id
 from retrysafe.a2a import IdempotencyMiddleware as A2AMiddleware
 from retrysafe.asgi import IdempotencyMiddleware as ASGIMiddleware
 from retrysafe.mesh import URN, MeshApp
+from retrysafe.stores.memory import MemoryStore, record_bytes
 from retrysafe.webhooks import SCHEMES, Receiver, SignatureError, verify
 from retrysafe.wsgi import IdempotencyMiddleware as WSGIMiddleware
 
@@ -283,6 +302,34 @@ def test_key_header_parser_is_linear_on_huge_headers() -> None:
             parse_key([value])
         # ~0.1 s when linear; quadratic work on 200 kB would take minutes
         assert time.perf_counter() - started < 5.0, value[:20]
+
+
+@HOSTILE
+@given(
+    lines=st.integers(1, 3),
+    over=st.integers(-64, 64),
+    key=st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E,
+                                       exclude_characters='"\\,'), min_size=1, max_size=40),
+)  # fmt: skip
+@example(lines=1, over=0, key="k")
+@example(lines=1, over=1, key="k")
+def test_the_key_header_bound_is_exact(lines: int, over: int, key: str) -> None:
+    """Lines of one quoted key padded to ``MAX_KEY_HEADER + over`` characters
+    together: the key at or under the bound, ``InvalidKeyError`` over it, however
+    the characters are spread over the lines."""
+    total = MAX_KEY_HEADER + over
+    quoted = f'"{key}"'
+    if len(quoted) * lines > total:
+        return
+    sizes = [total // lines] * lines
+    sizes[0] += total - sum(sizes)
+    values = [quoted + " " * (size - len(quoted)) for size in sizes]
+    assert sum(map(len, values)) == total
+    if over > 0:
+        with pytest.raises(InvalidKeyError, match="limit"):
+            parse_key(values)
+    else:
+        assert parse_key(values) == key
 
 
 # == the fingerprint canonicaliser ================================================================
@@ -1036,6 +1083,156 @@ def test_webhook_receiver_wsgi_reads_any_content_length(length: str) -> None:
 
 
 #: The properties, for ``scripts/fuzz.py``: the name a report gives each.
+# == the gateway's head limit =====================================================================
+
+#: The head limit of the fuzzed gateways: small, so that inputs cross it cheaply.
+HEAD_LIMIT = 1024
+_header_names = st.sampled_from(
+    ["X-Pad", "Cookie", "Authorization", "Idempotency-Key", "X-Request-Id", "Forwarded", "A"]
+)
+_header_values = st.text(
+    alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=700
+).map(str.strip)
+
+
+@cache
+def limited_gateway(parser: str) -> str:
+    """The URL of a gateway served with ``parser`` and a ``HEAD_LIMIT``-byte head
+    limit (its own health page answers; the upstream is never asked)."""
+    from retrysafe._limits import protocol_class
+    from retrysafe._serve import ServerThread, bind
+    from retrysafe.gateway import create_app
+
+    app = create_app("http://127.0.0.1:9", store="memory://", max_head_size=HEAD_LIMIT,
+                     sweep_every=None)  # fmt: skip
+    server = ServerThread(
+        app, bind("127.0.0.1", 0), http=protocol_class(parser), lifespan="off"
+    ).start()
+    atexit.register(server.stop)
+    return server.url
+
+
+def _exchange(url: str, pieces: list[bytes]) -> tuple[int, bytes]:
+    """Send ``pieces`` on a fresh connection, one write each; the status and body
+    of the answer (read to the connection's close)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        try:
+            for piece in pieces:
+                sock.sendall(piece)
+        except OSError:  # refused before the rest was sent: the answer is already there
+            pass
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+@HOSTILE
+@given(
+    parser=st.sampled_from(["httptools", "h11"]),
+    headers=st.lists(st.tuples(_header_names, _header_values), max_size=4),
+    pad=st.integers(0, 2 * HEAD_LIMIT),
+    cuts=st.lists(st.integers(0, 3 * HEAD_LIMIT), max_size=6),
+)
+@example(parser="httptools", headers=[], pad=HEAD_LIMIT - 70, cuts=[])
+@example(parser="h11", headers=[], pad=HEAD_LIMIT - 70, cuts=[])
+def test_gateway_head_limit(
+    parser: str, headers: list[tuple[str, str]], pad: int, cuts: list[int]
+) -> None:
+    """A head of at most ``HEAD_LIMIT`` bytes is served, a longer one gets the 431
+    problem, however its bytes are split into writes; the gateway answers the
+    next client either way."""
+    url = limited_gateway(parser)
+    lines = ["GET /_retrysafe/health HTTP/1.1", "Host: gw.test", "Connection: close"]
+    lines += [f"{name}: {value}" for name, value in headers]
+    lines.append(f"X-Fill: {'f' * pad}")
+    raw = ("\r\n".join(lines) + "\r\n\r\n").encode()
+    status, body = _exchange(url, chunked(raw, sorted({c % (len(raw) + 1) for c in cuts})))
+    if len(raw) <= HEAD_LIMIT:
+        event("served")
+        assert status == 200, (len(raw), body[:200])
+    else:
+        event("refused")
+        assert status == 431, (len(raw), body[:200])
+        assert json.loads(body)["code"] == "request_header_too_large"
+    assert httpx.get(url + "/_retrysafe/health", timeout=30).status_code == 200
+
+
+# == fields a record keeps, and what the CLI prints ================================================
+
+
+@HOSTILE
+@given(
+    value=st.none()
+    | st.text(max_size=300)
+    | st.text(
+        alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=120, max_size=140
+    )
+)
+@example(value="r" * MAX_REQUEST_ID)
+@example(value="r" * (MAX_REQUEST_ID + 1))
+@example(value="\ud800")
+def test_a_stored_request_id_is_bounded(value: str | None) -> None:
+    """1 to 128 visible ASCII characters are kept as they are; anything else becomes
+    ``sha256:`` and 64 hex digits; nothing kept is longer than 128 characters."""
+    kept = stored_request_id(value)
+    if not value:
+        assert kept is None
+    elif re.fullmatch(r"[\x21-\x7e]{1,128}", value):
+        assert kept == value
+    else:
+        assert kept is not None and re.fullmatch(r"sha256:[0-9a-f]{64}", kept)
+    assert kept is None or len(kept) <= MAX_REQUEST_ID
+
+
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+@HOSTILE
+@given(text=st.text(max_size=200))
+@example(text="\x1b[31mred\x1b[0m")
+@example(text="a\u202eb")
+def test_printed_client_text_holds_no_control_character(text: str) -> None:
+    """What the CLI prints of a key or an operation has no control character that a
+    terminal would obey, and Rich (as the CLI configures it) prints it verbatim."""
+    from rich.console import Console
+
+    shown = printable(text)
+    assert not _UNPRINTABLE.search(shown), repr(shown)
+    if not _UNPRINTABLE.search(text):
+        assert shown == text
+    out = io.StringIO()
+    Console(file=out, markup=False, emoji=False, highlight=False, width=10_000).print(
+        shown, end="", soft_wrap=True
+    )
+    assert out.getvalue() == shown
+
+
+@HOSTILE
+@given(
+    sizes=st.lists(st.integers(0, 40_000), min_size=1, max_size=30),
+    bound=st.integers(10_000, 100_000),
+)
+def test_the_memory_store_stays_within_max_bytes(sizes: list[int], bound: int) -> None:
+    """Completed answers of any sizes: the store's byte count is the sum of its
+    records' and never over ``max_bytes``; the newest record that fits replays."""
+    store = MemoryStore(max_bytes=bound)
+    engine = Engine(store, max_body=1 << 20)
+    for i, size in enumerate(sizes):
+        claim = engine.begin(f"k{i}")
+        assert isinstance(claim, Claim)
+        engine.complete(claim, Outcome(b"x" * size))
+        assert store.bytes <= bound
+        assert store.bytes == sum(record_bytes(r) for r in store.records(limit=1000))
+        kept = store.get(claim.key_hash)
+        if size + 2_000 <= bound:  # a record's own strings are a few hundred bytes
+            assert kept is not None
+        if kept is not None:
+            assert isinstance(engine.begin(f"k{i}"), Replay)
+
+
 TARGETS: dict[str, Callable[..., None]] = {
     "key header parser": test_key_header_parser_returns_a_key_or_raises_invalid_key,
     "fingerprint canonicaliser": test_fingerprint_canonicaliser_accepts_or_raises_body_error,
@@ -1049,4 +1246,9 @@ TARGETS: dict[str, Callable[..., None]] = {
     "A2A front door": test_a2a_front_door,
     "webhook verify": test_webhook_verify_returns_the_event_id_or_raises_signature_error,
     "webhook receiver": test_webhook_receiver_front_door,
+    "key header bound": test_the_key_header_bound_is_exact,
+    "gateway head limit": test_gateway_head_limit,
+    "stored request id": test_a_stored_request_id_is_bounded,
+    "printed client text": test_printed_client_text_holds_no_control_character,
+    "memory store bytes": test_the_memory_store_stays_within_max_bytes,
 }
