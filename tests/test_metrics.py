@@ -764,37 +764,39 @@ def test_a_failing_metrics_report_never_fails_the_request(
 
 
 def test_the_snapshot_survives_events_arriving_while_it_is_read(memory: Store[Any]) -> None:
-    import sys
-    import threading
+    """The sampler thread and the recorder append to the deques a snapshot reads. Here
+    they append at the worst moment, every time: reading a sample or an event appends
+    another, so a snapshot that iterates the live deques instead of a copy raises
+    "deque mutated during iteration" at once, on any machine, with no threads racing."""
+    from prometheus_client import CollectorRegistry
 
-    from retrysafe._metrics import METRICS, Event
+    from retrysafe._metrics import Event
+    from retrysafe._monitor import Sample
 
-    monitor = Monitor(memory, interval=0.001)
-    monitor.sample()
-    stop = threading.Event()
+    metrics = Metrics(registry=CollectorRegistry())
+    monitor = Monitor(memory, window=5, history=100, interval=1, metrics=metrics)
 
-    def produce() -> None:
-        while not stop.is_set():
-            METRICS.recent.append(Event(time.time(), "in_flight", "op", "k", "h" * 64, "x"))
-            monitor.samples.append(monitor.samples[-1])
+    class ArrivingSample(Sample):
+        def __getattribute__(self, name: str) -> Any:
+            if name == "t":  # the sampler appends while this sample is read
+                monitor.samples.append(monitor.samples[-1])
+            return super().__getattribute__(name)
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    producer = threading.Thread(target=produce)
-    producer.start()
-    try:
-        # A snapshot that iterates a deque being appended to raises at once (the first
-        # snapshot did, every time, on the code before the fix); 100 snapshots at least,
-        # then more for up to 10 s: a busy machine shortens the test, never fails it.
-        deadline = time.monotonic() + 10
-        for n in range(3000):
-            if n >= 100 and time.monotonic() > deadline:
-                break
-            monitor.snapshot(points=50)  # a "deque mutated during iteration" would raise
-    finally:
-        stop.set()
-        producer.join()
-        sys.setswitchinterval(old)
+    class ArrivingEvent(Event):
+        def __getattribute__(self, name: str) -> Any:
+            if name == "at":  # an event is recorded while this one is read
+                metrics.recent.append(Event(0.0, "in_flight", "op", "new", "h" * 64))
+            return super().__getattribute__(name)
+
+    now = read_sample()
+    for i in range(40):  # the older ones out of the window: _since reads past them
+        monitor.samples.append(ArrivingSample(now.t - 39 + i, now.totals, now.buckets))
+    for i in range(60):
+        metrics.recent.append(ArrivingEvent(float(i), "in_flight", "op", f"k{i}", "h" * 64))
+    snap = monitor.snapshot(points=50)  # raised on the live deques
+    assert [e["key"] for e in snap["recent"]] == [f"k{i}" for i in range(59, 9, -1)]
+    assert snap["now"] == now.t
+    assert len(monitor.samples) > 40 and len(metrics.recent) > 60  # both arrived meanwhile
 
 
 def test_counters_never_go_down_while_threads_end(memory: Store[Any]) -> None:
