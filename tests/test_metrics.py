@@ -855,13 +855,17 @@ def test_a_closed_monitor_stays_closed(memory: Store[Any]) -> None:
 
 
 def test_the_store_is_read_only_while_someone_watches(memory: Store[Any]) -> None:
-    monitor = Monitor(memory, interval=0.01, store_every=0.01, idle=0.2)
+    monitor = Monitor(memory, interval=0.01, store_every=0.01, idle=60)
     monitor.sample()
     assert monitor.view.checked_at is None  # nobody asked: the store is left alone
     monitor.watched()
     monitor.sample()
     first = monitor.view.checked_at
     assert first is not None
-    time.sleep(0.25)
+    # A minute passes, without waiting for it: the last request for the figures and
+    # the last store reading are moved back (a 0.2 s idle and a 0.25 s sleep failed
+    # whenever the machine stalled the test for 0.2 s between watched() and sample()).
+    monitor._watched -= 60
+    monitor._store_read -= 60
     monitor.sample()
     assert monitor.view.checked_at == first  # idle again
