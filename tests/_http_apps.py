@@ -8,7 +8,8 @@ can tell how often a side effect ran, even across worker processes:
 - ``POST /raw``: 200, the request body echoed as octet-stream;
 - ``POST /status/<code>``: that status, JSON body;
 - ``POST /boom``: raises;
-- ``POST /slow?ms=N``: sleeps, then 200 JSON;
+- ``POST /slow?ms=N``: sleeps, then 200 JSON; ``POST /slow?gate=NAME``: held until the
+  test calls ``counter.open_gate(NAME)`` (a minute at most), then 200 JSON;
 - ``POST /stream?chunks=N&size=M``: N chunks of M bytes, streamed;
 - ``GET /count/<id>``: ``{"n": runs}``.
 """
@@ -22,6 +23,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,22 @@ class Counter:
             return self._path(test_id).stat().st_size
         except FileNotFoundError:
             return 0
+
+    def open_gate(self, name: str) -> None:
+        """Let the requests held at gate ``name`` (``/slow?gate=name``) answer."""
+        self._path(f"gate-{name}").touch()
+
+    def pauses(self, query: dict[str, str]) -> Iterator[float]:
+        """The pauses of ``/slow``: ``ms`` milliseconds, or until the test opens ``gate``
+        (a file, so the gateway's upstream process sees it; at most a minute, so that a
+        failed test does not leave a request hanging)."""
+        gate = query.get("gate")
+        if gate is None:
+            yield int(query.get("ms", 500)) / 1000
+            return
+        opened, deadline = self._path(f"gate-{gate}"), time.monotonic() + 60
+        while not opened.exists() and time.monotonic() < deadline:
+            yield 0.005
 
 
 def _json(body: bytes) -> Any:
@@ -100,7 +118,8 @@ def starlette_app(counter: Counter) -> Any:
 
     async def slow(request: Request) -> Response:
         await request.body()
-        await asyncio.sleep(int(request.query_params.get("ms", 500)) / 1000)
+        for pause in counter.pauses(dict(request.query_params)):
+            await asyncio.sleep(pause)
         n = counter.hit(request.headers.get("x-test-id"))
         return JSONResponse({"n": n}, 200, headers={"x-pid": str(os.getpid())})
 
@@ -166,7 +185,8 @@ def fastapi_app(counter: Counter) -> Any:
 
     @app.post("/slow")
     async def slow(request: FastAPIRequest, ms: int = 500) -> FastAPIResponse:
-        await asyncio.sleep(ms / 1000)
+        for pause in counter.pauses(dict(request.query_params)):
+            await asyncio.sleep(pause)
         n = counter.hit(request.headers.get("x-test-id"))
         return JSONResponse({"n": n}, 200)
 
@@ -226,7 +246,8 @@ def flask_app(counter: Counter) -> Any:
     @app.post("/slow")
     def slow() -> Response:
         request.get_data()
-        time.sleep(int(request.args.get("ms", 500)) / 1000)
+        for pause in counter.pauses(request.args.to_dict()):
+            time.sleep(pause)
         n = counter.hit(tid())
         return Response(
             json.dumps({"n": n}), 200, {"x-pid": str(os.getpid())}, mimetype="application/json"
@@ -287,7 +308,9 @@ def _django_views() -> list[Any]:
         raise RuntimeError("boom")
 
     def slow(request: Any) -> HttpResponse:
-        time.sleep(int(request.GET.get("ms", 500)) / 1000)
+        assert _django_counter is not None
+        for pause in _django_counter.pauses(request.GET.dict()):
+            time.sleep(pause)
         return JsonResponse({"n": hit(request)}, headers={"x-pid": str(os.getpid())})
 
     def stream(request: Any) -> HttpResponse:

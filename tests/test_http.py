@@ -266,10 +266,15 @@ def _wait_until_claimed(door: Door, key: str) -> None:
 
 def test_a_duplicate_in_flight_gets_409(door: Door, client: httpx.Client, tid: str) -> None:
     headers = keyed(tid)
-    first = _in_background(door.url, "/slow?ms=1500", headers)
-    _wait_until_claimed(door, headers["idempotency-key"])
-    doc = problem(client.post("/slow?ms=1500", json={}, headers=headers), 409,
-                  "idempotency_in_flight")  # fmt: skip
+    # The first request is held until the duplicate has had its answer (not for 1.5 s,
+    # which a busy machine could spend between the claim and the duplicate).
+    first = _in_background(door.url, f"/slow?gate={tid}", headers)
+    try:
+        _wait_until_claimed(door, headers["idempotency-key"])
+        doc = problem(client.post(f"/slow?gate={tid}", json={}, headers=headers), 409,
+                      "idempotency_in_flight")  # fmt: skip
+    finally:
+        door.counter.open_gate(tid)
     assert doc["retry_after"] >= 1
     assert first.result().status_code == 200
     assert door.counter.count(tid) == 1
