@@ -279,8 +279,10 @@ def test_a_takeover_moves_the_row_and_fences_the_old_owner(
                 )
             )
             late.start()
-            time.sleep(0.3)
-            assert late.is_alive()  # waiting for the row
+            # Until the completion waits for the row (0.3 s of sleep could end before it
+            # had even been sent on a busy machine: then it never met the moved row).
+            waiting_on_a_lock(pg, "%UPDATE%")
+            assert late.is_alive()
         late.join(10)
         assert answers == [False]
         got = store.get(new.key_hash)
@@ -601,15 +603,21 @@ def test_killed_sweeps_lose_and_duplicate_nothing(
 # -- claims go on while a sweep works -----------------------------------------------------
 
 
-def _detach_waiting(pg: psycopg.Connection[Any], timeout: float = 30) -> None:
-    """Wait until a ``DETACH PARTITION`` is in its phase two, waiting on older transactions."""
+def waiting_on_a_lock(pg: psycopg.Connection[Any], statement: str, timeout: float = 30) -> None:
+    """Wait until another session's ``statement`` (an SQL pattern) waits on a lock; ``pg``
+    may be in a transaction (its view of pg_stat_activity is refreshed every time)."""
     deadline = time.monotonic() + timeout
     while not pg.execute(
-        "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-        " AND query ILIKE '%DETACH PARTITION%'"
-    ).fetchall():
-        assert time.monotonic() < deadline, "the detach never waited"
+        "SELECT 1 FROM pg_stat_activity, pg_stat_clear_snapshot() WHERE wait_event_type ="
+        " 'Lock' AND query ILIKE %s AND pid <> pg_backend_pid()", (statement,)
+    ).fetchall():  # fmt: skip
+        assert time.monotonic() < deadline, f"no {statement} waited on a lock"
         time.sleep(0.02)
+
+
+def _detach_waiting(pg: psycopg.Connection[Any]) -> None:
+    """Wait until a ``DETACH PARTITION`` is in its phase two, waiting on older transactions."""
+    waiting_on_a_lock(pg, "%DETACH PARTITION%")
 
 
 def claims_go_on(store: Any, clock: Clock, tag: str, within: float = 10) -> None:
