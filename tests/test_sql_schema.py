@@ -151,7 +151,16 @@ def test_sqlite_sweep_waits_for_a_writer_and_then_sees_its_claim(
 ) -> None:
     """A claim that takes over an expired record while a sweep is due keeps it."""
     url = f"sqlite:///{tmp_path}/race.db"
-    store = SQLiteStore(url)
+    busy = threading.Event()
+
+    class Waits(SQLiteStore):
+        """The real store, telling when a statement found the write lock taken."""
+
+        def _run_when_free(self, op: Any) -> Any:
+            busy.set()
+            return super()._run_when_free(op)
+
+    store = Waits(url)
     engine = Engine(store, ttl=HOUR, clock=clock)
     first = engine.begin("k", operation="op", fingerprint="fp")
     assert isinstance(first, Claim)
@@ -167,7 +176,9 @@ def test_sqlite_sweep_waits_for_a_writer_and_then_sees_its_claim(
     swept: list[Any] = []
     sweeper = threading.Thread(target=lambda: swept.append(store.sweep(clock.now, 10)))
     sweeper.start()
-    time.sleep(0.1)
+    # Until the sweep has met the lock (after a 0.1 s sleep, a busy machine could commit
+    # before the sweep began: it found the record live without ever waiting).
+    assert busy.wait(30)
     assert not swept  # the sweep waits for the lock …
     other.execute("COMMIT")
     sweeper.join(10)
