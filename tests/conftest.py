@@ -52,6 +52,13 @@ class StoreSpec:
         return open_store(self.url, **self.options)
 
 
+#: How long a PostgreSQL store's caller waits for one of the pool's 10 connections. The
+#: race tests queue 64 threads or 200 tasks on them; the default 2 s ran out on a busy
+#: 2-core machine (a racer answered "store unavailable"). The store is up in these tests:
+#: only a hung one waits this long.
+POOL_WAIT = {"connect_timeout": 30.0}
+
+
 def make_spec(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> StoreSpec:
     """A store of kind ``name`` with a namespace of its own (file, prefix or table)."""
     tag = uuid.uuid4().hex[:12]
@@ -68,13 +75,13 @@ def make_spec(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> Stor
         return StoreSpec(name, cluster.url, {"prefix": f"test-{tag}:"})
     if name == "postgres":
         server = request.getfixturevalue("postgres_server")
-        return StoreSpec(name, server.url, {"table": f"t_{tag}"})
+        return StoreSpec(name, server.url, {"table": f"t_{tag}", **POOL_WAIT})
     if name == "postgres-partitioned":
         # Not in STORES: tests/test_postgres_partitioned.py runs the shared suites on it.
         # Partitions of 30 minutes, so that the tests' clock (moved by hours) makes
         # sweeps drop them; an hour ahead keeps the number of tables small.
         server = request.getfixturevalue("postgres_server")
-        options = {"table": f"t_{tag}", "partitioned": True,
+        options = {"table": f"t_{tag}", "partitioned": True, **POOL_WAIT,
                    "partition_interval": 1800.0, "partition_ahead": 3600.0}  # fmt: skip
         return StoreSpec(name, server.url, options)
     raise AssertionError(name)
