@@ -7,6 +7,8 @@ real upstream process) serves the test API of ``_http_apps`` on a real server.
 
 from __future__ import annotations
 
+import http.client
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,6 +94,35 @@ def test_route_requires_its_key_and_answers_duplicates_with_204(
     record = store.get(key_hash(caller_scope(store), "order", key))
     assert record is not None and record.operation == "order"
     assert record.retention == "standard"
+    assert record.expires_at - record.created_at == pytest.approx(2 * 3600)
+
+
+def send_target(url: str, target: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    """POST ``target`` byte for byte (httpx would remove its dot segments first)."""
+    where = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(where.hostname or "", where.port, timeout=30)
+    try:
+        conn.request("POST", target, body=b'{"a": 1}',
+                     headers={"content-type": "application/json", **CALLER, **headers})  # fmt: skip
+        answer = conn.getresponse()
+        return answer.status, answer.read()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("target", ["//orders", "/./orders", "/x/../orders", "/x//..//orders"])
+def test_route_is_not_dodged_by_the_spelling_of_its_path(
+    served: tuple[str, Store[Any], Counter], target: str
+) -> None:
+    """Repeated slashes and dot segments still match the route: its key requirement,
+    operation and TTL apply, whatever the app then makes of the path."""
+    url, store, _ = served
+    status, body = send_target(url, target, {})
+    assert status == 400 and b"idempotency_key_required" in body, (status, body)
+    key = f"order:mandate_{uuid.uuid4().hex}:user_1"
+    send_target(url, target, {"idempotency-key": key})
+    record = store.get(key_hash(caller_scope(store), "order", key))
+    assert record is not None and record.operation == "order"
     assert record.expires_at - record.created_at == pytest.approx(2 * 3600)
 
 

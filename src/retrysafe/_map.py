@@ -29,7 +29,14 @@ from ._metrics import Alerts
 from ._principal import ANONYMOUS_MODES
 from ._record import FINANCIAL, RETENTIONS, STANDARD
 
-__all__ = ["IdempotencyMap", "MapError", "Operation", "PrincipalOptions", "Route"]
+__all__ = [
+    "IdempotencyMap",
+    "MapError",
+    "Operation",
+    "PrincipalOptions",
+    "Route",
+    "route_path",
+]
 
 FieldPath = tuple[str | int, ...]
 
@@ -42,6 +49,7 @@ _METHOD = re.compile(r"[A-Za-z]+")
 _SEGMENT = re.compile(r"[!-~]+")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _DUPLICATE_RESPONSES = ("replay", "no_content")
+_SLASHES = re.compile(r"//+")
 
 
 class MapError(ValueError):
@@ -457,6 +465,29 @@ class Operation:
 # -- routes ------------------------------------------------------------------------
 
 
+def route_path(path: str) -> str:
+    """``path`` as routes match it: repeated slashes collapsed, then the dot segments
+    removed (RFC 3986 5.2.4), so ``//pay``, ``/./pay`` and ``/x/../pay`` are ``/pay``.
+
+    A path that does not start with ``/`` is returned as it is.
+    """
+    if not path.startswith("/") or ("//" not in path and "/." not in path):
+        return path
+    segments = _SLASHES.sub("/", path).split("/")[1:]
+    out: list[str] = []
+    last = len(segments) - 1
+    for i, segment in enumerate(segments):
+        if segment == "..":
+            if out:
+                out.pop()
+        elif segment != ".":
+            out.append(segment)
+            continue
+        if i == last:  # "/a/." and "/a/b/..": the path ends in a directory, "/a/"
+            out.append("")
+    return "/" + "/".join(out)
+
+
 class _Path:
     """A compiled route path pattern.
 
@@ -600,10 +631,11 @@ class Route:
         return (_rebuild_route, (self.to_dict(),))
 
     def match(self, method: str, path: str) -> dict[str, str] | None:
-        """The path parameters if this route takes the request, else None."""
+        """The path parameters if this route takes the request, else None (``path``
+        is matched as :func:`route_path` gives it)."""
         if self.method != "*" and method != self.method and method.upper() != self.method:
             return None
-        return self._match_path(path)
+        return self._match_path(route_path(path))
 
     def _match_path(self, path: str) -> dict[str, str] | None:
         if self._path.literal is not None:
@@ -843,13 +875,16 @@ class IdempotencyMap:
     def route(self, method: str, path: str) -> tuple[Route, dict[str, str]] | None:
         """The first declared route that takes ``method path``, with its parameters.
 
-        A query string is ignored. One dict lookup, then at most one regex match.
+        A query string is ignored, and the path matched as :func:`route_path`
+        gives it (repeated slashes and dot segments cannot dodge a route). One
+        dict lookup, then at most one regex match.
         """
         table = self._tables.get(method)
         if table is None:
             table = self._tables.get(method.upper(), self._any)
         if "?" in path:
             path = path.partition("?")[0]
+        path = route_path(path)
         route = table.literals.get(path)
         if route is not None:
             return route, {}
