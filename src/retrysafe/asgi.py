@@ -162,8 +162,9 @@ class IdempotencyMiddleware:
             if isinstance(form, Canonicalize):  # a large JSON body: off the event loop
                 form = await form.arun()
             attempt = policy.attempt(
-                key, scope["method"], scope["path"], query, ctype, body, who, secret, rid, form
-            )
+                key, scope["method"], self.request_path(scope), query, ctype, body, who, secret,
+                rid, form,
+            )  # fmt: skip
         except IdempotencyError as exc:
             refusal = policy.refusal(exc)
             if refusal is None:  # the store is down before the body was read; fail open
@@ -180,6 +181,11 @@ class IdempotencyMiddleware:
             replaying(body, receive),
             send,
         )
+
+    def request_path(self, scope: Scope) -> str:
+        """The path a keyed request's fingerprint covers: ``scope["path"]``, the one the
+        app routes on (the gateway covers the exact target it forwards instead)."""
+        return str(scope["path"])
 
     async def _keyed(
         self, policy: HttpPolicy, attempt: Attempt, scope: Scope, receive: Receive, send: Send

@@ -232,15 +232,17 @@ class _Proxy:
         if pool is not None:
             await pool.aclose()
 
-    def target(self, scope: Scope) -> bytes:
-        """The request target for the upstream: base path, raw path and raw query."""
+    def path(self, scope: Scope) -> bytes:
+        """The path the upstream is sent: base path and the raw path, as the client spelled it."""
         raw = scope.get("raw_path")
         if not raw or not raw.startswith(b"/"):
             raw = urllib.parse.quote(scope["path"], safe="/:@!$&'()*+,;=~").encode()
+        return _visible(self.prefix + raw)
+
+    def target(self, scope: Scope) -> bytes:
+        """The request target for the upstream: base path, raw path and raw query."""
         query = scope.get("query_string", b"")
-        target = self.prefix + raw + (b"?" + query if query else b"")
-        # Bytes no HTTP/1.1 request line may carry are percent-encoded; nothing else changes.
-        return _NOT_VCHAR.sub(lambda m: b"%%%02X" % m.group()[0], target)
+        return self.path(scope) + (b"?" + _visible(query) if query else b"")
 
     def headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
         """The request headers for the upstream, with ``Host`` and ``X-Forwarded-*``."""
@@ -308,6 +310,21 @@ class _Proxy:
             )
         finally:
             answer.close()
+
+
+def _visible(target: bytes) -> bytes:
+    """Bytes no HTTP/1.1 request line may carry percent-encoded; nothing else changes."""
+    return _NOT_VCHAR.sub(lambda m: b"%%%02X" % m.group()[0], target)
+
+
+class _Recording(IdempotencyMiddleware):
+    """The middleware in front of the proxy: a keyed request's fingerprint covers the
+    exact path forwarded, so ``/a%2Fb`` and ``/a/b`` are two requests, as upstream."""
+
+    app: _Proxy
+
+    def request_path(self, scope: Scope) -> str:
+        return self.app.path(scope).decode("ascii")
 
 
 async def _body(receive: Receive) -> bytes | AsyncGenerator[bytes, None]:
@@ -395,7 +412,7 @@ class Gateway:
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         self.upstream = parse_upstream(upstream)
         self.proxy = _Proxy(self.upstream, float(timeout))
-        self.middleware = IdempotencyMiddleware(self.proxy, store=store, **options)
+        self.middleware: IdempotencyMiddleware = _Recording(self.proxy, store=store, **options)
         self.engine = self.middleware.policy.engine
         self.store: Store[Any] = self.engine.store
         self._owns_store = store is None or isinstance(store, str)
