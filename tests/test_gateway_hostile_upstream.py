@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 
+import httpx
 import pytest
 from _upstream import UpstreamProcess
 from test_gateway import Running, gateway  # noqa: F401  (the fixture)
 from test_map_http import send_target
+
+from retrysafe.gateway import create_app
 
 
 @pytest.fixture(scope="module")
@@ -37,3 +40,65 @@ def test_encoded_slash_is_another_request_than_a_slash(
     assert status == 422 and json.loads(body)["code"] == "idempotency_conflict", body
     status, body = send_target(gw.url, "/echo/a%2Fb", headers)  # the same target: replayed
     assert status == 200 and json.loads(body)["raw_path"] == "/echo/a%2Fb"
+
+
+FORGED = {
+    "Forwarded": "for=6.6.6.6;proto=https;host=bank.test",
+    "X-Forwarded-For": "6.6.6.6",
+    "X-Forwarded-Host": "bank.test",
+    "X-Forwarded-Proto": "https",
+    "X-Forwarded-Port": "443",
+    "X-Forwarded-Prefix": "/admin",
+    "X-Forwarded-Server": "bank.test",
+    "X-Real-IP": "6.6.6.6",
+    "True-Client-IP": "6.6.6.6",
+    "X-Client-IP": "6.6.6.6",
+    "X-Original-URL": "/admin/delete",
+    "X-Rewrite-URL": "/admin/delete",
+}
+
+
+def seen_headers(url: str, headers: dict[str, str]) -> dict[str, list[str]]:
+    seen: dict[str, list[str]] = {}
+    for name, value in httpx.get(url + "/echo/forwarded", headers=headers).json()["headers"]:
+        seen.setdefault(name, []).append(value)
+    return seen
+
+
+@pytest.mark.parametrize("trusted", [(), ("10.0.0.0/8", "::1")], ids=["default", "others"])
+def test_forwarding_headers_from_a_client_never_reach_the_upstream(
+    origin: UpstreamProcess,
+    gateway: Callable[..., Running],  # noqa: F811
+    trusted: tuple[str, ...],
+) -> None:
+    gw = gateway(origin.url, trusted_proxies=trusted)
+    seen = seen_headers(gw.url, {**FORGED, "X-Kept": "yes"})
+    assert seen["x-kept"] == ["yes"]
+    assert seen["x-forwarded-for"] == ["127.0.0.1"]
+    assert seen["x-forwarded-host"] == [f"127.0.0.1:{gw.port}"]
+    assert seen["x-forwarded-proto"] == ["http"]
+    forged = {name.lower() for name in FORGED} - {"x-forwarded-for", "x-forwarded-host",
+                                                  "x-forwarded-proto"}  # fmt: skip
+    assert not forged & set(seen), forged & set(seen)
+    assert "6.6.6.6" not in json.dumps(seen) and "bank.test" not in json.dumps(seen)
+
+
+def test_a_trusted_proxy_forwarding_headers_are_kept_and_extended(
+    origin: UpstreamProcess,
+    gateway: Callable[..., Running],  # noqa: F811
+) -> None:
+    gw = gateway(origin.url, trusted_proxies=["127.0.0.0/8"])
+    seen = seen_headers(gw.url, FORGED)
+    assert seen["x-forwarded-for"] == ["6.6.6.6, 127.0.0.1"]  # the peer appended
+    assert seen["x-forwarded-host"] == ["bank.test"]
+    assert seen["x-forwarded-proto"] == ["https"]
+    for name in ("Forwarded", "X-Forwarded-Port", "X-Forwarded-Prefix", "X-Real-IP",
+                 "True-Client-IP"):  # fmt: skip
+        assert seen[name.lower()] == [FORGED[name]]
+
+
+def test_a_trusted_proxy_that_is_not_an_address_is_a_value_error(
+    origin: UpstreamProcess,
+) -> None:
+    with pytest.raises(ValueError, match=r"bad trusted proxy 'proxy\.local'"):
+        create_app(origin.url, store="memory://", trusted_proxies=["10.0.0.0/8", "proxy.local"])

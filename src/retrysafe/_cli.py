@@ -205,6 +205,16 @@ def gateway(
             help="A query parameter that carries a credential (repeat for several).",
         ),
     ] = None,
+    trusted_proxy: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--trusted-proxy",
+            metavar="CIDR",
+            help="A proxy in front of the gateway (an address or a CIDR; repeat for "
+            "several) whose Forwarded, X-Forwarded-*, X-Real-IP and similar headers "
+            "reach the upstream. Default none: they are dropped from every client.",
+        ),
+    ] = None,
     anonymous: Annotated[
         str | None,
         typer.Option(
@@ -328,7 +338,8 @@ def gateway(
     protocol = protocol_class(http)
     application = gw.create_app(
         upstream, store=store_url, require_key=require_key, timeout=timeout, map=imap,
-        admin_loopback=admin_loopback, sweep_every=sweep, **principals, **limits,
+        admin_loopback=admin_loopback, sweep_every=sweep,
+        trusted_proxies=trusted_proxy or (), **principals, **limits,
     )  # fmt: skip
     try:
         gw.probe_store(application.store)
@@ -351,6 +362,8 @@ def gateway(
     print(f"  limits    {_limits_line(application.server_limits, protocol)}", flush=True)
     swept = "off (--no-sweep)" if sweep is None else f"every {sweep:g} s, one worker at a time"
     print(f"  sweeper   {swept}", flush=True)
+    if trusted_proxy:
+        print(f"  proxies   {', '.join(map(str, application.proxy.trusted))}", flush=True)
     print(f"  health    {url}{gw.HEALTH_PATH}", flush=True)
     print(f"  dashboard {url}{gw.DASHBOARD_PATH}  ({_admin_access(admin_loopback)})", flush=True)
     print(f"  metrics   {url}{gw.METRICS_PATH}", flush=True)
@@ -380,6 +393,8 @@ def gateway(
                 env[gw.ENV_MAP] = str(Path(map_file).resolve())
             if principals:
                 env[gw.ENV_PRINCIPALS] = json.dumps(principals)
+            if trusted_proxy:
+                env[gw.ENV_TRUSTED_PROXIES] = ",".join(trusted_proxy)
             os.environ.update(env)
             stack.enter_context(_shared_metrics())  # the workers' counters, added up
             uvicorn.run(

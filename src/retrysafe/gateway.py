@@ -23,6 +23,7 @@ bounds; the idle-body bound is the app's own.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import math
@@ -30,8 +31,8 @@ import os
 import re
 import ssl
 import urllib.parse
-from collections.abc import AsyncGenerator
-from typing import Any
+from collections.abc import AsyncGenerator, Iterable
+from typing import Any, TypeAlias
 
 import httpx
 
@@ -69,7 +70,9 @@ __all__ = [
     "ENV_REQUIRE_KEY",
     "ENV_SWEEP",
     "ENV_TIMEOUT",
+    "ENV_TRUSTED_PROXIES",
     "ENV_UPSTREAM",
+    "FORWARDING_HEADERS",
     "HEALTH_PATH",
     "METRICS_PATH",
     "Gateway",
@@ -78,9 +81,12 @@ __all__ = [
     "create_app",
     "parse_upstream",
     "probe_store",
+    "trusted_networks",
 ]
 
 log = logging.getLogger("retrysafe.gateway")
+
+IPNetwork: TypeAlias = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 #: Seconds to connect to, send to, or wait for the next bytes from the upstream.
 DEFAULT_TIMEOUT = 60.0
@@ -105,6 +111,8 @@ ENV_SWEEP = "RETRYSAFE_GATEWAY_SWEEP"
 #: The principal options (JSON: ``principal_headers``, ``principal_cookies``,
 #: ``principal_query``, ``anonymous``), as ``retrysafe gateway`` gives its workers.
 ENV_PRINCIPALS = "RETRYSAFE_GATEWAY_PRINCIPALS"
+#: The trusted proxies (addresses or CIDRs, comma-separated).
+ENV_TRUSTED_PROXIES = "RETRYSAFE_GATEWAY_TRUSTED_PROXIES"
 _PRINCIPAL_OPTIONS = ("principal_headers", "principal_cookies", "principal_query", "anonymous")
 
 # A key hash that no record has: reading it is the store's cheapest round trip.
@@ -123,7 +131,28 @@ _HOP_BY_HOP = frozenset(
         b"expect",
     }
 )
-_FORWARDED = frozenset({b"host", b"x-forwarded-for", b"x-forwarded-host", b"x-forwarded-proto"})
+# Headers that say who the client is, where it connected or what it asked for, as a
+# proxy in front sets them. From a client that is not a trusted proxy they are
+# forgeries: dropped, with every X-Forwarded-* (the gateway sets its own three).
+FORWARDING_HEADERS = frozenset(
+    {
+        b"forwarded",
+        b"x-forwarded",
+        b"x-real-ip",
+        b"true-client-ip",
+        b"x-client-ip",
+        b"x-cluster-client-ip",
+        b"client-ip",
+        b"cf-connecting-ip",
+        b"fastly-client-ip",
+        b"x-original-forwarded-for",
+        b"x-original-url",
+        b"x-rewrite-url",
+        b"x-original-host",
+        b"x-host",
+    }
+)
+_OWN = frozenset({b"host", b"x-forwarded-for", b"x-forwarded-host", b"x-forwarded-proto"})
 _NO_BODY = frozenset({b"content-length"})
 _NOT_VCHAR = re.compile(rb"[^\x21-\x7e]")
 _BOOLS = {
@@ -189,8 +218,11 @@ def _end_to_end(
 class _Proxy:
     """The plain ASGI app that forwards a request to the upstream and streams the answer."""
 
-    def __init__(self, upstream: httpx.URL, timeout: float) -> None:
+    def __init__(
+        self, upstream: httpx.URL, timeout: float, trusted: tuple[IPNetwork, ...] = ()
+    ) -> None:
         self.upstream = upstream
+        self.trusted = trusted
         self.prefix = upstream.raw_path.rstrip(b"/")
         self.host = upstream.netloc
         self.timeout = timeout
@@ -244,20 +276,50 @@ class _Proxy:
         query = scope.get("query_string", b"")
         return self.path(scope) + (b"?" + _visible(query) if query else b"")
 
+    def trusts(self, client: Any) -> bool:
+        """Whether the peer ``client`` (the ASGI scope's) is one of the trusted proxies."""
+        if not self.trusted or not client:
+            return False
+        try:
+            address = ipaddress.ip_address(str(client[0]))
+        except ValueError:  # a Unix socket's path, say: not an address
+            return False
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        return any(address in network for network in self.trusted)
+
     def headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
-        """The request headers for the upstream, with ``Host`` and ``X-Forwarded-*``."""
+        """The request headers for the upstream, with ``Host`` and ``X-Forwarded-*``.
+
+        The forwarding headers a client sent (:data:`FORWARDING_HEADERS`, every
+        ``X-Forwarded-*``) reach the upstream only from a trusted proxy, whose
+        ``X-Forwarded-For`` chain is extended and whose ``X-Forwarded-Host`` and
+        ``-Proto`` are kept; from anyone else they are dropped.
+        """
         headers = scope["headers"]
-        out = [(b"host", self.host), *_end_to_end(headers, _FORWARDED)]
-        chain = [v for k, v in headers if k.lower() == b"x-forwarded-for" and v.strip()]
         client = scope.get("client")
+        trusted = self.trusts(client)
+        out = [(b"host", self.host)]
+        own: dict[bytes, list[bytes]] = {}
+        for name, value in _end_to_end(headers):
+            if name in _OWN:
+                own.setdefault(name, []).append(value)
+            elif trusted or not _forwarding(name):
+                out.append((name, value))
+        chain = [v for v in own.get(b"x-forwarded-for", ()) if v.strip()] if trusted else []
         if client:
             chain.append(str(client[0]).encode("latin-1"))
         if chain:
             out.append((b"x-forwarded-for", b", ".join(chain)))
-        host = next((v for k, v in headers if k.lower() == b"host"), None)
-        if host:
-            out.append((b"x-forwarded-host", host))
-        out.append((b"x-forwarded-proto", scope.get("scheme", "http").encode("latin-1")))
+        for name, value in (
+            (b"x-forwarded-host", own.get(b"host", [b""])[0]),
+            (b"x-forwarded-proto", scope.get("scheme", "http").encode("latin-1")),
+        ):
+            given = own.get(name) if trusted else None
+            if given:
+                out.extend((name, v) for v in given)
+            elif value:
+                out.append((name, value))
         return out
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -310,6 +372,26 @@ class _Proxy:
             )
         finally:
             answer.close()
+
+
+def _forwarding(name: bytes) -> bool:
+    return name in FORWARDING_HEADERS or name.startswith(b"x-forwarded-")
+
+
+def trusted_networks(proxies: Iterable[str]) -> tuple[IPNetwork, ...]:
+    """The networks of ``proxies`` (addresses or CIDRs such as ``10.0.0.0/8``);
+    ValueError naming the first one that is neither."""
+    if isinstance(proxies, str):
+        proxies = [proxies]
+    networks = []
+    for proxy in proxies:
+        try:
+            networks.append(ipaddress.ip_network(str(proxy).strip(), strict=False))
+        except ValueError:
+            raise ValueError(
+                f"bad trusted proxy {proxy!r}: give an IP address or a CIDR such as 10.0.0.0/8"
+            ) from None
+    return tuple(networks)
 
 
 def _visible(target: bytes) -> bytes:
@@ -371,7 +453,10 @@ class Gateway:
     theirs). ``store`` is a store, a store URL or an engine (default
     ``$RETRYSAFE_STORE`` or the embedded SQLite store); a store it opened from a
     URL it closes on lifespan shutdown. ``timeout`` bounds connecting to the
-    upstream and each wait for its bytes. ``admin_token`` guards the dashboard
+    upstream and each wait for its bytes. ``trusted_proxies``: the addresses or
+    CIDRs of the proxies in front whose forwarding headers (``Forwarded``,
+    ``X-Forwarded-*``, ``X-Real-IP``, ...) reach the upstream (default none:
+    dropped from every client). ``admin_token`` guards the dashboard
     and metrics under ``/_retrysafe/`` (default ``$RETRYSAFE_ADMIN_TOKEN``);
     ``admin_loopback=True`` (default ``$RETRYSAFE_ADMIN_LOOPBACK``) answers loopback
     clients without it; with neither those pages are closed (``/_retrysafe/health``
@@ -398,6 +483,7 @@ class Gateway:
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         sweep_every: float | None = DEFAULT_SWEEP_EVERY,
+        trusted_proxies: Iterable[str] = (),
         **options: Any,
     ) -> None:
         self.server_limits = ServerLimits(
@@ -411,7 +497,7 @@ class Gateway:
         ):
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         self.upstream = parse_upstream(upstream)
-        self.proxy = _Proxy(self.upstream, float(timeout))
+        self.proxy = _Proxy(self.upstream, float(timeout), trusted_networks(trusted_proxies))
         self.middleware: IdempotencyMiddleware = _Recording(self.proxy, store=store, **options)
         self.engine = self.middleware.policy.engine
         self.store: Store[Any] = self.engine.store
@@ -496,8 +582,9 @@ def app_from_env() -> ASGIApp:
     ``RETRYSAFE_GATEWAY_MAP`` (the path of an Idempotency Map),
     ``RETRYSAFE_GATEWAY_PRINCIPALS`` (a JSON object of principal options),
     ``RETRYSAFE_GATEWAY_MAX_HEAD_SIZE``, ``RETRYSAFE_GATEWAY_HEAD_TIMEOUT``,
-    ``RETRYSAFE_GATEWAY_BODY_TIMEOUT``, ``RETRYSAFE_GATEWAY_MAX_CONNECTIONS`` and
-    ``RETRYSAFE_GATEWAY_SWEEP`` (seconds between sweeps; ``0`` or ``off``: none); the
+    ``RETRYSAFE_GATEWAY_BODY_TIMEOUT``, ``RETRYSAFE_GATEWAY_MAX_CONNECTIONS``,
+    ``RETRYSAFE_GATEWAY_SWEEP`` (seconds between sweeps; ``0`` or ``off``: none) and
+    ``RETRYSAFE_GATEWAY_TRUSTED_PROXIES`` (addresses or CIDRs, comma-separated); the
     admin pages read ``RETRYSAFE_ADMIN_TOKEN`` and ``RETRYSAFE_ADMIN_LOOPBACK``.
     """
     upstream = os.environ.get(ENV_UPSTREAM, "")
@@ -508,6 +595,7 @@ def app_from_env() -> ASGIApp:
         raise ValueError(f"{ENV_REQUIRE_KEY} must be 1 or 0, not {require!r}")
     imap = os.environ.get(ENV_MAP) or None
     principals = _principal_options(os.environ.get(ENV_PRINCIPALS, ""))
+    proxies = [p for p in os.environ.get(ENV_TRUSTED_PROXIES, "").split(",") if p.strip()]
     return create_app(
         upstream,
         require_key=_BOOLS[require],
@@ -518,6 +606,7 @@ def app_from_env() -> ASGIApp:
         body_timeout=_env_number(ENV_BODY_TIMEOUT, float, DEFAULT_BODY_TIMEOUT),
         max_connections=_env_number(ENV_MAX_CONNECTIONS, int, DEFAULT_MAX_CONNECTIONS),
         sweep_every=_sweep_interval(os.environ.get(ENV_SWEEP, "")),
+        trusted_proxies=proxies,
         **principals,
     )
 
