@@ -159,7 +159,9 @@ app = Upstream()
 class UpstreamProcess:
     """The upstream in a process of its own on a loopback port bound up front."""
 
-    def __init__(self) -> None:
+    def __init__(self, script: str = __file__) -> None:
+        """``script`` serves on the socket whose descriptor it is given (this module's app)."""
+        self.script = script
         self._sock: socket.socket | None = socket.socket()
         self._sock.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
         self.port = self._sock.getsockname()[1]
@@ -170,7 +172,7 @@ class UpstreamProcess:
         """Serve on the port (once: the process takes the socket); wait until it answers."""
         assert self._sock is not None, "an upstream process starts once"
         fd = self._sock.fileno()
-        self.proc = subprocess.Popen([sys.executable, __file__, str(fd)], pass_fds=[fd])
+        self.proc = subprocess.Popen([sys.executable, self.script, str(fd)], pass_fds=[fd])
         self._sock.close()  # the child's copy is the only one: when it exits, the port closes
         self._sock = None
         deadline = time.monotonic() + timeout

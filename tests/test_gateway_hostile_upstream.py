@@ -8,21 +8,35 @@ Upstreams are real processes on free loopback ports: the test API of
 
 from __future__ import annotations
 
+import asyncio
 import json
+import select
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from _hangup import CALLER
 from _upstream import UpstreamProcess
 from test_gateway import Running, gateway  # noqa: F401  (the fixture)
 from test_map_http import send_target
 
+from retrysafe._upstream import Pool
 from retrysafe.gateway import create_app
+
+HOSTILE = str(Path(__file__).with_name("_hostile_upstream.py"))
 
 
 @pytest.fixture(scope="module")
 def origin() -> Iterator[UpstreamProcess]:
     with UpstreamProcess() as up:
+        yield up.start()
+
+
+@pytest.fixture(scope="module")
+def hostile() -> Iterator[UpstreamProcess]:
+    with UpstreamProcess(HOSTILE) as up:
         yield up.start()
 
 
@@ -102,3 +116,51 @@ def test_a_trusted_proxy_that_is_not_an_address_is_a_value_error(
 ) -> None:
     with pytest.raises(ValueError, match=r"bad trusted proxy 'proxy\.local'"):
         create_app(origin.url, store="memory://", trusted_proxies=["10.0.0.0/8", "proxy.local"])
+
+
+# -- broken upstream answers -------------------------------------------------------
+
+
+def test_bytes_after_an_answer_close_the_idle_connection(
+    hostile: UpstreamProcess,
+    gateway: Callable[..., Running],  # noqa: F811
+) -> None:
+    """Bytes an upstream sends after its answer's end, while the connection waits in
+    the pool, close it at once: they never become the next request's answer."""
+    gw = gateway(hostile.url)
+    assert httpx.post(gw.url + "/late", json={}, headers=CALLER).text == "hello"
+    assert httpx.get(hostile.url + "/go").text == "sent"  # the late bytes are on their way
+    assert httpx.get(hostile.url + "/closed", timeout=60).text == "closed"
+    headers = {"idempotency-key": "after-late", **CALLER}
+    r = httpx.post(gw.url + "/next", json={}, headers=headers)
+    assert r.status_code == 200 and r.text == "real"
+    assert gw.record("after-late").outcome.body == b"real"
+
+
+def test_a_pooled_connection_with_unread_bytes_is_not_reused(hostile: UpstreamProcess) -> None:
+    """Late bytes already in the socket, not yet read by the event loop, when the next
+    request takes the connection: the pool checks the socket, and opens another."""
+    port = int(hostile.url.rsplit(":", 1)[1])
+
+    async def scenario() -> bytes:
+        pool = Pool(("127.0.0.1", port, None), None, 30.0, asyncio.get_running_loop())
+        host = [(b"host", b"upstream")]
+        answer = await pool.send("POST", b"/late", host, b"")
+        assert await answer.read() == b"hello" and await answer.read() == b""
+        idle = pool._idle[-1]  # kept alive, waiting for the next request
+        assert idle.transport is not None
+        fd = idle.transport.get_extra_info("socket").fileno()
+        # The loop is not run until the next send: the late bytes stay unread in the socket.
+        assert httpx.get(hostile.url + "/go").text == "sent"
+        assert select.select([fd], [], [], 30)[0], "the late bytes never came"
+        answer = await pool.send("GET", b"/next", host, b"")
+        body = b"".join([chunk async for chunk in _chunks(answer)])
+        await pool.aclose()
+        return body
+
+    assert asyncio.run(scenario()) == b"real"
+
+
+async def _chunks(answer: Any) -> Any:
+    while chunk := await answer.read():
+        yield chunk

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
+import select
 import socket
 import ssl
 from collections import deque
 from collections.abc import AsyncGenerator
 
 __all__ = ["Pool", "UpstreamError", "connection_tokens"]
+
+log = logging.getLogger("retrysafe.gateway")
 
 # The pool of one event loop: connections open at once, kept idle, and for how long
 # (less than the 5 s that uvicorn, Node and Apache keep one, so that they seldom
@@ -44,6 +48,8 @@ _STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [\t\x20-\x7e\x80-\xff]
 _FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([\t\x20-\x7e\x80-\xff]*?)[ \t]*\Z")
 _FOLDED = re.compile(rb"[\t\x20-\x7e\x80-\xff]*\Z")
 _CHUNK_SIZE = re.compile(rb"[ \t]*([0-9A-Fa-f]{1,15})[ \t]*(?:;.*)?\Z", re.DOTALL)
+# poll() where there is one: select() takes no descriptor over FD_SETSIZE (1024).
+_POLL = getattr(select, "poll", None)
 # How an answer's body is framed (RFC 9112 6.3).
 _NONE, _LENGTH, _CHUNKED, _UNTIL_CLOSE = range(4)
 
@@ -108,6 +114,13 @@ class _Connection(asyncio.Protocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
+        if not self.busy:  # after its answer ended: never another request's answer
+            if not self.discarded:
+                log.warning("retrysafe gateway: the upstream sent %d bytes after an answer's "
+                            "end; its connection is closed", len(data))  # fmt: skip
+            self.reusable = False
+            self.pool.forget(self)
+            return
         self.buffer += data
         if len(self.buffer) > _HIGH_WATER and not self._reading_paused:
             self._reading_paused = True
@@ -146,6 +159,25 @@ class _Connection(asyncio.Protocol):
         if transport is None or not self.reusable:
             return False
         return not (self.eof or self.buffer or transport.is_closing())
+
+    def quiet(self) -> bool:
+        """Nothing waits in the socket that the event loop has not read yet: no bytes
+        (an upstream's late ones would become the next answer) and no close."""
+        sock = self.transport.get_extra_info("socket") if self.transport else None
+        if sock is None:
+            return True
+        try:
+            fd = sock.fileno()
+            if fd < 0:
+                return False
+            if _POLL is not None:
+                poll = _POLL()
+                poll.register(fd, select.POLLIN | select.POLLPRI)
+                return not poll.poll(0)
+            readable, _, broken = select.select([fd], [], [fd], 0)
+        except (OSError, ValueError):
+            return False
+        return not (readable or broken)
 
     def sent(self) -> bool:
         """Whether every byte written has left for the upstream."""
@@ -252,7 +284,7 @@ class _Answer:
     """
 
     __slots__ = ("_chunk", "_conn", "_keep", "_left", "_mode", "done", "headers", "length",
-                 "status")  # fmt: skip
+                 "status", "until_close")  # fmt: skip
 
     def __init__(self, conn: _Connection, status: int, headers: list[tuple[bytes, bytes]],
                  mode: int, length: int | None, keep: bool) -> None:  # fmt: skip
@@ -260,6 +292,8 @@ class _Answer:
         self.status, self.headers = status, headers
         #: The body's Content-Length, if that is how the body is framed.
         self.length = length
+        #: Whether the body runs to the close: nothing then proves that it is whole.
+        self.until_close = mode == _UNTIL_CLOSE
         self._left = length or 0  # of the body (_LENGTH) or of the chunk being read (_CHUNKED)
         self._chunk = False  # in a chunk's data (_CHUNKED)
         self.done = False
@@ -459,7 +493,7 @@ class Pool:
             now = self.loop.time()
             while self._idle:
                 conn = self._idle.pop()
-                if conn.usable() and now - conn.idle_since < _KEEP_ALIVE:
+                if conn.usable() and now - conn.idle_since < _KEEP_ALIVE and conn.quiet():
                     conn.busy = True
                     return conn, True
                 self.discard(conn)
