@@ -22,6 +22,7 @@ from _upstream import UpstreamProcess
 from test_gateway import Running, gateway  # noqa: F401  (the fixture)
 from test_map_http import send_target
 
+from retrysafe import Status
 from retrysafe._upstream import Pool
 from retrysafe.gateway import create_app
 
@@ -119,6 +120,23 @@ def test_a_trusted_proxy_that_is_not_an_address_is_a_value_error(
 
 
 # -- broken upstream answers -------------------------------------------------------
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "unkeyed"])
+def test_a_bad_chunk_size_before_the_body_is_the_502_problem(
+    hostile: UpstreamProcess,
+    gateway: Callable[..., Running],  # noqa: F811
+    keyed: bool,
+) -> None:
+    gw = gateway(hostile.url)
+    headers = {"idempotency-key": "chunk-1", **CALLER} if keyed else CALLER
+    r = httpx.post(gw.url + "/badchunk", json={}, headers=headers)
+    assert r.status_code == 502, r.text
+    assert r.headers["content-type"] == "application/problem+json"
+    assert r.json()["code"] == "upstream_unavailable"
+    assert "RemoteProtocolError" in r.json()["detail"]
+    if keyed:
+        assert gw.record("chunk-1").status is Status.FAILED
 
 
 def test_bytes_after_an_answer_close_the_idle_connection(

@@ -326,12 +326,18 @@ class _Proxy:
         if scope["type"] != "http":
             return
         method = scope["method"]
+        answer = None
         try:
             body = await _body(receive)
             answer = await self.pool().send(method, self.target(scope), self.headers(scope), body)
+            # Read before the status goes out: a framing error up to the first body
+            # byte (a bad chunk size, say) is still the 502 problem.
+            chunk = await answer.read()
         except _ClientGone:
             return
         except UpstreamError as exc:
+            if answer is not None:
+                answer.close()
             what = "timed out" if exc.timeout else "unavailable"
             log.warning("retrysafe gateway: upstream %s: %s %s: %s", what, method, scope["path"],
                         exc)  # fmt: skip
@@ -351,7 +357,7 @@ class _Proxy:
             # client holding the whole body may retry at once.
             left = answer.length
             ended = False
-            while chunk := await answer.read():
+            while chunk:
                 if not ended:
                     if left is not None:
                         left -= len(chunk)
@@ -359,6 +365,7 @@ class _Proxy:
                     await send(
                         {"type": "http.response.body", "body": chunk, "more_body": not ended}
                     )
+                chunk = await answer.read()
             if not ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except UpstreamError as exc:
