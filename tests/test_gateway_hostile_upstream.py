@@ -122,6 +122,28 @@ def test_a_trusted_proxy_that_is_not_an_address_is_a_value_error(
 # -- broken upstream answers -------------------------------------------------------
 
 
+@pytest.mark.parametrize("path", ["/cut", "/cut10"], ids=["http11", "http10"])
+def test_an_answer_ended_by_the_close_is_passed_on_but_never_stored(
+    hostile: UpstreamProcess,
+    gateway: Callable[..., Running],  # noqa: F811
+    path: str,
+) -> None:
+    """Without a length or chunks, a clean close cannot prove the answer whole: the
+    client gets it as it came, the attempt fails, and the retry runs again."""
+    gw = gateway(hostile.url)
+    key = f"close-{path}"
+    headers = {"idempotency-key": key, **CALLER}
+    first = httpx.post(gw.url + path, json={}, headers=headers)
+    assert first.status_code == 200 and first.text == "run 1: the first half"
+    record = gw.record(key)
+    assert record.status is Status.FAILED and record.outcome is None
+    again = httpx.post(gw.url + path, json={}, headers=headers)
+    assert again.text == "run 2: the first half"
+    assert "idempotent-replayed" not in again.headers
+    plain = httpx.post(gw.url + path, json={}, headers=CALLER)  # unkeyed: passed on as ever
+    assert plain.status_code == 200 and plain.text == "run 3: the first half"
+
+
 @pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "unkeyed"])
 def test_a_bad_chunk_size_before_the_body_is_the_502_problem(
     hostile: UpstreamProcess,

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .stores import Store
 
 __all__ = [
+    "UNPROVEN_END",
     "ASGIApp",
     "BodyTooLarge",
     "Message",
@@ -43,6 +44,11 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 T = TypeVar("T")
+
+#: A key of an answer's last ``http.response.body`` message: true when nothing
+#: proves the answer ended there (the upstream's body ran to a close that could
+#: as well have cut it short). The client gets it; it is never stored.
+UNPROVEN_END = "retrysafe.unproven_end"
 
 log = logging.getLogger("retrysafe")
 

@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 from ._asgi import (
+    UNPROVEN_END,
     ASGIApp,
     Message,
     Receive,
@@ -257,11 +258,17 @@ class _Recorder:
             if not self.att.settled and (
                 not message.get("more_body", False) or capture.size == self.length
             ):
-                status = start["status"]
-                policy = self.policy
-                kept = policy.stored_raw_headers(start.get("headers", ()))
-                outcome = policy.outcome_of(status, kept, capture.body(), capture.size)
-                await policy.asettle(self.att, status, outcome)
+                if message.get(UNPROVEN_END):
+                    # Nothing proves the answer whole: a retry runs again rather
+                    # than replay what may be half an answer.
+                    log.warning("retrysafe: the answer's end cannot be proven; not stored")
+                    await self.att.afail(final=False)
+                else:
+                    status = start["status"]
+                    policy = self.policy
+                    kept = policy.stored_raw_headers(start.get("headers", ()))
+                    outcome = policy.outcome_of(status, kept, capture.body(), capture.size)
+                    await policy.asettle(self.att, status, outcome)
             if not self.started:
                 self.started = True
                 await self._forward(start)

@@ -37,7 +37,7 @@ from typing import Any, TypeAlias
 import httpx
 
 from ._admin import FROM_ENV, AdminSite
-from ._asgi import lifespan
+from ._asgi import UNPROVEN_END, lifespan
 from ._http import Response, problem
 from ._limits import (
     DEFAULT_BODY_TIMEOUT,
@@ -367,7 +367,11 @@ class _Proxy:
                     )
                 chunk = await answer.read()
             if not ended:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                # A body that ran to the close: passed on, but nothing proves it whole.
+                last = {"type": "http.response.body", "body": b"", "more_body": False}
+                if answer.until_close:
+                    last[UNPROVEN_END] = True
+                await send(last)
         except UpstreamError as exc:
             # Too late for a 502: the answer is left unfinished, so the server drops
             # the connection and the client sees a truncated answer, not a short one.
