@@ -396,6 +396,37 @@ def test_route_patterns() -> None:
     assert imap.routes[4].match("GET", "/webhooks/") == {"source": ""}
 
 
+@pytest.mark.parametrize(
+    ("path", "params"),
+    [
+        ("//payments/o1", {"order_id": "o1"}),
+        ("/./payments/o1", {"order_id": "o1"}),
+        ("/x/../payments/o1", {"order_id": "o1"}),
+        ("/payments//o1", {"order_id": "o1"}),
+        ("/payments/./o1", {"order_id": "o1"}),
+        ("/payments/x/../o1", {"order_id": "o1"}),
+        ("/../../payments/o1", {"order_id": "o1"}),
+        ("/payments/refunds/..//o1", {"order_id": "o1"}),
+    ],
+)
+def test_a_path_spelled_with_repeated_slashes_or_dot_segments_takes_its_route(
+    path: str, params: dict[str, str]
+) -> None:
+    imap = routed(
+        Route("POST", "/payments/refunds", "order"),
+        Route("POST", "/payments/{order_id}", "payment"),
+    )
+    assert imap.route("POST", path) == (imap.routes[1], params)
+    assert imap.routes[1].match("POST", path) == params
+
+
+def test_dot_segments_that_leave_a_directory_are_not_its_last_segment() -> None:
+    imap = routed(Route("POST", "/payments", "payment"))
+    assert imap.route("POST", "/payments/x/..") is None  # "/payments/", another path
+    assert imap.route("POST", "/payments/.") is None
+    assert imap.route("POST", "/payments/x/../../payments") == (imap.routes[0], {})
+
+
 def test_routes_hash_by_value_and_pickle() -> None:
     route = Route("post", "/a/{x}", "order", wait="1s")
     same = Route("POST", "/a/{x}", "order", wait=1)
