@@ -884,7 +884,8 @@ class IdempotencyMap:
             table = self._tables.get(method.upper(), self._any)
         if "?" in path:
             path = path.partition("?")[0]
-        path = route_path(path)
+        if "//" in path or "/." in path:  # route_path's own test, without a call
+            path = route_path(path)
         route = table.literals.get(path)
         if route is not None:
             return route, {}
