@@ -304,7 +304,7 @@ class _Proxy:
         for name, value in _end_to_end(headers):
             if name in _OWN:
                 own.setdefault(name, []).append(value)
-            elif trusted or not _forwarding(name):
+            elif trusted or not (name in FORWARDING_HEADERS or name.startswith(b"x-forwarded-")):
                 out.append((name, value))
         chain = [v for v in own.get(b"x-forwarded-for", ()) if v.strip()] if trusted else []
         if client:
@@ -383,10 +383,6 @@ class _Proxy:
             )
         finally:
             answer.close()
-
-
-def _forwarding(name: bytes) -> bool:
-    return name in FORWARDING_HEADERS or name.startswith(b"x-forwarded-")
 
 
 def trusted_networks(proxies: Iterable[str]) -> tuple[IPNetwork, ...]:
