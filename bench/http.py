@@ -847,7 +847,10 @@ def _breakdown_app(name: str) -> Any:
     if name in ("plumbing", "plumbing+fingerprint"):
         _stub_engine()
     if name == "plumbing":
-        _http.request_fingerprint = lambda *args: "f" * 64  # this process only
+        # this process only: the body's canonical form and the hash over it
+        _http.request_fingerprint = lambda *args: "f" * 64
+        _http.body_form = lambda *args: (b"b", b"")
+        _http.form_fingerprint = lambda *args: "f" * 64
     return IdempotencyMiddleware(Endpoint(), store="memory://")
 
 
