@@ -16,6 +16,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -358,14 +359,47 @@ def applied(db: str, idents: list[str]) -> list[str]:
     return [r[0] for r in rows if r[0] in wanted]
 
 
-def flusher(url: str, path: Path) -> subprocess.Popen[bytes]:
+#: ``retrysafe outbox flush`` (the CLI's own code), started with the CLI already imported:
+#: it says ``ready``, then flushes when ``go`` comes on its stdin. Importing takes 2 s
+#: or more on a busy machine; a kill timed from the process start would land in the
+#: imports, and a flush timed from ``go`` lands in the flush.
+_FLUSHER = textwrap.dedent(
+    """
+    import sys
+    import retrysafe._cli, retrysafe._outbox, retrysafe.client
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() == "go":  # not when the test ended without a word
+        sys.exit(retrysafe._cli.main(sys.argv[1:]))
+    """
+)
+
+
+def flusher(url: str, path: Path, *, go: bool = True) -> subprocess.Popen[bytes]:
     """A ``retrysafe outbox flush`` process, sending the caller's token (the outbox
-    keeps no credentials; the server keeps each caller's answers apart)."""
-    argv = [sys.executable, "-m", "retrysafe", "outbox", "flush", "--path", str(path),
+    keeps no credentials; the server keeps each caller's answers apart). It flushes
+    once told (:func:`start`); ``go=True`` tells it at once."""
+    argv = [sys.executable, "-c", _FLUSHER, "outbox", "flush", "--path", str(path),
             "--base-url", url, "--timeout", "2", "--max-time", "20",
             "--header-env", "Authorization=TEST_AUTHORIZATION"]  # fmt: skip
     env = {**os.environ, "TEST_AUTHORIZATION": CALLER["authorization"]}
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)  # fmt: skip
+    if go:
+        start(proc)
+    return proc
+
+
+def start(proc: subprocess.Popen[bytes]) -> None:
+    """Lets a :func:`flusher` flush, once it is ready."""
+    assert proc.stdin is not None and proc.stdout is not None
+    assert proc.stdout.readline() == b"ready\n", proc.stderr.read() if proc.stderr else ""
+    proc.stdin.write(b"go\n")
+    proc.stdin.close()
+
+
+def sends(path: Path) -> list[tuple[int, int]]:
+    """What the outbox shows of flushing: each queued mutation and its attempts."""
+    return [(i.seq, i.attempts) for i in Outbox(path).items()]
 
 
 def queue(path: Path, n: int) -> list[str]:
@@ -381,38 +415,48 @@ def queue(path: Path, n: int) -> list[str]:
 def test_sigkilled_flushers_apply_every_mutation_once_in_order(
     stack: tuple[str, str], tmp_path: Path
 ) -> None:
-    """Kills at random times, and kills right after a slow mutation took effect
-    (its answer not yet sent): the next flusher sends it again, and the server
-    answers that from its store."""
+    """Kills at random moments of a flush, and kills right after a slow mutation took
+    effect (its answer not yet sent): the next flusher sends it again, and the server
+    answers that from its store.
+
+    The work is bounded by count (18 mutations, each round a flusher process, 40 rounds
+    at most), and every wait is for an event: a round starts its flusher once it is
+    ready, kills it after the flush has begun or a slow mutation took effect, and the
+    deadlines only end a hung flusher.
+    """
     url, db = stack
     path = tmp_path / "outbox.db"
-    idents = queue(path, 40)
+    idents = queue(path, 18)
     slow = set(idents[::2])
     rnd = random.Random(1234)
     kills = answer_lost = 0
+    spare = flusher(url, path, go=False)  # each round's flusher imports during the last one
     for round_ in range(40):
         if len(Outbox(path)) == 0:
             break
-        before = set(applied(db, idents))
-        proc = flusher(url, path)
-        if round_ % 2:
-            time.sleep(rnd.uniform(0.3, 1.2))
+        proc, spare = spare, flusher(url, path, go=False)
+        before, sent = set(applied(db, idents)), sends(path)
+        start(proc)
+        deadline = time.monotonic() + 30
+        if round_ % 2:  # a random moment once the flush has begun
+            while proc.poll() is None and sends(path) == sent:
+                assert time.monotonic() < deadline, "the flusher never began"
+                time.sleep(0.005)
+            time.sleep(rnd.uniform(0, 0.5))
         else:  # wait for a slow mutation's effect, then kill before its answer arrives
-            deadline = time.monotonic() + 15
-            while proc.poll() is None and time.monotonic() < deadline:
-                if (set(applied(db, idents)) - before) & slow:
-                    break
+            while proc.poll() is None and not (set(applied(db, idents)) - before) & slow:
+                assert time.monotonic() < deadline, "no slow mutation took effect"
                 time.sleep(0.005)
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             kills += 1
-        proc.wait(10)
+        proc.wait(30)
         assert proc.stderr is not None
         assert b"Traceback" not in proc.stderr.read()
         queued = {json.loads(i.body)["id"] for i in Outbox(path).items()}
         answer_lost += bool(queued & set(applied(db, idents)))
-    final = flusher(url, path)
-    assert final.wait(60) == 0, final.stderr.read() if final.stderr else ""
+    start(spare)  # the last flusher finishes what is left
+    assert spare.wait(60) == 0, spare.stderr.read() if spare.stderr else ""
     assert len(Outbox(path)) == 0 and Outbox(path).failures() == []
     assert kills >= 5, "the flushers were never killed mid-flush"
     assert answer_lost >= 1, "no kill landed between a mutation's effect and its removal"
@@ -425,7 +469,9 @@ def test_flushers_in_several_processes_at_once(stack: tuple[str, str], tmp_path:
     url, db = stack
     path = tmp_path / "outbox.db"
     idents = queue(path, 12)
-    procs = [flusher(url, path) for _ in range(4)]
+    procs = [flusher(url, path, go=False) for _ in range(4)]
+    for proc in procs:
+        start(proc)
     codes = [p.wait(60) for p in procs]
     assert codes == [0] * 4, [p.stderr.read() for p in procs if p.stderr]
     done = effects(db)
