@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -182,12 +183,16 @@ def kill_sweeps_until_one_finishes(spec: StoreSpec, now: float, free: tuple[int,
     parent lets it start one more and kills it at a random moment, inside that
     batch or after it (the child then waits again), however fast or busy the
     machine. So every kill lands in a sweep in progress, and a run advances at
-    most ``free[1] + 1`` batches. The moments grow later from kill to kill, so
-    that a batch longer than the first ones gets its turn to finish. Returns the
-    number of kills.
+    most ``free[1] + 1`` batches. The moments are drawn within a bound that fits
+    the machine: it grows by half after a kill that came before the batch ended,
+    and is at least three times the longest batch seen to end, so that a batch
+    longer than the first ones gets its turn to finish, and a slow machine does
+    not spend a child process (over a second to start there) on each step of a
+    slow growth. Returns the number of kills.
     """
     rng = random.Random(int(os.environ.get("PYTEST_SEED", "0")) or None)
     argv = [sys.executable, "-c", _CHILD, spec.url, json.dumps(spec.options), repr(now)]
+    bound = 0.02
     for kills in range(200):
         child = subprocess.Popen(
             [*argv, str(rng.randint(*free))],
@@ -198,7 +203,12 @@ def kill_sweeps_until_one_finishes(spec: StoreSpec, now: float, free: tuple[int,
         if said == "held":
             child.stdin.write("go\n")
             child.stdin.flush()
-            time.sleep(rng.uniform(0, 0.004 * 1.2**kills))
+            began = time.monotonic()
+            # The child writes nothing more until the batch has ended.
+            if select.select([child.stdout], [], [], rng.uniform(0, bound))[0]:
+                bound = max(bound, 3 * (time.monotonic() - began))
+            else:
+                bound *= 1.5
             child.send_signal(signal.SIGKILL)
             said = child.stdout.read()
         _, errors = child.communicate(timeout=30)
