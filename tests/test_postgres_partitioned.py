@@ -556,6 +556,9 @@ def test_a_pending_detach_is_finalized(
     assert sorted(keys) == sorted(made["financial"])
 
 
+# A child process a kill (12 to 15, each 1.3 to 2 s to start beside two CPU hogs, 28 s in
+# all there, several times that at load 20): past the default 120 s in a busy full run.
+@pytest.mark.timeout(300)
 def test_killed_sweeps_lose_and_duplicate_nothing(
     spec: StoreSpec, sstore: Any, pg: psycopg.Connection[Any], clock: Clock
 ) -> None:
