@@ -310,19 +310,31 @@ class SQLiteStore(Store[_Op]):
         return conn
 
     def _set_wal(self, conn: sqlite3.Connection) -> None:
-        # Switching a new file to WAL needs a moment alone with it, and SQLite
-        # reports "locked" at once instead of waiting: retry within the timeout.
+        # WAL is kept in the file: only a new file is switched, and only once.
+        # Switching needs a moment alone with the file, and processes that open a
+        # new one together race for it: SQLite reports "locked" at once instead of
+        # waiting, or a disk I/O error from the wal-index being set up under it
+        # (seen once with 6 processes on a fresh file). Retry within the timeout
+        # until the file says WAL; a lasting error is raised at the deadline.
         deadline = time.monotonic() + self.timeout
         delay = 0.001
         while True:
             try:
-                conn.execute("PRAGMA journal_mode=WAL")
-                return
+                if conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal":
+                    return
+                if conn.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal":
+                    return
             except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) or time.monotonic() > deadline:
+                transient = "locked" in str(exc) or "disk I/O" in str(exc)
+                if not transient or time.monotonic() > deadline:
                     raise
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
+            else:
+                if time.monotonic() > deadline:
+                    raise sqlite3.OperationalError(
+                        f"{self.path} could not be switched to WAL (another process holds it)"
+                    )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
     def _conn(self) -> sqlite3.Connection:
         local = self._local
