@@ -6,7 +6,7 @@ production store), one thread measures first calls and replays of:
 * **engine**: ``engine.begin`` + ``engine.complete`` (the floor every front door
   stands on), with the arguments fingerprinted per call as a front door must;
 * **@idempotent**: a decorated function keyed by a template;
-* **mesh**: ``MeshIdempotency.handle`` of a Mesh request envelope (seed 002);
+* **mesh**: ``MeshIdempotency.handle`` of a Mesh request envelope (the Mesh idempotency extension);
 * **a2a**: ``A2AIdempotency.handle`` of an A2A ``message/send`` JSON-RPC request.
 
 Each front door is compared with the engine in the same run (interleaved rounds,

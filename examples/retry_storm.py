@@ -147,7 +147,7 @@ def refunds(index: int) -> bool:
 
 
 async def customer(storm: Storm, index: int) -> None:
-    """Seed 000's flow for one customer, each call fired several times at once."""
+    """The shop's flow for one customer, each call fired several times at once."""
     s, tag = storm, f"{storm.run}-{index}"
     user, device = f"storm-{tag}", f"phone-{index}"
     who = {"user_id": user, "device_id": device}

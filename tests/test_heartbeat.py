@@ -214,7 +214,7 @@ def test_renewal_survives_unexpected_errors(caplog: pytest.LogCaptureFixture) ->
 
 
 def test_a_request_ttl_shorter_than_the_handler_keeps_the_key() -> None:
-    """Seed 002: a duplicate while processing never starts new processing, whatever the ttl."""
+    """Mesh: a duplicate while processing never starts new processing, whatever the ttl."""
     slow = Slow()
     door = MeshIdempotency(Engine(MemoryStore(), lease=LEASE))
     envelope = {

@@ -1,4 +1,4 @@
-"""The Mesh idempotency extension (seed 002) on every store, sync and async, and over HTTP."""
+"""The Mesh idempotency extension on every store, sync and async, and over HTTP."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def request(
     version: str | None = "1",
     **options: Any,
 ) -> dict[str, Any]:
-    """Seed 002's request example, with what a test changes."""
+    """The Mesh idempotency extension's request example, with what a test changes."""
     arguments = dict(ARGUMENTS) if arguments is None else arguments
     call: dict[str, Any] = {"function": function, "arguments": arguments}
     if version is not None:
@@ -125,7 +125,7 @@ def run(make: Callable[..., Mesh]) -> Mesh:
     return make()
 
 
-# -- seed 002's examples ----------------------------------------------------------------
+# -- the extension's examples --------------------------------------------------------
 
 
 def test_first_request_is_processed(run: Mesh, clock: Clock, store: Store[Any]) -> None:

@@ -1,6 +1,6 @@
 """Transactional completion: business writes and the record's completion commit together.
 
-The order-once pattern of seed 000 on SQLite and PostgreSQL (plain and
+The order-once pattern of the agentic-commerce idempotency map on SQLite and PostgreSQL (plain and
 partitioned): a unique constraint on ``cart_mandate_id`` plus the key
 ``order:{cartMandateId}:{userId}``, the order row and the completed record
 written in one transaction. Crashes are real (SIGKILL of a worker process).
@@ -102,7 +102,7 @@ def create_order(
     connection: Any = None,
     lease: float | None = None,
 ) -> dict[str, Any]:
-    """Seed 000's order creation: once per cart mandate, the record committed with the row."""
+    """Order creation: once per cart mandate, the record committed with the row."""
     key = IMAP.key("order", cart_mandate_id=mandate, user_id=user)
     with engine.attempt(
         key, operation="order", scope=user, fingerprint=str(amount), lease=lease

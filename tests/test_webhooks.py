@@ -593,7 +593,7 @@ def test_an_unsigned_event_id_cannot_replay_or_shadow_a_delivery(
     real = shopify_headers(later, SHOPIFY_SECRET, **{"X-Shopify-Event-Id": "evt-9"})
     assert deliver(shopify, real, later).body["status"] == "processed"
     assert handler.runs == ["evt-1", "evt-9"]
-    # Behind a trusted transport, the seed's key by the header id.
+    # Behind a trusted transport, the map's key by the header id.
     trusting = deliver.receiver(
         memory, handler, scheme="shopify", secrets=SHOPIFY_SECRET, source="trusted",
         trust_event_ids=True,

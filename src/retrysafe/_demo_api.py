@@ -1,4 +1,4 @@
-"""The demo API behind ``retrysafe demo``: the demo shop (seed 000) over HTTP.
+"""The demo API behind ``retrysafe demo``: the demo shop over HTTP.
 
 A plain ASGI app; each route calls one method of :class:`~retrysafe._demo_shop.Shop`
 on a worker thread. Every side effect is a row, counted by ``GET /stats``, so a

@@ -1,4 +1,4 @@
-"""The demo shop: seed 000's agentic-commerce backend, built from retrysafe's blocks.
+"""The demo shop: the backend of the agentic-commerce idempotency map, from retrysafe's blocks.
 
 Every operation is a plain (sync) method that returns ``(status, document)``;
 :mod:`retrysafe._demo_api` serves them over HTTP. Business data lives in one
@@ -198,7 +198,7 @@ class PaymentGateway:
 
 
 class Shop:
-    """Seed 000's backend over one SQLite file (``path``): see the module's table."""
+    """The agentic-commerce backend over one SQLite file (``path``): see the module's table."""
 
     def __init__(
         self, path: str, *, gateway_delay: float = 0.0, lease: float = 10.0, wait: float = 10.0

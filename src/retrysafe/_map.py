@@ -964,7 +964,7 @@ class IdempotencyMap:
 
     @classmethod
     def default(cls) -> IdempotencyMap:
-        """The operations of seed 000's Idempotency Map, named as their key prefixes.
+        """The operations of the agentic-commerce idempotency map, named as their key prefixes.
 
         24 h and standard retention, except cart mandates (30 min: stale prices)
         and payments and orders (7 days, financial: archived before deletion).

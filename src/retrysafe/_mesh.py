@@ -46,7 +46,7 @@ __all__ = [
 URN = "urn:mesh:ext:idempotency"
 PROTOCOL = {"name": "mesh", "version": "0.1.0"}
 
-# The protocol's own codes, then the extension's (seed 002) and retrysafe's.
+# The protocol's own codes, then the Mesh idempotency extension's and retrysafe's.
 PARSE_ERROR = "PARSE_ERROR"
 INVALID_REQUEST = "INVALID_REQUEST"
 FUNCTION_NOT_FOUND = "FUNCTION_NOT_FOUND"

@@ -1,10 +1,10 @@
-"""Mesh calls with the idempotency extension, retried safely (the caller's side of seed 002).
+"""Mesh calls with the idempotency extension, retried safely (the caller's side).
 
 Import :class:`MeshClient` and :class:`AsyncMeshClient` from :mod:`retrysafe.client`,
 which imports this module after its own clients (this module subclasses them).
 
 ``call()`` builds the request envelope with one key for the whole call and a new
-``id`` per attempt (seed 002: the id is per attempt, the key per operation), and
+``id`` per attempt (the extension: the id is per attempt, the key per operation), and
 the send loop of :class:`~retrysafe.client.Client` retries it. Besides what the
 base client retries (transport errors, 5xx), an answer to ``call()`` whose Mesh
 errors are all ``"retryable": true`` is retried after its ``details.retry_after``;

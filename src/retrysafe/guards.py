@@ -7,14 +7,14 @@ idempotency records. The decisions are plain functions; the sync and async metho
 only drive the same flow with the store's two executors. See ``docs/guards.md``.
 
 * :class:`PaymentStateMachine`: a payment's state, moved only along allowed
-  transitions (gateway webhooks, seed 000);
+  transitions (gateway webhooks, the agentic-commerce idempotency map);
 * :class:`SequenceGuard`: per-session, per-operation sequence numbers processed in
-  order (seed 000 "Session State Updates");
+  order (the agentic-commerce idempotency map's "Session State Updates");
 * :class:`SessionRegistry`: one active session token per user and device
-  (seed 000 "Session Token Generation");
+  (the agentic-commerce idempotency map's "Session Token Generation");
 * :class:`VersionedRecords`: optimistic locking (``cas``) or last-write-wins
   (``lww``) for synchronised data; :class:`History`: append-only lists
-  (seed 000 "Data Synchronization Idempotency").
+  (the agentic-commerce idempotency map's "Data Synchronization Idempotency").
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ DEFAULT_TRANSITIONS: Mapping[str, frozenset[str]] = {
     "canceled": frozenset(),
     "refunded": frozenset(),
 }
-#: Gateway event types (seed 000) and the state each one means.
+#: Gateway event types (the agentic-commerce idempotency map) and the state each one means.
 DEFAULT_EVENTS: Mapping[str, str] = {
     "payment.succeeded": "succeeded",
     "payment.failed": "failed",

@@ -1,4 +1,4 @@
-"""The Mesh front door: the ``urn:mesh:ext:idempotency`` extension (seed 002).
+"""The Mesh front door: the ``urn:mesh:ext:idempotency`` extension, Mesh's idempotency extension.
 
 ::
 
