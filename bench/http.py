@@ -818,9 +818,20 @@ BREAKDOWN_MARKS = (
 )
 
 
+def _first_module(*names: str) -> Any:
+    """The first of ``names`` that imports: bench --rev runs older trees, whose modules
+    had other names."""
+    for name in names[:-1]:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return importlib.import_module(names[-1])
+
+
 def _stub_engine() -> None:
     """In this process, every engine attempt claims its key and stores nothing."""
-    from retrysafe._engine import Attempt
+    Attempt = _first_module("retrysafe._core.engine", "retrysafe._engine").Attempt
 
     async def enter(self: Any) -> Any:
         self.claim = self.replay = None
@@ -841,8 +852,10 @@ def _breakdown_app(name: str) -> Any:
         return Endpoint()
     if name == "floor":
         return Floor(Endpoint(), "memory")
-    from retrysafe import _http
     from retrysafe.asgi import IdempotencyMiddleware
+
+    # the HTTP core's module at this tree's revision (--rev measures older trees too)
+    _http = _first_module("retrysafe._http.policy", "retrysafe._http")
 
     if name in ("plumbing", "plumbing+fingerprint"):
         _stub_engine()

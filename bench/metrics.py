@@ -16,7 +16,7 @@ next variant's on, off, ...; the whole order flips every round), after a warm-up
   ``begin`` of a completed key (bench/stores.py's contenders): the per-call CPU
   cost metrics add;
 * **server**: the same middleware and endpoint under uvicorn
-  (``retrysafe._serve.ServerThread``, a thread of this process, so that toggling
+  (``retrysafe._ops.serve.ServerThread``, a thread of this process, so that toggling
   ``METRICS.enabled`` reaches it) and an ``httpx.Client`` (keep-alive) sending keyed
   POSTs one after another from the main thread; first requests, replays and the mix.
   The server thread's own CPU clock gives its CPU per request too: the ratio a
@@ -88,9 +88,9 @@ from typing import Any
 import httpx
 
 from retrysafe import Engine, open_store
-from retrysafe._metrics import METRICS
-from retrysafe._monitor import read_sample
-from retrysafe._serve import ServerThread, bind
+from retrysafe._core.metrics import METRICS
+from retrysafe._ops.monitor import read_sample
+from retrysafe._ops.serve import ServerThread, bind
 from retrysafe.asgi import IdempotencyMiddleware
 
 BEGIN_MARK = "<!-- bench/metrics.py: generated from here -->"
@@ -747,7 +747,7 @@ def render(
             "#### Through a real server (uvicorn in a thread of this process)",
             "",
             _wrap(
-                "The same middleware and endpoint served by `retrysafe._serve.ServerThread` "
+                "The same middleware and endpoint served by `retrysafe._ops.serve.ServerThread` "
                 "(uvicorn, one thread of this process with its own event loop, default "
                 "settings: httptools and uvloop when installed, no access log), and an "
                 "`httpx.Client` (keep-alive, one connection) posting from the main thread, "

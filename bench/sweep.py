@@ -86,8 +86,8 @@ from types import ModuleType, SimpleNamespace  # noqa: E402
 from typing import Any  # noqa: E402
 
 from retrysafe import Claim, Engine, Outcome, Record, Status, open_store  # noqa: E402
-from retrysafe._keys import key_hash  # noqa: E402
-from retrysafe._record import FINANCIAL, STANDARD  # noqa: E402
+from retrysafe._model.hashing import key_hash  # noqa: E402
+from retrysafe._model.record import FINANCIAL, STANDARD  # noqa: E402
 from retrysafe.stores import Store  # noqa: E402
 from retrysafe.stores._sql import COLUMNS, record_params  # noqa: E402
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-#: The demo's webhook secrets (retrysafe._demo_shop.DEMO_SECRETS; demo only).
+#: The demo's webhook secrets (retrysafe._demo.shop.DEMO_SECRETS; demo only).
 STRIPE_SECRET = "whsec_retrysafe_demo_stripe"
 SHOPIFY_SECRET = "retrysafe-demo-shopify"
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's one test command: installs system servers if missing, builds
-# .venv, lints, then runs pytest with any extra arguments passed through.
+# .venv, lints, checks the layers, then runs pytest with any extra arguments passed through.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -77,5 +77,9 @@ if [ -d bench ]; then
     lint_paths+=(bench)
 fi
 .venv/bin/python -m ruff check "${lint_paths[@]}"
+.venv/bin/python -m ruff format --check --quiet "${lint_paths[@]}"
+# The layers (docs/architecture.md), and shared code under real names.
+.venv/bin/lint-imports --no-cache --no-logo >/dev/null || .venv/bin/lint-imports --no-cache --no-logo
+.venv/bin/python scripts/private_names.py
 
 exec .venv/bin/python -m pytest "$@"

@@ -31,7 +31,7 @@ from a2a.types import AgentCapabilities, AgentCard, AgentInterface, AgentSkill
 from a2a.utils.errors import InternalError
 from starlette.applications import Starlette
 
-from retrysafe._asgi import replaying
+from retrysafe._http.asgi import replaying
 from retrysafe.a2a import IdempotencyMiddleware
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from _http_servers import Process, free_port, uvicorn_argv
 
-from retrysafe._asgi import read_body
+from retrysafe._http.asgi import read_body
 
 SCHEMA = "CREATE TABLE IF NOT EXISTS effects (n INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT)"
 

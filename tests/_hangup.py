@@ -13,8 +13,8 @@ import time
 from typing import Any
 
 from retrysafe import Status, Store, key_hash
-from retrysafe._principal import Principals
-from retrysafe._secret import secret_of
+from retrysafe._core.principal import Principals
+from retrysafe._core.secret import secret_of
 
 #: The credentials the front-door tests send (a keyed request without any runs unrecorded).
 CALLER = {"authorization": "Bearer test-caller"}

@@ -60,7 +60,7 @@ class ThreadServer:
 
     def __enter__(self) -> ThreadServer:
         if self.kind == "asgi":
-            from retrysafe._serve import ServerThread, bind
+            from retrysafe._ops.serve import ServerThread, bind
 
             self._server = ServerThread(self.app, bind("127.0.0.1", 0), log_level="error")
             self._server.start()

@@ -33,7 +33,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from retrysafe._asgi import read_body
+from retrysafe._http.asgi import read_body
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS calls (
     n INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT, path TEXT, mode TEXT, object_id TEXT)"""

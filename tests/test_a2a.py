@@ -28,9 +28,9 @@ from _http_servers import Process, ThreadServer, free_port, uvicorn_argv
 from conftest import StoreSpec
 
 from retrysafe import Engine, Store, StoreUnavailableError
-from retrysafe._a2a import normal_message, part_v03, part_v10, result_as
-from retrysafe._asgi import caller
-from retrysafe._principal import Principals
+from retrysafe._core.principal import Principals
+from retrysafe._http.asgi import caller
+from retrysafe._protocols.a2a import normal_message, part_v03, part_v10, result_as
 from retrysafe.a2a import SEND_METHODS, A2AIdempotency, ErrorCode, IdempotencyMiddleware
 
 _ids = itertools.count(1)

@@ -145,7 +145,7 @@ def test_an_answer_with_headers_over_the_bound_is_not_stored_nor_run_again() -> 
     from _hangup import caller_scope
 
     from retrysafe import Status, key_hash
-    from retrysafe._http import MAX_STORED_HEADERS
+    from retrysafe._http.policy import MAX_STORED_HEADERS
     from retrysafe.stores.memory import MemoryStore
 
     runs = 0

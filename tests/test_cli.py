@@ -19,7 +19,7 @@ from _hangup import CALLER
 from _upstream import UpstreamProcess
 
 from retrysafe import Engine, Outcome
-from retrysafe._cli import main
+from retrysafe._cli.app import main
 
 ENV = {**os.environ, "RETRYSAFE_STORE": ""}
 

@@ -19,7 +19,7 @@ from urllib.parse import quote
 import pytest
 
 from retrysafe import Claim, Engine, Outcome, open_store
-from retrysafe._cli import main
+from retrysafe._cli.app import main
 
 ENV = {**os.environ, "RETRYSAFE_STORE": ""}
 HOUR = 3600.0

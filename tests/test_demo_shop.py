@@ -22,8 +22,8 @@ import httpx
 import pytest
 from _http_servers import ThreadServer
 
-from retrysafe._demo_api import DemoApi
-from retrysafe._demo_shop import DEMO_SECRETS
+from retrysafe._demo.api import DemoApi
+from retrysafe._demo.shop import DEMO_SECRETS
 
 ROOT = Path(__file__).resolve().parent.parent
 STORM = ROOT / "examples" / "retry_storm.py"
@@ -373,9 +373,9 @@ def test_a_failed_session_update_does_not_move_the_sequence(
             raise OSError("disk full")
         return real(value, **kw)
 
-    monkeypatch.setattr("retrysafe._demo_shop.json.dumps", failing)
+    monkeypatch.setattr("retrysafe._demo.shop.json.dumps", failing)
     assert client.post("/session-updates", json=update).status_code == 500
-    monkeypatch.setattr("retrysafe._demo_shop.json.dumps", real)
+    monkeypatch.setattr("retrysafe._demo.shop.json.dumps", real)
     retried = client.post("/session-updates", json=update)  # the same sequence number again
     assert retried.status_code == 201, retried.text
     assert api.stats["session_updates_applied"] == 1

@@ -37,8 +37,8 @@ from django.test import RequestFactory, override_settings
 from django.urls import path
 
 from retrysafe import Status, Store, open_store
-from retrysafe._principal import Principal
-from retrysafe._secret import secret_of
+from retrysafe._core.principal import Principal
+from retrysafe._core.secret import secret_of
 from retrysafe.django import IdempotencyMiddleware
 
 pytestmark = pytest.mark.filterwarnings(

@@ -27,7 +27,7 @@ from _hangup import CALLER, caller_scope
 from _upstream import GZIP_TEXT, RawUpstream, Reply, UpstreamProcess, pattern
 
 from retrysafe import Status, key_hash
-from retrysafe._serve import ServerThread, bind
+from retrysafe._ops.serve import ServerThread, bind
 from retrysafe.gateway import Gateway, HTTPProtocol, create_app
 from retrysafe.stores.memory import MemoryStore
 

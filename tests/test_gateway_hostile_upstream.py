@@ -23,7 +23,7 @@ from test_gateway import Running, gateway  # noqa: F401  (the fixture)
 from test_map_http import send_target
 
 from retrysafe import Status
-from retrysafe._upstream import Pool
+from retrysafe._gateway.upstream import Pool
 from retrysafe.gateway import create_app
 
 HOSTILE = str(Path(__file__).with_name("_hostile_upstream.py"))

@@ -26,8 +26,8 @@ from _hangup import CALLER, caller_scope
 from _upstream import UpstreamProcess
 
 from retrysafe import key_hash
-from retrysafe._limits import ServerLimits, protocol_class
-from retrysafe._serve import ServerThread, bind
+from retrysafe._gateway.limits import ServerLimits, protocol_class
+from retrysafe._ops.serve import ServerThread, bind
 from retrysafe.gateway import (
     DEFAULT_MAX_HEAD_SIZE,
     ENV_BODY_TIMEOUT,

@@ -16,7 +16,7 @@ from _racing import race_processes
 from conftest import Clock, StoreSpec, make_spec
 
 from retrysafe import IdempotencyError, Store, StoreUnavailableError, open_store
-from retrysafe._state import Cell, Cells
+from retrysafe._core.cells import Cell, Cells
 from retrysafe.guards import (
     DEFAULT_EVENTS,
     DEFAULT_TRANSITIONS,

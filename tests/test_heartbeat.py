@@ -235,7 +235,7 @@ def test_a_request_ttl_shorter_than_the_handler_keeps_the_key() -> None:
 def test_finished_calls_are_let_go() -> None:
     """Watches of finished calls do not pile up (they hold the attempt and its answer)."""
     from retrysafe import idempotent
-    from retrysafe._heartbeat import _heartbeat
+    from retrysafe._core.heartbeat import _heartbeat
 
     big = "x" * 10_000
 

@@ -62,17 +62,17 @@ from retrysafe import (
     fingerprint,
     open_store,
 )
-from retrysafe._a2a import Send, parse_send
-from retrysafe._http import (
+from retrysafe._http.policy import (
     MAX_KEY_HEADER,
     PROBLEM_TYPE,
     BodyError,
     parse_key,
     request_fingerprint,
 )
-from retrysafe._keys import _KEY_RE, printable
-from retrysafe._mesh import loads
-from retrysafe._record import MAX_REQUEST_ID, stored_request_id
+from retrysafe._model.hashing import KEY_PATTERN, printable
+from retrysafe._model.record import MAX_REQUEST_ID, stored_request_id
+from retrysafe._protocols.a2a import Send, parse_send
+from retrysafe._protocols.mesh import loads
 from retrysafe.a2a import IdempotencyMiddleware as A2AMiddleware
 from retrysafe.asgi import IdempotencyMiddleware as ASGIMiddleware
 from retrysafe.mesh import URN, MeshApp
@@ -290,7 +290,7 @@ def test_key_header_parser_returns_a_key_or_raises_invalid_key(values: list[str]
         assert str(exc)
         key = None
     else:
-        assert key is None or _KEY_RE.fullmatch(key), key
+        assert key is None or KEY_PATTERN.fullmatch(key), key
     assert time.perf_counter() - started < 5.0  # no pathological backtracking
 
 
@@ -846,7 +846,7 @@ def test_a2a_send_parser_gives_a_send_none_or_invalid_key(request: Any, principa
         assert str(exc)
         return
     event("not a send" if send is None else "a send")
-    assert send is None or (isinstance(send, Send) and _KEY_RE.fullmatch(send.key))
+    assert send is None or (isinstance(send, Send) and KEY_PATTERN.fullmatch(send.key))
 
 
 @cache
@@ -1099,8 +1099,8 @@ _header_values = st.text(
 def limited_gateway(parser: str) -> str:
     """The URL of a gateway served with ``parser`` and a ``HEAD_LIMIT``-byte head
     limit (its own health page answers; the upstream is never asked)."""
-    from retrysafe._limits import protocol_class
-    from retrysafe._serve import ServerThread, bind
+    from retrysafe._gateway.limits import protocol_class
+    from retrysafe._ops.serve import ServerThread, bind
     from retrysafe.gateway import create_app
 
     app = create_app("http://127.0.0.1:9", store="memory://", max_head_size=HEAD_LIMIT,

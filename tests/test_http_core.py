@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from retrysafe import InvalidKeyError, Outcome, Record, Replay, Status
-from retrysafe._http import (
+from retrysafe._http.policy import (
     OMITTED,
     BodyError,
     HttpPolicy,
@@ -192,7 +192,7 @@ JSON_VALUES = st.recursive(
 @given(JSON_VALUES)
 def test_the_fast_json_canonical_form_is_canonical_json(value: object) -> None:
     from retrysafe import canonical_json
-    from retrysafe._http import _canonical
+    from retrysafe._http.policy import _canonical
 
     text = json.dumps(value, indent=1, ensure_ascii=True)
     assert _canonical(text) == canonical_json(json.loads(text))

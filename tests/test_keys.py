@@ -15,7 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import retrysafe
-from retrysafe import InvalidKeyError, keys
+from retrysafe import InvalidKeyError
+from retrysafe._client import keys
 from retrysafe.keys import (
     cart_hash,
     intent_hash,

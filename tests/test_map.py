@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 import retrysafe
 from retrysafe import Engine, IdempotencyMap, InvalidKeyError, MapError, Operation, Route
-from retrysafe._duration import format_duration, parse_duration
-from retrysafe._record import FINANCIAL, STANDARD
+from retrysafe._model.duration import format_duration, parse_duration
+from retrysafe._model.record import FINANCIAL, STANDARD
 
 DAY = 24 * 3600.0
 WEEK = 7 * DAY

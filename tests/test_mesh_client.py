@@ -28,7 +28,7 @@ from test_client import FakeTime, expected_delays, policy
 from test_client import scripted as scripted_once
 
 from retrysafe import InvalidKeyError
-from retrysafe._client import mesh_retryable, retry_after
+from retrysafe._client.retry import mesh_retryable, retry_after
 from retrysafe.client import AsyncMeshClient, Client, MeshClient, RetryPolicy, decide
 from retrysafe.mesh import URN, MeshApp
 

@@ -31,9 +31,9 @@ from _http_apps import Counter
 from _http_servers import ThreadServer
 
 from retrysafe import Engine, LeaseLostError, Outcome, Store, idempotent, key_hash, open_store
-from retrysafe._admin import AdminSite
-from retrysafe._metrics import COUNTERS, METRICS, AlertLog, Alerts, Metrics
-from retrysafe._monitor import Monitor, quantile, read_sample
+from retrysafe._core.metrics import COUNTERS, METRICS, AlertLog, Alerts, Metrics
+from retrysafe._ops.admin import AdminSite
+from retrysafe._ops.monitor import Monitor, quantile, read_sample
 from retrysafe.a2a import A2AIdempotency
 from retrysafe.mesh import MeshIdempotency
 from retrysafe.metrics import MetricsApp, configure, disable, enable, wsgi_app
@@ -332,8 +332,8 @@ def test_cli_alerts_are_prefixed_once_and_summarised(tmp_path: Path) -> None:
     """The CLI's stderr handler (used when nothing else handles logging): one
     ``retrysafe`` prefix, and 1,000 alerts make two lines (the first, the summary at exit)."""
     code = (
-        "from retrysafe._cli import main\n"
-        "from retrysafe._metrics import METRICS\n"
+        "from retrysafe._cli.app import main\n"
+        "from retrysafe._core.metrics import METRICS\n"
         "main(['map', 'check', 'none.toml'])\n"
         "for i in range(1000):\n"
         "    METRICS.alert('burst', 'op', 'k', f'{i:016x}' + '0' * 48, '4 requests with one key')\n"
@@ -401,7 +401,7 @@ def test_disabled_metrics_count_nothing(memory: Store[Any], op: str) -> None:
 def test_operation_labels_are_bounded() -> None:
     from prometheus_client import CollectorRegistry
 
-    from retrysafe import _metrics
+    from retrysafe._core import metrics as _metrics
 
     registry = CollectorRegistry()
     m = Metrics(registry=registry)
@@ -599,7 +599,7 @@ def test_the_inspector_api(memory: Store[Any], op: str) -> None:
 
 
 def test_stats_watch_from_the_store(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    from retrysafe._cli import main as cli
+    from retrysafe._cli.app import main as cli
 
     url = f"sqlite:///{tmp_path}/w.db"
     store = open_store(url)
@@ -619,7 +619,7 @@ def test_stats_watch_from_the_store(tmp_path: Any, capsys: pytest.CaptureFixture
 def test_stats_watch_from_a_dashboard(
     memory: Store[Any], op: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from retrysafe._cli import main as cli
+    from retrysafe._cli.app import main as cli
     from retrysafe.dashboard import DashboardApp
 
     for _ in range(3):  # this process serves the dashboard: these are its figures
@@ -644,7 +644,7 @@ def test_stats_watch_from_a_dashboard(
 
 
 def test_stats_watch_finds_the_gateways_dashboard(monkeypatch: pytest.MonkeyPatch) -> None:
-    from retrysafe._watch import http_source
+    from retrysafe._ops.watch import http_source
 
     seen: list[str] = []
 
@@ -665,7 +665,7 @@ def test_stats_watch_finds_the_gateways_dashboard(monkeypatch: pytest.MonkeyPatc
 def test_the_terminal_view() -> None:
     from rich.console import Console
 
-    from retrysafe._watch import render
+    from retrysafe._ops.watch import render
 
     monitor = Monitor(open_store("memory://"))
     monitor.sample()
@@ -708,7 +708,7 @@ stuck_after = "1m"
 
 
 def metrics_alerts() -> Alerts:
-    from retrysafe._metrics import METRICS
+    from retrysafe._core.metrics import METRICS
 
     return METRICS.alerts
 
@@ -753,7 +753,7 @@ def test_a_completion_the_store_cannot_take_is_counted_and_alerted(
 def test_a_failing_metrics_report_never_fails_the_request(
     memory: Store[Any], op: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from retrysafe._metrics import METRICS
+    from retrysafe._core.metrics import METRICS
 
     def broken(call: str) -> Any:
         raise OSError(28, "No space left on device")
@@ -776,8 +776,8 @@ def test_the_snapshot_survives_events_arriving_while_it_is_read(memory: Store[An
     "deque mutated during iteration" at once, on any machine, with no threads racing."""
     from prometheus_client import CollectorRegistry
 
-    from retrysafe._metrics import Event
-    from retrysafe._monitor import Sample
+    from retrysafe._core.metrics import Event
+    from retrysafe._ops.monitor import Sample
 
     metrics = Metrics(registry=CollectorRegistry())
     monitor = Monitor(memory, window=5, history=100, interval=1, metrics=metrics)

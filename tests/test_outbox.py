@@ -32,7 +32,7 @@ from _http_servers import ThreadServer
 from test_client import FakeTime, policy, problem, scripted
 
 from retrysafe import FingerprintMismatchError, InvalidKeyError
-from retrysafe._cli import main as cli
+from retrysafe._cli.app import main as cli
 from retrysafe.client import Client, Outbox, OutboxError, RetryPolicy
 
 BASE = "http://api.test"
@@ -366,10 +366,10 @@ def applied(db: str, idents: list[str]) -> list[str]:
 _FLUSHER = textwrap.dedent(
     """
     import sys
-    import retrysafe._cli, retrysafe._outbox, retrysafe.client
+    import retrysafe._cli.app, retrysafe._client.outbox, retrysafe.client
     print("ready", flush=True)
     if sys.stdin.readline().strip() == "go":  # not when the test ended without a word
-        sys.exit(retrysafe._cli.main(sys.argv[1:]))
+        sys.exit(retrysafe._cli.app.main(sys.argv[1:]))
     """
 )
 

@@ -44,8 +44,8 @@ from retrysafe import (
     key_hash,
     open_store,
 )
-from retrysafe._principal import PUBLIC, Principal, Principals, is_identity_cookie
-from retrysafe._secret import CELL_KEY, ENV_SECRET, SecretError, check_secret, secret_of
+from retrysafe._core.principal import PUBLIC, Principal, Principals, is_identity_cookie
+from retrysafe._core.secret import CELL_KEY, ENV_SECRET, SecretError, check_secret, secret_of
 
 SECRET = b"s" * 32
 
@@ -138,7 +138,7 @@ def test_the_scope_is_a_keyed_hash_that_holds_no_credential() -> None:
 
 @pytest.mark.parametrize("key", [b"", b"s" * 32, b"k" * 64, b"x" * 100])
 def test_the_keyed_hash_is_hmac_sha256(key: bytes) -> None:
-    from retrysafe._secret import Secret
+    from retrysafe._core.secret import Secret
 
     for message in (b"", b"abc", bytes(range(256)) * 9):
         expected = hmac.new(key, message, "sha256").hexdigest()
@@ -197,7 +197,7 @@ def test_cookies_alone_need_a_session_cookie() -> None:
 
 
 def test_a_user_class_that_raises_never_fails_the_request() -> None:
-    from retrysafe._principal import asgi_user
+    from retrysafe._core.principal import asgi_user
 
     class Claims:
         is_authenticated = True
@@ -248,7 +248,7 @@ def test_the_secret_is_made_once_and_kept_in_the_store(store_spec: StoreSpec) ->
 
 
 async def test_the_secret_from_a_coroutine(store: Store[Any]) -> None:
-    from retrysafe._secret import asecret_of
+    from retrysafe._core.secret import asecret_of
 
     assert (await asecret_of(store)).value == secret_of(store).value
     await store.aclose()
@@ -318,7 +318,7 @@ def test_a_secret_that_retrysafe_did_not_write_is_refused(
     memory: Store[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     from retrysafe import StoreUnavailableError
-    from retrysafe._state import Cells
+    from retrysafe._core.cells import Cells
 
     assert Cells(memory, "retrysafe", "deployment").write(CELL_KEY, None, "short", None)
     with pytest.raises(StoreUnavailableError, match="not one retrysafe wrote") as info:

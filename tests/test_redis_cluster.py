@@ -74,7 +74,7 @@ from retrysafe import (
     Replay,
     StoreUnavailableError,
 )
-from retrysafe._keys import key_hash
+from retrysafe._model.hashing import key_hash
 from retrysafe.stores.redis import RedisStore
 
 

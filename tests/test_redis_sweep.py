@@ -20,7 +20,7 @@ from _servers import RedisCluster, free_port
 from conftest import Clock, make_spec
 
 from retrysafe import Claim, Engine, Outcome, Status, StoreUnavailableError, Sweeper
-from retrysafe._record import Record
+from retrysafe._model.record import Record
 from retrysafe.stores import Store, open_store
 from retrysafe.stores.redis import RedisStore, _record_value, record_from_value
 

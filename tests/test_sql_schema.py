@@ -17,9 +17,9 @@ from _servers import PostgresServer
 from conftest import Clock
 
 from retrysafe import Claim, Engine, Outcome, Status, StoreUnavailableError
-from retrysafe._cli import main
-from retrysafe._keys import key_hash
-from retrysafe._record import Record
+from retrysafe._cli.app import main
+from retrysafe._model.hashing import key_hash
+from retrysafe._model.record import Record
 from retrysafe.stores import postgres, sqlite
 from retrysafe.stores._sql import COLUMNS, record_params
 from retrysafe.stores.postgres import PostgresStore

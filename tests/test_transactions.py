@@ -33,8 +33,8 @@ from retrysafe import (
     Store,
     StoreUnavailableError,
 )
-from retrysafe._keys import key_hash
-from retrysafe._record import Status
+from retrysafe._model.hashing import key_hash
+from retrysafe._model.record import Status
 
 SQL_STORES = ["sqlite", "postgres", "postgres-partitioned"]
 IMAP = IdempotencyMap.default()

@@ -23,8 +23,8 @@ from retrysafe import (
     key_hash,
     open_store,
 )
-from retrysafe._decide import Verdict, claimable, retry_after, verdict
-from retrysafe._record import Record, Status
+from retrysafe._model.decide import Verdict, claimable, retry_after, verdict
+from retrysafe._model.record import Record, Status
 from retrysafe.stores.memory import MemoryStore, record_bytes
 from retrysafe.stores.sqlite import SCHEMA_VERSION as SQLITE_SCHEMA_VERSION
 from retrysafe.stores.sqlite import SQLiteStore
@@ -320,7 +320,7 @@ async def test_sqlite_aclose_closes_the_worker_threads_connections(tmp_path: Pat
 def test_a_request_id_is_kept_within_128_characters() -> None:
     import hashlib
 
-    from retrysafe._record import stored_request_id
+    from retrysafe._model.record import stored_request_id
 
     assert stored_request_id("a" * 128) == "a" * 128
     assert stored_request_id(None) is None and stored_request_id("") is None

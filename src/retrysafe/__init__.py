@@ -5,9 +5,13 @@ One side effect and the same answer, however often a call is retried.
 
 from __future__ import annotations
 
-from ._decorator import idempotent
-from ._engine import DEFAULT_LEASE, DEFAULT_TTL, Attempt, Claim, Engine, Replay
-from ._errors import (
+from retrysafe._core.engine import DEFAULT_LEASE, DEFAULT_TTL, Attempt, Claim, Engine, Replay
+from retrysafe._decorator import idempotent
+from retrysafe._map.map import IdempotencyMap, MapError, Operation, Route
+from retrysafe._model.hashing import canonical_json, fingerprint, key_hash, validate_key
+from retrysafe._model.record import ClaimResult, Outcome, Record, Status
+from retrysafe._ops.sweep import Sweeper, SweepReport
+from retrysafe.errors import (
     AmbiguousCredentialsError,
     FingerprintMismatchError,
     IdempotencyError,
@@ -17,11 +21,7 @@ from ._errors import (
     PrincipalRequiredError,
     StoreUnavailableError,
 )
-from ._keys import canonical_json, fingerprint, key_hash, validate_key
-from ._map import IdempotencyMap, MapError, Operation, Route
-from ._record import ClaimResult, Outcome, Record, Status
-from ._sweep import Sweeper, SweepReport
-from .stores import Store, open_store
+from retrysafe.stores import Store, open_store
 
 __version__ = "0.1.0"
 

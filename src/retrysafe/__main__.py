@@ -1,6 +1,6 @@
 """``python -m retrysafe`` → the CLI."""
 
-from ._cli import main
+from retrysafe._cli.app import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

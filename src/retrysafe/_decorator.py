@@ -20,25 +20,25 @@ import typing
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from ._engine import (
+from retrysafe._core.engine import (
     DEFAULT_LEASE,
     DEFAULT_TTL,
     Attempt,
     Engine,
+    Plan,
     Replay,
-    _Plan,
-    _positive,
-    _retention,
     engine_for,
+    positive,
+    retention_class,
 )
-from ._errors import IdempotencyError, InvalidKeyError
-from ._heartbeat import renewing
-from ._keys import _KEY_RE, fingerprint, validate_key
-from ._map import Operation
-from ._metrics import METRICS
-from ._record import Outcome
-from .serializers import Serializer, resolve
-from .stores import Store
+from retrysafe._core.heartbeat import renewing
+from retrysafe._core.metrics import METRICS
+from retrysafe._map.map import Operation
+from retrysafe._model.hashing import KEY_PATTERN, fingerprint, validate_key
+from retrysafe._model.record import Outcome
+from retrysafe.errors import IdempotencyError, InvalidKeyError
+from retrysafe.serializers import Serializer, resolve
+from retrysafe.stores import Store
 
 __all__ = ["idempotent"]
 
@@ -193,7 +193,7 @@ class _Call:
                 key = None
         else:  # the whole canonical argument set is the key
             key = fp if self.validate is None else self._hash(request)
-        if key is not None and (type(key) is not str or not _KEY_RE.fullmatch(key)):
+        if key is not None and (type(key) is not str or not KEY_PATTERN.fullmatch(key)):
             validate_key(key)  # raises with the reason
         scope = self.scope(*args, **kwargs) if callable(self.scope) else (self.scope or "")
         return key, scope, fp
@@ -357,7 +357,7 @@ class _Returns:
 
 
 @contextlib.contextmanager
-def _logged(exc: BaseException) -> Iterator[None]:
+def failure_logged(exc: BaseException) -> Iterator[None]:
     """Keep the function's own exception when recording its final failure fails."""
     try:
         yield
@@ -439,13 +439,13 @@ def idempotent(
         raise TypeError("scope must be a str or a callable over the arguments")
     for name, seconds in (("ttl", ttl), ("lease", lease)):
         if seconds is not None:
-            _positive(name, seconds)
+            positive(name, seconds)
     if wait is not None and (
         isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0
     ):
         raise ValueError(f"wait must be a number of seconds >= 0, not {wait!r}")
     if retention is not None:
-        _retention(retention)
+        retention_class(retention)
     if validate is not None and not isinstance(validate, str):
         validate = tuple(validate)
         if not all(isinstance(v, str) for v in validate):
@@ -498,7 +498,7 @@ def idempotent(
                         engine = engine_for(store, share=True, ttl=own_ttl, lease=own_lease)
             return engine
 
-        plan: _Plan | None = None  # the options every call shares, checked once
+        plan: Plan | None = None  # the options every call shares, checked once
 
         def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Attempt | None:
             """The attempt of this call, or None to run it unprotected."""
@@ -520,7 +520,7 @@ def idempotent(
                 raise TypeError(f"scope= must return a str, not {type(s).__name__}")
             e = get_engine()
             if plan is None:
-                plan = _Plan(e, "-", operation=op, ttl=ttl, lease=lease, wait=wait,
+                plan = Plan(e, "-", operation=op, ttl=ttl, lease=lease, wait=wait,
                              retention=retention)  # fmt: skip
             return Attempt(e, plan.derive(k, s, fp))
 
@@ -540,7 +540,7 @@ def idempotent(
                     except BaseException as exc:
                         failed = results.final_outcome(exc, get_engine())
                         if failed is not None:
-                            with _logged(exc):
+                            with failure_logged(exc):
                                 await att.afail(failed, final=True)
                         raise
                     att.outcome = results.outcome(att, value)
@@ -563,7 +563,7 @@ def idempotent(
                     except BaseException as exc:
                         failed = results.final_outcome(exc, get_engine())
                         if failed is not None:
-                            with _logged(exc):
+                            with failure_logged(exc):
                                 att.fail(failed, final=True)
                         raise
                     att.outcome = results.outcome(att, value)

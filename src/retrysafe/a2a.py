@@ -23,7 +23,31 @@ import logging
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import Any
 
-from ._a2a import (
+from retrysafe._core.engine import Attempt, Engine, Plan, engine_for
+from retrysafe._core.heartbeat import renewing
+from retrysafe._core.principal import Anonymous, Principals, principal_option
+from retrysafe._core.secret import check_secret
+from retrysafe._http.asgi import (
+    ASGIApp,
+    BodyTooLarge,
+    Receive,
+    Recorder,
+    Scope,
+    caller_scope,
+    closing,
+    is_async,
+    read_body,
+    replaying,
+    run_detached,
+    run_recorded,
+    send_json,
+)
+from retrysafe._http.asgi import (
+    Send as ASGISend,
+)
+from retrysafe._http.policy import DEFAULT_MAX_REQUEST_BODY, HttpRequest, unrecorded
+from retrysafe._model.record import Outcome
+from retrysafe._protocols.a2a import (
     SEND_METHODS,
     STREAM_METHODS,
     ErrorCode,
@@ -34,31 +58,8 @@ from ._a2a import (
     replayed,
     settlement,
 )
-from ._asgi import (
-    ASGIApp,
-    BodyTooLarge,
-    Receive,
-    Scope,
-    caller_scope,
-    closing,
-    is_async,
-    read_body,
-    replaying,
-    run_detached,
-    send_json,
-)
-from ._asgi import (
-    Send as ASGISend,
-)
-from ._engine import Attempt, Engine, _Plan, engine_for
-from ._errors import IdempotencyError, InvalidKeyError
-from ._heartbeat import renewing
-from ._http import DEFAULT_MAX_REQUEST_BODY, HttpRequest, _unrecorded
-from ._principal import Anonymous, Principals, principal_option
-from ._record import Outcome
-from ._secret import check_secret
-from .asgi import _Recorder, _run_recorded
-from .stores import Store
+from retrysafe.errors import IdempotencyError, InvalidKeyError
+from retrysafe.stores import Store
 
 __all__ = [
     "SEND_METHODS",
@@ -110,7 +111,7 @@ class A2AIdempotency:
         self.final_failures = final_failures
         self.operation = operation
         # The engine options every send shares, validated once.
-        self._plan = _Plan(
+        self._plan = Plan(
             self.engine, "-", operation=operation, ttl=ttl, lease=lease, wait=wait,
             retention=retention,
         )  # fmt: skip
@@ -184,7 +185,7 @@ class A2AIdempotency:
             else:
                 att.fail(outcome, final=final)
         except (IdempotencyError, ValueError) as exc:
-            _unrecorded(att.claim, exc, f"the answer to message {send.key!r}")
+            unrecorded(att.claim, exc, f"the answer to message {send.key!r}")
 
     # -- async: the same shells with await ------------------------------------------------
 
@@ -219,7 +220,7 @@ class A2AIdempotency:
             else:
                 await att.afail(outcome, final=final)
         except (IdempotencyError, ValueError) as exc:
-            _unrecorded(att.claim, exc, f"the answer to message {send.key!r}")
+            unrecorded(att.claim, exc, f"the answer to message {send.key!r}")
 
     def wrap(self, handler: Callable[..., Any]) -> Callable[..., Any]:
         """``handler`` (sync or async, taking one JSON-RPC request) deduplicated.
@@ -363,8 +364,8 @@ class IdempotencyMiddleware:
                 if att.replay is not None:
                     await _reply(send, replayed(prepared, att.replay.outcome), replay=True)
                     return
-                recorder = _Recorder(send, _Answer(core, prepared), att)  # type: ignore[arg-type]
-                await _run_recorded(self.app, scope, receive, recorder)
+                recorder = Recorder(send, _Answer(core, prepared), att)  # type: ignore[arg-type]
+                await run_recorded(self.app, scope, receive, recorder)
         except IdempotencyError as exc:
             if entered:
                 raise

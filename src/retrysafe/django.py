@@ -43,8 +43,7 @@ from django.http.response import HttpResponseBase
 from django.utils.functional import SimpleLazyObject, empty
 from django.utils.module_loading import import_string
 
-from ._http import BodyError, Headers, HttpPolicy, HttpRequest, Response
-from ._http_io import (
+from retrysafe._http.flow import (
     Answer,
     Flow,
     PrepareFlow,
@@ -56,6 +55,7 @@ from ._http_io import (
     prepare,
     run_prepare,
 )
+from retrysafe._http.policy import BodyError, Headers, HttpPolicy, HttpRequest, Response
 
 __all__ = ["IdempotencyMiddleware"]
 
@@ -137,7 +137,7 @@ class IdempotencyMiddleware:
         return response
 
     def _prepare(self, request: DjangoRequest) -> PrepareFlow | None:
-        """The :func:`~retrysafe._http_io.prepare` flow of a protected request, else None."""
+        """The :func:`~retrysafe._http.flow.prepare` flow of a protected request, else None."""
         method = request.method or ""
         policy = self.policy.select(method, request.path)
         if policy is None:

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from ._http import DEFAULT_HEADERS, PROBLEM_TYPE
-from .asgi import IdempotencyMiddleware
+from retrysafe._http.asgi import IdempotencyMiddleware
+from retrysafe._http.policy import DEFAULT_HEADERS, PROBLEM_TYPE
 
 __all__ = ["document", "install"]
 

@@ -36,10 +36,7 @@ from typing import Any, TypeAlias
 
 import httpx
 
-from ._admin import FROM_ENV, AdminSite
-from ._asgi import UNPROVEN_END, lifespan
-from ._http import Response, problem
-from ._limits import (
+from retrysafe._gateway.limits import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEAD_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
@@ -48,11 +45,23 @@ from ._limits import (
     ServerLimits,
     protocol_class,
 )
-from ._sweep import DEFAULT_SWEEP_EVERY, BackgroundSweeper
-from ._upstream import Pool, UpstreamError, connection_tokens
-from .asgi import ASGIApp, IdempotencyMiddleware, Message, Receive, Scope, Send, _answer
-from .dashboard import serve_admin
-from .stores import Store, redact
+from retrysafe._gateway.upstream import Pool, UpstreamError, connection_tokens
+from retrysafe._http.asgi import (
+    UNPROVEN_END,
+    ASGIApp,
+    IdempotencyMiddleware,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    lifespan,
+    send_answer,
+)
+from retrysafe._http.policy import Response, problem
+from retrysafe._ops.admin import FROM_ENV, AdminSite
+from retrysafe._ops.dashboard import serve_admin
+from retrysafe._ops.sweep import DEFAULT_SWEEP_EVERY, BackgroundSweeper
+from retrysafe.stores import Store, redact
 
 __all__ = [
     "ADMIN_PREFIX",
@@ -344,7 +353,7 @@ class _Proxy:
             status, code = (
                 (504, "upstream_timeout") if exc.timeout else (502, "upstream_unavailable")
             )
-            await _answer(send, _upstream_problem(status, code, exc))
+            await send_answer(send, _upstream_problem(status, code, exc))
             return
         try:
             status = answer.status
@@ -473,7 +482,7 @@ class Gateway:
     process) bound each client; the head and connection bounds hold when the app is
     served with ``http=HTTPProtocol``. ``sweep_every`` is how often the gateway sweeps
     expired records from its store in the background (default 300 seconds, one worker at
-    a time, see :class:`~retrysafe._sweep.BackgroundSweeper`); None turns the sweeper
+    a time, see :class:`~retrysafe._ops.sweep.BackgroundSweeper`); None turns the sweeper
     off. ``options`` are those of :class:`retrysafe.asgi.IdempotencyMiddleware`.
     """
 
@@ -519,7 +528,7 @@ class Gateway:
         if kind == "http":
             path = scope["path"]
             if path == HEALTH_PATH:
-                await _answer(send, await self._health(scope))
+                await send_answer(send, await self._health(scope))
             elif path.startswith(ADMIN_PREFIX) or path == ADMIN_PREFIX[:-1]:
                 base = ADMIN_PREFIX[:-1]
                 await serve_admin(self.admin, scope, send, path[len(base) :], base)

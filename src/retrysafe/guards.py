@@ -2,7 +2,7 @@
 
 Each guard works alone on any store (memory, SQLite, Redis and Redis Cluster,
 PostgreSQL), has sync methods and async twins (``a``-prefixed), and keeps its state
-in versioned compare-and-set cells (see :mod:`retrysafe._state`), apart from the
+in versioned compare-and-set cells (see :mod:`retrysafe._core.cells`), apart from the
 idempotency records. The decisions are plain functions; the sync and async methods
 only drive the same flow with the store's two executors. See ``docs/guards.md``.
 
@@ -28,9 +28,9 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ._errors import IdempotencyError
-from ._state import KEEP, Cell, Cells, Flow, Read, cas_update, check_ttl
-from .stores import Store
+from retrysafe._core.cells import KEEP, Cell, Cells, Flow, Read, cas_update, check_ttl
+from retrysafe.errors import IdempotencyError
+from retrysafe.stores import Store
 
 __all__ = [
     "DEFAULT_EVENTS",

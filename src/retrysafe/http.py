@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
-from ._http import MAX_KEY_HEADER, Headers, HttpRequest, parse_key, request_fingerprint
+from retrysafe._http.policy import (
+    MAX_KEY_HEADER,
+    Headers,
+    HttpRequest,
+    parse_key,
+    request_fingerprint,
+)
 
 __all__ = ["MAX_KEY_HEADER", "Headers", "HttpRequest", "parse_key", "request_fingerprint"]

@@ -20,7 +20,12 @@ import logging
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
-from ._asgi import (
+from retrysafe._core.engine import DEFAULT_MAX_BODY, Attempt, Engine, engine_for
+from retrysafe._core.heartbeat import renewing
+from retrysafe._core.metrics import METRICS
+from retrysafe._core.principal import Anonymous, Principals, principal_option
+from retrysafe._core.secret import check_secret
+from retrysafe._http.asgi import (
     BodyTooLarge,
     Receive,
     Scope,
@@ -33,15 +38,10 @@ from ._asgi import (
     send_json,
     to_the_end,
 )
-from ._engine import DEFAULT_MAX_BODY, Attempt, Engine, engine_for
-from ._errors import IdempotencyError
-from ._heartbeat import renewing
-from ._http import HttpRequest, _unrecorded, declared_length
-from ._mesh import URN, MeshCall, MeshError, Step, loads, parse, transport_error
-from ._metrics import METRICS
-from ._principal import Anonymous, Principals, principal_option
-from ._secret import check_secret
-from .stores import Store
+from retrysafe._http.policy import HttpRequest, declared_length, unrecorded
+from retrysafe._protocols.mesh import URN, MeshCall, MeshError, Step, loads, parse, transport_error
+from retrysafe.errors import IdempotencyError
+from retrysafe.stores import Store
 
 __all__ = ["URN", "MeshApp", "MeshError", "MeshIdempotency"]
 
@@ -188,7 +188,7 @@ def _record(att: Attempt, step: Step) -> None:
         else:
             att.complete(step.outcome)  # type: ignore[arg-type]
     except IdempotencyError as exc:
-        _unrecorded(att.claim, exc)
+        unrecorded(att.claim, exc)
 
 
 async def _arecord(att: Attempt, step: Step) -> None:
@@ -198,7 +198,7 @@ async def _arecord(att: Attempt, step: Step) -> None:
         else:
             await att.acomplete(step.outcome)  # type: ignore[arg-type]
     except IdempotencyError as exc:
-        _unrecorded(att.claim, exc)
+        unrecorded(att.claim, exc)
 
 
 # -- HTTP ------------------------------------------------------------------------------

@@ -15,13 +15,21 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ._admin import FROM_ENV, AdminSite
-from ._metrics import COUNTERS, METRICS, AlertLog, Alerts, Event, Metrics, multiprocess_dir
-from ._monitor import Monitor
-from .asgi import Scope
-from .dashboard import DashboardApp, admin_site
-from .stores import Store
-from .wsgi import _headers, _status_line
+from retrysafe._core.metrics import (
+    COUNTERS,
+    METRICS,
+    AlertLog,
+    Alerts,
+    Event,
+    Metrics,
+    multiprocess_dir,
+)
+from retrysafe._http.asgi import Scope
+from retrysafe._http.wsgi import environ_headers, status_line
+from retrysafe._ops.admin import FROM_ENV, AdminSite
+from retrysafe._ops.dashboard import DashboardApp, admin_site
+from retrysafe._ops.monitor import Monitor
+from retrysafe.stores import Store
 
 __all__ = [
     "COUNTERS",
@@ -84,9 +92,9 @@ def wsgi_app(
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         response = site.answer(
             environ.get("REQUEST_METHOD", "GET"), "/metrics", environ.get("QUERY_STRING", ""),
-            dict(_headers(environ)), environ.get("REMOTE_ADDR"),
+            dict(environ_headers(environ)), environ.get("REMOTE_ADDR"),
         )  # fmt: skip
-        start_response(_status_line(response.status), response.headers)
+        start_response(status_line(response.status), response.headers)
         return [] if environ.get("REQUEST_METHOD") == "HEAD" else [response.body]
 
     app.site = site  # type: ignore[attr-defined]

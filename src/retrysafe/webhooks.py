@@ -62,7 +62,16 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._asgi import (
+from retrysafe._core.engine import (
+    DEFAULT_MAX_BODY,
+    Attempt,
+    BeginOptions,
+    Engine,
+    Replay,
+    engine_for,
+)
+from retrysafe._core.heartbeat import renewing
+from retrysafe._http.asgi import (
     ASGIApp,
     BodyTooLarge,
     Receive,
@@ -74,16 +83,13 @@ from ._asgi import (
     send_response,
     to_the_end,
 )
-from ._engine import DEFAULT_MAX_BODY, Attempt, BeginOptions, Engine, Replay, engine_for
-from ._errors import IdempotencyError, InProgressError, StoreUnavailableError
-from ._heartbeat import renewing
-from ._http import REPLAYED, BodyError, _retry_after, _unrecorded, problem
-from ._map import IdempotencyMap
-from ._record import Outcome
-from .stores import Store
-from .wsgi import _headers as _environ_headers
-from .wsgi import _read_body as _read_wsgi_body
-from .wsgi import _status_line
+from retrysafe._http.policy import REPLAYED, BodyError, problem, retry_after_header, unrecorded
+from retrysafe._http.wsgi import environ_headers, status_line
+from retrysafe._http.wsgi import read_body as read_wsgi_body
+from retrysafe._map.map import IdempotencyMap
+from retrysafe._model.record import Outcome
+from retrysafe.errors import IdempotencyError, InProgressError, StoreUnavailableError
+from retrysafe.stores import Store
 
 __all__ = ["SCHEMES", "Delivery", "Receiver", "SignatureError", "WebhookResponse", "verify"]
 
@@ -448,7 +454,7 @@ def _answer(status: int, body: dict[str, Any], *headers: tuple[str, str]) -> Web
 def _problem(
     status: int, code: str, detail: str, headers: Iterable[tuple[str, str]] = (), **extra: Any
 ) -> WebhookResponse:
-    """An RFC 9457 problem (see :func:`retrysafe._http.problem`) as a :class:`WebhookResponse`."""
+    """An RFC 9457 problem (as :func:`retrysafe._http.policy.problem`) as a WebhookResponse."""
     if code in _PROBLEM_TITLES:
         extra["title"] = _PROBLEM_TITLES[code]
     made = problem(status, code, detail, headers=headers, **extra)
@@ -461,13 +467,13 @@ def _refused(exc: IdempotencyError) -> WebhookResponse:
     if isinstance(exc, InProgressError):
         return _problem(
             409, exc.code, "this event is being processed by another delivery; retry later",
-            [_retry_after(exc.retry_after)], retry_after=exc.retry_after,
+            [retry_after_header(exc.retry_after)], retry_after=exc.retry_after,
         )  # fmt: skip
     if isinstance(exc, StoreUnavailableError):
         log.error("retrysafe: store unavailable, webhook answered 503: %s", exc)
         return _problem(
             503, exc.code, "the idempotency store cannot be reached; deliver the event again",
-            [_retry_after(exc.retry_after)],
+            [retry_after_header(exc.retry_after)],
         )  # fmt: skip
     raise exc
 
@@ -817,7 +823,7 @@ class Receiver:
             answer = self._wsgi_answer(environ)
             content = answer.content
             headers = [*answer.headers, ("content-length", str(len(content)))]
-            start_response(_status_line(answer.status), headers)
+            start_response(status_line(answer.status), headers)
             return [content]
 
         return app
@@ -826,10 +832,10 @@ class Receiver:
         if environ.get("REQUEST_METHOD") != "POST":
             return _not_post()
         try:
-            body = _read_wsgi_body(environ, _Limit(self.max_body))
+            body = read_wsgi_body(environ, _Limit(self.max_body))
         except BodyError as exc:
             return _problem(exc.status, exc.code, str(exc))
-        return self.handle(_environ_headers(environ), body)
+        return self.handle(environ_headers(environ), body)
 
 
 class _ReceiverApp:
@@ -850,7 +856,7 @@ class _ReceiverApp:
 
 
 class _Limit:
-    """The request-size check :func:`retrysafe.wsgi._read_body` asks of its policy."""
+    """The request-size check :func:`retrysafe._http.wsgi.read_body` asks of its policy."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -878,7 +884,7 @@ def _record(att: Attempt, outcome: Outcome | None, final: bool = True) -> None:
         else:
             att.complete(outcome)
     except IdempotencyError as exc:
-        _unrecorded(att.claim, exc, "a webhook's answer")
+        unrecorded(att.claim, exc, "a webhook's answer")
 
 
 async def _arecord(att: Attempt, outcome: Outcome | None, final: bool = True) -> None:
@@ -889,7 +895,7 @@ async def _arecord(att: Attempt, outcome: Outcome | None, final: bool = True) ->
         else:
             await att.acomplete(outcome)
     except IdempotencyError as exc:
-        _unrecorded(att.claim, exc, "a webhook's answer")
+        unrecorded(att.claim, exc, "a webhook's answer")
 
 
 async def _awaited(result: Awaitable[Any]) -> Any:

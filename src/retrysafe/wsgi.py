@@ -19,27 +19,32 @@ chunked bodies too) and handed to the app as a fresh ``wsgi.input``.
 
 from __future__ import annotations
 
-import io
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
-from http import HTTPStatus
-from types import TracebackType
 from typing import Any
 
-from ._engine import Engine
-from ._http import BodyError, Headers, HttpPolicy, HttpRequest, Response, declared_length
-from ._http_io import Flow, Stream, enter, prepare, run_prepare
-from .stores import Store
+from retrysafe._core.engine import Engine
+from retrysafe._http.flow import Flow, Stream, enter, prepare, run_prepare
+from retrysafe._http.policy import (
+    Headers,
+    HttpPolicy,
+    HttpRequest,
+    Response,
+)
+from retrysafe._http.wsgi import (
+    Environ,
+    ExcInfo,
+    StartResponse,
+    Write,
+    WSGIApp,
+    environ_headers,
+    read_body,
+    status_line,
+)
+from retrysafe.stores import Store
 
 __all__ = ["IdempotencyMiddleware"]
 
-Environ = dict[str, Any]
-ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None]
-Write = Callable[[bytes], object]
-StartResponse = Callable[..., Write]
-WSGIApp = Callable[[Environ, StartResponse], Iterable[bytes]]
-
-_BLOCK = 64 << 10
 _NO_START = "the WSGI app returned its body without calling start_response"
 
 
@@ -73,7 +78,7 @@ class IdempotencyMiddleware:
         def request() -> HttpRequest:
             return _request(environ)
 
-        flow = prepare(policy, environ, method, path, lambda: _read_body(environ, policy), request)
+        flow = prepare(policy, environ, method, path, lambda: read_body(environ, policy), request)
         step = run_prepare(flow, _no_user)
         if step is None:
             return self.app(environ, start_response)
@@ -175,48 +180,9 @@ def _respond(flow: Flow, start: _Start, chunks: Iterator[bytes]) -> Iterable[byt
     return ready
 
 
-def _read_body(environ: Environ, policy: HttpPolicy) -> bytes:
-    """The keyed request's body, whole; the app reads it again from a copy."""
-    stream = environ["wsgi.input"]
-    size = declared_length(environ.get("CONTENT_LENGTH"))
-    if size is not None:
-        policy.check_length(size)  # (413 before reading a body declared too long)
-        body = _read(stream, policy, size)
-        if len(body) < size:
-            raise BodyError(f"the request body ended after {len(body)} of its {size} bytes")
-    elif environ.get("wsgi.input_terminated"):  # chunked: read to its end
-        body = _read(stream, policy, None)
-    else:
-        body = b""
-    environ["wsgi.input"] = io.BytesIO(body)
-    environ["CONTENT_LENGTH"] = str(len(body))
-    return body
-
-
-def _read(stream: Any, policy: HttpPolicy, size: int | None) -> bytes:
-    chunks: list[bytes] = []
-    got = 0
-    while size is None or got < size:
-        chunk = stream.read(_BLOCK if size is None else min(_BLOCK, size - got))
-        if not chunk:
-            break
-        got += len(chunk)
-        policy.check_length(got)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _answer(start_response: StartResponse, response: Response) -> list[bytes]:
-    start_response(_status_line(response.status), response.headers)
+    start_response(status_line(response.status), response.headers)
     return [response.body]
-
-
-def _status_line(code: int) -> str:
-    """``201 Created``: a WSGI status line for a status code."""
-    try:
-        return f"{code} {HTTPStatus(code).phrase}"
-    except ValueError:
-        return f"{code} Unknown"
 
 
 def _text(value: str) -> str:
@@ -231,19 +197,11 @@ def _path(environ: Environ) -> str:
     return _text(environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", ""))
 
 
-def _headers(environ: Environ) -> Iterator[tuple[str, str]]:
-    for name, value in environ.items():
-        if name.startswith("HTTP_"):
-            yield name[5:].replace("_", "-").lower(), value
-        elif name in ("CONTENT_TYPE", "CONTENT_LENGTH") and value:
-            yield name.replace("_", "-").lower(), value
-
-
 def _request(environ: Environ) -> HttpRequest:
     return HttpRequest(
         environ.get("REQUEST_METHOD", ""),
         _path(environ),
         environ.get("QUERY_STRING", ""),
-        Headers(_headers(environ)),
+        Headers(environ_headers(environ)),
         environ,
     )

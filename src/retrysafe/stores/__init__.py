@@ -6,8 +6,8 @@ import os
 import urllib.parse
 from typing import Any
 
-from ._base import ArchivedRecord, Store, StoreStats, SweepBatch
-from ._redact import redact
+from retrysafe.stores._base import ArchivedRecord, Store, StoreStats, SweepBatch
+from retrysafe.stores._redact import redact
 
 __all__ = [
     "DEFAULT_STORE_URL",
@@ -34,19 +34,19 @@ def open_store(url: str | None = None, **options: Any) -> Store[Any]:
     url = url or os.environ.get("RETRYSAFE_STORE") or DEFAULT_STORE_URL
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme == "memory":
-        from .memory import MemoryStore
+        from retrysafe.stores.memory import MemoryStore
 
         return MemoryStore(url, **options)
     if scheme == "sqlite":
-        from .sqlite import SQLiteStore
+        from retrysafe.stores.sqlite import SQLiteStore
 
         return SQLiteStore(url, **options)
     if scheme in {"redis", "rediss", "redis+cluster", "rediss+cluster", "unix"}:
-        from .redis import RedisStore
+        from retrysafe.stores.redis import RedisStore
 
         return RedisStore(url, **options)
     if scheme in {"postgresql", "postgres"}:
-        from .postgres import PostgresStore
+        from retrysafe.stores.postgres import PostgresStore
 
         return PostgresStore(url, **options)
     raise ValueError(

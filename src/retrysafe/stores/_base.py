@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from .._record import ClaimResult, Outcome, Record, Status
-from ._redact import redact
+from retrysafe._model.record import ClaimResult, Outcome, Record, Status
+from retrysafe.stores._redact import redact
 
 __all__ = ["ArchivedRecord", "Store", "StoreStats", "SweepBatch"]
 
@@ -76,7 +76,7 @@ class Store(abc.ABC, Generic[OpT]):
     """Where records live. Sync and async methods are equals.
 
     * ``claim(record)``: atomically write ``record`` (status processing) if the
-      key is claimable (see :func:`retrysafe._decide.claimable`), else return
+      key is claimable (see :func:`retrysafe._model.decide.claimable`), else return
       the live record. Taking over a live record keeps its ``created_at`` and
       counts ``attempts`` on; the result carries the new attempt number.
     * ``complete`` / ``fail`` / ``renew``: compare-and-set on the fencing
@@ -113,10 +113,10 @@ class Store(abc.ABC, Generic[OpT]):
     @abc.abstractmethod
     def _delete(self, key_hash: str) -> OpT: ...
 
-    # Versioned cells (retrysafe.guards, see retrysafe._state), apart from the records:
+    # Versioned cells (retrysafe.guards, see retrysafe._core.cells), apart from the records:
     # ``_cell_read`` gives the raw cell (version, JSON text, expires_at), expired or
     # not, or None; ``_cell_write`` is one atomic compare-and-set by
-    # retrysafe._state.writable that writes version 1 (expected None) or expected + 1
+    # retrysafe._core.cells.writable that writes version 1 (expected None) or expected + 1
     # and answers whether it wrote. Stores without cells keep these defaults.
 
     def _cell_read(self, key: str) -> OpT:

@@ -6,8 +6,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from .._record import Outcome, Record, Status
-from ._base import ArchivedRecord
+from retrysafe._model.record import Outcome, Record, Status
+from retrysafe.stores._base import ArchivedRecord
 
 __all__ = [
     "ARCHIVE_COLUMNS",

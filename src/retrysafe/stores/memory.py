@@ -10,10 +10,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._decide import claimable
-from .._record import FINANCIAL, ClaimResult, Outcome, Record, Status
-from .._state import RawCell, live, writable
-from ._base import ArchivedRecord, Store, StoreStats, SweepBatch
+from retrysafe._model.decide import RawCell, claimable, live, writable
+from retrysafe._model.record import FINANCIAL, ClaimResult, Outcome, Record, Status
+from retrysafe.stores._base import ArchivedRecord, Store, StoreStats, SweepBatch
 
 __all__ = ["DEFAULT_MAX_BYTES", "MemoryStore", "record_bytes"]
 
@@ -88,7 +87,7 @@ class MemoryStore(Store[_Op]):
         self._lock = threading.Lock()
         #: Swept financial records by (key_hash, token), with when they were archived.
         self._archive: dict[tuple[str, str], ArchivedRecord] = {}
-        #: Versioned cells of retrysafe.guards (see retrysafe._state), apart from records.
+        #: Versioned cells of retrysafe.guards (see retrysafe._core.cells), apart from records.
         self._cells: dict[str, RawCell] = {}
         self._cells_bound = self.max_size  # prune expired cells past this many
 

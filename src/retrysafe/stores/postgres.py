@@ -4,7 +4,7 @@ A claim is one plain SQL statement (no server-side function). It reads the row
 by primary key and, only when there is none, inserts the new record with ``ON
 CONFLICT (key_hash) DO NOTHING``, all from one snapshot. A new key is claimed;
 an existing row comes back without a lock or a write, and Python applies
-:func:`retrysafe._decide.claimable` to it, so a replay, an in-flight key or a
+:func:`retrysafe._model.decide.claimable` to it, so a replay, an in-flight key or a
 conflict is answered in that one round trip. When a concurrent insert committed
 after the snapshot, the statement returns no row and runs again.
 
@@ -115,13 +115,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "the PostgreSQL store needs psycopg 3 and psycopg_pool: pip install 'retrysafe[postgres]'"
     ) from exc
 
-from .._decide import claimable
-from .._duration import parse_duration
-from .._errors import StoreUnavailableError
-from .._record import ClaimResult, Outcome, Record, Status
-from ._base import ArchivedRecord, Store, StoreStats, SweepBatch
-from ._redact import redact, redact_in
-from ._sql import (
+from retrysafe._model.decide import claimable
+from retrysafe._model.duration import parse_duration
+from retrysafe._model.record import ClaimResult, Outcome, Record, Status
+from retrysafe.errors import StoreUnavailableError
+from retrysafe.stores._base import ArchivedRecord, Store, StoreStats, SweepBatch
+from retrysafe.stores._redact import redact, redact_in
+from retrysafe.stores._sql import (
     ARCHIVE_COLUMNS,
     COLUMNS,
     archived_from_row,
@@ -422,7 +422,7 @@ def _column_defs(*, defaults: bool) -> sql.Composable:
 
 
 def _p_claimable(alias: str) -> str:
-    """:func:`retrysafe._decide.claimable` over ``alias`` in the claim function."""
+    """:func:`retrysafe._model.decide.claimable` over ``alias`` in the claim function."""
     arg = {c: f"${i}" for i, c in enumerate(COLUMNS, 1)}
     return (
         f"({alias}.expires_at <= now_ OR ({alias}.fingerprint = {arg['fingerprint']} AND ("
@@ -527,7 +527,7 @@ _SELECT_COLUMNS = ", ".join(
     for c in COLUMNS
 )
 
-#: :func:`retrysafe._decide.claimable` over the current row ``t``; its placeholders
+#: :func:`retrysafe._model.decide.claimable` over the current row ``t``; its placeholders
 #: are, in order: claim time, fingerprint, claim time.
 _CLAIMABLE = (
     "(t.expires_at <= %s OR (t.fingerprint = %s AND ("
@@ -619,7 +619,7 @@ def _to_bool(text: str) -> bool:
 
 # -- the executors' helpers ---------------------------------------------------------
 
-_UNAVAILABLE = (psycopg.Error, PoolTimeout, PoolClosed, OSError)
+UNAVAILABLE_ERRORS = (psycopg.Error, PoolTimeout, PoolClosed, OSError)
 
 
 def _closed_by_server(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
@@ -1119,7 +1119,7 @@ class PostgresStore(Store[_Op]):
         )
         self._cols = cols
 
-        # Versioned cells of retrysafe.guards (see retrysafe._state): the table
+        # Versioned cells of retrysafe.guards (see retrysafe._core.cells): the table
         # <base>_state beside the records, created on first use (the ops' recovery
         # below), apart from the records schema and its migrations.
         state = sql.Identifier(*schema, f"{base}_state")
@@ -1425,7 +1425,7 @@ class PostgresStore(Store[_Op]):
             finally:
                 if conn is not None:
                     pool.putconn(conn)
-        except _UNAVAILABLE as exc:
+        except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable(exc) from exc
 
     async def _acheckout(self, pool: AsyncConnectionPool[_AsyncConnection]) -> _AsyncConnection:
@@ -1475,7 +1475,7 @@ class PostgresStore(Store[_Op]):
             finally:
                 if conn is not None:
                     await pool.putconn(conn)
-        except _UNAVAILABLE as exc:
+        except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable(exc) from exc
 
     def close(self) -> None:
@@ -1665,7 +1665,7 @@ class PostgresStore(Store[_Op]):
                 yield conn
             finally:
                 pool.putconn(conn)  # the pool rolls back a transaction left open
-        except _UNAVAILABLE as exc:
+        except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable(exc) from exc
 
     def _ops_rows(self, query: sql.Composable, params: Sequence[Any]) -> list[Any]:

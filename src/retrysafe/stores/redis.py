@@ -19,7 +19,7 @@ The commands, one round trip each on the request path:
 
 * claim: ``SET key value NX GET PX ttl`` (Redis >= 7.0): writes the new record if
   the key is free and returns nothing, or writes nothing and returns the live
-  record. If that record is claimable (see :func:`retrysafe._decide.claimable`:
+  record. If that record is claimable (see :func:`retrysafe._model.decide.claimable`:
   expired, a retryable failure, a lease that ran out) a second round trip runs
   the claim script, which re-checks and takes it over atomically. On servers
   without ``SET NX GET`` every claim runs the script (one round trip).
@@ -126,12 +126,12 @@ try:  # redis-py >= 7
 except ImportError:  # pragma: no cover - older redis-py
     MaintNotificationsConfig = None
 
-from .._decide import claimable
-from .._errors import StoreUnavailableError
-from .._record import FINANCIAL, STANDARD, ClaimResult, Outcome, Record, Status
-from . import open_store
-from ._base import ArchivedRecord, Store, StoreStats, SweepBatch
-from ._redact import redact
+from retrysafe._model.decide import claimable
+from retrysafe._model.record import FINANCIAL, STANDARD, ClaimResult, Outcome, Record, Status
+from retrysafe.errors import StoreUnavailableError
+from retrysafe.stores import open_store
+from retrysafe.stores._base import ArchivedRecord, Store, StoreStats, SweepBatch
+from retrysafe.stores._redact import redact
 
 __all__ = ["HEADER", "LAYOUT_VERSION", "RedisStore", "record_from_value"]
 
@@ -147,7 +147,7 @@ _SCHEMES = {
 }
 
 #: Errors that mean "the server could not be reached or refused to act right now".
-_UNAVAILABLE: tuple[type[BaseException], ...] = (
+UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     _rx.ConnectionError,  # includes BusyLoadingError, AuthenticationError, MaxConnectionsError
     _rx.TimeoutError,
     _rx.ClusterError,  # ClusterDownError, MasterDownError
@@ -197,7 +197,7 @@ _TOOK: tuple[Status | None, ...] = (None, Status.PROCESSING, Status.FAILED, None
 # its updated_at.
 
 # KEYS[1] record key; ARGV[1] the new record (attempts 1, created = now), ARGV[2]
-# its fingerprint, ARGV[3] PX ms ("0": no TTL). Mirrors retrysafe._decide.claimable.
+# its fingerprint, ARGV[3] PX ms ("0": no TTL). Mirrors retrysafe._model.decide.claimable.
 # Claimed: returns attempts * 4 + took_over (0 none, 1 processing, 2 failed).
 # Not claimed: returns the live record.
 _CLAIM = """
@@ -302,12 +302,12 @@ end
 return 0
 """
 
-# A versioned cell of retrysafe.guards (see retrysafe._state): one string under
+# A versioned cell of retrysafe.guards (see retrysafe._core.cells): one string under
 # ``<prefix>cell:<key>`` (never ``<prefix>{...}``, so the sweep's SCAN skips it),
 # ``version LF expires_at LF json`` (expires_at empty: never). The compare-and-set:
 # KEYS[1] the cell, ARGV[1] the expected version ('' for none live), ARGV[2]
 # ``expires_at LF json`` of the new value, ARGV[3] now, ARGV[4] PX ms ('0': no TTL).
-# Applies retrysafe._state.writable; returns 1 if it wrote, else 0.
+# Applies retrysafe._core.cells.writable; returns 1 if it wrote, else 0.
 _CELL_WRITE = """
 local cur = redis.call('GET', KEYS[1])
 local version = 0
@@ -840,7 +840,7 @@ class RedisStore(Store[_Op]):
 
     def _retry_or_raise(self, op: _Op, exc: BaseException) -> _Op:
         """The op to run after a failed send, or StoreUnavailableError."""
-        if isinstance(exc, _UNAVAILABLE):
+        if isinstance(exc, UNAVAILABLE_ERRORS):
             raise self._unavailable(exc) from exc
         if isinstance(exc, _rx.ResponseError):
             return self._refused(op, exc)

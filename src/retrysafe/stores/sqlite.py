@@ -14,11 +14,11 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
-from .._decide import claimable
-from .._errors import StoreUnavailableError
-from .._record import ClaimResult, Outcome, Record, Status
-from ._base import ArchivedRecord, Store, StoreStats, SweepBatch
-from ._sql import (
+from retrysafe._model.decide import claimable
+from retrysafe._model.record import ClaimResult, Outcome, Record, Status
+from retrysafe.errors import StoreUnavailableError
+from retrysafe.stores._base import ArchivedRecord, Store, StoreStats, SweepBatch
+from retrysafe.stores._sql import (
     ARCHIVE_COLUMNS,
     COLUMNS,
     archived_from_row,
@@ -171,11 +171,11 @@ _STATS_COUNTS = (
 _STATS_EXPIRED = "SELECT count(*) FROM retrysafe_records WHERE expires_at <= ?"
 _STATS_ARCHIVED = "SELECT count(*) FROM retrysafe_archive"
 
-# -- versioned cells (retrysafe.guards, see retrysafe._state) ---------------------------
+# -- versioned cells (retrysafe.guards, see retrysafe._core.cells) ---------------------------
 #
 # A table of their own, created on first use: not part of the records schema or its
 # migrations (PRAGMA user_version counts those only). Each write is one statement that
-# applies retrysafe._state.writable to the current row.
+# applies retrysafe._core.cells.writable to the current row.
 
 _CELLS = (
     "CREATE TABLE IF NOT EXISTS retrysafe_state (key TEXT PRIMARY KEY, "

@@ -1,0 +1,1 @@
+"""The ``retrysafe`` command line."""

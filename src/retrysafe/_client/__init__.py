@@ -1,0 +1,1 @@
+"""The retrying clients, the Mesh client and the outbox."""

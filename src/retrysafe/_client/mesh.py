@@ -1,0 +1,203 @@
+"""Mesh calls with the idempotency extension, retried safely (the caller's side).
+
+``call()`` builds the request envelope with one key for the whole call and a new
+``id`` per attempt (the extension: the id is per attempt, the key per operation), and
+the send loop of :class:`~retrysafe.client.Client` retries it. Besides what the
+base client retries (transport errors, 5xx), an answer to ``call()`` whose Mesh
+errors are all ``"retryable": true`` is retried after its ``details.retry_after``;
+see :func:`retrysafe._client.retry.mesh_retryable`. No ``Idempotency-Key`` header is
+sent: the key lives in the envelope, and a header would let an HTTP idempotency
+layer in front of the Mesh server (the retrysafe gateway or middleware) compare
+the per-attempt bodies, which differ in their ``id``, and refuse every retry as a
+conflict.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from retrysafe._client.clients import AsyncClient, Client
+from retrysafe._client.keys import new_key
+from retrysafe._client.retry import RetryPolicy, mesh_retryable
+from retrysafe._model.hashing import validate_key
+from retrysafe._protocols.mesh import PROTOCOL, URN
+
+__all__ = ["AsyncMeshClient", "MeshClient"]
+
+#: The ``httpx.Request.extensions`` entry that marks a Mesh call made by ``call()``.
+_CALL = "retrysafe.mesh_call"
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """A Mesh call's envelope without its ``id``, and its idempotency key."""
+
+    envelope: dict[str, Any]
+    key: str
+
+
+def _mesh_call(request: httpx.Request) -> _Call | None:
+    """The Mesh call that ``call()`` made ``request`` for (None: another request)."""
+    call = request.extensions.get(_CALL)
+    return call if isinstance(call, _Call) else None
+
+
+def new_request_id() -> str:
+    """A fresh envelope ``id`` for one attempt: ``req_`` and 32 hex digits."""
+    return "req_" + uuid.uuid4().hex
+
+
+def _ttl(ttl: float | Mapping[str, Any]) -> dict[str, Any]:
+    """A ``ttl`` option: seconds as ``{"value": n, "unit": "second"}``, or a duration as given."""
+    if isinstance(ttl, Mapping):
+        return dict(ttl)
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+        raise TypeError(f"ttl must be seconds or a {{value, unit}} mapping, not {ttl!r}")
+    if not (math.isfinite(ttl) and ttl > 0):
+        raise ValueError(f"ttl must be a positive number of seconds, not {ttl!r}")
+    return {"value": ttl, "unit": "second"}
+
+
+def _envelope(
+    function: str,
+    arguments: Mapping[str, Any],
+    version: str | None,
+    key: str,
+    ttl: float | Mapping[str, Any] | None,
+    extensions: Iterable[Mapping[str, Any]] | None,
+) -> dict[str, Any]:
+    """The request envelope without its ``id``; raises TypeError or ValueError for bad input."""
+    if type(function) is not str or not function:
+        raise ValueError(f"function must be a non-empty str, not {function!r}")
+    if version is not None and (type(version) is not str or not version):
+        raise ValueError(f"version must be a non-empty str or None, not {version!r}")
+    if not isinstance(arguments, Mapping):
+        raise TypeError(f"arguments must be a mapping, not {type(arguments).__name__}")
+    call: dict[str, Any] = {"function": function}
+    if version is not None:
+        call["version"] = version
+    call["arguments"] = dict(arguments)
+    options: dict[str, Any] = {"key": key}
+    if ttl is not None:
+        options["ttl"] = _ttl(ttl)
+    others = [dict(ext) for ext in extensions or ()]
+    if any(ext.get("urn") == URN for ext in others):
+        raise ValueError(f"pass the idempotency options as key= and ttl=, not as {URN}")
+    envelope = {"protocol": dict(PROTOCOL), "call": call,
+                "extensions": [*others, {"urn": URN, "options": options}]}  # fmt: skip
+    # A copy as JSON has it: not JSON fails now (TypeError, ValueError), before anything is
+    # sent, and every attempt sends these arguments even if the caller changes them.
+    return json.loads(_JSON(envelope))  # type: ignore[no-any-return]
+
+
+def _answer(response: httpx.Response) -> dict[str, Any]:
+    """The response envelope; an answer that is none raises (``HTTPStatusError`` if not 2xx)."""
+    try:
+        doc = response.json()
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict) and ("result" in doc or "errors" in doc):
+        return doc
+    response.raise_for_status()
+    raise ValueError(f"the Mesh server answered {response.status_code} without an envelope")
+
+
+class _MeshCalls:
+    """What the sync and async Mesh clients share: the request, the attempts, the decision."""
+
+    retry: RetryPolicy  # the base client's
+    build_request: Any
+
+    def _mesh_request(
+        self,
+        url: httpx.URL | str,
+        function: str,
+        arguments: Mapping[str, Any],
+        version: str | None,
+        key: str | None,
+        ttl: float | Mapping[str, Any] | None,
+        extensions: Iterable[Mapping[str, Any]] | None,
+    ) -> httpx.Request:
+        """The request that ``send`` turns into one request per attempt (its own ``id``)."""
+        key = new_key(self.retry.key_version) if key is None else validate_key(key)
+        envelope = _envelope(function, arguments, version, key, ttl, extensions)
+        headers = {"content-type": "application/json", "accept": "application/json"}
+        return self.build_request(  # type: ignore[no-any-return]
+            "POST", url, headers=headers, extensions={_CALL: _Call(envelope, key)}
+        )
+
+    def _prepare(self, request: httpx.Request) -> tuple[str | None, bool]:
+        """A Mesh call: its envelope's key, no header, always retryable (the key makes it safe)."""
+        call = _mesh_call(request)
+        if call is None:
+            return super()._prepare(request)  # type: ignore[misc, no-any-return]
+        return call.key, True
+
+    def _for_attempt(self, request: httpx.Request, attempt: int) -> httpx.Request:
+        """A Mesh call's attempt: the envelope with a new ``id``."""
+        call = _mesh_call(request)
+        if call is None:
+            return request
+        body = _JSON({**call.envelope, "id": new_request_id()}).encode()
+        headers = request.headers.copy()
+        headers.pop("content-length", None)
+        return httpx.Request(
+            request.method, request.url, headers=headers, content=body,
+            extensions=request.extensions,
+        )  # fmt: skip
+
+    def _retryable(self, outcome: httpx.Response | BaseException) -> bool:
+        """A Mesh call's answer: :func:`mesh_retryable`; any other: the base client's rule."""
+        if isinstance(outcome, httpx.Response) and _mesh_call(outcome.request) is not None:
+            return mesh_retryable(outcome)
+        return super()._retryable(outcome)  # type: ignore[misc, no-any-return]
+
+
+class MeshClient(_MeshCalls, Client):
+    """A :class:`~retrysafe.client.Client` that makes Mesh calls exactly once.
+
+    ``call()`` sends a Mesh request with the idempotency extension and retries it
+    with the same key until the answer is final or the policy is spent. Every
+    other method (``post``, ``stream``, ...) is the base client's, unchanged.
+    """
+
+    def call(
+        self, url: httpx.URL | str, function: str, arguments: Mapping[str, Any], *,
+        version: str | None = None, key: str | None = None,
+        ttl: float | Mapping[str, Any] | None = None,
+        extensions: Iterable[Mapping[str, Any]] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """POST a Mesh call of ``function`` and return the response envelope.
+
+        ``key`` is the idempotency key (a new UUID by default), the same on
+        every attempt; ``ttl`` how long the server should keep the answer
+        (seconds, or a ``{"value", "unit"}`` duration); ``extensions`` other
+        extension objects to send. The answer is the last envelope, a
+        retryable error included once the policy is spent; a transport error
+        is raised, as is ``httpx.HTTPStatusError`` for a non-2xx answer that is
+        not a Mesh envelope.
+        """
+        request = self._mesh_request(url, function, arguments, version, key, ttl, extensions)
+        return _answer(self.send(request))
+
+
+class AsyncMeshClient(_MeshCalls, AsyncClient):
+    """The async :class:`MeshClient`: ``await client.call(...)``."""
+
+    async def call(
+        self, url: httpx.URL | str, function: str, arguments: Mapping[str, Any], *,
+        version: str | None = None, key: str | None = None,
+        ttl: float | Mapping[str, Any] | None = None,
+        extensions: Iterable[Mapping[str, Any]] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """:meth:`MeshClient.call`, awaited."""
+        request = self._mesh_request(url, function, arguments, version, key, ttl, extensions)
+        return _answer(await self.send(request))

@@ -1,0 +1,849 @@
+"""The engine: one state machine for every front door, sync and async.
+
+Everything that decides is written once, as plain code with no I/O: ``Plan``
+validates a call and turns what the store returned into an answer, and the
+helpers below build the store calls and check their results. The sync and
+async methods are thin shells around them that differ only in ``await``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypedDict, Unpack
+
+from retrysafe._core.metrics import METRICS
+from retrysafe._model.decide import Verdict, retry_after, verdict
+from retrysafe._model.hashing import KEY_PATTERN, key_hash, validate_key
+from retrysafe._model.record import (
+    RETENTIONS,
+    STANDARD,
+    ClaimResult,
+    Outcome,
+    Record,
+    Status,
+    stored_request_id,
+)
+from retrysafe.errors import (
+    FingerprintMismatchError,
+    InProgressError,
+    InvalidKeyError,
+    LeaseLostError,
+    StoreUnavailableError,
+)
+from retrysafe.stores import DEFAULT_STORE_URL, Store, open_store
+
+__all__ = [
+    "DEFAULT_LEASE",
+    "DEFAULT_TTL",
+    "Attempt",
+    "BeginOptions",
+    "Claim",
+    "Engine",
+    "Replay",
+]
+
+log = logging.getLogger("retrysafe")
+
+DEFAULT_TTL = 24 * 3600.0
+DEFAULT_LEASE = 30.0
+DEFAULT_MAX_BODY = 1 << 20
+
+
+class BeginOptions(TypedDict, total=False):
+    """Keyword options of :meth:`Engine.begin` (and of ``attempt``)."""
+
+    operation: str
+    scope: str
+    fingerprint: str
+    request_id: str | None
+    ttl: float | None
+    lease: float | None
+    wait: float | None
+    metadata: dict[str, Any] | None
+    request_payload: bytes | None
+    retention: str
+
+
+@dataclass(slots=True)
+class Claim:
+    """Ownership of a key for one attempt; pass it to complete, fail or renew."""
+
+    key: str
+    key_hash: str
+    scope: str
+    operation: str
+    fingerprint: str
+    token: str
+    lease_until: float
+    expires_at: float
+    attempts: int
+    took_over: Status | None
+    request_id: str | None
+    started: float = 0.0  # time.perf_counter() when the claim was granted
+
+
+@dataclass(slots=True)
+class Replay:
+    """A finished record to answer with instead of running again."""
+
+    record: Record
+
+    @property
+    def outcome(self) -> Outcome | None:
+        return self.record.outcome
+
+    @property
+    def failed(self) -> bool:
+        """True when the record is a final failure (replayed like a result)."""
+        return self.record.status is Status.FAILED
+
+
+class _Tokens:
+    """Fencing tokens: a random per-process prefix and a counter (fresh after fork).
+
+    Tokens must never repeat; they need not be secret (they never leave the
+    store). This is four times cheaper than a random token per claim.
+    """
+
+    def __init__(self) -> None:
+        self.reseed()
+        os.register_at_fork(after_in_child=self.reseed)
+
+    def reseed(self) -> None:
+        self.prefix = os.urandom(10).hex()
+        self.counter = itertools.count()
+
+    def __call__(self) -> str:
+        return f"{self.prefix}{next(self.counter):x}"
+
+
+_new_token = _Tokens()
+
+
+_json_check = json.JSONEncoder(allow_nan=False).encode
+
+
+def retention_class(value: object) -> str:
+    if value not in RETENTIONS:
+        raise ValueError(f"retention must be one of {', '.join(RETENTIONS)}, not {value!r}")
+    return str(value)
+
+
+class _Resends:
+    """The resends of one completion or failure that the store could not take.
+
+    They go on, with a backoff, until the lease the claim had left when the first
+    send failed has run out (measured on the monotonic clock, so a frozen or stepped
+    engine clock cannot stretch it), or ``settle_retry``, whichever is first.
+    Only the token-checked writes are resent: one that had applied is refused, and
+    :meth:`applied` then reads whether the record holds this attempt's outcome. An
+    error that is not ``transient`` (sending again cannot help) is raised at once.
+    """
+
+    __slots__ = ("claim", "deadline", "status", "tries", "what")
+
+    def __init__(self, engine: Engine, claim: Claim, what: str) -> None:
+        self.claim, self.what, self.tries = claim, what, 0
+        self.status = Status.COMPLETED if what == "completion" else Status.FAILED
+        left = claim.lease_until - engine.clock()
+        if engine.settle_retry is not None:
+            left = min(left, engine.settle_retry)
+        self.deadline = time.monotonic() + left
+
+    def delay(self, exc: StoreUnavailableError) -> float:
+        """How long to wait before the next send; or raise ``exc`` when none is left."""
+        delay = min(0.02 * 2**self.tries, 0.5)
+        if not exc.transient or time.monotonic() + delay >= self.deadline:
+            claim = self.claim
+            METRICS.unrecorded(self.what, claim.operation, claim.key, claim.key_hash)
+            raise exc
+        self.tries += 1
+        return delay
+
+    def applied(self, record: Record | None) -> bool:
+        """Whether an earlier send had applied: the record holds this attempt's token
+        and the status this write sets (a later attempt's token would differ)."""
+        return (
+            record is not None and record.token == self.claim.token and record.status is self.status
+        )
+
+
+def positive(name: str, value: float, *, zero: bool = False) -> float:
+    """A finite number of seconds above zero (or zero too, with ``zero``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+    value = float(value)
+    if not (value > 0 or (zero and value == 0)) or value == float("inf"):
+        sign = "zero or a positive" if zero else "a positive"
+        raise ValueError(f"{name} must be {sign} number of seconds, not {value!r}")
+    return value
+
+
+class Engine:
+    """Claim a key, run once, store the outcome, replay it to every retry.
+
+    ``store`` is a :class:`~retrysafe.stores.Store` or a URL for
+    :func:`~retrysafe.open_store`. ``ttl`` is how long a record is kept (a call
+    may only narrow it), ``lease`` how long an attempt owns a key before another
+    may take it over, ``wait`` how long a duplicate waits for an attempt in
+    flight before it gets :class:`InProgressError`. ``final_failures`` makes
+    failures final (replayed) instead of retryable. ``retention`` is the class of
+    the records it writes (``"financial"`` ones are archived before deletion).
+    ``clock`` returns seconds since the epoch. A completion or failure the store
+    cannot take (a failover, a cut connection) is sent again until the lease ends
+    (or for ``settle_retry`` seconds, whichever is first) before
+    :class:`StoreUnavailableError` is raised: otherwise the record would stay in
+    flight and a retry would run the handler again once the lease ran out.
+    """
+
+    def __init__(
+        self,
+        store: Store[Any] | str | None = None,
+        *,
+        ttl: float = DEFAULT_TTL,
+        lease: float = DEFAULT_LEASE,
+        wait: float = 0.0,
+        final_failures: bool = False,
+        max_body: int = DEFAULT_MAX_BODY,
+        retention: str = STANDARD,
+        clock: Callable[[], float] = time.time,
+        settle_retry: float | None = None,
+    ) -> None:
+        self.store: Store[Any] = store if isinstance(store, Store) else open_store(store)
+        self.ttl = positive("ttl", ttl)
+        self.lease = positive("lease", lease)
+        if wait < 0:
+            raise ValueError("wait must not be negative")
+        self.wait = float(wait)
+        self.final_failures = final_failures
+        self.max_body = int(max_body)
+        self.retention = retention_class(retention)
+        self.clock = clock
+        self.settle_retry = (
+            None if settle_retry is None else positive("settle_retry", settle_retry, zero=True)
+        )
+
+    def __repr__(self) -> str:
+        return f"<Engine store={self.store!r} ttl={self.ttl:g}s lease={self.lease:g}s>"
+
+    # -- shared, I/O-free pieces -----------------------------------------------
+
+    def _outcome_error(self, outcome: Outcome) -> Exception | None:
+        """Why ``outcome`` cannot be stored, or None.
+
+        The handler has run by then, so the attempt is failed *finally*: a retry
+        gets the failure replayed instead of running the side effect again.
+        """
+        if not isinstance(outcome, Outcome):
+            return TypeError(
+                f"outcome must be an Outcome, not {type(outcome).__name__}; "
+                "the attempt was marked failed (final)"
+            )
+        if len(outcome.body) > self.max_body:
+            return ValueError(
+                f"outcome body of {len(outcome.body)} bytes exceeds max_body={self.max_body}; "
+                "the attempt was marked failed (final)"
+            )
+        return None
+
+    def _final(self, final: bool | None) -> bool:
+        return self.final_failures if final is None else bool(final)
+
+    def _lease_until(self, lease: float | None, now: float) -> float:
+        return now + (self.lease if lease is None else positive("lease", lease))
+
+    def _settled(self, claim: Claim, ok: bool, started: float, final: bool | None = None) -> None:
+        """After the store call (begun at ``started``) of a completion, or of a
+        failure (``final`` given): report it, or refuse it as stale."""
+        what = "completion" if final is None else "failure"
+        if not ok:
+            self._lost(claim, what)
+        call = "complete" if final is None else "fail"
+        METRICS.settled(call, claim.operation, claim.key_hash, time.perf_counter() - started,
+                        started - claim.started)  # fmt: skip
+        if final is not None:
+            METRICS.failed(claim.operation, claim.key, claim.key_hash, claim.attempts, final)
+
+    @staticmethod
+    def _renewed(claim: Claim, until: float) -> None:
+        claim.lease_until = until
+        if until > claim.expires_at:  # the store moved the record's expiry with it
+            claim.expires_at = until
+
+    @staticmethod
+    def _lost(claim: Claim, what: str) -> None:
+        METRICS.stale(what, claim.operation, claim.key, claim.key_hash)
+        log.warning(
+            "retrysafe: stale %s refused: lease lost (operation=%s key_hash=%s attempt=%d)",
+            what, claim.operation, claim.key_hash[:16], claim.attempts,
+        )  # fmt: skip
+        raise LeaseLostError(
+            f"{what} refused: this attempt's lease ran out and another attempt owns the key",
+            key=claim.key,
+        )
+
+    # -- sync API ------------------------------------------------------------
+
+    def begin(self, key: str, **options: Unpack[BeginOptions]) -> Claim | Replay:
+        """Claim ``key``: a :class:`Claim` means run now, a :class:`Replay` means answer with it.
+
+        Options (all keyword): ``operation``, ``scope``, ``fingerprint``,
+        ``request_id``, ``ttl`` (may only narrow the engine's), ``lease``,
+        ``wait``, ``metadata``, ``request_payload``. Raises
+        :class:`InvalidKeyError` (nothing written), :class:`InProgressError`,
+        :class:`FingerprintMismatchError` or :class:`StoreUnavailableError`.
+        """
+        return self._begin(Plan(self, key, **options))
+
+    def _begin(self, plan: Plan) -> Claim | Replay:
+        while True:
+            record = plan.record(self.clock())
+            started = time.perf_counter()
+            try:
+                result = self.store.claim(record)
+            except StoreUnavailableError as exc:
+                plan.unreachable(exc)
+                raise
+            answer = plan.settle(result, record, started)
+            if answer.__class__ is not float:
+                return answer  # type: ignore[return-value]
+            time.sleep(answer)  # type: ignore[arg-type]
+
+    def complete(self, claim: Claim, outcome: Outcome) -> None:
+        """Store the outcome; :class:`LeaseLostError` if the claim no longer owns the key."""
+        error = self._outcome_error(outcome)
+        if error is not None:
+            self.fail(claim, final=True)
+            raise error
+        started = time.perf_counter()
+        ok = self._settle(claim, "completion", self.store.complete, outcome)
+        self._settled(claim, ok, started)
+
+    def fail(
+        self, claim: Claim, outcome: Outcome | None = None, *, final: bool | None = None
+    ) -> None:
+        """Mark the attempt failed: retryable unless ``final`` (default: the engine's policy)."""
+        final = self._final(final)
+        started = time.perf_counter()
+        ok = self._settle(claim, "failure", self.store.fail, outcome, final)
+        self._settled(claim, ok, started, final)
+
+    def _settle(self, claim: Claim, what: str, write: Callable[..., bool], *args: Any) -> bool:
+        """``write(key_hash, token, *args, now)``: a completion or failure, sent again
+        while the store is unreachable (see :class:`_Resends`)."""
+        resends = None
+        while True:
+            try:
+                ok = write(claim.key_hash, claim.token, *args, self.clock())
+                if ok or resends is None:
+                    return ok
+                return resends.applied(self.store.get(claim.key_hash))
+            except StoreUnavailableError as exc:
+                resends = resends or _Resends(self, claim, what)
+                time.sleep(resends.delay(exc))
+
+    def renew(self, claim: Claim, lease: float | None = None) -> None:
+        """Extend a live lease to ``lease`` seconds from now (default: the engine's).
+
+        A lease past the record's expiry moves the expiry with it: a running
+        attempt never expires under its owner.
+        """
+        if not self.try_renew(claim, lease):
+            self._lost(claim, "renewal")
+
+    def try_renew(self, claim: Claim, lease: float | None = None) -> bool:
+        """:meth:`renew` that answers False (and logs nothing) when the lease was lost."""
+        now = self.clock()
+        until = self._lease_until(lease, now)
+        started = time.perf_counter()
+        if not self.store.renew(claim.key_hash, claim.token, until, now):
+            return False
+        METRICS.store_call("renew", time.perf_counter() - started)
+        self._renewed(claim, until)
+        return True
+
+    # -- async API: the same shells with await -----------------------------------
+
+    async def abegin(self, key: str, **options: Unpack[BeginOptions]) -> Claim | Replay:
+        """Async :meth:`begin`."""
+        return await self._abegin(Plan(self, key, **options))
+
+    async def _abegin(self, plan: Plan) -> Claim | Replay:
+        while True:
+            record = plan.record(self.clock())
+            started = time.perf_counter()
+            try:
+                result = await self.store.aclaim(record)
+            except StoreUnavailableError as exc:
+                plan.unreachable(exc)
+                raise
+            answer = plan.settle(result, record, started)
+            if answer.__class__ is not float:
+                return answer  # type: ignore[return-value]
+            await asyncio.sleep(answer)  # type: ignore[arg-type]
+
+    async def acomplete(self, claim: Claim, outcome: Outcome) -> None:
+        """Async :meth:`complete`."""
+        error = self._outcome_error(outcome)
+        if error is not None:
+            await self.afail(claim, final=True)
+            raise error
+        started = time.perf_counter()
+        ok = await self._asettle(claim, "completion", self.store.acomplete, outcome)
+        self._settled(claim, ok, started)
+
+    async def afail(
+        self, claim: Claim, outcome: Outcome | None = None, *, final: bool | None = None
+    ) -> None:
+        """Async :meth:`fail`."""
+        final = self._final(final)
+        started = time.perf_counter()
+        ok = await self._asettle(claim, "failure", self.store.afail, outcome, final)
+        self._settled(claim, ok, started, final)
+
+    async def _asettle(
+        self, claim: Claim, what: str, write: Callable[..., Coroutine[Any, Any, bool]], *args: Any
+    ) -> bool:
+        """Async :meth:`_settle`."""
+        resends = None
+        while True:
+            try:
+                ok = await write(claim.key_hash, claim.token, *args, self.clock())
+                if ok or resends is None:
+                    return ok
+                return resends.applied(await self.store.aget(claim.key_hash))
+            except StoreUnavailableError as exc:
+                resends = resends or _Resends(self, claim, what)
+                await asyncio.sleep(resends.delay(exc))
+
+    async def arenew(self, claim: Claim, lease: float | None = None) -> None:
+        """Async :meth:`renew`."""
+        now = self.clock()
+        until = self._lease_until(lease, now)
+        started = time.perf_counter()
+        if not await self.store.arenew(claim.key_hash, claim.token, until, now):
+            self._lost(claim, "renewal")
+        METRICS.store_call("renew", time.perf_counter() - started)
+        self._renewed(claim, until)
+
+    # -- context manager -----------------------------------------------------
+
+    def attempt(self, key: str, **options: Unpack[BeginOptions]) -> Attempt:
+        """``with`` / ``async with`` form of begin → complete | fail.
+
+        ::
+
+            with engine.attempt(key, operation="charge", fingerprint=fp) as att:
+                if att.replay:
+                    return att.replay.outcome.value
+                att.outcome = Outcome.json(charge())
+
+        Leaving the block with an exception fails the attempt (and re-raises);
+        leaving it without setting ``outcome`` fails it and raises ``RuntimeError``.
+        ``options`` are those of :meth:`begin`.
+        """
+        return Attempt(self, Plan(self, key, **options))
+
+    def close(self) -> None:
+        self.store.close()
+
+    async def aclose(self) -> None:
+        await self.store.aclose()
+
+
+_stores: dict[str, Store[Any]] = {}
+_stores_lock = threading.Lock()
+
+
+def shared_store(store: Store[Any] | str | None) -> Store[Any]:
+    """``store`` itself, or the one store (one pool) of this process for its URL."""
+    if isinstance(store, Store):
+        return store
+    url = store or os.environ.get("RETRYSAFE_STORE") or DEFAULT_STORE_URL
+    with _stores_lock:
+        if url not in _stores:
+            _stores[url] = open_store(url)
+        return _stores[url]
+
+
+def engine_for(
+    store: Store[Any] | Engine | str | None, *, share: bool = False, **options: Any
+) -> Engine:
+    """A front door's engine: ``store`` itself if it is an :class:`Engine`, else a
+    new one over it with the ``options`` that are not None (the rest default).
+
+    ``share``: a URL opens the process-wide store for it (see :func:`shared_store`).
+    """
+    if isinstance(store, Engine):
+        return store
+    if share:
+        store = shared_store(store)
+    return Engine(store, **{k: v for k, v in options.items() if v is not None})
+
+
+class Plan:
+    """One ``begin``: its validated inputs, and what a claim's result means."""
+
+    __slots__ = (
+        "deadline", "delay", "fingerprint", "key", "key_hash", "lease", "metadata",
+        "operation", "request_id", "request_payload", "retention", "scope", "step", "ttl", "wait",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        engine: Engine,
+        key: str,
+        *,
+        operation: str = "",
+        scope: str = "",
+        fingerprint: str = "",
+        request_id: str | None = None,
+        ttl: float | None = None,
+        lease: float | None = None,
+        wait: float | None = None,
+        metadata: dict[str, Any] | None = None,
+        request_payload: bytes | None = None,
+        retention: str | None = None,
+    ) -> None:
+        if type(key) is not str or not KEY_PATTERN.fullmatch(key):
+            try:
+                validate_key(key)  # raises with the reason
+            except InvalidKeyError as exc:
+                METRICS.refused(operation if type(operation) is str else "", exc)
+                raise
+        if type(operation) is not str or type(scope) is not str or type(fingerprint) is not str:
+            raise TypeError("operation, scope and fingerprint must be str")
+        if ttl is None:
+            self.ttl = engine.ttl
+        else:
+            self.ttl = min(positive("ttl", ttl), engine.ttl)
+        self.lease = engine.lease if lease is None else positive("lease", lease)
+        if self.lease > self.ttl:
+            self.lease = self.ttl
+        if wait is None:
+            self.wait = engine.wait
+        elif isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
+            raise ValueError(f"wait must be a number of seconds >= 0, not {wait!r}")
+        else:
+            self.wait = float(wait)
+        self.key, self.operation, self.scope, self.fingerprint = key, operation, scope, fingerprint
+        self.key_hash = key_hash(scope, operation, key)
+        if request_id is not None and type(request_id) is not str:
+            raise TypeError("request_id must be a str or None")
+        if request_payload is not None and type(request_payload) is not bytes:
+            raise TypeError("request_payload must be bytes or None")
+        self.request_id, self.request_payload = stored_request_id(request_id), request_payload
+        self.retention = engine.retention if retention is None else retention_class(retention)
+        self.metadata = {}
+        if metadata:
+            if not isinstance(metadata, dict):
+                raise TypeError("metadata must be a dict of JSON values")
+            self.metadata = dict(metadata)
+            _json_check(self.metadata)  # every store must be able to keep it
+        self.deadline: float | None = None
+        self.delay = 0.01
+        self.step = False  # a workflow's step (counted apart from requests)
+
+    def derive(self, key: str, scope: str, fingerprint: str, request_id: str | None = None) -> Plan:
+        """This plan's validated options for another call (``key`` must be valid).
+
+        For front doors that validate their options once and build a plan per
+        request without re-checking them.
+        """
+        plan = Plan.__new__(Plan)
+        plan.ttl, plan.lease, plan.wait = self.ttl, self.lease, self.wait
+        plan.operation, plan.metadata, plan.request_payload = self.operation, {}, None
+        plan.key, plan.scope, plan.fingerprint = key, scope, fingerprint
+        plan.request_id = stored_request_id(request_id)
+        plan.retention = self.retention
+        plan.step = self.step
+        plan.key_hash = key_hash(scope, plan.operation, key)
+        plan.deadline = None
+        plan.delay = 0.01
+        return plan
+
+    def record(self, now: float) -> Record:
+        """The processing record a claim at ``now`` writes (a fresh fencing token each time)."""
+        return Record(
+            self.key_hash, self.key, self.scope, self.operation, self.fingerprint,
+            Status.PROCESSING, _new_token(), now + self.lease, now + self.ttl, now, now, None, 1,
+            self.request_id, False, None, self.request_payload, self.metadata, self.retention,
+        )  # fmt: skip
+
+    def unreachable(self, error: StoreUnavailableError) -> None:
+        """Report that the claim could not reach the store."""
+        METRICS.refused(self.operation, error, self.key, self.key_hash)
+
+    def settle(self, result: ClaimResult, record: Record, started: float) -> Claim | Replay | float:
+        """The answer to a claim (its store call begun at ``started``, a
+        ``perf_counter()``), or how long to sleep before claiming again (a float)."""
+        now_perf = time.perf_counter()
+        if result.claimed:
+            METRICS.claimed(self.operation, self.key_hash, result.took_over, now_perf - started,
+                            self.step)  # fmt: skip
+            return Claim(
+                self.key, self.key_hash, self.scope, self.operation, self.fingerprint,
+                record.token, record.lease_until, record.expires_at, result.attempts,
+                result.took_over, self.request_id, now_perf,
+            )  # fmt: skip
+        found = result.record
+        assert found is not None
+        decision = verdict(found, self.fingerprint)
+        if decision is Verdict.REPLAY:
+            METRICS.replayed(self.operation, self.key_hash, now_perf - started, self.step)
+            return Replay(found)
+        METRICS.store_call("claim", now_perf - started)
+        if decision is Verdict.CONFLICT:
+            raise self._refused(FingerprintMismatchError(
+                "idempotency key was already used with a different request",
+                key=self.key,
+                original_fingerprint=found.fingerprint,
+                fingerprint=self.fingerprint,
+                original_request_id=found.request_id,
+            ))  # fmt: skip
+        now = record.updated_at
+        # The wait is bounded on the monotonic clock: the engine's clock may be frozen.
+        tick = time.monotonic()
+        if self.deadline is None:
+            self.deadline = tick + self.wait
+        if tick >= self.deadline:
+            raise self._refused(InProgressError(
+                "a request with this idempotency key is still in progress",
+                key=self.key,
+                retry_after=retry_after(found, now),
+                original_request_id=found.request_id,
+            ))  # fmt: skip
+        pause = min(self.delay, self.deadline - tick, max(found.lease_until - now, 0.001))
+        self.delay = min(self.delay * 2, 0.25)
+        return float(pause)
+
+    def _refused(self, error: Exception) -> Exception:
+        METRICS.refused(self.operation, error, self.key, self.key_hash)
+        return error
+
+
+class Attempt:
+    """One attempt at an operation; see :meth:`Engine.attempt`.
+
+    Set ``outcome`` to complete the claim on leaving the block. ``final = True``
+    makes a failure on leaving (an exception) final instead of the engine's
+    policy: for a handler that ran but whose answer cannot be stored.
+
+    A front door that must record the outcome before the block ends (before the
+    last byte of an answer leaves) calls :meth:`complete` or :meth:`fail` (or
+    their async twins) inside it; leaving the block then writes nothing more.
+    """
+
+    __slots__ = ("_engine", "_plan", "claim", "final", "outcome", "replay", "settled")
+
+    def __init__(self, engine: Engine, plan: Plan) -> None:
+        self._engine, self._plan = engine, plan
+        self.claim: Claim | None = None
+        self.replay: Replay | None = None
+        self.outcome: Outcome | None = None
+        self.final: bool | None = None
+        self.settled = False
+
+    def _owned(self) -> Claim:
+        if self.claim is None or self.settled:
+            raise RuntimeError("this attempt holds no unsettled claim")
+        self.settled = True  # even if the store call fails: the block must not retry it
+        return self.claim
+
+    def complete(self, outcome: Outcome) -> None:
+        """Store ``outcome`` now (see :meth:`Engine.complete`)."""
+        self._engine.complete(self._owned(), outcome)
+
+    def fail(self, outcome: Outcome | None = None, *, final: bool | None = None) -> None:
+        """Mark the attempt failed now (see :meth:`Engine.fail`)."""
+        self._engine.fail(self._owned(), outcome, final=final)
+
+    async def acomplete(self, outcome: Outcome) -> None:
+        """Async :meth:`complete`, shielded from cancellation."""
+        await _shielded(self._engine.acomplete(self._owned(), outcome))
+
+    async def afail(self, outcome: Outcome | None = None, *, final: bool | None = None) -> None:
+        """Async :meth:`fail`, shielded from cancellation."""
+        await _shielded(self._engine.afail(self._owned(), outcome, final=final))
+
+    def transaction(self, connection: Any = None) -> contextlib.AbstractContextManager[Any]:
+        """Complete inside the application's own database transaction (SQLite, PostgreSQL).
+
+        ::
+
+            with engine.attempt(key, operation="order") as att:
+                if att.replay:
+                    return att.replay.outcome.value
+                with att.transaction() as conn:
+                    conn.execute("INSERT INTO orders (cart_mandate_id) VALUES (?)", (mid,))
+                    att.outcome = Outcome.json({"order": mid})
+
+        Yields ``connection`` (a ``sqlite3`` connection to the store's file or a
+        psycopg connection to the store's database, not inside a transaction)
+        or, by default, a connection of the store's own. On leaving the block the
+        completion is written by that connection and committed with the block's
+        writes: both or neither. An exception, or a lost lease
+        (:class:`LeaseLostError`), rolls everything back and the attempt fails as
+        usual. :class:`TypeError` for any other store.
+        """
+        from retrysafe._core.transactions import transaction
+
+        return transaction(self, connection)
+
+    def atransaction(self, connection: Any = None) -> contextlib.AbstractAsyncContextManager[Any]:
+        """Async :meth:`transaction` with a psycopg ``AsyncConnection`` (PostgreSQL only)."""
+        from retrysafe._core.transactions import atransaction
+
+        return atransaction(self, connection)
+
+    def _started(self, answer: Claim | Replay) -> Attempt:
+        if isinstance(answer, Replay):
+            self.replay = answer
+        else:
+            self.claim = answer
+        return self
+
+    def _commit(self, exc: BaseException | None) -> bool:
+        """True when leaving the block should complete (not fail) the claim."""
+        return exc is None and self.outcome is not None
+
+    @staticmethod
+    def _failed(exc: BaseException | None, error: Exception | None) -> None:
+        """After failing the claim: report a failure to fail, or a missing outcome."""
+        if error is not None:
+            if exc is None:
+                raise error
+            log.warning("retrysafe: could not mark a failed attempt: %s", error)
+        if exc is None:
+            raise RuntimeError("attempt left without an outcome; it was marked failed")
+
+    def __enter__(self) -> Attempt:
+        return self._started(self._engine._begin(self._plan))
+
+    def __exit__(
+        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        claim = self.claim
+        if claim is None or self.settled:
+            return
+        if self._commit(exc):
+            self._engine.complete(claim, self.outcome)  # type: ignore[arg-type]
+            return
+        error = None
+        try:
+            self._engine.fail(claim, final=self.final)
+        except (LeaseLostError, StoreUnavailableError) as err:
+            error = err
+        self._failed(exc, error)
+
+    # Async: the store calls are shielded from cancellation (a client that
+    # disconnects cancels its request's task). A claim that lands after its task
+    # was cancelled is failed at once, so retries are not told "in flight" for a
+    # whole lease; a completion under way finishes, so the side effect that ran
+    # is recorded and never runs again.
+
+    async def __aenter__(self) -> Attempt:
+        task = _start(self._engine._abegin(self._plan))
+        if not isinstance(task, asyncio.Future):
+            return self._started(task)  # answered without suspending: nothing to shield
+        try:
+            return self._started(await asyncio.shield(task))
+        except asyncio.CancelledError:
+            task.add_done_callback(self._release_orphan)
+            raise
+
+    def _release_orphan(self, task: asyncio.Future[Claim | Replay]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return
+        claim = task.result()
+        if isinstance(claim, Claim):
+            run_to_end(self._engine.afail(claim))
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        claim = self.claim
+        if claim is None or self.settled:
+            return
+        if self._commit(exc):
+            await _shielded(self._engine.acomplete(claim, self.outcome))  # type: ignore[arg-type]
+            return
+        error = None
+        try:
+            await _shielded(self._engine.afail(claim, final=self.final))
+        except (LeaseLostError, StoreUnavailableError) as err:
+            error = err
+        self._failed(exc, error)
+
+
+#: Store calls that must finish even if their caller was cancelled.
+_pending: set[asyncio.Future[Any]] = set()
+
+
+def _start(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``coro`` up to its first suspension.
+
+    A call that needs no I/O wait (the memory store, a cached answer) returns
+    its result here, with no task and no extra turn of the event loop. One that
+    suspends goes on in a task of its own (see :func:`run_to_end`) that no
+    cancellation reaches; that task is returned.
+    """
+    try:
+        waiting = coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    except BaseException:
+        coro.close()
+        raise
+    return run_to_end(_resume(coro, waiting))
+
+
+async def _resume(coro: Coroutine[Any, Any, Any], waiting: Any) -> Any:
+    """Drive a started coroutine to its end, as a task would."""
+    while True:
+        if waiting is None:  # a bare yield (asyncio.sleep(0))
+            await asyncio.sleep(0)
+        else:
+            waiting._asyncio_future_blocking = False
+            # Its outcome reaches ``coro`` when it resumes: ignore it here.
+            with contextlib.suppress(BaseException):
+                await waiting
+        try:
+            if waiting is None or waiting.done():
+                waiting = coro.send(None)
+            else:  # this task itself was cancelled (the loop is closing)
+                waiting = coro.throw(asyncio.CancelledError())
+        except StopIteration as stop:
+            return stop.value
+
+
+async def _shielded(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Await ``coro``; if the caller is cancelled meanwhile, ``coro`` still runs to its end."""
+    started = _start(coro)
+    if isinstance(started, asyncio.Future):
+        return await asyncio.shield(started)
+    return started
+
+
+def run_to_end(coro: Any) -> asyncio.Future[Any]:
+    """A task for ``coro`` that runs to its end whoever waits for it (failures logged)."""
+    task = asyncio.ensure_future(coro)
+    _pending.add(task)
+    task.add_done_callback(_settled)
+    return task
+
+
+def _settled(task: asyncio.Future[Any]) -> None:
+    _pending.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("retrysafe: store call of a cancelled attempt failed: %r", task.exception())

@@ -1,0 +1,728 @@
+"""What the engine reports: Prometheus counters and histograms, alerts, trace events.
+
+The engine calls :data:`METRICS` at each decision, so every front door reports
+the same figures. In one process each report is a few dictionary lookups and
+updates of this thread's own values, with no lock; with metrics disabled it is
+one attribute test.
+
+Under several worker processes, set ``PROMETHEUS_MULTIPROC_DIR`` before the
+workers start (``retrysafe gateway --workers N`` does): each process writes its
+counters to files there, and whichever process answers a scrape adds them up.
+"""
+
+from __future__ import annotations
+
+import atexit
+import bisect
+import collections
+import contextlib
+import functools
+import logging
+import math
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from retrysafe.errors import (
+    AmbiguousCredentialsError,
+    FingerprintMismatchError,
+    InProgressError,
+    InvalidKeyError,
+    PrincipalRequiredError,
+    StoreUnavailableError,
+)
+
+__all__ = [
+    "COUNTERS",
+    "METRICS",
+    "AlertLog",
+    "Alerts",
+    "Event",
+    "Metrics",
+    "multiprocess_dir",
+]
+
+log = logging.getLogger("retrysafe.alerts")
+
+#: outcome -> (metric name without ``_total``, help). The outcomes a keyed request
+#: can have are the first four (their sum is every keyed request); the others are
+#: events of an attempt or refusals before the engine decided anything.
+COUNTERS: dict[str, tuple[str, str]] = {
+    "executed": ("retrysafe_executions", "Keyed requests that ran the handler (claims granted)."),
+    "replayed": ("retrysafe_replays", "Keyed requests answered from the store (duplicates)."),
+    "in_flight": (
+        "retrysafe_in_flight_conflicts",
+        "Keyed requests refused because the key was in flight (HTTP 409).",
+    ),
+    "conflict": (
+        "retrysafe_fingerprint_conflicts",
+        "Keys reused with another request (HTTP 422).",
+    ),
+    "failed": ("retrysafe_failures", "Attempts marked failed."),
+    "lease_takeover": (
+        "retrysafe_lease_takeovers",
+        "Claims that took over a processing record whose lease had run out.",
+    ),
+    "stale_refused": (
+        "retrysafe_stale_completions_refused",
+        "Completions, failures and renewals refused because the attempt had lost its lease.",
+    ),
+    "invalid_key": ("retrysafe_invalid_keys", "Requests refused for a missing or malformed key."),
+    "unscoped": (
+        "retrysafe_unscoped_requests",
+        "Keyed requests run without a record: they carried no credential (anonymous='run').",
+    ),
+    "principal_refused": (
+        "retrysafe_principal_refusals",
+        "Keyed requests refused for missing (anonymous='refuse') or ambiguous credentials.",
+    ),
+    "store_unavailable": (
+        "retrysafe_store_unavailable",
+        "Requests that found the store unreachable.",
+    ),
+    "unrecorded": (
+        "retrysafe_unrecorded_outcomes",
+        "Completions and failures that could not be written: the store was unreachable.",
+    ),
+    "step_executed": (
+        "retrysafe_step_executions",
+        "Workflow steps that ran (labelled operation/step; not requests of their own).",
+    ),
+    "step_replayed": (
+        "retrysafe_step_replays",
+        "Workflow steps answered from the store when their operation was retried.",
+    ),
+}
+#: The outcomes that together are every keyed request (the duplicate rate's denominator).
+KEYED = ("executed", "replayed", "in_flight", "conflict")
+STORE_CALLS = ("claim", "complete", "fail", "renew")
+_STORE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                  0.5, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+_HANDLER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                    60.0, 300.0)  # fmt: skip
+#: Operation labels kept apart; past this many, new ones are counted as ``other``.
+MAX_OPERATIONS = 200
+_NO_OPERATION = "(none)"
+
+
+def multiprocess_dir() -> str | None:
+    """The folder of multi-process metrics, if this process runs in that mode."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+@dataclass(frozen=True)
+class Alerts:
+    """When the engine raises an alert (a ``retrysafe.alerts`` log event and a counter).
+
+    ``burst``: this many requests refused as in flight on one key within
+    ``burst_window`` seconds (so ``burst + 1`` arrived together). ``failures``:
+    an attempt fails and it was the key's ``failures``-th attempt in a row.
+    ``stuck_after``: a processing record whose lease ended this many seconds ago
+    (found when the store's gauges are read). A stale completion is always one.
+    """
+
+    burst: int = 3
+    burst_window: float = 1.0
+    failures: int = 3
+    stuck_after: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.burst < 1 or self.failures < 1:
+            raise ValueError("burst and failures must be at least 1")
+        if not self.burst_window > 0 or self.stuck_after < 0:
+            raise ValueError("burst_window must be positive and stuck_after not negative")
+
+
+class _Held:
+    """The alerts of one kind held back in the current interval."""
+
+    __slots__ = ("count", "key_hashes", "operations", "until")
+
+    def __init__(self, until: float) -> None:
+        self.until = until
+        self.count = 0
+        self.operations: dict[str, int] = {}
+        self.key_hashes: list[str] = []
+
+
+class AlertLog:
+    """Alert log lines, at most one per alert kind per ``interval`` seconds.
+
+    The first alert of a kind is logged at once, with its detail. The ones that
+    follow within the interval are counted, and when it ends one summary line
+    per kind says how many there were, on which operations (the first
+    :data:`MAX_SUMMARY_OPERATIONS`, the rest as ``other``) and a few key hashes
+    (at most ``samples``). Summaries are written by a timer thread, by the next
+    alert of the kind, by :meth:`flush`, and at exit. Counters and the
+    dashboard's recent events still see every alert.
+    """
+
+    def __init__(
+        self,
+        interval: float = 10.0,
+        *,
+        samples: int = 5,
+        clock: Callable[[], float] = time.monotonic,
+        timer: bool = True,
+    ) -> None:
+        if not interval > 0 or samples < 0:
+            raise ValueError("interval must be positive and samples not negative")
+        self.interval = float(interval)
+        self.samples = samples
+        self.clock = clock
+        self._timer_on = timer
+        self._timer: threading.Timer | None = None
+        self._held: dict[str, _Held] = {}
+        self._lock = threading.Lock()
+
+    def emit(self, name: str, message: str, args: tuple[Any, ...], fields: dict[str, Any]) -> None:
+        """Log ``message % args`` now, or count it in this interval's summary of ``name``."""
+        with self._lock:
+            now = self.clock()
+            summaries = self._due(now, name)
+            held = self._held.get(name)
+            if held is None:
+                self._held[name] = _Held(now + self.interval)
+            else:
+                held.count += 1
+                op = fields.get("operation", "")
+                ops = held.operations
+                if op not in ops and len(ops) >= MAX_SUMMARY_OPERATIONS:
+                    op = "other"
+                ops[op] = ops.get(op, 0) + 1
+                sample = str(fields.get("key_hash", ""))
+                if len(held.key_hashes) < self.samples and sample not in held.key_hashes:
+                    held.key_hashes.append(sample)
+                self._schedule(held.until - now)
+        self._write(summaries)
+        if held is None:
+            log.warning(message, *args, extra={"retrysafe": fields})
+
+    def flush(self, *, everything: bool = False) -> None:
+        """Write the summaries of the intervals that have ended (``everything``: all)."""
+        with self._lock:
+            summaries = self._due(math.inf if everything else self.clock(), None)
+        self._write(summaries)
+
+    def _due(self, now: float, name: str | None) -> list[tuple[str, _Held]]:
+        """Take the held alerts of the ended intervals (``name``'s, or all). A summary
+        opens the next interval; an interval that held nothing just ends."""
+        due: list[tuple[str, _Held]] = []
+        for kind in [name] if name is not None else list(self._held):
+            held = self._held.get(kind)
+            if held is None or now < held.until:
+                continue
+            if held.count:
+                due.append((kind, held))
+                self._held[kind] = _Held(now + self.interval)
+            else:
+                del self._held[kind]
+        return due
+
+    def _schedule(self, delay: float) -> None:
+        if not self._timer_on or (self._timer is not None and self._timer.is_alive()):
+            return
+        self._timer = threading.Timer(max(delay, 0.0) + 0.01, self._tick)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _tick(self) -> None:
+        self.flush()
+        with self._lock:
+            pending = [h.until for h in self._held.values() if h.count]
+            self._timer = None
+            if pending:
+                self._schedule(min(pending) - self.clock())
+
+    def _write(self, summaries: list[tuple[str, _Held]]) -> None:
+        for name, held in summaries:
+            ops = ", ".join(f"{op or _NO_OPERATION} x{n}" for op, n in held.operations.items())
+            fields = {"alert": name, "summary": True, "count": held.count,
+                      "interval": self.interval, "operations": dict(held.operations),
+                      "key_hashes": list(held.key_hashes)}  # fmt: skip
+            log.warning(
+                "retrysafe alert %s: %d more within %gs (operations: %s; key_hash e.g. %s)",
+                name, held.count, self.interval, ops, ", ".join(held.key_hashes) or "-",
+                extra={"retrysafe": fields},
+            )  # fmt: skip
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._timer = None
+
+
+#: Operations named in an alert summary; the others are counted as ``other``.
+MAX_SUMMARY_OPERATIONS = 10
+
+
+@dataclass(frozen=True)
+class Event:
+    """A recent refusal, failure or alert, kept in memory for the dashboard."""
+
+    at: float
+    kind: str
+    operation: str
+    key: str
+    key_hash: str
+    detail: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Otel:
+    """Span events on the current span, if ``opentelemetry-api`` is installed and a
+    tracer provider is set (``trace.set_tracer_provider``). Until one is set, an
+    event costs one attribute read: the API keeps the provider in a module global
+    (read directly; if a later API hides it, every event looks at the current span)."""
+
+    def __init__(self) -> None:
+        try:
+            from opentelemetry import trace
+        except ImportError:
+            self.current: Callable[[], Any] | None = None
+        else:
+            self.current = trace.get_current_span
+            self._trace = trace
+
+    def event(self, name: str, operation: str, outcome: str, key_hash: str) -> None:
+        if self.current is None or getattr(self._trace, "_TRACER_PROVIDER", True) is None:
+            return
+        span = self.current()
+        if span.is_recording():
+            span.add_event(name, {"retrysafe.operation": operation, "retrysafe.outcome": outcome,
+                                  "retrysafe.key_hash": key_hash})  # fmt: skip
+
+
+_FAMILIES: dict[str, tuple[str, str, str, tuple[float, ...] | None]] = {
+    **{o: (name, text, "operation", None) for o, (name, text) in COUNTERS.items()},
+    "alert": ("retrysafe_alerts", "Alerts raised, by alert.", "alert", None),
+    "store": ("retrysafe_store_seconds", "Store round-trip time by call.", "call", _STORE_BUCKETS),
+    "handler": ("retrysafe_handler_seconds", "Time from a claim to its completion or failure.",
+                "operation", _HANDLER_BUCKETS),
+}  # fmt: skip
+
+
+class _Owner:
+    """Held in a thread's locals only: its end is that thread's end."""
+
+
+class _Child:
+    """One labelled counter or histogram: a list of values per thread, so an update
+    takes no lock (only its thread writes it) and loses nothing."""
+
+    __slots__ = ("_bounds", "_cells", "_key", "_local")
+
+    def __init__(self, cells: _Cells, key: tuple[str, str], bounds: tuple[float, ...]) -> None:
+        self._cells, self._key, self._bounds, self._local = cells, key, bounds, cells.local
+
+    def _values(self) -> list[float]:
+        try:
+            return self._local.values[self._key]  # type: ignore[no-any-return]
+        except (AttributeError, KeyError):
+            # A counter: [n]; a histogram: a count per bucket, +Inf's, then the sum.
+            return self._cells.new(self._key, len(self._bounds) + 2 if self._bounds else 1)
+
+    def inc(self, n: float = 1) -> None:
+        self._values()[0] += n
+
+    def observe(self, value: float) -> None:
+        values = self._values()
+        values[bisect.bisect_left(self._bounds, value)] += 1  # Prometheus' le is inclusive
+        values[-1] += value
+
+
+class _Cells:
+    """The metrics of one process: per-thread values, added up by :meth:`collect`.
+
+    When a thread ends, its values are added to the retired totals (a server
+    that starts a thread per request must not grow a list per request).
+    """
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self._lock = threading.Lock()
+        self._all: dict[tuple[str, str], list[list[float]]] = {}
+        self._retired: dict[tuple[str, str], list[float]] = {}
+
+    def child(self, family: str, label: str) -> _Child:
+        bounds = _FAMILIES[family][3] or ()
+        return _Child(self, (family, label), bounds)
+
+    def new(self, key: tuple[str, str], size: int) -> list[float]:
+        """This thread's values for ``key`` (made on its first update)."""
+        values: list[float] = [0] * size
+        mine = getattr(self.local, "values", None)
+        if mine is None:
+            mine = self.local.values = {}
+            # Dropped with the thread's locals when it ends: then its values retire.
+            self.local.owner = owner = _Owner()
+            weakref.finalize(owner, self._retire, mine)
+        mine[key] = values
+        with self._lock:
+            self._all.setdefault(key, []).append(values)
+        return values
+
+    def _retire(self, mine: dict[tuple[str, str], list[float]]) -> None:
+        with self._lock:
+            for key, values in mine.items():
+                lists = self._all[key]
+                retired = self._retired.get(key)
+                if retired is None:
+                    retired = self._retired[key] = [0] * len(values)
+                    lists.append(retired)
+                for i, v in enumerate(values):
+                    retired[i] += v
+                lists[:] = [v for v in lists if v is not values]
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+        from prometheus_client.utils import floatToGoString
+
+        with self._lock:  # summed under the lock: a thread retiring now is counted once
+            cells = {key: [sum(column) for column in zip(*lists, strict=True)]
+                     for key, lists in self._all.items()}  # fmt: skip
+        for family, (name, text, label, bounds) in _FAMILIES.items():
+            mine = {k[1]: totals for k, totals in cells.items() if k[0] == family}
+            if bounds is None:
+                counter = CounterMetricFamily(name, text, labels=[label])
+                for value, totals in mine.items():
+                    counter.add_metric([value], totals[0])
+                yield counter
+                continue
+            histogram = HistogramMetricFamily(name, text, labels=[label])
+            edges = [*(floatToGoString(b) for b in bounds), "+Inf"]
+            for value, totals in mine.items():
+                running, buckets = 0.0, []
+                for edge, n in zip(edges, totals[:-1], strict=True):
+                    running += n
+                    buckets.append((edge, running))
+                histogram.add_metric([value], buckets, sum_value=totals[-1])
+            yield histogram
+
+
+def _quiet(method: Callable[..., None]) -> Callable[..., None]:
+    """A report that never raises: metrics must not fail the request they describe."""
+
+    @functools.wraps(method)
+    def report(self: Metrics, *args: Any, **kwargs: Any) -> None:
+        try:
+            method(self, *args, **kwargs)
+        except Exception as exc:
+            self._broken(exc)
+
+    return report
+
+
+class _Op:
+    """An operation's label and the children of its metrics on every request."""
+
+    __slots__ = ("executed", "handler", "label", "replayed")
+
+    def __init__(self, label: str, executed: Any, replayed: Any, handler: Any) -> None:
+        self.label, self.executed, self.replayed, self.handler = label, executed, replayed, handler
+
+
+class Metrics:
+    """The process's metrics (one instance, :data:`METRICS`); see the module docstring.
+
+    ``registry``: where the metrics are registered (default: ``prometheus_client``'s
+    own, or none in multi-process mode, where they live in files); another
+    instance needs one of its own.
+    """
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        alerts: Alerts | None = None,
+        registry: Any = None,
+        alert_log: AlertLog | None = None,
+    ) -> None:
+        self.enabled = enabled
+        self.registry = registry
+        self.alerts = alerts or Alerts()
+        self.alert_log = alert_log or AlertLog()
+        self.recent: collections.deque[Event] = collections.deque(maxlen=200)
+        self._made = False
+        self._cells: _Cells | None = None
+        self._lock = threading.Lock()
+        self._children: dict[tuple[str, str], Any] = {}
+        self._operations: dict[str, str] = {}
+        self._ops: dict[str, _Op] = {}
+        self._store: dict[str, Any] = {}
+        self._bursts: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
+        self._stuck: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._otel = _Otel()
+        self._failures: set[str] = set()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._after_fork)
+
+    # -- the prometheus objects ------------------------------------------------------------
+
+    def _make(self) -> None:
+        """Create the metrics on first use (so an unused process registers nothing).
+
+        In one process they are lock-free per-thread cells added up when scraped
+        (:class:`_Cells`); in multi-process mode, ``prometheus_client``'s own,
+        which live in memory-mapped files every worker can read.
+        """
+        with self._lock:
+            if self._made:
+                return
+            from prometheus_client import REGISTRY, Counter, Histogram
+
+            registry = self.registry
+            if not multiprocess_dir():
+                self._cells = _Cells()
+                (registry or REGISTRY).register(self._cells)
+                self._made = True
+                return
+            self._families = {
+                family: Counter(name, text, [label], registry=registry) if bounds is None
+                else Histogram(name, text, [label], buckets=bounds, registry=registry)
+                for family, (name, text, label, bounds) in _FAMILIES.items()
+            }  # fmt: skip
+            self._made = True
+
+    def _child(self, family: str, label: str) -> Any:
+        """The labelled child of a metric (cached: ``labels()`` takes a lock)."""
+        child = self._children.get((family, label))
+        if child is None:
+            self._make()
+            if self._cells is not None:
+                child = self._cells.child(family, label)
+            else:
+                child = self._families[family].labels(label)
+            self._children[(family, label)] = child
+        return child
+
+    def _op(self, operation: str) -> _Op:
+        """The children of an operation's frequent metrics, found with one lookup."""
+        op = self._ops.get(operation)
+        if op is None:
+            label = self._label(operation)
+            op = _Op(label, self._child("executed", label), self._child("replayed", label),
+                     self._child("handler", label))  # fmt: skip
+            if label != "other":  # bounded like the labels
+                self._ops[operation] = op
+        return op
+
+    def _store_child(self, call: str) -> Any:
+        child = self._store.get(call)
+        if child is None:
+            child = self._store[call] = self._child("store", call)
+        return child
+
+    def _label(self, operation: str) -> str:
+        """The operation's label; bounded, since operations can come from requests."""
+        label = self._operations.get(operation)
+        if label is None:
+            if len(self._operations) >= MAX_OPERATIONS:
+                return "other"
+            label = self._operations[operation] = operation or _NO_OPERATION
+        return label
+
+    @_quiet
+    def count(self, outcome: str, operation: str, n: float = 1) -> None:
+        """Add ``n`` to the ``outcome`` counter of ``operation``."""
+        if self.enabled:
+            self._child(outcome, self._label(operation)).inc(n)
+
+    # -- what the engine reports -----------------------------------------------------------
+
+    def claimed(
+        self, operation: str, key_hash: str, took_over: object, seconds: float,
+        step: bool = False,
+    ) -> None:  # fmt: skip
+        """A claim was granted after a store call of ``seconds`` (``step``: a workflow's)."""
+        if not self.enabled:
+            return
+        try:
+            op = self._op(operation)
+            self._store_child("claim").observe(seconds)
+            if step:
+                self._child("step_executed", op.label).inc()
+            else:
+                op.executed.inc()
+            outcome = "executed"
+            if took_over is not None and getattr(took_over, "value", took_over) == "processing":
+                self._child("lease_takeover", op.label).inc()
+                outcome = "lease_takeover"
+            self._otel.event("retrysafe.claim", operation, outcome, key_hash)
+        except Exception as exc:
+            self._broken(exc)
+
+    def replayed(self, operation: str, key_hash: str, seconds: float, step: bool = False) -> None:
+        """A claim found a finished record to replay (``step``: a workflow's)."""
+        if not self.enabled:
+            return
+        try:
+            self._store_child("claim").observe(seconds)
+            op = self._op(operation)
+            if step:
+                self._child("step_replayed", op.label).inc()
+            else:
+                op.replayed.inc()
+            self._otel.event("retrysafe.replay", operation, "replayed", key_hash)
+        except Exception as exc:
+            self._broken(exc)
+
+    @_quiet
+    def refused(
+        self, operation: str, error: BaseException, key: str = "", key_hash: str = ""
+    ) -> None:
+        """A keyed request was refused: in flight, conflict, bad key or store down.
+
+        Counted once however many layers report it (the error is marked).
+        """
+        if not self.enabled or getattr(error, "_retrysafe_counted", False):
+            return
+        if isinstance(error, InProgressError):
+            outcome = "in_flight"
+        elif isinstance(error, FingerprintMismatchError):
+            outcome = "conflict"
+        elif isinstance(error, InvalidKeyError):
+            outcome = "invalid_key"
+        elif isinstance(error, StoreUnavailableError):
+            outcome = "store_unavailable"
+        elif isinstance(error, AmbiguousCredentialsError | PrincipalRequiredError):
+            outcome = "principal_refused"
+        else:
+            return
+        with contextlib.suppress(AttributeError):  # a slotted exception is counted again
+            error._retrysafe_counted = True  # type: ignore[attr-defined]
+        self._child(outcome, self._label(operation)).inc()
+        self._otel.event("retrysafe.claim", operation, outcome, key_hash)
+        if outcome in ("in_flight", "conflict"):
+            self._note(outcome, operation, key or getattr(error, "key", ""), key_hash, str(error))
+        if outcome == "in_flight" and key_hash:
+            self._burst(operation, key or getattr(error, "key", ""), key_hash)
+
+    def settled(
+        self, call: str, operation: str, key_hash: str, seconds: float, handler: float
+    ) -> None:
+        """A completion or failure (``call``) was stored after ``handler`` seconds of work."""
+        if not self.enabled:
+            return
+        try:
+            self._store_child(call).observe(seconds)
+            self._op(operation).handler.observe(handler)
+            self._otel.event(f"retrysafe.{call}", operation, "ok", key_hash)
+        except Exception as exc:
+            self._broken(exc)
+
+    @_quiet
+    def failed(self, operation: str, key: str, key_hash: str, attempts: int, final: bool) -> None:
+        """An attempt was marked failed; its key's ``attempts``-th attempt."""
+        if not self.enabled:
+            return
+        self._child("failed", self._label(operation)).inc()
+        detail = f"attempt {attempts} failed" + (" finally" if final else "")
+        self._note("failed", operation, key, key_hash, detail, attempts=attempts, final=final)
+        if attempts >= self.alerts.failures:
+            detail = f"the key failed {attempts} attempts in a row"
+            self.alert("repeated_failures", operation, key, key_hash, detail, attempts=attempts)
+
+    def store_call(self, call: str, seconds: float) -> None:
+        """A store call (``claim``, ``renew``, …) took ``seconds``."""
+        if self.enabled:
+            try:
+                self._store_child(call).observe(seconds)
+            except Exception as exc:
+                self._broken(exc)
+
+    @_quiet
+    def unrecorded(self, what: str, operation: str, key: str, key_hash: str) -> None:
+        """A completion or failure could not be written: the store was unreachable.
+
+        The side effect may have run with no record of it: a retry after the lease
+        runs it again unless the handler is idempotent downstream.
+        """
+        if not self.enabled:
+            return
+        self._child("unrecorded", self._label(operation)).inc()
+        self.alert("unrecorded_outcome", operation, key, key_hash,
+                   f"the {what} could not be written: the store was unreachable")  # fmt: skip
+
+    @_quiet
+    def stale(self, what: str, operation: str, key: str, key_hash: str) -> None:
+        """A completion, failure or renewal was refused: the lease had been lost."""
+        if not self.enabled:
+            return
+        self._child("stale_refused", self._label(operation)).inc()
+        self.alert("stale_completion", operation, key, key_hash,
+                   f"a stale {what} was refused: the attempt had lost its lease")  # fmt: skip
+
+    @_quiet
+    def stuck(self, operation: str, key: str, key_hash: str, overdue: float) -> None:
+        """A processing record's lease ended ``overdue`` seconds ago (alerted once per record)."""
+        if not self.enabled or key_hash in self._stuck:
+            return
+        self._stuck[key_hash] = None
+        while len(self._stuck) > 10_000:
+            self._stuck.popitem(last=False)
+        detail = f"processing {overdue:.1f}s past its lease"
+        self.alert("stuck_processing", operation, key, key_hash, detail, overdue=round(overdue, 3))
+
+    def _broken(self, exc: Exception) -> None:
+        """A report failed (a full disk under the multi-process folder, say): log it
+        once per kind, and go on."""
+        kind = type(exc).__name__
+        if kind not in self._failures:
+            self._failures.add(kind)
+            log.error("retrysafe: a metrics report failed (%s: %s); requests go on without it",
+                      kind, exc)  # fmt: skip
+
+    def _after_fork(self) -> None:
+        """In a forked child: new locks (one held by another thread at the fork would
+        never be released)."""
+        self._lock = threading.Lock()
+        if self._cells is not None:
+            self._cells._lock = threading.Lock()
+        self.alert_log._after_fork()
+
+    # -- alerts and recent events ------------------------------------------------------------
+
+    @_quiet
+    def alert(
+        self, name: str, operation: str, key: str, key_hash: str, detail: str, **extra: Any
+    ) -> None:
+        """Count an alert and log it as a structured ``retrysafe.alerts`` event, at most
+        one line per kind per interval (see :class:`AlertLog`). Never the raw key."""
+        if not self.enabled:
+            return
+        self._child("alert", name).inc()
+        fields = {"alert": name, "operation": operation, "key_hash": key_hash[:16], **extra}
+        self.alert_log.emit(name, "retrysafe alert %s: %s (operation=%s key_hash=%s)",
+                            (name, detail, operation, key_hash[:16]), fields)  # fmt: skip
+        self._note(f"alert:{name}", operation, key, key_hash, detail, **extra)
+
+    def _note(
+        self, kind: str, operation: str, key: str, key_hash: str, detail: str, **extra: Any
+    ) -> None:
+        self.recent.append(Event(time.time(), kind, operation, key, key_hash, detail, extra))
+
+    def _burst(self, operation: str, key: str, key_hash: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            times = self._bursts.pop(key_hash, [])
+            times = [t for t in times if now - t < self.alerts.burst_window]
+            times.append(now)
+            fire = len(times) >= self.alerts.burst
+            if not fire:
+                self._bursts[key_hash] = times
+                while len(self._bursts) > 10_000:
+                    self._bursts.popitem(last=False)
+        if fire:
+            self.alert("burst", operation, key, key_hash,
+                       f"{len(times) + 1} requests with one key within "
+                       f"{self.alerts.burst_window:g}s", requests=len(times) + 1)  # fmt: skip
+
+
+#: The process's metrics; the engine reports here.
+METRICS = Metrics(enabled=os.environ.get("RETRYSAFE_METRICS", "1").strip().lower()
+                  not in ("0", "false", "no", "off"))  # fmt: skip
+# The alerts held back for a summary are written when the process ends.
+atexit.register(lambda: METRICS.alert_log.flush(everything=True))

@@ -1,0 +1,1 @@
+"""The demo behind ``retrysafe demo``: a shop behind the gateway."""

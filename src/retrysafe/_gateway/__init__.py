@@ -1,0 +1,1 @@
+"""The gateway's parts: the upstream pool and the server's limits."""

@@ -1,0 +1,546 @@
+"""ASGI I/O shared by the front doors: the idempotency middleware (behind
+:mod:`retrysafe.asgi`, :mod:`retrysafe.fastapi` and the gateway) and the plumbing of
+the doors that speak JSON over HTTP (Mesh, A2A, webhooks)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, MutableMapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from retrysafe._core.engine import Attempt
+from retrysafe._core.heartbeat import renewing
+from retrysafe._core.principal import Principal, Principals, asgi_user, unscoped
+from retrysafe._core.secret import asecret_of
+from retrysafe._http.policy import Canonicalize, Capture, Headers, HttpPolicy, HttpRequest, Response
+from retrysafe.errors import IdempotencyError
+
+if TYPE_CHECKING:
+    from retrysafe.stores import Store
+
+__all__ = [
+    "UNPROVEN_END",
+    "ASGIApp",
+    "BodyTooLarge",
+    "IdempotencyMiddleware",
+    "Message",
+    "Receive",
+    "Recorder",
+    "Scope",
+    "Send",
+    "caller",
+    "caller_scope",
+    "closing",
+    "header",
+    "http_request",
+    "is_async",
+    "lifespan",
+    "read_body",
+    "replaying",
+    "run_recorded",
+    "send_answer",
+    "send_json",
+    "send_response",
+    "to_the_end",
+]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+T = TypeVar("T")
+
+#: A key of an answer's last ``http.response.body`` message: true when nothing
+#: proves the answer ended there (the upstream's body ran to a close that could
+#: as well have cut it short). The client gets it; it is never stored.
+UNPROVEN_END = "retrysafe.unproven_end"
+
+log = logging.getLogger("retrysafe")
+http_log = logging.getLogger("retrysafe.http")
+
+
+async def lifespan(
+    receive: Receive,
+    send: Send,
+    on_shutdown: Callable[[], Awaitable[None]],
+    on_startup: Callable[[], object] | None = None,
+) -> None:
+    """Serve an app's lifespan: call ``on_startup`` and start; at shutdown, await
+    ``on_shutdown``. A failure of ``on_shutdown`` is logged; it never stops the shutdown.
+    """
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            if on_startup is not None:
+                on_startup()
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await _close_at_shutdown(on_shutdown)
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def _close_at_shutdown(close: Callable[[], Awaitable[None]]) -> None:
+    """Await ``close``; a failure is logged, never raised (it must not stop a shutdown)."""
+    try:
+        await close()
+    except Exception as exc:
+        log.warning("retrysafe: closing the store at shutdown failed: %r", exc)
+
+
+def closing(send: Send, close: Callable[[], Awaitable[None]]) -> Send:
+    """``send`` for an app's lifespan that awaits ``close`` before shutdown completes.
+
+    For middleware in front of an app that serves its own lifespan. A failure of
+    ``close`` is logged; it never stops the shutdown.
+    """
+
+    async def closing_send(message: Message) -> None:
+        if message["type"] == "lifespan.shutdown.complete":
+            await _close_at_shutdown(close)
+        await send(message)
+
+    return closing_send
+
+
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """``receive`` that gives the app the already-read ``body``, then the client's messages."""
+    sent = False
+
+    async def replay_receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay_receive
+
+
+class BodyTooLarge(Exception):
+    """The request body passed the limit given to :func:`read_body`."""
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    """The first value of the (lower-case) header ``name``, or None."""
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def http_request(scope: Scope) -> HttpRequest:
+    """The request of an ASGI ``scope``, as ``principal=`` and ``require_key=`` see it."""
+    return HttpRequest(
+        scope["method"],
+        scope["path"],
+        scope.get("query_string", b"").decode("latin-1"),
+        Headers((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]),
+        scope,
+    )
+
+
+async def caller_scope(
+    scope: Scope, principals: Principals, store: Store[Any], operation: str
+) -> str | None:
+    """The record scope of an ASGI request's caller (a keyed hash, see
+    :mod:`retrysafe._core.principal`); None: anonymous, to run without a record.
+
+    Raises what :meth:`Principals.identify` raises, and
+    :class:`~retrysafe.StoreUnavailableError` if the deployment secret cannot be read.
+    """
+    who = caller(scope, principals)
+    if who is None:
+        unscoped(operation)
+        return None
+    return who.scope(await asecret_of(store))
+
+
+def caller(scope: Scope, principals: Principals) -> Principal | None:
+    """Who sends an ASGI request (see :meth:`Principals.identify`); None: anonymous,
+    to run without a record."""
+    wanted = principals.raw_names
+    found = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k in wanted]
+    query = scope.get("query_string", b"").decode("latin-1")
+    return principals.identify(lambda: http_request(scope), lambda: asgi_user(scope), found, query)
+
+
+def is_async(handler: Callable[..., Any]) -> bool:
+    """True for a coroutine function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+        type(handler).__call__
+    )
+
+
+async def read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body (at most ``limit`` bytes), or None if the client left.
+
+    Raises :class:`BodyTooLarge` past ``limit``.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(f"request body over {limit} bytes")
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def send_response(
+    send: Send, status: int, headers: Iterable[tuple[str, str]], body: bytes
+) -> None:
+    """Send a whole response in one start and one body message."""
+    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+    raw.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+
+
+async def send_json(
+    send: Send,
+    status: int,
+    value: Any,
+    headers: Iterable[tuple[str, str]] = (),
+    media_type: str = "application/json",
+) -> None:
+    """Send ``value`` as a compact UTF-8 JSON response."""
+    body = _JSON(value).encode()
+    await send_response(send, status, [("content-type", media_type), *headers], body)
+
+
+#: The handlings whose request was cancelled, kept referenced until they end.
+_orphans: set[asyncio.Task[Any]] = set()
+
+
+async def to_the_end(handling: Coroutine[Any, Any, T]) -> T:
+    """Await ``handling`` in a task of its own that a cancellation of the caller
+    does not stop.
+
+    A server or middleware may cancel a request's task (a client that left, a
+    timeout) while its handler runs, and work the handler runs outside that
+    task (a plain handler in a worker thread) goes on regardless. Failing the
+    key then would let a retry run the handler a second time, alongside the
+    first: instead the handling runs to its end and records its answer, and a
+    retry meanwhile is told it is still in flight. A failure of a handling
+    whose caller is gone is logged as a warning.
+    """
+    task = asyncio.ensure_future(handling)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.done():
+            _orphans.add(task)
+            task.add_done_callback(_orphan_ended)
+        raise
+
+
+async def run_detached(
+    run: Callable[[Receive, Send], Awaitable[None]], receive: Receive, send: Send
+) -> None:
+    """``await run(receive, send)`` through :func:`to_the_end`, for one HTTP request.
+
+    If the request's task is cancelled, ``run`` goes on (and records its
+    answer) but is done with the request: it then hears ``http.disconnect``
+    and what it sends goes nowhere.
+    """
+    cancelled = False
+
+    async def hear() -> Message:
+        return {"type": "http.disconnect"} if cancelled else await receive()
+
+    async def answer(message: Message) -> None:
+        if not cancelled:
+            await send(message)
+
+    try:
+        await to_the_end(run(hear, answer))
+    except asyncio.CancelledError:
+        cancelled = True
+        raise
+
+
+def _orphan_ended(task: asyncio.Task[Any]) -> None:
+    _orphans.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("retrysafe: the handling of a cancelled request failed: %r", task.exception())
+
+
+class IdempotencyMiddleware:
+    """Run each keyed request once; answer its retries with the stored response.
+
+    Options (the same in :mod:`retrysafe.wsgi` and :mod:`retrysafe.django`):
+
+    - ``store``: a :class:`~retrysafe.Store`, a store URL or an
+      :class:`~retrysafe.Engine` (default ``$RETRYSAFE_STORE`` or SQLite).
+    - ``methods``: the methods protected (default POST and PATCH).
+    - ``require_key``: answer 400 to a protected request without a key; a bool
+      or a callable taking a :class:`retrysafe.http.HttpRequest`.
+    - ``header``: the key header, or several names (default ``Idempotency-Key``
+      and ``X-Idempotency-Key``).
+    - Who the caller is (records never cross callers; see docs/principals.md):
+      ``principal``, a callable taking the request and returning the caller's
+      identity (a str; None lets the rules below decide); else an
+      authenticated ``scope["user"]`` (Starlette's ``AuthenticationMiddleware``
+      placed before this one); else every credential the request carries:
+      each ``Authorization`` line, the ``principal_headers`` (default
+      ``X-API-Key``, ``Api-Key`` and the like), the session cookies
+      (``principal_cookies``: their names; default every cookie but
+      analytics, consent, CSRF and load-balancer ones) and the
+      ``principal_query`` parameters (default none). ``anonymous``: what a
+      keyed request without any of them gets: ``"run"`` (default: it runs
+      without a record, never replaying another caller's answer),
+      ``"refuse"`` (403 ``idempotency_principal_required``) or ``"share"``
+      (one record space for every anonymous caller: public endpoints only).
+      Two different ``Authorization`` lines are 400
+      ``idempotency_credentials_ambiguous``.
+    - ``operation``: the operation name in the key hash (default ``"http"``).
+    - ``ttl``, ``lease``, ``wait``: seconds a record is kept, an attempt owns
+      its key, a duplicate waits for the attempt in flight (default 0: 409).
+    - ``duplicate_response``: ``"replay"`` (default) or ``"no_content"`` (204
+      for a replayed 2xx answer, as the Go middleware's mobile API does).
+    - ``fail_mode``: ``"closed"`` (503 + ``Retry-After`` when the store is
+      down, default) or ``"open"`` (serve without idempotency, logged).
+    - ``final_failures``: record 5xx answers and exceptions as final (replayed)
+      instead of retryable.
+    - ``max_body``: the largest response body stored (1 MiB); a larger one is
+      streamed to the client, and replayed as its status and headers with an
+      empty body and ``Idempotent-Body-Omitted: true``.
+    - ``max_request_body``: the largest keyed request body accepted (10 MiB;
+      413 above it).
+    - ``store_headers``: only these response headers are stored (default: all
+      but ``Set-Cookie``, ``Authorization`` and hop-by-hop headers; naming a
+      sensitive header here allows it). ``drop_headers``: never stored.
+    - ``retention``: ``"standard"`` (default) or ``"financial"`` (archived
+      before the sweeper deletes it).
+    - ``map``: an :class:`~retrysafe.IdempotencyMap` or the path of its TOML
+      file. A request that matches one of its routes gets that route's policy
+      (the operation's name, ttl, lease, final failures and retention; the
+      route's require_key, header, duplicate answer, wait and key format);
+      other requests get the options above.
+    """
+
+    def __init__(self, app: ASGIApp, store: Any = None, **options: Any) -> None:
+        self.app = app
+        self.policy = HttpPolicy(store, **options)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            if scope["type"] == "lifespan":
+                send = closing(send, self.policy.engine.aclose)
+            await self.app(scope, receive, send)
+            return
+        policy = self.policy.select(scope["method"], scope["path"])
+        if policy is None:
+            await self.app(scope, receive, send)
+            return
+        names, credentials = policy.raw_header_names, policy.principals.raw_names
+        values: list[str] = []
+        found: list[tuple[str, str]] = []
+        ctype = rid = clen = None
+        for name, value in scope["headers"]:
+            if name in names:
+                values.append(value.decode("latin-1"))
+            elif name == b"content-type":
+                ctype = value.decode("latin-1")
+            elif name in credentials:
+                found.append((name.decode("latin-1"), value.decode("latin-1")))
+            elif name == b"content-length":
+                clen = value
+            elif name == b"x-request-id":
+                rid = value.decode("latin-1")
+
+        def request() -> HttpRequest:
+            return http_request(scope)
+
+        query = scope["query_string"].decode("latin-1")
+        try:
+            key = policy.key(values)
+            if key is None:
+                refusal = policy.missing(request)
+                if refusal is None:
+                    await self.app(scope, receive, send)
+                else:
+                    await send_answer(send, refusal)
+                return
+            who = policy.principals.identify(request, lambda: asgi_user(scope), found, query)
+            if who is None:  # anonymous: run without a record (anonymous="run")
+                unscoped(policy.operation)
+                await self.app(scope, receive, send)
+                return
+            policy.check_declared(clen)
+            secret = policy.secret or await policy.aload_secret()
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            if message.get("more_body", False):
+                body = await _read_body(message, receive, policy)
+                if body is None:
+                    return
+            else:
+                body = message.get("body", b"")
+            form = policy.body_form(ctype, body)
+            if isinstance(form, Canonicalize):  # a large JSON body: off the event loop
+                form = await form.arun()
+            attempt = policy.attempt(
+                key, scope["method"], self.request_path(scope), query, ctype, body, who, secret,
+                rid, form,
+            )  # fmt: skip
+        except IdempotencyError as exc:
+            refusal = policy.refusal(exc)
+            if refusal is None:  # the store is down before the body was read; fail open
+                await self.app(scope, receive, send)
+            else:
+                await send_answer(send, refusal)
+            return
+
+        # A cancelled request (a client that left, a timeout middleware) does not
+        # stop a keyed one: work the app runs in a thread would go on regardless,
+        # and a retry would run it again alongside (see run_detached).
+        await run_detached(
+            lambda hear, answer: self._keyed(policy, attempt, scope, hear, answer),
+            replaying(body, receive),
+            send,
+        )
+
+    def request_path(self, scope: Scope) -> str:
+        """The path a keyed request's fingerprint covers: ``scope["path"]``, the one the
+        app routes on (the gateway covers the exact target it forwards instead)."""
+        return str(scope["path"])
+
+    async def _keyed(
+        self, policy: HttpPolicy, attempt: Attempt, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Run (or replay, or refuse) one keyed request with the app, recording its answer."""
+        entered = False
+        try:
+            async with attempt as att:
+                entered = True
+                if att.replay is not None:
+                    await send_answer(send, policy.replay(att.replay))
+                    return
+                await run_recorded(self.app, scope, receive, Recorder(send, policy, att))
+        except IdempotencyError as exc:
+            if entered:
+                raise
+            refusal = policy.refusal(exc)
+            if refusal is None:  # fail open
+                await self.app(scope, receive, send)
+            else:
+                await send_answer(send, refusal)
+
+
+async def run_recorded(app: ASGIApp, scope: Scope, receive: Receive, recorder: Recorder) -> None:
+    """Run ``app`` with ``recorder`` recording its answer, its lease renewed meanwhile.
+
+    An app that returns without a complete answer fails the attempt (retryable).
+    """
+    att = recorder.att
+    with renewing(att):
+        await app(scope, receive, recorder.send)
+    if not att.settled:
+        http_log.warning("retrysafe: the app returned without a complete response")
+        await att.afail()
+
+
+class Recorder:
+    """Wraps ``send``: copies the answer and records it before its last byte leaves.
+
+    A client that disconnects does not stop the recording: the app runs to its
+    end and its answer is stored, so the client's retry gets the replay.
+    """
+
+    __slots__ = ("att", "capture", "connected", "down", "length", "policy", "start", "started")
+
+    def __init__(self, send: Send, policy: HttpPolicy, att: Attempt) -> None:
+        self.down, self.policy, self.att = send, policy, att
+        self.start: Message | None = None
+        self.capture = Capture(policy.max_body)
+        self.connected = True
+        self.started = False
+        self.length = -1  # the answer's Content-Length, if it declares one
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.start = message  # held until the first body message
+            self.length = -1
+            for name, value in message.get("headers", ()):
+                if name.lower() == b"content-length" and value.isdigit():
+                    self.length = int(value)
+            return
+        if kind == "http.response.body" and self.start is not None:
+            start = self.start
+            capture = self.capture
+            capture.add(message.get("body", b""))
+            # The answer is complete at the last message, or as soon as the body
+            # reaches its Content-Length (a client may retry from that moment).
+            if not self.att.settled and (
+                not message.get("more_body", False) or capture.size == self.length
+            ):
+                if message.get(UNPROVEN_END):
+                    # Nothing proves the answer whole: a retry runs again rather
+                    # than replay what may be half an answer.
+                    http_log.warning("retrysafe: the answer's end cannot be proven; not stored")
+                    await self.att.afail(final=False)
+                else:
+                    status = start["status"]
+                    policy = self.policy
+                    kept = policy.stored_raw_headers(start.get("headers", ()))
+                    outcome = policy.outcome_of(status, kept, capture.body(), capture.size)
+                    await policy.asettle(self.att, status, outcome)
+            if not self.started:
+                self.started = True
+                await self._forward(start)
+            await self._forward(message)
+            return
+        await self._forward(message)
+
+    async def _forward(self, message: Message) -> None:
+        if not self.connected:
+            return
+        try:
+            await self.down(message)
+        except OSError as exc:  # the client went away; finish and record anyway
+            self.connected = False
+            http_log.info("retrysafe: client disconnected; the answer is still recorded (%s)", exc)
+
+
+async def _read_body(message: Message, receive: Receive, policy: HttpPolicy) -> bytes | None:
+    """The whole body of a request sent in several messages (at most
+    ``max_request_body``), from its first ``message``; None on disconnect."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            policy.check_length(size)
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+
+
+async def send_answer(send: Send, response: Response) -> None:
+    await send({
+        "type": "http.response.start",
+        "status": response.status,
+        "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers],
+    })  # fmt: skip
+    await send({"type": "http.response.body", "body": response.body})

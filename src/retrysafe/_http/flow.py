@@ -1,0 +1,386 @@
+"""What the WSGI and Django front doors share: reading a request, recording an answer.
+
+:mod:`retrysafe._http.policy` decides (no I/O); this module moves bytes for the front
+doors whose requests carry their headers in a WSGI environ (Django's
+``request.META`` has the same form, under WSGI and ASGI alike):
+
+- :func:`prepare`: the key, principal and engine options of a request, an
+  answer instead (400, 413...), or None to pass it through untouched; a flow
+  that asks its driver (:func:`run_prepare` or :func:`arun_prepare`) for the
+  two things that may need I/O: the framework's user and the deployment secret;
+- :func:`enter` / :func:`aenter`: begin the attempt, or the answer instead of
+  running the app (a refusal, a replay);
+- :class:`Flow`: the rule every HTTP front door keeps, as plain code: *the
+  answer is recorded before its last byte leaves*. A body is passed on chunk
+  by chunk with one chunk held back; when the app's body ends the answer is
+  recorded, and only then does the held chunk leave. A copy is kept up to
+  ``max_body``; above it memory stays flat and only the status and headers are
+  stored;
+- :class:`Stream` (sync) and :func:`astream` (async): iterables that apply the
+  rule to a streamed body. A client that goes away mid-answer (the server
+  closes the iterable early, or cancels the request) does not lose the
+  answer: the rest of the app's body is read and the answer recorded, so the
+  retry gets the replay instead of a second run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Generator,
+    Iterable,
+    Iterator,
+    Mapping,
+)
+from contextlib import AsyncExitStack, ExitStack
+from typing import Any
+
+from retrysafe._core.engine import Attempt, run_to_end
+from retrysafe._core.heartbeat import renewing
+from retrysafe._core.principal import unscoped
+from retrysafe._http.policy import Canonicalize, Capture, HttpPolicy, HttpRequest, Response
+from retrysafe._model.record import Outcome
+from retrysafe.errors import IdempotencyError
+
+__all__ = [
+    "USER",
+    "Answer",
+    "Flow",
+    "PrepareFlow",
+    "Prepared",
+    "Stream",
+    "aenter",
+    "arun_prepare",
+    "astream",
+    "enter",
+    "prepare",
+    "run_prepare",
+]
+
+log = logging.getLogger("retrysafe.http")
+
+#: The app's status code and headers, read when the answer is recorded.
+Answer = Callable[[], tuple[int, list[tuple[str, str]]]]
+#: What :func:`prepare` gives: (the request's policy, the attempt to enter), an
+#: answer instead, or None.
+Prepared = tuple[HttpPolicy, Attempt] | Response | None
+
+
+#: What a :func:`prepare` flow asks its driver for: the identity the framework
+#: authenticated (a str, or None), (yielding the policy) its deployment secret,
+#: or (yielding a :class:`Canonicalize`) a large JSON body's canonical form.
+USER = "user"
+PrepareFlow = Generator[str | HttpPolicy | Canonicalize, Any, Prepared]
+
+
+def prepare(
+    policy: HttpPolicy,
+    meta: Mapping[str, Any],
+    method: str,
+    path: str,
+    body: Callable[[], bytes],
+    request: Callable[[], HttpRequest],
+) -> PrepareFlow:
+    """What a protected request asks for, from its WSGI-style headers in ``meta``.
+
+    A flow: it yields :data:`USER` for the framework's identity (only when the
+    ``principal`` callable does not decide) and then the policy whose deployment
+    secret it needs (until the policy has it), only for a keyed request, and
+    returns what the request gets.
+    ``body()`` reads the whole request body (raising :class:`BodyError` over
+    the limit); it is called only for a keyed request of a known principal,
+    after ``Content-Length`` was checked.
+    """
+    values = [meta[name] for name in policy.environ_names if name in meta]
+    try:
+        key = policy.key(values)
+        if key is None:
+            return policy.missing(request)
+        query = meta.get("QUERY_STRING", "")
+        who = policy.principals.named(request)
+        if who is None:  # the framework's user is read only when principal= did not decide
+            user = yield USER
+            who = policy.principals.others(user, _credentials(meta, policy), query)
+            if who is None:  # anonymous: run without a record (anonymous="run")
+                unscoped(policy.operation)
+                return None
+        policy.check_declared(meta.get("CONTENT_LENGTH"))
+        secret = policy.secret or (yield policy)
+        data, ctype = body(), meta.get("CONTENT_TYPE")
+        form = policy.body_form(ctype, data)
+        if isinstance(form, Canonicalize):
+            form = yield form
+        attempt = policy.attempt(
+            key, method, path, query, ctype, data, who, secret, meta.get("HTTP_X_REQUEST_ID"),
+            form,
+        )  # fmt: skip
+    except IdempotencyError as exc:
+        return policy.refusal(exc)
+    return (policy, attempt)
+
+
+def _credentials(meta: Mapping[str, Any], policy: HttpPolicy) -> Iterator[tuple[str, str]]:
+    """The credential headers of a WSGI environ (the server joined repeated lines)."""
+    for name, key in policy.principals.environ_names:
+        value = meta.get(key)
+        if value is not None:
+            yield name, value
+    cookie = meta.get("HTTP_COOKIE")
+    if cookie:
+        yield "cookie", cookie
+
+
+class _Driver:
+    """Where a :func:`prepare` flow stands: what it needs next, or what it returned."""
+
+    __slots__ = ("flow", "need", "value")
+
+    def __init__(self, flow: PrepareFlow) -> None:
+        self.flow: PrepareFlow = flow
+        self.need: str | HttpPolicy | Canonicalize | None = None
+        self.value: Prepared = None
+        self.resume(None, None)
+
+    def resume(self, reply: Any, error: IdempotencyError | None) -> None:
+        """Hand the flow what it asked for, or the error that getting it raised."""
+        try:
+            self.need = self.flow.send(reply) if error is None else self.flow.throw(error)
+        except StopIteration as stop:
+            self.need, self.value = None, stop.value
+
+
+def run_prepare(flow: PrepareFlow, user: Callable[[], str | None]) -> Prepared:
+    """Drive a :func:`prepare` flow: ``user()`` gives the framework's identity."""
+    step = _Driver(flow)
+    while (need := step.need) is not None:
+        try:
+            if isinstance(need, Canonicalize):
+                reply = need.run()
+            else:
+                reply = user() if need == USER else need.load_secret()  # type: ignore[union-attr]
+        except IdempotencyError as exc:  # the store is down, a bad body: the flow answers it
+            step.resume(None, exc)
+        else:
+            step.resume(reply, None)
+    return step.value
+
+
+async def arun_prepare(flow: PrepareFlow, user: Callable[[], Awaitable[str | None]]) -> Prepared:
+    """Async :func:`run_prepare`: the user and the secret are awaited."""
+    step = _Driver(flow)
+    while (need := step.need) is not None:
+        try:
+            if isinstance(need, Canonicalize):
+                reply = await need.arun()
+            else:
+                reply = await (user() if need == USER else need.aload_secret())  # type: ignore[union-attr]
+        except IdempotencyError as exc:
+            step.resume(None, exc)
+        else:
+            step.resume(reply, None)
+    return step.value
+
+
+def enter(policy: HttpPolicy, stack: ExitStack, attempt: Attempt) -> Attempt | Response | None:
+    """Begin the attempt on ``stack``: the attempt to run the app in, an answer instead
+    (a refusal or a replay), or None to serve without idempotency (fail open).
+
+    Only errors of beginning become answers; the app's own errors are not seen here.
+    """
+    try:
+        att = stack.enter_context(attempt)
+    except IdempotencyError as exc:
+        return policy.refusal(exc)
+    return _started(policy, stack, att)
+
+
+async def aenter(
+    policy: HttpPolicy, stack: AsyncExitStack, attempt: Attempt
+) -> Attempt | Response | None:
+    """Async :func:`enter`."""
+    try:
+        att = await stack.enter_async_context(attempt)
+    except IdempotencyError as exc:
+        return policy.refusal(exc)
+    return _started(policy, stack, att)
+
+
+def _started(policy: HttpPolicy, stack: ExitStack | AsyncExitStack, att: Attempt) -> Any:
+    """The replay, or the attempt to run: its lease renewed until it is recorded."""
+    if att.replay is not None:
+        return policy.replay(att.replay)
+    stack.enter_context(renewing(att))
+    return att
+
+
+def _exc_info(exc: BaseException | None) -> tuple[Any, Any, Any]:
+    return (None, None, None) if exc is None else (type(exc), exc, exc.__traceback__)
+
+
+class Flow:
+    """One answer on its way out: the hold-back rule, the copy, and the attempt's end.
+
+    ``stack`` owns the entered attempt (and whatever must close with it, such
+    as the app's iterable): :meth:`finish` records the answer and leaves it;
+    given an exception it leaves it with that exception instead, which fails
+    the attempt (retryable).
+    """
+
+    __slots__ = ("answer", "att", "capture", "held", "policy", "stack")
+
+    def __init__(
+        self,
+        policy: HttpPolicy,
+        att: Attempt,
+        stack: ExitStack | AsyncExitStack,
+        answer: Answer,
+    ) -> None:
+        self.policy, self.att, self.stack, self.answer = policy, att, stack, answer
+        self.capture = Capture(policy.max_body)
+        self.held: bytes | None = None
+
+    def push(self, chunk: bytes) -> bytes | None:
+        """Hold ``chunk`` back; the chunk held before it may leave (None at first)."""
+        self.capture.add(chunk)
+        out, self.held = self.held, chunk
+        return out
+
+    def last(self) -> bytes | None:
+        """The held chunk, once (after :meth:`finish`)."""
+        held, self.held = self.held, None
+        return held
+
+    def outcome(self) -> tuple[int, Outcome]:
+        status, headers = self.answer()
+        capture = self.capture
+        return status, self.policy.outcome(status, headers, capture.body(), capture.size)
+
+    def finish(self, exc: BaseException | None = None) -> None:
+        """Record the answer (unless ``exc``) and leave the attempt."""
+        try:
+            if exc is None:
+                self.policy.settle(self.att, *self.outcome())
+        finally:
+            self.stack.__exit__(*_exc_info(exc))  # type: ignore[union-attr]
+
+    async def afinish(self, exc: BaseException | None = None) -> None:
+        """Async :meth:`finish`."""
+        try:
+            if exc is None:
+                await self.policy.asettle(self.att, *self.outcome())
+        finally:
+            await self.stack.__aexit__(*_exc_info(exc))  # type: ignore[union-attr]
+
+
+class Stream:
+    """The app's body as a sync iterable that records the answer before its last chunk.
+
+    ``ready`` are chunks already free to leave. :meth:`close` before the end
+    (the client went away) reads the rest of the body and records the answer.
+    An exception from the app's body fails the attempt and propagates.
+    """
+
+    __slots__ = ("_chunks", "_flow", "_open", "_ready")
+
+    def __init__(self, flow: Flow, chunks: Iterator[bytes], ready: Iterable[bytes] = ()) -> None:
+        self._flow, self._chunks = flow, chunks
+        self._ready = deque(ready)
+        self._open = True
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> bytes:
+        if self._ready:
+            return self._ready.popleft()
+        if self._open and (out := self._pull()) is not None:
+            return out
+        last = self._flow.last()
+        if last is None:
+            raise StopIteration
+        return last
+
+    def _pull(self) -> bytes | None:
+        """The next chunk free to leave; None when the body has ended and is recorded."""
+        flow = self._flow
+        try:
+            for chunk in self._chunks:
+                if chunk and (out := flow.push(chunk)) is not None:
+                    return out
+        except BaseException as exc:
+            self._open = False
+            flow.held = None  # nothing more leaves after a failure
+            flow.finish(exc)
+            raise
+        self._open = False
+        flow.finish()
+        return None
+
+    def close(self) -> None:
+        if not self._open:
+            return
+        log.info("retrysafe: the answer's reader went away; reading the rest to record it")
+        self._ready.clear()
+        while self._pull() is not None:
+            pass
+
+
+_END: Any = object()
+
+
+async def _next(chunks: AsyncIterator[bytes]) -> Any:
+    try:
+        return await anext(chunks)
+    except StopAsyncIteration:
+        return _END
+
+
+async def astream(flow: Flow, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Async :class:`Stream`.
+
+    Each read of the app's body runs as a task of its own, so a reader that is
+    cancelled (Django cancels a request whose client disconnected) or closes
+    the stream early does not cut the body short: the rest is read in the
+    background and the answer recorded.
+    """
+    step: asyncio.Future[Any] | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(_next(chunks))
+            chunk = await asyncio.shield(step)
+            step = None
+            if chunk is _END:
+                break
+            if chunk and (out := flow.push(chunk)) is not None:
+                yield out
+    except (GeneratorExit, asyncio.CancelledError):
+        run_to_end(_drain(flow, chunks, step))
+        raise
+    except BaseException as exc:
+        await flow.afinish(exc)
+        raise
+    await flow.afinish()
+    last = flow.last()
+    if last is not None:
+        yield last
+
+
+async def _drain(flow: Flow, chunks: AsyncIterator[bytes], step: Awaitable[Any] | None) -> None:
+    """Read the rest of a body nobody reads any more, and record the answer."""
+    log.info("retrysafe: the answer's reader went away; reading the rest to record it")
+    try:
+        chunk = await (step if step is not None else _next(chunks))
+        while chunk is not _END:
+            if chunk:
+                flow.push(chunk)
+            chunk = await _next(chunks)
+    except BaseException as exc:
+        log.error("retrysafe: the app failed while its answer was read to the end: %r", exc)
+        await flow.afinish(exc)
+        raise
+    await flow.afinish()

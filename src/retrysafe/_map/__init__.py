@@ -1,0 +1,1 @@
+"""The idempotency map: operations, routes and their TOML file."""

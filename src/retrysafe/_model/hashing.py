@@ -1,0 +1,120 @@
+"""Key validation, key hashing and request fingerprints."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import datetime as _dt
+import decimal
+import hashlib
+import json
+import re
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from retrysafe.errors import InvalidKeyError
+
+__all__ = [
+    "MAX_KEY_LENGTH",
+    "canonical_json",
+    "fingerprint",
+    "key_hash",
+    "printable",
+    "validate_key",
+]
+
+MAX_KEY_LENGTH = 255
+KEY_PATTERN = re.compile(r"[\x20-\x7e]{1,255}")
+
+
+def validate_key(key: object) -> str:
+    """Return ``key`` if it is 1-255 characters of visible ASCII or space.
+
+    Raises :class:`InvalidKeyError` (with a reason) for anything else.
+    """
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"idempotency key must be a str, not {type(key).__name__}")
+    if KEY_PATTERN.fullmatch(key):
+        return key
+    if not key:
+        raise InvalidKeyError("idempotency key is empty")
+    if len(key) > MAX_KEY_LENGTH:
+        raise InvalidKeyError(
+            f"idempotency key is {len(key)} characters long; the limit is {MAX_KEY_LENGTH}"
+        )
+    bad = next(c for c in key if not " " <= c <= "~")
+    raise InvalidKeyError(
+        f"idempotency key contains {bad!r}: only visible ASCII characters and space are allowed"
+    )
+
+
+#: C0 and C1 control characters, DEL, and the invisible bidirectional controls that
+#: reorder what a terminal shows.
+_UNPRINTABLE = re.compile(
+    r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+)
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters shown as ``\\xNN`` or ``\\uNNNN`` escapes.
+
+    For printing client input (keys, operations, headers) on a terminal: an
+    ANSI escape sequence or a bidirectional override is shown, never obeyed.
+    """
+    return _UNPRINTABLE.sub(_escape, text)
+
+
+def key_hash(scope: str, operation: str, key: str) -> str:
+    """SHA-256 (hex) over scope, operation and key, each length-prefixed.
+
+    Two scopes (principals), two operations or two function versions never
+    share a record, and no choice of parts can collide with another.
+    """
+    text = f"{len(scope)}:{scope}{len(operation)}:{operation}{len(key)}:{key}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def json_default(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=canonical_json)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"$bytes": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, (_dt.datetime, _dt.date, _dt.time)):
+        return value.isoformat()
+    if isinstance(value, (decimal.Decimal, uuid.UUID)):
+        return str(value)
+    if isinstance(value, Mapping):
+        return dict(value)
+    dump = getattr(value, "model_dump", None)  # pydantic v2
+    if callable(dump):
+        return dump(mode="json")
+    raise TypeError(
+        f"cannot fingerprint a {type(value).__name__} (only JSON-like values, dataclasses, "
+        "pydantic models, dates, decimals, UUIDs and bytes)"
+    )
+
+
+_CANONICAL = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=json_default
+).encode
+
+
+def canonical_json(value: Any) -> bytes:
+    """Canonical JSON: sorted keys, no whitespace, UTF-8; tuples as lists.
+
+    Equal data gives equal bytes whatever its key order.
+    """
+    return _CANONICAL(value).encode()
+
+
+def fingerprint(*parts: Any) -> str:
+    """SHA-256 (hex) of the canonical JSON of ``parts``."""
+    return hashlib.sha256(canonical_json(list(parts))).hexdigest()

@@ -1,0 +1,1 @@
+"""Operations: admin API, monitor, watch, sweeps, servers and the dashboard's assets."""

@@ -1,0 +1,1 @@
+"""The protocol cores, without I/O: the Mesh idempotency extension and A2A."""

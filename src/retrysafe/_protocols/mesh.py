@@ -1,0 +1,500 @@
+"""The Mesh idempotency extension (``urn:mesh:ext:idempotency``) as plain code, no I/O.
+
+:func:`parse` validates a request envelope into a :class:`MeshCall` (or an
+error envelope); the call's methods build every answer: the handler's
+(:meth:`MeshCall.finish`), a replay, a refusal by the engine. The sync and
+async shells in :mod:`retrysafe.mesh` only add the engine calls and ``await``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from retrysafe._core.engine import Claim, Replay
+from retrysafe._core.metrics import METRICS
+from retrysafe._model.hashing import canonical_json, validate_key
+from retrysafe._model.record import Outcome
+from retrysafe.errors import (
+    AmbiguousCredentialsError,
+    FingerprintMismatchError,
+    IdempotencyError,
+    InProgressError,
+    InvalidKeyError,
+    PrincipalRequiredError,
+    StoreUnavailableError,
+)
+
+__all__ = [
+    "URN",
+    "MeshCall",
+    "MeshError",
+    "Step",
+    "envelope",
+    "error_envelope",
+    "loads",
+    "operation",
+    "parse",
+    "transport_error",
+]
+
+URN = "urn:mesh:ext:idempotency"
+PROTOCOL = {"name": "mesh", "version": "0.1.0"}
+
+# The protocol's own codes, then the Mesh idempotency extension's and retrysafe's.
+PARSE_ERROR = "PARSE_ERROR"
+INVALID_REQUEST = "INVALID_REQUEST"
+FUNCTION_NOT_FOUND = "FUNCTION_NOT_FOUND"
+INTERNAL_ERROR = "INTERNAL_ERROR"
+IDEMPOTENCY_PROCESSING = "IDEMPOTENCY_PROCESSING"
+IDEMPOTENCY_CONFLICT = "IDEMPOTENCY_CONFLICT"
+IDEMPOTENCY_KEY_REQUIRED = "IDEMPOTENCY_KEY_REQUIRED"
+IDEMPOTENCY_KEY_INVALID = "IDEMPOTENCY_KEY_INVALID"
+IDEMPOTENCY_STORE_UNAVAILABLE = "IDEMPOTENCY_STORE_UNAVAILABLE"
+#: A keyed call without credentials, where anonymous calls are refused.
+UNAUTHORIZED = "UNAUTHORIZED"
+
+_SECONDS = {"millisecond": 0.001, "second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0}
+#: Seconds per ``ttl`` unit: the protocol's duration units, singular or plural.
+UNITS = {**_SECONDS, **{unit + "s": seconds for unit, seconds in _SECONDS.items()}}
+
+_PROTOCOL_TEXT = re.compile(r"mesh/[0-9]+\.[0-9]+")
+_CODE = re.compile(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)*")
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+
+
+class MeshError(Exception):
+    """A Mesh error: raise it from a handler to answer with ``errors: [...]``.
+
+    ``code`` is SCREAMING_SNAKE_CASE; ``details`` a JSON object. Not retryable
+    (the default): the failure is final, stored, and replayed to every retry
+    with the same key. Retryable: nothing is stored and a retry runs again.
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        retryable: bool = False,
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        if type(code) is not str or not _CODE.fullmatch(code):
+            raise ValueError(f"code must be SCREAMING_SNAKE_CASE text, not {code!r}")
+        if type(message) is not str:
+            raise TypeError(f"message must be a str, not {type(message).__name__}")
+        if details is not None:
+            if not isinstance(details, dict):
+                raise TypeError(f"details must be a dict, not {type(details).__name__}")
+            _JSON(details)  # raises TypeError or ValueError now, not when it is stored
+        super().__init__(message)
+        self.code, self.message = code, message
+        self.retryable = bool(retryable)
+        self.details = details
+
+    def to_dict(self) -> dict[str, Any]:
+        """The Mesh error object."""
+        return _error(self.code, self.message, self.retryable, self.details)
+
+
+def _error(
+    code: str,
+    message: str,
+    retryable: bool,
+    details: dict[str, Any] | None = None,
+    source: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    error: dict[str, Any] = {"code": code, "message": message, "retryable": retryable}
+    if source is not None:
+        error["source"] = source
+    if details is not None:
+        error["details"] = details
+    return error
+
+
+def envelope(
+    protocol: Any,
+    request_id: str | None,
+    result: Any = None,
+    errors: list[dict[str, Any]] | None = None,
+    entry: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A response envelope: always the same five keys."""
+    return {
+        "protocol": protocol,
+        "id": request_id,
+        "result": result,
+        "errors": errors or [],
+        "extensions": [] if entry is None else [entry],
+    }
+
+
+def _iso(seconds: float) -> str:
+    """``2024-03-16T10:30:00Z`` (UTC, whole seconds)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+def _whole_seconds(seconds: float) -> dict[str, Any]:
+    return {"value": max(1, math.ceil(seconds)), "unit": "second"}
+
+
+# -- parsing --------------------------------------------------------------------------
+
+
+class _Invalid(Exception):
+    """A request that is not one: its Mesh error, and where in the request it is."""
+
+    def __init__(self, code: str, message: str, pointer: str = "", position: int | None = None):
+        super().__init__(message)
+        self.error = _error(
+            code, message, False,
+            source={"pointer": pointer} if position is None else {"position": position},
+        )  # fmt: skip
+
+
+def _protocol_of(request: Any) -> Any:
+    """The request's protocol if it is a valid one (echoed), else Mesh 0.1.0."""
+    protocol = request.get("protocol") if isinstance(request, dict) else None
+    if isinstance(protocol, dict):
+        version = protocol.get("version")
+        if protocol.get("name") == "mesh" and type(version) is str and version:
+            return {"name": "mesh", "version": version}
+    elif type(protocol) is str and _PROTOCOL_TEXT.fullmatch(protocol):
+        return protocol
+    return PROTOCOL
+
+
+def _id_of(request: Any) -> str | None:
+    rid = request.get("id") if isinstance(request, dict) else None
+    return rid if type(rid) is str and rid else None
+
+
+def error_envelope(request: Any, error: dict[str, Any]) -> dict[str, Any]:
+    """An error envelope answering ``request`` (whatever it is)."""
+    return envelope(_protocol_of(request), _id_of(request), errors=[error])
+
+
+def transport_error(message: str) -> dict[str, Any]:
+    """The ``INVALID_REQUEST`` envelope for a request refused before it is read (405, 413)."""
+    return envelope(PROTOCOL, None, errors=[_error(INVALID_REQUEST, message, False)])
+
+
+def loads(body: bytes) -> tuple[Any, dict[str, Any] | None]:
+    """``(value, None)`` for a JSON request body, else ``(None, a PARSE_ERROR envelope)``."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, _parse_error(f"the request body is not UTF-8: {exc.reason}", exc.start)
+    try:
+        return json.loads(text, parse_constant=_no_constant), None
+    except json.JSONDecodeError as exc:
+        where = len(text[: exc.pos].encode())
+        return None, _parse_error(f"the request body is not JSON: {exc.msg}", where)
+    except ValueError as exc:  # NaN or Infinity
+        return None, _parse_error(f"the request body is not JSON: {exc}", 0)
+    except RecursionError:
+        return None, _parse_error("the request body is nested too deeply", 0)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _parse_error(message: str, position: int) -> dict[str, Any]:
+    error = _Invalid(PARSE_ERROR, message, position=position).error
+    return envelope(PROTOCOL, None, errors=[error])
+
+
+def operation(function: str, version: str | None) -> str:
+    """The record's operation: ``function@version``, unambiguous for every pair.
+
+    ``@`` and ``\\`` in the function name are escaped, so the first bare ``@``
+    ends it; a call without a version has no bare ``@`` at all.
+    """
+    name = function.replace("\\", "\\\\").replace("@", "\\@")
+    return name if version is None else f"{name}@{version}"
+
+
+def parse(request: Any) -> MeshCall | dict[str, Any]:
+    """The call in a request envelope, or the error envelope that answers it.
+
+    Checks the envelope (protocol, id, call, extensions) and the idempotency
+    extension's options. A request without the extension parses with
+    ``key=None``. Nothing here touches a store.
+    """
+    try:
+        return _parse(request)
+    except _Invalid as bad:
+        if bad.error["code"] in (IDEMPOTENCY_KEY_REQUIRED, IDEMPOTENCY_KEY_INVALID):
+            METRICS.count("invalid_key", "")
+        return error_envelope(request, bad.error)
+
+
+def _parse(request: Any) -> MeshCall:
+    if not isinstance(request, dict):
+        raise _Invalid(INVALID_REQUEST, "a Mesh request must be a JSON object")
+    protocol = _protocol_of(request)
+    if protocol is PROTOCOL:  # a valid protocol is echoed as a new object
+        raise _Invalid(
+            INVALID_REQUEST,
+            'protocol must be {"name": "mesh", "version": "<version>"}',
+            "/protocol",
+        )
+    rid = _id_of(request)
+    if rid is None:
+        raise _Invalid(INVALID_REQUEST, "id must be a non-empty string", "/id")
+    call = request.get("call")
+    if not isinstance(call, dict):
+        raise _Invalid(INVALID_REQUEST, "call must be an object", "/call")
+    function = call.get("function")
+    if type(function) is not str or not function:
+        raise _Invalid(
+            INVALID_REQUEST, "call.function must be a non-empty string", "/call/function"
+        )
+    version = call.get("version")
+    if version is not None and (type(version) is not str or not version):
+        raise _Invalid(INVALID_REQUEST, "call.version must be a non-empty string", "/call/version")
+    arguments = call.get("arguments")
+    if arguments is None:
+        arguments = {}
+    elif not isinstance(arguments, dict):
+        raise _Invalid(INVALID_REQUEST, "call.arguments must be an object", "/call/arguments")
+    context = request.get("context")
+    if context is not None and not isinstance(context, dict):
+        raise _Invalid(INVALID_REQUEST, "context must be an object", "/context")
+    key, ttl = _options(request.get("extensions"))
+    fp = "" if key is None else _fingerprint(arguments)
+    return MeshCall(protocol, rid, call, function, version, key, ttl, fp)
+
+
+def _options(extensions: Any) -> tuple[str | None, float | None]:
+    """(key, ttl in seconds or None) of the idempotency extension; (None, None) without it."""
+    if extensions is None:
+        return None, None
+    if not isinstance(extensions, list):
+        raise _Invalid(INVALID_REQUEST, "extensions must be an array", "/extensions")
+    found = None
+    for i, ext in enumerate(extensions):
+        urn = ext.get("urn") if isinstance(ext, dict) else None
+        if type(urn) is not str or not urn:
+            raise _Invalid(
+                INVALID_REQUEST, "an extension must be an object with a urn", f"/extensions/{i}"
+            )
+        if urn == URN:
+            if found is not None:
+                raise _Invalid(INVALID_REQUEST, f"{URN} is declared twice", f"/extensions/{i}")
+            found = i
+    if found is None:
+        return None, None
+    at = f"/extensions/{found}/options"
+    options = extensions[found].get("options")
+    if options is None:
+        options = {}
+    elif not isinstance(options, dict):
+        raise _Invalid(INVALID_REQUEST, "the idempotency options must be an object", at)
+    key = options.get("key")
+    if key is None:
+        raise _Invalid(
+            IDEMPOTENCY_KEY_REQUIRED, "the idempotency extension needs a key", at + "/key"
+        )
+    try:
+        if type(key) is not str:
+            raise InvalidKeyError(f"idempotency key must be a string, not {_json_type(key)}")
+        validate_key(key)
+    except InvalidKeyError as exc:
+        raise _Invalid(IDEMPOTENCY_KEY_INVALID, str(exc), at + "/key") from None
+    ttl = options.get("ttl")
+    return key, None if ttl is None else _ttl(ttl, at + "/ttl")
+
+
+def _ttl(ttl: Any, at: str) -> float:
+    """Seconds in a ``{"value": n, "unit": "hour"}`` duration (may be inf: capped later)."""
+    if not isinstance(ttl, dict):
+        raise _Invalid(INVALID_REQUEST, 'ttl must be {"value": <number>, "unit": "<unit>"}', at)
+    value, unit = ttl.get("value"), ttl.get("unit")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (isinstance(value, float) and not math.isfinite(value))
+        or not value > 0
+    ):
+        raise _Invalid(INVALID_REQUEST, "ttl.value must be a positive number", at + "/value")
+    per = UNITS.get(unit) if type(unit) is str else None
+    if per is None:
+        units = ", ".join(_SECONDS)
+        raise _Invalid(INVALID_REQUEST, f"ttl.unit must be one of {units}", at + "/unit")
+    try:
+        seconds = float(value) * per
+    except OverflowError:  # an integer past float range: the longest ttl there is
+        return math.inf
+    if not seconds > 0:
+        raise _Invalid(INVALID_REQUEST, "ttl is shorter than a millisecond", at + "/value")
+    return seconds
+
+
+def _fingerprint(arguments: dict[str, Any]) -> str:
+    """SHA-256 (hex) of the canonical JSON of the arguments: a client can recompute it."""
+    try:
+        return hashlib.sha256(canonical_json(arguments)).hexdigest()
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise _Invalid(
+            INVALID_REQUEST, f"call.arguments is not JSON: {exc}", "/call/arguments"
+        ) from None
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+# -- answers --------------------------------------------------------------------------
+
+
+def _storable(result: Any, max_body: float) -> tuple[Outcome | None, str]:
+    """(the outcome that stores ``result``, "") or (None, why it cannot be stored)."""
+    try:
+        outcome = Outcome.json(result)
+    except (TypeError, ValueError, RecursionError) as exc:
+        return None, f"its result is not a JSON value ({exc})"
+    if len(outcome.body) > max_body:
+        return None, f"its result of {len(outcome.body)} bytes is over the {max_body:.0f} kept"
+    return outcome, ""
+
+
+@dataclass(slots=True)
+class Step:
+    """The handler's answer, and how to record it: complete, or fail (final or not)."""
+
+    response: dict[str, Any]
+    outcome: Outcome | None = None
+    failed: bool = False
+    final: bool = False
+
+
+@dataclass(slots=True)
+class MeshCall:
+    """A valid request envelope: the call, and the idempotency options (``key`` None: none)."""
+
+    protocol: Any
+    id: str
+    call: dict[str, Any]
+    function: str
+    version: str | None
+    key: str | None
+    ttl: float | None
+    fingerprint: str
+
+    @property
+    def operation(self) -> str:
+        return operation(self.function, self.version)
+
+    def _entry(self, status: str, original: str | None, **times: float) -> dict[str, Any] | None:
+        if self.key is None:
+            return None
+        data: dict[str, Any] = {"key": self.key, "status": status, "original_request_id": original}
+        for name, seconds in times.items():
+            data[name] = _iso(seconds)
+        return {"urn": URN, "data": data}
+
+    def error(self, error: dict[str, Any]) -> dict[str, Any]:
+        """An error envelope answering this call, without extension data."""
+        return envelope(self.protocol, self.id, errors=[error])
+
+    def not_found(self) -> dict[str, Any]:
+        where = {"pointer": "/call/function"}
+        return self.error(
+            _error(FUNCTION_NOT_FOUND, f"no function {self.function!r}", False, None, where)
+        )
+
+    def crashed(self) -> dict[str, Any]:
+        """The answer when the handler raised (the exception text stays in the log)."""
+        return self.error(
+            _error(INTERNAL_ERROR, "the function failed; the request may be retried", True)
+        )
+
+    def _processed(
+        self, result: Any, errors: list[dict[str, Any]] | None, claim: Claim | None, kept: bool
+    ) -> dict[str, Any]:
+        times = {"expires_at": claim.expires_at} if kept and claim is not None else {}
+        entry = self._entry("processed", self.id, **times)
+        return envelope(self.protocol, self.id, result, errors, entry)
+
+    def finish(self, result: Any, claim: Claim | None, max_body: float = math.inf) -> Step:
+        """The answer to the handler's ``result`` (or the :class:`MeshError` it raised).
+
+        ``claim`` None: the request has no idempotency extension (nothing to record).
+        """
+        if isinstance(result, MeshError):
+            errors = [result.to_dict()]
+            if result.retryable:
+                return Step(self._processed(None, errors, claim, False), failed=True)
+        else:
+            outcome, problem = _storable(result, max_body)
+            if outcome is not None:
+                return Step(self._processed(result, None, claim, True), outcome)
+            errors = [_error(INTERNAL_ERROR, f"the function ran but {problem}", False)]
+        return Step(self._processed(None, errors, claim, True), Outcome.json(errors), True, True)
+
+    def replayed(self, replay: Replay) -> dict[str, Any]:
+        """The stored answer of the first request, with ``status: cached``."""
+        record = replay.record
+        cached_at = record.completed_at if record.completed_at is not None else record.updated_at
+        entry = self._entry(
+            "cached", record.request_id, cached_at=cached_at, expires_at=record.expires_at
+        )
+        value = None if record.outcome is None else record.outcome.value
+        if not replay.failed:
+            return envelope(self.protocol, self.id, value, None, entry)
+        if not isinstance(value, list):  # a final failure with no stored errors
+            value = [_error(
+                INTERNAL_ERROR,
+                "an earlier attempt with this idempotency key failed finally; it is not run again",
+                False,
+            )]  # fmt: skip
+        return envelope(self.protocol, self.id, None, value, entry)
+
+    def refused(self, exc: IdempotencyError) -> dict[str, Any]:
+        """The answer when the engine would not start the call."""
+        if isinstance(exc, InProgressError):
+            error = _error(
+                IDEMPOTENCY_PROCESSING, "Previous request with this key is still processing", True,
+                {"key": self.key, "retry_after": _whole_seconds(exc.retry_after)},
+            )  # fmt: skip
+            entry = self._entry("processing", exc.original_request_id)
+        elif isinstance(exc, FingerprintMismatchError):
+            original = f"sha256:{exc.original_fingerprint}"
+            error = _error(
+                IDEMPOTENCY_CONFLICT, "Idempotency key already used with different arguments",
+                False, {"key": self.key, "original_arguments_hash": original},
+            )  # fmt: skip
+            entry = self._entry("conflict", exc.original_request_id)
+        elif isinstance(exc, PrincipalRequiredError):
+            error = _error(UNAUTHORIZED, str(exc), False)
+            entry = None
+        elif isinstance(exc, AmbiguousCredentialsError):
+            error = _error(INVALID_REQUEST, str(exc), False)
+            entry = None
+        elif isinstance(exc, StoreUnavailableError):
+            error = _error(
+                IDEMPOTENCY_STORE_UNAVAILABLE,
+                "the idempotency store cannot be reached; retry with the same key", True,
+                {"key": self.key, "retry_after": _whole_seconds(exc.retry_after)},
+            )  # fmt: skip
+            entry = None
+        else:
+            raise exc
+        return envelope(self.protocol, self.id, None, [error], entry)
