@@ -95,10 +95,15 @@ STRIPE_SECRET = "whsec_bench_secret"
 RESULT = {"ok": True}
 RESULT_OUTCOME = Outcome.json(RESULT)
 ORDER_BODY = json.dumps(
-    {"id": 820982911946154508, "email": "jon@example.com", "total_price": "29.99",
-     "currency": "EUR", "line_items": [{"sku": "MUG-1", "quantity": 1, "price": "29.99"}]},
+    {
+        "id": 820982911946154508,
+        "email": "jon@example.com",
+        "total_price": "29.99",
+        "currency": "EUR",
+        "line_items": [{"sku": "MUG-1", "quantity": 1, "price": "29.99"}],
+    },
     separators=(",", ":"),
-).encode()  # fmt: skip
+).encode()
 STEPS = ("create_order", "charge", "receipt")
 
 
@@ -117,15 +122,22 @@ def shopify_headers(event_id: str) -> dict[str, str]:
     """A Shopify delivery: the body's base64 HMAC-SHA256; the event id is not signed."""
     sig = base64.b64encode(hmac.new(SECRET.encode(), ORDER_BODY, hashlib.sha256).digest())
     return {
-        "X-Shopify-Hmac-Sha256": sig.decode(), "X-Shopify-Event-Id": event_id,
-        "X-Shopify-Topic": "orders/create", "X-Shopify-Shop-Domain": "bench.myshopify.com",
+        "X-Shopify-Hmac-Sha256": sig.decode(),
+        "X-Shopify-Event-Id": event_id,
+        "X-Shopify-Topic": "orders/create",
+        "X-Shopify-Shop-Domain": "bench.myshopify.com",
         "Content-Type": "application/json",
-    }  # fmt: skip
+    }
 
 
 def stripe_delivery() -> tuple[dict[str, str], bytes]:
-    body = json.dumps({"id": f"evt_{_tag()}", "type": "payment_intent.succeeded",
-                       "data": {"object": {"id": "pi_1", "amount": 2999}}}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "id": f"evt_{_tag()}",
+            "type": "payment_intent.succeeded",
+            "data": {"object": {"id": "pi_1", "amount": 2999}},
+        }
+    ).encode()
     t = str(int(time.time()))
     sig = hmac.new(STRIPE_SECRET.encode(), t.encode() + b"." + body, hashlib.sha256).hexdigest()
     return {"Stripe-Signature": f"t={t},v1={sig}", "Content-Type": "application/json"}, body
@@ -560,8 +572,9 @@ def redis_trips(client: Any, engine: Engine, receiver: Receiver) -> list[Trips]:
     version = [0]
 
     def put(item: None) -> None:  # the version read back is the next put's expected one
-        version[0] = users.put("user", "u1", {"email": "a@example.com"},
-                               expected_version=version[0]).version  # fmt: skip
+        version[0] = users.put(
+            "user", "u1", {"email": "a@example.com"}, expected_version=version[0]
+        ).version
 
     add("guards", "VersionedRecords.put (cas, next version)", "-", lambda i: None, put)
     history = History(store, namespace=f"bench{tag}")
@@ -779,8 +792,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     tag = _tag()
 
     def measure(name: str, cs: list[Any]) -> None:
-        print(f"\n[{name}] {len(cs)} contenders, {args.rounds} rounds of {args.seconds:g}s",
-              flush=True)  # fmt: skip
+        print(
+            f"\n[{name}] {len(cs)} contenders, {args.rounds} rounds of {args.seconds:g}s",
+            flush=True,
+        )
         bs.run_rounds(cs, args.rounds, args.seconds, args.warmup)
 
     with contextlib.ExitStack() as stack:

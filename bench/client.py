@@ -113,8 +113,10 @@ class Endpoint:
     """Pure ASGI: read the body, answer 201 with a small prebuilt JSON body. Counts the
     POSTs it answered and those that carried an ``Idempotency-Key`` (``GET /_calls``)."""
 
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(ANSWER)).encode())]  # fmt: skip
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(ANSWER)).encode()),
+    ]
 
     def __init__(self) -> None:
         self.calls = self.keyed = 0
@@ -130,8 +132,13 @@ class Endpoint:
                     return
         if scope["method"] == "GET":
             body = json.dumps({"calls": self.calls, "keyed": self.keyed}).encode()
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
         more = True
@@ -154,9 +161,16 @@ def serve(port: int) -> int:
 
     have = {m: importlib.util.find_spec(m) is not None for m in ("uvloop", "httptools")}
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-    uvicorn.run(Endpoint(), host=HOST, port=port, workers=1, log_level="warning",
-                access_log=False, loop="uvloop" if have["uvloop"] else "asyncio",
-                http="httptools" if have["httptools"] else "h11")  # fmt: skip
+    uvicorn.run(
+        Endpoint(),
+        host=HOST,
+        port=port,
+        workers=1,
+        log_level="warning",
+        access_log=False,
+        loop="uvloop" if have["uvloop"] else "asyncio",
+        http="httptools" if have["httptools"] else "h11",
+    )
     return 0
 
 
@@ -223,8 +237,18 @@ def start_upstream(tmp: Path, stack: contextlib.ExitStack) -> Process:
 
 
 def start_gateway(upstream: str, store: str, tmp: Path, stack: contextlib.ExitStack) -> Process:
-    argv = [sys.executable, "-m", "retrysafe", "gateway", "--upstream", upstream,
-            "--store", store, "--listen", f"{HOST}:0"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "retrysafe",
+        "gateway",
+        "--upstream",
+        upstream,
+        "--store",
+        store,
+        "--listen",
+        f"{HOST}:0",
+    ]
     proc = Process("gateway", argv, tmp / "gateway.log")
     stack.callback(proc.stop)
 
@@ -271,9 +295,13 @@ class Served(Contender):  # type: ignore[misc,valid-type]
 
 
 def served(
-    section: str, name: str, call: Callable[[], None], procs: Sequence[Process],
-    prepare: Callable[[], None] | None = None, detail: str = "",
-) -> Served:  # fmt: skip
+    section: str,
+    name: str,
+    call: Callable[[], None],
+    procs: Sequence[Process],
+    prepare: Callable[[], None] | None = None,
+    detail: str = "",
+) -> Served:
     c = Served(section, name, "call", lambda n: None, detail=detail, procs=tuple(procs))
     sent = c.sent
 
@@ -418,8 +446,9 @@ def mock_contenders(stack: contextlib.ExitStack) -> list[Any]:
         aclient = acls(base_url="http://server", transport=transport)
         stack.callback(lambda c=aclient: loop.run_until_complete(c.aclose()))
 
-        async def calls(n: int, post: Any = aclient.post, name: str = name,
-                        keyed: bytes = keyed) -> None:  # fmt: skip
+        async def calls(
+            n: int, post: Any = aclient.post, name: str = name, keyed: bytes = keyed
+        ) -> None:
             for _ in range(n):
                 r = await post(PATH, content=BODY, headers=HEADERS)
                 if r.status_code != 201 or r.headers["x-keyed"] != keyed.decode():
@@ -450,8 +479,10 @@ def sqlite_ops(
     from retrysafe.client import Outbox
 
     head = json.dumps(HEADERS, sort_keys=True)
-    insert = ("INSERT INTO retrysafe_outbox (key, method, url, headers, body, created_at) "
-              "VALUES (?, ?, ?, ?, ?, ?)")  # fmt: skip
+    insert = (
+        "INSERT INTO retrysafe_outbox (key, method, url, headers, body, created_at) "
+        "VALUES (?, ?, ?, ?, ?, ?)"
+    )
 
     def kept(name: str, synchronous: str) -> Callable[[], None]:
         conn = sqlite3.connect(_outbox_file(directory / name), isolation_level=None)
@@ -564,9 +595,20 @@ def flush_contenders(
 
     out = [served("flush", POSTS, post, [upstream])]
     for name, outbox in outboxes(directory, stack).items():
-        out.append(FlushCycles("flush", name, "call", lambda n: None, procs=(upstream,),
-                               outbox=outbox, client=client, url=url, items=items,
-                               tally=tally))  # fmt: skip
+        out.append(
+            FlushCycles(
+                "flush",
+                name,
+                "call",
+                lambda n: None,
+                procs=(upstream,),
+                outbox=outbox,
+                client=client,
+                url=url,
+                items=items,
+                tally=tally,
+            )
+        )
     return out
 
 
@@ -691,9 +733,13 @@ def _filesystem(path: Path) -> str:
 
 
 def render(
-    args: Any, command: str, info: dict[str, str], cs: dict[str, Any],
-    syscalls: dict[str, Syscalls], elapsed: float,
-) -> str:  # fmt: skip
+    args: Any,
+    command: str,
+    info: dict[str, str],
+    cs: dict[str, Any],
+    syscalls: dict[str, Syscalls],
+    elapsed: float,
+) -> str:
     n = args.flush_items
     out = [
         "### The last run",
@@ -716,7 +762,7 @@ def render(
         "The server: a pure ASGI app that reads the body and answers 201 with a",
         f"{len(ANSWER)}-byte JSON body, under uvicorn (one worker, httptools, uvloop, no access",
         "log) in its own process on a loopback port. Every call is",
-        f"`client.post(\"{PATH}\", content=<{len(BODY)}-byte JSON>, headers={{\"Content-Type\": "
+        f'`client.post("{PATH}", content=<{len(BODY)}-byte JSON>, headers={{"Content-Type": '
         "...})`,",
         "on a client made once (keep-alive, default options), and checks the answer;",
         "the server counts the POSTs it answered and those with an `Idempotency-Key`, and",
@@ -728,14 +774,16 @@ def render(
         "| client | calls/s (rounds min-max) | / httpx | client CPU us/call | "
         "added CPU us/call | server CPU us/call |",
         "|---|--:|--:|--:|--:|--:|",
-    ]  # fmt: skip
+    ]
     for floor_name, name in ((HTTPX, CLIENT), (AHTTPX, ACLIENT)):
         floor, sub = cs[floor_name], cs[name]
         for c in (floor, sub):
             ratio = "-" if c is floor else f"{c.median / floor.median:.2f}"
             added = "-" if c is floor else f"{c.cpu - floor.cpu:+.1f}"
-            out.append(f"| `{c.name}` | {_rate(c)} ({_spread(c)}) | {ratio} | {c.cpu:.1f} | "
-                       f"{added} | {c.server_cpu:.0f} |")  # fmt: skip
+            out.append(
+                f"| `{c.name}` | {_rate(c)} ({_spread(c)}) | {ratio} | {c.cpu:.1f} | "
+                f"{added} | {c.server_cpu:.0f} |"
+            )
     out += [
         "",
         "Async: `httpx.AsyncClient` and `AsyncClient` on one asyncio event loop (the",
@@ -753,8 +801,10 @@ def render(
         for c in (floor, sub):
             ratio = "-" if c is floor else f"{c.median / floor.median:.2f}"
             added = "-" if c is floor else f"{c.cpu - floor.cpu:+.1f}"
-            out.append(f"| `{c.name.removesuffix(MOCK)}` | {_rate(c)} ({_spread(c)}) | {ratio} "
-                       f"| {c.cpu:.1f} | {added} |")  # fmt: skip
+            out.append(
+                f"| `{c.name.removesuffix(MOCK)}` | {_rate(c)} ({_spread(c)}) | {ratio} "
+                f"| {c.cpu:.1f} | {added} |"
+            )
     out.append("")
     if GW_FIRST in cs:
         d = cs[CLIENT]
@@ -776,8 +826,10 @@ def render(
             ratio = "-" if c is d else f"{c.median / d.median:.2f}"
             added = "-" if c is d else f"{_us(c.median) - _us(d.median):+,.0f}"
             who = "server" if c is d else "gateway + server"
-            out.append(f"| {c.name} | {_rate(c)} ({_spread(c)}) | {ratio} | {_us(c.median):,.0f} "
-                       f"| {added} | {c.cpu:.1f} | {c.server_cpu:.0f} ({who}) |")  # fmt: skip
+            out.append(
+                f"| {c.name} | {_rate(c)} ({_spread(c)}) | {ratio} | {_us(c.median):,.0f} "
+                f"| {added} | {c.cpu:.1f} | {c.server_cpu:.0f} ({who}) |"
+            )
         out.append("")
     sc = syscalls
 
@@ -785,8 +837,10 @@ def render(
         s = sc.get(name)
         if s is None:
             return ["-", "-", "-"]
-        return [f"{s.connections:.1f}",
-                *("-" if v is None else f"{v:.1f}" for v in (s.fsyncs, s.deletes))]  # fmt: skip
+        return [
+            f"{s.connections:.1f}",
+            *("-" if v is None else f"{v:.1f}" for v in (s.fsyncs, s.deletes)),
+        ]
 
     floor = cs[FLOOR_FULL]
     out += [
@@ -811,8 +865,10 @@ def render(
         c = cs[name]
         ratio = "-" if c is floor else f"{c.median / floor.median:.2f}"
         added = "-" if c is floor else f"{_us(c.median) - _us(floor.median):+,.0f}"
-        out.append(f"| {name} | {_rate(c)} ({_spread(c)}) | {ratio} | {_us(c.median):,.0f} | "
-                   f"{added} | {c.cpu:.1f} | {' | '.join(calls(name))} |")  # fmt: skip
+        out.append(
+            f"| {name} | {_rate(c)} ({_spread(c)}) | {ratio} | {_us(c.median):,.0f} | "
+            f"{added} | {c.cpu:.1f} | {' | '.join(calls(name))} |"
+        )
     posts = cs[POSTS]
     out += [
         "",
@@ -838,8 +894,10 @@ def render(
         added = "-" if c is posts else f"{_us(c.median) - _us(posts.median):+,.0f}"
         tail = ["0", "0", "0"] if c is posts else calls(name)
         cells = [added, f"{c.cpu:.1f}", f"{c.server_cpu:.0f}", *tail]
-        out.append(f"| {name} | {_rate(c)} ({_spread(c)}) | {ratio} | {_us(c.median):,.0f} | "
-                   f"{' | '.join(cells)} |")  # fmt: skip
+        out.append(
+            f"| {name} | {_rate(c)} ({_spread(c)}) | {ratio} | {_us(c.median):,.0f} | "
+            f"{' | '.join(cells)} |"
+        )
     out.append("")
     traced = any(v.fsyncs is not None for v in syscalls.values())
     if syscalls:
@@ -890,8 +948,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     syscalls: dict[str, Syscalls] = {}
 
     def measure(name: str, group: list[Any]) -> None:
-        print(f"\n[{name}] {len(group)} contenders, {args.rounds} rounds of {args.seconds:g}s",
-              flush=True)  # fmt: skip
+        print(
+            f"\n[{name}] {len(group)} contenders, {args.rounds} rounds of {args.seconds:g}s",
+            flush=True,
+        )
         bs.run_rounds(group, args.rounds, args.seconds, args.warmup)
         cs.update((c.name, c) for c in group)
 
@@ -920,15 +980,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         measure("outbox flush", flush_contenders(upstream, outdir, args.flush_items, tally, stack))
         seen = _get(upstream.url + CALLS_PATH)
         if (seen["calls"], seen["keyed"]) != (tally.calls, tally.keyed):
-            raise BenchError(f"the server answered {seen} POSTs, the benchmark expected "
-                             f"{tally.calls} ({tally.keyed} with a key)")  # fmt: skip
-        print(f"\nthe server answered {seen['calls']:,} POSTs ({seen['keyed']:,} with a key), "
-              "as expected", flush=True)  # fmt: skip
+            raise BenchError(
+                f"the server answered {seen} POSTs, the benchmark expected "
+                f"{tally.calls} ({tally.keyed} with a key)"
+            )
+        print(
+            f"\nthe server answered {seen['calls']:,} POSTs ({seen['keyed']:,} with a key), "
+            "as expected",
+            flush=True,
+        )
         if gateway is not None:
             gateway.stop()
             lines = gateway.log.read_text().count('"POST ' + PATH)
-            info["gateway's log"] = (f"{lines:,} access-log lines, one per request (uvicorn's "
-                                     "default in `retrysafe gateway`), to a file")  # fmt: skip
+            info["gateway's log"] = (
+                f"{lines:,} access-log lines, one per request (uvicorn's "
+                "default in `retrysafe gateway`), to a file"
+            )
         if not args.no_syscalls:
             print("counting connections and syscalls per outbox operation", flush=True)
             syscalls = count_syscalls(tmp)

@@ -108,18 +108,23 @@ def contenders(section: str, engine: Engine) -> list[Any]:
 
     mesh = MeshIdempotency(engine)
     envelope: dict[str, Any] = {
-        "protocol": {"name": "mesh", "version": "0.1.0"}, "id": "req_1",
+        "protocol": {"name": "mesh", "version": "0.1.0"},
+        "id": "req_1",
         "call": {"function": "payments.charge", "version": "1", "arguments": ARGS},
         "extensions": [{"urn": "urn:mesh:ext:idempotency", "options": {"key": ""}}],
-    }  # fmt: skip
+    }
 
     def by_mesh(key: str) -> Any:
         envelope["extensions"][0]["options"]["key"] = key
         return mesh.handle(envelope, lambda call: RESULT)
 
     a2a = A2AIdempotency(engine)
-    message: dict[str, Any] = {"kind": "message", "messageId": "", "role": "user",
-                               "parts": [{"kind": "text", "text": "charge order o_1"}]}  # fmt: skip
+    message: dict[str, Any] = {
+        "kind": "message",
+        "messageId": "",
+        "role": "user",
+        "parts": [{"kind": "text", "text": "charge order o_1"}],
+    }
     request = {"jsonrpc": "2.0", "id": 1, "method": "message/send", "params": {"message": message}}
     task = {"kind": "task", "id": "t1", "contextId": "c1", "status": {"state": "completed"}}
 
@@ -144,15 +149,17 @@ def report(
     sections: dict[str, list[Any]], trips: dict[tuple[str, str, str], float], args: Any
 ) -> str:
     lines = [
-        "## Front doors over the engine", "",
+        "## Front doors over the engine",
+        "",
         "What `@idempotent`, `MeshIdempotency.handle` and `A2AIdempotency.handle` cost on top of",
         "the engine they share, from one thread, measured in one run against the engine itself",
         "(`begin` + `complete` with the arguments fingerprinted; interleaved rounds, median).",
-        "A ratio of 0.80 means the front door does 80 % of the engine's calls per second.", "",
+        "A ratio of 0.80 means the front door does 80 % of the engine's calls per second.",
+        "",
         "| store | workload | engine ops/s | front door | ops/s | / engine | client CPU us/call, "
         "front door / engine | round trips per call |",
         "|---|---|--:|---|--:|--:|--:|--:|",
-    ]  # fmt: skip
+    ]
     for section, cs in sections.items():
         by = {(c.name, c.workload): c for c in cs}
         for workload in (FIRST, REPLAY):

@@ -102,19 +102,34 @@ class Spec:
 
 SPECS: dict[str, Spec] = {
     BARE: Spec("bare", "the endpoint alone"),
-    "memory": Spec("middleware", '`IdempotencyMiddleware(endpoint, store="memory://")`',
-                   "memory://"),
-    "sqlite": Spec("middleware", "`IdempotencyMiddleware(endpoint, store=\"sqlite:///<temp dir>"
-                   '/<name>.db")`, default options (WAL, `synchronous=FULL`)',
-                   "sqlite:///{tmp}/{name}.db"),
-    "redis": Spec("middleware", "`IdempotencyMiddleware(endpoint, store=\"redis://127.0.0.1:"
-                  '<port>/0")`, default options', "{redis}"),
+    "memory": Spec(
+        "middleware", '`IdempotencyMiddleware(endpoint, store="memory://")`', "memory://"
+    ),
+    "sqlite": Spec(
+        "middleware",
+        '`IdempotencyMiddleware(endpoint, store="sqlite:///<temp dir>'
+        '/<name>.db")`, default options (WAL, `synchronous=FULL`)',
+        "sqlite:///{tmp}/{name}.db",
+    ),
+    "redis": Spec(
+        "middleware",
+        '`IdempotencyMiddleware(endpoint, store="redis://127.0.0.1:<port>/0")`, default options',
+        "{redis}",
+    ),
     "floor-memory": Spec("floor", "floor middleware (see Setup) with a dict", "memory"),
-    "floor-redis": Spec("floor", "floor middleware (see Setup) with `redis.asyncio`: "
-                        "`SET key p NX GET PX ttl`, then `SET key answer PX ttl`", "{redis}"),
-    GATEWAY: Spec("gateway", '`retrysafe.gateway.create_app("http://127.0.0.1:<bare port>", '
-                  'store="memory://")` in front of the bare server', "memory://"),
-}  # fmt: skip
+    "floor-redis": Spec(
+        "floor",
+        "floor middleware (see Setup) with `redis.asyncio`: "
+        "`SET key p NX GET PX ttl`, then `SET key answer PX ttl`",
+        "{redis}",
+    ),
+    GATEWAY: Spec(
+        "gateway",
+        '`retrysafe.gateway.create_app("http://127.0.0.1:<bare port>", '
+        'store="memory://")` in front of the bare server',
+        "memory://",
+    ),
+}
 #: (variant, workload) -> the least ratio to bare the issue asks for.
 TARGETS: dict[tuple[str, str], float] = {
     ("memory", FIRST): 0.8,
@@ -184,8 +199,13 @@ class Endpoint:
 
 async def _send_calls(send: Any, calls: int) -> None:
     body = str(calls).encode()
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"text/plain")]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/plain")],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -262,8 +282,7 @@ class Floor:
         old = await self.claim(key)
         if old is not None:
             status = 409 if old == PROCESSING else 201
-            await send({"type": "http.response.start", "status": status,
-                        "headers": self.replayed})  # fmt: skip
+            await send({"type": "http.response.start", "status": status, "headers": self.replayed})
             await send({"type": "http.response.body", "body": b"" if status == 409 else old})
             return
         start: Any = None
@@ -304,8 +323,7 @@ def serve(argv: Sequence[str]) -> int:
     import uvicorn
 
     parser = argparse.ArgumentParser(prog="bench/http.py --serve")
-    parser.add_argument("--kind", choices=("bare", "middleware", "floor", "gateway"),
-                        required=True)  # fmt: skip
+    parser.add_argument("--kind", choices=("bare", "middleware", "floor", "gateway"), required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--store")
     parser.add_argument("--upstream")
@@ -371,10 +389,18 @@ class Server:
         self.name, self.port, self.log = name, port, log
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--serve", *argv,
-                 "--port", str(port)],
-                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--serve",
+                    *argv,
+                    "--port",
+                    str(port),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
 
     @property
     def url(self) -> str:
@@ -483,10 +509,22 @@ class Load:
 
     def argv(self, url: str, mode: str, prefix: str) -> list[str]:
         return [
-            "wrk", "-t", str(self.threads), "-c", str(self.connections),
-            "-d", f"{self.seconds}s", "--latency", "-s", str(self.script),
-            url + PATH, "--", mode, prefix, str(REPLAY_KEYS),
-        ]  # fmt: skip
+            "wrk",
+            "-t",
+            str(self.threads),
+            "-c",
+            str(self.connections),
+            "-d",
+            f"{self.seconds}s",
+            "--latency",
+            "-s",
+            str(self.script),
+            url + PATH,
+            "--",
+            mode,
+            prefix,
+            str(REPLAY_KEYS),
+        ]
 
     def run(self, url: str, mode: str, prefix: str) -> tuple[dict[str, int], str]:
         out = subprocess.run(
@@ -542,9 +580,17 @@ class Variant:
         return calls
 
     def _post(self, key: str) -> tuple[int, dict[str, str], bytes]:
-        return _request(self.server.port, "POST", PATH, REQUEST_BODY,
-                        {"Content-Type": "application/json", "Idempotency-Key": key,
-                         "Authorization": "Bearer rsbench"})  # fmt: skip
+        return _request(
+            self.server.port,
+            "POST",
+            PATH,
+            REQUEST_BODY,
+            {
+                "Content-Type": "application/json",
+                "Idempotency-Key": key,
+                "Authorization": "Bearer rsbench",
+            },
+        )
 
     def warm_replay_keys(self, prefix: str) -> None:
         """Send each replay key once, so the measurement only replays."""
@@ -717,10 +763,16 @@ def rows_of(variants: Sequence[Variant], workloads: Sequence[str]) -> list[Row]:
         for v in variants:
             samples = v.samples[workload]
             base = v.reference.samples[workload] if v.reference else samples
-            problems = [f"round {i + 1}: {'; '.join(s.problems)}"
-                        for i, s in enumerate(samples) if not s.valid]  # fmt: skip
-            pairs = [(s, b) for s, b in zip(samples, base, strict=True)
-                     if s.valid and b.valid and v.reference]  # fmt: skip
+            problems = [
+                f"round {i + 1}: {'; '.join(s.problems)}"
+                for i, s in enumerate(samples)
+                if not s.valid
+            ]
+            pairs = [
+                (s, b)
+                for s, b in zip(samples, base, strict=True)
+                if s.valid and b.valid and v.reference
+            ]
             ratios = [s.rps / b.rps for s, b in pairs]
             cpu_ratios = [b.cpu_us / s.cpu_us for s, b in pairs if s.cpu_us]
             valid = [s for s in samples if s.valid]
@@ -751,8 +803,9 @@ def results_table(rows: Sequence[Row]) -> list[str]:
     return out
 
 
-def run_rounds(variants: Sequence[Variant], workloads: Sequence[str], load: Load,
-               rounds: int, warmup: int) -> None:  # fmt: skip
+def run_rounds(
+    variants: Sequence[Variant], workloads: Sequence[str], load: Load, rounds: int, warmup: int
+) -> None:
     """Warm every server up, then measure all of them interleaved, ``rounds`` times."""
     warm = Load(load.threads, load.connections, warmup, load.script)
     for v in variants:
@@ -791,8 +844,11 @@ def profile(name: str, app: str, load: Load, top: int) -> None:
             target.counter = target.server
         target.server.wait_ready()
         sample = target.measure(load, FIRST, "profile")
-        print(f"{target.label}: {sample.rps:,.0f} req/s under cProfile "
-              f"({sample.cpu_us:.0f} us server CPU per request)", flush=True)  # fmt: skip
+        print(
+            f"{target.label}: {sample.rps:,.0f} req/s under cProfile "
+            f"({sample.cpu_us:.0f} us server CPU per request)",
+            flush=True,
+        )
         target.server.stop()
         stats = pstats.Stats(str(out))
         stats.sort_stats("tottime").print_stats(top)
@@ -879,13 +935,22 @@ def breakdown_run(argv: Sequence[str]) -> int:
     body = REQUEST_BODY.encode()
 
     def scope(key: str) -> dict[str, Any]:
-        headers = [(b"host", b"127.0.0.1"), (b"user-agent", b"wrk"),
-                   (b"content-type", b"application/json"),
-                   (b"content-length", str(len(body)).encode()),
-                   (b"authorization", b"Bearer rsbench"),
-                   (b"idempotency-key", key.encode())]  # fmt: skip
-        return {"type": "http", "method": "POST", "path": PATH, "raw_path": PATH.encode(),
-                "query_string": b"", "headers": headers}  # fmt: skip
+        headers = [
+            (b"host", b"127.0.0.1"),
+            (b"user-agent", b"wrk"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"authorization", b"Bearer rsbench"),
+            (b"idempotency-key", key.encode()),
+        ]
+        return {
+            "type": "http",
+            "method": "POST",
+            "path": PATH,
+            "raw_path": PATH.encode(),
+            "query_string": b"",
+            "headers": headers,
+        }
 
     async def receive() -> dict[str, Any]:
         return {"type": "http.request", "body": body, "more_body": False}
@@ -919,10 +984,17 @@ def _run_argv(name: str, workload: str, n: int, src: str | None) -> list[str]:
 def _instructions(name: str, workload: str, n: int, src: str | None) -> int:
     """Instructions the process executes for ``n`` requests (valgrind's callgrind)."""
     out = subprocess.run(
-        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
-         *_run_argv(name, workload, n, src)],
-        capture_output=True, text=True, check=True, cwd=ROOT,
-    )  # fmt: skip
+        [
+            "valgrind",
+            "--tool=callgrind",
+            "--callgrind-out-file=/dev/null",
+            *_run_argv(name, workload, n, src),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
     m = re.search(r"Collected : (\d+)", out.stderr)
     if m is None:
         raise BenchError(f"no instruction count from valgrind:\n{out.stderr[-2000:]}")
@@ -984,8 +1056,9 @@ def _wrap(text: str) -> str:
     return textwrap.fill(text, 88, break_long_words=False, break_on_hyphens=False)
 
 
-def render_breakdown(unit: str, costs: dict[tuple[str, str], float], command: str,
-                     requests: int, code: str) -> str:  # fmt: skip
+def render_breakdown(
+    unit: str, costs: dict[tuple[str, str], float], command: str, requests: int, code: str
+) -> str:
     how = (
         "instructions executed (valgrind's callgrind: the same on every run, whatever the "
         "machine's load), the difference between runs of 100 and "
@@ -993,29 +1066,31 @@ def render_breakdown(unit: str, costs: dict[tuple[str, str], float], command: st
         if unit == "instructions"
         else f"the least CPU time of 9 runs of {requests} requests"
     )
-    return "\n".join([
-        "#### Where the time goes (in-process)",
-        "",
-        _wrap(
-            f"Generated by `bench/http.py --breakdown --write` on "
-            f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC; do not edit by hand. Each variant runs "
-            "in a process of its own, without sockets or a server: a loop of POSTs with a "
-            "new key each (first calls) or one completed key (replays), the body and "
-            "headers of the HTTP run, the memory store, ASGI scopes built beforehand. Each "
-            "step adds one part of the middleware to the step above it (the floor, a side "
-            f"branch, adds to bare). Cost per request: {how}."
-        ),
-        "",
-        "```",
-        command,
-        "```",
-        "",
-        *breakdown_table(unit, costs),
-        "",
-        *(f"- {name}: {what}" for name, what in BREAKDOWN.items()),
-        f"- retrysafe: {code}",
-        "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "#### Where the time goes (in-process)",
+            "",
+            _wrap(
+                f"Generated by `bench/http.py --breakdown --write` on "
+                f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC; do not edit by hand. Each variant runs "
+                "in a process of its own, without sockets or a server: a loop of POSTs with a "
+                "new key each (first calls) or one completed key (replays), the body and "
+                "headers of the HTTP run, the memory store, ASGI scopes built beforehand. Each "
+                "step adds one part of the middleware to the step above it (the floor, a side "
+                f"branch, adds to bare). Cost per request: {how}."
+            ),
+            "",
+            "```",
+            command,
+            "```",
+            "",
+            *breakdown_table(unit, costs),
+            "",
+            *(f"- {name}: {what}" for name, what in BREAKDOWN.items()),
+            f"- retrysafe: {code}",
+            "",
+        ]
+    )
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -1045,9 +1120,14 @@ ENDPOINTS = {
 
 
 def render(
-    rows: Sequence[Row], variants: Sequence[Variant], args: argparse.Namespace, command: str,
-    info: dict[str, str], elapsed: float, skipped: Sequence[tuple[str, str]],
-) -> str:  # fmt: skip
+    rows: Sequence[Row],
+    variants: Sequence[Variant],
+    args: argparse.Namespace,
+    command: str,
+    info: dict[str, str],
+    elapsed: float,
+    skipped: Sequence[tuple[str, str]],
+) -> str:
     settings = server_settings()
     names = list(dict.fromkeys(v.name for v in variants))
     out = [
@@ -1123,11 +1203,17 @@ def retrysafe_version() -> str:
 
 def export_rev(rev: str, stack: contextlib.ExitStack) -> tuple[str, str]:
     """``src/`` of git revision ``rev`` in a temporary folder, and how to name it."""
-    commit = subprocess.run(["git", "rev-parse", "--short", f"{rev}^{{commit}}"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", f"{rev}^{{commit}}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rsbench-rev-")))
-    archive = subprocess.run(["git", "archive", commit, "src"], cwd=ROOT, capture_output=True,
-                             check=True).stdout  # fmt: skip
+    archive = subprocess.run(
+        ["git", "archive", commit, "src"], cwd=ROOT, capture_output=True, check=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
     return str(tmp / "src"), f"git {commit}, exported with `git archive` (not the working tree)"
 
@@ -1180,7 +1266,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="PATH",
         help="splice the results into PATH (default docs/performance.md)",
     )
-    args = p.parse_args(argv)  # fmt: skip
+    args = p.parse_args(argv)
     args.apps = list(dict.fromkeys(args.app.split(",")))
     if not args.apps or any(a not in APPS for a in args.apps):
         p.error(f"--app: {' or '.join(APPS)}, or both separated by a comma")

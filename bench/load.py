@@ -101,9 +101,16 @@ def app() -> Any:
         if work:
             await asyncio.sleep(work)  # the handler's own I/O: duplicates arrive meanwhile
         body = json.dumps({"key": key, "by": os.getpid(), "n": state["n"]}).encode()
-        await send({"type": "http.response.start", "status": 201,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 201,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     return IdempotencyMiddleware(endpoint, store=os.environ[STORE])
@@ -130,14 +137,15 @@ class _Conn:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
-        self.head = (b"POST /orders HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-                     b"content-type: application/json\r\n"
-                     b"authorization: Bearer rsbench\r\n"
-                     b"content-length: %d\r\n" % len(self.BODY))  # fmt: skip
+        self.head = (
+            b"POST /orders HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            b"content-type: application/json\r\n"
+            b"authorization: Bearer rsbench\r\n"
+            b"content-length: %d\r\n" % len(self.BODY)
+        )
 
     async def post(self, key: str) -> tuple[int, bytes]:
-        self.writer.write(self.head + b"idempotency-key: " + key.encode() + b"\r\n\r\n"
-                          + self.BODY)  # fmt: skip
+        self.writer.write(self.head + b"idempotency-key: " + key.encode() + b"\r\n\r\n" + self.BODY)
         status = int((await self.reader.readline()).split()[1])
         length = 0
         while (line := await self.reader.readline()) not in (b"\r\n", b""):
@@ -194,8 +202,10 @@ def storm(
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     share = max(connections // clients, max(n for _, n in groups))
-    procs = [ctx.Process(target=_load_process, args=(port, groups[c::clients], share, queue))
-             for c in range(clients)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_load_process, args=(port, groups[c::clients], share, queue))
+        for c in range(clients)
+    ]
     t0 = time.perf_counter()
     for p in procs:
         p.start()
@@ -229,13 +239,31 @@ def serve(
     # uvicorn imports the app by name; bench/ itself cannot be on sys.path (its http.py
     # would shadow the standard library's), so a one-line module elsewhere loads it.
     shim = effects.parent / "rsload_app.py"
-    shim.write_text(f"import importlib.util as u\ns = u.spec_from_file_location('rsload', "
-                    f"{str(Path(__file__).resolve())!r})\nm = u.module_from_spec(s)\n"
-                    "s.loader.exec_module(m)\napp = m.app\n")  # fmt: skip
-    argv = [sys.executable, "-m", "uvicorn", "--factory", "rsload_app:app",
-            "--app-dir", str(shim.parent),
-            "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
-            "--log-level", "warning", "--no-access-log", "--backlog", "4096"]  # fmt: skip
+    shim.write_text(
+        f"import importlib.util as u\ns = u.spec_from_file_location('rsload', "
+        f"{str(Path(__file__).resolve())!r})\nm = u.module_from_spec(s)\n"
+        "s.loader.exec_module(m)\napp = m.app\n"
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--factory",
+        "rsload_app:app",
+        "--app-dir",
+        str(shim.parent),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+        "--log-level",
+        "warning",
+        "--no-access-log",
+        "--backlog",
+        "4096",
+    ]
     proc = subprocess.Popen(argv, env=env, start_new_session=True)
     deadline = time.monotonic() + 60
     while True:
@@ -311,18 +339,23 @@ def measure(kind: str, args: argparse.Namespace, groups: list[tuple[str, int]]) 
 
 def row(r: dict[str, Any]) -> str:
     st = ", ".join(f"{k}: {v}" for k, v in r["statuses"].items())
-    return (f"| {r['store']} | {r['requests']:,} ({r['duplicates']:,} dup., {r['in_flight']:,} "
-            f"keys met in flight) | {r['rate']:,.0f} "
-            f"| {r['p50']:.1f} / {r['p99']:.1f} | {st} | {r['executions']:,} / {r['distinct']:,} "
-            f"| {r['twice']} | {r['differ']} | {r['workers_ran']} |")  # fmt: skip
+    return (
+        f"| {r['store']} | {r['requests']:,} ({r['duplicates']:,} dup., {r['in_flight']:,} "
+        f"keys met in flight) | {r['rate']:,.0f} "
+        f"| {r['p50']:.1f} / {r['p99']:.1f} | {st} | {r['executions']:,} / {r['distinct']:,} "
+        f"| {r['twice']} | {r['differ']} | {r['workers_ran']} |"
+    )
 
 
 def render(results: Sequence[dict[str, Any]], command: str, info: dict[str, str]) -> str:
     lines = ["### The last run", "", "```sh", command, "```", ""]
     lines += [f"- {k}: {v}" for k, v in info.items()]
-    lines += ["", "| store | requests | answers/s | p50 / p99 ms | statuses | executions / keys "
-              "| keys run twice | keys with differing answers | workers that ran |",
-              "|---|--:|--:|--:|---|--:|--:|--:|--:|"]  # fmt: skip
+    lines += [
+        "",
+        "| store | requests | answers/s | p50 / p99 ms | statuses | executions / keys "
+        "| keys run twice | keys with differing answers | workers that ran |",
+        "|---|--:|--:|--:|---|--:|--:|--:|--:|",
+    ]
     lines += [row(r) for r in results]
     return "\n".join(lines)
 
@@ -350,9 +383,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.append(r)
         print(json.dumps(r), flush=True)
     info["load average at end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    info["setup"] = (f"uvicorn --workers {args.workers}, {args.connections} connections from "
-                     f"{args.clients} load processes, {args.work * 1000:g} ms of awaited work "
-                     "per execution")  # fmt: skip
+    info["setup"] = (
+        f"uvicorn --workers {args.workers}, {args.connections} connections from "
+        f"{args.clients} load processes, {args.work * 1000:g} ms of awaited work "
+        "per execution"
+    )
     text = render(results, command, info)
     print(text)
     if args.write:

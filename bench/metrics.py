@@ -168,15 +168,21 @@ class Pair:
         """The server thread's CPU us per request (medians off, on), the median per-round
         difference, and the median per-round ratio off / on."""
         on, off = self.server_us["on"], self.server_us["off"]
-        return (statistics.median(off), statistics.median(on),
-                statistics.median(a - b for a, b in zip(on, off, strict=True)),
-                statistics.median(b / a for a, b in zip(on, off, strict=True)))  # fmt: skip
+        return (
+            statistics.median(off),
+            statistics.median(on),
+            statistics.median(a - b for a, b in zip(on, off, strict=True)),
+            statistics.median(b / a for a, b in zip(on, off, strict=True)),
+        )
 
 
 def pair(
-    section: str, store: str, workload: str, run: Callable[[int], None],
+    section: str,
+    store: str,
+    workload: str,
+    run: Callable[[int], None],
     prepare: Callable[[], None] = bs._noop,
-) -> Pair:  # fmt: skip
+) -> Pair:
     def on() -> None:
         METRICS.enabled = True
         prepare()
@@ -186,8 +192,15 @@ def pair(
         prepare()
 
     name = f"{section}/{store}"
-    return Pair(section, store, workload, Contender(name, "on", workload, run, on),
-                Contender(name, "off", workload, run, off), run, prepare)  # fmt: skip
+    return Pair(
+        section,
+        store,
+        workload,
+        Contender(name, "on", workload, run, on),
+        Contender(name, "off", workload, run, off),
+        run,
+        prepare,
+    )
 
 
 def counted() -> float:
@@ -207,8 +220,10 @@ def check_counting(pairs: Sequence[Pair], n: int = 20) -> None:
                 got, want = counted() - before, n if enabled else 0
                 if got != want:
                     state = "on" if enabled else "off"
-                    raise BenchError(f"{p.label}: {n} requests with metrics {state} "
-                                     f"counted {got:g} times (expected {want})")  # fmt: skip
+                    raise BenchError(
+                        f"{p.label}: {n} requests with metrics {state} "
+                        f"counted {got:g} times (expected {want})"
+                    )
     finally:
         METRICS.enabled = True
 
@@ -255,18 +270,30 @@ def loop_name() -> str:
     return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
-HEADERS = [(b"host", b"127.0.0.1"), (b"user-agent", b"rsbench"),
-           (b"content-type", b"application/json"), (b"authorization", b"Bearer rsbench"),
-           (b"content-length", str(len(BODY)).encode())]  # fmt: skip
+HEADERS = [
+    (b"host", b"127.0.0.1"),
+    (b"user-agent", b"rsbench"),
+    (b"content-type", b"application/json"),
+    (b"authorization", b"Bearer rsbench"),
+    (b"content-length", str(len(BODY)).encode()),
+]
 
 
 def scope_of(key: str) -> dict[str, Any]:
     return {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": PATH, "raw_path": PATH.encode(), "query_string": b"",
-        "root_path": "", "headers": [*HEADERS, (b"idempotency-key", key.encode())],
-        "client": (HOST, 50000), "server": (HOST, 8000),
-    }  # fmt: skip
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": PATH,
+        "raw_path": PATH.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [*HEADERS, (b"idempotency-key", key.encode())],
+        "client": (HOST, 50000),
+        "server": (HOST, 8000),
+    }
 
 
 class Keys:
@@ -282,9 +309,12 @@ class Keys:
 
 
 def workload_runs(
-    label: str, send_one: Callable[[str], Any], endpoint: Any, keys: Keys,
+    label: str,
+    send_one: Callable[[str], Any],
+    endpoint: Any,
+    keys: Keys,
     batch: Callable[[Callable[[int], Any]], Callable[[int], None]],
-) -> dict[str, tuple[Callable[[int], None], Callable[[], None]]]:  # fmt: skip
+) -> dict[str, tuple[Callable[[int], None], Callable[[], None]]]:
     """Per workload: run(n) and prepare(), built on ``send_one(key)`` (a coroutine
     function or a plain one; ``batch`` turns a body of n requests into run(n))."""
 
@@ -296,8 +326,10 @@ def workload_runs(
             def verify() -> None:
                 ran = endpoint.calls - before
                 if ran != expected(n):
-                    raise BenchError(f"{label}: the endpoint ran {ran} times for {n} requests "
-                                     f"(expected {expected(n)})")  # fmt: skip
+                    raise BenchError(
+                        f"{label}: the endpoint ran {ran} times for {n} requests "
+                        f"(expected {expected(n)})"
+                    )
 
             return result, verify
 
@@ -366,8 +398,10 @@ def asgi_pairs(store: str, url: str, loop: asyncio.AbstractEventLoop) -> list[Pa
 def engine_pairs() -> list[Pair]:
     engine = Engine(open_store("memory://"))
     first, replay = bs.engine_contenders("engine/memory", engine, "")
-    return [pair("engine", "memory", FIRST, first.run),
-            pair("engine", "memory", REPLAY, replay.run, replay.prepare)]  # fmt: skip
+    return [
+        pair("engine", "memory", FIRST, first.run),
+        pair("engine", "memory", REPLAY, replay.run, replay.prepare),
+    ]
 
 
 # -- server: uvicorn in a thread of this process, httpx from the main thread -----------------
@@ -413,27 +447,49 @@ def server_pairs(store: str, url: str, stack: contextlib.ExitStack) -> list[Pair
 #: (what, statement, enabled, how often); timed on the process's real ``METRICS``.
 CALLS: list[tuple[str, str, bool, str]] = [
     ("`METRICS.claimed(...)`, on", "m.claimed(op, kh, None, 2e-6)", True, "1 per first request"),
-    ("`METRICS.settled(...)`, on", 'm.settled("complete", op, kh, 2e-6, 5e-6)', True,
-     "1 per first request"),
+    (
+        "`METRICS.settled(...)`, on",
+        'm.settled("complete", op, kh, 2e-6, 5e-6)',
+        True,
+        "1 per first request",
+    ),
     ("`METRICS.replayed(...)`, on", "m.replayed(op, kh, 2e-6)", True, "1 per replay"),
     ("`METRICS.claimed(...)`, off", "m.claimed(op, kh, None, 2e-6)", False, "the same, off"),
-    ("`METRICS.settled(...)`, off", 'm.settled("complete", op, kh, 2e-6, 5e-6)', False,
-     "the same, off"),
+    (
+        "`METRICS.settled(...)`, off",
+        'm.settled("complete", op, kh, 2e-6, 5e-6)',
+        False,
+        "the same, off",
+    ),
     ("`METRICS.replayed(...)`, off", "m.replayed(op, kh, 2e-6)", False, "the same, off"),
     ("`Metrics._label(op)`", "m._label(op)", True, "2 per first request, 1 per replay"),
-    ("`Metrics._child(family, label)`", 'm._child("executed", label)', True,
-     "4 per first request, 2 per replay"),
-    ("counter child `.inc()`", "counter.inc()", True,
-     "1 per first request, 1 per replay"),
-    ("histogram child `.observe()` (first bucket)", "store_h.observe(2e-6)", True,
-     "3 per first request, 1 per replay"),
-    ("`_Otel.event(...)`", 'otel.event("retrysafe.claim", op, "executed", kh)', True,
-     "2 per first request, 1 per replay"),
-    ("`trace.get_current_span()` (opentelemetry)", "get_span()", True,
-     "inside each `_Otel.event`"),
-    ("`time.perf_counter()`", "time.perf_counter()", True,
-     "4 per first request, 2 per replay, on or off"),
-]  # fmt: skip
+    (
+        "`Metrics._child(family, label)`",
+        'm._child("executed", label)',
+        True,
+        "4 per first request, 2 per replay",
+    ),
+    ("counter child `.inc()`", "counter.inc()", True, "1 per first request, 1 per replay"),
+    (
+        "histogram child `.observe()` (first bucket)",
+        "store_h.observe(2e-6)",
+        True,
+        "3 per first request, 1 per replay",
+    ),
+    (
+        "`_Otel.event(...)`",
+        'otel.event("retrysafe.claim", op, "executed", kh)',
+        True,
+        "2 per first request, 1 per replay",
+    ),
+    ("`trace.get_current_span()` (opentelemetry)", "get_span()", True, "inside each `_Otel.event`"),
+    (
+        "`time.perf_counter()`",
+        "time.perf_counter()",
+        True,
+        "4 per first request, 2 per replay, on or off",
+    ),
+]
 
 
 CHILDREN = "children"  # the key of call_costs() that names the children's classes
@@ -449,13 +505,21 @@ def call_costs(number: int = 100_000, repeat: int = 7) -> dict[str, Any]:
     m.claimed(op, kh, None, 2e-6)  # creates the metrics and the children
     m.settled("complete", op, kh, 2e-6, 5e-6)
     m.replayed(op, kh, 2e-6)
-    names = {"m": m, "op": op, "kh": kh, "time": time, "label": m._label(op),
-             "counter": m._child("executed", m._label(op)),
-             "store_h": m._child("store", "claim"), "otel": m._otel,
-             "get_span": m._otel.current or (lambda: None)}  # fmt: skip
+    names = {
+        "m": m,
+        "op": op,
+        "kh": kh,
+        "time": time,
+        "label": m._label(op),
+        "counter": m._child("executed", m._label(op)),
+        "store_h": m._child("store", "claim"),
+        "otel": m._otel,
+        "get_span": m._otel.current or (lambda: None),
+    }
     empty = min(timeit.Timer("pass").repeat(repeat, number)) / number
-    kinds = {f"{type(names[n]).__module__}.{type(names[n]).__qualname__}"
-             for n in ("counter", "store_h")}  # fmt: skip
+    kinds = {
+        f"{type(names[n]).__module__}.{type(names[n]).__qualname__}" for n in ("counter", "store_h")
+    }
     out: dict[str, Any] = {CHILDREN: ", ".join(sorted(kinds))}
     try:
         for what, stmt, enabled, _ in CALLS:
@@ -474,8 +538,14 @@ def multiprocess_costs() -> dict[str, Any]:
     (``PROMETHEUS_MULTIPROC_DIR`` set, as ``retrysafe gateway --workers N`` does)."""
     with tempfile.TemporaryDirectory(prefix="rsbench-multiproc-") as tmp:
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": tmp}
-        out = subprocess.run([sys.executable, __file__, "--call-costs-json"], env=env,
-                             capture_output=True, text=True, check=True, cwd=ROOT)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, __file__, "--call-costs-json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -510,19 +580,29 @@ def _instructions(section: str, workload: str, n: int, tmp: str) -> tuple[float,
     out = Path(tmp) / f"{section}-{workload}.out"
     argv = [sys.executable, __file__, "--count-run", section, workload, str(n)]
     run = subprocess.run(
-        ["valgrind", "--tool=callgrind", "--collect-atstart=no",
-         "--toggle-collect=functools_reduce", "--dump-after=functools_reduce",
-         f"--callgrind-out-file={out}", *argv],
-        capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
+        [
+            "valgrind",
+            "--tool=callgrind",
+            "--collect-atstart=no",
+            "--toggle-collect=functools_reduce",
+            "--dump-after=functools_reduce",
+            f"--callgrind-out-file={out}",
+            *argv,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     dumps = sorted(Path(tmp).glob(f"{out.name}.*"), key=lambda f: int(f.suffix[1:]))
     totals = []
     for dump in dumps:
         found = re.search(r"^totals: (\d+)", dump.read_text(), re.M)
         totals.append(int(found.group(1)) if found else -1)
     if run.returncode != 0 or len(totals) != 2 or min(totals) <= 0:
-        raise BenchError(f"{section}/{workload}: callgrind gave {totals} "
-                         f"(expected 2 dumps):\n{run.stderr[-2000:]}")  # fmt: skip
+        raise BenchError(
+            f"{section}/{workload}: callgrind gave {totals} "
+            f"(expected 2 dumps):\n{run.stderr[-2000:]}"
+        )
     return totals[0] / n, totals[1] / n
 
 
@@ -578,12 +658,15 @@ def profile(pairs: Sequence[Pair], seconds: float, top: int = 25) -> str:
         pstats.Stats(prof, stream=buf).strip_dirs().sort_stats("tottime").print_stats(top)
         stats = pstats.Stats(prof, stream=buf)
         raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
-        entry = sum(v[3] for k, v in raw.items()
-                    if k[0].endswith("_metrics.py") and k[2] in ENTRY_POINTS)  # fmt: skip
+        entry = sum(
+            v[3] for k, v in raw.items() if k[0].endswith("_metrics.py") and k[2] in ENTRY_POINTS
+        )
         total = stats.total_tt  # type: ignore[attr-defined]
-        buf.write(f"--- {p.label}: the engine's METRICS calls take {entry:.3f} s of "
-                  f"{total:.3f} s profiled ({entry / total:.0%}; cProfile inflates small "
-                  "calls: see the timeit table); their callees: ---\n")  # fmt: skip
+        buf.write(
+            f"--- {p.label}: the engine's METRICS calls take {entry:.3f} s of "
+            f"{total:.3f} s profiled ({entry / total:.0%}; cProfile inflates small "
+            "calls: see the timeit table); their callees: ---\n"
+        )
         stats.sort_stats("tottime").print_stats(r"_metrics\.py|prometheus_client|opentelemetry")
         text = buf.getvalue()
         print(text)
@@ -607,9 +690,11 @@ def server_table(pairs: Sequence[Pair]) -> list[str]:
     for p in pairs:
         off, on, added, ratio = p.server_figures()
         rs = [b / a for a, b in zip(p.server_us["on"], p.server_us["off"], strict=True)]
-        lines.append(f"| {p.section} / {p.store} | {p.workload} | {off:.1f} | {on:.1f} | "
-                     f"{added:+.1f} | {ratio:.3f} ({min(rs):.2f}-{max(rs):.2f}) | "
-                     f"{verdict(ratio)} |")  # fmt: skip
+        lines.append(
+            f"| {p.section} / {p.store} | {p.workload} | {off:.1f} | {on:.1f} | "
+            f"{added:+.1f} | {ratio:.3f} ({min(rs):.2f}-{max(rs):.2f}) | "
+            f"{verdict(ratio)} |"
+        )
     return lines
 
 
@@ -660,8 +745,15 @@ def _wrap(text: str) -> str:
 
 
 def library_info() -> str:
-    names = ["prometheus-client", "opentelemetry-api", "opentelemetry-sdk", "uvicorn", "uvloop",
-             "httptools", "httpx"]  # fmt: skip
+    names = [
+        "prometheus-client",
+        "opentelemetry-api",
+        "opentelemetry-sdk",
+        "uvicorn",
+        "uvloop",
+        "httptools",
+        "httpx",
+    ]
     return bs.library_info(names)
 
 
@@ -673,16 +765,22 @@ def otel_state() -> str:
     provider = type(trace.get_tracer_provider()).__name__
     state = f"opentelemetry-api installed, tracer provider `{provider}`"
     if provider in ("ProxyTracerProvider", "NoOpTracerProvider"):
-        state += (" (none configured: `trace.get_current_span()` returns a non-recording span, "
-                  "so `_Otel.event` adds no event)")  # fmt: skip
+        state += (
+            " (none configured: `trace.get_current_span()` returns a non-recording span, "
+            "so `_Otel.event` adds no event)"
+        )
     return state
 
 
 def render(
-    sections: dict[str, list[Pair]], costs: Costs,
-    counts: dict[tuple[str, str], tuple[float, float]], args: Any,
-    command: str, info: dict[str, str], elapsed: float,
-) -> str:  # fmt: skip
+    sections: dict[str, list[Pair]],
+    costs: Costs,
+    counts: dict[tuple[str, str], tuple[float, float]],
+    args: Any,
+    command: str,
+    info: dict[str, str],
+    elapsed: float,
+) -> str:
     first_added, replay_added = added_ns(costs[SINGLE])
     out = [
         "### The last run",
@@ -830,18 +928,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset")
     p.add_argument("--stores", default="memory,sqlite", help="stores of the asgi section")
     p.add_argument("--server-stores", default="memory", help="stores of the server section")
-    p.add_argument("--profile", action="store_true",
-                   help="after the rounds, cProfile each variant's metrics-on loop")  # fmt: skip
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the rounds, cProfile each variant's metrics-on loop",
+    )
     p.add_argument("--rev", help="measure this git revision's src/ (git archive), not the tree")
     p.add_argument(
-        "--instructions", type=int, nargs="?", const=1000, default=0, metavar="N",
+        "--instructions",
+        type=int,
+        nargs="?",
+        const=1000,
+        default=0,
+        metavar="N",
         help="also count the instructions per request of the in-process memory variants "
         "with valgrind (N requests each, default 1000)",
-    )  # fmt: skip
+    )
     p.add_argument("--count-run", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--call-costs-json", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--write", type=Path, default=None, metavar="PATH",
-                   help="write the results as Markdown into this file")  # fmt: skip
+    p.add_argument(
+        "--write",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write the results as Markdown into this file",
+    )
     args = p.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     args.stores = [s.strip() for s in args.stores.split(",") if s.strip()]
@@ -888,8 +999,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in args.sections:
             pairs = builders[name]()
             check_counting(pairs)
-            print(f"\n[{name}] {len(pairs)} variants x (on, off), {args.rounds} rounds of "
-                  f"{args.seconds:g} s", flush=True)  # fmt: skip
+            print(
+                f"\n[{name}] {len(pairs)} variants x (on, off), {args.rounds} rounds of "
+                f"{args.seconds:g} s",
+                flush=True,
+            )
             run_rounds(pairs, args.rounds, args.seconds, args.warmup)
             sections[name] = pairs
             if args.profile and name != "server":  # cProfile sees this thread only

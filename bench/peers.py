@@ -190,17 +190,32 @@ def _wrap_fik(app: Any, url: str, ns: str) -> tuple[Any, Closer]:
 MIDDLEWARES = {
     m.name: m
     for m in (
-        Middleware(SUBJECT, "retrysafe", b"idempotent-replayed",
-                   '`retrysafe.asgi.IdempotencyMiddleware(app, store=Engine(open_store(url)))`, '
-                   "default options", _wrap_retrysafe),
-        Middleware("asgi-idempotency-header", "asgi-idempotency-header", b"idempotent-replayed",
-                   "`IdempotencyHeaderMiddleware(app, backend=RedisBackend(redis.asyncio.Redis"
-                   ".from_url(url)))`, default options", _wrap_header),
-        Middleware("fastapi-idempotency-key", "fastapi-idempotency-key", b"idempotency-replayed",
-                   "`fastapi_idempotency_key.IdempotencyMiddleware(app, backend=RedisBackend("
-                   "redis_url=url))`, default options", _wrap_fik),
+        Middleware(
+            SUBJECT,
+            "retrysafe",
+            b"idempotent-replayed",
+            "`retrysafe.asgi.IdempotencyMiddleware(app, store=Engine(open_store(url)))`, "
+            "default options",
+            _wrap_retrysafe,
+        ),
+        Middleware(
+            "asgi-idempotency-header",
+            "asgi-idempotency-header",
+            b"idempotent-replayed",
+            "`IdempotencyHeaderMiddleware(app, backend=RedisBackend(redis.asyncio.Redis"
+            ".from_url(url)))`, default options",
+            _wrap_header,
+        ),
+        Middleware(
+            "fastapi-idempotency-key",
+            "fastapi-idempotency-key",
+            b"idempotency-replayed",
+            "`fastapi_idempotency_key.IdempotencyMiddleware(app, backend=RedisBackend("
+            "redis_url=url))`, default options",
+            _wrap_fik,
+        ),
     )
-}  # fmt: skip
+}
 PEERS = [name for name in MIDDLEWARES if name != SUBJECT]
 
 
@@ -210,14 +225,25 @@ PEERS = [name for name in MIDDLEWARES if name != SUBJECT]
 async def post(app: Any, key: str) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """One POST through the raw ASGI interface: (status, headers, body)."""
     scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": PATH, "raw_path": PATH.encode(), "root_path": "",
-        "query_string": b"", "client": (HOST, 50000), "server": (HOST, 80),
-        "headers": [(b"host", b"bench"), (b"content-type", b"application/json"),
-                    (b"authorization", b"Bearer rsbench"),
-                    (b"content-length", str(len(REQUEST_BODY)).encode()),
-                    (b"idempotency-key", key.encode())],
-    }  # fmt: skip
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": PATH,
+        "raw_path": PATH.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "client": (HOST, 50000),
+        "server": (HOST, 80),
+        "headers": [
+            (b"host", b"bench"),
+            (b"content-type", b"application/json"),
+            (b"authorization", b"Bearer rsbench"),
+            (b"content-length", str(len(REQUEST_BODY)).encode()),
+            (b"idempotency-key", key.encode()),
+        ],
+    }
     done = asyncio.Event()
     started = False
     status = 0
@@ -341,11 +367,19 @@ def _side_contenders(bs: Any, runner: asyncio.Runner, side: HttpSide) -> list[An
         return lambda n: runner.run(coro_fn(n))  # type: ignore[arg-type]
 
     return [
-        bs.Contender("http", name, FIRST, sync(first), executions=executions,
-                     detail=side.mw.detail),
-        bs.Contender("http", name, REPLAY, sync(replay), lambda: runner.run(prepare()),
-                     executions, detail=side.mw.detail),
-    ]  # fmt: skip
+        bs.Contender(
+            "http", name, FIRST, sync(first), executions=executions, detail=side.mw.detail
+        ),
+        bs.Contender(
+            "http",
+            name,
+            REPLAY,
+            sync(replay),
+            lambda: runner.run(prepare()),
+            executions,
+            detail=side.mw.detail,
+        ),
+    ]
 
 
 @contextlib.contextmanager
@@ -445,8 +479,11 @@ async def asgi_storm(
                 *(post(app, key) for key in chunk for _ in range(callers)), return_exceptions=True
             )
             for r in results:
-                answers[f"raised {type(r).__name__}" if isinstance(r, BaseException)
-                        else classify(r[0], r[1], mw.replay_header)] += 1  # fmt: skip
+                answers[
+                    f"raised {type(r).__name__}"
+                    if isinstance(r, BaseException)
+                    else classify(r[0], r[1], mw.replay_header)
+                ] += 1
         seconds = time.perf_counter() - t0
         for key in names:
             status, headers, _ = await post(app, key)
@@ -466,10 +503,18 @@ class Server:
         self.port, self.log = port, log
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--serve", *argv,
-                 "--port", str(port)],
-                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--serve",
+                    *argv,
+                    "--port",
+                    str(port),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
 
     @property
     def url(self) -> str:
@@ -518,10 +563,15 @@ async def _http_storm(
     async with httpx.AsyncClient(limits=limits, timeout=60) as client:
 
         async def one(key: str, i: int) -> str:
-            resp = await client.post(urls[i % len(urls)] + PATH, content=REQUEST_BODY,
-                                     headers={"content-type": "application/json",
-                                              "authorization": "Bearer rsbench",
-                                              "idempotency-key": key})  # fmt: skip
+            resp = await client.post(
+                urls[i % len(urls)] + PATH,
+                content=REQUEST_BODY,
+                headers={
+                    "content-type": "application/json",
+                    "authorization": "Bearer rsbench",
+                    "idempotency-key": key,
+                },
+            )
             return kind(resp)
 
         t0 = time.perf_counter()
@@ -538,9 +588,16 @@ async def _http_storm(
 
 
 def server_storms(
-    url: str, ns: str, keys: int, callers: int, waves: Sequence[int], work: float,
-    stack: contextlib.ExitStack, free_port: Callable[[], int], processes: int = 2,
-) -> list[Storm]:  # fmt: skip
+    url: str,
+    ns: str,
+    keys: int,
+    callers: int,
+    waves: Sequence[int],
+    work: float,
+    stack: contextlib.ExitStack,
+    free_port: Callable[[], int],
+    processes: int = 2,
+) -> list[Storm]:
     """Each middleware in ``processes`` uvicorn servers; a key's duplicates alternate."""
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rsbench-peers-")))
     servers: dict[str, list[Server]] = {}
@@ -611,8 +668,12 @@ def function_storms(
     config = IdempotencyConfig(event_key_jmespath="order_id")
     config.register_lambda_context(bs._FakeLambdaContext())
 
-    @idempotent_function(data_keyword_argument="order", persistence_store=layer, config=config,
-                         key_prefix=f"{ns}storm-pt")  # fmt: skip
+    @idempotent_function(
+        data_keyword_argument="order",
+        persistence_store=layer,
+        config=config,
+        key_prefix=f"{ns}storm-pt",
+    )
     def charge_pt(order: dict[str, Any]) -> dict[str, Any]:
         return ran("Powertools", order)
 
@@ -631,9 +692,14 @@ def function_storms(
 
 
 def _thread_storm(
-    side: str, func: Callable[..., Any], executions: Counter[str], keys: int, callers: int,
-    wave: int, ran_here: threading.local,
-) -> Storm:  # fmt: skip
+    side: str,
+    func: Callable[..., Any],
+    executions: Counter[str],
+    keys: int,
+    callers: int,
+    wave: int,
+    ran_here: threading.local,
+) -> Storm:
     names = _storm_keys(secrets.token_hex(4), keys)
     answers: Counter[str] = Counter()
     after: Counter[str] = Counter()
@@ -654,8 +720,11 @@ def _thread_storm(
     t0 = time.perf_counter()
     for chunk in _waves(names, wave):
         barrier = threading.Barrier(len(chunk) * callers)
-        threads = [threading.Thread(target=call, args=(key, answers, barrier))
-                   for key in chunk for _ in range(callers)]  # fmt: skip
+        threads = [
+            threading.Thread(target=call, args=(key, answers, barrier))
+            for key in chunk
+            for _ in range(callers)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -664,14 +733,17 @@ def _thread_storm(
     for key in names:
         call(key, after, None)
     executions = Counter({k: n for k, n in executions.items() if k in set(names)})
-    return Storm("threads, one process", side, keys, callers, wave, executions, answers,
-                 after, seconds)  # fmt: skip
+    return Storm(
+        "threads, one process", side, keys, callers, wave, executions, answers, after, seconds
+    )
 
 
 def storm_line(s: Storm) -> str:
-    return (f"{s.wave * s.callers} at once: {s.ran} executions for {s.keys} keys "
-            f"({s.duplicated_keys} keys ran more than once); answers: {dict(s.answers)}; "
-            f"after: {dict(s.after)}")  # fmt: skip
+    return (
+        f"{s.wave * s.callers} at once: {s.ran} executions for {s.keys} keys "
+        f"({s.duplicated_keys} keys ran more than once); answers: {dict(s.answers)}; "
+        f"after: {dict(s.after)}"
+    )
 
 
 # -- serving (runs in the uvicorn subprocesses) ------------------------------------------------
@@ -695,8 +767,7 @@ def serve(argv: Sequence[str]) -> int:
     app, _close = mw.wrap(endpoint.app, args.redis, f"{args.ns}storm-uvicorn:")
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    uvicorn.run(app, host=HOST, port=args.port, loop=loop, log_level="warning",
-                access_log=False)  # fmt: skip
+    uvicorn.run(app, host=HOST, port=args.port, loop=loop, log_level="warning", access_log=False)
     return 0
 
 
@@ -711,12 +782,18 @@ def _x(value: float) -> str:
     return f"{value:.2f}x"
 
 
-def pair_table(subject: Any, peers: Sequence[Any], answers: dict[str, str] | None = None,
-               trips: dict[tuple[str, str], Counter[str]] | None = None) -> list[str]:  # fmt: skip
+def pair_table(
+    subject: Any,
+    peers: Sequence[Any],
+    answers: dict[str, str] | None = None,
+    trips: dict[tuple[str, str], Counter[str]] | None = None,
+) -> list[str]:
     """retrysafe against each peer for one workload, ratios both ways."""
-    head = ("| workload | peer | retrysafe /s (median) | rounds min-max | peer /s (median) | "
-            "rounds min-max | retrysafe / peer | peer / retrysafe | CPU us per call, "
-            "retrysafe / peer |")  # fmt: skip
+    head = (
+        "| workload | peer | retrysafe /s (median) | rounds min-max | peer /s (median) | "
+        "rounds min-max | retrysafe / peer | peer / retrysafe | CPU us per call, "
+        "retrysafe / peer |"
+    )
     sep = "|---|---|--:|--:|--:|--:|--:|--:|--:|"
     if answers is not None:
         head += " what the peer answered |"
@@ -727,9 +804,11 @@ def pair_table(subject: Any, peers: Sequence[Any], answers: dict[str, str] | Non
     lines = [head, sep]
     for peer in peers:
         ratio = subject.median / peer.median
-        row = (f"| {subject.workload} | {peer.name} | {subject.median:,.0f} | {_spread(subject)} "
-               f"| {peer.median:,.0f} | {_spread(peer)} | {_x(ratio)} | {_x(1 / ratio)} | "
-               f"{subject.cpu:.0f} / {peer.cpu:.0f} |")  # fmt: skip
+        row = (
+            f"| {subject.workload} | {peer.name} | {subject.median:,.0f} | {_spread(subject)} "
+            f"| {peer.median:,.0f} | {_spread(peer)} | {_x(ratio)} | {_x(1 / ratio)} | "
+            f"{subject.cpu:.0f} / {peer.cpu:.0f} |"
+        )
         if answers is not None:
             row += f" {answers.get(peer.name, '-')} |"
         if trips is not None:
@@ -764,11 +843,18 @@ def trips_text(trips: Counter[str]) -> str:
 
 
 def render(
-    args: argparse.Namespace, command: str, info: dict[str, str], libraries: str,
-    dec: list[Any], http: list[Any], sides: dict[str, HttpSide],
-    http_trips: dict[tuple[str, str], Counter[str]], storms: list[Storm], elapsed: float,
+    args: argparse.Namespace,
+    command: str,
+    info: dict[str, str],
+    libraries: str,
+    dec: list[Any],
+    http: list[Any],
+    sides: dict[str, HttpSide],
+    http_trips: dict[tuple[str, str], Counter[str]],
+    storms: list[Storm],
+    elapsed: float,
     bs: Any,
-) -> str:  # fmt: skip
+) -> str:
     out = [
         "### The last run",
         "",
@@ -824,10 +910,15 @@ def render(
         answers = {name: describe_answers(side.answers[REPLAY]) for name, side in sides.items()}
         for w in (FIRST, REPLAY):
             peers = [c for c in http if c.name != SUBJECT and c.workload == w]
-            table = pair_table(subject[w], peers, answers if w == REPLAY else None,
-                               http_trips or None)  # fmt: skip
-            out += [f"#### HTTP level, {w}s: the same Starlette endpoint behind each middleware",
-                    "", *table, ""]  # fmt: skip
+            table = pair_table(
+                subject[w], peers, answers if w == REPLAY else None, http_trips or None
+            )
+            out += [
+                f"#### HTTP level, {w}s: the same Starlette endpoint behind each middleware",
+                "",
+                *table,
+                "",
+            ]
         out += [
             "- The app: one Starlette route, `POST /orders`, reading the JSON body and",
             "  answering 201 with a small JSON body (a `JSONResponse`). Requests go through",
@@ -885,12 +976,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=1.0, help="length of one measurement")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per contender")
     p.add_argument("--warmup", type=float, default=0.3, help="warm-up seconds per contender")
-    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of "
-                   + ", ".join(PARTS))  # fmt: skip
+    p.add_argument(
+        "--parts", default=",".join(PARTS), help="comma-separated subset of " + ", ".join(PARTS)
+    )
     p.add_argument("--keys", type=int, default=40, help="distinct keys in the storm")
     p.add_argument("--clients", type=int, default=8, help="concurrent callers per storm key")
-    p.add_argument("--wave", type=int, default=8,
-                   help="storm keys sent at once (then all --keys at once, too)")  # fmt: skip
+    p.add_argument(
+        "--wave", type=int, default=8, help="storm keys sent at once (then all --keys at once, too)"
+    )
     p.add_argument("--work", type=float, default=0.05, help="seconds the storm handler takes")
     p.add_argument("--write", metavar="PATH", help="write the results as Markdown here")
     p.add_argument("--rev", help="measure this commit's src/ (git archive), not the work tree")
@@ -938,26 +1031,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = f"rsbench-peers-{secrets.token_hex(4)}:"
         if "function" in args.parts:
             dec = bs.decorator_contenders(url, ns, stack)
-            print(f"\n[function level] {len(dec)} contenders, {args.rounds} rounds of "
-                  f"{args.seconds:g}s", flush=True)  # fmt: skip
+            print(
+                f"\n[function level] {len(dec)} contenders, {args.rounds} rounds of "
+                f"{args.seconds:g}s",
+                flush=True,
+            )
             bs.run_rounds(dec, args.rounds, args.seconds, args.warmup)
         if "http" in args.parts:
             runner = stack.enter_context(asyncio.Runner())
             http, sides = http_contenders(bs, runner, url, ns)
             for side in sides.values():
                 stack.callback(runner.run, side.close())
-            print(f"\n[HTTP level] {len(http)} contenders, {args.rounds} rounds of "
-                  f"{args.seconds:g}s", flush=True)  # fmt: skip
+            print(
+                f"\n[HTTP level] {len(http)} contenders, {args.rounds} rounds of {args.seconds:g}s",
+                flush=True,
+            )
             bs.run_rounds(http, args.rounds, args.seconds, args.warmup)
             for c in http:
                 http_trips[(c.name, c.workload)] = count_round_trips(c)
             for side in sides.values():
                 for w in (FIRST, REPLAY):
-                    print(f"  {side.mw.name} {w}s answered: "
-                          f"{describe_answers(side.answers[w])}")  # fmt: skip
+                    print(f"  {side.mw.name} {w}s answered: {describe_answers(side.answers[w])}")
         if "storm" in args.parts:
-            print(f"\n[storm] {args.keys} keys x {args.clients} concurrent callers, handler "
-                  f"{args.work * 1000:g} ms", flush=True)  # fmt: skip
+            print(
+                f"\n[storm] {args.keys} keys x {args.clients} concurrent callers, handler "
+                f"{args.work * 1000:g} ms",
+                flush=True,
+            )
             storms += function_storms(url, ns, args.keys, args.clients, args.waves, args.work)
             for wave, mw in itertools.product(args.waves, MIDDLEWARES.values()):
                 storm = asyncio.run(
@@ -966,15 +1066,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  in process / {mw.name}: {storm_line(storm)}", flush=True)
                 storms.append(storm)
             free_port = bs._servers_module().free_port
-            storms += server_storms(url, ns, args.keys, args.clients, args.waves, args.work,
-                                    stack, free_port)  # fmt: skip
+            storms += server_storms(
+                url, ns, args.keys, args.clients, args.waves, args.work, stack, free_port
+            )
     elapsed = time.monotonic() - started
     if hasattr(os, "getloadavg"):
         info["load average at end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
-    libraries = bs.library_info(["aws-lambda-powertools", "asgi-idempotency-header",
-                                 "fastapi-idempotency-key", "redis", "hiredis", "starlette",
-                                 "uvicorn", "httpx"])  # fmt: skip
+    libraries = bs.library_info(
+        [
+            "aws-lambda-powertools",
+            "asgi-idempotency-header",
+            "fastapi-idempotency-key",
+            "redis",
+            "hiredis",
+            "starlette",
+            "uvicorn",
+            "httpx",
+        ]
+    )
     doc = render(args, command, info, libraries, dec, http, sides, http_trips, storms, elapsed, bs)
     print()
     print(doc)

@@ -290,10 +290,13 @@ def memory_section() -> list[Contender]:
     return _interleave(
         engine_contenders("memory", engine, "memory:// (default max_size)"),
         floor_contenders(
-            "memory", first_call, replay_call, write_replay,
+            "memory",
+            first_call,
+            replay_call,
+            write_replay,
             "dict behind a threading.Lock: insert-if-absent + set, then get",
         ),
-    )  # fmt: skip
+    )
 
 
 # -- SQLite ---------------------------------------------------------------------------
@@ -339,11 +342,14 @@ def sqlite_section(stack: contextlib.ExitStack, info: dict[str, str]) -> list[Co
             "sqlite", engine, "SQLiteStore, sqlite:///<temp dir>/store.db?synchronous=normal"
         ),
         floor_contenders(
-            "sqlite", first_call, replay_call, first_call,
+            "sqlite",
+            first_call,
+            replay_call,
+            first_call,
             "sqlite3, autocommit, WAL, synchronous=NORMAL: INSERT + UPDATE, then SELECT by "
             "primary key (table: text primary key, 3 columns and a blob)",
         ),
-    )  # fmt: skip
+    )
 
 
 # -- Redis ----------------------------------------------------------------------------
@@ -382,10 +388,13 @@ def redis_section(
     store_contenders = _interleave(
         engine_contenders("redis", engine, "RedisStore, default options (a key prefix of its own)"),
         floor_contenders(
-            "redis", first_call, replay_call, first_call,
+            "redis",
+            first_call,
+            replay_call,
+            first_call,
             "redis-py + hiredis, one client: SET key val NX + SET key val2, then GET key",
         ),
-    )  # fmt: skip
+    )
     return store_contenders, decorator_contenders(url, ns, stack), client
 
 
@@ -600,13 +609,17 @@ def postgres_section(
 
     stack.callback(drop)
     admin.execute(_PG_FLOOR_SCHEMA.format(table=floor_table))
-    row = admin.execute("SELECT current_setting('server_version'), current_setting('fsync'), "
-                        "current_setting('synchronous_commit')").fetchone()  # fmt: skip
+    row = admin.execute(
+        "SELECT current_setting('server_version'), current_setting('fsync'), "
+        "current_setting('synchronous_commit')"
+    ).fetchone()
     assert row is not None
     info["PostgreSQL"] = f"{row[0]} (fsync={row[1]}, synchronous_commit={row[2]})"
 
-    insert = (f"INSERT INTO {floor_table} (key, status, token, updated_at) "
-              "VALUES (%s, 'processing', %s, %s) ON CONFLICT DO NOTHING")  # fmt: skip
+    insert = (
+        f"INSERT INTO {floor_table} (key, status, token, updated_at) "
+        "VALUES (%s, 'processing', %s, %s) ON CONFLICT DO NOTHING"
+    )
     update = (
         f"UPDATE {floor_table} SET status = 'completed', body = %s, updated_at = %s WHERE key = %s"
     )
@@ -632,18 +645,22 @@ def postgres_section(
 
     return _interleave(
         engine_contenders(
-            "postgres", engine,
+            "postgres",
+            engine,
             f"PostgresStore, default options (pool min_size={sizes['min_size']}, "
             f"max_size={sizes['max_size']}), a table of its own",
         ),
         floor_contenders(
-            "postgres", first_call, replay_call, first_call,
+            "postgres",
+            first_call,
+            replay_call,
+            first_call,
             "psycopg 3 through a psycopg_pool.ConnectionPool set up and used like the store's "
             "(autocommit, getconn/putconn per statement, binary, automatic prepared statements): "
             "INSERT ... ON CONFLICT DO NOTHING + UPDATE ... WHERE key = %s, then SELECT ... "
             "WHERE key = %s (table: text primary key, 3 columns and a bytea)",
         ),
-    )  # fmt: skip
+    )
 
 
 # -- servers ------------------------------------------------------------------------------
@@ -782,11 +799,15 @@ def round_trip_table(trips: dict[tuple[str, str], RoundTrips]) -> list[str]:
 
 def plain(lines: list[str]) -> str:
     """A Markdown table as aligned plain text for the terminal."""
-    rows = [[cell.strip().replace("**", "") for cell in line.strip("|").split("|")]
-            for line in lines if not line.startswith("|---")]  # fmt: skip
+    rows = [
+        [cell.strip().replace("**", "") for cell in line.strip("|").split("|")]
+        for line in lines
+        if not line.startswith("|---")
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
-                     for r in rows)  # fmt: skip
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
 
 
 # -- machine ------------------------------------------------------------------------------
@@ -807,15 +828,25 @@ def run_rev(rev: str) -> int:
     """Run the calling script again in a child whose ``retrysafe`` is ``rev``'s ``src/``
     (exported with ``git archive``), so that a benchmark measures a commit, not a
     working tree that others are editing."""
-    commit = subprocess.run(["git", "rev-parse", "--short", f"{rev}^{{commit}}"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", f"{rev}^{{commit}}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="rsbench-rev-") as tmp:
-        archive = subprocess.run(["git", "archive", commit, "src"], cwd=ROOT, capture_output=True,
-                                 check=True).stdout  # fmt: skip
+        archive = subprocess.run(
+            ["git", "archive", commit, "src"], cwd=ROOT, capture_output=True, check=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         src = str(Path(tmp) / "src")
-        env = {**os.environ, REV_SRC: src, REV_COMMIT: commit,
-               "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+        env = {
+            **os.environ,
+            REV_SRC: src,
+            REV_COMMIT: commit,
+            "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+        }
         return subprocess.run([sys.executable, *sys.argv], env=env, check=False).returncode
 
 
@@ -830,8 +861,9 @@ def note_rev(info: dict[str, str]) -> None:
         return
     if not retrysafe.__file__ or not retrysafe.__file__.startswith(os.environ[REV_SRC]):
         raise SystemExit(f"--rev: retrysafe came from {retrysafe.__file__}")
-    info["retrysafe"] = (f"git {os.environ[REV_COMMIT]}, exported with `git archive` "
-                         "(not the working tree)")  # fmt: skip
+    info["retrysafe"] = (
+        f"git {os.environ[REV_COMMIT]}, exported with `git archive` (not the working tree)"
+    )
 
 
 def machine_info() -> dict[str, str]:
@@ -962,8 +994,10 @@ def preflight(args: argparse.Namespace) -> None:
             except ImportError as exc:
                 hint = ""
                 if module.startswith("aws_lambda_powertools"):
-                    hint = (" (Powertools' idempotency utility imports boto3: "
-                            "pip install 'aws-lambda-powertools[aws-sdk]')")  # fmt: skip
+                    hint = (
+                        " (Powertools' idempotency utility imports boto3: "
+                        "pip install 'aws-lambda-powertools[aws-sdk]')"
+                    )
                 raise SystemExit(f"--stores {store} needs {module}: {exc}{hint}") from exc
 
 
@@ -981,8 +1015,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         tag = secrets.token_hex(4)
         for name, contenders in build_sections(args, stack, info, tag, redis_client):
-            print(f"\n[{name}] {len(contenders)} contenders, {args.rounds} rounds of "
-                  f"{args.seconds:g}s", flush=True)  # fmt: skip
+            print(
+                f"\n[{name}] {len(contenders)} contenders, {args.rounds} rounds of "
+                f"{args.seconds:g}s",
+                flush=True,
+            )
             run_rounds(contenders, args.rounds, args.seconds, args.warmup)
             if name in ("redis", DECORATOR):
                 for c in contenders:
@@ -1101,8 +1138,11 @@ def render(
         "Floors and settings:",
         "",
     ]
-    out += [f"- {c.section}, {c.name}: {c.detail}" for c in contenders
-            if c.section != DECORATOR and c.workload == FIRST]  # fmt: skip
+    out += [
+        f"- {c.section}, {c.name}: {c.detail}"
+        for c in contenders
+        if c.section != DECORATOR and c.workload == FIRST
+    ]
     if peer_comps:
         out += [
             "",
@@ -1115,8 +1155,11 @@ def render(
             "  completed `order_id`. Every measurement counts the function's executions and",
             "  fails unless first calls ran it once per call and replays ran it zero times, for",
             "  both libraries; replays must also return the stored result.",
-            *(f"- {c.name}: `{c.detail}`" for c in contenders
-              if c.section == DECORATOR and c.workload == FIRST),
+            *(
+                f"- {c.name}: `{c.detail}`"
+                for c in contenders
+                if c.section == DECORATOR and c.workload == FIRST
+            ),
             "- Powertools outside Lambda: its config gets a stand-in Lambda context",
             "  (`config.register_lambda_context(...)`, as the Lambda runtime would) whose",
             f"  `get_remaining_time_in_millis()` returns {LAMBDA_REMAINING_MS} (ms),",
@@ -1124,7 +1167,7 @@ def render(
             "  (their defaults), so every Powertools call goes to Redis. retrysafe",
             "  fingerprints all arguments by default (same key + other arguments is a",
             "  conflict); Powertools, as configured, does not validate the payload.",
-        ]  # fmt: skip
+        ]
     if trips:
         out += [
             "",

@@ -140,10 +140,26 @@ def expired_rows(n: int, share: float, now: float, tag: str) -> Iterator[list[tu
         created = expires - (7 * DAY if retention == FINANCIAL else DAY)
         key = f"expired-{tag}-{i}"
         record = Record(
-            key_hash("", EXPIRED_OPERATION, key), key, "", EXPIRED_OPERATION, FINGERPRINT,
-            Status.COMPLETED, f"{prefix}{i:x}", created + 30.0, expires, created,
-            created + 0.005, created + 0.005, 1, None, False, OUTCOME, None, {}, retention,
-        )  # fmt: skip
+            key_hash("", EXPIRED_OPERATION, key),
+            key,
+            "",
+            EXPIRED_OPERATION,
+            FINGERPRINT,
+            Status.COMPLETED,
+            f"{prefix}{i:x}",
+            created + 30.0,
+            expires,
+            created,
+            created + 0.005,
+            created + 0.005,
+            1,
+            None,
+            False,
+            OUTCOME,
+            None,
+            {},
+            retention,
+        )
         chunk.append(record_params(record))
         if len(chunk) == CHUNK:
             yield chunk
@@ -160,8 +176,10 @@ def populate_sqlite(path: str, n: int, share: float, tag: str) -> None:
     conn = sqlite3.connect(path, isolation_level=None)
     try:
         conn.execute("PRAGMA synchronous=OFF")  # setup only; the store keeps its own setting
-        insert = (f"INSERT INTO retrysafe_records ({', '.join(COLUMNS)}) "
-                  f"VALUES ({', '.join('?' * len(COLUMNS))})")  # fmt: skip
+        insert = (
+            f"INSERT INTO retrysafe_records ({', '.join(COLUMNS)}) "
+            f"VALUES ({', '.join('?' * len(COLUMNS))})"
+        )
         conn.execute("BEGIN IMMEDIATE")
         try:
             for rows in expired_rows(n, share, time.time(), tag):
@@ -230,8 +248,11 @@ class Traffic:
         scheduled = self.t0 + index * period // self.threads
         samples, hashes, errors = self.samples[index], self.key_hashes[index], self.errors[index]
         begin, complete, clock, stop = (
-            self.engine.begin, self.engine.complete, time.perf_counter_ns, self.stop
-        )  # fmt: skip
+            self.engine.begin,
+            self.engine.complete,
+            time.perf_counter_ns,
+            self.stop,
+        )
         seq = 0
         while not stop.is_set():
             ahead = scheduled - clock()
@@ -368,15 +389,19 @@ def sqlite_setup(args: argparse.Namespace, stack: contextlib.ExitStack) -> Setup
 
     def count(where: str) -> int:
         with contextlib.closing(sqlite3.connect(path)) as conn:
-            return int(conn.execute(f"SELECT count(*) FROM retrysafe_records WHERE {where}")
-                       .fetchone()[0])  # fmt: skip
+            return int(
+                conn.execute(f"SELECT count(*) FROM retrysafe_records WHERE {where}").fetchone()[0]
+            )
 
     return Setup(
-        "sqlite", url, {},
-        lambda n, share, tag: populate_sqlite(path, n, share, tag), count,
+        "sqlite",
+        url,
+        {},
+        lambda n, share, tag: populate_sqlite(path, n, share, tag),
+        count,
         f"SQLiteStore, sqlite:///<temp dir>/store.db?synchronous={args.sqlite_synchronous} "
         f"(SQLite {sqlite3.sqlite_version}, WAL)",
-    )  # fmt: skip
+    )
 
 
 def postgres_setup(
@@ -408,15 +433,20 @@ def postgres_setup(
             return int(row[0])
 
     with psycopg.connect(url) as conn:
-        row = conn.execute("SELECT current_setting('server_version'), current_setting('fsync'), "
-                           "current_setting('synchronous_commit')").fetchone()  # fmt: skip
+        row = conn.execute(
+            "SELECT current_setting('server_version'), current_setting('fsync'), "
+            "current_setting('synchronous_commit')"
+        ).fetchone()
     assert row is not None
     server = f"PostgreSQL {row[0]} (fsync={row[1]}, synchronous_commit={row[2]})"
     return Setup(
-        "postgres", url, {"table": table},
-        lambda n, share, t: populate_postgres(url, table, n, share, t), count,
+        "postgres",
+        url,
+        {"table": table},
+        lambda n, share, t: populate_postgres(url, table, n, share, t),
+        count,
         f"PostgresStore, default options, a table of its own; {server}",
-    ), server  # fmt: skip
+    ), server
 
 
 def run_store(setup: Setup, args: argparse.Namespace, tag: str) -> StoreRun:
@@ -434,10 +464,15 @@ def run_store(setup: Setup, args: argparse.Namespace, tag: str) -> StoreRun:
         populated = setup.count(f"operation = '{EXPIRED_OPERATION}'")
         financial = setup.count(f"operation = '{EXPIRED_OPERATION}' AND retention = 'financial'")
         if (populated, financial) != (n, result.financial):
-            raise BenchError(f"{setup.name}: populated {populated} records ({financial} "
-                             f"financial), expected {n} ({result.financial})")  # fmt: skip
-        print(f"  populated {n:,} expired records ({result.financial:,} financial) "
-              f"in {result.populate_seconds:.1f}s (setup, not measured)", flush=True)  # fmt: skip
+            raise BenchError(
+                f"{setup.name}: populated {populated} records ({financial} "
+                f"financial), expected {n} ({result.financial})"
+            )
+        print(
+            f"  populated {n:,} expired records ({result.financial:,} financial) "
+            f"in {result.populate_seconds:.1f}s (setup, not measured)",
+            flush=True,
+        )
 
         sweeper = SweeperProcess(setup.url, setup.options, args.batch_size, args.pause)
         traffic = Traffic(Engine(traffic_store), args.threads, args.rate, tag)
@@ -501,10 +536,19 @@ class SweeperProcess:
 
     def start(self) -> subprocess.Popen[str]:
         child = subprocess.Popen(
-            [sys.executable, "-c", _SWEEPER, self.url, json.dumps(self.options),
-             str(self.batch_size), repr(self.pause)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-c",
+                _SWEEPER,
+                self.url,
+                json.dumps(self.options),
+                str(self.batch_size),
+                repr(self.pause),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert child.stdout is not None
         if child.stdout.readline().strip() != "ready":
             child.kill()
@@ -531,8 +575,10 @@ def run_phases(
     idle1 = clock()
     time.sleep(window)
     sweep_start = clock()
-    print(f"  idle window done; sweeping (batch size {sweeper.batch_size}, "
-          f"pause {sweeper.pause:g}s)", flush=True)  # fmt: skip
+    print(
+        f"  idle window done; sweeping (batch size {sweeper.batch_size}, pause {sweeper.pause:g}s)",
+        flush=True,
+    )
 
     assert child.stdin is not None and child.stdout is not None
     child.stdin.write("go\n")
@@ -549,15 +595,21 @@ def run_phases(
         raise BenchError(f"{result.store}: the sweep failed (exit status {child.returncode})")
     result.batch_ms.extend(found["batch_ms"])
     report = SimpleNamespace(**found)
-    print(f"  swept {report.deleted:,} records ({report.archived:,} archived) in "
-          f"{report.seconds:.2f}s, {report.batches} batches; idle window", flush=True)  # fmt: skip
+    print(
+        f"  swept {report.deleted:,} records ({report.archived:,} archived) in "
+        f"{report.seconds:.2f}s, {report.batches} batches; idle window",
+        flush=True,
+    )
     settled = sweep_end + int(SETTLE * 1e9)
     time.sleep(SETTLE + window)
     end = clock()
     return PhaseReport(
-        report.deleted, report.archived, report.batches, report.seconds,
+        report.deleted,
+        report.archived,
+        report.batches,
+        report.seconds,
         {IDLE1: (idle1, sweep_start), SWEEP: (sweep_start, sweep_end), IDLE2: (settled, end)},
-    )  # fmt: skip
+    )
 
 
 def verify(store: Store[Any], traffic: Traffic, result: StoreRun) -> None:
@@ -580,8 +632,10 @@ def verify(store: Store[Any], traffic: Traffic, result: StoreRun) -> None:
         problems.append(f"{live[EXPIRED_OPERATION]} populated records are live")
     completed = stats.counts.get((CLAIM_OPERATION, Status.COMPLETED.value), 0)
     if completed != result.claims or sum(live.values()) != result.claims:
-        problems.append(f"{result.claims} claims made, {completed} completed claims in the "
-                        f"store, {sum(live.values())} live records in all")  # fmt: skip
+        problems.append(
+            f"{result.claims} claims made, {completed} completed claims in the "
+            f"store, {sum(live.values())} live records in all"
+        )
     hashes = [h for hs in traffic.key_hashes for h in hs]
     for kh in random.Random(0).sample(hashes, min(READ_BACK, len(hashes))):
         record = store.get(kh)
@@ -590,8 +644,11 @@ def verify(store: Store[Any], traffic: Traffic, result: StoreRun) -> None:
             break
     if problems:
         raise BenchError(f"{result.store}: " + "; ".join(problems))
-    print(f"  verified: no expired record left, {result.archived:,} archived, all "
-          f"{result.claims:,} claims of the traffic live and completed", flush=True)  # fmt: skip
+    print(
+        f"  verified: no expired record left, {result.archived:,} archived, all "
+        f"{result.claims:,} claims of the traffic live and completed",
+        flush=True,
+    )
 
 
 # -- servers, machine -----------------------------------------------------------------------
@@ -666,12 +723,16 @@ def claims_table(r: StoreRun) -> list[str]:
         row("claim latency p50 (ms)", lambda p: ms(p.p(0.5))),
         row("**claim latency p99 (ms)**", lambda p: f"**{ms(p.p(0.99))}**"),
         row("claim latency max (ms)", lambda p: ms(p.p(1.0))),
-        row("begin service time p50 / p99 (ms)",
-            lambda p: f"{ms(p.p(0.5, 'service'))} / {ms(p.p(0.99, 'service'))}"),
-        row("complete p50 / p99 (ms)",
-            lambda p: f"{ms(p.p(0.5, 'complete'))} / {ms(p.p(0.99, 'complete'))}"),
+        row(
+            "begin service time p50 / p99 (ms)",
+            lambda p: f"{ms(p.p(0.5, 'service'))} / {ms(p.p(0.99, 'service'))}",
+        ),
+        row(
+            "complete p50 / p99 (ms)",
+            lambda p: f"{ms(p.p(0.5, 'complete'))} / {ms(p.p(0.99, 'complete'))}",
+        ),
         row("failed claims", lambda p: str(p.errors)),
-    ]  # fmt: skip
+    ]
 
 
 def targets_table(runs: Sequence[StoreRun]) -> list[str]:
@@ -695,8 +756,11 @@ def print_store(r: StoreRun) -> None:
         for name, p in r.phases.items()
     )
     print(f"  claims: {phases}", flush=True)
-    print(f"  {r.rate:,.0f} records/s; longest batch {ms(max(r.batch_ms))} ms; "
-          f"p99 ratio {ms(r.ratio)}x ({'met' if r.met else 'MISSED'})", flush=True)  # fmt: skip
+    print(
+        f"  {r.rate:,.0f} records/s; longest batch {ms(max(r.batch_ms))} ms; "
+        f"p99 ratio {ms(r.ratio)}x ({'met' if r.met else 'MISSED'})",
+        flush=True,
+    )
 
 
 def render(
@@ -749,8 +813,12 @@ def render(
         *targets_table(runs),
     ]
     if few:
-        out += ["", "Few claims fell in the sweep of " + ", ".join(r.store for r in few)
-                + " (under 1,000): its p99 is rough."]  # fmt: skip
+        out += [
+            "",
+            "Few claims fell in the sweep of "
+            + ", ".join(r.store for r in few)
+            + " (under 1,000): its p99 is rough.",
+        ]
     for r in runs:
         out += [
             "",
@@ -790,9 +858,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=100.0, help="claims per second per thread")
     p.add_argument("--window", type=float, default=5.0, help="seconds of each idle window")
     p.add_argument("--financial", type=float, default=0.1, help="share of financial records")
-    p.add_argument("--sqlite-synchronous", default="normal",
-                   choices=("off", "normal", "full", "extra"),
-                   help="SQLite's synchronous setting in the store URL")  # fmt: skip
+    p.add_argument(
+        "--sqlite-synchronous",
+        default="normal",
+        choices=("off", "normal", "full", "extra"),
+        help="SQLite's synchronous setting in the store URL",
+    )
     p.add_argument("--postgres-url", help="use this PostgreSQL instead of starting one")
     p.add_argument("--write", metavar="PATH", help="put the results as Markdown in this file")
     args = p.parse_args(argv)
@@ -814,8 +885,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "postgres" in args.stores:
         for module in ("psycopg", "psycopg_pool"):
             if importlib.util.find_spec(module) is None:
-                raise SystemExit(f"--stores postgres needs {module}: pip install "
-                                 "'retrysafe[postgres]'")  # fmt: skip
+                raise SystemExit(
+                    f"--stores postgres needs {module}: pip install 'retrysafe[postgres]'"
+                )
     script = os.path.relpath(sys.argv[0]) if sys.argv[0] else "bench/sweep.py"
     command = shlex.join(["python", script, *(sys.argv[1:] if argv is None else argv)])
     started = time.monotonic()
@@ -831,8 +903,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 setup, server = postgres_setup(args, stack, tag)
                 info["PostgreSQL"] = server.removeprefix("PostgreSQL ")
-                info["client libraries"] = (f"psycopg {_version('psycopg')}, "
-                                            f"psycopg-pool {_version('psycopg-pool')}")  # fmt: skip
+                info["client libraries"] = (
+                    f"psycopg {_version('psycopg')}, psycopg-pool {_version('psycopg-pool')}"
+                )
             runs.append(run_store(setup, args, tag))
     elapsed = time.monotonic() - started
     info["load average at end"] = _load_average()

@@ -123,8 +123,10 @@ def stripe_delivery(event: dict[str, Any], *, at: int) -> tuple[bytes, dict[str,
     A redelivery is signed again with a new ``t``; the event id stays the body's ``id``."""
     body = json.dumps(event).encode()
     mac = hmac.new(STRIPE_SECRET.encode(), f"{at}.".encode() + body, hashlib.sha256)
-    return body, {"Stripe-Signature": f"t={at},v1={mac.hexdigest()}",
-                  "Content-Type": "application/json"}  # fmt: skip
+    return body, {
+        "Stripe-Signature": f"t={at},v1={mac.hexdigest()}",
+        "Content-Type": "application/json",
+    }
 
 
 def shopify_delivery(
@@ -133,9 +135,12 @@ def shopify_delivery(
     """A Shopify-style delivery: base64 HMAC of the body, the event id in a header."""
     body = json.dumps(payload).encode()
     mac = hmac.new(SHOPIFY_SECRET.encode(), body, hashlib.sha256).digest()
-    return body, {"X-Shopify-Hmac-Sha256": base64.b64encode(mac).decode(),
-                  "X-Shopify-Event-Id": event_id, "X-Shopify-Topic": topic,
-                  "Content-Type": "application/json"}  # fmt: skip
+    return body, {
+        "X-Shopify-Hmac-Sha256": base64.b64encode(mac).decode(),
+        "X-Shopify-Event-Id": event_id,
+        "X-Shopify-Topic": topic,
+        "Content-Type": "application/json",
+    }
 
 
 # -- one customer's flow, every step duplicated -----------------------------------------
@@ -162,8 +167,10 @@ async def customer(storm: Storm, index: int) -> None:
     # Cart mandate: the same cart 3 times at once. Two carry one Idempotency-Key
     # (through the gateway the second is a replay), one carries none: the shop's
     # key cart_mandate:{session}:{cart_hash} is what makes that one the same mandate.
-    items = [{"variant_id": f"book-{index}", "quantity": 1 + index % 3, "price": "12.99"},
-             {"variant_id": "pen", "quantity": 2, "price": "1.50"}]  # fmt: skip
+    items = [
+        {"variant_id": f"book-{index}", "quantity": 1 + index % 3, "price": "12.99"},
+        {"variant_id": "pen", "quantity": 2, "price": "1.50"},
+    ]
     cart = {**who, "items": items, "currency": "EUR"}
     mandates = await asyncio.gather(
         s.send("POST", "/cart-mandates", cart, key=f"cart-{tag}"),
@@ -289,14 +296,18 @@ async def profile_and_consent(s: Storm, user: str) -> None:
     """A profile written from two clients that both read version 0: one wins (200), the
     other gets 409 version_conflict. Consent changes are appended, never replaced."""
     writes = await asyncio.gather(
-        *(s.send("PUT", f"/profiles/{user}", {"version": 0, "data": {"client": c}})
-          for c in ("phone", "laptop"))
-    )  # fmt: skip
+        *(
+            s.send("PUT", f"/profiles/{user}", {"version": 0, "data": {"client": c}})
+            for c in ("phone", "laptop")
+        )
+    )
     codes = sorted(r.status_code for r in writes)
     s.check(codes == [200, 409], f"{user}: profile writes {codes}")
     loser = [r for r in writes if r.status_code == 409]
-    s.check(bool(loser) and loser[0].json().get("code") == "version_conflict",
-            f"{user}: no version_conflict")  # fmt: skip
+    s.check(
+        bool(loser) and loser[0].json().get("code") == "version_conflict",
+        f"{user}: no version_conflict",
+    )
     s.answers["profile conflicts (409)"] += len(loser)
     # Each change is sent twice at once (a double tap): its change_id keys it, one entry each.
     for n, granted in enumerate((True, False)):
@@ -356,12 +367,16 @@ async def main(url: str, customers: int) -> int:
         print(f"  {name:<26}{want:>9}{seen:>7}{mark}")
         if seen != want:
             differ.append(f"{name} {seen} (expected {want})")
-    print(f"  {'profile conflicts (409)':<26}{customers:>9}"
-          f"{storm.answers['profile conflicts (409)']:>7}")  # fmt: skip
+    print(
+        f"  {'profile conflicts (409)':<26}{customers:>9}"
+        f"{storm.answers['profile conflicts (409)']:>7}"
+    )
     print(f"  {'consent entries':<26}{2 * customers:>9}{storm.answers['consent entries']:>7}")
-    print(f"  requests sent              {storm.requests} in {seconds:.2f} s "
-          f"({storm.retries} asked again, {storm.answers['replayed']} "
-          "answered as replays)")  # fmt: skip
+    print(
+        f"  requests sent              {storm.requests} in {seconds:.2f} s "
+        f"({storm.retries} asked again, {storm.answers['replayed']} "
+        "answered as replays)"
+    )
     for problem in storm.problems[:20]:
         print(f"  answer: {problem}")
     if differ or storm.problems:
@@ -373,8 +388,12 @@ async def main(url: str, customers: int) -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("url", nargs="?", default="http://127.0.0.1:8000",
-                        help="the gateway of `retrysafe demo`, or the demo API itself")  # fmt: skip
+    parser.add_argument(
+        "url",
+        nargs="?",
+        default="http://127.0.0.1:8000",
+        help="the gateway of `retrysafe demo`, or the demo API itself",
+    )
     parser.add_argument("--customers", type=int, default=10, help="customers at once (10)")
     args = parser.parse_args()
     if args.customers < 1:

@@ -43,10 +43,20 @@ def main() -> int:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         demo = subprocess.Popen(
-            [sys.executable, "-m", "retrysafe", "demo", "--store", f"sqlite:///{tmp}/demo.db",
-             "--listen", f"127.0.0.1:{port}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "retrysafe",
+                "demo",
+                "--store",
+                f"sqlite:///{tmp}/demo.db",
+                "--listen",
+                f"127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=tmp,
+        )
         try:
             deadline = time.monotonic() + 30
             while True:
@@ -61,9 +71,15 @@ def main() -> int:
             with sync_playwright() as p:
                 browser = p.chromium.launch(
                     executable_path=chromium,
-                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                          "--disable-component-update", "--disable-sync", "--no-first-run"],
-                )  # fmt: skip
+                    args=[
+                        "--no-sandbox",
+                        "--disable-gpu",
+                        "--disable-background-networking",
+                        "--disable-component-update",
+                        "--disable-sync",
+                        "--no-first-run",
+                    ],
+                )
                 page = browser.new_page(viewport={"width": 1280, "height": 900})
                 page.goto(url + "/_retrysafe/")
                 storm = [sys.executable, str(ROOT / "examples" / "retry_storm.py"), url]

@@ -45,10 +45,11 @@ def _counting(target: Callable[..., None]) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--examples", type=int,
+        "--examples",
+        type=int,
         default=int(os.environ.get("RETRYSAFE_FUZZ_EXAMPLES") or 20_000),
         help="inputs per target (default $RETRYSAFE_FUZZ_EXAMPLES or 20000)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--only",
         action="append",
@@ -87,11 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - started
         total_inputs += calls[0]
         rate = calls[0] / seconds if seconds else 0.0
-        print(f"{name:28} {verdict:6} {calls[0]:7d} inputs {seconds:8.1f} s "
-              f"({rate:,.0f}/s)", flush=True)  # fmt: skip
+        print(
+            f"{name:28} {verdict:6} {calls[0]:7d} inputs {seconds:8.1f} s ({rate:,.0f}/s)",
+            flush=True,
+        )
     elapsed = time.perf_counter() - started_all
-    print(f"{'total':28} {'FAILED' if failed else 'ok':6} {total_inputs:7d} inputs "
-          f"{elapsed:8.1f} s", flush=True)  # fmt: skip
+    print(
+        f"{'total':28} {'FAILED' if failed else 'ok':6} {total_inputs:7d} inputs {elapsed:8.1f} s",
+        flush=True,
+    )
     if failed:
         print("failed: " + ", ".join(failed), file=sys.stderr)
         return 1

@@ -106,8 +106,13 @@ def crashing(app: Any, counter: Counter) -> Any:
         headers = dict(scope["headers"])
         tid = headers.get(b"x-test-id", b"default").decode() + "-crash"
         if b"crash-once" in message.get("body", b"") and counter.hit(tid) == 1:
-            await send({"type": "http.response.start", "status": 500,
-                        "headers": [(b"content-type", b"text/plain")]})  # fmt: skip
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 500,
+                    "headers": [(b"content-type", b"text/plain")],
+                }
+            )
             await send({"type": "http.response.body", "body": b"Internal Server Error"})
             return
         await app(scope, replaying(message.get("body", b""), receive), send)

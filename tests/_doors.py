@@ -21,8 +21,9 @@ from retrysafe import Store
 DOORS = ["starlette", "fastapi", "flask", "django", "gateway"]
 
 
-def build(door: str, counter: Counter, store: Store[Any], upstream: str | None,
-          **options: Any) -> tuple[Any, str]:  # fmt: skip
+def build(
+    door: str, counter: Counter, store: Store[Any], upstream: str | None, **options: Any
+) -> tuple[Any, str]:
     """The test API behind front door ``door``, and its kind (asgi or wsgi)."""
     if door in ("starlette", "fastapi"):
         from retrysafe.asgi import IdempotencyMiddleware

@@ -74,8 +74,11 @@ class Flaky:
             await answer(send, 503, {"error": "busy"})
             return
         if mode == "drop" and calls <= int(query.get("n", 1)):
-            start = {"type": "http.response.start", "status": 200,
-                     "headers": [(b"content-length", b"1000")]}  # fmt: skip
+            start = {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-length", b"1000")],
+            }
             await send(start)
             await send({"type": "http.response.body", "body": b"{", "more_body": True})
             raise ConnectionAbortedError("dropped on purpose")  # uvicorn closes the socket
@@ -122,8 +125,16 @@ def serve(front: str, root: Path) -> Iterator[tuple[str, str]]:
     with Process(argv, port, {"FLAKY_DB": db}, health="/health") as upstream:
         gp = free_port()
         gateway = [
-            sys.executable, "-m", "retrysafe", "gateway", "--upstream", upstream.url,
-            "--store", store, "--listen", f"127.0.0.1:{gp}",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "retrysafe",
+            "gateway",
+            "--upstream",
+            upstream.url,
+            "--store",
+            store,
+            "--listen",
+            f"127.0.0.1:{gp}",
+        ]
         with Process(gateway, gp, health="/_retrysafe/health") as g:
             yield g.url, db

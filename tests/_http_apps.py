@@ -164,9 +164,12 @@ def fastapi_app(counter: Counter) -> Any:
 
     for method in ("POST", "PATCH", "PUT"):
         app.add_api_route(
-            "/orders", orders, methods=[method], status_code=201,
+            "/orders",
+            orders,
+            methods=[method],
+            status_code=201,
             operation_id=f"orders_{method.lower()}",
-        )  # fmt: skip
+        )
 
     @app.post("/raw")
     async def raw(request: FastAPIRequest) -> FastAPIResponse:
@@ -324,9 +327,14 @@ def _django_views() -> list[Any]:
         return JsonResponse({"n": _django_counter.count(test_id)})
 
     views = [
-        ("orders", orders), ("raw", raw), ("status/<int:code>", status), ("boom", boom),
-        ("slow", slow), ("stream", stream), ("count/<str:test_id>", count),
-    ]  # fmt: skip
+        ("orders", orders),
+        ("raw", raw),
+        ("status/<int:code>", status),
+        ("boom", boom),
+        ("slow", slow),
+        ("stream", stream),
+        ("count/<str:test_id>", count),
+    ]
     return [path(route, csrf_exempt(view)) for route, view in views]
 
 
@@ -349,15 +357,21 @@ def django_app(counter: Counter, options: dict[str, Any]) -> Any:
             ROOT_URLCONF=__name__,
             MIDDLEWARE=["retrysafe.django.IdempotencyMiddleware"],
             INSTALLED_APPS=[
-                "django.contrib.auth", "django.contrib.contenttypes", "django.contrib.sessions",
+                "django.contrib.auth",
+                "django.contrib.contenttypes",
+                "django.contrib.sessions",
             ],
-            DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3",
-                                   "NAME": os.path.join(folder, "django.sqlite3")}},
+            DATABASES={
+                "default": {
+                    "ENGINE": "django.db.backends.sqlite3",
+                    "NAME": os.path.join(folder, "django.sqlite3"),
+                }
+            },
             PASSWORD_HASHERS=["django.contrib.auth.hashers.MD5PasswordHasher"],
             DATA_UPLOAD_MAX_MEMORY_SIZE=None,
             LOGGING_CONFIG=None,
             USE_TZ=True,
-        )  # fmt: skip
+        )
         django.setup()
     from django.core.handlers.wsgi import WSGIHandler
     from django.test import override_settings

@@ -86,8 +86,9 @@ class ThreadServer:
 class Process:
     """A server command in its own process group; stopped (and reaped) on exit."""
 
-    def __init__(self, argv: list[str], port: int, env: dict[str, str] | None = None,
-                 health: str = "/") -> None:  # fmt: skip
+    def __init__(
+        self, argv: list[str], port: int, env: dict[str, str] | None = None, health: str = "/"
+    ) -> None:
         self.argv, self.port, self.health = argv, port, health
         self.env = {
             **os.environ,
@@ -102,9 +103,12 @@ class Process:
 
     def __enter__(self) -> Process:
         self.proc = subprocess.Popen(
-            self.argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            self.argv,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
         try:
             wait_until_up(self.url + self.health, proc=self.proc)
         except BaseException:
@@ -128,13 +132,34 @@ class Process:
 
 def uvicorn_argv(factory: str, port: int, workers: int = 1) -> list[str]:
     return [
-        sys.executable, "-m", "uvicorn", "--factory", factory, "--host", "127.0.0.1",
-        "--port", str(port), "--workers", str(workers), "--log-level", "warning",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--factory",
+        factory,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+        "--log-level",
+        "warning",
+    ]
 
 
 def gunicorn_argv(app: str, port: int, workers: int) -> list[str]:
     return [
-        sys.executable, "-m", "gunicorn", app, "--bind", f"127.0.0.1:{port}",
-        "--workers", str(workers), "--threads", "8", "--log-level", "warning",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "gunicorn",
+        app,
+        "--bind",
+        f"127.0.0.1:{port}",
+        "--workers",
+        str(workers),
+        "--threads",
+        "8",
+        "--log-level",
+        "warning",
+    ]

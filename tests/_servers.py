@@ -195,15 +195,22 @@ class RedisServer(_Server):
         log_path = self._dir / "redis.log"
         cmd = [
             exe,
-            "--port", str(self._port),
-            "--bind", _HOST,
-            "--save", "",
-            "--appendonly", "yes" if self.durable else "no",
-            "--appendfsync", "always",
-            "--daemonize", "no",
-            "--dir", str(self._dir),
+            "--port",
+            str(self._port),
+            "--bind",
+            _HOST,
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.durable else "no",
+            "--appendfsync",
+            "always",
+            "--daemonize",
+            "no",
+            "--dir",
+            str(self._dir),
             *self.extra,
-        ]  # fmt: skip
+        ]
         with open(log_path, "ab") as log:
             self._proc = subprocess.Popen(
                 cmd,
@@ -277,10 +284,18 @@ class RedisCluster:
     def __init__(self, masters: int = 3, replicas: int = 1, *, node_timeout: int = 1000) -> None:
         self.replicas = replicas
         self.nodes = [
-            RedisServer(extra=["--cluster-enabled", "yes", "--cluster-node-timeout",
-                               str(node_timeout), "--cluster-port", str(free_port())])
+            RedisServer(
+                extra=[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-node-timeout",
+                    str(node_timeout),
+                    "--cluster-port",
+                    str(free_port()),
+                ]
+            )
             for _ in range(masters * (1 + replicas))
-        ]  # fmt: skip
+        ]
         # (--cluster-port: the default, port + 10000, may be past 65535.)
 
     @property
@@ -296,8 +311,11 @@ class RedisCluster:
             raise ServerError("redis-cli not found on PATH")
         done = subprocess.run(
             [exe, "-h", _HOST, "-p", str(node.port), *args],
-            capture_output=True, text=True, timeout=timeout, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
         if done.returncode:
             raise ServerError(f"redis-cli {' '.join(args)}: {done.stdout[-1500:]}{done.stderr}")
         return done.stdout
@@ -310,10 +328,19 @@ class RedisCluster:
         if exe is None:
             raise ServerError("redis-cli not found on PATH")
         subprocess.run(
-            [exe, "--cluster", "create", *(f"{_HOST}:{n.port}" for n in self.nodes),
-             "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-            check=True, capture_output=True, timeout=60,
-        )  # fmt: skip
+            [
+                exe,
+                "--cluster",
+                "create",
+                *(f"{_HOST}:{n.port}" for n in self.nodes),
+                "--cluster-replicas",
+                str(self.replicas),
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         self.wait_healthy()
 
     def role(self, node: RedisServer) -> str:
@@ -498,13 +525,16 @@ class PostgresServer(_Server):
                 os.chown(p, pw.pw_uid, pw.pw_gid)
         self._run(
             _pg_bin("initdb"),
-            "-D", str(base / "data"),
-            "-U", self.user,
+            "-D",
+            str(base / "data"),
+            "-U",
+            self.user,
             "--auth=trust",
-            "-E", "UTF8",
+            "-E",
+            "UTF8",
             "--no-locale",
             "--no-sync",
-        )  # fmt: skip
+        )
         self._has_cluster = True
 
     def _pg_ctl_start(self) -> None:
@@ -516,12 +546,17 @@ class PostgresServer(_Server):
         )
         self._run(
             _pg_bin("pg_ctl"),
-            "-D", str(self._base / "data"),
-            "-o", opts,
-            "-l", str(self._base / "postgres.log"),
-            "-w", "-t", "60",
+            "-D",
+            str(self._base / "data"),
+            "-o",
+            opts,
+            "-l",
+            str(self._base / "postgres.log"),
+            "-w",
+            "-t",
+            "60",
             "start",
-        )  # fmt: skip
+        )
 
     def start(self) -> None:
         """Start the server, creating the cluster and database on first use."""
@@ -546,11 +581,14 @@ class PostgresServer(_Server):
         if not self._has_database:
             self._run(
                 _pg_bin("createdb"),
-                "-h", _HOST,
-                "-p", str(self._port),
-                "-U", self.user,
+                "-h",
+                _HOST,
+                "-p",
+                str(self._port),
+                "-U",
+                self.user,
                 self.database,
-            )  # fmt: skip
+            )
             self._has_database = True
 
     def stop(self) -> None:

@@ -81,8 +81,13 @@ def make_spec(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> Stor
         # Partitions of 30 minutes, so that the tests' clock (moved by hours) makes
         # sweeps drop them; an hour ahead keeps the number of tables small.
         server = request.getfixturevalue("postgres_server")
-        options = {"table": f"t_{tag}", "partitioned": True, **POOL_WAIT,
-                   "partition_interval": 1800.0, "partition_ahead": 3600.0}  # fmt: skip
+        options = {
+            "table": f"t_{tag}",
+            "partitioned": True,
+            **POOL_WAIT,
+            "partition_interval": 1800.0,
+            "partition_ahead": 3600.0,
+        }
         return StoreSpec(name, server.url, options)
     raise AssertionError(name)
 
@@ -209,8 +214,9 @@ def upstream(counter: Counter) -> Iterator[str]:
         yield proc.url
 
 
-@pytest.fixture(scope="module", params=[(d, s) for d in DOORS for s in STORES],
-                ids=lambda p: f"{p[0]}-{p[1]}")  # fmt: skip
+@pytest.fixture(
+    scope="module", params=[(d, s) for d in DOORS for s in STORES], ids=lambda p: f"{p[0]}-{p[1]}"
+)
 def door(
     request: pytest.FixtureRequest, counter: Counter, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Door]:

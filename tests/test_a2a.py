@@ -38,17 +38,30 @@ _ids = itertools.count(1)
 
 def v03(mid: str, text: str = "hello", **message: Any) -> dict[str, Any]:
     """A v0.3 ``message/send`` request."""
-    msg = {"kind": "message", "messageId": mid, "role": "user",
-           "parts": [{"kind": "text", "text": text}], **message}  # fmt: skip
-    return {"jsonrpc": "2.0", "id": next(_ids), "method": "message/send",
-            "params": {"message": msg}}  # fmt: skip
+    msg = {
+        "kind": "message",
+        "messageId": mid,
+        "role": "user",
+        "parts": [{"kind": "text", "text": text}],
+        **message,
+    }
+    return {
+        "jsonrpc": "2.0",
+        "id": next(_ids),
+        "method": "message/send",
+        "params": {"message": msg},
+    }
 
 
 def v10(mid: str, text: str = "hello", **message: Any) -> dict[str, Any]:
     """A v1.0 ``SendMessage`` request (ProtoJSON)."""
     msg = {"messageId": mid, "role": "ROLE_USER", "parts": [{"text": text}], **message}
-    return {"jsonrpc": "2.0", "id": f"req-{next(_ids)}", "method": "SendMessage",
-            "params": {"message": msg}}  # fmt: skip
+    return {
+        "jsonrpc": "2.0",
+        "id": f"req-{next(_ids)}",
+        "method": "SendMessage",
+        "params": {"message": msg},
+    }
 
 
 def rpc(method: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -341,8 +354,11 @@ def test_many_threads_and_processes_start_one_task(shared_spec: StoreSpec, tmp_p
     """48 clients send one message at once, in both spellings, to 3 worker processes."""
     counter = Counter(tmp_path / "counters")
     port = free_port()
-    env = {"A2A_TEST_COUNTERS": str(counter.root), "A2A_TEST_STORE": shared_spec.url,
-           "A2A_TEST_OPTIONS": json.dumps(shared_spec.options)}  # fmt: skip
+    env = {
+        "A2A_TEST_COUNTERS": str(counter.root),
+        "A2A_TEST_STORE": shared_spec.url,
+        "A2A_TEST_OPTIONS": json.dumps(shared_spec.options),
+    }
     argv = uvicorn_argv("_a2a_app:app_from_env", port, workers=3)
     with Process(argv, port, env, health="/.well-known/agent-card.json") as server:
         client = Client(server.url, uuid.uuid4().hex, counter)
@@ -379,8 +395,11 @@ class Agent:
             return {"jsonrpc": "2.0", "id": request["id"], "result": {"runs": self.runs}}
         self.runs += 1
         if self.fail:
-            return {"jsonrpc": "2.0", "id": request["id"],
-                    "error": {"code": -32603, "message": "failed"}}  # fmt: skip
+            return {
+                "jsonrpc": "2.0",
+                "id": request["id"],
+                "error": {"code": -32603, "message": "failed"},
+            }
         status = {"state": "completed", "timestamp": "2026-01-01T00:00:00+00:00"}
         task = {"kind": "task", "id": f"task-{self.runs}", "contextId": "ctx", "status": status}
         result = task if request["method"] == "message/send" else result_as(task, "1.0")
@@ -406,8 +425,13 @@ def test_the_wrapper_runs_each_message_once(dedupe: A2AIdempotency) -> None:
     assert dispatch(body := v03(m))["id"] == body["id"]
     assert dispatch(v03(m))["result"] == first["result"]
     v1 = dispatch(v10(m))["result"]
-    assert v1 == {"task": {"id": "task-1", "contextId": "ctx", "status": {
-        "state": "TASK_STATE_COMPLETED", "timestamp": "2026-01-01T00:00:00Z"}}}  # fmt: skip
+    assert v1 == {
+        "task": {
+            "id": "task-1",
+            "contextId": "ctx",
+            "status": {"state": "TASK_STATE_COMPLETED", "timestamp": "2026-01-01T00:00:00Z"},
+        }
+    }
     assert agent.runs == 1
     # Another principal is another message; other reads pass through every time.
     assert dispatch(v10(m), principal="tenant-b")["result"]["task"]["id"] == "task-2"
@@ -506,8 +530,14 @@ def test_an_answer_that_cannot_be_recorded_still_reaches_the_caller(
 
 def test_the_principal_of_a_request() -> None:
     def scope(headers: list[tuple[bytes, bytes]], **extra: Any) -> dict[str, Any]:
-        return {"type": "http", "method": "POST", "path": "/", "query_string": b"",
-                "headers": headers, **extra}  # fmt: skip
+        return {
+            "type": "http",
+            "method": "POST",
+            "path": "/",
+            "query_string": b"",
+            "headers": headers,
+            **extra,
+        }
 
     def named(asgi: dict[str, Any], principals: Principals | None = None) -> str | None:
         who = caller(asgi, principals or Principals())
@@ -565,8 +595,11 @@ def test_final_failures_replay_the_error(memory: Store[Any]) -> None:
     assert dedupe.handle(v03(m), agent)["error"]["message"] == "failed"
     agent.fail = False
     again = dedupe.handle(body := v10(m), agent)
-    assert again == {"jsonrpc": "2.0", "id": body["id"],
-                     "error": {"code": -32603, "message": "failed"}}  # fmt: skip
+    assert again == {
+        "jsonrpc": "2.0",
+        "id": body["id"],
+        "error": {"code": -32603, "message": "failed"},
+    }
     assert agent.runs == 1
 
 
@@ -576,16 +609,22 @@ def test_final_failures_replay_the_error(memory: Store[Any]) -> None:
 @pytest.mark.parametrize(
     ("old", "new"),
     [
-        ({"kind": "text", "text": "hi", "metadata": {"a": 1}},
-         {"text": "hi", "metadata": {"a": 1}}),
-        ({"kind": "file", "file": {"bytes": "aGk=", "mimeType": "text/plain", "name": "a.txt"}},
-         {"raw": "aGk=", "mediaType": "text/plain", "filename": "a.txt"}),
+        (
+            {"kind": "text", "text": "hi", "metadata": {"a": 1}},
+            {"text": "hi", "metadata": {"a": 1}},
+        ),
+        (
+            {"kind": "file", "file": {"bytes": "aGk=", "mimeType": "text/plain", "name": "a.txt"}},
+            {"raw": "aGk=", "mediaType": "text/plain", "filename": "a.txt"},
+        ),
         ({"kind": "file", "file": {"uri": "https://x/y"}}, {"url": "https://x/y"}),
         ({"kind": "data", "data": {"k": [1, 2]}}, {"data": {"k": [1, 2]}}),
-        ({"kind": "data", "data": {"value": [1, 2]}, "metadata": {"data_part_compat": True}},
-         {"data": [1, 2]}),
+        (
+            {"kind": "data", "data": {"value": [1, 2]}, "metadata": {"data_part_compat": True}},
+            {"data": [1, 2]},
+        ),
     ],
-)  # fmt: skip
+)
 def test_parts_convert_both_ways(old: dict[str, Any], new: dict[str, Any]) -> None:
     assert part_v10(old) == new
     assert part_v03(new) == old
@@ -594,13 +633,26 @@ def test_parts_convert_both_ways(old: dict[str, Any], new: dict[str, Any]) -> No
 
 
 def test_one_message_in_both_spellings_has_one_normal_form() -> None:
-    legacy = {"kind": "message", "messageId": "m", "role": "user", "contextId": "c",
-              "parts": [{"kind": "file", "file": {"bytes": "aGk=", "mimeType": "text/plain"}},
-                        {"kind": "data", "data": {"n": 1}}],
-              "metadata": {"x": 2}, "referenceTaskIds": []}  # fmt: skip
-    current = {"message_id": "other", "role": 1, "context_id": "c", "taskId": "",
-               "parts": [{"raw": "aGk", "media_type": "text/plain"}, {"data": {"n": 1.0}}],
-               "metadata": {"x": 2.0}}  # fmt: skip
+    legacy = {
+        "kind": "message",
+        "messageId": "m",
+        "role": "user",
+        "contextId": "c",
+        "parts": [
+            {"kind": "file", "file": {"bytes": "aGk=", "mimeType": "text/plain"}},
+            {"kind": "data", "data": {"n": 1}},
+        ],
+        "metadata": {"x": 2},
+        "referenceTaskIds": [],
+    }
+    current = {
+        "message_id": "other",
+        "role": 1,
+        "context_id": "c",
+        "taskId": "",
+        "parts": [{"raw": "aGk", "media_type": "text/plain"}, {"data": {"n": 1.0}}],
+        "metadata": {"x": 2.0},
+    }
     assert normal_message(legacy) == normal_message(current)
     assert normal_message(legacy) != normal_message({**current, "role": "ROLE_AGENT"})
 
@@ -620,8 +672,13 @@ async def test_a_cancelled_request_runs_its_send_once(memory: Store[Any]) -> Non
         runs.append(1)
         run = agent if len(runs) == 1 else agent.answer  # only the first run waits
         body = json.dumps(await asyncio.to_thread(run, request)).encode()  # as a sync endpoint
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
         to_the_cancelled.append(await receive())
 
@@ -637,8 +694,9 @@ async def test_a_cancelled_request_runs_its_send_once(memory: Store[Any]) -> Non
             sent.append(message)
 
         caller = [(b"authorization", CALLER.encode())]
-        await middleware({"type": "http", "method": "POST", "path": "/", "headers": caller},
-                         receive, send)  # fmt: skip
+        await middleware(
+            {"type": "http", "method": "POST", "path": "/", "headers": caller}, receive, send
+        )
         return json.loads(sent[-1]["body"])  # type: ignore[no-any-return]
 
     m = mid()

@@ -35,11 +35,16 @@ class LateEnd:
         await receive()
         self.runs += 1
         body = b'{"run":%d}' % self.runs
-        await send({
-            "type": "http.response.start", "status": 201,
-            "headers": [(b"content-type", b"application/json"),
-                        (b"content-length", b"%d" % len(body))],
-        })  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 201,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", b"%d" % len(body)),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body, "more_body": True})
         await asyncio.get_running_loop().run_in_executor(None, self.release.wait, 10)
         await send({"type": "http.response.body", "body": b""})
@@ -111,11 +116,23 @@ async def test_a_cancelled_request_runs_once() -> None:
         async def send(message: Any) -> None:
             sent.append(message)
 
-        scope = {"type": "http", "method": "POST", "path": "/o", "raw_path": b"/o",
-                 "query_string": b"", "root_path": "", "scheme": "http", "http_version": "1.1",
-                 "headers": [(b"idempotency-key", b"k1"), (b"content-type", b"application/json"),
-                             (b"authorization", b"Bearer test-caller")],
-                 "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1)}  # fmt: skip
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/o",
+            "raw_path": b"/o",
+            "query_string": b"",
+            "root_path": "",
+            "scheme": "http",
+            "http_version": "1.1",
+            "headers": [
+                (b"idempotency-key", b"k1"),
+                (b"content-type", b"application/json"),
+                (b"authorization", b"Bearer test-caller"),
+            ],
+            "server": ("127.0.0.1", 80),
+            "client": ("127.0.0.1", 1),
+        }
         await app(scope, receive, send)
         return sent
 

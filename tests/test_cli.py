@@ -27,8 +27,12 @@ ENV = {**os.environ, "RETRYSAFE_STORE": ""}
 def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "retrysafe", *args],
-        cwd=cwd, env=ENV, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 class Serving:
@@ -36,9 +40,13 @@ class Serving:
 
     def __init__(self, *args: str, cwd: Path) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "retrysafe", *args], cwd=cwd, env=ENV, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        )  # fmt: skip
+            [sys.executable, "-m", "retrysafe", *args],
+            cwd=cwd,
+            env=ENV,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         self.lines: list[str] = []
 
     def read_until(self, marker: str) -> str:
@@ -100,8 +108,17 @@ def curl_like(command: str) -> tuple[int, dict[str, str], str]:
 
 def test_demo_check_reports_exactly_once(tmp_path: Path) -> None:
     started = time.monotonic()
-    result = run("demo", "--check", "--orders", "10", "--retries", "4",
-                 "--listen", "127.0.0.1:0", cwd=tmp_path)  # fmt: skip
+    result = run(
+        "demo",
+        "--check",
+        "--orders",
+        "10",
+        "--retries",
+        "4",
+        "--listen",
+        "127.0.0.1:0",
+        cwd=tmp_path,
+    )
     intervals = (time.monotonic() - started) / 10  # alert summaries: one per 10 s at most
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
@@ -145,9 +162,17 @@ def test_gateway_serves_and_stops_on_ctrl_c(
     with UpstreamProcess() as origin:
         origin.start()
         gw = Serving(
-            "gateway", "--upstream", origin.url, "--listen", "127.0.0.1:0",
-            "--store", f"sqlite:///{tmp_path}/gw.db", "--workers", str(workers), cwd=tmp_path,
-        )  # fmt: skip
+            "gateway",
+            "--upstream",
+            origin.url,
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+            f"sqlite:///{tmp_path}/gw.db",
+            "--workers",
+            str(workers),
+            cwd=tmp_path,
+        )
         serving.append(gw)
         url = gw.read_until("listening on").split()[-1]
         gw.read_until("store")
@@ -179,9 +204,18 @@ def test_gateway_workers_sweep_the_store_unless_told_not_to(
     with UpstreamProcess() as origin:
         origin.start()
         gw = Serving(
-            "gateway", "--upstream", origin.url, "--listen", "127.0.0.1:0", "--store", url,
-            "--workers", "2", sweep, cwd=tmp_path,
-        )  # fmt: skip
+            "gateway",
+            "--upstream",
+            origin.url,
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+            url,
+            "--workers",
+            "2",
+            sweep,
+            cwd=tmp_path,
+        )
         serving.append(gw)
         address = gw.read_until("listening on").split()[-1]
         swept = gw.read_until("sweeper")
@@ -218,8 +252,13 @@ def test_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
             ("gateway", "--upstream", "http://"),
             ("gateway", "--upstream", "http://h?q=1"),
             ("gateway", "--upstream", "http://127.0.0.1:1", "--store", "bogus://x"),
-            ("gateway", "--upstream", "http://127.0.0.1:1", "--store",
-             f"sqlite:///{tmp_path}/nodir/x.db"),
+            (
+                "gateway",
+                "--upstream",
+                "http://127.0.0.1:1",
+                "--store",
+                f"sqlite:///{tmp_path}/nodir/x.db",
+            ),
             (*up, "--listen", taken),
             (*up, "--listen", "nonsense"),
             (*up, "--listen", "127.0.0.1:99999"),
@@ -231,7 +270,7 @@ def test_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
             (*up, "--max-connections", "0"),
             (*up, "--http", "spdy"),
             (*up, "--sweep-every", "0"),
-        ):  # fmt: skip
+        ):
             result = run(*args, cwd=tmp_path)
             assert result.returncode == 2, (args, result.stdout, result.stderr)
             assert "Traceback" not in result.stderr
@@ -258,8 +297,10 @@ def test_migrate_and_inspect(tmp_path: Path, capsys: object) -> None:
     engine = Engine(url)
     claim = engine.begin("order:1", operation="order", scope="alice")
     engine.complete(claim, Outcome.json({"id": 1}, status=201))
-    assert main(["inspect", "order:1", "--operation", "order", "--scope", "alice",
-                 "--store", url]) == 0  # fmt: skip
+    assert (
+        main(["inspect", "order:1", "--operation", "order", "--scope", "alice", "--store", url])
+        == 0
+    )
     out = capsys.readouterr().out  # type: ignore[attr-defined]
     assert "completed" in out and "201 application/json" in out
     assert main(["inspect", "order:1", "--store", url]) == 1  # scope is part of the key

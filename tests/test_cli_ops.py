@@ -30,8 +30,12 @@ def run(
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "retrysafe", *args],
-        cwd=cwd, env=env or ENV, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=cwd,
+        env=env or ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def output(capsys: Any, *argv: str, status: int = 0) -> str:
@@ -71,14 +75,18 @@ def url(tmp_path: Path) -> str:
 def test_list_filters_and_json(url: str, capsys: Any) -> None:
     rows = json.loads(output(capsys, "list", "--store", url, "--json", "--limit", "100"))
     assert len(rows) == 10
-    processing = json.loads(output(capsys, "list", "--store", url, "--status", "processing",
-                                   "--json"))  # fmt: skip
+    processing = json.loads(
+        output(capsys, "list", "--store", url, "--status", "processing", "--json")
+    )
     assert [r["key"] for r in processing] == ["order-1"]
     old = json.loads(output(capsys, "list", "--store", url, "--older-than", "5m", "--json"))
     assert {r["key"] for r in old} == {"order-1"} | {f"gone-{i}" for i in range(4)} | {
-        "paid-0", "paid-1"}  # fmt: skip
-    payments = json.loads(output(capsys, "list", "--store", url, "--operation", "payment",
-                                 "--json"))  # fmt: skip
+        "paid-0",
+        "paid-1",
+    }
+    payments = json.loads(
+        output(capsys, "list", "--store", url, "--operation", "payment", "--json")
+    )
     assert {r["operation"] for r in payments} == {"payment"} and len(payments) == 5
     table = output(capsys, "list", "--store", url, "--status", "processing")
     assert "order-1" in table and "processing" in table
@@ -108,8 +116,9 @@ def test_sweep_then_archive_list(url: str, capsys: Any) -> None:
 
 
 def test_inspect_json(url: str, capsys: Any) -> None:
-    doc = json.loads(output(capsys, "inspect", "pay-1", "--operation", "payment", "--store", url,
-                            "--json"))  # fmt: skip
+    doc = json.loads(
+        output(capsys, "inspect", "pay-1", "--operation", "payment", "--store", url, "--json")
+    )
     assert doc["status"] == "completed" and doc["answer"]["status"] == 201
     assert main(["inspect", "pay-1", "--store", url]) == 1  # the operation is part of the key
 
@@ -122,10 +131,13 @@ def test_store_from_the_environment(url: str, tmp_path: Path) -> None:
 
 def test_sweep_every_runs_on_schedule_and_stops_on_sigterm(url: str, tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "retrysafe", "sweep", "--store", url, "--every", "200ms",
-         "--json"],
-        cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "retrysafe", "sweep", "--store", url, "--every", "200ms", "--json"],
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     assert "every 200ms" in proc.stdout.readline()
     reports = [json.loads(proc.stdout.readline()) for _ in range(3)]

@@ -78,8 +78,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     up, gp = free_port(), free_port()
     argv = uvicorn_argv("_stripe_upstream:app_from_env", up)
     with Process(argv, up, {"STRIPE_DB": db}, health="/health") as upstream:
-        argv = [sys.executable, "-m", "retrysafe", "gateway", "--upstream", upstream.url,
-                "--store", store, "--listen", f"127.0.0.1:{gp}"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "retrysafe",
+            "gateway",
+            "--upstream",
+            upstream.url,
+            "--store",
+            store,
+            "--listen",
+            f"127.0.0.1:{gp}",
+        ]
         with Process(argv, gp, health="/_retrysafe/health") as gateway:
             yield Stack(gateway.url, db, store)
 
@@ -149,9 +159,12 @@ def key_of(obj: stripe.StripeObject) -> str:
     ],
 )
 def test_each_flaky_mode_ends_in_one_effect(
-    stack: Stack, sdk: tuple[stripe.StripeClient, Recording], mode: str,
-    statuses: list[int] | None, upstream: int,
-) -> None:  # fmt: skip
+    stack: Stack,
+    sdk: tuple[stripe.StripeClient, Recording],
+    mode: str,
+    statuses: list[int] | None,
+    upstream: int,
+) -> None:
     client, http = sdk
     email = f"{mode}-{uuid.uuid4().hex[:8]}@example.com"
     customer = client.v1.customers.create(params={"email": email, "metadata": MODES[mode]})

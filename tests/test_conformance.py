@@ -68,9 +68,16 @@ def test_state_machine(api: Api, store: Store[Any], clock: Clock) -> None:
 
 
 def test_record_keeps_what_design_lists(api: Api, store: Store[Any]) -> None:
-    c = claim(api.begin("meta", operation=OP, scope="tenant-7", fingerprint="f",
-                        metadata={"user_id": 42, "gateway_tx": "tx_9"},
-                        request_payload=b"\x00raw body\xff"))  # fmt: skip
+    c = claim(
+        api.begin(
+            "meta",
+            operation=OP,
+            scope="tenant-7",
+            fingerprint="f",
+            metadata={"user_id": 42, "gateway_tx": "tx_9"},
+            request_payload=b"\x00raw body\xff",
+        )
+    )
     api.complete(c, Outcome.json({"ok": True, "n": 0}))
     record = store.get(c.key_hash)
     assert record is not None
@@ -144,9 +151,11 @@ def test_lease_expiry_takeover_and_fencing(api: Api, clock: Clock, store: Store[
     assert (new.attempts, new.took_over) == (2, Status.PROCESSING)
     assert new.token != stale.token
 
-    for late in (lambda: api.complete(stale, Outcome.json("stale")),
-                 lambda: api.fail(stale),
-                 lambda: api.renew(stale)):  # fmt: skip
+    for late in (
+        lambda: api.complete(stale, Outcome.json("stale")),
+        lambda: api.fail(stale),
+        lambda: api.renew(stale),
+    ):
         with pytest.raises(LeaseLostError):
             late()
         record = store.get(new.key_hash)
@@ -237,9 +246,20 @@ def test_an_outcome_that_cannot_be_stored_fails_finally(make_api: Any, store: St
 
 
 BAD_KEYS: list[Any] = [
-    "", "x" * 256, "tab\there", "new\nline", "nul\x00", "del\x7f", "caf\u00e9",
-    "emoji\U0001f600", "\u200b", None, 42, b"bytes", ["k"],
-]  # fmt: skip
+    "",
+    "x" * 256,
+    "tab\there",
+    "new\nline",
+    "nul\x00",
+    "del\x7f",
+    "caf\u00e9",
+    "emoji\U0001f600",
+    "\u200b",
+    None,
+    42,
+    b"bytes",
+    ["k"],
+]
 GOOD_KEYS = [
     " ",
     "~",
@@ -280,12 +300,24 @@ def test_good_keys(api: Api, good: str) -> None:
 def test_bad_arguments_touch_nothing(api: Api) -> None:
     spy = SpyStore(api.engine.store)
     api.engine.store = spy  # type: ignore[assignment]
-    for kwargs in ({"operation": 5}, {"scope": None}, {"fingerprint": b"x"}, {"ttl": 0},
-                   {"lease": -1}, {"request_payload": "text, not bytes"}, {"request_id": 7},
-                   {"metadata": {"when": object()}}, {"metadata": {"x": float("nan")}},
-                   {"metadata": ["not", "a", "dict"]}, {"nonsense": 1}, {"ttl": "10"},
-                   {"lease": True}, {"ttl": float("nan")}, {"wait": -1},
-                   {"wait": "1"}):  # fmt: skip
+    for kwargs in (
+        {"operation": 5},
+        {"scope": None},
+        {"fingerprint": b"x"},
+        {"ttl": 0},
+        {"lease": -1},
+        {"request_payload": "text, not bytes"},
+        {"request_id": 7},
+        {"metadata": {"when": object()}},
+        {"metadata": {"x": float("nan")}},
+        {"metadata": ["not", "a", "dict"]},
+        {"nonsense": 1},
+        {"ttl": "10"},
+        {"lease": True},
+        {"ttl": float("nan")},
+        {"wait": -1},
+        {"wait": "1"},
+    ):
         with pytest.raises((TypeError, ValueError)):
             api.begin("k", **kwargs)
     assert spy.calls == []

@@ -37,9 +37,15 @@ def browser() -> Iterator[Any]:
     with sync_playwright() as p:
         b = p.chromium.launch(
             executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run"],
-        )  # fmt: skip
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
         yield b
         b.close()
 
@@ -85,8 +91,11 @@ def load(url: str, stop: threading.Event) -> None:
         while not stop.is_set():
             key = uuid.uuid4().hex
             for _ in range(3):
-                c.post("/orders", json={"k": key}, headers={"idempotency-key": key,
-                                                             "x-test-id": "dash"})  # fmt: skip
+                c.post(
+                    "/orders",
+                    json={"k": key},
+                    headers={"idempotency-key": key, "x-test-id": "dash"},
+                )
             time.sleep(0.02)
 
 
@@ -124,8 +133,9 @@ def test_the_numbers_and_charts_move_while_load_runs(gateway: str, page: Page) -
 
 def test_the_inspector_finds_a_key(gateway: str, page: Page) -> None:
     key = "inspect-" + uuid.uuid4().hex
-    r = httpx.post(gateway + "/orders", json={"find": "me"},
-                   headers={"idempotency-key": key, **CALLER})  # fmt: skip
+    r = httpx.post(
+        gateway + "/orders", json={"find": "me"}, headers={"idempotency-key": key, **CALLER}
+    )
     assert r.status_code == 201
     p = page.page
     p.goto(gateway + "/_retrysafe/")
@@ -164,8 +174,12 @@ def test_without_the_token_access_is_refused(gateway: str, browser: Any) -> None
 
 
 def test_readable_on_a_phone(gateway: str, browser: Any) -> None:
-    phone = Page(browser, viewport={"width": 390, "height": 844}, is_mobile=True,
-                 extra_http_headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+    phone = Page(
+        browser,
+        viewport={"width": 390, "height": 844},
+        is_mobile=True,
+        extra_http_headers={"Authorization": f"Bearer {TOKEN}"},
+    )
     try:
         p = phone.page
         p.goto(gateway + "/_retrysafe/")
@@ -198,8 +212,9 @@ def test_closed_without_a_token_or_the_loopback_opt_in(
     upstream: str, browser: Any, tmp_path: Path
 ) -> None:
     """The default: a browser on this machine (or a proxy on it) gets no dashboard."""
-    app = create_app(upstream, store=f"sqlite:///{tmp_path}/closed.db", admin_token=None,
-                     admin_loopback=False)  # fmt: skip
+    app = create_app(
+        upstream, store=f"sqlite:///{tmp_path}/closed.db", admin_token=None, admin_loopback=False
+    )
     with ThreadServer(app, "asgi") as s:
         closed = Page(browser)
         try:
@@ -238,8 +253,12 @@ def test_the_token_never_leaves_the_admin_pages(gateway: str, browser: Any) -> N
 def test_a_json_page_opened_with_the_token_is_shown_as_text(gateway: str, browser: Any) -> None:
     """Stored answers and keys are other people's text: never parsed as a page."""
     key = '<meta http-equiv="refresh" content="0;url=https://example.invalid/">'
-    assert httpx.post(gateway + "/orders", json={"x": 1},
-                      headers={"idempotency-key": key, **CALLER}).status_code == 201  # fmt: skip
+    assert (
+        httpx.post(
+            gateway + "/orders", json={"x": 1}, headers={"idempotency-key": key, **CALLER}
+        ).status_code
+        == 201
+    )
     anonymous = Page(browser)
     try:
         p = anonymous.page

@@ -362,8 +362,10 @@ def test_missing_key_may_run_unprotected(
     calls: list[Any] = []
     f = h.wrap(
         lambda order: calls.append(order) or len(calls),
-        store=engine, key="{order[id]}", raise_on_missing_key=False,
-    )  # fmt: skip
+        store=engine,
+        key="{order[id]}",
+        raise_on_missing_key=False,
+    )
     assert f({}) == 1 and f({}) == 2  # no key: runs every time, unprotected
     assert f({"id": 9}) == 3 and f({"id": 9}) == 3  # a key: once
     assert "without idempotency" in caplog.text
@@ -521,8 +523,9 @@ def test_a_replayed_failure_is_the_nearest_listed_class(h: Harness, engine: Engi
         with pytest.raises(ValueError) as err:
             f(1)
         assert type(err.value) is ValueError and err.value.args == ("do not honour", 5)
-    again = h.wrap(charge, store=engine, key="{n}", final_failures=(ValueError,),
-                   operation=f.operation)  # fmt: skip
+    again = h.wrap(
+        charge, store=engine, key="{n}", final_failures=(ValueError,), operation=f.operation
+    )
     with pytest.raises(ValueError) as err:
         again(1)  # "another process": the same answer
     assert type(err.value) is ValueError and calls == [1]
@@ -531,8 +534,9 @@ def test_a_replayed_failure_is_the_nearest_listed_class(h: Harness, engine: Engi
 def test_engine_final_failures_store_the_error(h: Harness, store: Store[Any], clock: Clock) -> None:
     f = h.wrap(
         lambda n: (_ for _ in ()).throw(KeyError("k")),
-        store=Engine(store, clock=clock, final_failures=True), key="{n}",
-    )  # fmt: skip
+        store=Engine(store, clock=clock, final_failures=True),
+        key="{n}",
+    )
     for _ in range(2):
         with pytest.raises(KeyError):
             f(1)
@@ -542,8 +546,16 @@ def test_more_bad_options_are_refused_at_decoration() -> None:
     def fn(n: int) -> int:
         return n
 
-    for options in ({"ttl": -1}, {"ttl": "1h"}, {"lease": 0}, {"wait": -5}, {"wait": True},
-                    {"retention": "bogus"}, {"scope": 5}, {"store": 5}):  # fmt: skip
+    for options in (
+        {"ttl": -1},
+        {"ttl": "1h"},
+        {"lease": 0},
+        {"wait": -5},
+        {"wait": True},
+        {"retention": "bogus"},
+        {"scope": 5},
+        {"store": 5},
+    ):
         with pytest.raises((TypeError, ValueError)):
             idempotent(**options)(fn)  # type: ignore[arg-type]
 

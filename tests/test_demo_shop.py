@@ -35,8 +35,11 @@ ITEMS = [{"variant_id": "book", "quantity": 1, "price": "12.99"}]
 def storm(url: str, customers: int = 6) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(STORM), url, "--customers", str(customers)],
-        env=ENV, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture
@@ -62,8 +65,12 @@ def test_retry_storm_through_the_demo_gateway(tmp_path: Path) -> None:
     with log.open("w") as out:
         demo = subprocess.Popen(
             [sys.executable, "-m", "retrysafe", "demo", "--listen", "127.0.0.1:0"],
-            cwd=tmp_path, env=ENV, text=True, stdout=out, stderr=subprocess.PIPE,
-        )  # fmt: skip
+            cwd=tmp_path,
+            env=ENV,
+            text=True,
+            stdout=out,
+            stderr=subprocess.PIPE,
+        )
     try:
         gateway = _gateway_of(log, demo)
         # Three customers a run: one refunded (every third, from the first), two not.
@@ -152,25 +159,48 @@ def test_retry_storm_without_a_demo(tmp_path: Path) -> None:
         ("POST", "/sessions", "{", 400, "invalid_json"),
         ("POST", "/cart-mandates", {"user_id": "u", "items": []}, 400, "invalid_cart"),
         ("POST", "/cart-mandates", {"user_id": "u", "items": "book"}, 400, "invalid_cart"),
-        ("POST", "/cart-mandates", {"user_id": "u", "items": [{**ITEMS[0], "price": "NaN"}]},
-         400, "invalid_cart"),
-        ("POST", "/cart-mandates", {"user_id": "u", "items": [{**ITEMS[0], "quantity": 0}]},
-         400, "invalid_cart"),
-        ("POST", "/cart-mandates", {"user_id": "u", "items": ITEMS, "currency": {"x": 1}},
-         400, "invalid_field"),
-        ("POST", "/cart-mandates", {"user_id": "u", "device_id": "d", "items": ITEMS},
-         401, "no_session"),
+        (
+            "POST",
+            "/cart-mandates",
+            {"user_id": "u", "items": [{**ITEMS[0], "price": "NaN"}]},
+            400,
+            "invalid_cart",
+        ),
+        (
+            "POST",
+            "/cart-mandates",
+            {"user_id": "u", "items": [{**ITEMS[0], "quantity": 0}]},
+            400,
+            "invalid_cart",
+        ),
+        (
+            "POST",
+            "/cart-mandates",
+            {"user_id": "u", "items": ITEMS, "currency": {"x": 1}},
+            400,
+            "invalid_field",
+        ),
+        (
+            "POST",
+            "/cart-mandates",
+            {"user_id": "u", "device_id": "d", "items": ITEMS},
+            401,
+            "no_session",
+        ),
         ("POST", "/intent-mandates", {"user_id": "u", "intent": {}}, 400, "invalid_intent"),
         ("POST", "/orders", {"user_id": "u", "cart_mandate_id": 7}, 400, "invalid_field"),
-        ("POST", "/orders", {"user_id": "u", "cart_mandate_id": "cm_nope"}, 404,
-         "unknown_mandate"),
+        ("POST", "/orders", {"user_id": "u", "cart_mandate_id": "cm_nope"}, 404, "unknown_mandate"),
         ("POST", "/payments", {"user_id": "u", "order_id": "ord_nope"}, 404, "unknown_order"),
-        ("POST", "/session-updates", {"user_id": "u", "device_id": "d", "operation": "cart",
-                                      "sequence": 1}, 401, "no_session"),
+        (
+            "POST",
+            "/session-updates",
+            {"user_id": "u", "device_id": "d", "operation": "cart", "sequence": 1},
+            401,
+            "no_session",
+        ),
         ("PUT", "/profiles/u", {"version": -1, "data": {}}, 400, "invalid_field"),
         ("PUT", "/profiles/a:b", {"version": 0, "data": {}}, 400, "invalid_field"),
-        ("POST", "/consents/u", {"purpose": "marketing", "granted": "yes"}, 400,
-         "invalid_field"),
+        ("POST", "/consents/u", {"purpose": "marketing", "granted": "yes"}, 400, "invalid_field"),
         ("GET", "/payments/pay_nope", None, 404, "unknown_payment"),
         ("GET", "/nowhere", None, 404, "not_found"),
         ("GET", "/orders", None, 405, "method_not_allowed"),
@@ -178,11 +208,15 @@ def test_retry_storm_without_a_demo(tmp_path: Path) -> None:
         ("GET", "/webhooks/stripe", None, 405, "method_not_allowed"),
         ("POST", "/stats", {}, 405, "method_not_allowed"),
     ],
-)  # fmt: skip
+)
 def test_bad_requests_get_a_problem_and_write_nothing(
-    served: tuple[httpx.Client, DemoApi], method: str, path: str, body: Any, status: int,
+    served: tuple[httpx.Client, DemoApi],
+    method: str,
+    path: str,
+    body: Any,
+    status: int,
     code: str,
-) -> None:  # fmt: skip
+) -> None:
     client, api = served
     before = api.stats
     content = body if isinstance(body, str) else None if body is None else json.dumps(body)
@@ -206,8 +240,9 @@ def test_an_expired_cart_mandate_is_gone(
     client, api = served
     mandate = _mandate(client, "alice")
     with sqlite3.connect(tmp_path / "shop.db") as db:  # 31 minutes later
-        db.execute("UPDATE shop_cart_mandates SET expires_at = ? WHERE id = ?",
-                   (time.time() - 60, mandate))  # fmt: skip
+        db.execute(
+            "UPDATE shop_cart_mandates SET expires_at = ? WHERE id = ?", (time.time() - 60, mandate)
+        )
     for _ in range(2):  # a retry is refused the same way, and writes nothing either
         r = client.post("/orders", json={"user_id": "alice", "cart_mandate_id": mandate})
         assert r.status_code == 410 and r.json()["code"] == "mandate_expired", r.text
@@ -239,8 +274,11 @@ def _stripe(kind: str, event_id: str, txn: str, secret: str = DEMO_SECRETS["stri
 def _shopify(event_id: str, secret: str = DEMO_SECRETS["shopify"]) -> Any:
     body = b'{"id": "ord_1"}'
     mac = base64.b64encode(hmac.new(secret.encode(), body, hashlib.sha256).digest()).decode()
-    headers = {"X-Shopify-Hmac-Sha256": mac, "X-Shopify-Event-Id": event_id,
-               "X-Shopify-Topic": "orders/create"}  # fmt: skip
+    headers = {
+        "X-Shopify-Hmac-Sha256": mac,
+        "X-Shopify-Event-Id": event_id,
+        "X-Shopify-Topic": "orders/create",
+    }
     return {"content": body, "headers": headers}
 
 
@@ -293,8 +331,12 @@ def test_a_success_event_after_the_refund_is_acknowledged_not_failed(
     assert r.status_code == 200 and r.json()["result"]["status"] == "refunded"
     r = client.post("/webhooks/stripe", **_stripe("payment_intent.succeeded", "evt_s", txn))
     assert r.status_code == 200, r.text
-    assert r.json()["result"] == {"payment_id": paid["id"], "status": "refunded",
-                                  "changed": False, "stale": True}  # fmt: skip
+    assert r.json()["result"] == {
+        "payment_id": paid["id"],
+        "status": "refunded",
+        "changed": False,
+        "stale": True,
+    }
     late = client.post("/webhooks/stripe", **_stripe("payment_intent.payment_failed", "e", txn))
     assert late.status_code == 200 and late.json()["result"]["stale"] is True
     assert client.get(f"/payments/{paid['id']}").json()["status"] == "refunded"

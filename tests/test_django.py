@@ -238,12 +238,18 @@ def test_the_async_chain_gives_the_same_answers(memory: Store[Any], tid: str) ->
     with serve("asgi", store=memory, max_request_body=1000) as server:
         url = server.url
         assert httpx.post(url + "/orders", json={"a": 1}, headers=keyed(tid)).status_code == 201
-        problem(httpx.post(url + "/orders", json={"a": 2}, headers=keyed(tid)), 422,
-                "idempotency_conflict")  # fmt: skip
+        problem(
+            httpx.post(url + "/orders", json={"a": 2}, headers=keyed(tid)),
+            422,
+            "idempotency_conflict",
+        )
         bad = {"x-test-id": tid, "idempotency-key": "a, b"}
         problem(httpx.post(url + "/orders", json={}, headers=bad), 400, "idempotency_key_invalid")
-        problem(httpx.post(url + "/raw", content=b"x" * 5000, headers=keyed(tid, "big")), 413,
-                "idempotency_body_too_large")  # fmt: skip
+        problem(
+            httpx.post(url + "/raw", content=b"x" * 5000, headers=keyed(tid, "big")),
+            413,
+            "idempotency_body_too_large",
+        )
         for n in (2, 3):  # a 5xx and an exception stay retryable
             assert httpx.post(url + "/status/503", headers=keyed(tid, "5xx")).status_code == 503
             assert RUNS[tid] == n
@@ -253,8 +259,11 @@ def test_the_async_chain_gives_the_same_answers(memory: Store[Any], tid: str) ->
         assert httpx.post(url + "/orders", json={}, headers={"x-test-id": tid}).status_code == 201
         assert RUNS[tid] == 6  # no key: passed through
     with serve("asgi", store=memory, require_key=True) as server:
-        problem(httpx.post(server.url + "/orders", json={}, headers={"x-test-id": tid}), 400,
-                "idempotency_key_required")  # fmt: skip
+        problem(
+            httpx.post(server.url + "/orders", json={}, headers={"x-test-id": tid}),
+            400,
+            "idempotency_key_required",
+        )
     assert RUNS[tid] == 6
 
 
@@ -299,9 +308,14 @@ def test_a_file_response_does_not_go_to_wsgi_file_wrapper(memory: Store[Any], ti
     """A server's file wrapper would send the file past the middleware, unrecorded."""
     environ: dict[str, Any] = {}
     setup_testing_defaults(environ)
-    environ.update(REQUEST_METHOD="POST", PATH_INFO="/file", HTTP_IDEMPOTENCY_KEY="k",
-                   HTTP_X_TEST_ID=tid, CONTENT_LENGTH="0",
-                   HTTP_AUTHORIZATION=CALLER["authorization"])  # fmt: skip
+    environ.update(
+        REQUEST_METHOD="POST",
+        PATH_INFO="/file",
+        HTTP_IDEMPOTENCY_KEY="k",
+        HTTP_X_TEST_ID=tid,
+        CONTENT_LENGTH="0",
+        HTTP_AUTHORIZATION=CALLER["authorization"],
+    )
     environ["wsgi.file_wrapper"] = lambda *args: pytest.fail("handed to wsgi.file_wrapper")
     app = handler("wsgi", store=memory)
     response = app(environ, lambda status, headers: None)
@@ -326,9 +340,11 @@ def test_a_client_that_leaves_mid_stream_still_gets_the_replay(
 
 def _request(key: str = "k") -> HttpRequest:
     return RequestFactory().post(
-        "/x", b"", content_type="application/octet-stream",
+        "/x",
+        b"",
+        content_type="application/octet-stream",
         headers={"idempotency-key": key, **CALLER},
-    )  # fmt: skip
+    )
 
 
 def test_a_sync_stream_is_recorded_before_its_last_chunk(store: Store[Any]) -> None:
@@ -455,12 +471,22 @@ def test_the_store_defaults_to_retrysafe_store(
         ({"store": "mysql://db"}, "RETRYSAFE: unknown store URL"),
         ({"ttl": "1h"}, "RETRYSAFE: ttl must be a number of seconds"),
         ({"principal": "nowhere.who"}, "RETRYSAFE: principal 'nowhere.who' is not the dotted path"),
-        ({"store": "memory://", "map": "/nonexistent/idempotency.toml"},
-         "RETRYSAFE: .*idempotency.toml"),
+        (
+            {"store": "memory://", "map": "/nonexistent/idempotency.toml"},
+            "RETRYSAFE: .*idempotency.toml",
+        ),
     ],
-    ids=["not-a-dict", "unknown-name", "bad-choice", "bad-type", "bad-url", "bad-ttl", "bad-path",
-         "missing-map"],
-)  # fmt: skip
+    ids=[
+        "not-a-dict",
+        "unknown-name",
+        "bad-choice",
+        "bad-type",
+        "bad-url",
+        "bad-ttl",
+        "bad-path",
+        "missing-map",
+    ],
+)
 def test_a_bad_setting_is_a_clear_error_when_django_loads(setting: Any, message: str) -> None:
     from django.core.handlers.wsgi import WSGIHandler
 

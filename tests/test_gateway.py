@@ -161,12 +161,18 @@ def test_hop_by_hop_headers_dropped_and_forwarded_headers_set(
     gw: Running, origin: UpstreamProcess
 ) -> None:
     sent = {
-        "Connection": "keep-alive, X-Secret", "X-Secret": "s", "Keep-Alive": "timeout=5",
-        "TE": "trailers", "Trailer": "X-Sum", "Proxy-Authorization": "Basic eDp5",
-        "Proxy-Connection": "keep-alive", "X-Kept": "yes",
-        "X-Forwarded-For": "10.0.0.1", "X-Forwarded-Host": "evil.test",
+        "Connection": "keep-alive, X-Secret",
+        "X-Secret": "s",
+        "Keep-Alive": "timeout=5",
+        "TE": "trailers",
+        "Trailer": "X-Sum",
+        "Proxy-Authorization": "Basic eDp5",
+        "Proxy-Connection": "keep-alive",
+        "X-Kept": "yes",
+        "X-Forwarded-For": "10.0.0.1",
+        "X-Forwarded-Host": "evil.test",
         "X-Forwarded-Proto": "gopher",
-    }  # fmt: skip
+    }
     seen: dict[str, list[str]] = {}
     for k, v in httpx.get(gw.url + "/echo/hop", headers=sent).json()["headers"]:
         seen.setdefault(k, []).append(v)
@@ -346,31 +352,45 @@ def always(answer: bytes, close: bool = False) -> Reply:
         (  # chunk extensions and trailers; the connection is kept
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: 1\r\n\r\n"
             b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n",
-            False, b"hello world", True,
+            False,
+            b"hello world",
+            True,
         ),
         (  # a body that runs to the close of the connection
-            b"HTTP/1.1 200 OK\r\nX-A: 1\r\n\r\nuntil the close", True, b"until the close", False,
+            b"HTTP/1.1 200 OK\r\nX-A: 1\r\n\r\nuntil the close",
+            True,
+            b"until the close",
+            False,
         ),
         (  # HTTP/1.0: never kept
-            b"HTTP/1.0 200 OK\r\nContent-Length: 5\r\nX-A: 1\r\n\r\nhello", False, b"hello", False,
+            b"HTTP/1.0 200 OK\r\nContent-Length: 5\r\nX-A: 1\r\n\r\nhello",
+            False,
+            b"hello",
+            False,
         ),
         (  # bare LF line ends, a folded header and an interim 103 before the answer
             b"HTTP/1.1 103 Early Hints\nLink: </a.css>\n\n"
             b"HTTP/1.1 200 OK\nContent-Length: 5\nX-A: 1\n X-Folded\n\nhello",
-            False, b"hello", True,
+            False,
+            b"hello",
+            True,
         ),
         (  # Transfer-Encoding wins over Content-Length, which is not passed on
             b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\nTransfer-Encoding: chunked\r\n"
             b"X-A: 1\r\n\r\n2\r\nok\r\n0\r\n\r\n",
-            False, b"ok", False,
+            False,
+            b"ok",
+            False,
         ),
         (  # the same Content-Length twice: passed on once
             b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\nX-A: 1\r\n\r\nok",
-            False, b"ok", True,
+            False,
+            b"ok",
+            True,
         ),
     ],
     ids=["chunked", "until-close", "http10", "lf-fold-103", "te-and-cl", "cl-twice"],
-)  # fmt: skip
+)
 def test_answer_framings(
     gateway: Callable[..., Running], answer: bytes, close: bool, body: bytes, reused: bool
 ) -> None:
@@ -397,9 +417,17 @@ def test_answer_framings(
         b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n",
         b"HTTP/1.1 200 OK\r\n" + b"X-Big: " + b"x" * (70 << 10) + b"\r\n\r\n",
     ],
-    ids=["http2", "garbage", "space-in-name", "nul-in-value", "two-lengths", "negative-length",
-         "101", "huge-head"],
-)  # fmt: skip
+    ids=[
+        "http2",
+        "garbage",
+        "space-in-name",
+        "nul-in-value",
+        "two-lengths",
+        "negative-length",
+        "101",
+        "huge-head",
+    ],
+)
 def test_malformed_answer_is_502(gateway: Callable[..., Running], answer: bytes) -> None:
     with RawUpstream(always(answer, close=True)) as up:
         gw = gateway(up.url)
@@ -528,8 +556,13 @@ def test_admin_pages_are_closed_by_default(
     gw = gateway(origin.url)
     before = orders(gw.url)  # (the upstream serves the whole module)
     httpx.post(gw.url + "/orders", json={}, headers={"Idempotency-Key": "k-1", **CALLER})
-    for path in (b"/_retrysafe/", b"/_retrysafe/metrics", b"/_retrysafe/api/stats",
-                 b"/_retrysafe/api/records?key=k-1", b"/_retrysafe/x"):  # fmt: skip
+    for path in (
+        b"/_retrysafe/",
+        b"/_retrysafe/metrics",
+        b"/_retrysafe/api/stats",
+        b"/_retrysafe/api/records?key=k-1",
+        b"/_retrysafe/x",
+    ):
         status, head, body = raw_get(gw.port, path, host=b"127.0.0.1")
         assert status == 403 and b"application/problem+json" in head, path
         problem = json.loads(body)
@@ -613,9 +646,11 @@ def test_gateway_workers_sweep_expired_records_one_at_a_time(
 
 
 def test_gateway_sweeper_can_be_turned_off(
-    origin: UpstreamProcess, gateway: Callable[..., Running], tmp_path: Path,
+    origin: UpstreamProcess,
+    gateway: Callable[..., Running],
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     from retrysafe.gateway import ENV_SWEEP, ENV_UPSTREAM, app_from_env
 
     url = f"sqlite:///{tmp_path}/kept.db"

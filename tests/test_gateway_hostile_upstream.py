@@ -92,8 +92,11 @@ def test_forwarding_headers_from_a_client_never_reach_the_upstream(
     assert seen["x-forwarded-for"] == ["127.0.0.1"]
     assert seen["x-forwarded-host"] == [f"127.0.0.1:{gw.port}"]
     assert seen["x-forwarded-proto"] == ["http"]
-    forged = {name.lower() for name in FORGED} - {"x-forwarded-for", "x-forwarded-host",
-                                                  "x-forwarded-proto"}  # fmt: skip
+    forged = {name.lower() for name in FORGED} - {
+        "x-forwarded-for",
+        "x-forwarded-host",
+        "x-forwarded-proto",
+    }
     assert not forged & set(seen), forged & set(seen)
     assert "6.6.6.6" not in json.dumps(seen) and "bank.test" not in json.dumps(seen)
 
@@ -107,8 +110,13 @@ def test_a_trusted_proxy_forwarding_headers_are_kept_and_extended(
     assert seen["x-forwarded-for"] == ["6.6.6.6, 127.0.0.1"]  # the peer appended
     assert seen["x-forwarded-host"] == ["bank.test"]
     assert seen["x-forwarded-proto"] == ["https"]
-    for name in ("Forwarded", "X-Forwarded-Port", "X-Forwarded-Prefix", "X-Real-IP",
-                 "True-Client-IP"):  # fmt: skip
+    for name in (
+        "Forwarded",
+        "X-Forwarded-Port",
+        "X-Forwarded-Prefix",
+        "X-Real-IP",
+        "True-Client-IP",
+    ):
         assert seen[name.lower()] == [FORGED[name]]
 
 

@@ -296,9 +296,16 @@ def test_a_connection_over_the_limit_gets_503_and_the_others_keep_working(
 
 @pytest.mark.parametrize(
     "option, value",
-    [("max_head_size", 0), ("max_head_size", 1.5), ("head_timeout", 0), ("body_timeout", -1),
-     ("body_timeout", float("inf")), ("max_connections", 0), ("max_connections", True)],
-)  # fmt: skip
+    [
+        ("max_head_size", 0),
+        ("max_head_size", 1.5),
+        ("head_timeout", 0),
+        ("body_timeout", -1),
+        ("body_timeout", float("inf")),
+        ("max_connections", 0),
+        ("max_connections", True),
+    ],
+)
 def test_bad_limits_are_refused(option: str, value: Any, origin: UpstreamProcess) -> None:
     with pytest.raises(ValueError, match=option):
         create_app(origin.url, store="memory://", **{option: value})
@@ -310,8 +317,12 @@ def test_limits_from_the_environment(
     monkeypatch.setenv(ENV_UPSTREAM, origin.url)
     monkeypatch.setenv("RETRYSAFE_STORE", "memory://")
     assert app_from_env().server_limits == ServerLimits()  # type: ignore[attr-defined]
-    values = {ENV_MAX_HEAD_SIZE: "8192", ENV_HEAD_TIMEOUT: "2.5", ENV_BODY_TIMEOUT: "7",
-              ENV_MAX_CONNECTIONS: "40"}  # fmt: skip
+    values = {
+        ENV_MAX_HEAD_SIZE: "8192",
+        ENV_HEAD_TIMEOUT: "2.5",
+        ENV_BODY_TIMEOUT: "7",
+        ENV_MAX_CONNECTIONS: "40",
+    }
     for name, value in values.items():
         monkeypatch.setenv(name, value)
     assert app_from_env().server_limits == ServerLimits(8192, 2.5, 7.0, 40)  # type: ignore[attr-defined]
@@ -328,13 +339,29 @@ def test_the_limits_hold_on_gateway_workers(
 ) -> None:
     """``retrysafe gateway --workers 2`` gives its workers the limits and the parser."""
     argv = [
-        sys.executable, "-m", "retrysafe", "gateway", "--upstream", origin.url,
-        "--store", f"sqlite:///{tmp_path}/gw.db", "--listen", "127.0.0.1:0", "--workers", "2",
-        "--max-head-size", "4096", "--head-timeout", "1", "--http", protocol,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "retrysafe",
+        "gateway",
+        "--upstream",
+        origin.url,
+        "--store",
+        f"sqlite:///{tmp_path}/gw.db",
+        "--listen",
+        "127.0.0.1:0",
+        "--workers",
+        "2",
+        "--max-head-size",
+        "4096",
+        "--head-timeout",
+        "1",
+        "--http",
+        protocol,
+    ]
     env = {**os.environ, "RETRYSAFE_STORE": ""}
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        argv, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     try:
         assert proc.stdout is not None
         lines = []

@@ -344,8 +344,10 @@ def test_history(store: Store[Any], call: Call, clock: Clock) -> None:
         clock.advance(1)
     entries = call(hist, "entries", "u1")
     assert [(e.position, e.entry) for e in entries] == [
-        (0, {"consent": "email", "given": True}), (1, "x"), (2, [1, 2]),
-    ]  # fmt: skip
+        (0, {"consent": "email", "given": True}),
+        (1, "x"),
+        (2, [1, 2]),
+    ]
     assert [e.recorded_at for e in entries] == [clock() - 3, clock() - 2, clock() - 1]
     with pytest.raises(HistoryFullError):
         call(hist, "append", "u1", "y")

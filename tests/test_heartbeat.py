@@ -76,8 +76,9 @@ def wsgi(engine: Engine, slow: Slow) -> Iterator[Callable[[], Any]]:
 def _http_call(url: str) -> Callable[[], Any]:
     def call() -> Any:
         with httpx.Client(timeout=30) as client:
-            answer = client.post(f"{url}/o", json={"n": 1},
-                                 headers={"Idempotency-Key": "k1", **CALLER})  # fmt: skip
+            answer = client.post(
+                f"{url}/o", json={"n": 1}, headers={"Idempotency-Key": "k1", **CALLER}
+            )
         if answer.status_code == 409:
             return "in flight"
         assert answer.status_code == 201, answer.text
@@ -115,16 +116,22 @@ def a2a(engine: Engine, slow: Slow) -> Iterator[Callable[[], Any]]:
         "method": "message/send",
         "params": {
             "message": {
-                "kind": "message", "messageId": "m1", "role": "user",
+                "kind": "message",
+                "messageId": "m1",
+                "role": "user",
                 "parts": [{"kind": "text", "text": "order one"}],
             }
         },
-    }  # fmt: skip
+    }
 
     def handler(request: dict[str, Any]) -> dict[str, Any]:
         run = slow.run()
-        task = {"kind": "task", "id": f"t{run}", "contextId": "c1",
-                "status": {"state": "completed"}}  # fmt: skip
+        task = {
+            "kind": "task",
+            "id": f"t{run}",
+            "contextId": "c1",
+            "status": {"state": "completed"},
+        }
         return {"jsonrpc": "2.0", "id": request["id"], "result": task}
 
     def call() -> Any:
@@ -218,11 +225,16 @@ def test_a_request_ttl_shorter_than_the_handler_keeps_the_key() -> None:
     slow = Slow()
     door = MeshIdempotency(Engine(MemoryStore(), lease=LEASE))
     envelope = {
-        "protocol": {"name": "mesh", "version": "0.1.0"}, "id": "req_1",
+        "protocol": {"name": "mesh", "version": "0.1.0"},
+        "id": "req_1",
         "call": {"function": "orders.create", "version": "1", "arguments": {}},
-        "extensions": [{"urn": "urn:mesh:ext:idempotency",
-                        "options": {"key": "k1", "ttl": {"value": 500, "unit": "millisecond"}}}],
-    }  # fmt: skip
+        "extensions": [
+            {
+                "urn": "urn:mesh:ext:idempotency",
+                "options": {"key": "k1", "ttl": {"value": 500, "unit": "millisecond"}},
+            }
+        ],
+    }
 
     def call() -> Any:
         answer = door.handle(envelope, lambda call: slow.run())

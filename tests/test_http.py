@@ -74,10 +74,16 @@ def test_replay_is_byte_for_byte_and_runs_once(door: Door, client: httpx.Client,
 
 
 def test_json_bodies_are_compared_canonically(door: Door, client: httpx.Client, tid: str) -> None:
-    first = client.post("/orders", content=b'{"a": 1, "b": [1, 2]}', headers=keyed(
-        tid, **{"content-type": "application/json"}))  # fmt: skip
-    again = client.post("/orders", content=b'{"b":[1,2],\n "a":1}', headers=keyed(
-        tid, **{"content-type": "application/json"}))  # fmt: skip
+    first = client.post(
+        "/orders",
+        content=b'{"a": 1, "b": [1, 2]}',
+        headers=keyed(tid, **{"content-type": "application/json"}),
+    )
+    again = client.post(
+        "/orders",
+        content=b'{"b":[1,2],\n "a":1}',
+        headers=keyed(tid, **{"content-type": "application/json"}),
+    )
     assert again.headers["idempotent-replayed"] == "true"
     assert again.content == first.content
     assert door.counter.count(tid) == 1
@@ -110,8 +116,9 @@ def test_non_json_bodies_are_compared_byte_for_byte(
     first = client.post("/raw", content=data, headers=keyed(tid))
     assert first.content == data
     assert client.post("/raw", content=data, headers=keyed(tid)).content == data
-    problem(client.post("/raw", content=data + b"!", headers=keyed(tid)), 422,
-            "idempotency_conflict")  # fmt: skip
+    problem(
+        client.post("/raw", content=data + b"!", headers=keyed(tid)), 422, "idempotency_conflict"
+    )
     assert door.counter.count(tid) == 1
 
 
@@ -199,8 +206,9 @@ def test_control_characters_never_reach_the_handler(door: Door, tid: str) -> Non
 
 def test_a_malformed_json_body_is_refused(door: Door, client: httpx.Client, tid: str) -> None:
     headers = keyed(tid, **{"content-type": "application/json"})
-    problem(client.post("/orders", content=b'{"a": ', headers=headers), 400,
-            "idempotency_body_invalid")  # fmt: skip
+    problem(
+        client.post("/orders", content=b'{"a": ', headers=headers), 400, "idempotency_body_invalid"
+    )
     assert door.counter.count(tid) == 0
     # Nothing was stored: the same key with a good body runs.
     assert client.post("/orders", json={"a": 1}, headers=keyed(tid)).status_code == 201
@@ -209,8 +217,11 @@ def test_a_malformed_json_body_is_refused(door: Door, client: httpx.Client, tid:
 def test_a_reused_key_after_refusal_is_still_free(
     door: Door, client: httpx.Client, tid: str
 ) -> None:
-    problem(client.post("/orders", json={}, headers={"x-test-id": tid, "idempotency-key": b""}),
-            400, "idempotency_key_invalid")  # fmt: skip
+    problem(
+        client.post("/orders", json={}, headers={"x-test-id": tid, "idempotency-key": b""}),
+        400,
+        "idempotency_key_invalid",
+    )
     assert client.post("/orders", json={}, headers=keyed(tid)).status_code == 201
     assert door.counter.count(tid) == 1
 
@@ -271,8 +282,9 @@ def test_a_duplicate_in_flight_gets_409(door: Door, client: httpx.Client, tid: s
     first = _in_background(door.url, f"/slow?gate={tid}", headers)
     try:
         _wait_until_claimed(door, headers["idempotency-key"])
-        doc = problem(client.post(f"/slow?gate={tid}", json={}, headers=headers), 409,
-                      "idempotency_in_flight")  # fmt: skip
+        doc = problem(
+            client.post(f"/slow?gate={tid}", json={}, headers=headers), 409, "idempotency_in_flight"
+        )
     finally:
         door.counter.open_gate(tid)
     assert doc["retry_after"] >= 1
@@ -301,8 +313,11 @@ def test_require_key(door: Door, tid: str) -> None:
         problem(response, 400, "idempotency_key_required")
         assert httpx.post(url + "/orders", json={}, headers=keyed(tid)).status_code == 201
     with door.serve(require_key=lambda request: request.path == "/raw") as url:
-        problem(httpx.post(url + "/raw", content=b"x", headers={"x-test-id": tid}), 400,
-                "idempotency_key_required")  # fmt: skip
+        problem(
+            httpx.post(url + "/raw", content=b"x", headers={"x-test-id": tid}),
+            400,
+            "idempotency_key_required",
+        )
         assert httpx.post(url + "/orders", json={}, headers={"x-test-id": tid}).status_code == 201
     assert door.counter.count(tid) == 2
 
@@ -456,8 +471,9 @@ def test_large_json_bodies_do_not_stall_other_requests(
 
     def post(key: str, content: bytes = body) -> tuple[httpx.Response, float]:
         started = time.perf_counter()
-        r = httpx.post(door.url + "/raw", content=content, timeout=120,
-                       headers=keyed(tid, key, **ctype))  # fmt: skip
+        r = httpx.post(
+            door.url + "/raw", content=content, timeout=120, headers=keyed(tid, key, **ctype)
+        )
         return r, time.perf_counter() - started
 
     first, _ = post(f"a-{tid}")  # also starts the helper process

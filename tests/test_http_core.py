@@ -67,9 +67,22 @@ def test_sf_string_forms(value: str, key: str | None) -> None:
 
 @pytest.mark.parametrize(
     "values",
-    [[""], ["a", "b"], ["a,b"], ['"a", "b"'], ['"a'], ['"a\\n"'], ['"é"'], ["é"], ["k" * 256],
-     ['"a" b'], ["a,"], [",a"], ["a\x00"]],
-)  # fmt: skip
+    [
+        [""],
+        ["a", "b"],
+        ["a,b"],
+        ['"a", "b"'],
+        ['"a'],
+        ['"a\\n"'],
+        ['"é"'],
+        ["é"],
+        ["k" * 256],
+        ['"a" b'],
+        ["a,"],
+        [",a"],
+        ["a\x00"],
+    ],
+)
 def test_malformed_key_headers(values: list[str]) -> None:
     with pytest.raises(InvalidKeyError):
         parse_key(values)
@@ -109,13 +122,24 @@ def test_fingerprint_canonicalises_json_only() -> None:
     assert fp("POST", "/a", "", "application/vnd.api+json", b'{"x":1}') == fp(
         "POST", "/a", "", j, b'{ "x": 1 }'
     )
-    assert fp("POST", "/a", "", "text/plain", b'{"x":1}') != fp("POST", "/a", "", "text/plain",
-                                                               b'{ "x":1}')  # fmt: skip
+    assert fp("POST", "/a", "", "text/plain", b'{"x":1}') != fp(
+        "POST", "/a", "", "text/plain", b'{ "x":1}'
+    )
     # Every part counts, and parts cannot be shifted into one another.
     base = fp("POST", "/a", "q=1", None, b"body")
-    assert len({base, fp("PATCH", "/a", "q=1", None, b"body"), fp("POST", "/a/", "q=1", None,
-               b"body"), fp("POST", "/a", "q=2", None, b"body"), fp("POST", "/a", "q=1", None,
-               b"bodz"), fp("POST", "/aq=1", "", None, b"body")}) == 6  # fmt: skip
+    assert (
+        len(
+            {
+                base,
+                fp("PATCH", "/a", "q=1", None, b"body"),
+                fp("POST", "/a/", "q=1", None, b"body"),
+                fp("POST", "/a", "q=2", None, b"body"),
+                fp("POST", "/a", "q=1", None, b"bodz"),
+                fp("POST", "/aq=1", "", None, b"body"),
+            }
+        )
+        == 6
+    )
 
 
 @pytest.mark.parametrize("body", [b"{", b"[1,", b"NaN", b'{"a": NaN}', b"[" * 100_000])
@@ -137,11 +161,17 @@ def test_a_keyed_fingerprint_needs_the_secret() -> None:
 
 
 def test_sensitive_headers_are_not_stored_unless_allowed() -> None:
-    headers = [("Set-Cookie", "a=b"), ("Authorization", "x"), ("X-Id", "1"),
-               ("Transfer-Encoding", "chunked"), ("Content-Type", "text/plain")]  # fmt: skip
+    headers = [
+        ("Set-Cookie", "a=b"),
+        ("Authorization", "x"),
+        ("X-Id", "1"),
+        ("Transfer-Encoding", "chunked"),
+        ("Content-Type", "text/plain"),
+    ]
     assert HttpPolicy("memory://").stored_headers(headers) == (
-        ("x-id", "1"), ("content-type", "text/plain"),
-    )  # fmt: skip
+        ("x-id", "1"),
+        ("content-type", "text/plain"),
+    )
     allowed = HttpPolicy("memory://", store_headers=["set-cookie", "x-id"])
     assert allowed.stored_headers(headers) == (("set-cookie", "a=b"), ("x-id", "1"))
     dropped = HttpPolicy("memory://", drop_headers=["X-Id"])
@@ -157,8 +187,11 @@ def test_answers_for_replays() -> None:
     stored = policy.outcome(201, [("content-type", "text/plain"), ("x-a", "1")], b"abc", 3)
     answer = policy.replay(_replay(stored))
     assert (answer.status, answer.body) == (201, b"abc")
-    assert answer.headers == [("content-type", "text/plain"), ("x-a", "1"),
-                              ("idempotent-replayed", "true")]  # fmt: skip
+    assert answer.headers == [
+        ("content-type", "text/plain"),
+        ("x-a", "1"),
+        ("idempotent-replayed", "true"),
+    ]
     big = policy.outcome(200, [("content-type", "text/plain"), ("x-a", "1")], b"", 5)
     assert big.media_type == OMITTED and big.body == b""
     answer = policy.replay(_replay(big))
@@ -172,21 +205,33 @@ def test_answers_for_replays() -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{"duplicate_response": "ignore"}, {"fail_mode": "maybe"}, {"header": ""}, {"header": []},
-     {"require_key": "yes"}, {"scope": "tenant"}, {"max_body": -1}, {"ttl": 0}],
-)  # fmt: skip
+    [
+        {"duplicate_response": "ignore"},
+        {"fail_mode": "maybe"},
+        {"header": ""},
+        {"header": []},
+        {"require_key": "yes"},
+        {"scope": "tenant"},
+        {"max_body": -1},
+        {"ttl": 0},
+    ],
+)
 def test_bad_options_fail_at_construction(options: dict[str, object]) -> None:
     with pytest.raises((TypeError, ValueError)):
         HttpPolicy("memory://", **options)  # type: ignore[arg-type]
 
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(), children,
-                                                                        max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(), children, max_size=4)
+    ),
     max_leaves=12,
-)  # fmt: skip
+)
 
 
 @given(JSON_VALUES)

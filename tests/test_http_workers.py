@@ -38,9 +38,20 @@ def _argv(door: str, port: int, store: str, upstream: str | None) -> list[str]:
         return gunicorn_argv(f"_http_apps:{door}_from_env()", port, WORKERS)
     assert upstream is not None
     return [
-        sys.executable, "-m", "retrysafe", "gateway", "--upstream", upstream, "--store", store,
-        "--listen", f"127.0.0.1:{port}", "--workers", str(WORKERS), "--admin-loopback",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "retrysafe",
+        "gateway",
+        "--upstream",
+        upstream,
+        "--store",
+        store,
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--workers",
+        str(WORKERS),
+        "--admin-loopback",
+    ]
 
 
 @pytest.fixture(
@@ -56,8 +67,11 @@ def workers(
     port = free_port()
     metrics = tmp_path / "metrics"  # the workers' counters, added up by any of them
     metrics.mkdir()
-    env = {"RETRYSAFE_TEST_COUNTERS": str(counter.root), "RETRYSAFE_TEST_STORE": store,
-           "PROMETHEUS_MULTIPROC_DIR": str(metrics)}  # fmt: skip
+    env = {
+        "RETRYSAFE_TEST_COUNTERS": str(counter.root),
+        "RETRYSAFE_TEST_STORE": store,
+        "PROMETHEUS_MULTIPROC_DIR": str(metrics),
+    }
     health = "/_retrysafe/health" if door == "gateway" else "/count/none"
     with Process(_argv(door, port, store, upstream), port, env, health=health) as proc:
         yield door, proc.url

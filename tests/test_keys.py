@@ -110,8 +110,10 @@ def test_cart_hash_reads_attributes_and_ignores_other_fields() -> None:
         title: str = ""
 
     lines = [Line("v1", 2, Decimal("3.50"), "Socks"), Line("v2", 1, Decimal("10"), "Hat")]
-    dicts = [{"variant_id": "v2", "quantity": 1, "price": 10, "title": "x"},
-             {"variant_id": "v1", "quantity": 2, "price": "3.5"}]  # fmt: skip
+    dicts = [
+        {"variant_id": "v2", "quantity": 1, "price": 10, "title": "x"},
+        {"variant_id": "v1", "quantity": 2, "price": "3.5"},
+    ]
     assert cart_hash(lines) == cart_hash(dicts)
     assert cart_hash(iter(lines)) == cart_hash(lines)
 

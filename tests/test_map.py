@@ -147,9 +147,15 @@ def test_default_keys_reproduce_the_seed_examples(
 def test_default_table() -> None:
     imap = IdempotencyMap.default()
     assert list(imap.operations) == [
-        "session", "cart_mandate", "intent_mandate", "payment", "order", "webhook",
-        "payment_webhook", "sync",
-    ]  # fmt: skip
+        "session",
+        "cart_mandate",
+        "intent_mandate",
+        "payment",
+        "order",
+        "webhook",
+        "payment_webhook",
+        "sync",
+    ]
     table = {
         op.name: (op.key, op.scope, op.ttl, op.lease, op.retention, op.final_failures)
         for op in imap
@@ -157,22 +163,41 @@ def test_default_table() -> None:
     assert table == {
         "session": ("session:{user_id}:{timestamp}:{nonce}", "user", DAY, 30, STANDARD, False),
         "cart_mandate": (
-            "cart_mandate:{session_id}:{cart_hash}", "session", 1800, 30, STANDARD, False
+            "cart_mandate:{session_id}:{cart_hash}",
+            "session",
+            1800,
+            30,
+            STANDARD,
+            False,
         ),
         "intent_mandate": (
-            "intent_mandate:{user_id}:{intent_hash}", "user", DAY, 30, STANDARD, False
+            "intent_mandate:{user_id}:{intent_hash}",
+            "user",
+            DAY,
+            30,
+            STANDARD,
+            False,
         ),
         "payment": (
-            "payment:{order_id}:{amount}:{currency}:{timestamp}", "order", WEEK, 30, FINANCIAL,
+            "payment:{order_id}:{amount}:{currency}:{timestamp}",
+            "order",
+            WEEK,
+            30,
+            FINANCIAL,
             False,
         ),
         "order": ("order:{cart_mandate_id}:{user_id}", "cart", WEEK, 30, FINANCIAL, False),
         "webhook": ("webhook:{source}:{event_id}", "event", DAY, 30, STANDARD, False),
         "payment_webhook": (
-            "webhook:{gateway}:{transaction_id}:{event_type}", "event", DAY, 30, STANDARD, False
+            "webhook:{gateway}:{transaction_id}:{event_type}",
+            "event",
+            DAY,
+            30,
+            STANDARD,
+            False,
         ),
         "sync": ("sync:{entity}:{entity_id}:{version}", "entity", DAY, 30, STANDARD, False),
-    }  # fmt: skip
+    }
     assert imap.routes == ()
     assert IdempotencyMap.default() is imap
     assert imap.operation("payment").fields == ("order_id", "amount", "currency", "timestamp")
@@ -184,8 +209,12 @@ def test_operation_engine_takes_its_settings() -> None:
     engine = op.engine("memory://", wait=2)
     assert isinstance(engine, Engine)
     assert (engine.ttl, engine.lease, engine.final_failures, engine.retention, engine.wait) == (
-        WEEK, 30, False, FINANCIAL, 2,
-    )  # fmt: skip
+        WEEK,
+        30,
+        False,
+        FINANCIAL,
+        2,
+    )
     claim = engine.begin("k1", operation=op.name)
     assert isinstance(claim, retrysafe.Claim)
     assert claim.expires_at - claim.lease_until == pytest.approx(WEEK - 30, abs=1)
@@ -382,9 +411,13 @@ def test_route_patterns() -> None:
     assert imap.route("GET", "/payments/o") is None
     assert imap.route("POST", "/payments/o/extra") is None
     assert imap.route("POST", "/payments/") is None
-    assert imap.route("POST", "/orders/m/users/u") == (imap.routes[2], {
-        "cart_mandate_id": "m", "user_id": "u",
-    })  # fmt: skip
+    assert imap.route("POST", "/orders/m/users/u") == (
+        imap.routes[2],
+        {
+            "cart_mandate_id": "m",
+            "user_id": "u",
+        },
+    )
     assert imap.route("PUT", "/sync/product/a/b") == (imap.routes[3], {"entity": "product"})
     assert imap.route("PUT", "/sync/product/") == (imap.routes[3], {"entity": "product"})
     assert imap.route("PUT", "/sync/product") is None
@@ -619,9 +652,14 @@ def test_empty_file_is_an_empty_map() -> None:
 def test_to_toml_round_trips() -> None:
     imap = IdempotencyMap.loads(FULL).merge(IdempotencyMap.default())
     odd = Operation(
-        "odd.name", key="odd:{a}", scope="entity", ttl=0.25, lease=0.001,
-        description='quotes " and \\ and \n newline and \t tab', final_failures=True,
-    )  # fmt: skip
+        "odd.name",
+        key="odd:{a}",
+        scope="entity",
+        ttl=0.25,
+        lease=0.001,
+        description='quotes " and \\ and \n newline and \t tab',
+        final_failures=True,
+    )
     imap = imap.with_operations(odd)
     text = imap.to_toml()
     assert '[operations."odd.name"]' in text
@@ -802,5 +840,8 @@ def test_map_error_pickles() -> None:
     assert str(error) == "f.toml:3: routes[2].operation: bad"
     copy = pickle.loads(pickle.dumps(error))
     assert (copy.source, copy.line, copy.field, str(copy)) == (
-        "f.toml", 3, "routes[2].operation", str(error),
-    )  # fmt: skip
+        "f.toml",
+        3,
+        "routes[2].operation",
+        str(error),
+    )

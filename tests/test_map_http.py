@@ -81,8 +81,11 @@ def test_route_requires_its_key_and_answers_duplicates_with_204(
 ) -> None:
     _, store, counter = served
     tid = uuid.uuid4().hex
-    problem(client.post("/orders", json={"a": 1}, headers={"x-test-id": tid}),
-            400, "idempotency_key_required")  # fmt: skip
+    problem(
+        client.post("/orders", json={"a": 1}, headers={"x-test-id": tid}),
+        400,
+        "idempotency_key_required",
+    )
     assert counter.count(tid) == 0
     key = f"order:mandate_{tid}:user_1"
     headers = {"x-test-id": tid, "idempotency-key": key}
@@ -102,8 +105,12 @@ def send_target(url: str, target: str, headers: dict[str, str]) -> tuple[int, by
     where = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(where.hostname or "", where.port, timeout=30)
     try:
-        conn.request("POST", target, body=b'{"a": 1}',
-                     headers={"content-type": "application/json", **CALLER, **headers})  # fmt: skip
+        conn.request(
+            "POST",
+            target,
+            body=b'{"a": 1}',
+            headers={"content-type": "application/json", **CALLER, **headers},
+        )
         answer = conn.getresponse()
         return answer.status, answer.read()
     finally:
@@ -141,8 +148,9 @@ def test_route_reads_its_own_header_and_checks_the_key_format(
     assert record is not None and record.retention == "financial"
     assert record.expires_at - record.created_at == pytest.approx(7 * 86400)
 
-    bad = client.post("/raw", content=b"charge", headers={"x-test-id": tid,
-                                                          "x-payment-key": "pay-123"})  # fmt: skip
+    bad = client.post(
+        "/raw", content=b"charge", headers={"x-test-id": tid, "x-payment-key": "pay-123"}
+    )
     doc = problem(bad, 400, "idempotency_key_invalid")
     assert "payment:{order_id}:{amount}:{currency}:{timestamp}" in doc["detail"]
     assert counter.count(tid) == 1  # the replay and the refused key ran nothing

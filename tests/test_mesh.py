@@ -135,11 +135,18 @@ def test_first_request_is_processed(run: Mesh, clock: Clock, store: Store[Any]) 
         "id": "req_001",
         "result": RESULT,
         "errors": [],
-        "extensions": [{"urn": URN, "data": {
-            "key": KEY, "status": "processed", "original_request_id": "req_001",
-            "expires_at": iso(clock.now + 24 * 3600),
-        }}],
-    }  # fmt: skip
+        "extensions": [
+            {
+                "urn": URN,
+                "data": {
+                    "key": KEY,
+                    "status": "processed",
+                    "original_request_id": "req_001",
+                    "expires_at": iso(clock.now + 24 * 3600),
+                },
+            }
+        ],
+    }
     assert charge.calls == [request()["call"]]
     # Stored under hash(scope, function@version, key), with the arguments' hash.
     record = store.get(key_hash("", "payments.charge@1", KEY))
@@ -158,11 +165,19 @@ def test_retry_is_cached(run: Mesh, clock: Clock) -> None:
         "id": "req_002",
         "result": RESULT,
         "errors": [],
-        "extensions": [{"urn": URN, "data": {
-            "key": KEY, "status": "cached", "original_request_id": "req_001",
-            "cached_at": iso(first_at), "expires_at": iso(first_at + 24 * 3600),
-        }}],
-    }  # fmt: skip
+        "extensions": [
+            {
+                "urn": URN,
+                "data": {
+                    "key": KEY,
+                    "status": "cached",
+                    "original_request_id": "req_001",
+                    "cached_at": iso(first_at),
+                    "expires_at": iso(first_at + 24 * 3600),
+                },
+            }
+        ],
+    }
     assert data(run(request("req_003"), charge))["status"] == "cached"
     assert len(charge.calls) == 1
 
@@ -175,16 +190,25 @@ def test_other_arguments_conflict(run: Mesh) -> None:
         "protocol": PROTOCOL,
         "id": "req_003",
         "result": None,
-        "errors": [{
-            "code": "IDEMPOTENCY_CONFLICT",
-            "message": "Idempotency key already used with different arguments",
-            "retryable": False,
-            "details": {"key": KEY, "original_arguments_hash": args_hash(ARGUMENTS)},
-        }],
-        "extensions": [{"urn": URN, "data": {
-            "key": KEY, "status": "conflict", "original_request_id": "req_001",
-        }}],
-    }  # fmt: skip
+        "errors": [
+            {
+                "code": "IDEMPOTENCY_CONFLICT",
+                "message": "Idempotency key already used with different arguments",
+                "retryable": False,
+                "details": {"key": KEY, "original_arguments_hash": args_hash(ARGUMENTS)},
+            }
+        ],
+        "extensions": [
+            {
+                "urn": URN,
+                "data": {
+                    "key": KEY,
+                    "status": "conflict",
+                    "original_request_id": "req_001",
+                },
+            }
+        ],
+    }
     assert len(charge.calls) == 1
     # The same arguments in another key order are the same request.
     reordered = dict(reversed(list(ARGUMENTS.items())))
@@ -221,16 +245,25 @@ def test_duplicate_while_processing(mode: str, engine: Engine) -> None:
         "protocol": PROTOCOL,
         "id": "req_004",
         "result": None,
-        "errors": [{
-            "code": "IDEMPOTENCY_PROCESSING",
-            "message": "Previous request with this key is still processing",
-            "retryable": True,
-            "details": {"key": KEY, "retry_after": {"value": 1, "unit": "second"}},
-        }],
-        "extensions": [{"urn": URN, "data": {
-            "key": KEY, "status": "processing", "original_request_id": "req_001",
-        }}],
-    }  # fmt: skip
+        "errors": [
+            {
+                "code": "IDEMPOTENCY_PROCESSING",
+                "message": "Previous request with this key is still processing",
+                "retryable": True,
+                "details": {"key": KEY, "retry_after": {"value": 1, "unit": "second"}},
+            }
+        ],
+        "extensions": [
+            {
+                "urn": URN,
+                "data": {
+                    "key": KEY,
+                    "status": "processing",
+                    "original_request_id": "req_001",
+                },
+            }
+        ],
+    }
     assert outer["result"] == RESULT and data(outer)["status"] == "processed"
 
 
@@ -328,8 +361,12 @@ def test_request_without_the_extension_passes_through(run: Mesh, store: Store[An
     other["extensions"] = [{"urn": "urn:mesh:ext:tracing", "options": {"trace_id": "t1"}}]
     for envelope in (plain, plain, other):
         assert run(envelope, charge) == {
-            "protocol": PROTOCOL, "id": "req_001", "result": RESULT, "errors": [], "extensions": [],
-        }  # fmt: skip
+            "protocol": PROTOCOL,
+            "id": "req_001",
+            "result": RESULT,
+            "errors": [],
+            "extensions": [],
+        }
     assert charge.calls == [plain["call"], plain["call"], other["call"]]
     assert store.records() == []
 
@@ -350,11 +387,19 @@ def test_mesh_error_is_final_and_replayed(run: Mesh, clock: Clock) -> None:
 
     charge = Charges(decline)
     first = run(request(), charge)
-    error = {"code": "PAYMENT_DECLINED", "message": "card declined", "retryable": False,
-             "details": {"reason": "funds"}}  # fmt: skip
+    error = {
+        "code": "PAYMENT_DECLINED",
+        "message": "card declined",
+        "retryable": False,
+        "details": {"reason": "funds"},
+    }
     assert first["result"] is None and first["errors"] == [error]
-    assert data(first) == {"key": KEY, "status": "processed", "original_request_id": "req_001",
-                           "expires_at": iso(clock.now + 24 * 3600)}  # fmt: skip
+    assert data(first) == {
+        "key": KEY,
+        "status": "processed",
+        "original_request_id": "req_001",
+        "expires_at": iso(clock.now + 24 * 3600),
+    }
     again = run(request("req_002"), charge)
     assert again["errors"] == [error] and again["result"] is None
     assert data(again)["status"] == "cached" and data(again)["original_request_id"] == "req_001"
@@ -440,14 +485,16 @@ def test_store_down_is_a_retryable_error(mode: str) -> None:
         "protocol": PROTOCOL,
         "id": "req_001",
         "result": None,
-        "errors": [{
-            "code": "IDEMPOTENCY_STORE_UNAVAILABLE",
-            "message": "the idempotency store cannot be reached; retry with the same key",
-            "retryable": True,
-            "details": {"key": KEY, "retry_after": {"value": 1, "unit": "second"}},
-        }],
+        "errors": [
+            {
+                "code": "IDEMPOTENCY_STORE_UNAVAILABLE",
+                "message": "the idempotency store cannot be reached; retry with the same key",
+                "retryable": True,
+                "details": {"key": KEY, "retry_after": {"value": 1, "unit": "second"}},
+            }
+        ],
         "extensions": [],
-    }  # fmt: skip
+    }
     assert charge.calls == []
 
 
@@ -567,10 +614,16 @@ MALFORMED = [
     (_with("extensions/0", URN), "INVALID_REQUEST", "/extensions/0"),
     (_with("extensions/0", {"options": {"key": KEY}}), "INVALID_REQUEST", "/extensions/0"),
     (_with("extensions/0/urn", 5), "INVALID_REQUEST", "/extensions/0"),
-    (_with("extensions", [{"urn": URN, "options": {"key": "a"}}] * 2), "INVALID_REQUEST",
-     "/extensions/1"),
-    (_with("extensions/0/options", "charge_order456_v1"), "INVALID_REQUEST",
-     "/extensions/0/options"),
+    (
+        _with("extensions", [{"urn": URN, "options": {"key": "a"}}] * 2),
+        "INVALID_REQUEST",
+        "/extensions/1",
+    ),
+    (
+        _with("extensions/0/options", "charge_order456_v1"),
+        "INVALID_REQUEST",
+        "/extensions/0/options",
+    ),
     (_with("extensions/0/options", {}), "IDEMPOTENCY_KEY_REQUIRED", _KEY_AT),
     (_without("extensions/0/options"), "IDEMPOTENCY_KEY_REQUIRED", _KEY_AT),
     (_with(_KEY_AT[1:], 456), "IDEMPOTENCY_KEY_INVALID", _KEY_AT),
@@ -585,13 +638,19 @@ MALFORMED = [
     (_with(_TTL_AT[1:], {"value": True, "unit": "hour"}), "INVALID_REQUEST", _TTL_AT + "/value"),
     (_with(_TTL_AT[1:], {"value": "1", "unit": "hour"}), "INVALID_REQUEST", _TTL_AT + "/value"),
     (_with(_TTL_AT[1:], {"unit": "hour"}), "INVALID_REQUEST", _TTL_AT + "/value"),
-    (_with(_TTL_AT[1:], {"value": float("inf"), "unit": "hour"}), "INVALID_REQUEST",
-     _TTL_AT + "/value"),
-    (_with(_TTL_AT[1:], {"value": 5e-324, "unit": "millisecond"}), "INVALID_REQUEST",
-     _TTL_AT + "/value"),
+    (
+        _with(_TTL_AT[1:], {"value": float("inf"), "unit": "hour"}),
+        "INVALID_REQUEST",
+        _TTL_AT + "/value",
+    ),
+    (
+        _with(_TTL_AT[1:], {"value": 5e-324, "unit": "millisecond"}),
+        "INVALID_REQUEST",
+        _TTL_AT + "/value",
+    ),
     (_with(_TTL_AT[1:], {"value": 1, "unit": "week"}), "INVALID_REQUEST", _TTL_AT + "/unit"),
     (_with(_TTL_AT[1:], {"value": 1}), "INVALID_REQUEST", _TTL_AT + "/unit"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("envelope", "code", "pointer"), MALFORMED)
@@ -640,17 +699,35 @@ _bad_key = (
 )
 _bad_ttl = st.one_of(
     _not_object.filter(lambda v: v is not None),
-    st.fixed_dictionaries({
-        "value": st.integers(max_value=0) | st.floats(max_value=0) | st.text() | st.booleans(),
-        "unit": st.sampled_from(["second", "hour"]),
-    }),
-    st.fixed_dictionaries({"value": st.integers(1, 10), "unit": _not_text | st.sampled_from(
-        ["week", "Second", "s", "h", ""])}),
-)  # fmt: skip
+    st.fixed_dictionaries(
+        {
+            "value": st.integers(max_value=0) | st.floats(max_value=0) | st.text() | st.booleans(),
+            "unit": st.sampled_from(["second", "hour"]),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "value": st.integers(1, 10),
+            "unit": _not_text | st.sampled_from(["week", "Second", "s", "h", ""]),
+        }
+    ),
+)
 MUTATIONS = st.one_of(
-    st.tuples(st.just("protocol"), json_values.filter(lambda v: v != PROTOCOL and not (
-        isinstance(v, dict) and v.get("name") == "mesh" and isinstance(v.get("version"), str)
-        and v["version"]) and not isinstance(v, str))),
+    st.tuples(
+        st.just("protocol"),
+        json_values.filter(
+            lambda v: (
+                v != PROTOCOL
+                and not (
+                    isinstance(v, dict)
+                    and v.get("name") == "mesh"
+                    and isinstance(v.get("version"), str)
+                    and v["version"]
+                )
+                and not isinstance(v, str)
+            )
+        ),
+    ),
     st.tuples(st.just("id"), _not_text | st.just("")),
     st.tuples(st.just("call"), _not_object),
     st.tuples(st.just("call/function"), _not_text | st.just("")),
@@ -658,12 +735,16 @@ MUTATIONS = st.one_of(
     st.tuples(st.just("call/arguments"), _not_object.filter(lambda v: v is not None)),
     st.tuples(st.just("context"), _not_object.filter(lambda v: v is not None)),
     st.tuples(st.just("extensions"), _not_object.filter(lambda v: not isinstance(v, list | None))),
-    st.tuples(st.just("extensions/0"), json_values.filter(lambda v: not (
-        isinstance(v, dict) and isinstance(v.get("urn"), str) and v["urn"]))),
+    st.tuples(
+        st.just("extensions/0"),
+        json_values.filter(
+            lambda v: not (isinstance(v, dict) and isinstance(v.get("urn"), str) and v["urn"])
+        ),
+    ),
     st.tuples(st.just("extensions/0/options"), _not_object.filter(lambda v: v is not None)),
     st.tuples(st.just(_KEY_AT[1:]), _bad_key),
     st.tuples(st.just(_TTL_AT[1:]), _bad_ttl),
-)  # fmt: skip
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -675,8 +756,11 @@ def test_property_malformed_requests_get_an_error_envelope(envelope: Any) -> Non
     answer = mesh.handle(envelope, charge)
     assert set(answer) == {"protocol", "id", "result", "errors", "extensions"}
     [error] = answer["errors"]
-    assert error["code"] in {"INVALID_REQUEST", "IDEMPOTENCY_KEY_REQUIRED",
-                             "IDEMPOTENCY_KEY_INVALID"}  # fmt: skip
+    assert error["code"] in {
+        "INVALID_REQUEST",
+        "IDEMPOTENCY_KEY_REQUIRED",
+        "IDEMPOTENCY_KEY_INVALID",
+    }
     assert error["retryable"] is False and isinstance(error["message"], str)
     assert answer["result"] is None and answer["extensions"] == []
     json.dumps(answer, allow_nan=False)
@@ -825,8 +909,11 @@ class Functions:
         raise RuntimeError("secret connection string")
 
     def handlers(self) -> dict[str, Callable[..., Any]]:
-        return {"payments.charge": self.charge, "payments.refund": self.refund,
-                "payments.crash": self.crash}  # fmt: skip
+        return {
+            "payments.charge": self.charge,
+            "payments.refund": self.refund,
+            "payments.crash": self.crash,
+        }
 
 
 @pytest.fixture
@@ -870,10 +957,19 @@ def test_http_unknown_function(served: tuple[httpx.Client, Functions, Store[Any]
     answer = client.post("/mesh", json=request(function="payments.nope"))
     assert answer.status_code == 200
     assert answer.json() == {
-        "protocol": PROTOCOL, "id": "req_001", "result": None, "extensions": [],
-        "errors": [{"code": "FUNCTION_NOT_FOUND", "message": "no function 'payments.nope'",
-                    "retryable": False, "source": {"pointer": "/call/function"}}],
-    }  # fmt: skip
+        "protocol": PROTOCOL,
+        "id": "req_001",
+        "result": None,
+        "extensions": [],
+        "errors": [
+            {
+                "code": "FUNCTION_NOT_FOUND",
+                "message": "no function 'payments.nope'",
+                "retryable": False,
+                "source": {"pointer": "/call/function"},
+            }
+        ],
+    }
     assert store.records() == []
 
 
@@ -949,8 +1045,9 @@ def test_http_custom_principal_and_store_down() -> None:
 def test_the_old_scope_option_still_names_the_caller(memory: Store[Any]) -> None:
     """``scope=`` (a callable over the ASGI scope) is ``principal=``'s old name."""
     with pytest.warns(DeprecationWarning, match="principal="):
-        app = MeshApp({"payments.charge": lambda call: RESULT}, memory,
-                      scope=lambda asgi: asgi["path"])  # fmt: skip
+        app = MeshApp(
+            {"payments.charge": lambda call: RESULT}, memory, scope=lambda asgi: asgi["path"]
+        )
     with ThreadServer(app, "asgi") as server:
         for path in ("/a", "/b", "/a"):
             httpx.post(server.url + path, json=request())

@@ -43,8 +43,13 @@ def answer(
 ) -> httpx.Response:
     """A Mesh answer, as MeshApp sends it: 200, JSON, the error (if any) in ``errors``."""
     entry = {"urn": URN, "data": {"key": "k", "status": status, "original_request_id": "req_0"}}
-    doc = {"protocol": PROTOCOL, "id": "req_x", "result": result, "errors": errors or [],
-           "extensions": [entry]}  # fmt: skip
+    doc = {
+        "protocol": PROTOCOL,
+        "id": "req_x",
+        "result": result,
+        "errors": errors or [],
+        "extensions": [entry],
+    }
     return httpx.Response(200, json=doc)
 
 
@@ -76,9 +81,11 @@ def scripted(
 
 
 def mesh_call(
-    mode: str, handler: Callable[[httpx.Request], httpx.Response], retry: RetryPolicy,
+    mode: str,
+    handler: Callable[[httpx.Request], httpx.Response],
+    retry: RetryPolicy,
     **options: Any,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """``call("payments.charge", ARGUMENTS)`` through the sync or the async client."""
     transport = httpx.MockTransport(handler)
     if mode == "sync":
@@ -107,8 +114,15 @@ def key_of(envelope: dict[str, Any]) -> str:
 def test_the_envelope(mode: str) -> None:
     handler, seen = scripted([CACHED])
     other = {"urn": "urn:mesh:ext:trace", "options": {"span": "s1"}}
-    doc = mesh_call(mode, handler, RetryPolicy(), version="1", key="charge_order456_v1",
-                    ttl=3600, extensions=[other])  # fmt: skip
+    doc = mesh_call(
+        mode,
+        handler,
+        RetryPolicy(),
+        version="1",
+        key="charge_order456_v1",
+        ttl=3600,
+        extensions=[other],
+    )
     assert doc["result"] == RESULT
     [request] = seen
     assert request.method == "POST" and str(request.url) == URL
@@ -122,10 +136,12 @@ def test_the_envelope(mode: str) -> None:
         "call": {"function": "payments.charge", "version": "1", "arguments": ARGUMENTS},
         "extensions": [
             other,
-            {"urn": URN, "options": {"key": "charge_order456_v1",
-                                     "ttl": {"value": 3600, "unit": "second"}}},
+            {
+                "urn": URN,
+                "options": {"key": "charge_order456_v1", "ttl": {"value": 3600, "unit": "second"}},
+            },
         ],
-    }  # fmt: skip
+    }
 
 
 def test_a_new_key_per_call_without_version_or_ttl(mode: str) -> None:
@@ -185,13 +201,22 @@ def test_processing_is_retried_after_its_retry_after_with_the_same_key_and_new_i
 @pytest.mark.parametrize(
     ("first", "asked"),
     [
-        (answer(None, [error("IDEMPOTENCY_STORE_UNAVAILABLE", True,
-                             retry_after={"value": 3, "unit": "s"})]), 3),
+        (
+            answer(
+                None,
+                [
+                    error(
+                        "IDEMPOTENCY_STORE_UNAVAILABLE", True, retry_after={"value": 3, "unit": "s"}
+                    )
+                ],
+            ),
+            3,
+        ),
         (answer(None, [{"code": "INTERNAL_ERROR", "message": "crashed", "retryable": True}]), None),
         (httpx.Response(503), None),
         (httpx.ReadTimeout("the answer was lost"), None),
     ],
-)  # fmt: skip
+)
 def test_other_retryable_answers(
     mode: str, first: httpx.Response | Exception, asked: float | None
 ) -> None:
@@ -256,8 +281,13 @@ def test_an_answer_that_is_no_envelope(mode: str) -> None:
     with pytest.raises(ValueError, match="without an envelope"):
         mesh_call(mode, handler, policy(fake))
     parse_error = {"code": "PARSE_ERROR", "message": "no", "retryable": False}
-    refused = {"protocol": PROTOCOL, "id": None, "result": None, "errors": [parse_error],
-               "extensions": []}  # fmt: skip
+    refused = {
+        "protocol": PROTOCOL,
+        "id": None,
+        "result": None,
+        "errors": [parse_error],
+        "extensions": [],
+    }
     handler, seen = scripted([httpx.Response(400, json=refused)])
     assert mesh_call(mode, handler, policy(fake)) == refused and len(seen) == 1
 
@@ -267,19 +297,31 @@ def test_an_answer_that_is_no_envelope(mode: str) -> None:
 
 @pytest.mark.parametrize(
     ("value", "unit", "seconds"),
-    [(250, "ms", 0.25), (250, "millisecond", 0.25), (250, "milliseconds", 0.25), (2, "s", 2),
-     (2, "second", 2), (2, "seconds", 2), (1, "m", 60), (1, "minute", 60), (1, "minutes", 60),
-     (1, "hour", 3600)],
-)  # fmt: skip
+    [
+        (250, "ms", 0.25),
+        (250, "millisecond", 0.25),
+        (250, "milliseconds", 0.25),
+        (2, "s", 2),
+        (2, "second", 2),
+        (2, "seconds", 2),
+        (1, "m", 60),
+        (1, "minute", 60),
+        (1, "minutes", 60),
+        (1, "hour", 3600),
+    ],
+)
 def test_retry_after_units_in_mesh_errors(value: float, unit: str, seconds: float) -> None:
     assert retry_after(processing(value, unit)) == pytest.approx(seconds)
 
 
 def test_retry_after_takes_the_longest_mesh_error() -> None:
-    two = answer(None, [
-        error("IDEMPOTENCY_PROCESSING", True, retry_after={"value": 1, "unit": "second"}),
-        {"code": "X", "message": "x", "retryable": True, "retry_after": 5},
-    ])  # fmt: skip
+    two = answer(
+        None,
+        [
+            error("IDEMPOTENCY_PROCESSING", True, retry_after={"value": 1, "unit": "second"}),
+            {"code": "X", "message": "x", "retryable": True, "retry_after": 5},
+        ],
+    )
     assert retry_after(two) == 5
     p = RetryPolicy()
     assert decide(1, two, p, 0.0, retryable=mesh_retryable) == 5

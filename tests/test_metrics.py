@@ -124,9 +124,14 @@ def test_each_outcome_is_counted_once_on_every_http_door(
             assert first.result().status_code == 200
         assert c.get("/count/" + tid).status_code == 200  # not keyed: counts nothing
     assert counts(op) == {
-        "executed": 3, "replayed": 1, "conflict": 1, "invalid_key": 1, "failed": 1,
-        "in_flight": 1, "unscoped": 1,
-    }  # fmt: skip
+        "executed": 3,
+        "replayed": 1,
+        "conflict": 1,
+        "invalid_key": 1,
+        "failed": 1,
+        "in_flight": 1,
+        "unscoped": 1,
+    }
     assert handler_count(op) == 3  # two completions and one failure, each timed
 
 
@@ -138,8 +143,9 @@ def test_a_store_that_is_down_is_counted_on_every_http_door(
     upstream = request.getfixturevalue("upstream") if name == "gateway" else None
     app, kind = build(name, counter, down, upstream, operation=op)
     with ThreadServer(app, kind) as server:
-        r = httpx.post(server.url + "/orders", json={},
-                       headers={"idempotency-key": "k", **CALLER}, timeout=30)  # fmt: skip
+        r = httpx.post(
+            server.url + "/orders", json={}, headers={"idempotency-key": "k", **CALLER}, timeout=30
+        )
     assert r.status_code == 503 and r.json()["code"] == "idempotency_store_unavailable"
     assert counts(op) == {"store_unavailable": 1}
 
@@ -163,9 +169,12 @@ def test_the_decorator_mesh_a2a_and_webhooks_report_through_the_engine(
     mesh = MeshIdempotency(memory)
     function = f"svc.{op.replace('-', '_')}"
     extension = {"urn": "urn:mesh:ext:idempotency", "options": {"key": "k1"}}
-    envelope = {"protocol": {"name": "mesh", "version": "0.1.0"}, "id": "r1",
-                "call": {"function": function, "version": "1", "arguments": {"a": 1}},
-                "extensions": [extension]}  # fmt: skip
+    envelope = {
+        "protocol": {"name": "mesh", "version": "0.1.0"},
+        "id": "r1",
+        "call": {"function": function, "version": "1", "arguments": {"a": 1}},
+        "extensions": [extension],
+    }
     for _ in range(3):
         mesh.handle(envelope, lambda call: {"ok": True})
     conflict = json.loads(json.dumps(envelope))
@@ -174,11 +183,24 @@ def test_the_decorator_mesh_a2a_and_webhooks_report_through_the_engine(
     assert counts(f"{function}@1") == {"executed": 1, "replayed": 2, "conflict": 1}
 
     a2a = A2AIdempotency(memory, operation=op + "-a2a")
-    send = {"jsonrpc": "2.0", "id": 1, "method": "message/send", "params": {"message": {
-        "kind": "message", "messageId": "m-1", "role": "user",
-        "parts": [{"kind": "text", "text": "hi"}]}}}  # fmt: skip
-    reply = {"jsonrpc": "2.0", "id": 1, "result": {"kind": "message", "messageId": "a",
-                                                   "role": "agent", "parts": []}}  # fmt: skip
+    send = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "message/send",
+        "params": {
+            "message": {
+                "kind": "message",
+                "messageId": "m-1",
+                "role": "user",
+                "parts": [{"kind": "text", "text": "hi"}],
+            }
+        },
+    }
+    reply = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "result": {"kind": "message", "messageId": "a", "role": "agent", "parts": []},
+    }
     for _ in range(2):
         a2a.handle(send, lambda request: reply)
     bad = json.loads(json.dumps(send))
@@ -188,8 +210,13 @@ def test_the_decorator_mesh_a2a_and_webhooks_report_through_the_engine(
 
     before = counts("webhook")
     secret = "shh"
-    receiver = Receiver(memory, scheme="hmac", secrets=secret, handler=lambda d: {"ok": 1},
-                        source=op.replace("-", "_"))  # fmt: skip
+    receiver = Receiver(
+        memory,
+        scheme="hmac",
+        secrets=secret,
+        handler=lambda d: {"ok": 1},
+        source=op.replace("-", "_"),
+    )
     body = json.dumps({"event": op}).encode()
     signature = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
     for _ in range(3):
@@ -291,7 +318,9 @@ def test_an_alert_storm_is_one_line_per_interval(
     first, *summaries = lines
     assert first["alert"] == "burst" and not first.get("summary")
     assert [(s["alert"], s["count"], s["operations"]) for s in summaries] == [
-        ("burst", 999, {op: 999}), ("burst", 1000, {op: 1000})]  # fmt: skip
+        ("burst", 999, {op: 999}),
+        ("burst", 1000, {op: 1000}),
+    ]
     assert all(len(s["key_hashes"]) == 5 for s in summaries)
     assert "999 more within 10s" in alerts[1].getMessage()
     assert read_sample().alerts["burst"] - before == 2000
@@ -338,8 +367,9 @@ def test_cli_alerts_are_prefixed_once_and_summarised(tmp_path: Path) -> None:
         "for i in range(1000):\n"
         "    METRICS.alert('burst', 'op', 'k', f'{i:016x}' + '0' * 48, '4 requests with one key')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()
     assert lines[0].startswith("retrysafe map check: error:")
@@ -472,14 +502,17 @@ def test_claims_completions_and_replays_are_span_events(memory: Store[Any], op: 
             if att.replay is None:
                 att.outcome = Outcome.json({"charged": True})
     first, retry = sorted(exporter.get_finished_spans(), key=lambda s: s.name)
-    events = {s.name: [(e.name, dict(e.attributes or {})) for e in s.events]
-              for s in (first, retry)}  # fmt: skip
+    events = {
+        s.name: [(e.name, dict(e.attributes or {})) for e in s.events] for s in (first, retry)
+    }
     h = key_hash("", op, key)
     assert [name for name, _ in events["first"]] == ["retrysafe.claim", "retrysafe.complete"]
-    assert events["first"][0][1] == {"retrysafe.operation": op, "retrysafe.outcome": "executed",
-                                     "retrysafe.key_hash": h}  # fmt: skip
-    replayed = {"retrysafe.operation": op, "retrysafe.outcome": "replayed",
-                "retrysafe.key_hash": h}  # fmt: skip
+    assert events["first"][0][1] == {
+        "retrysafe.operation": op,
+        "retrysafe.outcome": "executed",
+        "retrysafe.key_hash": h,
+    }
+    replayed = {"retrysafe.operation": op, "retrysafe.outcome": "replayed", "retrysafe.key_hash": h}
     assert events["retry"] == [("retrysafe.replay", replayed)]
     assert key not in repr(events) and "charged" not in repr(events)
 
@@ -532,8 +565,10 @@ def test_admin_access() -> None:
     assert (
         open_site.answer("GET", "/metrics", "", {"host": "evil.example"}, "127.0.0.1").status == 403
     )
-    assert open_site.answer("GET", "/metrics", "", {"x-forwarded-for": "1.2.3.4"},
-                            "127.0.0.1").status == 403  # fmt: skip
+    assert (
+        open_site.answer("GET", "/metrics", "", {"x-forwarded-for": "1.2.3.4"}, "127.0.0.1").status
+        == 403
+    )
     assert open_site.answer("GET", "/metrics", "", {}, None).status == 403
     assert open_site.answer("POST", "/metrics", "", {}, "127.0.0.1").status == 405
     assert open_site.answer("GET", "/nope", "", {}, "127.0.0.1").status == 404
@@ -636,8 +671,10 @@ def test_stats_watch_from_a_dashboard(
         assert cli(["stats", "--watch", "--url", url, "--token", "bad", "--count", "1"]) == 1
         assert "HTTP 401" in capsys.readouterr().out
         # Not a dashboard: said so, not a KeyError.
-        assert cli(["stats", "--watch", "--url", url + "api/stats/", "--token", "tok",
-                    "--count", "1"]) == 1  # fmt: skip
+        assert (
+            cli(["stats", "--watch", "--url", url + "api/stats/", "--token", "tok", "--count", "1"])
+            == 1
+        )
         assert "cannot read the figures" in capsys.readouterr().out
     assert cli(["stats", "--watch", "--url", url, "--count", "1"]) == 1  # the server is gone
     assert "cannot read the figures: ConnectError" in capsys.readouterr().out
@@ -653,9 +690,11 @@ def test_stats_watch_finds_the_gateways_dashboard(monkeypatch: pytest.MonkeyPatc
         raise httpx.ConnectError("no")
 
     monkeypatch.setattr(httpx, "get", fake_get)
-    cases = [("http://gw:8000", "http://gw:8000/_retrysafe/api/stats?points=2"),
-             ("http://gw:8000/_retrysafe", "http://gw:8000/_retrysafe/api/stats?points=2"),
-             ("http://h:9/", "http://h:9/api/stats?points=2")]  # fmt: skip
+    cases = [
+        ("http://gw:8000", "http://gw:8000/_retrysafe/api/stats?points=2"),
+        ("http://gw:8000/_retrysafe", "http://gw:8000/_retrysafe/api/stats?points=2"),
+        ("http://h:9/", "http://h:9/api/stats?points=2"),
+    ]
     for given, asked in cases:
         with pytest.raises(httpx.ConnectError):
             http_source(given, "tok")()
@@ -674,8 +713,16 @@ def test_the_terminal_view() -> None:
     console = Console(record=True, width=120, force_terminal=True)
     console.print(render(doc))
     text = console.export_text()
-    for words in ("duplicate rate", "executed", "replayed", "in flight", "store claim p50",
-                  "records:", "store memory://", "up"):  # fmt: skip
+    for words in (
+        "duplicate rate",
+        "executed",
+        "replayed",
+        "in flight",
+        "store claim p50",
+        "records:",
+        "store memory://",
+        "up",
+    ):
         assert words in text, words
 
 
@@ -695,8 +742,12 @@ stuck_after = "1m"
     assert imap.alerts == Alerts(burst=5, burst_window=2.0, failures=4, stuck_after=60.0)
     assert IdempotencyMap.loads(imap.to_toml()) == imap  # round trip, the table included
     assert IdempotencyMap.from_dict(imap.to_dict()) == imap
-    cases = [("burst = 0", "alerts.burst"), ('burst_window = "soon"', "alerts.burst_window"),
-             ("bursts = 3", "alerts.bursts"), ("failures = true", "alerts.failures")]  # fmt: skip
+    cases = [
+        ("burst = 0", "alerts.burst"),
+        ('burst_window = "soon"', "alerts.burst_window"),
+        ("bursts = 3", "alerts.bursts"),
+        ("failures = true", "alerts.failures"),
+    ]
     for bad, where in cases:
         with pytest.raises(MapError, match=where.replace(".", r"\.")):
             IdempotencyMap.loads(f"[alerts]\n{bad}\n")
@@ -841,8 +892,9 @@ def test_counters_never_go_down_while_threads_end(memory: Store[Any]) -> None:
     seen: list[float] = []
     try:
         while spawner.is_alive():
-            seen.append(registry.get_sample_value("retrysafe_executions_total",
-                                                  {"operation": "op"}) or 0.0)  # fmt: skip
+            seen.append(
+                registry.get_sample_value("retrysafe_executions_total", {"operation": "op"}) or 0.0
+            )
     finally:
         spawner.join()
         sys.setswitchinterval(old)

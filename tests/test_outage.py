@@ -275,8 +275,12 @@ def test_a_resent_failure_is_not_taken_for_a_completion(tmp_path: Path) -> None:
 
 
 def test_settle_retry_is_checked() -> None:
-    for bad, error in ((-1, ValueError), (float("nan"), ValueError), (True, TypeError),
-                       ("5", TypeError)):  # fmt: skip
+    for bad, error in (
+        (-1, ValueError),
+        (float("nan"), ValueError),
+        (True, TypeError),
+        ("5", TypeError),
+    ):
         with pytest.raises(error):
             Engine("memory://", settle_retry=bad)  # type: ignore[arg-type]
     assert Engine("memory://", settle_retry=0).settle_retry == 0.0

@@ -43,9 +43,9 @@ def box(tmp_path: Path) -> Outbox:
     return Outbox(tmp_path / "outbox.db")
 
 
-def client_for(answers: list[httpx.Response | Exception], **options: object) -> tuple[
-    Client, list[httpx.Request], FakeTime
-]:  # fmt: skip
+def client_for(
+    answers: list[httpx.Response | Exception], **options: object
+) -> tuple[Client, list[httpx.Request], FakeTime]:
     handler, seen = scripted(answers)
     fake = FakeTime()
     retry = policy(fake, **{"max_attempts": 3, **options})
@@ -61,8 +61,15 @@ def ok(status: int = 201) -> httpx.Response:
 
 def test_enqueue_keeps_order_and_survives_a_new_process_object(box: Outbox) -> None:
     keys = [box.enqueue("post", "/orders", json={"n": i}) for i in range(3)]
-    keys.append(box.enqueue("PATCH", f"{BASE}/orders/1", b"raw", key="mine-1",
-                            headers={"Content-Type": "text/plain"}))  # fmt: skip
+    keys.append(
+        box.enqueue(
+            "PATCH",
+            f"{BASE}/orders/1",
+            b"raw",
+            key="mine-1",
+            headers={"Content-Type": "text/plain"},
+        )
+    )
     again = Outbox(box.path)  # as another process would open it
     items = again.items()
     assert [i.key for i in items] == keys and len(again) == 4
@@ -190,8 +197,7 @@ def test_a_final_refusal_is_kept_for_inspection_and_the_rest_goes_on(box: Outbox
     def handler(request: httpx.Request) -> httpx.Response:
         return answers[int(request.url.path[1:])]
 
-    client = Client(base_url=BASE, transport=httpx.MockTransport(handler),
-                    retry=policy(FakeTime()))  # fmt: skip
+    client = Client(base_url=BASE, transport=httpx.MockTransport(handler), retry=policy(FakeTime()))
     result = box.flush(client)
     assert [i.key for i in result.delivered] == [keys[0], keys[2]]
     assert [i.key for i in result.failed] == [keys[1]] and not result.complete
@@ -304,8 +310,18 @@ def test_cli_flush_sends_the_callers_headers(
     box.enqueue("POST", "/x", json={"a": 1})
     monkeypatch.setenv("TEST_TOKEN", "Bearer from-env")
     with ThreadServer(app, "asgi") as server:
-        argv = ["outbox", "flush", "--path", str(box.path), "--base-url", server.url,
-                "--header", "X-Tenant: t1", "--header-env", "Authorization=TEST_TOKEN"]  # fmt: skip
+        argv = [
+            "outbox",
+            "flush",
+            "--path",
+            str(box.path),
+            "--base-url",
+            server.url,
+            "--header",
+            "X-Tenant: t1",
+            "--header-env",
+            "Authorization=TEST_TOKEN",
+        ]
         assert cli(argv) == 0
     [sent] = seen
     assert sent["authorization"] == "Bearer from-env" and sent["x-tenant"] == "t1"
@@ -378,12 +394,27 @@ def flusher(url: str, path: Path, *, go: bool = True) -> subprocess.Popen[bytes]
     """A ``retrysafe outbox flush`` process, sending the caller's token (the outbox
     keeps no credentials; the server keeps each caller's answers apart). It flushes
     once told (:func:`start`); ``go=True`` tells it at once."""
-    argv = [sys.executable, "-c", _FLUSHER, "outbox", "flush", "--path", str(path),
-            "--base-url", url, "--timeout", "2", "--max-time", "20",
-            "--header-env", "Authorization=TEST_AUTHORIZATION"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-c",
+        _FLUSHER,
+        "outbox",
+        "flush",
+        "--path",
+        str(path),
+        "--base-url",
+        url,
+        "--timeout",
+        "2",
+        "--max-time",
+        "20",
+        "--header-env",
+        "Authorization=TEST_AUTHORIZATION",
+    ]
     env = {**os.environ, "TEST_AUTHORIZATION": CALLER["authorization"]}
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
     if go:
         start(proc)
     return proc
@@ -481,8 +512,10 @@ def test_flushers_in_several_processes_at_once(stack: tuple[str, str], tmp_path:
 
 def test_a_redirect_is_not_a_delivery_but_see_other_is(box: Outbox) -> None:
     moved, created = box.enqueue("POST", "/moved"), box.enqueue("POST", "/created")
-    answers = {"/moved": httpx.Response(307, headers={"location": "/elsewhere"}),
-               "/created": httpx.Response(303, headers={"location": "/orders/1"})}  # fmt: skip
+    answers = {
+        "/moved": httpx.Response(307, headers={"location": "/elsewhere"}),
+        "/created": httpx.Response(303, headers={"location": "/orders/1"}),
+    }
     client = Client(base_url=BASE, transport=httpx.MockTransport(lambda r: answers[r.url.path]))
     result = box.flush(client)
     assert [i.key for i in result.failed] == [moved]

@@ -612,8 +612,9 @@ def waiting_on_a_lock(pg: psycopg.Connection[Any], statement: str, timeout: floa
     deadline = time.monotonic() + timeout
     while not pg.execute(
         "SELECT 1 FROM pg_stat_activity, pg_stat_clear_snapshot() WHERE wait_event_type ="
-        " 'Lock' AND query ILIKE %s AND pid <> pg_backend_pid()", (statement,)
-    ).fetchall():  # fmt: skip
+        " 'Lock' AND query ILIKE %s AND pid <> pg_backend_pid()",
+        (statement,),
+    ).fetchall():
         assert time.monotonic() < deadline, f"no {statement} waited on a lock"
         time.sleep(0.02)
 
@@ -759,9 +760,13 @@ def test_url_options(postgres_server: Any) -> None:
     plain = open_store(url)
     assert isinstance(plain, PostgresStore) and not plain.partitioned
     plain.close()
-    for bad in ("partitioned=maybe", "partitioned=true&partition_interval=59s",
-                "partitioned=true&partition_interval=90.5", "partition_interval=1h",
-                "partitioned=true&partition_ahead=-1h"):  # fmt: skip
+    for bad in (
+        "partitioned=maybe",
+        "partitioned=true&partition_interval=59s",
+        "partitioned=true&partition_interval=90.5",
+        "partition_interval=1h",
+        "partitioned=true&partition_ahead=-1h",
+    ):
         with pytest.raises(ValueError):
             open_store(f"{url}?{bad}")
     with pytest.raises(ValueError, match="both"):

@@ -67,12 +67,27 @@ def scope_of(principals: Principals, **headers: str) -> str:
 
 @pytest.mark.parametrize(
     ("name", "counts"),
-    [("session", True), ("sessionid", True), ("__Host-session", True), ("connect.sid", True),
-     ("pf", True), ("_ga", False), ("_ga_X1Y2", False), ("__Secure-_ga", False),
-     ("_gid", False), ("ajs_anonymous_id", False), ("mp_abc_mixpanel", False),
-     ("csrftoken", False), ("XSRF-TOKEN", False), ("AWSALB", False), ("_hjSession_1", False),
-     ("theme", False), ("OptanonConsent", False), ("__stripe_mid", False)],
-)  # fmt: skip
+    [
+        ("session", True),
+        ("sessionid", True),
+        ("__Host-session", True),
+        ("connect.sid", True),
+        ("pf", True),
+        ("_ga", False),
+        ("_ga_X1Y2", False),
+        ("__Secure-_ga", False),
+        ("_gid", False),
+        ("ajs_anonymous_id", False),
+        ("mp_abc_mixpanel", False),
+        ("csrftoken", False),
+        ("XSRF-TOKEN", False),
+        ("AWSALB", False),
+        ("_hjSession_1", False),
+        ("theme", False),
+        ("OptanonConsent", False),
+        ("__stripe_mid", False),
+    ],
+)
 def test_which_cookies_name_the_caller(name: str, counts: bool) -> None:
     assert is_identity_cookie(name) is counts
 
@@ -107,8 +122,9 @@ def test_two_different_lines_of_one_credential_are_ambiguous() -> None:
 
 
 def test_the_options_narrow_and_extend_what_counts() -> None:
-    named = Principals(principal_cookies=["sid"], principal_headers=["X-Tenant-Key"],
-                       principal_query=["api_key"])  # fmt: skip
+    named = Principals(
+        principal_cookies=["sid"], principal_headers=["X-Tenant-Key"], principal_query=["api_key"]
+    )
     assert creds(named, cookie="session=x") is None  # only the named cookie counts now
     assert creds(named, cookie="sid=1; session=x") == creds(named, cookie="sid=1; session=y")
     assert creds(named, x_api_key="k") is None  # the default list was replaced
@@ -183,9 +199,15 @@ def test_cookies_alone_need_a_session_cookie() -> None:
     assert creds(p, cookie="currency=USD; sessionid=s1") is not None
     assert creds(p, cookie="currency=USD; sessionid=s1") != creds(p, cookie="sessionid=s1")
     sessions = [
-        "PHPSESSID", "connect.sid", "_app_session", ".ASPXAUTH", "access_token",
-        "__Secure-next-auth.session-token", "remember_web_59", "wordpress_logged_in_1",
-    ]  # fmt: skip
+        "PHPSESSID",
+        "connect.sid",
+        "_app_session",
+        ".ASPXAUTH",
+        "access_token",
+        "__Secure-next-auth.session-token",
+        "remember_web_59",
+        "wordpress_logged_in_1",
+    ]
     for name in sessions:
         assert creds(p, cookie=f"{name}=v") is not None, name
     # Beside another credential, every cookie that may name a caller counts.
@@ -217,9 +239,14 @@ def test_a_user_class_that_raises_never_fails_the_request() -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{"anonymous": "allow"}, {"principal": "tenant"}, {"principal_headers": [""]},
-     {"principal_cookies": [3]}, {"principal_query": [None]}],
-)  # fmt: skip
+    [
+        {"anonymous": "allow"},
+        {"principal": "tenant"},
+        {"principal_headers": [""]},
+        {"principal_cookies": [3]},
+        {"principal_query": [None]},
+    ],
+)
 def test_bad_options_fail_at_construction(options: dict[str, Any]) -> None:
     from retrysafe.asgi import IdempotencyMiddleware
 
@@ -330,8 +357,16 @@ def test_a_secret_that_retrysafe_did_not_write_is_refused(
 # -- every door, every store ----------------------------------------------------------------------
 
 
-def post(url: str, tid: str, key: str | None = None, *, path: str = "/orders",
-         body: Any = None, headers: Any = (), **named: str) -> httpx.Response:  # fmt: skip
+def post(
+    url: str,
+    tid: str,
+    key: str | None = None,
+    *,
+    path: str = "/orders",
+    body: Any = None,
+    headers: Any = (),
+    **named: str,
+) -> httpx.Response:
     """A keyed POST of test ``tid`` with the given credentials (``_`` for ``-``)."""
     sent: list[tuple[str, str]] = [("x-test-id", tid), ("idempotency-key", key or f"k-{tid}")]
     sent.extend(headers)
@@ -475,23 +510,29 @@ def test_no_credential_reaches_the_store(door: Door, tid: str) -> None:
     """Records hold keyed hashes only: not a credential, not a plain hash of one, not
     a plain hash of a body that holds a password."""
     basic = "Basic " + base64.b64encode(b"ann:hunter2").decode()
-    sent = {"authorization": basic, "x-api-key": "key-hunter3",
-            "cookie": "session=cookie-hunter4"}  # fmt: skip
+    sent = {"authorization": basic, "x-api-key": "key-hunter3", "cookie": "session=cookie-hunter4"}
     body = {"user": "ann", "password": "hunter5"}
     for name, value in sent.items():
         assert post(door.url, f"{tid}-{name}", body=body, **{name: value}).status_code == 201
-    assert post(door.url, f"{tid}-q", path="/orders?token=q-hunter6",
-                authorization="Bearer x").status_code == 201  # fmt: skip
+    assert (
+        post(
+            door.url, f"{tid}-q", path="/orders?token=q-hunter6", authorization="Bearer x"
+        ).status_code
+        == 201
+    )
     records = [r for r in door.store.records(limit=10_000) if r.key.startswith(f"k-{tid}")]
     assert len(records) == 4
-    dumped = json.dumps([[r.scope, r.fingerprint, r.key, r.request_id, r.metadata]
-                         for r in records])  # fmt: skip
+    dumped = json.dumps(
+        [[r.scope, r.fingerprint, r.key, r.request_id, r.metadata] for r in records]
+    )
     assert "hunter" not in dumped and "ann" not in dumped
     canonical = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
     plain = [*sent.values(), basic.split()[1], "ann:hunter2"]
     for text in plain:
-        for digest in (hashlib.sha256(text.encode()).hexdigest(),
-                       hashlib.md5(text.encode()).hexdigest()):  # fmt: skip
+        for digest in (
+            hashlib.sha256(text.encode()).hexdigest(),
+            hashlib.md5(text.encode()).hexdigest(),
+        ):
             assert digest[:16] not in dumped
     head = b"4:POST7:/orders0:j"
     assert hashlib.sha256(head + canonical).hexdigest() not in dumped  # fingerprints are keyed
@@ -522,10 +563,12 @@ def test_records_of_the_old_scope_format_never_replay(door: Door, tid: str) -> N
 
     key = f"k-{tid}"
     # The fingerprint a request gets now: only the scope keeps these records apart.
-    fp = request_fingerprint("POST", "/orders", "", "application/json", b"{}",
-                             secret_of(door.store))  # fmt: skip
-    stale = Outcome(b'{"n":"stale"}', 201, (("content-type", "application/json"),),
-                    "application/json")  # fmt: skip
+    fp = request_fingerprint(
+        "POST", "/orders", "", "application/json", b"{}", secret_of(door.store)
+    )
+    stale = Outcome(
+        b'{"n":"stale"}', 201, (("content-type", "application/json"),), "application/json"
+    )
     engine = Engine(door.store)
     for scope in ("auth:" + hashlib.sha256(b"Bearer alice").hexdigest()[:32], ""):
         with engine.attempt(key, operation="http", scope=scope, fingerprint=fp) as att:
@@ -656,8 +699,12 @@ def test_mesh_and_a2a_replay_a_token_refresh(memory: Store[Any]) -> None:
 
         body = json.loads((await receive())["body"])
         runs.append("a2a")
-        task = {"kind": "task", "id": f"task-{len(runs)}", "contextId": "c",
-                "status": {"state": "submitted"}}  # fmt: skip
+        task = {
+            "kind": "task",
+            "id": f"task-{len(runs)}",
+            "contextId": "c",
+            "status": {"state": "submitted"},
+        }
         await JSONResponse({"jsonrpc": "2.0", "id": body["id"], "result": task})(
             scope, receive, send
         )
@@ -752,11 +799,25 @@ def test_the_gateway_command_line(
 ) -> None:
     port = free_port()
     argv = [
-        sys.executable, "-m", "retrysafe", "gateway", "--upstream", upstream,
-        "--store", store_url("sqlite", request, tmp_path), "--listen", f"127.0.0.1:{port}",
-        "--workers", str(workers), "--principal-header", "X-Tenant-Key",
-        "--principal-cookie", "sid", "--anonymous", "refuse",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "retrysafe",
+        "gateway",
+        "--upstream",
+        upstream,
+        "--store",
+        store_url("sqlite", request, tmp_path),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--workers",
+        str(workers),
+        "--principal-header",
+        "X-Tenant-Key",
+        "--principal-cookie",
+        "sid",
+        "--anonymous",
+        "refuse",
+    ]
     tid = uuid.uuid4().hex
     with Process(argv, port, health="/_retrysafe/health") as gw:
         problem(post(gw.url, tid), 403, "idempotency_principal_required")

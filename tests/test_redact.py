@@ -30,22 +30,29 @@ CASES = [
     ("redis+cluster://u:a://b@h:7000", "redis+cluster://u:***@h:7000"),
     ("unix://:pw@/tmp/redis.sock?db=0", "unix://:***@/tmp/redis.sock?db=0"),
     ("redis://h/0?password=pw&prefix=x", "redis://h/0?password=***&prefix=x"),
-    ("postgresql://u@h/db?sslpassword=pw&sslmode=require",
-     "postgresql://u@h/db?sslpassword=***&sslmode=require"),
+    (
+        "postgresql://u@h/db?sslpassword=pw&sslmode=require",
+        "postgresql://u@h/db?sslpassword=***&sslmode=require",
+    ),
     ("postgresql://u@h/db?PassWord=pw", "postgresql://u@h/db?PassWord=***"),
-    ("postgresql://u@h/db?redis_password=pw&token=t", "postgresql://u@h/db?redis_password=***&token=***"),
+    (
+        "postgresql://u@h/db?redis_password=pw&token=t",
+        "postgresql://u@h/db?redis_password=***&token=***",
+    ),
     ("postgresql://u:s3cr%zzet@h/db", "postgresql://u:***@h/db"),
     ("host=h port=5432 password=pw dbname=d", "host=h port=5432 password=*** dbname=d"),
     ("host=h sslpassword = 'p w\\'s' dbname=d", "host=h sslpassword = *** dbname=d"),
-    ("redis://h/0?archive=" + quote("postgresql://u:pw@h/db?password=pw2", safe=""),
-     "redis://h/0?archive=postgresql://u:***@h/db%3Fpassword%3D***"),
+    (
+        "redis://h/0?archive=" + quote("postgresql://u:pw@h/db?password=pw2", safe=""),
+        "redis://h/0?archive=postgresql://u:***@h/db%3Fpassword%3D***",
+    ),
     ("redis://h/0?archive=postgresql://u:p/w@h/db", "redis://h/0?archive=postgresql://u:***@h/db"),
     # Nothing to hide: unchanged.
     ("sqlite:///tmp/a@b.db", "sqlite:///tmp/a@b.db"),
     ("sqlite:///retrysafe.db", "sqlite:///retrysafe.db"),
     ("postgresql://u@h:5432/db?sslmode=require", "postgresql://u@h:5432/db?sslmode=require"),
     ("memory://", "memory://"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("url", "shown"), CASES)
@@ -77,8 +84,10 @@ def test_a_password_parameter_never_shows(password: str, name: str) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(password=st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1),
-       name=_param_names)  # fmt: skip
+@given(
+    password=st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1),
+    name=_param_names,
+)
 def test_a_keyword_dsn_password_never_shows(password: str, name: str) -> None:
     quoted = "'" + password.replace("\\", "\\\\").replace("'", "\\'") + "'"
     dsn = f"host=db.example {name}={quoted} dbname=app"
@@ -132,8 +141,12 @@ def test_the_cli_never_prints_the_password(tmp_path: Path, store: str) -> None:
     for args in (("migrate", "--store", store), ("stats", "--store", store)):
         result = subprocess.run(
             [sys.executable, "-m", "retrysafe", *args],
-            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            cwd=tmp_path,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode in (0, 2), result
         assert "r3t" not in result.stdout + result.stderr, (args, result)
         assert "Traceback" not in result.stderr

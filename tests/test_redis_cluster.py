@@ -373,11 +373,21 @@ def _owned_slots(cluster: RedisCluster, node: RedisServer) -> set[int]:
 def _reshard(cluster: RedisCluster, source: RedisServer, target: RedisServer, slots: int) -> None:
     """Move ``slots`` slots (and their keys, by MIGRATE) from ``source`` to ``target``."""
     cluster.cli(
-        source, "--cluster", "reshard", f"127.0.0.1:{source.port}",
-        "--cluster-from", _node_id(cluster, source), "--cluster-to", _node_id(cluster, target),
-        "--cluster-slots", str(slots), "--cluster-yes", "--cluster-pipeline", "5",
+        source,
+        "--cluster",
+        "reshard",
+        f"127.0.0.1:{source.port}",
+        "--cluster-from",
+        _node_id(cluster, source),
+        "--cluster-to",
+        _node_id(cluster, target),
+        "--cluster-slots",
+        str(slots),
+        "--cluster-yes",
+        "--cluster-pipeline",
+        "5",
         timeout=120,
-    )  # fmt: skip
+    )
 
 
 def test_slots_moved_during_load(redis_cluster: RedisCluster, load: Callable[[int], Load]) -> None:

@@ -129,8 +129,9 @@ def test_refused_command_is_unavailable_without_password(
     """NOPERM (an ACL that forbids SET and EVALSHA) comes out as StoreUnavailableError."""
     user = f"retrysafe-{uuid.uuid4().hex[:8]}"
     password = f"secret-{uuid.uuid4().hex}"
-    raw.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "+@all", "-set",
-                        "-evalsha")  # fmt: skip
+    raw.execute_command(
+        "ACL", "SETUSER", user, "on", f">{password}", "~*", "+@all", "-set", "-evalsha"
+    )
     try:
         url = redis_server.url.replace("redis://", f"redis://{user}:{password}@", 1)
         limited = RedisStore(url, prefix=store.prefix)

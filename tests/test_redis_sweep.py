@@ -69,10 +69,18 @@ def _claim(store: Store[Any], clock: Clock, key: str, retention: str, **kw: Any)
 
 def _record(**changes: Any) -> Record:
     fields: dict[str, Any] = dict(
-        key_hash="h" * 64, key="k", scope="s", operation="op", fingerprint="f" * 64,
-        status=Status.PROCESSING, token="tok", lease_until=2.0, expires_at=3.0,
-        created_at=1.0, updated_at=1.0,
-    )  # fmt: skip
+        key_hash="h" * 64,
+        key="k",
+        scope="s",
+        operation="op",
+        fingerprint="f" * 64,
+        status=Status.PROCESSING,
+        token="tok",
+        lease_until=2.0,
+        expires_at=3.0,
+        created_at=1.0,
+        updated_at=1.0,
+    )
     fields.update(changes)
     return Record(**fields)
 

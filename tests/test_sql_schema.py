@@ -33,10 +33,25 @@ def v1_record(clock: Clock, i: int) -> Record:
     """A completed record as retrysafe 1.x wrote it (no retention class)."""
     now = clock.now
     return Record(
-        key_hash("", "order", f"old-{i}"), f"old-{i}", "", "order", "fp", Status.COMPLETED,
-        f"token-{i}", now + 30, now + HOUR, now, now, now, 1, f"req-{i}", False,
-        Outcome.json({"n": i}, status=201), None, {"user": "u1"},
-    )  # fmt: skip
+        key_hash("", "order", f"old-{i}"),
+        f"old-{i}",
+        "",
+        "order",
+        "fp",
+        Status.COMPLETED,
+        f"token-{i}",
+        now + 30,
+        now + HOUR,
+        now,
+        now,
+        now,
+        1,
+        f"req-{i}",
+        False,
+        Outcome.json({"n": i}, status=201),
+        None,
+        {"user": "u1"},
+    )
 
 
 def v1_params(record: Record) -> tuple[Any, ...]:

@@ -192,8 +192,11 @@ def kill_sweeps_until_one_finishes(spec: StoreSpec, now: float, free: tuple[int,
     for kills in range(200):
         child = subprocess.Popen(
             [*argv, str(rng.randint(*free))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         assert child.stdin is not None and child.stdout is not None
         said = child.stdout.readline().strip()
         if said == "held":

@@ -91,8 +91,10 @@ def test_an_unsigned_event_id_is_not_what_verify_returns(scheme: str) -> None:
     else:
         mac = hmac.new(b"s3cret", BODY, hashlib.sha256).hexdigest()
         headers, name = {"X-Signature": mac, "X-Event-Id": "ev-1"}, "X-Event-Id"
-    ids = {verify(scheme, {**headers, name: forged}, BODY, "s3cret")
-           for forged in ("ev-1", "ev-2", "ev-from-tomorrow")}  # fmt: skip
+    ids = {
+        verify(scheme, {**headers, name: forged}, BODY, "s3cret")
+        for forged in ("ev-1", "ev-2", "ev-from-tomorrow")
+    }
     assert ids == {"sha256:" + hashlib.sha256(BODY).hexdigest()}
     other = BODY.replace(b"evt_1Q2w3E", b"evt_other")
     resigned = (
@@ -161,13 +163,16 @@ def test_generic_hmac() -> None:
         ("stripe", {"Stripe-Signature": "t=1"}, "malformed_header"),
         ("stripe", {"Stripe-Signature": "v1=00"}, "malformed_header"),
         ("standard", {"webhook-id": "m", "webhook-timestamp": "1"}, "missing_header"),
-        ("standard", {"webhook-id": "m", "webhook-timestamp": "1", "webhook-signature": "v2,x"},
-         "malformed_header"),
+        (
+            "standard",
+            {"webhook-id": "m", "webhook-timestamp": "1", "webhook-signature": "v2,x"},
+            "malformed_header",
+        ),
         ("hmac", {"X-Signature": "zz"}, "malformed_header"),
         ("hmac", {}, "missing_header"),
         ("nope", {}, "unknown_scheme"),
     ],
-)  # fmt: skip
+)
 def test_malformed_deliveries(scheme: str, headers: dict[str, str], reason: str) -> None:
     with pytest.raises(SignatureError) as err:
         verify(scheme, headers, BODY, "secret", now=NOW)
@@ -360,8 +365,12 @@ def test_first_delivery_then_duplicates(store: Store[Any], deliver: Deliver) -> 
     for again_headers in (headers, signed_stripe(at=time.time() - 60)[0]):
         again = deliver(receiver, again_headers, body)
         assert again.status == 200 and dict(again.headers)["idempotent-replayed"] == "true"
-        assert again.body == {"status": "duplicate", "event_id": "evt_1R",
-                              "original_event_id": "evt_1R", "result": result}  # fmt: skip
+        assert again.body == {
+            "status": "duplicate",
+            "event_id": "evt_1R",
+            "original_event_id": "evt_1R",
+            "result": result,
+        }
     assert handler.runs == ["evt_1R"]
     [record] = store.records()
     assert record.key == "webhook:stripe:evt_1R" and record.status is Status.COMPLETED
@@ -432,8 +441,9 @@ def test_rotation_accepts_old_and_new_secrets(store: Store[Any], deliver: Delive
     assert is_problem(stranger, 401, "webhook_signature_invalid")["reason"] == "bad_signature"
     assert handler.runs == ["evt_old", "evt_new"]
     assert sorted(r.key for r in store.records()) == [
-        "webhook:stripe:evt_new", "webhook:stripe:evt_old"
-    ]  # fmt: skip
+        "webhook:stripe:evt_new",
+        "webhook:stripe:evt_old",
+    ]
 
 
 def gateway_delivery(msg: str, transaction: str, kind: str) -> tuple[dict[str, str], bytes]:
@@ -459,15 +469,23 @@ def test_payment_gateway_one_event_type_per_transaction(
         return {"ok": True}
 
     receiver = deliver.receiver(
-        store, handler, scheme="standard", secrets=STANDARD_SECRET, source="acmepay",
+        store,
+        handler,
+        scheme="standard",
+        secrets=STANDARD_SECRET,
+        source="acmepay",
         transaction=transaction_of,
-    )  # fmt: skip
+    )
     first = deliver(receiver, *gateway_delivery("msg_1", "tx_42", "payment.succeeded"))
     assert first.body == {"status": "processed", "event_id": "msg_1", "result": {"ok": True}}
     # The gateway sends the same event type of the same transaction under a new id.
     again = deliver(receiver, *gateway_delivery("msg_2", "tx_42", "payment.succeeded"))
-    assert again.body == {"status": "duplicate", "event_id": "msg_2",
-                          "original_event_id": "msg_1", "result": {"ok": True}}  # fmt: skip
+    assert again.body == {
+        "status": "duplicate",
+        "event_id": "msg_2",
+        "original_event_id": "msg_1",
+        "result": {"ok": True},
+    }
     refund = deliver(receiver, *gateway_delivery("msg_3", "tx_42", "refund.processed"))
     assert refund.body["status"] == "processed"
     other = deliver(receiver, *gateway_delivery("msg_4", "tx_43", "payment.succeeded"))
@@ -476,17 +494,27 @@ def test_payment_gateway_one_event_type_per_transaction(
     headers = standard_headers(body, STANDARD_SECRET, at=int(time.time()), msg="msg_5")
     assert deliver(receiver, headers, body).body["status"] == "processed"
     assert deliver(receiver, headers, body).body["status"] == "duplicate"
-    assert seen == [("msg_1", "tx_42", "payment.succeeded"), ("msg_3", "tx_42", "refund.processed"),
-                    ("msg_4", "tx_43", "payment.succeeded"), ("msg_5", None, None)]  # fmt: skip
+    assert seen == [
+        ("msg_1", "tx_42", "payment.succeeded"),
+        ("msg_3", "tx_42", "refund.processed"),
+        ("msg_4", "tx_43", "payment.succeeded"),
+        ("msg_5", None, None),
+    ]
     records = {r.key: r for r in store.records()}
     assert set(records) == {
-        "webhook:acmepay:tx_42:payment.succeeded", "webhook:acmepay:tx_42:refund.processed",
-        "webhook:acmepay:tx_43:payment.succeeded", "webhook:acmepay:msg_5",
-    }  # fmt: skip
+        "webhook:acmepay:tx_42:payment.succeeded",
+        "webhook:acmepay:tx_42:refund.processed",
+        "webhook:acmepay:tx_43:payment.succeeded",
+        "webhook:acmepay:msg_5",
+    }
     kept = records["webhook:acmepay:tx_42:payment.succeeded"]
     assert kept.operation == "payment_webhook"  # for reconciliation:
-    assert kept.metadata == {"source": "acmepay", "event_id": "msg_1", "transaction_id": "tx_42",
-                             "event_type": "payment.succeeded"}  # fmt: skip
+    assert kept.metadata == {
+        "source": "acmepay",
+        "event_id": "msg_1",
+        "transaction_id": "tx_42",
+        "event_type": "payment.succeeded",
+    }
 
 
 def test_in_flight_delivery_gets_409(store: Store[Any], deliver: Deliver) -> None:
@@ -498,8 +526,11 @@ def test_in_flight_delivery_gets_409(store: Store[Any], deliver: Deliver) -> Non
         if deliver.loop is None:
             inner.append(receiver.handle(headers, body))
         else:
-            inner.append(asyncio.run_coroutine_threadsafe(receiver.ahandle(headers, body),
-                                                          deliver.loop).result(10))  # fmt: skip
+            inner.append(
+                asyncio.run_coroutine_threadsafe(
+                    receiver.ahandle(headers, body), deliver.loop
+                ).result(10)
+            )
         return "done"
 
     if deliver.mode == "async":  # a plain handler: ahandle runs it in a worker thread
@@ -528,8 +559,12 @@ def test_result_that_is_not_json(
     assert record.status is Status.FAILED and record.final  # it ran: never again
     again = deliver(receiver, headers, body)  # the provider retries the 500
     assert again.status == 200
-    assert again.body == {"status": "duplicate", "event_id": "evt_1R",
-                          "original_event_id": "evt_1R", "result": None}  # fmt: skip
+    assert again.body == {
+        "status": "duplicate",
+        "event_id": "evt_1R",
+        "original_event_id": "evt_1R",
+        "result": None,
+    }
     assert handler.runs == ["evt_1R"]
 
 
@@ -545,8 +580,10 @@ def test_shopify_and_standard_schemes(memory: Store[Any], deliver: Deliver) -> N
     handler = Handler(result={"ok": True})
     shopify = deliver.receiver(memory, handler, scheme="shopify", secrets=SHOPIFY_SECRET)
     body = b"not json: Shopify's scheme does not need the body"
-    event = {"X-Shopify-Event-Id": "98880550-7158-44d4-b7cd-2c97c8a091b5",
-             "X-Shopify-Webhook-Id": "b54557e4-bdd9-4b37-8a5f-bf7d70bcd043"}  # fmt: skip
+    event = {
+        "X-Shopify-Event-Id": "98880550-7158-44d4-b7cd-2c97c8a091b5",
+        "X-Shopify-Webhook-Id": "b54557e4-bdd9-4b37-8a5f-bf7d70bcd043",
+    }
     headers = shopify_headers(body, SHOPIFY_SECRET, **event)
     first = deliver(shopify, headers, body).body
     assert first["status"] == "processed" and first["event_id"] == event["X-Shopify-Event-Id"]
@@ -595,9 +632,13 @@ def test_an_unsigned_event_id_cannot_replay_or_shadow_a_delivery(
     assert handler.runs == ["evt-1", "evt-9"]
     # Behind a trusted transport, the map's key by the header id.
     trusting = deliver.receiver(
-        memory, handler, scheme="shopify", secrets=SHOPIFY_SECRET, source="trusted",
+        memory,
+        handler,
+        scheme="shopify",
+        secrets=SHOPIFY_SECRET,
+        source="trusted",
         trust_event_ids=True,
-    )  # fmt: skip
+    )
     headers = shopify_headers(body, SHOPIFY_SECRET, **{"X-Shopify-Event-Id": "evt-1"})
     deliver(trusting, headers, body)
     assert any(r.key == "webhook:trusted:evt-1" for r in memory.records())
@@ -620,8 +661,14 @@ def test_sources_scope_keys_and_odd_ids_are_hashed(memory: Store[Any]) -> None:
     assert keys == [f"webhook:billing:{body_key}", f"webhook:github:{body_key}"]
     assert handler.runs == ["d-1", "d-1"]
     # Trusting the header ids: an odd id (no id header: "sha256:<body hash>") is hashed.
-    trusting = Receiver(memory, scheme="hmac", secrets="s3cret", handler=handler,
-                        source="trusted", trust_event_ids=True)  # fmt: skip
+    trusting = Receiver(
+        memory,
+        scheme="hmac",
+        secrets="s3cret",
+        handler=handler,
+        source="trusted",
+        trust_event_ids=True,
+    )
     assert trusting.handle(anonymous, BODY).body["event_id"].startswith("sha256:")
     assert trusting.handle(anonymous, BODY).body["status"] == "duplicate"
     trusted = [r.key for r in memory.records() if r.key.startswith("webhook:trusted:")]
@@ -631,8 +678,9 @@ def test_sources_scope_keys_and_odd_ids_are_hashed(memory: Store[Any]) -> None:
 
 def test_body_limit_and_bad_options(memory: Store[Any]) -> None:
     handler = Handler()
-    receiver = Receiver(memory, scheme="stripe", secrets=STRIPE_SECRET, handler=handler,
-                        max_body=64)  # fmt: skip
+    receiver = Receiver(
+        memory, scheme="stripe", secrets=STRIPE_SECRET, handler=handler, max_body=64
+    )
     is_problem(receiver.handle(*signed_stripe()), 413, "idempotency_body_too_large")
     assert handler.runs == [] and memory.records() == []
     for options, error in [
@@ -655,8 +703,9 @@ def test_body_limit_and_bad_options(memory: Store[Any]) -> None:
 
 def test_delivery_json_and_headers(memory: Store[Any]) -> None:
     got: list[Delivery] = []
-    receiver = Receiver(memory, scheme="stripe", secrets=STRIPE_SECRET,
-                        handler=lambda d: got.append(d))  # fmt: skip
+    receiver = Receiver(
+        memory, scheme="stripe", secrets=STRIPE_SECRET, handler=lambda d: got.append(d)
+    )
     headers, body = signed_stripe()
     assert receiver.handle({**headers, "X-Trace": "abc"}, body).body["result"] is None
     [delivery] = got
@@ -674,11 +723,17 @@ def test_transaction_that_fails_stores_nothing(memory: Store[Any]) -> None:
     def broken(delivery: Delivery) -> Any:
         return delivery.json()["data"]["missing"]
 
-    receiver = Receiver(memory, scheme="stripe", secrets=STRIPE_SECRET, handler=handler,
-                        transaction=broken)  # fmt: skip
+    receiver = Receiver(
+        memory, scheme="stripe", secrets=STRIPE_SECRET, handler=handler, transaction=broken
+    )
     is_problem(receiver.handle(*signed_stripe()), 500, "webhook_handler_failed")
-    wrong = Receiver(memory, scheme="stripe", secrets=STRIPE_SECRET, handler=handler,
-                     transaction=lambda d: ("tx", 7))  # fmt: skip
+    wrong = Receiver(
+        memory,
+        scheme="stripe",
+        secrets=STRIPE_SECRET,
+        handler=handler,
+        transaction=lambda d: ("tx", 7),
+    )
     is_problem(wrong.handle(*signed_stripe()), 500, "webhook_handler_failed")
     assert handler.runs == [] and memory.records() == []
 
@@ -694,8 +749,12 @@ def test_async_handler_from_sync_code_and_sync_handler_in_ahandle(memory: Store[
     async def from_a_loop() -> None:
         with pytest.raises(RuntimeError, match="ahandle"):
             receiver.handle(*signed_stripe("evt_b"))
-        plain = Receiver(memory, scheme="stripe", secrets=STRIPE_SECRET,
-                         handler=lambda d: threading.current_thread().name)  # fmt: skip
+        plain = Receiver(
+            memory,
+            scheme="stripe",
+            secrets=STRIPE_SECRET,
+            handler=lambda d: threading.current_thread().name,
+        )
         answer = await plain.ahandle(*signed_stripe("evt_c"))
         assert answer.body["result"] != threading.current_thread().name  # a worker thread
 
@@ -727,8 +786,9 @@ def test_long_handler_keeps_its_key(memory: Store[Any]) -> None:
 def test_over_http(kind: str, tmp_path: Path) -> None:
     handler = Handler()
     store = open_store(f"sqlite:///{tmp_path}/webhooks.db")
-    receiver = Receiver(store, scheme="stripe", secrets=STRIPE_SECRET, handler=handler,
-                        max_body=4096)  # fmt: skip
+    receiver = Receiver(
+        store, scheme="stripe", secrets=STRIPE_SECRET, handler=handler, max_body=4096
+    )
     app = receiver.asgi if kind == "asgi" else receiver.wsgi
     headers, body = signed_stripe()
     with ThreadServer(app, kind) as server, httpx.Client(base_url=server.url) as client:

@@ -191,8 +191,11 @@ class Server:
     ) -> Iterable[bytes]:
         environ: dict[str, Any] = {}
         setup_testing_defaults(environ)
-        environ.update(REQUEST_METHOD=method, CONTENT_LENGTH=str(len(body)),
-                       CONTENT_TYPE="application/octet-stream")  # fmt: skip
+        environ.update(
+            REQUEST_METHOD=method,
+            CONTENT_LENGTH=str(len(body)),
+            CONTENT_TYPE="application/octet-stream",
+        )
         environ["wsgi.input"] = io.BytesIO(body)
         if key is not None:
             environ["HTTP_IDEMPOTENCY_KEY"] = key
@@ -397,8 +400,12 @@ def test_a_short_request_body_is_refused(memory: Store[Any]) -> None:
     server = Server(IdempotencyMiddleware(app_of(Body(1, 1)), store=memory))
     environ: dict[str, Any] = {}
     setup_testing_defaults(environ)
-    environ.update(REQUEST_METHOD="POST", CONTENT_LENGTH="100", HTTP_IDEMPOTENCY_KEY="k",
-                   HTTP_AUTHORIZATION=CALLER["authorization"])  # fmt: skip
+    environ.update(
+        REQUEST_METHOD="POST",
+        CONTENT_LENGTH="100",
+        HTTP_IDEMPOTENCY_KEY="k",
+        HTTP_AUTHORIZATION=CALLER["authorization"],
+    )
     environ["wsgi.input"] = io.BytesIO(b"only ten b")
     body = b"".join(server.app(environ, server.start_response))
     assert server.status == "400 Bad Request"

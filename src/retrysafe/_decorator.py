@@ -520,8 +520,9 @@ def idempotent(
                 raise TypeError(f"scope= must return a str, not {type(s).__name__}")
             e = get_engine()
             if plan is None:
-                plan = Plan(e, "-", operation=op, ttl=ttl, lease=lease, wait=wait,
-                             retention=retention)  # fmt: skip
+                plan = Plan(
+                    e, "-", operation=op, ttl=ttl, lease=lease, wait=wait, retention=retention
+                )
             return Attempt(e, plan.derive(k, s, fp))
 
         if inspect.iscoroutinefunction(func):

@@ -112,9 +112,14 @@ class A2AIdempotency:
         self.operation = operation
         # The engine options every send shares, validated once.
         self._plan = Plan(
-            self.engine, "-", operation=operation, ttl=ttl, lease=lease, wait=wait,
+            self.engine,
+            "-",
+            operation=operation,
+            ttl=ttl,
+            lease=lease,
+            wait=wait,
             retention=retention,
-        )  # fmt: skip
+        )
 
     def __repr__(self) -> str:
         return f"<A2AIdempotency operation={self._plan.operation!r} engine={self.engine!r}>"
@@ -145,8 +150,9 @@ class A2AIdempotency:
         # It ran, but its answer cannot be kept: a retry must not run it again.
         log.error(
             "retrysafe: the answer to message %r is not JSON or is over max_body; "
-            "the message is marked failed finally", send.key,
-        )  # fmt: skip
+            "the message is marked failed finally",
+            send.key,
+        )
         return False, None, True
 
     # -- sync --------------------------------------------------------------------------
@@ -291,9 +297,11 @@ class IdempotencyMiddleware:
             raise ValueError("max_request_body must not be negative")
         self.principals = Principals(
             principal=principal_option(principal, scope, native=True),
-            principal_headers=principal_headers, principal_cookies=principal_cookies,
-            principal_query=principal_query, anonymous=anonymous,
-        )  # fmt: skip
+            principal_headers=principal_headers,
+            principal_cookies=principal_cookies,
+            principal_query=principal_query,
+            anonymous=anonymous,
+        )
         self.app = app
         self.core = A2AIdempotency(store, **options)
         check_secret(self.core.engine.store)
@@ -313,22 +321,30 @@ class IdempotencyMiddleware:
         try:
             body = await read_body(receive, self.max_request_body)
         except BodyTooLarge:
-            await _reply(send, error_reply(
-                None, ErrorCode.INVALID_REQUEST,
-                f"the request body is over {self.max_request_body} bytes",
-                {"code": "idempotency_body_too_large"},
-            ))  # fmt: skip
+            await _reply(
+                send,
+                error_reply(
+                    None,
+                    ErrorCode.INVALID_REQUEST,
+                    f"the request body is over {self.max_request_body} bytes",
+                    {"code": "idempotency_body_too_large"},
+                ),
+            )
             return
         if body is None:
             return  # the client left before sending its body
         downstream = replaying(body, receive)
         request = _parse(body)
         if isinstance(request, list) and any(_is_send(r) for r in request):
-            await _reply(send, error_reply(
-                None, ErrorCode.INVALID_REQUEST,
-                "A2A sends must not be batched: send each message in a request of its own",
-                {"code": "idempotency_batch_unsupported"},
-            ))  # fmt: skip
+            await _reply(
+                send,
+                error_reply(
+                    None,
+                    ErrorCode.INVALID_REQUEST,
+                    "A2A sends must not be batched: send each message in a request of its own",
+                    {"code": "idempotency_batch_unsupported"},
+                ),
+            )
             return
         if not _is_send(request):
             await self.app(scope, downstream, send)

@@ -145,9 +145,12 @@ class IdempotencyMiddleware:
 
         def http_request() -> HttpRequest:
             return HttpRequest(
-                method, request.path, request.META.get("QUERY_STRING", ""),
-                Headers(request.headers.items()), request,
-            )  # fmt: skip
+                method,
+                request.path,
+                request.META.get("QUERY_STRING", ""),
+                Headers(request.headers.items()),
+                request,
+            )
 
         return prepare(
             policy, request.META, method, request.path, lambda: _body(request), http_request

@@ -114,25 +114,34 @@ def _describe(
     operation: dict[str, Any], header: str, required: bool, problems: dict[str, str]
 ) -> None:
     params = operation.setdefault("parameters", [])
-    if not any(p.get("in") == "header" and p.get("name", "").lower() == header.lower()
-               for p in params):  # fmt: skip
-        params.append({
-            "name": header,
-            "in": "header",
-            "required": required,
-            "description": "A unique key for this operation (e.g. a UUID); send the same key "
-            "on every retry to get the first answer instead of a second side effect.",
-            "schema": {"type": "string", "minLength": 1, "maxLength": 255},
-        })  # fmt: skip
+    if not any(
+        p.get("in") == "header" and p.get("name", "").lower() == header.lower() for p in params
+    ):
+        params.append(
+            {
+                "name": header,
+                "in": "header",
+                "required": required,
+                "description": "A unique key for this operation (e.g. a UUID); send the same key "
+                "on every retry to get the first answer instead of a second side effect.",
+                "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+            }
+        )
     responses = operation.setdefault("responses", {})
     for status, description in problems.items():
-        responses.setdefault(status, {
-            "description": description,
-            "content": {PROBLEM_TYPE: {"schema": _PROBLEM_SCHEMA}},
-        })  # fmt: skip
+        responses.setdefault(
+            status,
+            {
+                "description": description,
+                "content": {PROBLEM_TYPE: {"schema": _PROBLEM_SCHEMA}},
+            },
+        )
     for status, answer in responses.items():
         if status not in problems and isinstance(answer, dict):
-            answer.setdefault("headers", {}).setdefault("Idempotent-Replayed", {
-                "description": "`true` when this is the stored answer of an earlier request",
-                "schema": {"type": "string", "enum": ["true"]},
-            })  # fmt: skip
+            answer.setdefault("headers", {}).setdefault(
+                "Idempotent-Replayed",
+                {
+                    "description": "`true` when this is the stored answer of an earlier request",
+                    "schema": {"type": "string", "enum": ["true"]},
+                },
+            )

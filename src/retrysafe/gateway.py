@@ -348,8 +348,9 @@ class _Proxy:
             if answer is not None:
                 answer.close()
             what = "timed out" if exc.timeout else "unavailable"
-            log.warning("retrysafe gateway: upstream %s: %s %s: %s", what, method, scope["path"],
-                        exc)  # fmt: skip
+            log.warning(
+                "retrysafe gateway: upstream %s: %s %s: %s", what, method, scope["path"], exc
+            )
             status, code = (
                 (504, "upstream_timeout") if exc.timeout else (502, "upstream_unavailable")
             )

@@ -343,8 +343,11 @@ def _next_sequence(
     )
     raise error(
         f"session {session_id!r} {operation!r}: sequence {sequence} {why}",
-        session_id=session_id, operation=operation, last=last, sequence=sequence,
-    )  # fmt: skip
+        session_id=session_id,
+        operation=operation,
+        last=last,
+        sequence=sequence,
+    )
 
 
 class SequenceGuard(_Guard):

@@ -87,9 +87,14 @@ class MeshIdempotency:
         ttl = self.ttl if call.ttl is None else min(call.ttl, self.ttl)
         return self.engine.attempt(
             call.key,  # type: ignore[arg-type]
-            operation=call.operation, scope=scope, fingerprint=call.fingerprint,
-            request_id=call.id, ttl=ttl, lease=self.lease, wait=self.wait,
-        )  # fmt: skip
+            operation=call.operation,
+            scope=scope,
+            fingerprint=call.fingerprint,
+            request_id=call.id,
+            ttl=ttl,
+            lease=self.lease,
+            wait=self.wait,
+        )
 
     # -- sync -------------------------------------------------------------------
 
@@ -250,9 +255,11 @@ class MeshApp:
         self.handlers = {str(name): _asynchronous(h) for name, h in handlers.items()}
         self.principals = Principals(
             principal=principal_option(principal, scope, native=True),
-            principal_headers=principal_headers, principal_cookies=principal_cookies,
-            principal_query=principal_query, anonymous=anonymous,
-        )  # fmt: skip
+            principal_headers=principal_headers,
+            principal_cookies=principal_cookies,
+            principal_query=principal_query,
+            anonymous=anonymous,
+        )
         if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 0:
             raise ValueError(f"max_body must be a number of bytes >= 0, not {max_body!r}")
         self.max_body = max_body

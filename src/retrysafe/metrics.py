@@ -79,9 +79,12 @@ class MetricsApp(DashboardApp):
 
 
 def wsgi_app(
-    store: Store[Any] | str | None = None, *, token: str | None = FROM_ENV,
-    loopback: bool = FROM_ENV, monitor: Monitor | None = None,
-) -> Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]:  # fmt: skip
+    store: Store[Any] | str | None = None,
+    *,
+    token: str | None = FROM_ENV,
+    loopback: bool = FROM_ENV,
+    monitor: Monitor | None = None,
+) -> Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]:
     """Prometheus text at any path, as a WSGI app (Flask, Django, gunicorn).
 
     Mount it with werkzeug's ``DispatcherMiddleware`` or serve it on a path of
@@ -91,9 +94,12 @@ def wsgi_app(
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         response = site.answer(
-            environ.get("REQUEST_METHOD", "GET"), "/metrics", environ.get("QUERY_STRING", ""),
-            dict(environ_headers(environ)), environ.get("REMOTE_ADDR"),
-        )  # fmt: skip
+            environ.get("REQUEST_METHOD", "GET"),
+            "/metrics",
+            environ.get("QUERY_STRING", ""),
+            dict(environ_headers(environ)),
+            environ.get("REMOTE_ADDR"),
+        )
         start_response(status_line(response.status), response.headers)
         return [] if environ.get("REQUEST_METHOD") == "HEAD" else [response.body]
 

@@ -141,8 +141,9 @@ class Run:
             raise StepResultError(
                 f"step {name!r} failed finally earlier (its result could not be stored); "
                 f"reconcile with its derived key {self.key_for(name)!r}",
-                step=name, derived_key=self.key_for(name),
-            )  # fmt: skip
+                step=name,
+                derived_key=self.key_for(name),
+            )
         stored = outcome.value
         if "reference" in stored:
             self.references[name] = stored["reference"]
@@ -167,8 +168,9 @@ class Run:
                 f"step {name!r} ran but its result cannot be stored: {exc!r}; the step and "
                 f"the operation were marked failed (final) so it is never called again; "
                 f"reconcile with its derived key {att._plan.key!r}",
-                step=name, derived_key=att._plan.key,
-            ) from exc  # fmt: skip
+                step=name,
+                derived_key=att._plan.key,
+            ) from exc
         if ref is not None:
             self.references[name] = ref
         return stored["value"]
@@ -233,9 +235,11 @@ class Workflow:
         if len(set(self.steps)) != len(self.steps):
             raise InvalidKeyError(f"steps holds a name twice: {self.steps}")
         self.engine = engine_for(
-            store, share=True, ttl=DEFAULT_TTL if ttl is None else ttl,
+            store,
+            share=True,
+            ttl=DEFAULT_TTL if ttl is None else ttl,
             lease=DEFAULT_LEASE if lease is None else lease,
-        )  # fmt: skip
+        )
         self._options = {"ttl": ttl, "lease": lease, "retention": retention}
         self._parent = Plan(self.engine, "-", operation=operation, wait=wait, **self._options)
         self._plans: dict[str, Plan] = {}
@@ -275,8 +279,9 @@ class Workflow:
             error = stored.get("error", {}) if isinstance(stored, dict) else {}
             raise StepResultError(
                 str(error.get("message", "the operation failed finally")),
-                step=str(error.get("step", "")), derived_key=str(error.get("derived_key", "")),
-            )  # fmt: skip
+                step=str(error.get("step", "")),
+                derived_key=str(error.get("derived_key", "")),
+            )
         return stored["value"]
 
     @staticmethod

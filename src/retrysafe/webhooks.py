@@ -362,9 +362,13 @@ def verify(
 
 
 def _verify(
-    scheme: str, headers: Any, body: bytes, secrets: Any, tolerance: float | None,
+    scheme: str,
+    headers: Any,
+    body: bytes,
+    secrets: Any,
+    tolerance: float | None,
     now: float | None,
-) -> _Ids:  # fmt: skip
+) -> _Ids:
     """:func:`verify`'s checks: (the provider's event id, an id the signature covers)."""
     check = SCHEMES.get(scheme) if isinstance(scheme, str) else None
     if check is None:
@@ -466,15 +470,20 @@ def _refused(exc: IdempotencyError) -> WebhookResponse:
     """The answer when the engine would not start the handler (nothing ran)."""
     if isinstance(exc, InProgressError):
         return _problem(
-            409, exc.code, "this event is being processed by another delivery; retry later",
-            [retry_after_header(exc.retry_after)], retry_after=exc.retry_after,
-        )  # fmt: skip
+            409,
+            exc.code,
+            "this event is being processed by another delivery; retry later",
+            [retry_after_header(exc.retry_after)],
+            retry_after=exc.retry_after,
+        )
     if isinstance(exc, StoreUnavailableError):
         log.error("retrysafe: store unavailable, webhook answered 503: %s", exc)
         return _problem(
-            503, exc.code, "the idempotency store cannot be reached; deliver the event again",
+            503,
+            exc.code,
+            "the idempotency store cannot be reached; deliver the event again",
             [retry_after_header(exc.retry_after)],
-        )  # fmt: skip
+        )
     raise exc
 
 
@@ -612,9 +621,11 @@ class Receiver:
         for name in ("webhook", "payment_webhook"):
             op = imap.operation(name)
             options: BeginOptions = {
-                "operation": name, "ttl": op.ttl if ttl is None else ttl,
-                "lease": op.lease if lease is None else lease, "retention": op.retention,
-            }  # fmt: skip
+                "operation": name,
+                "ttl": op.ttl if ttl is None else ttl,
+                "lease": op.lease if lease is None else lease,
+                "retention": op.retention,
+            }
             self.engine.attempt("-", **options)
             self._options[name] = options
         self._final = imap.operation("webhook").final_failures
@@ -651,9 +662,11 @@ class Receiver:
             key = self._map.key("webhook", source=self.source, event_id=signed)
         else:
             key = self._map.key(
-                "payment_webhook", gateway=self.source,
-                transaction_id=_key_field(found[0]), event_type=_key_field(found[1]),
-            )  # fmt: skip
+                "payment_webhook",
+                gateway=self.source,
+                transaction_id=_key_field(found[0]),
+                event_type=_key_field(found[1]),
+            )
             return Delivery(event_id, self.source, key, h, body, *found)
         return Delivery(event_id, self.source, key, h, body)
 
@@ -683,29 +696,38 @@ class Receiver:
             why = f"is {len(outcome.body)} bytes, over the {self.engine.max_body} kept"
         log.error(
             "retrysafe: the handler of webhook %s ran but its result %s; it is not run again "
-            "for this event (redeliveries get 200 duplicate)", delivery.key, why,
-        )  # fmt: skip
+            "for this event (redeliveries get 200 duplicate)",
+            delivery.key,
+            why,
+        )
         return _problem(
-            500, "webhook_result_invalid",
+            500,
+            "webhook_result_invalid",
             "the event was handled but the handler's result cannot be stored; "
             "it is not handled again",
-        ), None  # fmt: skip
+        ), None
 
     @staticmethod
     def _replayed(delivery: Delivery, replay: Replay) -> WebhookResponse:
         """A delivery of an event already handled: the stored result, handler not run."""
         outcome = None if replay.failed else replay.outcome
-        return _answer(200, {
-            "status": "duplicate", "event_id": delivery.event_id,
-            "original_event_id": replay.record.request_id,
-            "result": None if outcome is None else outcome.value,
-        }, REPLAYED)  # fmt: skip
+        return _answer(
+            200,
+            {
+                "status": "duplicate",
+                "event_id": delivery.event_id,
+                "original_event_id": replay.record.request_id,
+                "result": None if outcome is None else outcome.value,
+            },
+            REPLAYED,
+        )
 
     def _failed(self, delivery: Delivery, exc: Exception) -> WebhookResponse:
         log.error(
             "retrysafe: the handler of webhook %s failed; the next delivery runs it again",
-            delivery.key, exc_info=exc,
-        )  # fmt: skip
+            delivery.key,
+            exc_info=exc,
+        )
         return _crashed("the event could not be handled; deliver it again")
 
     # -- sync -------------------------------------------------------------------------
@@ -865,8 +887,9 @@ class _Limit:
         if length > self.limit:
             raise BodyError(
                 f"the delivery is over {self.limit} bytes",
-                status=413, code="idempotency_body_too_large",
-            )  # fmt: skip
+                status=413,
+                code="idempotency_body_too_large",
+            )
 
 
 def _not_post() -> WebhookResponse:

@@ -59,8 +59,9 @@ def wait_for(what: str, condition: Callable[[], Any], timeout: float = 60.0) -> 
 class Server(Process):
     """:class:`Process` with its output in ``log`` instead of a pipe."""
 
-    def __init__(self, argv: list[str], port: int, env: dict[str, str], health: str,
-                 log: Path) -> None:  # fmt: skip
+    def __init__(
+        self, argv: list[str], port: int, env: dict[str, str], health: str, log: Path
+    ) -> None:
         super().__init__(argv, port, env, health)
         self.env["PYTHONPATH"] = os.pathsep.join(
             [str(FAULTS), str(TESTS), os.environ.get("PYTHONPATH", "")]
@@ -70,9 +71,12 @@ class Server(Process):
     def __enter__(self) -> Server:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                self.argv,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )  # fmt: skip
+            )
         try:
             wait_until_up(self.url + self.health, timeout=60, proc=self.proc)
         except BaseException:
@@ -182,9 +186,18 @@ class CrashablePostgres(PostgresServer):
             " -c max_connections=200"
         )
         self._run(
-            _pg_bin("pg_ctl"), "-D", str(self._base / "data"), "-o", opts,
-            "-l", str(self._base / "postgres.log"), "-w", "-t", "60", "start",
-        )  # fmt: skip
+            _pg_bin("pg_ctl"),
+            "-D",
+            str(self._base / "data"),
+            "-o",
+            opts,
+            "-l",
+            str(self._base / "postgres.log"),
+            "-w",
+            "-t",
+            "60",
+            "start",
+        )
 
     def kill(self) -> None:
         """SIGKILL the postmaster and all its processes at once, as a crash would."""
@@ -268,8 +281,9 @@ class Load:
         self._jobs = [k for k in self.keys for _ in range(self.copies)]
         self._next = 0
         self._stop_at = time.monotonic() + self.deadline
-        self._threads = [threading.Thread(target=self._work, daemon=True)
-                         for _ in range(self.threads)]  # fmt: skip
+        self._threads = [
+            threading.Thread(target=self._work, daemon=True) for _ in range(self.threads)
+        ]
 
     def start(self) -> Load:
         for t in self._threads:

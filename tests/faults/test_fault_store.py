@@ -162,5 +162,7 @@ def test_connections_cut(name: str, request: pytest.FixtureRequest, tmp_path: Pa
     seen, excused = run_case(tmp_path, url, fault, keys=150)
     assert sum(cuts) > 0, cuts  # connections were there to cut, and were cut
     assert not excused, f"answers not recorded: {sorted(excused)}"
-    print(f"\n{name} cut {sum(cuts)} connections in {len(cuts)} rounds: answers {seen}, "
-          f"logged unrecorded {sorted(excused)}")  # fmt: skip
+    print(
+        f"\n{name} cut {sum(cuts)} connections in {len(cuts)} rounds: answers {seen}, "
+        f"logged unrecorded {sorted(excused)}"
+    )

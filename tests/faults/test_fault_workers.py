@@ -215,10 +215,21 @@ def test_gateway_worker_killed_after_the_upstream_ran(
     up_argv = [*uvicorn_argv("_fault_apps:upstream_from_env", up_port), "--no-proxy-headers"]
     with Server(up_argv, up_port, env, "/health", tmp_path / "upstream.log") as upstream:
         gw_argv = [
-            sys.executable, "-m", "retrysafe", "gateway", "--upstream", upstream.url,
-            "--store", url, "--listen", f"127.0.0.1:{gw_port}", "--workers", "2",
-            "--map", str(tmp_path / "map.toml"),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "retrysafe",
+            "gateway",
+            "--upstream",
+            upstream.url,
+            "--store",
+            url,
+            "--listen",
+            f"127.0.0.1:{gw_port}",
+            "--workers",
+            "2",
+            "--map",
+            str(tmp_path / "map.toml"),
+        ]
         with Server(gw_argv, gw_port, {}, "/_retrysafe/health", tmp_path / "gw.log") as gw:
             charge = gw.url + "/charge"
             victim, body = f"victim-{uuid.uuid4().hex[:8]}", {"hold": True}
@@ -267,8 +278,9 @@ def test_gateway_worker_killed_after_the_upstream_ran(
             seen = check_answers(answers, {201, 409, None})
             ran = effects(tmp_path, "upstream_effects")
             # A key's "runs" are its calls upstream, each naming the key's one effect.
-            runs = {k: [(ran[k][0][0], p) for kk, p in calls_now(tmp_path) if kk == k]
-                    for k in keys}  # fmt: skip
+            runs = {
+                k: [(ran[k][0][0], p) for kk, p in calls_now(tmp_path) if kk == k] for k in keys
+            }
             # Run again upstream only where the first call was the killed worker's.
             excused = {k for k in keys if len(runs[k]) > 1 and runs[k][0][1] in ports}
             check_runs(answers, runs, keys, excused)

@@ -59,9 +59,12 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")
 DEFAULT_OUTBOX = "retrysafe-outbox.db"
 OutboxOpt = Annotated[
     str | None,
-    typer.Option("--path", metavar="FILE",
-                 help=f"The outbox file (default: $RETRYSAFE_OUTBOX or {DEFAULT_OUTBOX})."),
-]  # fmt: skip
+    typer.Option(
+        "--path",
+        metavar="FILE",
+        help=f"The outbox file (default: $RETRYSAFE_OUTBOX or {DEFAULT_OUTBOX}).",
+    ),
+]
 
 # Keys, operations, URLs and errors are client input: printed literally, never as Rich
 # markup or emoji codes, and with control characters escaped (see _row).
@@ -148,9 +151,12 @@ def demo(
     from retrysafe._demo.run import run_demo
 
     return run_demo(
-        _store_url(store, DEMO_STORE_URL), listen=listen, check=check, orders=orders,
+        _store_url(store, DEMO_STORE_URL),
+        listen=listen,
+        check=check,
+        orders=orders,
         retries=retries,
-    )  # fmt: skip
+    )
 
 
 @app.command()
@@ -337,10 +343,17 @@ def gateway(
     limits = {name: value for name, value in limits.items() if value is not None}
     protocol = protocol_class(http)
     application = gw.create_app(
-        upstream, store=store_url, require_key=require_key, timeout=timeout, map=imap,
-        admin_loopback=admin_loopback, sweep_every=sweep,
-        trusted_proxies=trusted_proxy or (), **principals, **limits,
-    )  # fmt: skip
+        upstream,
+        store=store_url,
+        require_key=require_key,
+        timeout=timeout,
+        map=imap,
+        admin_loopback=admin_loopback,
+        sweep_every=sweep,
+        trusted_proxies=trusted_proxy or (),
+        **principals,
+        **limits,
+    )
     try:
         gw.probe_store(application.store)
     except StoreUnavailableError as exc:
@@ -545,10 +558,15 @@ def list_(
         if r.expires_at <= now:
             status_text += " (expired)"
         _row(
-            table, r.key, r.operation, (r.scope[:12] + "…") if len(r.scope) > 13 else r.scope,
-            status_text, _age(now - r.created_at), str(r.attempts),
+            table,
+            r.key,
+            r.operation,
+            (r.scope[:12] + "…") if len(r.scope) > 13 else r.scope,
+            status_text,
+            _age(now - r.created_at),
+            str(r.attempts),
             "-" if r.expires_at <= now else _age(r.expires_at - now),
-        )  # fmt: skip
+        )
     out.print(table)
     return 0
 
@@ -616,11 +634,16 @@ def stats(
         per_op.setdefault(op, {})[state] = n
     for op in sorted(per_op):
         row = per_op[op]
-        _row(table, op or "(none)", *(str(row.get(x.value, 0)) for x in Status),
-             str(sum(row.values())))  # fmt: skip
+        _row(
+            table,
+            op or "(none)",
+            *(str(row.get(x.value, 0)) for x in Status),
+            str(sum(row.values())),
+        )
     totals = data["by_status"]
-    table.add_row("all", *(str(totals.get(x.value, 0)) for x in Status), str(data["live"]),
-                  style="bold")  # fmt: skip
+    table.add_row(
+        "all", *(str(totals.get(x.value, 0)) for x in Status), str(data["live"]), style="bold"
+    )
     out.print(table)
     out.print(f"expired, awaiting the sweeper: {st.expired}")
     if st.archived is not None:
@@ -637,9 +660,13 @@ def stats(
 
 
 def _watch_stats(
-    store: str | None, url: str | None, token: str | None, interval: float, as_json: bool,
+    store: str | None,
+    url: str | None,
+    token: str | None,
+    interval: float,
+    as_json: bool,
     count: int | None,
-) -> int:  # fmt: skip
+) -> int:
     from retrysafe._ops import watch as _watch
 
     if url is not None:
@@ -748,8 +775,9 @@ def sweep(
 
         try:
             print(f"retrysafe sweep: every {every}, Ctrl-C to stop", flush=True)
-            sweeper.run_every(interval, stop=stop, on_sweep=done, on_error=failed,
-                              progress=progress)  # fmt: skip
+            sweeper.run_every(
+                interval, stop=stop, on_sweep=done, on_error=failed, progress=progress
+            )
         except KeyboardInterrupt:
             pass
         finally:
@@ -786,9 +814,14 @@ def archive_list(
     for a in archived:
         r, o = a.record, a.record.outcome
         _row(
-            table, iso_time(a.archived_at) or "", r.key, r.operation, r.status.value,
-            iso_time(r.created_at) or "", "-" if o is None else f"{o.status or ''} {len(o.body)} B",
-        )  # fmt: skip
+            table,
+            iso_time(a.archived_at) or "",
+            r.key,
+            r.operation,
+            r.status.value,
+            iso_time(r.created_at) or "",
+            "-" if o is None else f"{o.status or ''} {len(o.body)} B",
+        )
     out.print(table)
     return 0
 
@@ -806,8 +839,9 @@ def _outbox(path: str | None) -> Any:
     import sqlite3
 
     try:
-        with contextlib.closing(sqlite3.connect(f"{file.resolve().as_uri()}?mode=ro",
-                                                uri=True)) as conn:  # fmt: skip
+        with contextlib.closing(
+            sqlite3.connect(f"{file.resolve().as_uri()}?mode=ro", uri=True)
+        ) as conn:
             found = conn.execute(
                 "SELECT 1 FROM sqlite_master WHERE name = 'retrysafe_outbox'"
             ).fetchone()
@@ -854,14 +888,26 @@ def outbox_list(
         out.print("no failed mutations" if failed else "the outbox is empty")
         return 0
     now = time.time()
-    table = Table("seq", "request", "bytes", "age", "attempts",
-                  "answer" if failed else "last error")  # fmt: skip
+    table = Table(
+        "seq", "request", "bytes", "age", "attempts", "answer" if failed else "last error"
+    )
     table.add_column("key", min_width=36, overflow="fold")  # whole, for outbox drop
     for i in items:
-        last = f"{i.status_code} {(i.answer or b'')[:60].decode('utf-8', 'replace')}" if failed \
-            else (i.last_error or "-")  # fmt: skip
-        _row(table, str(i.seq), f"{i.method} {i.url}", str(len(i.body)),
-             _age(now - i.created_at), str(i.attempts), last, i.key)  # fmt: skip
+        last = (
+            f"{i.status_code} {(i.answer or b'')[:60].decode('utf-8', 'replace')}"
+            if failed
+            else (i.last_error or "-")
+        )
+        _row(
+            table,
+            str(i.seq),
+            f"{i.method} {i.url}",
+            str(len(i.body)),
+            _age(now - i.created_at),
+            str(i.attempts),
+            last,
+            i.key,
+        )
     out.print(table)
     return 0
 
@@ -913,15 +959,19 @@ def outbox_flush(
     except (httpx.HTTPError, httpx.InvalidURL) as exc:  # not an answer: a bad base URL
         raise CliError(f"cannot send: {exc}") from exc
     if as_json:
-        _print_json({
-            "delivered": [i.key for i in result.delivered],
-            "failed": [_item_json(i) for i in result.failed],
-            "remaining": result.remaining,
-            "error": result.error,
-        })  # fmt: skip
+        _print_json(
+            {
+                "delivered": [i.key for i in result.delivered],
+                "failed": [_item_json(i) for i in result.failed],
+                "remaining": result.remaining,
+                "error": result.error,
+            }
+        )
     else:
-        print(f"{_count(len(result.delivered), 'mutation')} delivered, {len(result.failed)} "
-              f"refused, {result.remaining} still queued")  # fmt: skip
+        print(
+            f"{_count(len(result.delivered), 'mutation')} delivered, {len(result.failed)} "
+            f"refused, {result.remaining} still queued"
+        )
         for i in result.failed:
             print(printable(f"  refused: {i.method} {i.url} (key {i.key}): HTTP {i.status_code}"))
         if result.error:
@@ -975,15 +1025,24 @@ def map_check(
         imap = IdempotencyMap.load(file)
     except MapError as exc:
         if as_json:
-            _print_json({"ok": False, "error": str(exc), "source": str(exc.source),
-                         "line": exc.line, "field": exc.field})  # fmt: skip
+            _print_json(
+                {
+                    "ok": False,
+                    "error": str(exc),
+                    "source": str(exc.source),
+                    "line": exc.line,
+                    "field": exc.field,
+                }
+            )
             return 1
         raise CliError(str(exc), 1) from exc
     if as_json:
         _print_json({"ok": True, "operations": len(imap.operations), "routes": len(imap.routes)})
     else:
-        print(f"{file}: ok, {_count(len(imap.operations), 'operation')}, "
-              f"{_count(len(imap.routes), 'route')}")  # fmt: skip
+        print(
+            f"{file}: ok, {_count(len(imap.operations), 'operation')}, "
+            f"{_count(len(imap.routes), 'route')}"
+        )
     return 0
 
 
@@ -1033,9 +1092,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prefix}: error: {printable(str(exc))}", file=sys.stderr)
         return exc.status
     except (
-        IdempotencyError, ValueError, TypeError, ImportError, OSError, NotImplementedError,
+        IdempotencyError,
+        ValueError,
+        TypeError,
+        ImportError,
+        OSError,
+        NotImplementedError,
         KeyError,
-    ) as exc:  # fmt: skip
+    ) as exc:
         text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"{prefix}: error: {printable(str(text))}", file=sys.stderr)
         return 2

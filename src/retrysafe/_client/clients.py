@@ -39,14 +39,19 @@ class _Retrying:
         """The call's key (added if missing), and whether it may be retried at all."""
         if request.method.upper() not in self.retry.retry_methods:
             return None, False
-        key = next((request.headers[h] for h in (self.key_header, *_KEY_HEADERS)
-                    if h in request.headers), None)  # fmt: skip
+        key = next(
+            (request.headers[h] for h in (self.key_header, *_KEY_HEADERS) if h in request.headers),
+            None,
+        )
         if key is None:
             key = new_key(self.retry.key_version)
             request.headers[self.key_header] = key
         if not is_replayable(request):
-            log.debug("retrysafe: %s %s has a streamed body: sent once, not retried",
-                      request.method, _where(request))  # fmt: skip
+            log.debug(
+                "retrysafe: %s %s has a streamed body: sent once, not retried",
+                request.method,
+                _where(request),
+            )
             return key, False
         return key, True
 
@@ -62,24 +67,41 @@ class _Retrying:
         return retryable(outcome)
 
     def _log(self, request: httpx.Request, key: str | None, attempt: int) -> None:
-        log.debug("retrysafe: %s %s key=%s attempt=%d", request.method, _where(request), key,
-                  attempt)  # fmt: skip
+        log.debug(
+            "retrysafe: %s %s key=%s attempt=%d", request.method, _where(request), key, attempt
+        )
 
     def _outcome(
-        self, request: httpx.Request, key: str | None, attempt: int,
-        outcome: httpx.Response | BaseException, started: float, may_retry: bool,
-    ) -> float | None:  # fmt: skip
+        self,
+        request: httpx.Request,
+        key: str | None,
+        attempt: int,
+        outcome: httpx.Response | BaseException,
+        started: float,
+        may_retry: bool,
+    ) -> float | None:
         """Seconds to wait before the next attempt, or None: ``outcome`` is the answer."""
         if not may_retry or (isinstance(outcome, httpx.Response) and not self._retryable(outcome)):
             return None
         elapsed = self.retry.clock() - started
-        wait = decide(attempt, outcome, self.retry, elapsed, self.retry.wall(),
-                      retryable=self._retryable)  # fmt: skip
-        what = f"{type(outcome).__name__}" if isinstance(outcome, BaseException) else (
-            str(outcome.status_code))  # fmt: skip
+        wait = decide(
+            attempt, outcome, self.retry, elapsed, self.retry.wall(), retryable=self._retryable
+        )
+        what = (
+            f"{type(outcome).__name__}"
+            if isinstance(outcome, BaseException)
+            else (str(outcome.status_code))
+        )
         if wait is not None:
-            log.debug("retrysafe: %s %s key=%s attempt=%d got %s; retrying in %.3fs",
-                      request.method, _where(request), key, attempt, what, wait)  # fmt: skip
+            log.debug(
+                "retrysafe: %s %s key=%s attempt=%d got %s; retrying in %.3fs",
+                request.method,
+                _where(request),
+                key,
+                attempt,
+                what,
+                wait,
+            )
         return wait
 
 
@@ -113,9 +135,12 @@ class Client(_Retrying, httpx.Client):
     """
 
     def __init__(
-        self, *, retry: RetryPolicy | None = None, key_header: str = "Idempotency-Key",
+        self,
+        *,
+        retry: RetryPolicy | None = None,
+        key_header: str = "Idempotency-Key",
         **kwargs: Any,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(**kwargs)
         self._setup(retry, key_header)
 
@@ -150,9 +175,12 @@ class AsyncClient(_Retrying, httpx.AsyncClient):
     """
 
     def __init__(
-        self, *, retry: RetryPolicy | None = None, key_header: str = "Idempotency-Key",
+        self,
+        *,
+        retry: RetryPolicy | None = None,
+        key_header: str = "Idempotency-Key",
         **kwargs: Any,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(**kwargs)
         self._setup(retry, key_header)
 

@@ -91,8 +91,11 @@ def _envelope(
     others = [dict(ext) for ext in extensions or ()]
     if any(ext.get("urn") == URN for ext in others):
         raise ValueError(f"pass the idempotency options as key= and ttl=, not as {URN}")
-    envelope = {"protocol": dict(PROTOCOL), "call": call,
-                "extensions": [*others, {"urn": URN, "options": options}]}  # fmt: skip
+    envelope = {
+        "protocol": dict(PROTOCOL),
+        "call": call,
+        "extensions": [*others, {"urn": URN, "options": options}],
+    }
     # A copy as JSON has it: not JSON fails now (TypeError, ValueError), before anything is
     # sent, and every attempt sends these arguments even if the caller changes them.
     return json.loads(_JSON(envelope))  # type: ignore[no-any-return]
@@ -150,9 +153,12 @@ class _MeshCalls:
         headers = request.headers.copy()
         headers.pop("content-length", None)
         return httpx.Request(
-            request.method, request.url, headers=headers, content=body,
+            request.method,
+            request.url,
+            headers=headers,
+            content=body,
             extensions=request.extensions,
-        )  # fmt: skip
+        )
 
     def _retryable(self, outcome: httpx.Response | BaseException) -> bool:
         """A Mesh call's answer: :func:`mesh_retryable`; any other: the base client's rule."""
@@ -170,11 +176,16 @@ class MeshClient(_MeshCalls, Client):
     """
 
     def call(
-        self, url: httpx.URL | str, function: str, arguments: Mapping[str, Any], *,
-        version: str | None = None, key: str | None = None,
+        self,
+        url: httpx.URL | str,
+        function: str,
+        arguments: Mapping[str, Any],
+        *,
+        version: str | None = None,
+        key: str | None = None,
         ttl: float | Mapping[str, Any] | None = None,
         extensions: Iterable[Mapping[str, Any]] | None = None,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         """POST a Mesh call of ``function`` and return the response envelope.
 
         ``key`` is the idempotency key (a new UUID by default), the same on
@@ -193,11 +204,16 @@ class AsyncMeshClient(_MeshCalls, AsyncClient):
     """The async :class:`MeshClient`: ``await client.call(...)``."""
 
     async def call(
-        self, url: httpx.URL | str, function: str, arguments: Mapping[str, Any], *,
-        version: str | None = None, key: str | None = None,
+        self,
+        url: httpx.URL | str,
+        function: str,
+        arguments: Mapping[str, Any],
+        *,
+        version: str | None = None,
+        key: str | None = None,
         ttl: float | Mapping[str, Any] | None = None,
         extensions: Iterable[Mapping[str, Any]] | None = None,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         """:meth:`MeshClient.call`, awaited."""
         request = self._mesh_request(url, function, arguments, version, key, ttl, extensions)
         return _answer(await self.send(request))

@@ -63,8 +63,10 @@ CREATE TABLE IF NOT EXISTS retrysafe_outbox (
 );
 CREATE INDEX IF NOT EXISTS retrysafe_outbox_state ON retrysafe_outbox (state, seq);
 """
-_COLUMNS = ("seq, key, method, url, headers, body, created_at, state, attempts, last_error, "
-            "status_code, answer, finished_at")  # fmt: skip
+_COLUMNS = (
+    "seq, key, method, url, headers, body, created_at, state, attempts, last_error, "
+    "status_code, answer, finished_at"
+)
 
 
 #: Flush locks this process holds. A child forked meanwhile closes its copies, or the
@@ -139,11 +141,20 @@ class FlushResult:
 
 def _item(row: tuple[Any, ...]) -> OutboxItem:
     return OutboxItem(
-        seq=row[0], key=row[1], method=row[2], url=row[3], headers=_json.loads(row[4]),
-        body=bytes(row[5]), created_at=row[6], state=row[7], attempts=row[8],
-        last_error=row[9], status_code=row[10],
-        answer=None if row[11] is None else bytes(row[11]), finished_at=row[12],
-    )  # fmt: skip
+        seq=row[0],
+        key=row[1],
+        method=row[2],
+        url=row[3],
+        headers=_json.loads(row[4]),
+        body=bytes(row[5]),
+        created_at=row[6],
+        state=row[7],
+        attempts=row[8],
+        last_error=row[9],
+        status_code=row[10],
+        answer=None if row[11] is None else bytes(row[11]),
+        finished_at=row[12],
+    )
 
 
 def _describe(outcome: httpx.Response | BaseException) -> str:
@@ -162,9 +173,13 @@ class Outbox:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, retry: RetryPolicy | None = None,
-        timeout: float = 10.0, keep_credentials: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        path: str | os.PathLike[str],
+        *,
+        retry: RetryPolicy | None = None,
+        timeout: float = 10.0,
+        keep_credentials: bool = False,
+    ) -> None:
         self.path = Path(path)
         self.retry = retry if retry is not None else RetryPolicy()
         self.timeout = timeout
@@ -200,8 +215,9 @@ class Outbox:
         conn = getattr(self._local, "conn", None)
         if conn is None or self._local.pid != os.getpid():
             try:
-                conn = sqlite3.connect(self.path, timeout=30, isolation_level=None,
-                                       check_same_thread=False)  # fmt: skip
+                conn = sqlite3.connect(
+                    self.path, timeout=30, isolation_level=None, check_same_thread=False
+                )
             except sqlite3.Error as exc:
                 raise OutboxError(f"cannot open the outbox {str(self.path)!r}: {exc}") from exc
             self._local.conn, self._local.pid = conn, os.getpid()
@@ -233,9 +249,15 @@ class Outbox:
     # -- the queue -----------------------------------------------------------------------
 
     def enqueue(
-        self, method: str, url: str, body: bytes | str | None = None, key: str | None = None,
-        *, json: Any = _MISSING, headers: Mapping[str, str] | None = None,
-    ) -> str:  # fmt: skip
+        self,
+        method: str,
+        url: str,
+        body: bytes | str | None = None,
+        key: str | None = None,
+        *,
+        json: Any = _MISSING,
+        headers: Mapping[str, str] | None = None,
+    ) -> str:
         """Store a mutation and return its idempotency key (a new UUID unless given).
 
         ``url`` is absolute, or relative to the flushing client's ``base_url``.
@@ -262,8 +284,9 @@ class Outbox:
         with self._db() as conn:
             conn.execute(
                 "INSERT INTO retrysafe_outbox (key, method, url, headers, body, created_at) "
-                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (key) DO NOTHING", values,
-            )  # fmt: skip
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (key) DO NOTHING",
+                values,
+            )
             row = conn.execute(
                 "SELECT method, url, headers, body FROM retrysafe_outbox WHERE key = ?", (key,)
             ).fetchone()
@@ -304,9 +327,12 @@ class Outbox:
     # -- sending -------------------------------------------------------------------------
 
     def flush(
-        self, client: httpx.Client | None = None, *, block: bool = True,
+        self,
+        client: httpx.Client | None = None,
+        *,
+        block: bool = True,
         on_answer: Callable[[OutboxItem, httpx.Response], object] | None = None,
-    ) -> FlushResult:  # fmt: skip
+    ) -> FlushResult:
         """Send the queued mutations in order, each with its key, and keep what is left.
 
         ``client`` sends them (a :class:`retrysafe.client.Client` retries each
@@ -345,9 +371,10 @@ class Outbox:
             os.close(fd)  # releases the lock
 
     def _flush(
-        self, client: httpx.Client,
+        self,
+        client: httpx.Client,
         on_answer: Callable[[OutboxItem, httpx.Response], object] | None,
-    ) -> FlushResult:  # fmt: skip
+    ) -> FlushResult:
         header = getattr(client, "key_header", "Idempotency-Key")
         delivered: list[OutboxItem] = []
         failed: list[OutboxItem] = []
@@ -357,20 +384,25 @@ class Outbox:
             if not first:
                 break
             item = first[0]
-            self._update("UPDATE retrysafe_outbox SET attempts = attempts + 1 WHERE seq = ?",
-                         (item.seq,))  # fmt: skip
+            self._update(
+                "UPDATE retrysafe_outbox SET attempts = attempts + 1 WHERE seq = ?", (item.seq,)
+            )
             outcome: httpx.Response | BaseException
             try:
                 outcome = client.request(
-                    item.method, item.url, content=item.body,
+                    item.method,
+                    item.url,
+                    content=item.body,
                     headers={**item.headers, header: item.key},
-                )  # fmt: skip
+                )
             except httpx.TransportError as exc:  # the client's retries are spent
                 outcome = exc
             if isinstance(outcome, BaseException) or retryable(outcome):
                 error = f"{item.method} {item.url} (key {item.key}): {_describe(outcome)}"
-                self._update("UPDATE retrysafe_outbox SET last_error = ? WHERE seq = ?",
-                             (_describe(outcome), item.seq))  # fmt: skip
+                self._update(
+                    "UPDATE retrysafe_outbox SET last_error = ? WHERE seq = ?",
+                    (_describe(outcome), item.seq),
+                )
                 break
             if outcome.status_code < 300 or outcome.status_code == 303:
                 if on_answer is not None:
@@ -379,16 +411,25 @@ class Outbox:
                 delivered.append(item)
                 continue
             refused = replace(
-                item, state="failed", attempts=item.attempts + 1, last_error=_describe(outcome),
-                status_code=outcome.status_code, answer=outcome.content[:MAX_KEPT_ANSWER],
+                item,
+                state="failed",
+                attempts=item.attempts + 1,
+                last_error=_describe(outcome),
+                status_code=outcome.status_code,
+                answer=outcome.content[:MAX_KEPT_ANSWER],
                 finished_at=time.time(),
-            )  # fmt: skip
+            )
             self._update(
                 "UPDATE retrysafe_outbox SET state = 'failed', last_error = ?, status_code = ?,"
                 " answer = ?, finished_at = ? WHERE seq = ?",
-                (refused.last_error, refused.status_code, refused.answer, refused.finished_at,
-                 item.seq),
-            )  # fmt: skip
+                (
+                    refused.last_error,
+                    refused.status_code,
+                    refused.answer,
+                    refused.finished_at,
+                    item.seq,
+                ),
+            )
             failed.append(refused)
         return FlushResult(tuple(delivered), tuple(failed), len(self), error)
 

@@ -79,8 +79,11 @@ def retry_after(response: httpx.Response, now: float | None = None) -> float | N
         return None
     errors = [e for e in _mesh_errors(doc) or () if isinstance(e, dict)]
     candidates = [doc, doc.get("error"), *errors, *(e.get("details") for e in errors)]
-    asked = [_seconds(item["retry_after"]) for item in candidates
-             if isinstance(item, dict) and "retry_after" in item]  # fmt: skip
+    asked = [
+        _seconds(item["retry_after"])
+        for item in candidates
+        if isinstance(item, dict) and "retry_after" in item
+    ]
     return max((s for s in asked if s is not None), default=None)
 
 
@@ -157,8 +160,7 @@ def mesh_retryable(outcome: httpx.Response | BaseException) -> bool:
     if isinstance(outcome, BaseException):
         return False
     errors = _mesh_errors(_json(outcome))
-    return bool(errors) and all(isinstance(e, dict) and e.get("retryable") is True
-                                for e in errors)  # fmt: skip
+    return bool(errors) and all(isinstance(e, dict) and e.get("retryable") is True for e in errors)
 
 
 def decide(

@@ -43,7 +43,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
-from retrysafe._model.decide import RawCell, live, writable
+from retrysafe._model.decide import RawCell, live
 from retrysafe.errors import StoreUnavailableError
 
 #: Longer cell keys are stored as the SHA-256 of the key (identifiers stay free-form).

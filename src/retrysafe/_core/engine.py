@@ -269,8 +269,13 @@ class Engine:
         if not ok:
             self._lost(claim, what)
         call = "complete" if final is None else "fail"
-        METRICS.settled(call, claim.operation, claim.key_hash, time.perf_counter() - started,
-                        started - claim.started)  # fmt: skip
+        METRICS.settled(
+            call,
+            claim.operation,
+            claim.key_hash,
+            time.perf_counter() - started,
+            started - claim.started,
+        )
         if final is not None:
             METRICS.failed(claim.operation, claim.key, claim.key_hash, claim.attempts, final)
 
@@ -285,8 +290,11 @@ class Engine:
         METRICS.stale(what, claim.operation, claim.key, claim.key_hash)
         log.warning(
             "retrysafe: stale %s refused: lease lost (operation=%s key_hash=%s attempt=%d)",
-            what, claim.operation, claim.key_hash[:16], claim.attempts,
-        )  # fmt: skip
+            what,
+            claim.operation,
+            claim.key_hash[:16],
+            claim.attempts,
+        )
         raise LeaseLostError(
             f"{what} refused: this attempt's lease ran out and another attempt owns the key",
             key=claim.key,
@@ -495,9 +503,22 @@ class Plan:
     """One ``begin``: its validated inputs, and what a claim's result means."""
 
     __slots__ = (
-        "deadline", "delay", "fingerprint", "key", "key_hash", "lease", "metadata",
-        "operation", "request_id", "request_payload", "retention", "scope", "step", "ttl", "wait",
-    )  # fmt: skip
+        "deadline",
+        "delay",
+        "fingerprint",
+        "key",
+        "key_hash",
+        "lease",
+        "metadata",
+        "operation",
+        "request_id",
+        "request_payload",
+        "retention",
+        "scope",
+        "step",
+        "ttl",
+        "wait",
+    )
 
     def __init__(
         self,
@@ -575,10 +596,26 @@ class Plan:
     def record(self, now: float) -> Record:
         """The processing record a claim at ``now`` writes (a fresh fencing token each time)."""
         return Record(
-            self.key_hash, self.key, self.scope, self.operation, self.fingerprint,
-            Status.PROCESSING, _new_token(), now + self.lease, now + self.ttl, now, now, None, 1,
-            self.request_id, False, None, self.request_payload, self.metadata, self.retention,
-        )  # fmt: skip
+            self.key_hash,
+            self.key,
+            self.scope,
+            self.operation,
+            self.fingerprint,
+            Status.PROCESSING,
+            _new_token(),
+            now + self.lease,
+            now + self.ttl,
+            now,
+            now,
+            None,
+            1,
+            self.request_id,
+            False,
+            None,
+            self.request_payload,
+            self.metadata,
+            self.retention,
+        )
 
     def unreachable(self, error: StoreUnavailableError) -> None:
         """Report that the claim could not reach the store."""
@@ -589,13 +626,23 @@ class Plan:
         ``perf_counter()``), or how long to sleep before claiming again (a float)."""
         now_perf = time.perf_counter()
         if result.claimed:
-            METRICS.claimed(self.operation, self.key_hash, result.took_over, now_perf - started,
-                            self.step)  # fmt: skip
+            METRICS.claimed(
+                self.operation, self.key_hash, result.took_over, now_perf - started, self.step
+            )
             return Claim(
-                self.key, self.key_hash, self.scope, self.operation, self.fingerprint,
-                record.token, record.lease_until, record.expires_at, result.attempts,
-                result.took_over, self.request_id, now_perf,
-            )  # fmt: skip
+                self.key,
+                self.key_hash,
+                self.scope,
+                self.operation,
+                self.fingerprint,
+                record.token,
+                record.lease_until,
+                record.expires_at,
+                result.attempts,
+                result.took_over,
+                self.request_id,
+                now_perf,
+            )
         found = result.record
         assert found is not None
         decision = verdict(found, self.fingerprint)
@@ -604,25 +651,29 @@ class Plan:
             return Replay(found)
         METRICS.store_call("claim", now_perf - started)
         if decision is Verdict.CONFLICT:
-            raise self._refused(FingerprintMismatchError(
-                "idempotency key was already used with a different request",
-                key=self.key,
-                original_fingerprint=found.fingerprint,
-                fingerprint=self.fingerprint,
-                original_request_id=found.request_id,
-            ))  # fmt: skip
+            raise self._refused(
+                FingerprintMismatchError(
+                    "idempotency key was already used with a different request",
+                    key=self.key,
+                    original_fingerprint=found.fingerprint,
+                    fingerprint=self.fingerprint,
+                    original_request_id=found.request_id,
+                )
+            )
         now = record.updated_at
         # The wait is bounded on the monotonic clock: the engine's clock may be frozen.
         tick = time.monotonic()
         if self.deadline is None:
             self.deadline = tick + self.wait
         if tick >= self.deadline:
-            raise self._refused(InProgressError(
-                "a request with this idempotency key is still in progress",
-                key=self.key,
-                retry_after=retry_after(found, now),
-                original_request_id=found.request_id,
-            ))  # fmt: skip
+            raise self._refused(
+                InProgressError(
+                    "a request with this idempotency key is still in progress",
+                    key=self.key,
+                    retry_after=retry_after(found, now),
+                    original_request_id=found.request_id,
+                )
+            )
         pause = min(self.delay, self.deadline - tick, max(found.lease_until - now, 0.001))
         self.delay = min(self.delay * 2, 0.25)
         return float(pause)

@@ -103,9 +103,11 @@ class _Heartbeat:
             renewed = entry.engine.try_renew(claim, entry.lease)
         except Exception as exc:  # the store is down (or broken): try again soon
             log.warning(
-                "retrysafe: could not renew the lease of %s: %s", claim.operation, exc,
+                "retrysafe: could not renew the lease of %s: %s",
+                claim.operation,
+                exc,
                 exc_info=not isinstance(exc, IdempotencyError),
-            )  # fmt: skip
+            )
             retry = min(_RETRY, entry.lease / 10)
             entry.due = time.monotonic() + retry
             if retry < self._tick:

@@ -100,10 +100,41 @@ COUNTERS: dict[str, tuple[str, str]] = {
 #: The outcomes that together are every keyed request (the duplicate rate's denominator).
 KEYED = ("executed", "replayed", "in_flight", "conflict")
 STORE_CALLS = ("claim", "complete", "fail", "renew")
-_STORE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-                  0.5, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
-_HANDLER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                    60.0, 300.0)  # fmt: skip
+_STORE_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+_HANDLER_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+)
 #: Operation labels kept apart; past this many, new ones are counted as ``other``.
 MAX_OPERATIONS = 200
 _NO_OPERATION = "(none)"
@@ -241,14 +272,23 @@ class AlertLog:
     def _write(self, summaries: list[tuple[str, _Held]]) -> None:
         for name, held in summaries:
             ops = ", ".join(f"{op or _NO_OPERATION} x{n}" for op, n in held.operations.items())
-            fields = {"alert": name, "summary": True, "count": held.count,
-                      "interval": self.interval, "operations": dict(held.operations),
-                      "key_hashes": list(held.key_hashes)}  # fmt: skip
+            fields = {
+                "alert": name,
+                "summary": True,
+                "count": held.count,
+                "interval": self.interval,
+                "operations": dict(held.operations),
+                "key_hashes": list(held.key_hashes),
+            }
             log.warning(
                 "retrysafe alert %s: %d more within %gs (operations: %s; key_hash e.g. %s)",
-                name, held.count, self.interval, ops, ", ".join(held.key_hashes) or "-",
+                name,
+                held.count,
+                self.interval,
+                ops,
+                ", ".join(held.key_hashes) or "-",
                 extra={"retrysafe": fields},
-            )  # fmt: skip
+            )
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
@@ -292,17 +332,27 @@ class _Otel:
             return
         span = self.current()
         if span.is_recording():
-            span.add_event(name, {"retrysafe.operation": operation, "retrysafe.outcome": outcome,
-                                  "retrysafe.key_hash": key_hash})  # fmt: skip
+            span.add_event(
+                name,
+                {
+                    "retrysafe.operation": operation,
+                    "retrysafe.outcome": outcome,
+                    "retrysafe.key_hash": key_hash,
+                },
+            )
 
 
 _FAMILIES: dict[str, tuple[str, str, str, tuple[float, ...] | None]] = {
     **{o: (name, text, "operation", None) for o, (name, text) in COUNTERS.items()},
     "alert": ("retrysafe_alerts", "Alerts raised, by alert.", "alert", None),
     "store": ("retrysafe_store_seconds", "Store round-trip time by call.", "call", _STORE_BUCKETS),
-    "handler": ("retrysafe_handler_seconds", "Time from a claim to its completion or failure.",
-                "operation", _HANDLER_BUCKETS),
-}  # fmt: skip
+    "handler": (
+        "retrysafe_handler_seconds",
+        "Time from a claim to its completion or failure.",
+        "operation",
+        _HANDLER_BUCKETS,
+    ),
+}
 
 
 class _Owner:
@@ -382,8 +432,10 @@ class _Cells:
         from prometheus_client.utils import floatToGoString
 
         with self._lock:  # summed under the lock: a thread retiring now is counted once
-            cells = {key: [sum(column) for column in zip(*lists, strict=True)]
-                     for key, lists in self._all.items()}  # fmt: skip
+            cells = {
+                key: [sum(column) for column in zip(*lists, strict=True)]
+                for key, lists in self._all.items()
+            }
         for family, (name, text, label, bounds) in _FAMILIES.items():
             mine = {k[1]: totals for k, totals in cells.items() if k[0] == family}
             if bounds is None:
@@ -480,10 +532,11 @@ class Metrics:
                 self._made = True
                 return
             self._families = {
-                family: Counter(name, text, [label], registry=registry) if bounds is None
+                family: Counter(name, text, [label], registry=registry)
+                if bounds is None
                 else Histogram(name, text, [label], buckets=bounds, registry=registry)
                 for family, (name, text, label, bounds) in _FAMILIES.items()
-            }  # fmt: skip
+            }
             self._made = True
 
     def _child(self, family: str, label: str) -> Any:
@@ -503,8 +556,12 @@ class Metrics:
         op = self._ops.get(operation)
         if op is None:
             label = self._label(operation)
-            op = _Op(label, self._child("executed", label), self._child("replayed", label),
-                     self._child("handler", label))  # fmt: skip
+            op = _Op(
+                label,
+                self._child("executed", label),
+                self._child("replayed", label),
+                self._child("handler", label),
+            )
             if label != "other":  # bounded like the labels
                 self._ops[operation] = op
         return op
@@ -533,9 +590,13 @@ class Metrics:
     # -- what the engine reports -----------------------------------------------------------
 
     def claimed(
-        self, operation: str, key_hash: str, took_over: object, seconds: float,
+        self,
+        operation: str,
+        key_hash: str,
+        took_over: object,
+        seconds: float,
         step: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """A claim was granted after a store call of ``seconds`` (``step``: a workflow's)."""
         if not self.enabled:
             return
@@ -643,8 +704,13 @@ class Metrics:
         if not self.enabled:
             return
         self._child("unrecorded", self._label(operation)).inc()
-        self.alert("unrecorded_outcome", operation, key, key_hash,
-                   f"the {what} could not be written: the store was unreachable")  # fmt: skip
+        self.alert(
+            "unrecorded_outcome",
+            operation,
+            key,
+            key_hash,
+            f"the {what} could not be written: the store was unreachable",
+        )
 
     @_quiet
     def stale(self, what: str, operation: str, key: str, key_hash: str) -> None:
@@ -652,8 +718,13 @@ class Metrics:
         if not self.enabled:
             return
         self._child("stale_refused", self._label(operation)).inc()
-        self.alert("stale_completion", operation, key, key_hash,
-                   f"a stale {what} was refused: the attempt had lost its lease")  # fmt: skip
+        self.alert(
+            "stale_completion",
+            operation,
+            key,
+            key_hash,
+            f"a stale {what} was refused: the attempt had lost its lease",
+        )
 
     @_quiet
     def stuck(self, operation: str, key: str, key_hash: str, overdue: float) -> None:
@@ -672,8 +743,9 @@ class Metrics:
         kind = type(exc).__name__
         if kind not in self._failures:
             self._failures.add(kind)
-            log.error("retrysafe: a metrics report failed (%s: %s); requests go on without it",
-                      kind, exc)  # fmt: skip
+            log.error(
+                "retrysafe: a metrics report failed (%s: %s); requests go on without it", kind, exc
+            )
 
     def _after_fork(self) -> None:
         """In a forked child: new locks (one held by another thread at the fork would
@@ -695,8 +767,12 @@ class Metrics:
             return
         self._child("alert", name).inc()
         fields = {"alert": name, "operation": operation, "key_hash": key_hash[:16], **extra}
-        self.alert_log.emit(name, "retrysafe alert %s: %s (operation=%s key_hash=%s)",
-                            (name, detail, operation, key_hash[:16]), fields)  # fmt: skip
+        self.alert_log.emit(
+            name,
+            "retrysafe alert %s: %s (operation=%s key_hash=%s)",
+            (name, detail, operation, key_hash[:16]),
+            fields,
+        )
         self._note(f"alert:{name}", operation, key, key_hash, detail, **extra)
 
     def _note(
@@ -716,13 +792,20 @@ class Metrics:
                 while len(self._bursts) > 10_000:
                     self._bursts.popitem(last=False)
         if fire:
-            self.alert("burst", operation, key, key_hash,
-                       f"{len(times) + 1} requests with one key within "
-                       f"{self.alerts.burst_window:g}s", requests=len(times) + 1)  # fmt: skip
+            self.alert(
+                "burst",
+                operation,
+                key,
+                key_hash,
+                f"{len(times) + 1} requests with one key within {self.alerts.burst_window:g}s",
+                requests=len(times) + 1,
+            )
 
 
 #: The process's metrics; the engine reports here.
-METRICS = Metrics(enabled=os.environ.get("RETRYSAFE_METRICS", "1").strip().lower()
-                  not in ("0", "false", "no", "off"))  # fmt: skip
+METRICS = Metrics(
+    enabled=os.environ.get("RETRYSAFE_METRICS", "1").strip().lower()
+    not in ("0", "false", "no", "off")
+)
 # The alerts held back for a summary are written when the process ends.
 atexit.register(lambda: METRICS.alert_log.flush(everything=True))

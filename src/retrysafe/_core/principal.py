@@ -69,29 +69,92 @@ DEFAULT_PRINCIPAL_HEADERS: tuple[str, ...] = (
 #: ``__Host-`` or ``__Secure-`` prefix): analytics, consent, CSRF, load balancing
 #: and display preferences. They change between retries without the session
 #: changing, so counting them would run a retry twice.
-NOT_IDENTITY_COOKIES: frozenset[str] = frozenset({
-    # analytics and advertising
-    "_ga", "_gid", "_gat", "__utma", "__utmb", "__utmc", "__utmt", "__utmz", "__utmv",
-    "amp_token", "_fbp", "_fbc", "_clck", "_clsk", "_uetsid", "_uetvid", "muid",
-    "ajs_anonymous_id", "ajs_user_id", "ajs_group_id", "hubspotutk", "__hstc", "__hssc",
-    "__hssrc", "_ttp", "__stripe_mid", "__stripe_sid", "_pin_unauth",
-    # consent
-    "cookieconsent_status", "cookieconsent", "optanonconsent", "optanonalertboxclosed",
-    "euconsent-v2", "cookie_consent",
-    # CSRF: a per-browser token, not an identity (some frameworks rotate it on every answer)
-    "csrftoken", "xsrf-token", "_csrf", "csrf_token", "csrf",
-    # load balancers and edge
-    "awsalb", "awsalbcors", "awselb", "awsalbtg", "awsalbtgcors", "arraffinity",
-    "arraffinitysamesite", "__cf_bm", "cf_clearance", "__cflb", "_cfuvid", "serverid",
-    "route", "routeid",
-    # display preferences
-    "django_language", "lang", "language", "locale", "theme", "timezone", "tz",
-})  # fmt: skip
+NOT_IDENTITY_COOKIES: frozenset[str] = frozenset(
+    {
+        # analytics and advertising
+        "_ga",
+        "_gid",
+        "_gat",
+        "__utma",
+        "__utmb",
+        "__utmc",
+        "__utmt",
+        "__utmz",
+        "__utmv",
+        "amp_token",
+        "_fbp",
+        "_fbc",
+        "_clck",
+        "_clsk",
+        "_uetsid",
+        "_uetvid",
+        "muid",
+        "ajs_anonymous_id",
+        "ajs_user_id",
+        "ajs_group_id",
+        "hubspotutk",
+        "__hstc",
+        "__hssc",
+        "__hssrc",
+        "_ttp",
+        "__stripe_mid",
+        "__stripe_sid",
+        "_pin_unauth",
+        # consent
+        "cookieconsent_status",
+        "cookieconsent",
+        "optanonconsent",
+        "optanonalertboxclosed",
+        "euconsent-v2",
+        "cookie_consent",
+        # CSRF: a per-browser token, not an identity (some frameworks rotate it on every answer)
+        "csrftoken",
+        "xsrf-token",
+        "_csrf",
+        "csrf_token",
+        "csrf",
+        # load balancers and edge
+        "awsalb",
+        "awsalbcors",
+        "awselb",
+        "awsalbtg",
+        "awsalbtgcors",
+        "arraffinity",
+        "arraffinitysamesite",
+        "__cf_bm",
+        "cf_clearance",
+        "__cflb",
+        "_cfuvid",
+        "serverid",
+        "route",
+        "routeid",
+        # display preferences
+        "django_language",
+        "lang",
+        "language",
+        "locale",
+        "theme",
+        "timezone",
+        "tz",
+    }
+)
 #: Name prefixes of cookies that never name a caller (lower case).
 NOT_IDENTITY_PREFIXES: tuple[str, ...] = (
-    "_ga_", "_gat_", "_gcl_", "_gac_", "_hj", "mp_", "amp_", "amplitude_id", "_pk_", "mtm_",
-    "intercom-", "optimizely", "bigipserver", "_dc_gtm_",
-)  # fmt: skip
+    "_ga_",
+    "_gat_",
+    "_gcl_",
+    "_gac_",
+    "_hj",
+    "mp_",
+    "amp_",
+    "amplitude_id",
+    "_pk_",
+    "mtm_",
+    "intercom-",
+    "optimizely",
+    "bigipserver",
+    "_dc_gtm_",
+)
 
 
 #: Parts of the names of session cookies (lower case): ``sessionid``, ``PHPSESSID``,
@@ -99,8 +162,17 @@ NOT_IDENTITY_PREFIXES: tuple[str, ...] = (
 #: ``remember_web_*``, ``wordpress_logged_in_*``. By the default rule, cookies alone
 #: name a caller only if one of them is a session cookie.
 SESSION_HINTS: tuple[str, ...] = (
-    "sess", "sid", "auth", "token", "jwt", "login", "logged", "remember", "identity", "sso",
-)  # fmt: skip
+    "sess",
+    "sid",
+    "auth",
+    "token",
+    "jwt",
+    "login",
+    "logged",
+    "remember",
+    "identity",
+    "sso",
+)
 
 
 def _bare(name: str) -> str:
@@ -192,9 +264,15 @@ class Principals:
     """
 
     __slots__ = (
-        "anonymous", "cookies", "environ_names", "fn", "header_set", "headers", "query",
+        "anonymous",
+        "cookies",
+        "environ_names",
+        "fn",
+        "header_set",
+        "headers",
+        "query",
         "raw_names",
-    )  # fmt: skip
+    )
 
     def __init__(
         self,
@@ -217,9 +295,10 @@ class Principals:
         #: Every credential header (lower case), ``authorization`` included.
         self.header_set = frozenset(("authorization", *self.headers))
         self.cookies = (
-            None if principal_cookies is None
+            None
+            if principal_cookies is None
             else frozenset(_names(principal_cookies, "principal_cookies"))
-        )  # fmt: skip
+        )
         self.query = frozenset(_names(principal_query or (), "principal_query"))
         if anonymous is None:
             anonymous = "run"
@@ -238,9 +317,11 @@ class Principals:
     def describe(self) -> str:
         """One line saying how callers are told apart (for a server's start-up lines)."""
         headers = ", ".join(["Authorization", *self.headers])
-        cookies = "all but analytics and the like" if self.cookies is None else (
-            ", ".join(sorted(self.cookies)) or "none"
-        )  # fmt: skip
+        cookies = (
+            "all but analytics and the like"
+            if self.cookies is None
+            else (", ".join(sorted(self.cookies)) or "none")
+        )
         said = f"by their credentials: headers {headers}; cookies {cookies}"
         if self.query:
             said += f"; query {', '.join(sorted(self.query))}"
@@ -357,9 +438,10 @@ class Principals:
         if not self.query or not query:
             return query
         kept = [
-            part for part in query.split("&")
+            part
+            for part in query.split("&")
             if urllib.parse.unquote_plus(part.partition("=")[0]).lower() not in self.query
-        ]  # fmt: skip
+        ]
         return "&".join(kept)
 
 

@@ -133,9 +133,10 @@ def _text(doc: Doc, name: str, limit: int = 64) -> str:
     value = doc.get(name)
     if not isinstance(value, str) or not value or len(value) > limit or ":" in value:
         raise ShopError(
-            400, "invalid_field", f'"{name}" must be a non-empty string of at most {limit} '
-            'characters without ":"',
-        )  # fmt: skip
+            400,
+            "invalid_field",
+            f'"{name}" must be a non-empty string of at most {limit} characters without ":"',
+        )
     return value
 
 
@@ -218,13 +219,18 @@ class Shop:
         self.consents = History(self.store, namespace="consent")
         self.payments = Workflow(self.engine, operation="payment", retention="financial")
         self.stripe = Receiver(
-            self.engine, scheme="stripe", secrets=DEMO_SECRETS["stripe"],
-            handler=self._stripe_event, transaction=self._stripe_transaction,
-        )  # fmt: skip
+            self.engine,
+            scheme="stripe",
+            secrets=DEMO_SECRETS["stripe"],
+            handler=self._stripe_event,
+            transaction=self._stripe_transaction,
+        )
         self.shopify = Receiver(
-            self.engine, scheme="shopify", secrets=DEMO_SECRETS["shopify"],
+            self.engine,
+            scheme="shopify",
+            secrets=DEMO_SECRETS["shopify"],
             handler=self._shopify_event,
-        )  # fmt: skip
+        )
 
     def close(self) -> None:
         self.store.close()
@@ -232,9 +238,15 @@ class Shop:
     # -- a claimed operation whose business rows commit with its record ---------------
 
     def _once(
-        self, operation: str, scope: str, fingerprint: Any, insert: Any, *,
-        key: str | None = None, **fields: Any,
-    ) -> tuple[Doc, bool]:  # fmt: skip
+        self,
+        operation: str,
+        scope: str,
+        fingerprint: Any,
+        insert: Any,
+        *,
+        key: str | None = None,
+        **fields: Any,
+    ) -> tuple[Doc, bool]:
         """Run ``insert(conn) -> doc`` once for ``key`` (default: the map key of
         ``operation`` from ``fields``), its writes committed with the record.
 
@@ -244,9 +256,13 @@ class Shop:
         if key is None:
             key = self.map.key(operation, **fields)
         try:
-            with self.engine.attempt(key, operation=operation, scope=scope,
-                                     fingerprint=_digest(fingerprint),
-                                     ttl=mapped.ttl if mapped else None) as att:  # fmt: skip
+            with self.engine.attempt(
+                key,
+                operation=operation,
+                scope=scope,
+                fingerprint=_digest(fingerprint),
+                ttl=mapped.ttl if mapped else None,
+            ) as att:
                 if att.replay is not None:
                     return att.replay.outcome.value, True  # type: ignore[union-attr]
                 with att.transaction() as conn:
@@ -266,8 +282,12 @@ class Shop:
                 "INSERT OR IGNORE INTO shop_sessions VALUES (?, ?, ?, ?)",
                 (_session_id(session.token), user, device, time.time()),
             )
-        answer = {"token": session.token, "session_id": _session_id(session.token),
-                  "created": session.created, "expires_at": session.expires_at}  # fmt: skip
+        answer = {
+            "token": session.token,
+            "session_id": _session_id(session.token),
+            "created": session.created,
+            "expires_at": session.expires_at,
+        }
         return (201 if session.created else 200), answer
 
     def _session_of(self, doc: Doc) -> str:
@@ -276,8 +296,11 @@ class Shop:
         token = doc.get("session_token")
         session = self.sessions.get(user, device)
         if session is None or not isinstance(token, str):
-            raise ShopError(401, "no_session", "open a session first (POST /sessions) and send "
-                            "its token as session_token")  # fmt: skip
+            raise ShopError(
+                401,
+                "no_session",
+                "open a session first (POST /sessions) and send its token as session_token",
+            )
         if not hmac.compare_digest(token.encode(), session.token.encode()):
             raise ShopError(401, "no_session", "session_token is not this session's token")
         return _session_id(session.token)
@@ -301,14 +324,28 @@ class Shop:
 
         def insert(conn: sqlite3.Connection) -> Doc:
             now = time.time()
-            mandate = {"id": mandate_id, "user_id": user, "cart_hash": digest,
-                       "total": _cents(items), "currency": currency,
-                       "expires_at": round(now + CART_MANDATE_TTL, 3)}  # fmt: skip
+            mandate = {
+                "id": mandate_id,
+                "user_id": user,
+                "cart_hash": digest,
+                "total": _cents(items),
+                "currency": currency,
+                "expires_at": round(now + CART_MANDATE_TTL, 3),
+            }
             conn.execute(
                 "INSERT INTO shop_cart_mandates VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (mandate_id, session, user, digest, json.dumps(items), mandate["total"],
-                 currency, now, mandate["expires_at"]),
-            )  # fmt: skip
+                (
+                    mandate_id,
+                    session,
+                    user,
+                    digest,
+                    json.dumps(items),
+                    mandate["total"],
+                    currency,
+                    now,
+                    mandate["expires_at"],
+                ),
+            )
             return mandate
 
         mandate, _ = self._once(
@@ -358,8 +395,14 @@ class Shop:
                 "INSERT INTO shop_orders VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                 (order_id, mandate_id, user, row[1], row[2], time.time()),
             )
-            return {"id": order_id, "cart_mandate_id": mandate_id, "user_id": user,
-                    "total": row[1], "currency": row[2], "status": "created"}  # fmt: skip
+            return {
+                "id": order_id,
+                "cart_mandate_id": mandate_id,
+                "user_id": user,
+                "total": row[1],
+                "currency": row[2],
+                "status": "created",
+            }
 
         answer, _ = self._once(
             "order", user, [mandate_id], insert, cart_mandate_id=mandate_id, user_id=user
@@ -373,8 +416,9 @@ class Shop:
         user, order_id = _text(doc, "user_id"), _text(doc, "order_id")
         row = self.db.one(
             "SELECT total, currency, created_at FROM shop_orders WHERE id = ? AND user_id = ?",
-            order_id, user,
-        )  # fmt: skip
+            order_id,
+            user,
+        )
         if row is None:
             raise ShopError(404, "unknown_order", "no such order for this user")
         amount, currency, stamp = row[0], row[1], int(doc.get("timestamp") or row[2])
@@ -400,8 +444,14 @@ class Shop:
                 return self.payment_states.advance(payment_id, "payment.succeeded").state
 
             state = run.step("record", record)
-            return {"id": payment_id, "order_id": order_id, "amount": amount,
-                    "currency": currency, "transaction_id": txn, "status": state}  # fmt: skip
+            return {
+                "id": payment_id,
+                "order_id": order_id,
+                "amount": amount,
+                "currency": currency,
+                "transaction_id": txn,
+                "status": state,
+            }
 
         try:
             answer = self.payments.run(key, body, scope=user)
@@ -442,8 +492,7 @@ class Shop:
             # attempt after the success): the payment is past it. Acknowledge it, or
             # the gateway would redeliver it for days; the state does not move.
             self._effect("stripe", delivery.event_id, kind, row[0])
-            return {"payment_id": row[0], "status": exc.current, "changed": False,
-                    "stale": True}  # fmt: skip
+            return {"payment_id": row[0], "status": exc.current, "changed": False, "stale": True}
         self._effect("stripe", delivery.event_id, kind, row[0])
         return {"payment_id": row[0], "status": moved.state, "changed": moved.changed}
 
@@ -566,6 +615,10 @@ def refusal(exc: IdempotencyError) -> ShopError:
         return ShopError(409, "invalid_transition", str(exc))
     if isinstance(exc, OutOfOrderError):
         return ShopError(409, "out_of_order", str(exc), last=exc.last)
-    status = {"idempotency_in_flight": 409, "idempotency_conflict": 422,
-              "idempotency_key_invalid": 400, "idempotency_store_unavailable": 503}  # fmt: skip
+    status = {
+        "idempotency_in_flight": 409,
+        "idempotency_conflict": 422,
+        "idempotency_key_invalid": 400,
+        "idempotency_store_unavailable": 503,
+    }
     return ShopError(status.get(exc.code, 500), exc.code, str(exc))

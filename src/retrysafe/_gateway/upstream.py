@@ -116,8 +116,11 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if not self.busy:  # after its answer ended: never another request's answer
             if not self.discarded:
-                log.warning("retrysafe gateway: the upstream sent %d bytes after an answer's "
-                            "end; its connection is closed", len(data))  # fmt: skip
+                log.warning(
+                    "retrysafe gateway: the upstream sent %d bytes after an answer's "
+                    "end; its connection is closed",
+                    len(data),
+                )
             self.reusable = False
             self.pool.forget(self)
             return
@@ -283,11 +286,28 @@ class _Answer:
     carry another request), and is closed if the answer is dropped before that.
     """
 
-    __slots__ = ("_chunk", "_conn", "_keep", "_left", "_mode", "done", "headers", "length",
-                 "status", "until_close")  # fmt: skip
+    __slots__ = (
+        "_chunk",
+        "_conn",
+        "_keep",
+        "_left",
+        "_mode",
+        "done",
+        "headers",
+        "length",
+        "status",
+        "until_close",
+    )
 
-    def __init__(self, conn: _Connection, status: int, headers: list[tuple[bytes, bytes]],
-                 mode: int, length: int | None, keep: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        conn: _Connection,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        mode: int,
+        length: int | None,
+        keep: bool,
+    ) -> None:
         self._conn, self._mode, self._keep = conn, mode, keep
         self.status, self.headers = status, headers
         #: The body's Content-Length, if that is how the body is framed.
@@ -411,9 +431,11 @@ def _framing(
 
 
 def _request_head(
-    method: str, target: bytes, headers: list[tuple[bytes, bytes]],
+    method: str,
+    target: bytes,
+    headers: list[tuple[bytes, bytes]],
     body: bytes | AsyncGenerator[bytes, None],
-) -> tuple[bytes, int | None]:  # fmt: skip
+) -> tuple[bytes, int | None]:
     """The request line and headers, framed for ``body``; and the length a streamed body
     declares (None: it goes chunked)."""
     lengths = [v for k, v in headers if k == b"content-length"]
@@ -438,9 +460,12 @@ class Pool:
     """One event loop's HTTP/1.1 connections to the upstream, kept alive between requests."""
 
     def __init__(
-        self, address: tuple[str, int, str | None], ssl_context: ssl.SSLContext | None,
-        timeout: float, loop: asyncio.AbstractEventLoop,
-    ) -> None:  # fmt: skip
+        self,
+        address: tuple[str, int, str | None],
+        ssl_context: ssl.SSLContext | None,
+        timeout: float,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
         """``address`` is (host, port, TLS server name or None), ``ssl_context`` None for http."""
         self.loop = loop
         self.timeout = timeout
@@ -452,9 +477,12 @@ class Pool:
         self._closed = False
 
     async def send(
-        self, method: str, target: bytes, headers: list[tuple[bytes, bytes]],
+        self,
+        method: str,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
         body: bytes | AsyncGenerator[bytes, None],
-    ) -> _Answer:  # fmt: skip
+    ) -> _Answer:
         """Send one request; the answer once its head is in (its body is read from it)."""
         head, declared = _request_head(method, target, headers, body)
         again = isinstance(body, bytes) and method in _IDEMPOTENT
@@ -534,9 +562,12 @@ class Pool:
         try:
             async with asyncio.timeout(self.timeout):
                 _, conn = await self.loop.create_connection(
-                    lambda: _Connection(self), host, port,
-                    ssl=self._ssl, server_hostname=server_hostname,
-                )  # fmt: skip
+                    lambda: _Connection(self),
+                    host,
+                    port,
+                    ssl=self._ssl,
+                    server_hostname=server_hostname,
+                )
         except TimeoutError:
             raise UpstreamError(
                 "ConnectTimeout", f"no connection within {self.timeout:g} s", timeout=True

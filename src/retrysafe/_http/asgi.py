@@ -396,9 +396,17 @@ class IdempotencyMiddleware:
             if isinstance(form, Canonicalize):  # a large JSON body: off the event loop
                 form = await form.arun()
             attempt = policy.attempt(
-                key, scope["method"], self.request_path(scope), query, ctype, body, who, secret,
-                rid, form,
-            )  # fmt: skip
+                key,
+                scope["method"],
+                self.request_path(scope),
+                query,
+                ctype,
+                body,
+                who,
+                secret,
+                rid,
+                form,
+            )
         except IdempotencyError as exc:
             refusal = policy.refusal(exc)
             if refusal is None:  # the store is down before the body was read; fail open
@@ -538,9 +546,11 @@ async def _read_body(message: Message, receive: Receive, policy: HttpPolicy) -> 
 
 
 async def send_answer(send: Send, response: Response) -> None:
-    await send({
-        "type": "http.response.start",
-        "status": response.status,
-        "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers],
-    })  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status,
+            "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers],
+        }
+    )
     await send({"type": "http.response.body", "body": response.body})

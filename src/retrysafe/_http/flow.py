@@ -116,9 +116,17 @@ def prepare(
         if isinstance(form, Canonicalize):
             form = yield form
         attempt = policy.attempt(
-            key, method, path, query, ctype, data, who, secret, meta.get("HTTP_X_REQUEST_ID"),
+            key,
+            method,
+            path,
+            query,
+            ctype,
+            data,
+            who,
+            secret,
+            meta.get("HTTP_X_REQUEST_ID"),
             form,
-        )  # fmt: skip
+        )
     except IdempotencyError as exc:
         return policy.refusal(exc)
     return (policy, attempt)

@@ -76,10 +76,19 @@ OMITTED = "application/vnd.retrysafe.body-omitted"
 #: Never stored unless named in ``store_headers``: they carry credentials.
 SENSITIVE = frozenset({"set-cookie", "authorization", "proxy-authorization", "cookie"})
 #: Never stored at all: they describe one connection, not the answer.
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-connection", "te", "trailer",
-    "transfer-encoding", "upgrade", "idempotent-replayed",
-})  # fmt: skip
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "idempotent-replayed",
+    }
+)
 #: Answers that say the request was refused before it was processed (timeout
 #: waiting for it, too large, URI or head too long, rate limited): never stored,
 #: the attempt fails retryable, so the retry of a corrected request runs.
@@ -88,8 +97,18 @@ UNPROCESSED = frozenset({408, 413, 414, 429, 431})
 #: with ``max_body`` and the key, the byte bound of an HTTP record.
 MAX_STORED_HEADERS = 64 << 10
 #: Headers that describe a body; an omitted body is replayed without them.
-REPRESENTATION = frozenset({"content-length", "content-type", "content-encoding", "etag",
-                            "content-range", "content-md5", "digest", "last-modified"})  # fmt: skip
+REPRESENTATION = frozenset(
+    {
+        "content-length",
+        "content-type",
+        "content-encoding",
+        "etag",
+        "content-range",
+        "content-md5",
+        "digest",
+        "last-modified",
+    }
+)
 
 
 @dataclass(slots=True)
@@ -366,9 +385,11 @@ class _Helper:
         self._jobs = 0
         return subprocess.Popen(
             [sys.executable, "-c", _HELPER_CODE],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
             start_new_session=True,  # Ctrl-C on the terminal is the parent's to handle
-        )  # fmt: skip
+        )
 
     def canonical(self, body: bytes) -> BodyForm:
         """The body's form, computed by the helper; this thread waits without the GIL."""
@@ -391,9 +412,10 @@ class _Helper:
                 _stop(proc)
                 log.error("retrysafe: the JSON fingerprinting process failed: %s", exc)
                 raise BodyError(
-                    "the request body could not be fingerprinted", status=413,
+                    "the request body could not be fingerprinted",
+                    status=413,
                     code="idempotency_body_too_large",
-                ) from None  # fmt: skip
+                ) from None
         return _json_form(data.decode() if head[0] else data)
 
 
@@ -586,9 +608,12 @@ class HttpPolicy:
         key_format: Callable[[str], object] | None = None,
     ) -> None:
         self.engine = engine_for(
-            store, max_body=max(int(max_body), DEFAULT_MAX_BODY), ttl=ttl, lease=lease,
+            store,
+            max_body=max(int(max_body), DEFAULT_MAX_BODY),
+            ttl=ttl,
+            lease=lease,
             retention=retention,
-        )  # fmt: skip
+        )
         self.methods = frozenset(m.upper() for m in methods)
         if not callable(require_key) and not isinstance(require_key, bool):
             raise TypeError("require_key must be a bool or a callable taking the request")
@@ -610,10 +635,12 @@ class HttpPolicy:
             principal_query = _given(principal_query, table.query)
             anonymous = _given(anonymous, table.anonymous)
         self.principals = Principals(
-            principal=principal, principal_headers=principal_headers,
-            principal_cookies=principal_cookies, principal_query=principal_query,
+            principal=principal,
+            principal_headers=principal_headers,
+            principal_cookies=principal_cookies,
+            principal_query=principal_query,
             anonymous=anonymous,
-        )  # fmt: skip
+        )
         check_secret(self.engine.store)
         self._secret: Secret | None = None
         if not isinstance(operation, str):
@@ -646,12 +673,16 @@ class HttpPolicy:
         if imap is not None:
             p = self.principals
             common = {
-                "principal": p.fn, "principal_headers": p.headers,
-                "principal_cookies": p.cookies, "principal_query": p.query,
-                "fail_mode": fail_mode, "max_body": max_body,
-                "max_request_body": max_request_body, "store_headers": store_headers,
+                "principal": p.fn,
+                "principal_headers": p.headers,
+                "principal_cookies": p.cookies,
+                "principal_query": p.query,
+                "fail_mode": fail_mode,
+                "max_body": max_body,
+                "max_request_body": max_request_body,
+                "store_headers": store_headers,
                 "drop_headers": drop_headers,
-            }  # fmt: skip
+            }
             self.map = imap
             if imap.alerts is not None:  # the process's alert thresholds
                 METRICS.alerts = imap.alerts
@@ -777,9 +808,12 @@ class HttpPolicy:
             return problem(error.status, error.code, str(error))
         if isinstance(error, InProgressError):
             return problem(
-                409, "idempotency_in_flight", str(error),
-                headers=[retry_after_header(error.retry_after)], retry_after=error.retry_after,
-            )  # fmt: skip
+                409,
+                "idempotency_in_flight",
+                str(error),
+                headers=[retry_after_header(error.retry_after)],
+                retry_after=error.retry_after,
+            )
         if isinstance(error, FingerprintMismatchError):
             return problem(422, "idempotency_conflict", str(error))
         if isinstance(error, StoreUnavailableError):
@@ -791,10 +825,11 @@ class HttpPolicy:
                 return None
             log.error("retrysafe: store unavailable, answering 503: %s", error)
             return problem(
-                503, "idempotency_store_unavailable",
+                503,
+                "idempotency_store_unavailable",
                 "the idempotency store cannot be reached; retry with the same key",
                 headers=[retry_after_header(error.retry_after)],
-            )  # fmt: skip
+            )
         raise error
 
     def replay(self, replay: Replay) -> Response:
@@ -802,10 +837,11 @@ class HttpPolicy:
         outcome = replay.outcome
         if outcome is None:  # a final failure without an answer (the handler raised)
             return problem(
-                500, "idempotency_failed",
+                500,
+                "idempotency_failed",
                 "an earlier attempt with this key failed finally; it is not run again",
                 headers=[REPLAYED],
-            )  # fmt: skip
+            )
         status = outcome.status or 200
         if self.no_content and 200 <= status < 300 and not replay.failed:
             return Response(204, [REPLAYED], b"")
@@ -917,8 +953,10 @@ def unrecorded(claim: Claim | None, exc: Exception, answer: str = "the answer") 
     log.error(
         "retrysafe: %s was sent but not recorded (%s); a retry after the lease "
         "runs out may run the handler again (key_hash=%s)",
-        answer, exc, claim.key_hash[:16] if claim else "-",
-    )  # fmt: skip
+        answer,
+        exc,
+        claim.key_hash[:16] if claim else "-",
+    )
 
 
 class Capture:
@@ -959,15 +997,25 @@ def _route_policy(
     headers = DEFAULT_HEADERS if header.lower() == DEFAULT_HEADERS[0].lower() else (header,)
     methods = _ALL_METHODS if route.method == "*" else (route.method,)
     engine = Engine(
-        store, ttl=op.ttl, lease=op.lease, final_failures=op.final_failures,
-        retention=op.retention, max_body=max(int(common["max_body"]), DEFAULT_MAX_BODY),
-    )  # fmt: skip
+        store,
+        ttl=op.ttl,
+        lease=op.lease,
+        final_failures=op.final_failures,
+        retention=op.retention,
+        max_body=max(int(common["max_body"]), DEFAULT_MAX_BODY),
+    )
     return HttpPolicy(
-        engine, methods=methods, require_key=route.require_key, header=headers,
-        operation=op.name, wait=route.wait, duplicate_response=route.duplicate_response,
-        final_failures=op.final_failures, key_format=op.parse if route.validate_key else None,
+        engine,
+        methods=methods,
+        require_key=route.require_key,
+        header=headers,
+        operation=op.name,
+        wait=route.wait,
+        duplicate_response=route.duplicate_response,
+        final_failures=op.final_failures,
+        key_format=op.parse if route.validate_key else None,
         **common,
-    )  # fmt: skip
+    )
 
 
 #: What a route with method "*" protects: the methods that change state. GET, HEAD

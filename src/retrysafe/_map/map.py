@@ -765,9 +765,16 @@ def _anonymous(value: Any, path: FieldPath) -> None:
 _OPERATION_KEYS = ("key", "scope", "ttl", "lease", "final_failures", "retention", "description")
 _DEFAULTS_KEYS = ("ttl", "lease", "retention", "final_failures")
 _ROUTE_KEYS = (
-    "method", "path", "operation", "require_key", "header", "duplicate_response", "wait",
-    "validate_key", "anonymous",
-)  # fmt: skip
+    "method",
+    "path",
+    "operation",
+    "require_key",
+    "header",
+    "duplicate_response",
+    "wait",
+    "validate_key",
+    "anonymous",
+)
 _ALERT_KEYS = ("burst", "burst_window", "failures", "stuck_after")
 _PRINCIPAL_KEYS = ("headers", "cookies", "query", "anonymous")
 _TOP_KEYS = ("include_defaults", "defaults", "operations", "routes", "alerts", "principals")
@@ -786,9 +793,12 @@ class IdempotencyMap:
     __slots__ = ("_alerts", "_any", "_operations", "_principals", "_routes", "_tables")
 
     def __init__(
-        self, operations: Iterable[Operation] = (), routes: Iterable[Route] = (),
-        alerts: Alerts | None = None, principals: PrincipalOptions | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        operations: Iterable[Operation] = (),
+        routes: Iterable[Route] = (),
+        alerts: Alerts | None = None,
+        principals: PrincipalOptions | None = None,
+    ) -> None:
         if isinstance(operations, Mapping):
             operations = operations.values()
         by_name: dict[str, Operation] = {}
@@ -958,9 +968,11 @@ class IdempotencyMap:
         its ``[alerts]`` and ``[principals]`` tables, when it has them, replace these."""
         by_name = {**self._operations, **other._operations}
         return IdempotencyMap(
-            by_name.values(), (*self._routes, *other._routes),
-            other._alerts or self._alerts, other._principals or self._principals,
-        )  # fmt: skip
+            by_name.values(),
+            (*self._routes, *other._routes),
+            other._alerts or self._alerts,
+            other._principals or self._principals,
+        )
 
     @classmethod
     def default(cls) -> IdempotencyMap:
@@ -1100,10 +1112,16 @@ class IdempotencyMap:
         """A plain-text table of the operations and routes."""
         rows = [("operation", "key", "scope", "ttl", "lease", "retention")]
         for op in self._operations.values():
-            rows.append((
-                op.name, op.key, op.scope, format_duration(op.ttl), format_duration(op.lease),
-                op.retention + (", final failures" if op.final_failures else ""),
-            ))  # fmt: skip
+            rows.append(
+                (
+                    op.name,
+                    op.key,
+                    op.scope,
+                    format_duration(op.ttl),
+                    format_duration(op.lease),
+                    op.retention + (", final failures" if op.final_failures else ""),
+                )
+            )
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
         lines = [
             "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))
@@ -1134,45 +1152,67 @@ def _default_operations() -> tuple[Operation, ...]:
     day, week = 24 * 3600.0, 7 * 24 * 3600.0
     return (
         Operation(
-            "session", key="session:{user_id}:{timestamp}:{nonce}", scope="user", ttl=day,
+            "session",
+            key="session:{user_id}:{timestamp}:{nonce}",
+            scope="user",
+            ttl=day,
             description="Session creation",
         ),
         Operation(
-            "cart_mandate", key="cart_mandate:{session_id}:{cart_hash}", scope="session",
+            "cart_mandate",
+            key="cart_mandate:{session_id}:{cart_hash}",
+            scope="session",
             ttl=30 * 60.0,
             description="Cart mandate: the user's commitment to these items at these prices "
             "(expires after 30 minutes to prevent stale pricing)",
         ),
         Operation(
-            "intent_mandate", key="intent_mandate:{user_id}:{intent_hash}", scope="user",
-            ttl=day, description="Intent mandate",
+            "intent_mandate",
+            key="intent_mandate:{user_id}:{intent_hash}",
+            scope="user",
+            ttl=day,
+            description="Intent mandate",
         ),
         Operation(
-            "payment", key="payment:{order_id}:{amount}:{currency}:{timestamp}", scope="order",
-            ttl=week, retention=FINANCIAL,
+            "payment",
+            key="payment:{order_id}:{amount}:{currency}:{timestamp}",
+            scope="order",
+            ttl=week,
+            retention=FINANCIAL,
             description="Payment transaction (pass the same key to the payment gateway)",
         ),
         Operation(
-            "order", key="order:{cart_mandate_id}:{user_id}", scope="cart", ttl=week,
+            "order",
+            key="order:{cart_mandate_id}:{user_id}",
+            scope="cart",
+            ttl=week,
             retention=FINANCIAL,
             description="Order creation, exactly once per cart mandate (kept like a payment: "
             "an order commits money)",
         ),
         Operation(
-            "webhook", key="webhook:{source}:{event_id}", scope="event", ttl=day,
+            "webhook",
+            key="webhook:{source}:{event_id}",
+            scope="event",
+            ttl=day,
             description="Webhook processing (Shopify: X-Shopify-Event-Id)",
         ),
         Operation(
-            "payment_webhook", key="webhook:{gateway}:{transaction_id}:{event_type}",
-            scope="event", ttl=day,
+            "payment_webhook",
+            key="webhook:{gateway}:{transaction_id}:{event_type}",
+            scope="event",
+            ttl=day,
             description="Payment gateway webhook (payment.succeeded, payment.failed, "
             "refund.processed)",
         ),
         Operation(
-            "sync", key="sync:{entity}:{entity_id}:{version}", scope="entity", ttl=day,
+            "sync",
+            key="sync:{entity}:{entity_id}:{version}",
+            scope="entity",
+            ttl=day,
             description="Data synchronization",
         ),
-    )  # fmt: skip
+    )
 
 
 # -- reading plain data (the parsed TOML) ------------------------------------------
@@ -1276,8 +1316,9 @@ def _alerts(value: Any) -> Alerts:
         path = ("alerts", name)
         if name in ("burst", "failures"):
             if isinstance(item, bool) or not isinstance(item, int) or item < 1:
-                raise MapError(f"must be a whole number of at least 1, not {_kind(item)}",
-                               field=path)  # fmt: skip
+                raise MapError(
+                    f"must be a whole number of at least 1, not {_kind(item)}", field=path
+                )
             settings[name] = item
         else:
             check = _duration_or_zero if name == "stuck_after" else _duration

@@ -134,11 +134,26 @@ class Record:
     def copy(self) -> Record:
         """A shallow copy (faster than ``dataclasses.replace``)."""
         return Record(
-            self.key_hash, self.key, self.scope, self.operation, self.fingerprint, self.status,
-            self.token, self.lease_until, self.expires_at, self.created_at, self.updated_at,
-            self.completed_at, self.attempts, self.request_id, self.final, self.outcome,
-            self.request_payload, self.metadata, self.retention,
-        )  # fmt: skip
+            self.key_hash,
+            self.key,
+            self.scope,
+            self.operation,
+            self.fingerprint,
+            self.status,
+            self.token,
+            self.lease_until,
+            self.expires_at,
+            self.created_at,
+            self.updated_at,
+            self.completed_at,
+            self.attempts,
+            self.request_id,
+            self.final,
+            self.outcome,
+            self.request_payload,
+            self.metadata,
+            self.retention,
+        )
 
     def metadata_json(self) -> str:
         """Metadata as compact JSON (the stores' column form)."""
@@ -188,10 +203,21 @@ def record_json(r: Record, *, answer: bool = False) -> dict[str, Any]:
             shown["body"] = text
             shown["truncated"] = len(o.body) > MAX_SHOWN_BODY
     return {
-        "key": r.key, "scope": r.scope, "operation": r.operation, "key_hash": r.key_hash,
-        "status": r.status.value, "final": r.final, "attempts": r.attempts,
-        "retention": r.retention, "fingerprint": r.fingerprint, "request_id": r.request_id,
-        "created_at": iso_time(r.created_at), "updated_at": iso_time(r.updated_at),
-        "completed_at": iso_time(r.completed_at), "lease_until": iso_time(r.lease_until),
-        "expires_at": iso_time(r.expires_at), "answer": shown, "metadata": r.metadata,
-    }  # fmt: skip
+        "key": r.key,
+        "scope": r.scope,
+        "operation": r.operation,
+        "key_hash": r.key_hash,
+        "status": r.status.value,
+        "final": r.final,
+        "attempts": r.attempts,
+        "retention": r.retention,
+        "fingerprint": r.fingerprint,
+        "request_id": r.request_id,
+        "created_at": iso_time(r.created_at),
+        "updated_at": iso_time(r.updated_at),
+        "completed_at": iso_time(r.completed_at),
+        "lease_until": iso_time(r.lease_until),
+        "expires_at": iso_time(r.expires_at),
+        "answer": shown,
+        "metadata": r.metadata,
+    }

@@ -92,11 +92,15 @@ class _Pages:
 
     def html(self, status: int, body: bytes, extra: list[tuple[str, str]] = []) -> Response:  # noqa: B006
         headers = [
-            ("content-type", "text/html; charset=utf-8"), ("content-length", str(len(body))),
-            ("cache-control", "no-store"), ("content-security-policy", self.csp),
-            ("x-content-type-options", "nosniff"), ("referrer-policy", "no-referrer"),
-            ("x-frame-options", "DENY"), *extra,
-        ]  # fmt: skip
+            ("content-type", "text/html; charset=utf-8"),
+            ("content-length", str(len(body))),
+            ("cache-control", "no-store"),
+            ("content-security-policy", self.csp),
+            ("x-content-type-options", "nosniff"),
+            ("referrer-policy", "no-referrer"),
+            ("x-frame-options", "DENY"),
+            *extra,
+        ]
         return Response(status, headers, body)
 
 
@@ -107,8 +111,12 @@ def pages() -> _Pages:
 
 def _json(status: int, doc: Any) -> Response:
     body = json.dumps(doc, separators=(",", ":"), default=str).encode()
-    headers = [("content-type", "application/json"), ("content-length", str(len(body))),
-               ("cache-control", "no-store"), ("x-content-type-options", "nosniff")]  # fmt: skip
+    headers = [
+        ("content-type", "application/json"),
+        ("content-length", str(len(body))),
+        ("cache-control", "no-store"),
+        ("x-content-type-options", "nosniff"),
+    ]
     return Response(status, headers, body)
 
 
@@ -151,9 +159,13 @@ class AdminSite:
     """
 
     def __init__(
-        self, store: Store[Any] | None = None, *, token: str | None = FROM_ENV,
-        loopback: bool = FROM_ENV, monitor: Monitor | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        store: Store[Any] | None = None,
+        *,
+        token: str | None = FROM_ENV,
+        loopback: bool = FROM_ENV,
+        monitor: Monitor | None = None,
+    ) -> None:
         if token is FROM_ENV:
             token = os.environ.get(ENV_TOKEN) or None
         if token is not None and (not isinstance(token, str) or not token.strip()):
@@ -171,23 +183,28 @@ class AdminSite:
 
     def refusal(self, headers: Mapping[str, str], client: str | None) -> Response | None:
         """401 or 403 for a request that may not see admin pages, else None."""
-        if self.loopback and (is_loopback(client) and is_local_name(headers.get("host"))
-                              and not any(name in headers for name in _PROXIED)):  # fmt: skip
+        if self.loopback and (
+            is_loopback(client)
+            and is_local_name(headers.get("host"))
+            and not any(name in headers for name in _PROXIED)
+        ):
             return None
         if self.token is None and not self.loopback:
             return problem(
-                403, "admin_closed",
+                403,
+                "admin_closed",
                 f"the admin pages are closed: set {ENV_TOKEN} and send it as "
                 f"Authorization: Bearer TOKEN, or, if no proxy runs on this host, answer "
                 f"loopback clients without a token ({ENV_LOOPBACK}=1, --admin-loopback)",
-            )  # fmt: skip
+            )
         if self.token is None:
             return problem(
-                403, "admin_loopback_only",
+                403,
+                "admin_loopback_only",
                 f"no {ENV_TOKEN} is set, so the admin pages answer loopback clients only "
                 "(addressed as localhost or a loopback address, not through a proxy); set "
                 "it to open them to other hosts",
-            )  # fmt: skip
+            )
         scheme, _, given = headers.get("authorization", "").strip().partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(
             given.strip().encode(), self.token.encode()
@@ -197,25 +214,35 @@ class AdminSite:
         if "text/html" in headers.get("accept", ""):
             return pages().html(401, pages().login, challenge)
         return problem(
-            401, "admin_token_required",
+            401,
+            "admin_token_required",
             f"send the admin token ({ENV_TOKEN}) as Authorization: Bearer TOKEN",
             headers=challenge,
-        )  # fmt: skip
+        )
 
     # -- pages ----------------------------------------------------------------------------
 
     def answer(
-        self, method: str, path: str, query: str, headers: Mapping[str, str],
-        client: str | None, base: str = "",
-    ) -> Response:  # fmt: skip
+        self,
+        method: str,
+        path: str,
+        query: str,
+        headers: Mapping[str, str],
+        client: str | None,
+        base: str = "",
+    ) -> Response:
         """The answer to a request for ``path`` (relative to where the site is
         mounted, ``base``); ``headers`` have lower-case names."""
         refused = self.refusal(headers, client)
         if refused is not None:
             return refused
         if method not in ("GET", "HEAD"):
-            return problem(405, "method_not_allowed", f"{base}{path or '/'} answers GET and HEAD",
-                           headers=[("allow", "GET, HEAD")])  # fmt: skip
+            return problem(
+                405,
+                "method_not_allowed",
+                f"{base}{path or '/'} answers GET and HEAD",
+                headers=[("allow", "GET, HEAD")],
+            )
         if path == "":
             return Response(308, [("location", f"{base}/"), ("content-length", "0")], b"")
         if path == "/":
@@ -235,8 +262,11 @@ class AdminSite:
         """The Prometheus text of every metric."""
         self.monitor.watched()
         body, ctype = self.monitor.exposition()
-        headers = [("content-type", ctype), ("content-length", str(len(body))),
-                   ("cache-control", "no-store")]  # fmt: skip
+        headers = [
+            ("content-type", ctype),
+            ("content-length", str(len(body))),
+            ("cache-control", "no-store"),
+        ]
         return Response(200, headers, body)
 
     def stats(self, query: Mapping[str, list[str]] | None = None) -> Response:
@@ -273,8 +303,9 @@ class AdminSite:
             else:
                 records = self.store.records(key=key, limit=20)
         except StoreUnavailableError as exc:
-            return problem(503, "idempotency_store_unavailable", str(exc),
-                           headers=[("retry-after", "1")])  # fmt: skip
+            return problem(
+                503, "idempotency_store_unavailable", str(exc), headers=[("retry-after", "1")]
+            )
         except (IdempotencyError, NotImplementedError) as exc:
             return problem(501, "not_supported", str(exc))
         return _json(200, {"records": [record_json(r, answer=True) for r in records]})

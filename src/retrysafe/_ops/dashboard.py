@@ -28,9 +28,14 @@ async def serve_admin(site: AdminSite, scope: Scope, send: Send, path: str, base
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
     client = scope.get("client")
     response: Response = await asyncio.to_thread(
-        site.answer, scope["method"], path, scope.get("query_string", b"").decode("latin-1"),
-        headers, client[0] if client else None, base,
-    )  # fmt: skip
+        site.answer,
+        scope["method"],
+        path,
+        scope.get("query_string", b"").decode("latin-1"),
+        headers,
+        client[0] if client else None,
+        base,
+    )
     if scope["method"] == "HEAD":
         response = Response(response.status, response.headers, b"")
     await send_answer(send, response)
@@ -54,9 +59,13 @@ class DashboardApp:
     """
 
     def __init__(
-        self, store: Store[Any] | str | None = None, *, token: str | None = FROM_ENV,
-        loopback: bool = FROM_ENV, monitor: Monitor | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        store: Store[Any] | str | None = None,
+        *,
+        token: str | None = FROM_ENV,
+        loopback: bool = FROM_ENV,
+        monitor: Monitor | None = None,
+    ) -> None:
         self.site = admin_site(store, token, loopback, monitor)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -136,12 +136,17 @@ class Monitor:
     """
 
     def __init__(
-        self, store: Store[Any] | None = None, *, window: float = 60.0, history: float = 600.0,
-        interval: float = 1.0, store_every: float = 5.0, idle: float = 60.0,
+        self,
+        store: Store[Any] | None = None,
+        *,
+        window: float = 60.0,
+        history: float = 600.0,
+        interval: float = 1.0,
+        store_every: float = 5.0,
+        idle: float = 60.0,
         metrics: Metrics = METRICS,
-    ) -> None:  # fmt: skip
-        if not (window > 0 and history >= window and interval > 0 and store_every > 0
-                and idle > 0):  # fmt: skip
+    ) -> None:
+        if not (window > 0 and history >= window and interval > 0 and store_every > 0 and idle > 0):
             raise ValueError("window, history, interval, store_every and idle must be positive")
         self.idle = float(idle)
         self._watched = -math.inf
@@ -195,8 +200,11 @@ class Monitor:
         sample = read_sample()
         self.samples.append(sample)
         now = time.monotonic()
-        if (self.store is not None and now - self._store_read >= self.store_every
-                and now - self._watched < self.idle):  # fmt: skip
+        if (
+            self.store is not None
+            and now - self._store_read >= self.store_every
+            and now - self._watched < self.idle
+        ):
             self.read_store()
         return sample
 
@@ -229,11 +237,15 @@ class Monitor:
         if stuck and _alerting_worker():
             self.metrics.stuck(r.operation, r.key, r.key_hash, overdue)
         return {
-            "key": r.key, "operation": r.operation, "scope": r.scope[:16],
-            "key_hash": r.key_hash[:16], "age": round(now - r.created_at, 3),
-            "lease_left": round(r.lease_until - now, 3), "attempts": r.attempts,
+            "key": r.key,
+            "operation": r.operation,
+            "scope": r.scope[:16],
+            "key_hash": r.key_hash[:16],
+            "age": round(now - r.created_at, 3),
+            "lease_left": round(r.lease_until - now, 3),
+            "attempts": r.attempts,
             "stuck": stuck,
-        }  # fmt: skip
+        }
 
     # -- figures ----------------------------------------------------------------------------
 
@@ -283,8 +295,12 @@ class Monitor:
             if recent and recent[-1][1] > 0:
                 buckets, over = recent, "window"
         count = buckets[-1][1] if buckets else 0.0
-        return {"p50": quantile(0.5, buckets), "p99": quantile(0.99, buckets), "count": count,
-                "over": over}  # fmt: skip
+        return {
+            "p50": quantile(0.5, buckets),
+            "p99": quantile(0.99, buckets),
+            "count": count,
+            "over": over,
+        }
 
     def series(self, points: int = 300) -> dict[str, list[Any]]:
         """Per-second rates of each outcome between samples, and the duplicate rate."""
@@ -292,8 +308,11 @@ class Monitor:
         out: dict[str, list[Any]] = {"t": [], "duplicate_rate": [], **{o: [] for o in SERIES}}
         # Two samples taken together (the sampler's and a first request's) would make
         # a spike of a rate: such a pair is skipped.
-        samples = [s for s, t in zip(samples, [-math.inf, *(s.t for s in samples)], strict=False)
-                   if s.t - t >= self.interval / 2]  # fmt: skip
+        samples = [
+            s
+            for s, t in zip(samples, [-math.inf, *(s.t for s in samples)], strict=False)
+            if s.t - t >= self.interval / 2
+        ]
         for a, b in itertools.pairwise(samples):
             dt = b.t - a.t
             out["t"].append(round(b.t, 3))
@@ -361,9 +380,11 @@ class Monitor:
 
         lifetime, window = self.duplicate_rate()
         rate = GaugeMetricFamily(
-            "retrysafe_duplicate_rate", "Replayed ÷ keyed requests, over the process lifetime "
-            "(all workers) and the sliding window.", labels=["window"],
-        )  # fmt: skip
+            "retrysafe_duplicate_rate",
+            "Replayed ÷ keyed requests, over the process lifetime "
+            "(all workers) and the sliding window.",
+            labels=["window"],
+        )
         rate.add_metric(["lifetime"], math.nan if lifetime is None else lifetime)
         rate.add_metric([f"{self.window:g}s"], math.nan if window is None else window)
         yield rate
@@ -442,5 +463,12 @@ def _alerting_worker() -> bool:
 
 
 def _event(e: Any) -> dict[str, Any]:
-    return {"at": e.at, "kind": e.kind, "operation": e.operation, "key": e.key,
-            "key_hash": e.key_hash[:16], "detail": e.detail, **e.extra}  # fmt: skip
+    return {
+        "at": e.at,
+        "kind": e.kind,
+        "operation": e.operation,
+        "key": e.key,
+        "key_hash": e.key_hash[:16],
+        "detail": e.detail,
+        **e.extra,
+    }

@@ -201,8 +201,11 @@ class BackgroundSweeper:
             if report.deleted or report.cells:
                 log.info(
                     "retrysafe: swept %d expired records (%d archived) and %d cells in %.3f s",
-                    report.deleted, report.archived, report.cells, report.seconds,
-                )  # fmt: skip
+                    report.deleted,
+                    report.archived,
+                    report.cells,
+                    report.seconds,
+                )
             return report
         finally:
             self.ticks += 1

@@ -88,13 +88,16 @@ def render(doc: dict[str, Any]) -> Group:
         head.append("no store")
     else:
         head.append(f"store {store['url']}  ")
-        head.append("up" if store["up"] else f"DOWN: {store['error']}",
-                    style="green" if store["up"] else "bold red")  # fmt: skip
+        head.append(
+            "up" if store["up"] else f"DOWN: {store['error']}",
+            style="green" if store["up"] else "bold red",
+        )
     head.append(f"   {time.strftime('%H:%M:%S', time.localtime(doc['now']))}", style="dim")
     dup = Text.assemble(
-        ("duplicate rate ", "bold"), (_pct(rate["window"]), "bold cyan"),
+        ("duplicate rate ", "bold"),
+        (_pct(rate["window"]), "bold cyan"),
         f" over {rate['window_seconds']:g} s, {_pct(rate['lifetime'])} lifetime",
-    )  # fmt: skip
+    )
     outcomes = Table("outcome", "total", "per second", box=None, pad_edge=False)
     series = doc.get("series", {})
     for name in _OUTCOMES:
@@ -105,20 +108,25 @@ def render(doc: dict[str, Any]) -> Group:
     parts: list[Any] = [head, dup, outcomes]
     claim = doc["latency"]["store"]["claim"]
     handler = doc["latency"]["handler"]
-    times = (f"store claim p50 {_secs(claim['p50'])} p99 {_secs(claim['p99'])}   "
-             f"handler p50 {_secs(handler['p50'])} p99 {_secs(handler['p99'])}")  # fmt: skip
+    times = (
+        f"store claim p50 {_secs(claim['p50'])} p99 {_secs(claim['p99'])}   "
+        f"handler p50 {_secs(handler['p50'])} p99 {_secs(handler['p99'])}"
+    )
     parts.append(Text(times))
     if store is not None and store["up"]:
         st = store["by_status"]
-        parts.append(Text(
-            f"records: {st.get('processing', 0):,} processing, {st.get('completed', 0):,} "
-            f"completed, {st.get('failed', 0):,} failed, {store['expired']:,} expired; "
-            f"oldest processing {_secs(store['oldest_processing_age'])}"
-        ))  # fmt: skip
+        parts.append(
+            Text(
+                f"records: {st.get('processing', 0):,} processing, {st.get('completed', 0):,} "
+                f"completed, {st.get('failed', 0):,} failed, {store['expired']:,} expired; "
+                f"oldest processing {_secs(store['oldest_processing_age'])}"
+            )
+        )
     flight = doc.get("in_flight", [])
     stuck = sum(1 for r in flight if r.get("stuck"))
-    parts.append(Text(f"in flight: {len(flight)}" + (f" ({stuck} past their lease)" if stuck
-                                                      else "")))  # fmt: skip
+    parts.append(
+        Text(f"in flight: {len(flight)}" + (f" ({stuck} past their lease)" if stuck else ""))
+    )
     recent = doc.get("recent", [])[:5]
     if recent:
         table = Table("when", "what", "detail", box=None, pad_edge=False)

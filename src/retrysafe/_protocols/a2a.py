@@ -88,11 +88,24 @@ def _camel(name: str) -> str:
     return _CAMEL.sub(lambda m: m.group(1).upper(), name) if "_" in name else name
 
 
-_ROLE_V10: dict[Any, str] = {"user": "ROLE_USER", "agent": "ROLE_AGENT", 0: "ROLE_UNSPECIFIED",
-                             1: "ROLE_USER", 2: "ROLE_AGENT"}  # fmt: skip
+_ROLE_V10: dict[Any, str] = {
+    "user": "ROLE_USER",
+    "agent": "ROLE_AGENT",
+    0: "ROLE_UNSPECIFIED",
+    1: "ROLE_USER",
+    2: "ROLE_AGENT",
+}
 _ROLE_V03: dict[Any, str] = {"ROLE_USER": "user", "ROLE_AGENT": "agent", 1: "user", 2: "agent"}
-_STATES_V03 = ("submitted", "working", "completed", "failed", "canceled", "input-required",
-               "rejected", "auth-required")  # fmt: skip
+_STATES_V03 = (
+    "submitted",
+    "working",
+    "completed",
+    "failed",
+    "canceled",
+    "input-required",
+    "rejected",
+    "auth-required",
+)
 _STATE_V10: dict[Any, str] = {s: "TASK_STATE_" + s.upper().replace("-", "_") for s in _STATES_V03}
 _STATE_V10["unknown"] = "TASK_STATE_UNSPECIFIED"
 _STATE_V03: dict[Any, str] = {v: k for k, v in _STATE_V10.items()}
@@ -115,8 +128,12 @@ def part_v10(part: Any) -> Any:
             continue
         if name == "file" and isinstance(value, dict):
             file = {_camel(k): v for k, v in value.items()}
-            for old, new in (("bytes", "raw"), ("uri", "url"), ("mimeType", "mediaType"),
-                             ("name", "filename")):  # fmt: skip
+            for old, new in (
+                ("bytes", "raw"),
+                ("uri", "url"),
+                ("mimeType", "mediaType"),
+                ("name", "filename"),
+            ):
                 if old in file:
                     file[new] = file.pop(old)
             out.update(file)
@@ -125,9 +142,12 @@ def part_v10(part: Any) -> Any:
     # v0.3 data parts hold objects only: other values travel as {"value": x}, flagged.
     meta, data = out.get("metadata"), out.get("data")
     if (
-        part.get("kind") == "data" and isinstance(meta, dict) and meta.get("data_part_compat")
-        and isinstance(data, dict) and "value" in data
-    ):  # fmt: skip
+        part.get("kind") == "data"
+        and isinstance(meta, dict)
+        and meta.get("data_part_compat")
+        and isinstance(data, dict)
+        and "value" in data
+    ):
         out["data"] = data["value"]
         rest = {k: v for k, v in meta.items() if k != "data_part_compat"}
         if rest:
@@ -208,8 +228,11 @@ def message_v03(message: Any) -> Any:
 
 _MESSAGE_V10 = {"role": lambda r: _mapped(_ROLE_V10, r), "parts": _each(part_v10)}
 _MESSAGE_V03 = {"role": lambda r: _mapped(_ROLE_V03, r), "parts": _each(part_v03)}
-_STATUS_V10 = {"state": lambda s: _mapped(_STATE_V10, s), "message": message_v10,
-               "timestamp": _rfc3339}  # fmt: skip
+_STATUS_V10 = {
+    "state": lambda s: _mapped(_STATE_V10, s),
+    "message": message_v10,
+    "timestamp": _rfc3339,
+}
 _STATUS_V03 = {"state": lambda s: _mapped(_STATE_V03, s), "message": message_v03}
 _TASK_V10 = {
     "status": lambda s: _convert(s, None, _STATUS_V10),
@@ -384,34 +407,51 @@ def refusal(request_id: Any, exc: IdempotencyError, operation: str = "a2a.send")
     original = getattr(exc, "original_request_id", None)
     extra = {} if original is None else {"original_request_id": original}
     if isinstance(exc, InvalidKeyError):
-        return error_reply(request_id, ErrorCode.INVALID_PARAMS, f"Invalid params: {exc}",
-                           {"code": exc.code})  # fmt: skip
+        return error_reply(
+            request_id, ErrorCode.INVALID_PARAMS, f"Invalid params: {exc}", {"code": exc.code}
+        )
     if isinstance(exc, AmbiguousCredentialsError):
-        return error_reply(request_id, ErrorCode.INVALID_REQUEST, str(exc),
-                           {"code": exc.code, "retryable": False})  # fmt: skip
+        return error_reply(
+            request_id, ErrorCode.INVALID_REQUEST, str(exc), {"code": exc.code, "retryable": False}
+        )
     if isinstance(exc, PrincipalRequiredError):
-        return error_reply(request_id, ErrorCode.PRINCIPAL_REQUIRED, str(exc),
-                           {"code": exc.code, "retryable": False})  # fmt: skip
+        return error_reply(
+            request_id,
+            ErrorCode.PRINCIPAL_REQUIRED,
+            str(exc),
+            {"code": exc.code, "retryable": False},
+        )
     if isinstance(exc, InProgressError):
         return error_reply(
-            request_id, ErrorCode.IN_FLIGHT,
+            request_id,
+            ErrorCode.IN_FLIGHT,
             "a message with this messageId is still being processed; retry later",
-            {"code": exc.code, "retryable": True, "retry_after": _seconds(exc.retry_after),
-             **extra},
-        )  # fmt: skip
+            {
+                "code": exc.code,
+                "retryable": True,
+                "retry_after": _seconds(exc.retry_after),
+                **extra,
+            },
+        )
     if isinstance(exc, FingerprintMismatchError):
         return error_reply(
-            request_id, ErrorCode.CONFLICT,
+            request_id,
+            ErrorCode.CONFLICT,
             "this messageId was already used with a different message",
-            {"code": exc.code, "retryable": False,
-             "original_fingerprint": exc.original_fingerprint, **extra},
-        )  # fmt: skip
+            {
+                "code": exc.code,
+                "retryable": False,
+                "original_fingerprint": exc.original_fingerprint,
+                **extra,
+            },
+        )
     if isinstance(exc, StoreUnavailableError):
         return error_reply(
-            request_id, ErrorCode.STORE_UNAVAILABLE,
+            request_id,
+            ErrorCode.STORE_UNAVAILABLE,
             "the idempotency store cannot be reached; retry with the same messageId",
             {"code": exc.code, "retryable": True, "retry_after": _seconds(exc.retry_after)},
-        )  # fmt: skip
+        )
     raise exc
 
 
@@ -426,10 +466,11 @@ def replayed(send: Send, outcome: Outcome | None) -> dict[str, Any]:
     if isinstance(stored, dict) and isinstance(stored.get("error"), dict):
         return {"jsonrpc": "2.0", "id": send.id, "error": stored["error"]}
     return error_reply(
-        send.id, ErrorCode.FAILED,
+        send.id,
+        ErrorCode.FAILED,
         "an earlier attempt with this messageId failed finally; it is not run again",
         {"code": "idempotency_failed", "retryable": False},
-    )  # fmt: skip
+    )
 
 
 def settlement(send: Send, response: Any) -> tuple[bool, Outcome | None]:

@@ -152,9 +152,11 @@ class _Invalid(Exception):
     def __init__(self, code: str, message: str, pointer: str = "", position: int | None = None):
         super().__init__(message)
         self.error = _error(
-            code, message, False,
+            code,
+            message,
+            False,
             source={"pointer": pointer} if position is None else {"position": position},
-        )  # fmt: skip
+        )
 
 
 def _protocol_of(request: Any) -> Any:
@@ -460,27 +462,34 @@ class MeshCall:
         if not replay.failed:
             return envelope(self.protocol, self.id, value, None, entry)
         if not isinstance(value, list):  # a final failure with no stored errors
-            value = [_error(
-                INTERNAL_ERROR,
-                "an earlier attempt with this idempotency key failed finally; it is not run again",
-                False,
-            )]  # fmt: skip
+            value = [
+                _error(
+                    INTERNAL_ERROR,
+                    "an earlier attempt with this idempotency key failed finally; "
+                    "it is not run again",
+                    False,
+                )
+            ]
         return envelope(self.protocol, self.id, None, value, entry)
 
     def refused(self, exc: IdempotencyError) -> dict[str, Any]:
         """The answer when the engine would not start the call."""
         if isinstance(exc, InProgressError):
             error = _error(
-                IDEMPOTENCY_PROCESSING, "Previous request with this key is still processing", True,
+                IDEMPOTENCY_PROCESSING,
+                "Previous request with this key is still processing",
+                True,
                 {"key": self.key, "retry_after": _whole_seconds(exc.retry_after)},
-            )  # fmt: skip
+            )
             entry = self._entry("processing", exc.original_request_id)
         elif isinstance(exc, FingerprintMismatchError):
             original = f"sha256:{exc.original_fingerprint}"
             error = _error(
-                IDEMPOTENCY_CONFLICT, "Idempotency key already used with different arguments",
-                False, {"key": self.key, "original_arguments_hash": original},
-            )  # fmt: skip
+                IDEMPOTENCY_CONFLICT,
+                "Idempotency key already used with different arguments",
+                False,
+                {"key": self.key, "original_arguments_hash": original},
+            )
             entry = self._entry("conflict", exc.original_request_id)
         elif isinstance(exc, PrincipalRequiredError):
             error = _error(UNAUTHORIZED, str(exc), False)
@@ -491,9 +500,10 @@ class MeshCall:
         elif isinstance(exc, StoreUnavailableError):
             error = _error(
                 IDEMPOTENCY_STORE_UNAVAILABLE,
-                "the idempotency store cannot be reached; retry with the same key", True,
+                "the idempotency store cannot be reached; retry with the same key",
+                True,
                 {"key": self.key, "retry_after": _whole_seconds(exc.retry_after)},
-            )  # fmt: skip
+            )
             entry = None
         else:
             raise exc

@@ -95,14 +95,26 @@ def record_from_row(row: Sequence[Any]) -> Record:
         )
     payload, metadata, completed_at = row[19], row[20], row[11]
     return Record(
-        row[0], row[1], row[2], row[3], row[4], _STATUS[row[5]], row[6],
-        float(row[7]), float(row[8]), float(row[9]), float(row[10]),
+        row[0],
+        row[1],
+        row[2],
+        row[3],
+        row[4],
+        _STATUS[row[5]],
+        row[6],
+        float(row[7]),
+        float(row[8]),
+        float(row[9]),
+        float(row[10]),
         None if completed_at is None else float(completed_at),
-        int(row[12]), row[13], bool(row[14]), outcome,
+        int(row[12]),
+        row[13],
+        bool(row[14]),
+        outcome,
         None if payload is None else bytes(payload),
         json.loads(metadata) if metadata and metadata != "{}" else {},
         row[21],
-    )  # fmt: skip
+    )
 
 
 def archived_from_row(row: Sequence[Any]) -> ArchivedRecord:

@@ -144,8 +144,10 @@ class MemoryStore(Store[_Op]):
             log.warning(
                 "retrysafe: a record of %d bytes is over the memory store's max_bytes=%d; "
                 "it was not kept (a retry runs again) (key_hash=%s)",
-                record_bytes(record), self.max_bytes, key_hash[:16],
-            )  # fmt: skip
+                record_bytes(record),
+                self.max_bytes,
+                key_hash[:16],
+            )
         elif self.bytes > self.max_bytes:
             self._evict(now)
 

@@ -885,14 +885,25 @@ class PostgresStore(Store[_Op]):
         )
         interval = partial(parse_duration, field="partition_interval")
         ahead = partial(parse_duration, field="partition_ahead", allow_zero=True)
-        partitioned = _option("partitioned", partitioned, False, options.get("partitioned"),
-                              _to_bool)  # fmt: skip
+        partitioned = _option(
+            "partitioned", partitioned, False, options.get("partitioned"), _to_bool
+        )
         if partition_interval is not None:
             partition_interval = interval(partition_interval)
-        partition_interval = _option("partition_interval", partition_interval, None,
-                                     options.get("partition_interval"), interval)  # fmt: skip
-        partition_ahead = _option("partition_ahead", ahead(partition_ahead), _DEFAULT_AHEAD,
-                                  options.get("partition_ahead"), ahead)  # fmt: skip
+        partition_interval = _option(
+            "partition_interval",
+            partition_interval,
+            None,
+            options.get("partition_interval"),
+            interval,
+        )
+        partition_ahead = _option(
+            "partition_ahead",
+            ahead(partition_ahead),
+            _DEFAULT_AHEAD,
+            options.get("partition_ahead"),
+            ahead,
+        )
         if not partitioned and (
             partition_interval is not None or partition_ahead != _DEFAULT_AHEAD
         ):
@@ -905,8 +916,10 @@ class PostgresStore(Store[_Op]):
                 f"not {partition_interval!r}"
             )
         if min_size < 0 or max_size < 1 or max_size < min_size:
-            raise ValueError(f"need 0 <= min_size <= max_size and max_size >= 1, "
-                             f"not min_size={min_size} max_size={max_size}")  # fmt: skip
+            raise ValueError(
+                f"need 0 <= min_size <= max_size and max_size >= 1, "
+                f"not min_size={min_size} max_size={max_size}"
+            )
         try:
             params = psycopg.conninfo.conninfo_to_dict(conninfo)
         except psycopg.Error as exc:
@@ -1005,13 +1018,17 @@ class PostgresStore(Store[_Op]):
             "response_body = %s"
         )
         self._q_complete = text(
-            sql.SQL("UPDATE {} SET status = 'completed', {}, completed_at = %s, updated_at = %s")
-            .format(table, outcome) + cas
-        )  # fmt: skip
+            sql.SQL(
+                "UPDATE {} SET status = 'completed', {}, completed_at = %s, updated_at = %s"
+            ).format(table, outcome)
+            + cas
+        )
         self._q_fail = text(
-            sql.SQL("UPDATE {} SET status = 'failed', {}, final = %s, updated_at = %s")
-            .format(table, outcome) + cas
-        )  # fmt: skip
+            sql.SQL("UPDATE {} SET status = 'failed', {}, final = %s, updated_at = %s").format(
+                table, outcome
+            )
+            + cas
+        )
         self._q_renew = text(
             sql.SQL(
                 "UPDATE {} SET lease_until = %s, updated_at = %s, "
@@ -1046,9 +1063,10 @@ class PostgresStore(Store[_Op]):
         archive_cols = sql.SQL(", ").join(map(sql.Identifier, ARCHIVE_COLUMNS))
         marks = sql.SQL(", ").join(sql.SQL("%s") for _ in ARCHIVE_COLUMNS)
         self._q_archive = text(
-            sql.SQL("INSERT INTO {} ({}) VALUES ({}) ON CONFLICT (key_hash, token) DO NOTHING")
-            .format(names.archive, archive_cols, marks)
-        )  # fmt: skip
+            sql.SQL(
+                "INSERT INTO {} ({}) VALUES ({}) ON CONFLICT (key_hash, token) DO NOTHING"
+            ).format(names.archive, archive_cols, marks)
+        )
         self._q_list = sql.SQL("SELECT {} FROM {} AS t").format(select_cols, table)
         self._q_list_archive = sql.SQL("SELECT {}, t.archived_at FROM {} AS t").format(
             select_cols, names.archive
@@ -1246,8 +1264,11 @@ class PostgresStore(Store[_Op]):
             return
         partitioned = kind == "p"
         if partitioned != self.partitioned:
-            found, opened = ("partitioned", "unpartitioned") if partitioned else (
-                "unpartitioned", "partitioned")  # fmt: skip
+            found, opened = (
+                ("partitioned", "unpartitioned")
+                if partitioned
+                else ("unpartitioned", "partitioned")
+            )
             raise SchemaModeError(
                 f"PostgreSQL store at {self._where}: the table is {found} "
                 f"(partitioned={str(partitioned).lower()}) but the store was opened "

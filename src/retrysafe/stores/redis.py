@@ -402,10 +402,20 @@ def _record_value(r: Record) -> bytes:
     blob = _claim_blob(r)
     completed = r.completed_at
     fixed = HEADER.pack(
-        LAYOUT_VERSION, 1, r.created_at, r.expires_at, r.lease_until, r.final,
-        _STATUS_BYTE[r.status], completed is not None, r.updated_at,
-        0.0 if completed is None else completed, len(fp), len(blob), len(token),
-    )  # fmt: skip
+        LAYOUT_VERSION,
+        1,
+        r.created_at,
+        r.expires_at,
+        r.lease_until,
+        r.final,
+        _STATUS_BYTE[r.status],
+        completed is not None,
+        r.updated_at,
+        0.0 if completed is None else completed,
+        len(fp),
+        len(blob),
+        len(token),
+    )
     if r.outcome is None:
         return b"".join((fixed, token, fp, blob))
     return b"".join((fixed, token, fp, blob, _outcome_blob(r.outcome)))
@@ -452,8 +462,21 @@ def record_from_value(value: bytes | None, key_hash: str) -> Record | None:
     """A :class:`Record` from a stored value (``None`` if there is none)."""
     if value is None:
         return None
-    (version, attempts, created, expires, lease, final, status, has_completed, updated,
-     completed, fp_len, blob_len, token_len) = HEADER.unpack_from(value)  # fmt: skip
+    (
+        version,
+        attempts,
+        created,
+        expires,
+        lease,
+        final,
+        status,
+        has_completed,
+        updated,
+        completed,
+        fp_len,
+        blob_len,
+        token_len,
+    ) = HEADER.unpack_from(value)
     if version != LAYOUT_VERSION:
         raise StoreUnavailableError(
             f"Redis record {key_hash} has layout version {version!r}; this retrysafe "
@@ -472,27 +495,58 @@ def record_from_value(value: bytes | None, key_hash: str) -> Record | None:
             token, fp = text[:token_len], text[token_len:blob_at]
             _, key, scope, operation, rid, meta = text[blob_at:].split("\x00")
             return Record(
-                key_hash, key, scope, operation, fp, _STATUS[status], token, lease, expires,
-                created, updated, completed if has_completed else None, attempts,
-                rid if flags & 1 else None, final,
-                _outcome(value, end) if len(value) > end else None, None,
-                json.loads(meta) if meta else {}, FINANCIAL if flags & 8 else STANDARD,
-            )  # fmt: skip
+                key_hash,
+                key,
+                scope,
+                operation,
+                fp,
+                _STATUS[status],
+                token,
+                lease,
+                expires,
+                created,
+                updated,
+                completed if has_completed else None,
+                attempts,
+                rid if flags & 1 else None,
+                final,
+                _outcome(value, end) if len(value) > end else None,
+                None,
+                json.loads(meta) if meta else {},
+                FINANCIAL if flags & 8 else STANDARD,
+            )
     parts = value[blob_at:end].split(b"\x00", 6)
     if flags & 4:
         key, scope, operation, rid = (json.loads(p) for p in parts[1:5])
     else:
         key, scope, operation, rid = (
-            parts[1].decode(), parts[2].decode(), parts[3].decode(), parts[4].decode()
-        )  # fmt: skip
+            parts[1].decode(),
+            parts[2].decode(),
+            parts[3].decode(),
+            parts[4].decode(),
+        )
     meta = parts[5]
     return Record(
-        key_hash, key, scope, operation, value[fp_at:blob_at].decode(), _STATUS[status],
-        value[_FIXED:fp_at].decode(), lease, expires, created, updated,
-        completed if has_completed else None, attempts, rid if flags & 1 else None, final,
-        _outcome(value, end) if len(value) > end else None, parts[6] if flags & 2 else None,
-        json.loads(meta) if meta else {}, FINANCIAL if flags & 8 else STANDARD,
-    )  # fmt: skip
+        key_hash,
+        key,
+        scope,
+        operation,
+        value[fp_at:blob_at].decode(),
+        _STATUS[status],
+        value[_FIXED:fp_at].decode(),
+        lease,
+        expires,
+        created,
+        updated,
+        completed if has_completed else None,
+        attempts,
+        rid if flags & 1 else None,
+        final,
+        _outcome(value, end) if len(value) > end else None,
+        parts[6] if flags & 2 else None,
+        json.loads(meta) if meta else {},
+        FINANCIAL if flags & 8 else STANDARD,
+    )
 
 
 def _outcome(value: bytes, start: int) -> Outcome:
@@ -747,27 +801,43 @@ class RedisStore(Store[_Op]):
 
     def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
         args = (
-            "EVALSHA", _COMPLETE_SHA, 1, f"{self.prefix}{{{key_hash}}}", _token(token),
-            _DONE.pack(b"c", True, now, now), _outcome_blob(outcome),
-        )  # fmt: skip
+            "EVALSHA",
+            _COMPLETE_SHA,
+            1,
+            f"{self.prefix}{{{key_hash}}}",
+            _token(token),
+            _DONE.pack(b"c", True, now, now),
+            _outcome_blob(outcome),
+        )
         return (args, _parse_bool, key_hash, None, _NO_OPTIONS)
 
     def _fail(
         self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
     ) -> _Op:
         args: list[Any] = [
-            "EVALSHA", _FAIL_SHA, 1, self.record_key(key_hash), _token(token),
-            _FAILED.pack(final, b"f"), _DOUBLE.pack(now),
-        ]  # fmt: skip
+            "EVALSHA",
+            _FAIL_SHA,
+            1,
+            self.record_key(key_hash),
+            _token(token),
+            _FAILED.pack(final, b"f"),
+            _DOUBLE.pack(now),
+        ]
         if outcome is not None:
             args.append(_outcome_blob(outcome))
         return (args, _parse_bool, key_hash, None, _NO_OPTIONS)
 
     def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
         args = (
-            "EVALSHA", _RENEW_SHA, 1, self.record_key(key_hash), _token(token),
-            _DOUBLE.pack(lease_until), _DOUBLE.pack(now), _ttl_ms(lease_until, now) or 1,
-        )  # fmt: skip
+            "EVALSHA",
+            _RENEW_SHA,
+            1,
+            self.record_key(key_hash),
+            _token(token),
+            _DOUBLE.pack(lease_until),
+            _DOUBLE.pack(now),
+            _ttl_ms(lease_until, now) or 1,
+        )
         return (args, _parse_bool, key_hash, None, _NO_OPTIONS)
 
     def _get(self, key_hash: str) -> _Op:
@@ -789,9 +859,15 @@ class RedisStore(Store[_Op]):
         ttl = 0 if expires_at is None else _ttl_ms(expires_at, now)
         rest = f"{'' if expires_at is None else repr(expires_at)}\n{text}"
         args = (
-            "EVALSHA", _CELL_WRITE_SHA, 1, self.cell_key(key),
-            "" if expected is None else str(expected), rest, repr(now), ttl,
-        )  # fmt: skip
+            "EVALSHA",
+            _CELL_WRITE_SHA,
+            1,
+            self.cell_key(key),
+            "" if expected is None else str(expected),
+            rest,
+            repr(now),
+            ttl,
+        )
         return (args, _parse_bool, key, None, _NO_OPTIONS)
 
     # -- executors ---------------------------------------------------------------
