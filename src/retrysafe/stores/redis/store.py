@@ -1,357 +1,60 @@
-"""Redis (and Redis Cluster) store: one string per record; claims are one native SET.
-
-Each record is one Redis string under ``<prefix>{<key_hash>}`` (the whole key hash
-is the cluster hash tag). The engine's ``now`` decides what is logically expired;
-the physical TTL decides when Redis drops a record by itself:
-
-* a ``standard`` record gets a physical TTL (PX, set at claim) that follows
-  ``expires_at``: Redis removing it at expiry is its cleanup;
-* a ``financial`` record gets none: only :meth:`RedisStore.sweep` removes it, after
-  copying it to the archive, so Redis can never drop one unarchived (a TTL with a
-  grace period would still lose records whenever the sweeper is down for longer).
-
-Every write that replaces a record follows the same rule: a claim or takeover
-writes the new record with PX (standard) or without (financial, which also clears
-any TTL the old record had); complete, fail and renew keep the TTL the claim set
-(a renewal past expires_at moves both expires_at and the TTL to the lease's end).
-
-The commands, one round trip each on the request path:
-
-* claim: ``SET key value NX GET PX ttl`` (Redis >= 7.0): writes the new record if
-  the key is free and returns nothing, or writes nothing and returns the live
-  record. If that record is claimable (see :func:`retrysafe._model.decide.claimable`:
-  expired, a retryable failure, a lease that ran out) a second round trip runs
-  the claim script, which re-checks and takes it over atomically. On servers
-  without ``SET NX GET`` every claim runs the script (one round trip).
-* complete / fail / renew: one EVALSHA each; like redis-py's ``Lock``, a write
-  acts only on a processing record whose fencing token matches, and keeps the TTL
-  (``SET KEEPTTL``, Redis >= 6.0).
-* get: one GET; delete: one DEL.
-* sweep (operations work, not the request path): ``SCAN MATCH <prefix>{*}`` on
-  the server or on every cluster primary, keeping the cursor between batches;
-  GETs in a pipeline; the financial records among the expired ones are copied to
-  the archive store (``archive=``, a SQLite or PostgreSQL store; its
-  ``archive_records`` ignores a copy it already holds), and only then is each
-  expired record deleted by a script that deletes the key only if it still holds
-  the very value that was read. A sweep killed at any moment so loses nothing and
-  archives nothing twice; a record claimed again meanwhile is never deleted. An
-  expired financial record with no archive configured stops the sweep
-  (:class:`~retrysafe.StoreUnavailableError`, nothing deleted in that batch).
-* records / stats: a full SCAN pass with pipelined GETs, for operations commands.
-
-Layout, version 1. A fixed 60-byte header (``struct`` :data:`HEADER`,
-``>cIddd?c?ddIII``, big-endian), then the variable parts back to back::
-
-    offset  size  field
-         0     1  layout version, b"1" (:data:`LAYOUT_VERSION`)
-         1     4  attempts (uint32)
-         5     8  created_at    (IEEE-754 double, seconds since the epoch)
-        13     8  expires_at    (double)
-        21     8  lease_until   (double)
-        29     1  final         (0 or 1)
-        30     1  status        b"p" processing, b"c" completed, b"f" failed
-        31     1  has completed_at (0: completed_at is None)
-        32     8  updated_at    (double)
-        40     8  completed_at  (double; 0.0 when absent)
-        48     4  F: fingerprint length in bytes (uint32)
-        52     4  C: claim blob length in bytes (uint32)
-        56     4  T: token length in bytes (uint32)
-        60     T  fencing token (UTF-8)
-      60+T     F  fingerprint (UTF-8)
-    60+T+F     C  claim blob
-  60+T+F+C     -  outcome blob, to the end (empty: no outcome)
-
-Times are doubles, so they round-trip exactly. The fields a write changes are
-adjacent: complete replaces bytes 30-47 in one piece, and the outcome; fail
-replaces the final flag, status and updated_at (and the outcome); renew
-lease_until and updated_at; a takeover copies attempts + 1 and created_at from the
-record it replaces. Needs Redis >= 6.0 (``KEEPTTL``).
-
-Claim blob, written once at claim: fields separated by NUL::
-
-    flags NUL key NUL scope NUL operation NUL request_id NUL metadata [NUL payload]
-
-``flags`` is one ASCII character, ``chr(0x30 | bits)`` (``0``-``9``, ``:``-``?``),
-a bit set: 1 request_id present (else None); 2 request payload present (else None;
-the payload is the raw rest of the blob); 4 key, scope, operation and request_id
-are JSON strings (only when one holds a NUL); 8 retention ``financial`` (else
-``standard``). Bit 8 came later within layout version 1: records written before it
-have the digits ``0``-``7`` and read as standard, and a reader that knows only bits
-1, 2 and 4 still decodes the new characters (as standard records).
-``metadata`` is the JSON of ``Record.metadata_json``, or empty for ``{}``.
-
-Outcome blob: ``JSON [status, media_type, headers]`` (ASCII; headers a list of
-pairs), NUL, then the body bytes.
-
-A record whose first byte is not :data:`LAYOUT_VERSION`, a value this layout
-cannot decode (another program's, truncated or corrupt), or a key that is not a
-string, is never overwritten; reading it raises
-:class:`~retrysafe.StoreUnavailableError` naming the key. So does an error reply
-(NOPERM, BUSY, a script error). A forked child never uses its parent's clients.
-"""
+"""The Redis (and Redis Cluster) store: one string per record, claimed with one native
+SET; complete, fail and renew are one script each. The commands, the layout and
+the sweep are described in docs/stores.md ("Redis layout")."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import heapq
-import json
-import math
 import os
-import struct
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
-from urllib.parse import unquote_plus, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
-try:
-    import redis
-    import redis.asyncio
-    import redis.asyncio.cluster
-    import redis.asyncio.retry
-    import redis.cluster
-    from redis import exceptions as _rx
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-except ImportError as _exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "retrysafe's Redis store needs redis-py: pip install 'retrysafe[redis]'"
-    ) from _exc
-
-try:  # redis-py >= 7
-    from redis.maint_notifications import MaintNotificationsConfig
-except ImportError:  # pragma: no cover - older redis-py
-    MaintNotificationsConfig = None
+from redis import exceptions as _rx
 
 from retrysafe._model.decide import claimable
-from retrysafe._model.record import FINANCIAL, STANDARD, ClaimResult, Outcome, Record, Status
+from retrysafe._model.record import FINANCIAL, ClaimResult, Outcome, Record, Status
 from retrysafe.errors import StoreUnavailableError
 from retrysafe.stores import open_store
 from retrysafe.stores._base import ArchivedRecord, Store, StoreStats, SweepBatch
 from retrysafe.stores._redact import redact
-
-__all__ = ["HEADER", "LAYOUT_VERSION", "RedisStore", "record_from_value"]
-
-DEFAULT_URL = "redis://127.0.0.1:6379/0"
-DEFAULT_PREFIX = "retrysafe:"
-
-_SCHEMES = {
-    "redis": ("redis", False),
-    "rediss": ("rediss", False),
-    "unix": ("unix", False),
-    "redis+cluster": ("redis", True),
-    "rediss+cluster": ("rediss", True),
-}
-
-#: Errors that mean "the server could not be reached or refused to act right now".
-UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
-    _rx.ConnectionError,  # includes BusyLoadingError, AuthenticationError, MaxConnectionsError
-    _rx.TimeoutError,
-    _rx.ClusterError,  # ClusterDownError, MasterDownError
-    _rx.RedisClusterException,  # no reachable node, slot not covered
-    _rx.TryAgainError,
-    _rx.ReadOnlyError,  # a write reached a replica during failover
-    _rx.OutOfMemoryError,  # maxmemory reached; the script wrote nothing
-    OSError,  # includes asyncio.TimeoutError
+from retrysafe.stores.redis.clients import (
+    DEFAULT_PREFIX,
+    DEFAULT_URL,
+    UNAVAILABLE_ERRORS,
+    RedisClients,
+    _forget_clients,
+    _parse_url,
+)
+from retrysafe.stores.redis.codec import (
+    _DONE,
+    _DOUBLE,
+    _FAILED,
+    _FIXED,
+    _MALFORMED,
+    _TOOK,
+    _outcome_blob,
+    _record_value,
+    _token,
+    _ttl_ms,
+    record_from_value,
+)
+from retrysafe.stores.redis.lua import (
+    _CELL_WRITE_SHA,
+    _CLAIM_SHA,
+    _COMPLETE_SHA,
+    _FAIL_SHA,
+    _RENEW_SHA,
+    _SCRIPTS,
+    _SWEEP_DELETE,
 )
 
-#: What decoding a value that is not a well-formed record raises (another program's
-#: key, a truncated or corrupt value): struct.error, IndexError, KeyError, ValueError
-#: (UnicodeDecodeError, json.JSONDecodeError, a wrong field count), TypeError.
-_MALFORMED: tuple[type[BaseException], ...] = (
-    struct.error,
-    IndexError,
-    KeyError,
-    ValueError,
-    TypeError,
-)
-
-# -- layout --------------------------------------------------------------------------
-
-#: First byte of every record; a new layout gets a new version.
-LAYOUT_VERSION = b"1"
-#: The fixed part of a record (see the module docstring).
-HEADER = struct.Struct(">cIddd?c?ddIII")
-
-_FIXED = HEADER.size  # 60
-_DONE = struct.Struct(">c?dd")  # complete: status, has completed_at, updated_at, completed_at
-_FAILED = struct.Struct(">?c")  # fail: final, status
-_DOUBLE = struct.Struct(">d")
-_U32 = struct.Struct(">I")
-
-_STATUS_BYTE: dict[Status, bytes] = {
-    Status.PROCESSING: b"p",
-    Status.COMPLETED: b"c",
-    Status.FAILED: b"f",
-}
-_STATUS: dict[bytes, Status] = {v: k for k, v in _STATUS_BYTE.items()}
-_TOOK: tuple[Status | None, ...] = (None, Status.PROCESSING, Status.FAILED, None)
-
-# -- Lua -----------------------------------------------------------------------------
-# 1-based positions in a record: attempts 2, created 6, expires 14, lease 22, final 30,
-# status 31 (p=112 c=99 f=102), has completed 32, updated 33, completed 41, lengths
-# F C T at 49 53 57, token 61. A claim's own record carries the claim's ``now`` as
-# its updated_at.
-
-# KEYS[1] record key; ARGV[1] the new record (attempts 1, created = now), ARGV[2]
-# its fingerprint, ARGV[3] PX ms ("0": no TTL). Mirrors retrysafe._model.decide.claimable.
-# Claimed: returns attempts * 4 + took_over (0 none, 1 processing, 2 failed).
-# Not claimed: returns the live record.
-_CLAIM = """
-local key = KEYS[1]
-local v = redis.call('GET', key)
-local new = ARGV[1]
-local attempts = 1
-local took = 0
-if v then
-  if string.byte(v, 1) ~= 49 then
-    return v
-  end
-  local now = struct.unpack('>d', new, 33)
-  if struct.unpack('>d', v, 14) > now then
-    local status = string.byte(v, 31)
-    if status ~= 112 and status ~= 102 then
-      return v
-    end
-    local f, c, t = struct.unpack('>I4I4I4', v, 49)
-    if string.sub(v, 61 + t, 60 + t + f) ~= ARGV[2] then
-      return v
-    end
-    if status == 102 then
-      if string.byte(v, 30) ~= 0 then
-        return v
-      end
-      took = 2
-    elseif struct.unpack('>d', v, 22) > now then
-      return v
-    else
-      took = 1
-    end
-    attempts = struct.unpack('>I4', v, 2) + 1
-    new = '1' .. struct.pack('>I4', attempts) .. string.sub(v, 6, 13) .. string.sub(new, 14)
-  end
-end
-if ARGV[3] == '0' then
-  redis.call('SET', key, new)
-else
-  redis.call('SET', key, new, 'PX', ARGV[3])
-end
-return attempts * 4 + took
-"""
-
-# The compare-and-set scripts: KEYS[1] record key, ARGV[1] token length (uint32) ..
-# token. They act only on a processing record owned by the token, keep its TTL, and
-# return 1 if they wrote, else 0. ``e`` is where the claim blob ends.
-_CAS = """
-local v = redis.call('GET', KEYS[1])
-local t = ARGV[1]
-if not v or string.byte(v, 31) ~= 112 or string.sub(v, 57, 56 + #t) ~= t then
-  return 0
-end
-"""
-_END = """local f, c, t = struct.unpack('>I4I4I4', v, 49)
-local e = 60 + f + c + t
-"""
-
-# ARGV[2] bytes 31-48 (status c, has completed_at, updated_at, completed_at),
-# ARGV[3] the outcome blob.
-_COMPLETE = f"""{_CAS}{_END}
-local new = string.sub(v, 1, 30) .. ARGV[2] .. string.sub(v, 49, e) .. ARGV[3]
-redis.call('SET', KEYS[1], new, 'KEEPTTL')
-return 1
-"""
-
-# ARGV[2] bytes 30-31 (final, status f), ARGV[3] updated_at, ARGV[4] the outcome
-# blob (absent: no outcome).
-_FAIL = f"""{_CAS}{_END}
-local new = string.sub(v, 1, 29) .. ARGV[2] .. string.sub(v, 32, 32) .. ARGV[3]
-  .. string.sub(v, 41, e) .. (ARGV[4] or '')
-redis.call('SET', KEYS[1], new, 'KEEPTTL')
-return 1
-"""
-
-# ARGV[2] lease_until, ARGV[3] updated_at, ARGV[4] the lease's PX ms from now. A
-# lease past expires_at also moves expires_at (and a TTL the record has) to its end,
-# so a live attempt never expires under its owner.
-_RENEW = f"""{_CAS}
-local expires = string.sub(v, 14, 21)
-local later = struct.unpack('>d', ARGV[2]) > struct.unpack('>d', expires)
-if later then
-  expires = ARGV[2]
-end
-local new = string.sub(v, 1, 13) .. expires .. ARGV[2] .. string.sub(v, 30, 32) .. ARGV[3]
-  .. string.sub(v, 41)
-redis.call('SET', KEYS[1], new, 'KEEPTTL')
-if later and redis.call('PTTL', KEYS[1]) > 0 then
-  redis.call('PEXPIRE', KEYS[1], ARGV[4])
-end
-return 1
-"""
-
-
-# The sweep's compare-and-delete: KEYS[1] record key, ARGV[1] the value the sweep
-# read (and judged expired, and archived if financial). Deletes only that value: a
-# record claimed again, completed or renewed since is left alone. Returns 1 or 0.
-_SWEEP_DELETE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
-
-# A versioned cell of retrysafe.guards (see retrysafe._core.cells): one string under
-# ``<prefix>cell:<key>`` (never ``<prefix>{...}``, so the sweep's SCAN skips it),
-# ``version LF expires_at LF json`` (expires_at empty: never). The compare-and-set:
-# KEYS[1] the cell, ARGV[1] the expected version ('' for none live), ARGV[2]
-# ``expires_at LF json`` of the new value, ARGV[3] now, ARGV[4] PX ms ('0': no TTL).
-# Applies retrysafe._core.cells.writable; returns 1 if it wrote, else 0.
-_CELL_WRITE = """
-local cur = redis.call('GET', KEYS[1])
-local version = 0
-local live = false
-if cur then
-  local a = string.find(cur, '\\n', 1, true)
-  local b = string.find(cur, '\\n', a + 1, true)
-  version = tonumber(string.sub(cur, 1, a - 1))
-  local x = string.sub(cur, a + 1, b - 1)
-  live = x == '' or tonumber(x) > tonumber(ARGV[3])
-end
-if ARGV[1] == '' then
-  if live then
-    return 0
-  end
-  version = 0
-elseif not live or version ~= tonumber(ARGV[1]) then
-  return 0
-end
-local new = string.format('%d', version + 1) .. '\\n' .. ARGV[2]
-if ARGV[4] == '0' then
-  redis.call('SET', KEYS[1], new)
-else
-  redis.call('SET', KEYS[1], new, 'PX', ARGV[4])
-end
-return 1
-"""
-
-
-def _sha(text: str) -> str:
-    return hashlib.sha1(text.encode()).hexdigest()
-
-
-_CLAIM_SHA, _COMPLETE_SHA, _FAIL_SHA, _RENEW_SHA = map(_sha, (_CLAIM, _COMPLETE, _FAIL, _RENEW))
-_CELL_WRITE_SHA = _sha(_CELL_WRITE)
-#: Script text by SHA-1, to load a script the server does not know (NOSCRIPT).
-_SCRIPTS: dict[str, str] = {
-    _CLAIM_SHA: _CLAIM,
-    _COMPLETE_SHA: _COMPLETE,
-    _FAIL_SHA: _FAIL,
-    _RENEW_SHA: _RENEW,
-    _CELL_WRITE_SHA: _CELL_WRITE,
-}
-
+__all__ = ["RedisStore"]
 
 # -- ops -----------------------------------------------------------------------------
 
@@ -361,204 +64,7 @@ _SCRIPTS: dict[str, str] = {
 #: found a claimable record). A plain tuple: the cheapest thing to build per call.
 _Op: TypeAlias = tuple[Sequence[Any], Callable[..., Any], str, Record | None, dict[str, Any]]
 _NO_OPTIONS: dict[str, Any] = {}  # never mutated
-
-
-# -- encoding ------------------------------------------------------------------------
-
 _SET_GET: dict[str, Any] = {"get": True}  # SET ... GET replies with the old value
-_MAX_PEXPIRE_MS = 10**15  # ~31,000 years; keeps PX far from its overflow error
-#: The flags character of a claim blob: chr(0x30 | flags), so bits 1, 2 and 4 keep
-#: the digits "0"-"7" of records written before bit 8 (financial) existed.
-_FLAG_CHARS = "0123456789:;<=>?"
-_encode_json = json.JSONEncoder(separators=(",", ":")).encode
-_encode_meta = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode  # metadata_json
-_CACHE_MAX = 256
-#: Outcome prefixes (JSON + NUL) of header-less outcomes by (status, media type), and
-#: back: the common ones (``Outcome.json``, a bare 200) are a dict lookup each way.
-_PREFIX_OF: dict[tuple[int | None, str], bytes] = {}
-_PREFIX: dict[bytes, tuple[int | None, str]] = {}
-
-
-def _ttl_ms(expires_at: float, now: float) -> int:
-    """Physical TTL in ms for PX (at least 1); 0 means "no TTL" (infinite)."""
-    delta = (expires_at - now) * 1000.0
-    if 1.0 <= delta <= _MAX_PEXPIRE_MS:
-        return math.ceil(delta)
-    if not math.isfinite(delta):
-        return 0 if delta > 0 else 1
-    return min(max(1, math.ceil(delta)), _MAX_PEXPIRE_MS)
-
-
-def _token(token: str) -> bytes:
-    """Token length (uint32) and token, as a record holds them from offset 56."""
-    raw = token.encode()
-    return _U32.pack(len(raw)) + raw
-
-
-def _record_value(r: Record) -> bytes:
-    """The stored form of a record being claimed (attempts 1; a takeover patches it)."""
-    token = r.token.encode()
-    fp = r.fingerprint.encode()
-    blob = _claim_blob(r)
-    completed = r.completed_at
-    fixed = HEADER.pack(
-        LAYOUT_VERSION,
-        1,
-        r.created_at,
-        r.expires_at,
-        r.lease_until,
-        r.final,
-        _STATUS_BYTE[r.status],
-        completed is not None,
-        r.updated_at,
-        0.0 if completed is None else completed,
-        len(fp),
-        len(blob),
-        len(token),
-    )
-    if r.outcome is None:
-        return b"".join((fixed, token, fp, blob))
-    return b"".join((fixed, token, fp, blob, _outcome_blob(r.outcome)))
-
-
-def _claim_blob(r: Record) -> bytes:
-    rid = r.request_id
-    payload = r.request_payload
-    flags = (rid is not None) | (payload is not None) << 1 | (r.retention == FINANCIAL) << 3
-    text = f"{r.key}\x00{r.scope}\x00{r.operation}\x00{'' if rid is None else rid}\x00"
-    if text.count("\x00") != 4:  # a NUL inside a field: JSON strings instead
-        flags |= 4
-        text = "".join(f"{json.dumps(s)}\x00" for s in (r.key, r.scope, r.operation, rid or ""))
-    meta = _encode_meta(r.metadata) if r.metadata else ""
-    blob = f"{_FLAG_CHARS[flags]}\x00{text}{meta}".encode()
-    if payload is None:
-        return blob
-    return b"".join((blob, b"\x00", payload))
-
-
-def _outcome_blob(outcome: Outcome) -> bytes:
-    headers = outcome.headers
-    if headers:
-        prefix = _outcome_prefix(outcome.status, outcome.media_type, headers)
-    else:
-        key = (outcome.status, outcome.media_type)
-        prefix = _PREFIX_OF.get(key)
-        if prefix is None:
-            prefix = _outcome_prefix(outcome.status, outcome.media_type, ())
-            if len(_PREFIX_OF) < _CACHE_MAX:
-                _PREFIX_OF[key] = prefix
-    return b"".join((prefix, outcome.body))
-
-
-def _outcome_prefix(status: int | None, media_type: str, headers: Sequence[Any]) -> bytes:
-    pairs = [[k, v] for k, v in headers]
-    return _encode_json([status, media_type, pairs]).encode() + b"\x00"
-
-
-# -- parsing -------------------------------------------------------------------------
-
-
-def record_from_value(value: bytes | None, key_hash: str) -> Record | None:
-    """A :class:`Record` from a stored value (``None`` if there is none)."""
-    if value is None:
-        return None
-    (
-        version,
-        attempts,
-        created,
-        expires,
-        lease,
-        final,
-        status,
-        has_completed,
-        updated,
-        completed,
-        fp_len,
-        blob_len,
-        token_len,
-    ) = HEADER.unpack_from(value)
-    if version != LAYOUT_VERSION:
-        raise StoreUnavailableError(
-            f"Redis record {key_hash} has layout version {version!r}; this retrysafe "
-            f"reads version {LAYOUT_VERSION!r} (a newer retrysafe wrote it?)"
-        )
-    fp_at = _FIXED + token_len
-    blob_at = fp_at + fp_len
-    end = blob_at + blob_len
-    if len(value) < end or blob_len == 0:
-        raise ValueError(f"truncated: {len(value)} bytes, the header announces at least {end}")
-    flags = value[blob_at]
-    if flags | 9 == 57:  # "0" "1" "8" "9": no payload, no JSON fields: decode at once
-        text = value[_FIXED:end].decode()
-        if text.isascii():  # byte offsets are character offsets
-            blob_at -= _FIXED
-            token, fp = text[:token_len], text[token_len:blob_at]
-            _, key, scope, operation, rid, meta = text[blob_at:].split("\x00")
-            return Record(
-                key_hash,
-                key,
-                scope,
-                operation,
-                fp,
-                _STATUS[status],
-                token,
-                lease,
-                expires,
-                created,
-                updated,
-                completed if has_completed else None,
-                attempts,
-                rid if flags & 1 else None,
-                final,
-                _outcome(value, end) if len(value) > end else None,
-                None,
-                json.loads(meta) if meta else {},
-                FINANCIAL if flags & 8 else STANDARD,
-            )
-    parts = value[blob_at:end].split(b"\x00", 6)
-    if flags & 4:
-        key, scope, operation, rid = (json.loads(p) for p in parts[1:5])
-    else:
-        key, scope, operation, rid = (
-            parts[1].decode(),
-            parts[2].decode(),
-            parts[3].decode(),
-            parts[4].decode(),
-        )
-    meta = parts[5]
-    return Record(
-        key_hash,
-        key,
-        scope,
-        operation,
-        value[fp_at:blob_at].decode(),
-        _STATUS[status],
-        value[_FIXED:fp_at].decode(),
-        lease,
-        expires,
-        created,
-        updated,
-        completed if has_completed else None,
-        attempts,
-        rid if flags & 1 else None,
-        final,
-        _outcome(value, end) if len(value) > end else None,
-        parts[6] if flags & 2 else None,
-        json.loads(meta) if meta else {},
-        FINANCIAL if flags & 8 else STANDARD,
-    )
-
-
-def _outcome(value: bytes, start: int) -> Outcome:
-    cut = value.index(b"\x00", start)
-    prefix = value[start:cut]
-    known = _PREFIX.get(prefix)
-    if known is not None:
-        return Outcome(value[cut + 1 :], known[0], (), known[1])
-    status, media_type, pairs = json.loads(prefix)
-    if not pairs and len(_PREFIX) < _CACHE_MAX:
-        _PREFIX[prefix] = (status, media_type)
-    return Outcome(value[cut + 1 :], status, tuple((k, v) for k, v in pairs), media_type)
 
 
 def _parse_set_claim(reply: Any, op: _Op) -> ClaimResult | _Op:
@@ -610,49 +116,11 @@ def _parse_cell(reply: Any, op: _Op) -> list[Any] | None:
     return [int(version), text, float(expires_at) if expires_at else None]
 
 
-# -- URLs --------------------------------------------------------------------------
-
-
 #: URL schemes of the stores that can hold a Redis store's archive.
 #: Archive URLs: durable stores only. A memory:// archive would lose every record the
 #: sweep deletes from Redis when the process ends (a MemoryStore object is accepted,
 #: for tests that read it in the same process).
 _ARCHIVE_SCHEMES = frozenset({"sqlite", "postgresql", "postgres"})
-
-
-def _parse_url(url: str, prefix: str) -> tuple[str, bool, str, str | None]:
-    """(URL for redis-py, cluster?, prefix, archive URL).
-
-    ``prefix=`` in the query wins over ``prefix``; ``archive=`` is a URL-encoded
-    store URL.
-    """
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    if scheme not in _SCHEMES:
-        raise ValueError(
-            f"not a Redis URL: {redact(url)!r} (expected redis://, rediss://, unix://, "
-            "redis+cluster:// or rediss+cluster://)"
-        )
-    client_scheme, cluster = _SCHEMES[scheme]
-    keep: list[str] = []
-    archive: str | None = None
-    for piece in parts.query.split("&"):
-        if not piece:
-            continue
-        name, _, value = piece.partition("=")
-        name = unquote_plus(name)
-        if name == "prefix":
-            prefix = unquote_plus(value)
-        elif name == "archive":
-            archive = unquote_plus(value)
-        elif name == "decode_responses":
-            raise ValueError("decode_responses is not supported: record bodies are bytes")
-        else:
-            keep.append(piece)
-    if cluster and parts.path not in ("", "/", "/0"):
-        raise ValueError(f"Redis Cluster has only database 0: {redact(url)!r}")
-    client_url = urlunsplit(parts._replace(scheme=client_scheme, query="&".join(keep)))
-    return client_url, cluster, prefix, archive
 
 
 def _check_archive(archive: object) -> None:
@@ -692,28 +160,8 @@ class _Pass:
     pending: list[bytes] = field(default_factory=list)
 
 
-#: Clients a forked child inherited from its parent, kept referenced and never closed
-#: (a finalizer must not touch the parent's connections). One entry per store and fork.
-_INHERITED: list[Any] = []
-
-
-def _forget_clients(ref: weakref.ref[RedisStore]) -> None:
-    """After ``fork()``, in the child: drop the parent's clients and lock (see ``__init__``)."""
-    store = ref()
-    if store is None:
-        return
-    _INHERITED.append((store._sync, list(store._async.values()), list(store._starting.values())))
-    store._sync = None
-    store._async = weakref.WeakKeyDictionary()
-    store._starting = weakref.WeakKeyDictionary()
-    store._lock = threading.Lock()
-    store._sync_lock = threading.Lock()
-    store._sweep_lock = threading.Lock()
-    store._sweep_pass = None
-
-
-class RedisStore(Store[_Op]):
-    """Records in Redis or Redis Cluster; see the module docstring for the layout.
+class RedisStore(RedisClients, Store[_Op]):
+    """Records in Redis or Redis Cluster (layout: docs/stores.md, "Redis layout").
 
     Nothing connects until the first operation. The sync client is shared by all
     threads; an asyncio client is made per running event loop. redis-py's own
@@ -788,7 +236,7 @@ class RedisStore(Store[_Op]):
         key = f"{self.prefix}{{{kh}}}"
         value = _record_value(record)
         # Financial records get no physical TTL: only the sweeper, after archiving
-        # them, may remove them (see the module docstring).
+        # them, may remove them (docs/stores.md, "Redis layout").
         ttl = 0 if record.retention == FINANCIAL else _ttl_ms(record.expires_at, record.updated_at)
         if not self._set_claims:  # the server has no SET NX GET
             args: Sequence[Any] = ("EVALSHA", _CLAIM_SHA, 1, key, value, record.fingerprint, ttl)
@@ -1205,96 +653,6 @@ class RedisStore(Store[_Op]):
             detail = str(exc).strip() or type(exc).__name__
             return StoreUnavailableError(f"Redis store {self._safe_url} refused: {detail}")
         return self._unavailable(exc)
-
-    # -- clients -----------------------------------------------------------------
-
-    def _client_options(self, retry: Any) -> dict[str, Any]:
-        options = {**self._options, "retry": retry}
-        if MaintNotificationsConfig is not None:
-            # With maintenance notifications on ("auto", the default) redis-py's asyncio
-            # pool skips its stale-connection check, so the first call after a server
-            # restart would fail; they only matter for RESP3 on Redis Enterprise.
-            options["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
-        return options
-
-    def _sync_client(self) -> Any:
-        # Its own lock: a cluster client connects while it is built, and the event
-        # loop must not wait on that for ``self._lock`` (which the async clients take).
-        with self._sync_lock:
-            if self._sync is None:
-                options = self._client_options(Retry(NoBackoff(), 0))
-                if self.cluster:
-                    # A cluster client connects here (topology discovery); a plain one lazily.
-                    self._sync = redis.cluster.RedisCluster.from_url(self._client_url, **options)
-                else:
-                    # As for the asyncio clients below: redis-py's default pool (bounded
-                    # at 100 since redis-py 8) refuses a call past its limit, which the
-                    # store would report as unavailable; a burst of threads waits instead.
-                    pool = redis.BlockingConnectionPool.from_url(
-                        self._client_url,
-                        max_connections=self.max_connections,
-                        timeout=self._options["socket_timeout"],
-                        **options,
-                    )
-                    self._sync = redis.Redis.from_pool(pool)  # (closes the pool too)
-            return self._sync
-
-    async def _aconnect(self, loop: asyncio.AbstractEventLoop) -> Any:
-        """The loop's client, made on first use. A cluster client maps the slots once,
-        before any task uses it: redis-py's asyncio cluster client, first used by many
-        tasks at once, maps them in each and closes connections the others are using
-        (seen as "Connection closed by server" from a healthy cluster)."""
-        if not self.cluster:
-            return self._async_client(loop)
-        task = self._starting.get(loop)
-        if task is None or task.done():
-            task = self._starting[loop] = loop.create_task(self._astart(loop))
-            # A start whose every caller was cancelled still has its error read.
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        return await asyncio.shield(task)  # a cancelled caller leaves the others' start
-
-    async def _astart(self, loop: asyncio.AbstractEventLoop) -> Any:
-        client = self._async_client(loop, register=False)
-        try:
-            await client.initialize()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await client.aclose()
-            raise
-        finally:
-            if self._starting.get(loop) is asyncio.current_task():
-                del self._starting[loop]
-        self._async[loop] = client
-        return client
-
-    def _async_client(self, loop: asyncio.AbstractEventLoop, *, register: bool = True) -> Any:
-        with self._lock:
-            client = self._async.get(loop)
-            if client is None:
-                # A client pins its loop (so the weak key never dies by itself):
-                # forget the clients of loops that were closed.
-                for old in [lp for lp in self._async if lp.is_closed()]:
-                    del self._async[old]
-                options = self._client_options(redis.asyncio.retry.Retry(NoBackoff(), 0))
-                if self.cluster:
-                    options["max_connections"] = self.max_connections
-                    client = redis.asyncio.cluster.RedisCluster.from_url(
-                        self._client_url, **options
-                    )
-                else:
-                    # redis-py's default asyncio pool refuses a call past its limit
-                    # ("Too many connections"): under a burst of concurrent tasks, a
-                    # call waits for a free connection instead (up to socket_timeout).
-                    pool = redis.asyncio.BlockingConnectionPool.from_url(
-                        self._client_url,
-                        max_connections=self.max_connections,
-                        timeout=self._options["socket_timeout"],
-                        **options,
-                    )
-                    client = redis.asyncio.Redis.from_pool(pool)  # (closes the pool too)
-                if register:
-                    self._async[loop] = client
-            return client
 
     def close(self) -> None:
         """Close the sync client and the archive; forget clients of closed event loops."""
