@@ -12,37 +12,42 @@ from retrysafe.stores._base import ArchivedRecord
 __all__ = [
     "ARCHIVE_COLUMNS",
     "COLUMNS",
+    "COLUMN_SPECS",
     "archived_from_row",
     "outcome_params",
     "record_from_row",
     "record_params",
 ]
 
-#: Column order of every SELECT and INSERT of a whole record.
-COLUMNS: tuple[str, ...] = (
-    "key_hash",
-    "key",
-    "scope",
-    "operation",
-    "fingerprint",
-    "status",
-    "token",
-    "lease_until",
-    "expires_at",
-    "created_at",
-    "updated_at",
-    "completed_at",
-    "attempts",
-    "request_id",
-    "final",
-    "response_status",
-    "response_headers",
-    "response_media_type",
-    "response_body",
-    "request_payload",
-    "metadata",
-    "retention",  # schema v2
+#: Every record column, in the order of every SELECT and INSERT of a whole record:
+#: (name, kind, nullable). A kind is ``text``, ``real`` (a time), ``integer``,
+#: ``bool`` or ``bytes``; each SQL store declares it in its own types.
+COLUMN_SPECS: tuple[tuple[str, str, bool], ...] = (
+    ("key_hash", "text", False),
+    ("key", "text", False),
+    ("scope", "text", False),
+    ("operation", "text", False),
+    ("fingerprint", "text", False),
+    ("status", "text", False),
+    ("token", "text", False),
+    ("lease_until", "real", False),
+    ("expires_at", "real", False),
+    ("created_at", "real", False),
+    ("updated_at", "real", False),
+    ("completed_at", "real", True),
+    ("attempts", "integer", False),
+    ("request_id", "text", True),
+    ("final", "bool", False),
+    ("response_status", "integer", True),
+    ("response_headers", "text", True),
+    ("response_media_type", "text", True),
+    ("response_body", "bytes", True),
+    ("request_payload", "bytes", True),
+    ("metadata", "text", False),
+    ("retention", "text", False),  # schema v2
 )
+#: Column order of every SELECT and INSERT of a whole record.
+COLUMNS: tuple[str, ...] = tuple(name for name, _, _ in COLUMN_SPECS)
 #: Column order of the archive: a whole record, then when it was archived.
 ARCHIVE_COLUMNS: tuple[str, ...] = (*COLUMNS, "archived_at")
 

@@ -20,6 +20,7 @@ from retrysafe.errors import StoreUnavailableError
 from retrysafe.stores._base import ArchivedRecord, Store, StoreStats, SweepBatch
 from retrysafe.stores._sql import (
     ARCHIVE_COLUMNS,
+    COLUMN_SPECS,
     COLUMNS,
     archived_from_row,
     outcome_params,
@@ -32,60 +33,48 @@ __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 SCHEMA_VERSION = 2
 _Op = Callable[[sqlite3.Connection], Any]
 
-_SCHEMA = """
+#: SQLite's type for each column kind of :data:`COLUMN_SPECS`.
+_TYPES = {"text": "TEXT", "real": "REAL", "integer": "INTEGER", "bool": "INTEGER", "bytes": "BLOB"}
+#: Column defaults, as schema v1 declared them.
+_DEFAULTS = {"final": "0", "metadata": "'{}'"}
+
+
+def _declare(name: str, kind: str, nullable: bool) -> str:
+    """One column's declaration (without a primary key)."""
+    default = _DEFAULTS.get(name)
+    return (
+        f"{name} {_TYPES[kind]}"
+        + ("" if nullable else " NOT NULL")
+        + ("" if default is None else f" DEFAULT {default}")
+    )
+
+
+def _columns(specs: Sequence[tuple[str, str, bool]], *, key: bool) -> str:
+    """The declarations of ``specs``; ``key``: ``key_hash`` is the primary key."""
+    lines = [
+        f"{name} {_TYPES[kind]} PRIMARY KEY"
+        if key and name == "key_hash"
+        else _declare(name, kind, nullable)
+        for name, kind, nullable in specs
+    ]
+    return ",\n    ".join(lines)
+
+
+_V1_SPECS = COLUMN_SPECS[: COLUMNS.index("retention")]
+_RETENTION = COLUMN_SPECS[COLUMNS.index("retention")]
+_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS retrysafe_records (
-    key_hash TEXT PRIMARY KEY,
-    key TEXT NOT NULL,
-    scope TEXT NOT NULL,
-    operation TEXT NOT NULL,
-    fingerprint TEXT NOT NULL,
-    status TEXT NOT NULL,
-    token TEXT NOT NULL,
-    lease_until REAL NOT NULL,
-    expires_at REAL NOT NULL,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    completed_at REAL,
-    attempts INTEGER NOT NULL,
-    request_id TEXT,
-    final INTEGER NOT NULL DEFAULT 0,
-    response_status INTEGER,
-    response_headers TEXT,
-    response_media_type TEXT,
-    response_body BLOB,
-    request_payload BLOB,
-    metadata TEXT NOT NULL DEFAULT '{}'
+    {_columns(_V1_SPECS, key=True)}
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS retrysafe_records_expires_at ON retrysafe_records (expires_at);
 """
 # v2: the retention class of every record (rows of v1 are standard), and the
 # archive: financial records the sweeper removed, each at most once (a fencing
 # token is unique per claim), newest first by ``archived_at``.
-_V2 = """
-ALTER TABLE retrysafe_records ADD COLUMN retention TEXT NOT NULL DEFAULT 'standard';
+_V2 = f"""
+ALTER TABLE retrysafe_records ADD COLUMN {_declare(*_RETENTION)} DEFAULT 'standard';
 CREATE TABLE IF NOT EXISTS retrysafe_archive (
-    key_hash TEXT NOT NULL,
-    key TEXT NOT NULL,
-    scope TEXT NOT NULL,
-    operation TEXT NOT NULL,
-    fingerprint TEXT NOT NULL,
-    status TEXT NOT NULL,
-    token TEXT NOT NULL,
-    lease_until REAL NOT NULL,
-    expires_at REAL NOT NULL,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    completed_at REAL,
-    attempts INTEGER NOT NULL,
-    request_id TEXT,
-    final INTEGER NOT NULL DEFAULT 0,
-    response_status INTEGER,
-    response_headers TEXT,
-    response_media_type TEXT,
-    response_body BLOB,
-    request_payload BLOB,
-    metadata TEXT NOT NULL DEFAULT '{}',
-    retention TEXT NOT NULL,
+    {_columns(COLUMN_SPECS, key=False)},
     archived_at REAL NOT NULL,
     PRIMARY KEY (key_hash, token)
 ) WITHOUT ROWID;
