@@ -7,13 +7,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from retrysafe._model.record import Outcome, Record, Status
-from retrysafe.stores._base import ArchivedRecord
+from retrysafe.stores._base import ArchivedRecord, RecordQuery
 
 __all__ = [
     "ARCHIVE_COLUMNS",
     "COLUMNS",
     "COLUMN_SPECS",
     "archived_from_row",
+    "list_clause",
     "outcome_params",
     "record_from_row",
     "record_params",
@@ -125,3 +126,25 @@ def record_from_row(row: Sequence[Any]) -> Record:
 def archived_from_row(row: Sequence[Any]) -> ArchivedRecord:
     """An :class:`ArchivedRecord` from a row in :data:`ARCHIVE_COLUMNS` order."""
     return ArchivedRecord(record_from_row(row), float(row[22]))
+
+
+def list_clause(query: RecordQuery, *, mark: str, alias: str = "") -> tuple[str, list[Any]]:
+    """The end of a listing's ``SELECT … FROM records``: its ``WHERE`` (when ``query``
+    filters), ``ORDER BY`` and ``LIMIT``, with ``mark`` as the placeholder, and the
+    parameters."""
+    col = f"{alias}." if alias else ""
+    status = query.status
+    where: list[str] = []
+    params: list[Any] = []
+    for condition, value in (
+        ("status =", None if status is None else Status(status).value),
+        ("operation =", query.operation),
+        ("created_at <", query.created_before),
+        ("key =", query.key),
+    ):
+        if value is not None:
+            where.append(f"{col}{condition} {mark}")
+            params.append(value)
+    text = f" WHERE {' AND '.join(where)}" if where else ""
+    params.append(query.limit)
+    return f"{text} ORDER BY {col}created_at, {col}key_hash LIMIT {mark}", params

@@ -15,14 +15,15 @@ from functools import partial
 from typing import Any
 
 from retrysafe._model.decide import claimable
-from retrysafe._model.record import ClaimResult, Outcome, Record, Status
+from retrysafe._model.record import ClaimResult, Outcome, Record
 from retrysafe.errors import StoreUnavailableError
-from retrysafe.stores._base import ArchivedRecord, Store, StoreStats, SweepBatch
+from retrysafe.stores._base import ArchivedRecord, RecordQuery, Store, StoreStats, SweepBatch
 from retrysafe.stores._sql import (
     ARCHIVE_COLUMNS,
     COLUMN_SPECS,
     COLUMNS,
     archived_from_row,
+    list_clause,
     outcome_params,
     record_from_row,
     record_params,
@@ -596,35 +597,10 @@ class SQLiteStore(Store[_Op]):
         """
         conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
 
-    def records(
-        self,
-        *,
-        status: Status | str | None = None,
-        operation: str | None = None,
-        created_before: float | None = None,
-        limit: int = 100,
-        key: str | None = None,
-    ) -> list[Record]:
-        where: list[str] = []
-        params: list[Any] = []
-        if status is not None:
-            where.append("status = ?")
-            params.append(Status(status).value)
-        if operation is not None:
-            where.append("operation = ?")
-            params.append(operation)
-        if created_before is not None:
-            where.append("created_at < ?")
-            params.append(created_before)
-        if key is not None:
-            where.append("key = ?")
-            params.append(key)
-        query = f"SELECT {_COLS} FROM retrysafe_records"
-        if where:
-            query += " WHERE " + " AND ".join(where)
-        query += " ORDER BY created_at, key_hash LIMIT ?"
-        params.append(limit)
-        rows = self._run(lambda conn: conn.execute(query, params).fetchall())
+    def _list_records(self, query: RecordQuery) -> list[Record]:
+        clause, params = list_clause(query, mark="?")
+        text = f"SELECT {_COLS} FROM retrysafe_records{clause}"
+        rows = self._run(lambda conn: conn.execute(text, params).fetchall())
         return [record_from_row(row) for row in rows]
 
     def stats(self, now: float) -> StoreStats:

@@ -11,9 +11,9 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg import sql
 
-from retrysafe._model.record import Record, Status
-from retrysafe.stores._base import ArchivedRecord, StoreStats, SweepBatch
-from retrysafe.stores._sql import archived_from_row, record_from_row, record_params
+from retrysafe._model.record import Record
+from retrysafe.stores._base import ArchivedRecord, RecordQuery, StoreStats, SweepBatch
+from retrysafe.stores._sql import archived_from_row, list_clause, record_from_row, record_params
 from retrysafe.stores.postgres.connection import _Connection, _Op
 from retrysafe.stores.postgres.schema import _DDL_LOCK_TIMEOUT
 
@@ -177,35 +177,10 @@ class PostgresMaintenance:
             cur.execute(sql.SQL("DROP TABLE {}").format(part))
         return int(rows), int(copied)
 
-    def records(
-        self,
-        *,
-        status: Status | str | None = None,
-        operation: str | None = None,
-        created_before: float | None = None,
-        limit: int = 100,
-        key: str | None = None,
-    ) -> list[Record]:
-        where: list[sql.Composable] = []
-        params: list[Any] = []
-        if status is not None:
-            where.append(sql.SQL("t.status = %s"))
-            params.append(Status(status).value)
-        if operation is not None:
-            where.append(sql.SQL("t.operation = %s"))
-            params.append(operation)
-        if created_before is not None:
-            where.append(sql.SQL("t.created_at < %s"))
-            params.append(float(created_before))
-        if key is not None:
-            where.append(sql.SQL("t.key = %s"))
-            params.append(key)
-        query = self._q_list
-        if where:
-            query += sql.SQL(" WHERE ") + sql.SQL(" AND ").join(where)
-        query += sql.SQL(" ORDER BY t.created_at, t.key_hash LIMIT %s")
-        params.append(limit)
-        return [record_from_row(row) for row in self._ops_rows(query, params)]
+    def _list_records(self, query: RecordQuery) -> list[Record]:
+        clause, params = list_clause(query, mark="%s", alias="t")
+        rows = self._ops_rows(self._q_list + sql.SQL(clause), params)
+        return [record_from_row(row) for row in rows]
 
     def stats(self, now: float) -> StoreStats:
         counts_q, expired_q, get_q, archived_q = self._q_stats

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import os
 import threading
 import weakref
@@ -21,7 +20,7 @@ from retrysafe._model.decide import claimable
 from retrysafe._model.record import FINANCIAL, ClaimResult, Outcome, Record, Status
 from retrysafe.errors import StoreUnavailableError
 from retrysafe.stores import open_store
-from retrysafe.stores._base import ArchivedRecord, Store, StoreStats, SweepBatch
+from retrysafe.stores._base import ArchivedRecord, RecordQuery, Store, StoreStats, SweepBatch
 from retrysafe.stores._redact import redact
 from retrysafe.stores.redis.clients import (
     DEFAULT_PREFIX,
@@ -596,30 +595,11 @@ class RedisStore(RedisClients, Store[_Op]):
                     if record is not None:
                         yield record
 
-    def records(
-        self,
-        *,
-        status: Status | str | None = None,
-        operation: str | None = None,
-        created_before: float | None = None,
-        limit: int = 100,
-        key: str | None = None,
-    ) -> list[Record]:
-        """Records (expired ones included), oldest ``created_at`` first: a full SCAN."""
-        want = None if status is None else Status(status)
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"limit must be a non-negative integer, not {limit!r}")
+    def _list_records(self, query: RecordQuery) -> list[Record]:
+        """The records ``query`` selects, from a full SCAN."""
         try:
             client = self._sync or self._sync_client()
-            chosen = (
-                r
-                for r in self._scan_records(client)
-                if (want is None or r.status is want)
-                and (operation is None or r.operation == operation)
-                and (created_before is None or r.created_at < created_before)
-                and (key is None or r.key == key)
-            )
-            return heapq.nsmallest(limit, chosen, key=lambda r: (r.created_at, r.key_hash))
+            return query.select(self._scan_records(client))
         except (_rx.RedisError, OSError) as exc:
             raise self._ops_error(exc) from exc
 
