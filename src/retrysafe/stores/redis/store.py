@@ -11,7 +11,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from redis import exceptions as _rx
@@ -58,11 +58,28 @@ __all__ = ["RedisStore"]
 # -- ops -----------------------------------------------------------------------------
 
 
-#: One round trip: (command args, reply parser, key hash, claim record, redis-py options).
-#: ``parse(reply, op)`` returns the answer, or another op to run next (a claim that
-#: found a claimable record). A plain tuple: the cheapest thing to build per call.
-_Op: TypeAlias = tuple[Sequence[Any], Callable[..., Any], str, Record | None, dict[str, Any]]
 _NO_OPTIONS: dict[str, Any] = {}  # never mutated
+
+
+class _Op(NamedTuple):
+    """One round trip: a command, and how to read its reply.
+
+    ``parse(reply, op)`` returns the answer, or another op to run next (a claim
+    that found a claimable record, or the script claim that replaces a refused
+    ``SET NX GET``).
+    """
+
+    #: The command and its arguments, as ``execute_command`` takes them.
+    args: Sequence[Any]
+    parse: Callable[[Any, _Op], Any]
+    #: The record's key hash (or a cell's key): for decoding the reply and for errors.
+    key: str
+    #: The record a ``SET NX GET`` claim writes: its takeover or fallback needs it.
+    record: Record | None = None
+    #: redis-py options of ``execute_command`` (``get=True`` for ``SET … GET``).
+    options: dict[str, Any] = _NO_OPTIONS
+
+
 _SET_GET: dict[str, Any] = {"get": True}  # SET ... GET replies with the old value
 
 
@@ -70,25 +87,20 @@ def _parse_set_claim(reply: Any, op: _Op) -> ClaimResult | _Op:
     """The reply of ``SET NX GET``: claimed, a live record, or the claim script to run."""
     if reply is None:
         return ClaimResult(True)
-    args, _, key_hash, r, _ = op  # args: SET key value NX GET [PX ms]
-    found = record_from_value(reply, key_hash)
+    args, r = op.args, op.record  # args: SET key value NX GET [PX ms]
+    found = record_from_value(reply, op.key)
     assert r is not None
     if not claimable(found, r.fingerprint, r.updated_at):
         return ClaimResult(False, found)
     ttl = args[6] if len(args) > 5 else 0
-    return (
-        ("EVALSHA", _CLAIM_SHA, 1, args[1], args[2], r.fingerprint, ttl),
-        _parse_claim,
-        key_hash,
-        None,
-        _NO_OPTIONS,
-    )
+    claim = ("EVALSHA", _CLAIM_SHA, 1, args[1], args[2], r.fingerprint, ttl)
+    return _Op(claim, _parse_claim, op.key)
 
 
 def _parse_claim(reply: Any, op: _Op) -> ClaimResult:
     if type(reply) is int:
         return ClaimResult(True, None, reply >> 2, _TOOK[reply & 3])
-    return ClaimResult(False, record_from_value(reply, op[2]))
+    return ClaimResult(False, record_from_value(reply, op.key))
 
 
 def _op_key(args: Sequence[Any]) -> str:
@@ -98,7 +110,7 @@ def _op_key(args: Sequence[Any]) -> str:
 
 
 def _parse_get(reply: Any, op: _Op) -> Record | None:
-    return record_from_value(reply, op[2])
+    return record_from_value(reply, op.key)
 
 
 def _parse_bool(reply: Any, op: _Op) -> bool:
@@ -107,8 +119,7 @@ def _parse_bool(reply: Any, op: _Op) -> bool:
 
 def _parse_cell(reply: Any, op: _Op) -> list[Any] | None:
     """A cell's ``version LF expires_at LF json`` (see _CELL_WRITE), expired or not, as
-    ``[version, json, expires_at]``: a list, since an executor takes a tuple for the
-    next op to run."""
+    ``[version, json, expires_at]``."""
     if reply is None:
         return None
     version, expires_at, text = reply.decode().split("\n", 2)
@@ -239,12 +250,12 @@ class RedisStore(RedisClients, Store[_Op]):
         ttl = 0 if record.retention == FINANCIAL else _ttl_ms(record.expires_at, record.updated_at)
         if not self._set_claims:  # the server has no SET NX GET
             args: Sequence[Any] = ("EVALSHA", _CLAIM_SHA, 1, key, value, record.fingerprint, ttl)
-            return (args, _parse_claim, kh, None, _NO_OPTIONS)
+            return _Op(args, _parse_claim, kh)
         if ttl:
             args = ("SET", key, value, "NX", "GET", "PX", ttl)
         else:
             args = ("SET", key, value, "NX", "GET")
-        return (args, _parse_set_claim, kh, record, _SET_GET)
+        return _Op(args, _parse_set_claim, kh, record, _SET_GET)
 
     def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
         args = (
@@ -256,7 +267,7 @@ class RedisStore(RedisClients, Store[_Op]):
             _DONE.pack(b"c", True, now, now),
             _outcome_blob(outcome),
         )
-        return (args, _parse_bool, key_hash, None, _NO_OPTIONS)
+        return _Op(args, _parse_bool, key_hash)
 
     def _fail(
         self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
@@ -272,7 +283,7 @@ class RedisStore(RedisClients, Store[_Op]):
         ]
         if outcome is not None:
             args.append(_outcome_blob(outcome))
-        return (args, _parse_bool, key_hash, None, _NO_OPTIONS)
+        return _Op(args, _parse_bool, key_hash)
 
     def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
         args = (
@@ -285,20 +296,20 @@ class RedisStore(RedisClients, Store[_Op]):
             _DOUBLE.pack(now),
             _ttl_ms(lease_until, now) or 1,
         )
-        return (args, _parse_bool, key_hash, None, _NO_OPTIONS)
+        return _Op(args, _parse_bool, key_hash)
 
     def _get(self, key_hash: str) -> _Op:
-        return (("GET", self.record_key(key_hash)), _parse_get, key_hash, None, _NO_OPTIONS)
+        return _Op(("GET", self.record_key(key_hash)), _parse_get, key_hash)
 
     def _delete(self, key_hash: str) -> _Op:
-        return (("DEL", self.record_key(key_hash)), _parse_bool, key_hash, None, _NO_OPTIONS)
+        return _Op(("DEL", self.record_key(key_hash)), _parse_bool, key_hash)
 
     def cell_key(self, key: str) -> str:
         """The Redis key of a versioned cell of retrysafe.guards."""
         return f"{self.prefix}cell:{key}"
 
     def _cell_read(self, key: str) -> _Op:
-        return (("GET", self.cell_key(key)), _parse_cell, key, None, _NO_OPTIONS)
+        return _Op(("GET", self.cell_key(key)), _parse_cell, key)
 
     def _cell_write(
         self, key: str, expected: int | None, text: str, expires_at: float | None, now: float
@@ -315,7 +326,7 @@ class RedisStore(RedisClients, Store[_Op]):
             repr(now),
             ttl,
         )
-        return (args, _parse_bool, key, None, _NO_OPTIONS)
+        return _Op(args, _parse_bool, key)
 
     # -- executors ---------------------------------------------------------------
 
@@ -331,15 +342,15 @@ class RedisStore(RedisClients, Store[_Op]):
             try:
                 client = self._sync or self._sync_client()
                 try:
-                    reply = client.execute_command(*op[0], **op[4])
+                    reply = client.execute_command(*op.args, **op.options)
                 except _rx.NoScriptError:  # a new or flushed server: load, then run once
-                    client.script_load(_SCRIPTS[op[0][1]])
-                    reply = client.execute_command(*op[0], **op[4])
+                    client.script_load(_SCRIPTS[op.args[1]])
+                    reply = client.execute_command(*op.args, **op.options)
             except Exception as exc:
                 op = self._retry_or_raise(op, exc)
                 continue
             result = self._settle(op, reply)
-            if type(result) is not tuple:
+            if type(result) is not _Op:
                 return result
             op = result
 
@@ -349,15 +360,15 @@ class RedisStore(RedisClients, Store[_Op]):
             try:
                 client = self._async.get(loop) or await self._aconnect(loop)
                 try:
-                    reply = await client.execute_command(*op[0], **op[4])
+                    reply = await client.execute_command(*op.args, **op.options)
                 except _rx.NoScriptError:
-                    await client.script_load(_SCRIPTS[op[0][1]])
-                    reply = await client.execute_command(*op[0], **op[4])
+                    await client.script_load(_SCRIPTS[op.args[1]])
+                    reply = await client.execute_command(*op.args, **op.options)
             except Exception as exc:
                 op = self._retry_or_raise(op, exc)
                 continue
             result = self._settle(op, reply)
-            if type(result) is not tuple:
+            if type(result) is not _Op:
                 return result
             op = result
 
@@ -372,15 +383,15 @@ class RedisStore(RedisClients, Store[_Op]):
     def _settle(self, op: _Op, reply: Any) -> Any:
         """The op's parsed reply (or the next op); a malformed record is unavailable."""
         try:
-            return op[1](reply, op)
+            return op.parse(reply, op)
         except _MALFORMED as exc:
             raise self._malformed(op, exc) from exc
 
     def _refused(self, op: _Op, exc: _rx.ResponseError) -> _Op:
         """The op to run instead of one the server refused, or the error to raise."""
         text = str(exc)
-        args, parse, _, record, _ = op
-        if parse is _parse_set_claim and "syntax error" in text:
+        args, record = op.args, op.record
+        if op.parse is _parse_set_claim and "syntax error" in text:
             # Redis < 7.0 has no SET NX GET: claim with the script from now on.
             self._set_claims = False
             assert record is not None
@@ -403,7 +414,7 @@ class RedisStore(RedisClients, Store[_Op]):
         """The error for a reply that is not a well-formed record (left as it is)."""
         detail = str(exc) or type(exc).__name__
         return StoreUnavailableError(
-            f"Redis store {self._safe_url}: {_op_key(op[0])} holds a value that is not "
+            f"Redis store {self._safe_url}: {_op_key(op.args)} holds a value that is not "
             f"a readable retrysafe record ({type(exc).__name__}: {detail}); it was not "
             "overwritten: delete it if it is stale",
             transient=False,
