@@ -101,31 +101,31 @@ def record_from_row(row: Sequence[Any]) -> Record:
         )
     payload, metadata, completed_at = row[19], row[20], row[11]
     return Record(
-        row[0],
-        row[1],
-        row[2],
-        row[3],
-        row[4],
-        _STATUS[row[5]],
-        row[6],
-        float(row[7]),
-        float(row[8]),
-        float(row[9]),
-        float(row[10]),
-        None if completed_at is None else float(completed_at),
-        int(row[12]),
-        row[13],
-        bool(row[14]),
-        outcome,
-        None if payload is None else bytes(payload),
-        json.loads(metadata) if metadata and metadata != "{}" else {},
-        row[21],
+        key_hash=row[0],
+        key=row[1],
+        scope=row[2],
+        operation=row[3],
+        fingerprint=row[4],
+        status=_STATUS[row[5]],
+        token=row[6],
+        lease_until=float(row[7]),
+        expires_at=float(row[8]),
+        created_at=float(row[9]),
+        updated_at=float(row[10]),
+        completed_at=None if completed_at is None else float(completed_at),
+        attempts=int(row[12]),
+        request_id=row[13],
+        final=bool(row[14]),
+        outcome=outcome,
+        request_payload=None if payload is None else bytes(payload),
+        metadata=json.loads(metadata) if metadata and metadata != "{}" else {},
+        retention=row[21],
     )
 
 
 def archived_from_row(row: Sequence[Any]) -> ArchivedRecord:
     """An :class:`ArchivedRecord` from a row in :data:`ARCHIVE_COLUMNS` order."""
-    return ArchivedRecord(record_from_row(row), float(row[22]))
+    return ArchivedRecord(record=record_from_row(row), archived_at=float(row[22]))
 
 
 def list_clause(query: RecordQuery, *, mark: str, alias: str = "") -> tuple[str, list[Any]]:

@@ -278,7 +278,7 @@ class MemoryStore(Store[_Op]):
         key = (record.key_hash, record.token)
         if key in self._archive:
             return False
-        self._archive[key] = ArchivedRecord(record.copy(), archived_at)
+        self._archive[key] = ArchivedRecord(record=record.copy(), archived_at=archived_at)
         return True
 
     def sweep(self, now: float, limit: int = 1000) -> SweepBatch:
@@ -335,4 +335,4 @@ class MemoryStore(Store[_Op]):
             (a for a in entries if operation is None or a.record.operation == operation),
             key=lambda a: a.archived_at,
         )
-        return [ArchivedRecord(a.record.copy(), a.archived_at) for a in found]
+        return [ArchivedRecord(record=a.record.copy(), archived_at=a.archived_at) for a in found]
