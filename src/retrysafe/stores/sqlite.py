@@ -61,8 +61,13 @@ def _columns(specs: Sequence[tuple[str, str, bool]], *, key: bool) -> str:
     return ",\n    ".join(lines)
 
 
+# Schema v1 had the columns before ``retention``; v2 added it and the archive. A later
+# column needs its own migration, which adds it to both tables.
 _V1_SPECS = COLUMN_SPECS[: COLUMNS.index("retention")]
 _RETENTION = COLUMN_SPECS[COLUMNS.index("retention")]
+_V2_SPECS = COLUMN_SPECS[: COLUMNS.index("retention") + 1]
+if len(_V2_SPECS) != len(COLUMN_SPECS):  # pragma: no cover - needs a migration
+    raise ImportError("retrysafe.stores.sqlite: a column of _sql.COLUMNS has no migration")
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS retrysafe_records (
     {_columns(_V1_SPECS, key=True)}
@@ -75,7 +80,7 @@ CREATE INDEX IF NOT EXISTS retrysafe_records_expires_at ON retrysafe_records (ex
 _V2 = f"""
 ALTER TABLE retrysafe_records ADD COLUMN {_declare(*_RETENTION)} DEFAULT 'standard';
 CREATE TABLE IF NOT EXISTS retrysafe_archive (
-    {_columns(COLUMN_SPECS, key=False)},
+    {_columns(_V2_SPECS, key=False)},
     archived_at REAL NOT NULL,
     PRIMARY KEY (key_hash, token)
 ) WITHOUT ROWID;
