@@ -9,13 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from retrysafe import InvalidKeyError, Outcome, Record, Replay, Status
-from retrysafe._http.policy import (
-    OMITTED,
-    BodyError,
-    HttpPolicy,
-    parse_key,
-    request_fingerprint,
-)
+from retrysafe._http.policy import OMITTED, HttpPolicy
+from retrysafe._http.request import BodyError, parse_key, request_fingerprint
 from retrysafe.http import MAX_KEY_HEADER
 
 KEYS = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=255)
@@ -237,7 +232,7 @@ JSON_VALUES = st.recursive(
 @given(JSON_VALUES)
 def test_the_fast_json_canonical_form_is_canonical_json(value: object) -> None:
     from retrysafe import canonical_json
-    from retrysafe._http.policy import _canonical
+    from retrysafe._http.request import _canonical
 
     text = json.dumps(value, indent=1, ensure_ascii=True)
     assert _canonical(text) == canonical_json(json.loads(text))

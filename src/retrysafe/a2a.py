@@ -45,7 +45,8 @@ from retrysafe._http.asgi import (
 from retrysafe._http.asgi import (
     Send as ASGISend,
 )
-from retrysafe._http.policy import DEFAULT_MAX_REQUEST_BODY, HttpRequest, unrecorded
+from retrysafe._http.policy import DEFAULT_MAX_REQUEST_BODY, unrecorded
+from retrysafe._http.request import HttpRequest
 from retrysafe._model.record import Outcome
 from retrysafe._protocols.a2a import (
     SEND_METHODS,

@@ -55,7 +55,9 @@ from retrysafe._http.flow import (
     prepare,
     run_prepare,
 )
-from retrysafe._http.policy import BodyError, Headers, HttpPolicy, HttpRequest, Response
+from retrysafe._http.policy import HttpPolicy
+from retrysafe._http.problems import Response
+from retrysafe._http.request import BodyError, Headers, HttpRequest
 
 __all__ = ["IdempotencyMiddleware"]
 

@@ -21,7 +21,8 @@ from collections.abc import Collection
 from typing import Any
 
 from retrysafe._http.asgi import IdempotencyMiddleware
-from retrysafe._http.policy import DEFAULT_HEADERS, PROBLEM_TYPE
+from retrysafe._http.policy import DEFAULT_HEADERS
+from retrysafe._http.problems import PROBLEM_TYPE
 
 __all__ = ["document", "install"]
 

@@ -57,7 +57,7 @@ from retrysafe._http.asgi import (
     lifespan,
     send_answer,
 )
-from retrysafe._http.policy import Response, problem
+from retrysafe._http.problems import Response, problem
 from retrysafe._ops.admin import FROM_ENV, AdminSite
 from retrysafe._ops.dashboard import serve_admin
 from retrysafe._ops.sweep import DEFAULT_SWEEP_EVERY, BackgroundSweeper

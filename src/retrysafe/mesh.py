@@ -38,7 +38,8 @@ from retrysafe._http.asgi import (
     send_json,
     to_the_end,
 )
-from retrysafe._http.policy import HttpRequest, declared_length, unrecorded
+from retrysafe._http.policy import unrecorded
+from retrysafe._http.request import HttpRequest, declared_length
 from retrysafe._protocols.mesh import URN, MeshCall, MeshError, Step, loads, parse, transport_error
 from retrysafe.errors import IdempotencyError
 from retrysafe.stores import Store

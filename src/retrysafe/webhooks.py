@@ -83,7 +83,9 @@ from retrysafe._http.asgi import (
     send_response,
     to_the_end,
 )
-from retrysafe._http.policy import REPLAYED, BodyError, problem, retry_after_header, unrecorded
+from retrysafe._http.policy import REPLAYED, unrecorded
+from retrysafe._http.problems import problem, retry_after_header
+from retrysafe._http.request import BodyError
 from retrysafe._http.wsgi import environ_headers, status_line
 from retrysafe._http.wsgi import read_body as read_wsgi_body
 from retrysafe._map.map import IdempotencyMap
@@ -458,7 +460,7 @@ def _answer(status: int, body: dict[str, Any], *headers: tuple[str, str]) -> Web
 def _problem(
     status: int, code: str, detail: str, headers: Iterable[tuple[str, str]] = (), **extra: Any
 ) -> WebhookResponse:
-    """An RFC 9457 problem (as :func:`retrysafe._http.policy.problem`) as a WebhookResponse."""
+    """An RFC 9457 problem (as :func:`retrysafe._http.problems.problem`) as a WebhookResponse."""
     if code in _PROBLEM_TITLES:
         extra["title"] = _PROBLEM_TITLES[code]
     made = problem(status, code, detail, headers=headers, **extra)

@@ -25,12 +25,9 @@ from typing import Any
 
 from retrysafe._core.engine import Engine
 from retrysafe._http.flow import Flow, Stream, enter, prepare, run_prepare
-from retrysafe._http.policy import (
-    Headers,
-    HttpPolicy,
-    HttpRequest,
-    Response,
-)
+from retrysafe._http.policy import HttpPolicy
+from retrysafe._http.problems import Response
+from retrysafe._http.request import Headers, HttpRequest
 from retrysafe._http.wsgi import (
     Environ,
     ExcInfo,

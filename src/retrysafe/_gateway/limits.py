@@ -36,7 +36,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from retrysafe._http.policy import Response, problem
+from retrysafe._http.problems import Response, problem
 
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol

@@ -15,7 +15,9 @@ from retrysafe._core.engine import Attempt
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.principal import Principal, Principals, asgi_user, unscoped
 from retrysafe._core.secret import asecret_of
-from retrysafe._http.policy import Canonicalize, Capture, Headers, HttpPolicy, HttpRequest, Response
+from retrysafe._http.policy import Capture, HttpPolicy
+from retrysafe._http.problems import Response
+from retrysafe._http.request import Canonicalize, Headers, HttpRequest
 from retrysafe.errors import IdempotencyError
 
 if TYPE_CHECKING:

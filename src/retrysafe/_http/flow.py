@@ -43,7 +43,9 @@ from typing import Any
 from retrysafe._core.engine import Attempt, run_to_end
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.principal import unscoped
-from retrysafe._http.policy import Canonicalize, Capture, HttpPolicy, HttpRequest, Response
+from retrysafe._http.policy import Capture, HttpPolicy
+from retrysafe._http.problems import Response
+from retrysafe._http.request import Canonicalize, HttpRequest
 from retrysafe._model.record import Outcome
 from retrysafe.errors import IdempotencyError
 

@@ -8,7 +8,7 @@ from http import HTTPStatus
 from types import TracebackType
 from typing import Any, Protocol
 
-from retrysafe._http.policy import BodyError, declared_length
+from retrysafe._http.request import BodyError, declared_length
 
 __all__ = [
     "Environ",
