@@ -26,6 +26,7 @@ from typing import Any
 from retrysafe._core.engine import Attempt, Engine, Plan, engine_for
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.principal import Anonymous, Principals, principal_option
+from retrysafe._core.recording import arecord, record
 from retrysafe._core.secret import check_secret
 from retrysafe._http.asgi import (
     ASGIApp,
@@ -45,7 +46,7 @@ from retrysafe._http.asgi import (
 from retrysafe._http.asgi import (
     Send as ASGISend,
 )
-from retrysafe._http.policy import DEFAULT_MAX_REQUEST_BODY, unrecorded
+from retrysafe._http.policy import DEFAULT_MAX_REQUEST_BODY
 from retrysafe._http.request import HttpRequest
 from retrysafe._model.record import Outcome
 from retrysafe._protocols.a2a import (
@@ -176,23 +177,17 @@ class A2AIdempotency:
                     return replayed(send, att.replay.outcome)
                 with renewing(att):
                     response = handler(request)
-                self._settle(att, send, response)
+                self._record(att, send, response)
                 return response
         except IdempotencyError as exc:
             if entered:
                 raise
             return refusal(send.id, exc)
 
-    def _settle(self, att: Attempt, send: Send, response: Any) -> None:
+    def _record(self, att: Attempt, send: Send, response: Any) -> None:
         """Record the response to ``send`` (None: no usable response); never raises."""
         ok, outcome, final = self._verdict(send, response)
-        try:
-            if ok:
-                att.complete(outcome)  # type: ignore[arg-type]
-            else:
-                att.fail(outcome, final=final)
-        except (IdempotencyError, ValueError) as exc:
-            unrecorded(att.claim, exc, f"the answer to message {send.key!r}")
+        record(att, outcome, failed=not ok, final=final, answer=_answer_to(send))
 
     # -- async: the same shells with await ------------------------------------------------
 
@@ -211,23 +206,17 @@ class A2AIdempotency:
                     return replayed(send, att.replay.outcome)
                 with renewing(att):
                     response = await handler(request)
-                await self._asettle(att, send, response)
+                await self._arecord(att, send, response)
                 return response
         except IdempotencyError as exc:
             if entered:
                 raise
             return refusal(send.id, exc)
 
-    async def _asettle(self, att: Attempt, send: Send, response: Any) -> None:
-        """Async :meth:`_settle`."""
+    async def _arecord(self, att: Attempt, send: Send, response: Any) -> None:
+        """Async :meth:`_record`."""
         ok, outcome, final = self._verdict(send, response)
-        try:
-            if ok:
-                await att.acomplete(outcome)  # type: ignore[arg-type]
-            else:
-                await att.afail(outcome, final=final)
-        except (IdempotencyError, ValueError) as exc:
-            unrecorded(att.claim, exc, f"the answer to message {send.key!r}")
+        await arecord(att, outcome, failed=not ok, final=final, answer=_answer_to(send))
 
     def wrap(self, handler: Callable[..., Any]) -> Callable[..., Any]:
         """``handler`` (sync or async, taking one JSON-RPC request) deduplicated.
@@ -413,8 +402,12 @@ class _Answer:
             return None
         return _parse(body) if size <= self.max_body else _UNKEPT
 
-    async def asettle(self, att: Attempt, status: int, response: Any) -> None:
-        await self.core._asettle(att, self.send, response)
+    async def arecord(self, att: Attempt, status: int, response: Any) -> None:
+        await self.core._arecord(att, self.send, response)
+
+
+def _answer_to(send: Send) -> str:
+    return f"the answer to message {send.key!r}"
 
 
 def _parse(body: bytes) -> Any:

@@ -24,6 +24,7 @@ from retrysafe._core.engine import DEFAULT_MAX_BODY, Attempt, Engine, engine_for
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.metrics import METRICS
 from retrysafe._core.principal import Anonymous, Principals, principal_option
+from retrysafe._core.recording import arecord, record
 from retrysafe._core.secret import check_secret
 from retrysafe._http.asgi import (
     BodyTooLarge,
@@ -38,9 +39,8 @@ from retrysafe._http.asgi import (
     send_json,
     to_the_end,
 )
-from retrysafe._http.policy import unrecorded
 from retrysafe._http.request import HttpRequest, declared_length
-from retrysafe._protocols.mesh import URN, MeshCall, MeshError, Step, loads, parse, transport_error
+from retrysafe._protocols.mesh import URN, MeshCall, MeshError, loads, parse, transport_error
 from retrysafe.errors import IdempotencyError
 from retrysafe.stores import Store
 
@@ -126,7 +126,7 @@ class MeshIdempotency:
                 with renewing(att):
                     result = _run(handler, call.call)
                 step = call.finish(result, att.claim, self.engine.max_body)
-                _record(att, step)
+                record(att, step.outcome, failed=step.failed, final=step.final)
                 return step.response
         except IdempotencyError as exc:
             if entered:
@@ -159,7 +159,7 @@ class MeshIdempotency:
                 with renewing(att):
                     result = await _arun(handler, call.call)
                 step = call.finish(result, att.claim, self.engine.max_body)
-                await _arecord(att, step)
+                await arecord(att, step.outcome, failed=step.failed, final=step.final)
                 return step.response
         except IdempotencyError as exc:
             if entered:
@@ -185,26 +185,6 @@ async def _arun(handler: Handler, call: dict[str, Any]) -> Any:
         return await result if inspect.isawaitable(result) else result
     except MeshError as err:
         return err
-
-
-def _record(att: Attempt, step: Step) -> None:
-    try:
-        if step.failed:
-            att.fail(step.outcome, final=step.final)
-        else:
-            att.complete(step.outcome)  # type: ignore[arg-type]
-    except IdempotencyError as exc:
-        unrecorded(att.claim, exc)
-
-
-async def _arecord(att: Attempt, step: Step) -> None:
-    try:
-        if step.failed:
-            await att.afail(step.outcome, final=step.final)
-        else:
-            await att.acomplete(step.outcome)  # type: ignore[arg-type]
-    except IdempotencyError as exc:
-        unrecorded(att.claim, exc)
 
 
 # -- HTTP ------------------------------------------------------------------------------

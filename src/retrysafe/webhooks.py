@@ -71,6 +71,7 @@ from retrysafe._core.engine import (
     engine_for,
 )
 from retrysafe._core.heartbeat import renewing
+from retrysafe._core.recording import arecord, record
 from retrysafe._http.asgi import (
     ASGIApp,
     BodyTooLarge,
@@ -83,7 +84,7 @@ from retrysafe._http.asgi import (
     send_response,
     to_the_end,
 )
-from retrysafe._http.policy import REPLAYED, unrecorded
+from retrysafe._http.policy import REPLAYED
 from retrysafe._http.problems import problem, retry_after_header
 from retrysafe._http.request import BodyError
 from retrysafe._http.wsgi import environ_headers, status_line
@@ -96,6 +97,9 @@ from retrysafe.stores import Store
 __all__ = ["SCHEMES", "Delivery", "Receiver", "SignatureError", "WebhookResponse", "verify"]
 
 log = logging.getLogger("retrysafe")
+
+#: What a failed recording names in the log.
+_ANSWER = "a webhook's answer"
 
 #: Seconds a signed timestamp may be away from now (Stripe's and Standard Webhooks' default).
 DEFAULT_TOLERANCE = 300.0
@@ -756,10 +760,10 @@ class Receiver:
                     try:
                         result = self._run(delivery)
                     except Exception as exc:
-                        _record(att, None, self._final)
+                        record(att, None, final=self._final, answer=_ANSWER)
                         return self._failed(delivery, exc)
                 answer, outcome = self._outcome(delivery, result)
-                _record(att, outcome)
+                record(att, outcome, final=True, answer=_ANSWER)
                 return answer
         except IdempotencyError as exc:
             if entered:
@@ -796,10 +800,10 @@ class Receiver:
                     try:
                         result = await self._arun(delivery)
                     except Exception as exc:
-                        await _arecord(att, None, self._final)
+                        await arecord(att, None, final=self._final, answer=_ANSWER)
                         return self._failed(delivery, exc)
                 answer, outcome = self._outcome(delivery, result)
-                await _arecord(att, outcome)
+                await arecord(att, outcome, final=True, answer=_ANSWER)
                 return answer
         except IdempotencyError as exc:
             if entered:
@@ -896,31 +900,6 @@ class _Limit:
 
 def _not_post() -> WebhookResponse:
     return _problem(405, "method_not_allowed", "deliver webhooks with POST", [("allow", "POST")])
-
-
-def _record(att: Attempt, outcome: Outcome | None, final: bool = True) -> None:
-    """Complete the attempt with ``outcome``, or fail it (``final`` or not) without one.
-
-    If the store refuses (down, or the lease was lost), the answer goes out regardless.
-    """
-    try:
-        if outcome is None:
-            att.fail(None, final=final)
-        else:
-            att.complete(outcome)
-    except IdempotencyError as exc:
-        unrecorded(att.claim, exc, "a webhook's answer")
-
-
-async def _arecord(att: Attempt, outcome: Outcome | None, final: bool = True) -> None:
-    """Async :func:`_record`."""
-    try:
-        if outcome is None:
-            await att.afail(None, final=final)
-        else:
-            await att.acomplete(outcome)
-    except IdempotencyError as exc:
-        unrecorded(att.claim, exc, "a webhook's answer")
 
 
 async def _awaited(result: Awaitable[Any]) -> Any:

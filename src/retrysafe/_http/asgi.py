@@ -511,7 +511,7 @@ class Recorder:
                     policy = self.policy
                     kept = policy.stored_raw_headers(start.get("headers", ()))
                     outcome = policy.outcome_of(status, kept, capture.body(), capture.size)
-                    await policy.asettle(self.att, status, outcome)
+                    await policy.arecord(self.att, status, outcome)
             if not self.started:
                 self.started = True
                 await self._forward(start)

@@ -274,7 +274,7 @@ class Flow:
         """Record the answer (unless ``exc``) and leave the attempt."""
         try:
             if exc is None:
-                self.policy.settle(self.att, *self.outcome())
+                self.policy.record(self.att, *self.outcome())
         finally:
             self.stack.__exit__(*_exc_info(exc))  # type: ignore[union-attr]
 
@@ -282,7 +282,7 @@ class Flow:
         """Async :meth:`finish`."""
         try:
             if exc is None:
-                await self.policy.asettle(self.att, *self.outcome())
+                await self.policy.arecord(self.att, *self.outcome())
         finally:
             await self.stack.__aexit__(*_exc_info(exc))  # type: ignore[union-attr]
 

@@ -13,7 +13,6 @@ from typing import Any, Literal
 from retrysafe._core.engine import (
     DEFAULT_MAX_BODY,
     Attempt,
-    Claim,
     Engine,
     Plan,
     Replay,
@@ -21,6 +20,7 @@ from retrysafe._core.engine import (
 )
 from retrysafe._core.metrics import METRICS
 from retrysafe._core.principal import Anonymous, Principal, Principals, principal_option
+from retrysafe._core.recording import arecord, record
 from retrysafe._core.secret import Secret, asecret_of, check_secret, secret_of
 from retrysafe._http.problems import Response, problem, retry_after_header
 from retrysafe._http.request import (
@@ -38,7 +38,6 @@ from retrysafe._model.record import Outcome
 from retrysafe.errors import (
     AmbiguousCredentialsError,
     FingerprintMismatchError,
-    IdempotencyError,
     InProgressError,
     InvalidKeyError,
     PrincipalRequiredError,
@@ -54,7 +53,6 @@ __all__ = [
     "REPLAYED",
     "Capture",
     "HttpPolicy",
-    "unrecorded",
 ]
 
 log = logging.getLogger("retrysafe.http")
@@ -417,18 +415,18 @@ class HttpPolicy:
         """A 5xx answer fails the attempt (retryable unless ``final_failures``)."""
         return status >= 500
 
-    def _settlement(self, status: int, outcome: Outcome) -> tuple[str, Outcome | None, bool]:
-        """How an answer settles its attempt: ("complete" or "fail", what is stored,
-        final). An :data:`UNPROCESSED` refusal stores nothing and stays retryable;
-        an answer whose stored headers are over :data:`MAX_STORED_HEADERS` stores
-        nothing and is final (it was processed: a retry must not run it again)."""
+    def verdict(self, status: int, outcome: Outcome) -> tuple[bool, Outcome | None, bool]:
+        """What an answer records: (failed, what is stored, final). An
+        :data:`UNPROCESSED` refusal stores nothing and stays retryable; an answer
+        whose stored headers are over :data:`MAX_STORED_HEADERS` stores nothing
+        and is final (it was processed: a retry must not run it again)."""
         if status in UNPROCESSED:
-            return "fail", None, False
+            return True, None, False
         if _header_bytes(outcome.headers) > MAX_STORED_HEADERS:
-            return "fail", None, True
+            return True, None, True
         if self.is_failure(status):
-            return "fail", outcome, self.final_failures
-        return "complete", outcome, False
+            return True, outcome, self.final_failures
+        return False, outcome, False
 
     def outcome(
         self, status: int, headers: Iterable[tuple[str, str]], body: bytes, size: int
@@ -449,27 +447,15 @@ class HttpPolicy:
         media = next((v for k, v in kept if k == "content-type"), "application/octet-stream")
         return Outcome(body, status, kept, media)
 
-    async def asettle(self, att: Any, status: int, outcome: Outcome) -> None:
-        """Record the answer (before its last byte leaves); never raises."""
-        how, kept, final = self._settlement(status, outcome)
-        try:
-            if how == "fail":
-                await att.afail(kept, final=final)
-            else:
-                await att.acomplete(kept)
-        except IdempotencyError as exc:
-            unrecorded(att.claim, exc)
+    async def arecord(self, att: Attempt, status: int, outcome: Outcome) -> None:
+        """Record the answer (before its last byte leaves); never raises for the store."""
+        failed, kept, final = self.verdict(status, outcome)
+        await arecord(att, kept, failed=failed, final=final)
 
-    def settle(self, att: Any, status: int, outcome: Outcome) -> None:
-        """Sync :meth:`asettle`."""
-        how, kept, final = self._settlement(status, outcome)
-        try:
-            if how == "fail":
-                att.fail(kept, final=final)
-            else:
-                att.complete(kept)
-        except IdempotencyError as exc:
-            unrecorded(att.claim, exc)
+    def record(self, att: Attempt, status: int, outcome: Outcome) -> None:
+        """Sync :meth:`arecord`."""
+        failed, kept, final = self.verdict(status, outcome)
+        record(att, kept, failed=failed, final=final)
 
 
 def _header_bytes(headers: Iterable[tuple[str, str]]) -> int:
@@ -478,21 +464,6 @@ def _header_bytes(headers: Iterable[tuple[str, str]]) -> int:
 
 def _given(value: Any, default: Any) -> Any:
     return default if value is None else value
-
-
-def unrecorded(claim: Claim | None, exc: Exception, answer: str = "the answer") -> None:
-    """The handler ran but its answer could not be recorded: the client still gets it.
-
-    Every front door reports it here; ``answer`` names what was not recorded
-    (A2A: the answer to which message).
-    """
-    log.error(
-        "retrysafe: %s was sent but not recorded (%s); a retry after the lease "
-        "runs out may run the handler again (key_hash=%s)",
-        answer,
-        exc,
-        claim.key_hash[:16] if claim else "-",
-    )
 
 
 class Capture:
