@@ -58,7 +58,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,7 +86,7 @@ from retrysafe._http.asgi import (
 )
 from retrysafe._http.policy import REPLAYED
 from retrysafe._http.problems import problem, retry_after_header
-from retrysafe._http.request import BodyError
+from retrysafe._http.request import BodyError, Headers
 from retrysafe._http.wsgi import environ_headers, status_line
 from retrysafe._http.wsgi import read_body as read_wsgi_body
 from retrysafe._map.map import IdempotencyMap
@@ -120,51 +120,12 @@ class SignatureError(IdempotencyError):
         self.reason = reason
 
 
-class Headers(Mapping[str, str]):
-    """A read-only, case-insensitive mapping over any mapping (or list of pairs) of
-    headers, names and values as ``str`` or ``bytes``; the first of repeated names wins.
-
-    Iterating gives the names in lower case.
-    """
-
-    __slots__ = ("_values",)
-
-    def __init__(self, headers: Mapping[str, Any] | Iterable[tuple[Any, Any]]) -> None:
-        items = headers.items() if isinstance(headers, Mapping) else headers
-        self._values: dict[str, str] = {}
-        for name, value in items:
-            key = (name.decode("latin-1") if isinstance(name, bytes) else str(name)).lower()
-            text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
-            self._values.setdefault(key, text.strip())
-
-    def __getitem__(self, name: str) -> str:
-        return self._values[name.lower()]
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name.lower() in self._values
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __repr__(self) -> str:
-        return f"Headers({list(self._values)!r})"  # (names only: values may be secrets)
-
-    def first(self, *names: str) -> str | None:
-        """The first non-empty value among ``names``, or None."""
-        for name in names:
-            value = self._values.get(name.lower())
-            if value:
-                return value
-        return None
-
-    def need(self, name: str) -> str:
-        value = self.first(name)
-        if value is None:
-            raise SignatureError(f"the {name} header is missing", reason="missing_header")
-        return value
+def _need(h: Headers, name: str) -> str:
+    """The value of the header ``name`` (:class:`SignatureError` if it is missing or empty)."""
+    value = h.first(name)
+    if value is None:
+        raise SignatureError(f"the {name} header is missing", reason="missing_header")
+    return value
 
 
 def _secrets(secrets: str | bytes | Iterable[str | bytes]) -> list[str | bytes]:
@@ -228,7 +189,7 @@ def _check_time(timestamp: str, tolerance: float, now: float) -> None:
 
 
 def _shopify(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> _Ids:
-    given = _b64(h.need("X-Shopify-Hmac-Sha256"))
+    given = _b64(_need(h, "X-Shopify-Hmac-Sha256"))
     if given is None:
         raise SignatureError("X-Shopify-Hmac-Sha256 is not base64", reason="malformed_header")
     _check(map(_raw, secrets), body, [given])
@@ -241,7 +202,7 @@ def _shopify(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, no
 
 
 def _stripe(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> _Ids:
-    header = h.need("Stripe-Signature")
+    header = _need(h, "Stripe-Signature")
     timestamp, signatures = None, []
     for part in header.split(","):
         name, _, value = part.strip().partition("=")
@@ -282,10 +243,10 @@ def _standard_key(secret: str | bytes) -> bytes:
 
 
 def _standard(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> _Ids:
-    event_id = h.need("webhook-id")
-    timestamp = h.need("webhook-timestamp")
+    event_id = _need(h, "webhook-id")
+    timestamp = _need(h, "webhook-timestamp")
     given = []
-    for item in h.need("webhook-signature").split():
+    for item in _need(h, "webhook-signature").split():
         version, _, value = item.partition(",")
         if version == "v1" and (sig := _b64(value)) is not None:
             given.append(sig)

@@ -141,7 +141,7 @@ def http_request(scope: Scope) -> HttpRequest:
         scope["method"],
         scope["path"],
         scope.get("query_string", b"").decode("latin-1"),
-        Headers((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]),
+        Headers(scope["headers"]),
         scope,
     )
 

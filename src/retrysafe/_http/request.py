@@ -16,7 +16,7 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,33 +60,62 @@ class BodyError(IdempotencyError):
             self.code = code
 
 
-class Headers:
-    """A read-only, case-insensitive view of request headers (repeats kept)."""
+class Headers(Mapping[str, str]):
+    """A read-only, case-insensitive mapping of request headers, the one every
+    front door hands out (:class:`HttpRequest`, webhook deliveries).
 
-    __slots__ = ("_items",)
+    Built from any mapping or list of (name, value) pairs, names and values as
+    ``str`` or ``bytes`` (latin-1); values are stripped of surrounding
+    whitespace. Lookups give the first of repeated names; :meth:`getlist` all of
+    them, and :meth:`items` every pair in order, repeats kept (as Starlette's
+    ``Headers``). Iterating gives each name once, in lower case.
+    """
 
-    def __init__(self, items: Iterable[tuple[str, str]]) -> None:
-        self._items = [(k.lower(), v) for k, v in items]
+    __slots__ = ("_first", "_items")
 
-    def get(self, name: str, default: str | None = None) -> str | None:
-        name = name.lower()
-        for k, v in self._items:
-            if k == name:
-                return v
-        return default
+    def __init__(self, headers: Mapping[str, Any] | Iterable[tuple[Any, Any]] = ()) -> None:
+        pairs = headers.items() if isinstance(headers, Mapping) else headers
+        self._items = items = [(_text(k).lower(), _text(v).strip()) for k, v in pairs]
+        first: dict[str, str] = {}
+        for name, value in items:
+            first.setdefault(name, value)
+        self._first = first
+
+    def __getitem__(self, name: str) -> str:
+        return self._first[name.lower()]
 
     def getlist(self, name: str) -> list[str]:
+        """Every value of ``name``, in order."""
         name = name.lower()
         return [v for k, v in self._items if k == name]
 
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and self.get(name) is not None
+    def first(self, *names: str) -> str | None:
+        """The first non-empty value among ``names``, or None."""
+        for name in names:
+            value = self._first.get(name.lower())
+            if value:
+                return value
+        return None
 
-    def items(self) -> list[tuple[str, str]]:
+    def items(self) -> list[tuple[str, str]]:  # type: ignore[override]
+        """Every (lower-case name, value) pair, in order, repeats kept."""
         return list(self._items)
 
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.lower() in self._first
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._first)
+
+    def __len__(self) -> int:
+        return len(self._first)
+
     def __repr__(self) -> str:
-        return f"Headers({[k for k, _ in self._items]!r})"
+        return f"Headers({[k for k, _ in self._items]!r})"  # (names only: values may be secrets)
+
+
+def _text(value: Any) -> str:
+    return value.decode("latin-1") if isinstance(value, bytes) else str(value)
 
 
 @dataclass(slots=True)
