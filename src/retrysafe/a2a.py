@@ -2,10 +2,10 @@
 
 ::
 
-    from retrysafe.a2a import A2AIdempotency, IdempotencyMiddleware
+    from retrysafe.a2a import A2AIdempotency, A2AMiddleware
 
     # ASGI, in front of an A2A server:
-    app = IdempotencyMiddleware(app, store="redis://localhost:6379/0")
+    app = A2AMiddleware(app, store="redis://localhost:6379/0")
     # a function that answers one JSON-RPC request:
     dispatch = A2AIdempotency("sqlite:///idempotency.db").wrap(dispatch)
 
@@ -67,6 +67,7 @@ __all__ = [
     "SEND_METHODS",
     "STREAM_METHODS",
     "A2AIdempotency",
+    "A2AMiddleware",
     "ErrorCode",
     "IdempotencyMiddleware",
 ]
@@ -247,8 +248,11 @@ class A2AIdempotency:
 # -- ASGI -----------------------------------------------------------------------------
 
 
-class IdempotencyMiddleware:
+class A2AMiddleware:
     """ASGI middleware in front of an A2A JSON-RPC server.
+
+    Unlike the HTTP front doors' ``IdempotencyMiddleware``, it keys on each JSON-RPC
+    send's ``messageId`` (no key header) and answers in JSON-RPC.
 
     A POST holding one JSON-RPC send is run once per messageId (see
     :class:`A2AIdempotency` for ``store``, ``ttl``, ``lease``, ``wait``,
@@ -376,6 +380,10 @@ class IdempotencyMiddleware:
             if entered:
                 raise
             await _reply(send, refusal(prepared.id, exc))
+
+
+#: The name this middleware had before :class:`A2AMiddleware`, kept for compatibility.
+IdempotencyMiddleware = A2AMiddleware
 
 
 class _Answer:
