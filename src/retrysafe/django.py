@@ -45,7 +45,7 @@ from django.utils.module_loading import import_string
 
 from retrysafe._http.flow import (
     Answer,
-    Flow,
+    Exchange,
     PrepareFlow,
     Stream,
     aenter,
@@ -103,12 +103,12 @@ class IdempotencyMiddleware:
             if isinstance(att, Response):
                 return _answer(att)
             response = self.get_response(request)
-            flow = Flow(policy, att, stack.pop_all(), _answer_of(response))
+            exchange = Exchange(policy, att, stack.pop_all(), _answer_of(response))
         if response.streaming:
-            _stream(response, flow)
+            _stream(response, exchange)
         else:
-            flow.push(response.content)
-            flow.finish()
+            exchange.push(response.content)
+            exchange.finish()
         return response
 
     async def __acall__(self, request: DjangoRequest) -> HttpResponseBase:
@@ -124,18 +124,18 @@ class IdempotencyMiddleware:
             if isinstance(att, Response):
                 return _answer(att)
             response = await self.get_response(request)
-            flow = Flow(policy, att, stack.pop_all(), _answer_of(response))
+            exchange = Exchange(policy, att, stack.pop_all(), _answer_of(response))
         if not response.streaming:
-            flow.push(response.content)
-            await flow.afinish()
+            exchange.push(response.content)
+            await exchange.afinish()
             return response
         chunks = response.streaming_content
         if not response.is_async:
             chunks = _from_sync(chunks)
         # The view's resources (Django closes them first) close once the answer is recorded.
-        flow.stack.push_async_callback(sync_to_async(response.close, thread_sensitive=True))
+        exchange.stack.push_async_callback(sync_to_async(response.close, thread_sensitive=True))
         response.close = _closed
-        response.streaming_content = astream(flow, chunks)
+        response.streaming_content = astream(exchange, chunks)
         return response
 
     def _prepare(self, request: DjangoRequest) -> PrepareFlow | None:
@@ -284,11 +284,11 @@ def _answer(answer: Response) -> HttpResponse:
     return response
 
 
-def _stream(response: Any, flow: Flow) -> None:
+def _stream(response: Any, exchange: Exchange) -> None:
     """Record a sync streamed answer before its last chunk leaves."""
-    stream = Stream(flow, iter(response))
+    stream = Stream(exchange, iter(response))
     # The view's resources (Django closes them first) close once the answer is recorded.
-    flow.stack.callback(response.close)
+    exchange.stack.callback(response.close)
     response.streaming_content = stream
     response.close = stream.close
 

@@ -10,7 +10,7 @@ doors whose requests carry their headers in a WSGI environ (Django's
   two things that may need I/O: the framework's user and the deployment secret;
 - :func:`enter` / :func:`aenter`: begin the attempt, or the answer instead of
   running the app (a refusal, a replay);
-- :class:`Flow`: the rule every HTTP front door keeps, as plain code: *the
+- :class:`Exchange`: the rule every HTTP front door keeps, as plain code: *the
   answer is recorded before its last byte leaves*. A body is passed on chunk
   by chunk with one chunk held back; when the app's body ends the answer is
   recorded, and only then does the held chunk leave. A copy is kept up to
@@ -52,7 +52,7 @@ from retrysafe.errors import IdempotencyError
 __all__ = [
     "USER",
     "Answer",
-    "Flow",
+    "Exchange",
     "PrepareFlow",
     "Prepared",
     "Stream",
@@ -232,7 +232,7 @@ def _exc_info(exc: BaseException | None) -> tuple[Any, Any, Any]:
     return (None, None, None) if exc is None else (type(exc), exc, exc.__traceback__)
 
 
-class Flow:
+class Exchange:
     """One answer on its way out: the hold-back rule, the copy, and the attempt's end.
 
     ``stack`` owns the entered attempt (and whatever must close with it, such
@@ -295,10 +295,12 @@ class Stream:
     An exception from the app's body fails the attempt and propagates.
     """
 
-    __slots__ = ("_chunks", "_flow", "_open", "_ready")
+    __slots__ = ("_chunks", "_exchange", "_open", "_ready")
 
-    def __init__(self, flow: Flow, chunks: Iterator[bytes], ready: Iterable[bytes] = ()) -> None:
-        self._flow, self._chunks = flow, chunks
+    def __init__(
+        self, exchange: Exchange, chunks: Iterator[bytes], ready: Iterable[bytes] = ()
+    ) -> None:
+        self._exchange, self._chunks = exchange, chunks
         self._ready = deque(ready)
         self._open = True
 
@@ -310,25 +312,25 @@ class Stream:
             return self._ready.popleft()
         if self._open and (out := self._pull()) is not None:
             return out
-        last = self._flow.last()
+        last = self._exchange.last()
         if last is None:
             raise StopIteration
         return last
 
     def _pull(self) -> bytes | None:
         """The next chunk free to leave; None when the body has ended and is recorded."""
-        flow = self._flow
+        exchange = self._exchange
         try:
             for chunk in self._chunks:
-                if chunk and (out := flow.push(chunk)) is not None:
+                if chunk and (out := exchange.push(chunk)) is not None:
                     return out
         except BaseException as exc:
             self._open = False
-            flow.held = None  # nothing more leaves after a failure
-            flow.finish(exc)
+            exchange.held = None  # nothing more leaves after a failure
+            exchange.finish(exc)
             raise
         self._open = False
-        flow.finish()
+        exchange.finish()
         return None
 
     def close(self) -> None:
@@ -350,7 +352,7 @@ async def _next(chunks: AsyncIterator[bytes]) -> Any:
         return _END
 
 
-async def astream(flow: Flow, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def astream(exchange: Exchange, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Async :class:`Stream`.
 
     Each read of the app's body runs as a task of its own, so a reader that is
@@ -366,31 +368,33 @@ async def astream(flow: Flow, chunks: AsyncIterator[bytes]) -> AsyncIterator[byt
             step = None
             if chunk is _END:
                 break
-            if chunk and (out := flow.push(chunk)) is not None:
+            if chunk and (out := exchange.push(chunk)) is not None:
                 yield out
     except (GeneratorExit, asyncio.CancelledError):
-        run_to_end(_drain(flow, chunks, step))
+        run_to_end(_drain(exchange, chunks, step))
         raise
     except BaseException as exc:
-        await flow.afinish(exc)
+        await exchange.afinish(exc)
         raise
-    await flow.afinish()
-    last = flow.last()
+    await exchange.afinish()
+    last = exchange.last()
     if last is not None:
         yield last
 
 
-async def _drain(flow: Flow, chunks: AsyncIterator[bytes], step: Awaitable[Any] | None) -> None:
+async def _drain(
+    exchange: Exchange, chunks: AsyncIterator[bytes], step: Awaitable[Any] | None
+) -> None:
     """Read the rest of a body nobody reads any more, and record the answer."""
     log.info("retrysafe: the answer's reader went away; reading the rest to record it")
     try:
         chunk = await (step if step is not None else _next(chunks))
         while chunk is not _END:
             if chunk:
-                flow.push(chunk)
+                exchange.push(chunk)
             chunk = await _next(chunks)
     except BaseException as exc:
         log.error("retrysafe: the app failed while its answer was read to the end: %r", exc)
-        await flow.afinish(exc)
+        await exchange.afinish(exc)
         raise
-    await flow.afinish()
+    await exchange.afinish()
