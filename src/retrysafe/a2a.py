@@ -34,6 +34,7 @@ from retrysafe._http.asgi import (
     Receive,
     Recorder,
     Scope,
+    at_most,
     caller_scope,
     closing,
     is_async,
@@ -313,7 +314,7 @@ class A2AMiddleware:
             await self.app(scope, receive, send)
             return
         try:
-            body = await read_body(receive, self.max_request_body)
+            body = await read_body(receive, at_most(self.max_request_body))
         except BodyTooLarge:
             await _reply(
                 send,

@@ -31,6 +31,7 @@ from retrysafe._http.asgi import (
     Receive,
     Scope,
     Send,
+    at_most,
     caller_scope,
     header,
     is_async,
@@ -275,7 +276,7 @@ class MeshApp:
         try:
             if (declared_length(length) or 0) > self.max_body:
                 raise BodyTooLarge
-            body = await read_body(receive, self.max_body)
+            body = await read_body(receive, at_most(self.max_body))
         except BodyTooLarge:
             return 413, transport_error(f"the request is over {self.max_body} bytes"), []
         if body is None:

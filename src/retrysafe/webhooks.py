@@ -78,14 +78,15 @@ from retrysafe._http.asgi import (
     Receive,
     Scope,
     Send,
+    at_most,
     is_async,
     lifespan,
     read_body,
-    send_response,
+    send_answer,
     to_the_end,
 )
 from retrysafe._http.policy import REPLAYED
-from retrysafe._http.problems import problem, retry_after_header
+from retrysafe._http.problems import Response, problem, retry_after_header
 from retrysafe._http.request import BodyError, Headers
 from retrysafe._http.wsgi import environ_headers, status_line
 from retrysafe._http.wsgi import read_body as read_wsgi_body
@@ -797,7 +798,7 @@ class Receiver:
         if scope["method"] != "POST":
             return _not_post()
         try:  # (the limit holds while reading: a body is never read far past it)
-            body = await read_body(receive, self.max_body)
+            body = await read_body(receive, at_most(self.max_body))
         except BodyTooLarge:
             return _too_large(self.max_body)
         if body is None:
@@ -841,7 +842,9 @@ class _ReceiverApp:
         elif scope["type"] == "http":
             answer = await self.receiver._asgi_answer(scope, receive)
             if answer is not None:
-                await send_response(send, answer.status, answer.headers, answer.content)
+                await send_answer(
+                    send, Response.sized(answer.status, answer.headers, answer.content)
+                )
 
 
 class _Limit:

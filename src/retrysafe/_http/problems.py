@@ -21,6 +21,11 @@ class Response:
     headers: list[tuple[str, str]]
     body: bytes
 
+    @classmethod
+    def sized(cls, status: int, headers: Iterable[tuple[str, str]], body: bytes) -> Response:
+        """The answer ``body`` with ``headers`` and then its ``Content-Length``."""
+        return cls(status, [*headers, ("content-length", str(len(body)))], body)
+
 
 _TITLES = {
     "idempotency_key_required": "Idempotency key required",
