@@ -394,11 +394,12 @@ class _Answer:
     fails the attempt (retryable).
     """
 
-    __slots__ = ("core", "max_body", "send")
+    __slots__ = ("answer", "core", "max_body", "send")
 
     def __init__(self, core: A2AIdempotency, send: Send) -> None:
         self.core, self.send = core, send
         self.max_body = core.engine.max_body
+        self.answer = _answer_to(send)
 
     def stored_raw_headers(self, headers: Iterable[tuple[bytes, bytes]]) -> str:
         """The answer's media type (the recorder's "kept headers")."""
@@ -411,8 +412,10 @@ class _Answer:
             return None
         return _parse(body) if size <= self.max_body else _UNKEPT
 
-    async def arecord(self, att: Attempt, status: int, response: Any) -> None:
-        await self.core._arecord(att, self.send, response)
+    def verdict(self, status: int, response: Any) -> tuple[bool, Outcome | None, bool | None]:
+        """(failed, what is stored, final) of the answer's JSON-RPC response."""
+        ok, outcome, final = self.core._verdict(self.send, response)
+        return not ok, outcome, final
 
 
 def _answer_to(send: Send) -> str:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from retrysafe._core.engine import Attempt
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.principal import Principal, Principals, asgi_user, unscoped
+from retrysafe._core.recording import arecord
 from retrysafe._core.secret import asecret_of
 from retrysafe._http.policy import Capture, HttpPolicy
 from retrysafe._http.problems import Response
@@ -517,7 +518,8 @@ class Recorder:
                     policy = self.policy
                     kept = policy.stored_raw_headers(start.get("headers", ()))
                     outcome = policy.outcome_of(status, kept, capture.body(), capture.size)
-                    await policy.arecord(self.att, status, outcome)
+                    failed, kept, final = policy.verdict(status, outcome)
+                    await arecord(self.att, kept, failed=failed, final=final, answer=policy.answer)
             if not self.started:
                 self.started = True
                 await self._forward(start)

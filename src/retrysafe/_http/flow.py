@@ -43,6 +43,7 @@ from typing import Any
 from retrysafe._core.engine import Attempt, run_to_end
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.principal import unscoped
+from retrysafe._core.recording import arecord, record
 from retrysafe._http.policy import Capture, HttpPolicy
 from retrysafe._http.problems import Response
 from retrysafe._http.request import Canonicalize, HttpRequest
@@ -274,7 +275,8 @@ class Exchange:
         """Record the answer (unless ``exc``) and leave the attempt."""
         try:
             if exc is None:
-                self.policy.record(self.att, *self.outcome())
+                failed, kept, final = self.policy.verdict(*self.outcome())
+                record(self.att, kept, failed=failed, final=final)
         finally:
             self.stack.__exit__(*_exc_info(exc))  # type: ignore[union-attr]
 
@@ -282,7 +284,8 @@ class Exchange:
         """Async :meth:`finish`."""
         try:
             if exc is None:
-                await self.policy.arecord(self.att, *self.outcome())
+                failed, kept, final = self.policy.verdict(*self.outcome())
+                await arecord(self.att, kept, failed=failed, final=final)
         finally:
             await self.stack.__aexit__(*_exc_info(exc))  # type: ignore[union-attr]
 

@@ -20,7 +20,6 @@ from retrysafe._core.engine import (
 )
 from retrysafe._core.metrics import METRICS
 from retrysafe._core.principal import Anonymous, Principal, Principals, principal_option
-from retrysafe._core.recording import arecord, record
 from retrysafe._core.secret import Secret, asecret_of, check_secret, secret_of
 from retrysafe._http.problems import Response, problem, retry_after_header
 from retrysafe._http.request import (
@@ -415,8 +414,12 @@ class HttpPolicy:
         """A 5xx answer fails the attempt (retryable unless ``final_failures``)."""
         return status >= 500
 
+    #: What the log names when an answer could not be recorded.
+    answer = "the answer"
+
     def verdict(self, status: int, outcome: Outcome) -> tuple[bool, Outcome | None, bool]:
-        """What an answer records: (failed, what is stored, final). An
+        """What an answer records (the front doors hand it to
+        :func:`~retrysafe._core.recording.record`): (failed, what is stored, final). An
         :data:`UNPROCESSED` refusal stores nothing and stays retryable; an answer
         whose stored headers are over :data:`MAX_STORED_HEADERS` stores nothing
         and is final (it was processed: a retry must not run it again)."""
@@ -446,16 +449,6 @@ class HttpPolicy:
             return Outcome(b"", status, kept, OMITTED)
         media = next((v for k, v in kept if k == "content-type"), "application/octet-stream")
         return Outcome(body, status, kept, media)
-
-    async def arecord(self, att: Attempt, status: int, outcome: Outcome) -> None:
-        """Record the answer (before its last byte leaves); never raises for the store."""
-        failed, kept, final = self.verdict(status, outcome)
-        await arecord(att, kept, failed=failed, final=final)
-
-    def record(self, att: Attempt, status: int, outcome: Outcome) -> None:
-        """Sync :meth:`arecord`."""
-        failed, kept, final = self.verdict(status, outcome)
-        record(att, kept, failed=failed, final=final)
 
 
 def _header_bytes(headers: Iterable[tuple[str, str]]) -> int:
