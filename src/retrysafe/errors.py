@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import re
+from typing import Any
+
 __all__ = [
     "AmbiguousCredentialsError",
     "FingerprintMismatchError",
@@ -9,6 +13,7 @@ __all__ = [
     "InProgressError",
     "InvalidKeyError",
     "LeaseLostError",
+    "MapError",
     "PrincipalRequiredError",
     "StoreUnavailableError",
 ]
@@ -110,3 +115,61 @@ class StoreUnavailableError(IdempotencyError):
         super().__init__(message)
         self.retry_after = retry_after
         self.transient = transient
+
+
+FieldPath = tuple[str | int, ...]
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")  # a TOML bare key, written without quotes
+
+
+class MapError(IdempotencyError, ValueError):
+    """An invalid idempotency map: ``source:line: field: what is wrong``.
+
+    ``source`` is the file (or ``"<string>"``), ``line`` is 1-based (or None),
+    ``field`` is the dotted name of the offending entry, such as
+    ``operations.payment.ttl`` or ``routes[2].operation`` (or None).
+    """
+
+    code = "idempotency_map_invalid"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        source: str | None = None,
+        line: int | None = None,
+        field: str | FieldPath | None = None,
+    ) -> None:
+        self.field_path: FieldPath = tuple(field) if isinstance(field, tuple) else ()
+        self.message = message
+        self.source = source
+        self.line = line
+        self.field = (_dotted(field) or None) if isinstance(field, tuple) else field
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = ""
+        if self.source is not None:
+            where = self.source if self.line is None else f"{self.source}:{self.line}"
+            where += ": "
+        what = f"{self.field}: " if self.field else ""
+        return f"{where}{what}{self.message}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_map_error, (self.message, self.source, self.line, self.field))
+
+
+def _rebuild_map_error(
+    message: str, source: str | None, line: int | None, field: str | None
+) -> Any:
+    return MapError(message, source=source, line=line, field=field)
+
+
+def _dotted(path: FieldPath) -> str:
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            text = part if _BARE_KEY.fullmatch(part) else json.dumps(part)
+            out += f".{text}" if out else text
+    return out

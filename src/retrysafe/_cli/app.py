@@ -1019,7 +1019,8 @@ def map_check(
     as_json: JsonOpt = False,
 ) -> int:
     """Validate an Idempotency Map; exit 1 naming the file, line and field if it is wrong."""
-    from retrysafe._map.map import IdempotencyMap, MapError
+    from retrysafe._map.map import IdempotencyMap
+    from retrysafe.errors import MapError
 
     try:
         imap = IdempotencyMap.load(file)

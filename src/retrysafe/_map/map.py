@@ -27,18 +27,15 @@ from retrysafe._core.principal import ANONYMOUS_MODES
 from retrysafe._model.duration import format_duration, parse_duration
 from retrysafe._model.hashing import MAX_KEY_LENGTH, validate_key
 from retrysafe._model.record import FINANCIAL, RETENTIONS, STANDARD
-from retrysafe.errors import InvalidKeyError
+from retrysafe.errors import FieldPath, InvalidKeyError, MapError
 
 __all__ = [
     "IdempotencyMap",
-    "MapError",
     "Operation",
     "PrincipalOptions",
     "Route",
     "route_path",
 ]
-
-FieldPath = tuple[str | int, ...]
 
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,99}")
 _SCOPE = re.compile(r"[a-z_]+")
@@ -47,59 +44,9 @@ _VISIBLE = re.compile(r"[!-~]*")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 token
 _METHOD = re.compile(r"[A-Za-z]+")
 _SEGMENT = re.compile(r"[!-~]+")
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")  # a TOML bare key, written without quotes
 _DUPLICATE_RESPONSES = ("replay", "no_content")
 _SLASHES = re.compile(r"//+")
-
-
-class MapError(ValueError):
-    """An invalid Idempotency Map: ``source:line: field: what is wrong``.
-
-    ``source`` is the file (or ``"<string>"``), ``line`` is 1-based (or None),
-    ``field`` is the dotted name of the offending entry, such as
-    ``operations.payment.ttl`` or ``routes[2].operation`` (or None).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        source: str | None = None,
-        line: int | None = None,
-        field: str | FieldPath | None = None,
-    ) -> None:
-        self.field_path: FieldPath = tuple(field) if isinstance(field, tuple) else ()
-        self.message = message
-        self.source = source
-        self.line = line
-        self.field = (_dotted(field) or None) if isinstance(field, tuple) else field
-        super().__init__(str(self))
-
-    def __str__(self) -> str:
-        where = ""
-        if self.source is not None:
-            where = self.source if self.line is None else f"{self.source}:{self.line}"
-            where += ": "
-        what = f"{self.field}: " if self.field else ""
-        return f"{where}{what}{self.message}"
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_error, (self.message, self.source, self.line, self.field))
-
-
-def _rebuild_error(message: str, source: str | None, line: int | None, field: str | None) -> Any:
-    return MapError(message, source=source, line=line, field=field)
-
-
-def _dotted(path: FieldPath) -> str:
-    out = ""
-    for part in path:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            text = part if _BARE_KEY.fullmatch(part) else json.dumps(part)
-            out += f".{text}" if out else text
-    return out
 
 
 def _suggest(word: str, known: Iterable[str]) -> str:
@@ -1422,9 +1369,9 @@ class _Lines:
                 return line
         return None
 
-    def field_at(self, line: int) -> str | None:
-        path = self.fields.get(line)
-        return _dotted(path) if path else None
+    def field_at(self, line: int) -> FieldPath | None:
+        """The key written on ``line``, if any."""
+        return self.fields.get(line)
 
 
 def _toml_key(name: str) -> str:
