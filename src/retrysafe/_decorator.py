@@ -33,7 +33,7 @@ from retrysafe._core.engine import (
 )
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.metrics import METRICS
-from retrysafe._map.map import Operation
+from retrysafe._map.operations import Operation
 from retrysafe._model.hashing import KEY_PATTERN, fingerprint, validate_key
 from retrysafe._model.record import Outcome
 from retrysafe.errors import IdempotencyError, InvalidKeyError

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from retrysafe._map.map import plain_decimal
+from retrysafe._map.operations import plain_decimal
 from retrysafe._model.hashing import canonical_json, validate_key
 from retrysafe.errors import InvalidKeyError
 

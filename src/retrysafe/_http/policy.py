@@ -34,7 +34,8 @@ from retrysafe._core.engine import (
 from retrysafe._core.metrics import METRICS
 from retrysafe._core.principal import Anonymous, Principal, Principals, principal_option
 from retrysafe._core.secret import Secret, asecret_of, check_secret, secret_of
-from retrysafe._map.map import IdempotencyMap, Route
+from retrysafe._map.map import IdempotencyMap
+from retrysafe._map.routes import Route
 from retrysafe._model.hashing import KEY_PATTERN, canonical_json, validate_key
 from retrysafe._model.record import Outcome
 from retrysafe.errors import (
