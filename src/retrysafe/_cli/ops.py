@@ -71,7 +71,7 @@ def stats(
     finally:
         s.close()
     oldest = st.oldest_processing
-    data = {
+    data: dict[str, Any] = {
         "by_status": st.by_status(),
         "by_operation": dict(sorted(st.by_operation().items())),
         "live": sum(st.counts.values()),

@@ -191,10 +191,10 @@ def _flush_headers(given: list[str], from_env: list[str]) -> dict[str, str]:
         name, sep, var = text.partition("=")
         if not sep or not name.strip() or not var.strip():
             raise CliError(f"--header-env {text!r}: give it as NAME=VARIABLE")
-        value = os.environ.get(var.strip())
-        if value is None:
+        found = os.environ.get(var.strip())
+        if found is None:
             raise CliError(f"--header-env {text!r}: the environment has no {var.strip()}")
-        headers[name.strip()] = value
+        headers[name.strip()] = found
     return headers
 
 

@@ -169,7 +169,7 @@ def from_data(cls: type[IdempotencyMap], data: Mapping[str, Any]) -> Idempotency
         table = _table(data["defaults"], ("defaults",))
         _known(table, _DEFAULTS_KEYS, ("defaults",), "[defaults]")
         for name, value in table.items():
-            path = ("defaults", name)
+            path: FieldPath = ("defaults", name)
             if name in ("ttl", "lease"):
                 _at(path, duration, value, name)
             elif name == "final_failures":
@@ -185,17 +185,17 @@ def from_data(cls: type[IdempotencyMap], data: Mapping[str, Any]) -> Idempotency
     operations: dict[str, Operation] = dict(base)
     tables = _table(data.get("operations", {}), ("operations",))
     for name, value in tables.items():
-        path: FieldPath = ("operations", name)
+        path = ("operations", name)
         table = _table(value, path)
         _known(table, _OPERATION_KEYS, path, f"operation {name!r}")
         inherited = base.get(name)
+        origins: dict[str, FieldPath] = {}
         if inherited is not None:
             settings = inherited.to_dict()
             settings.update(table)
-            origins = {}
         else:
             settings = {**defaults, **table}
-            origins = {key: ("defaults", key) for key in defaults if key not in table}
+            origins.update((key, ("defaults", key)) for key in defaults if key not in table)
             for required in ("key", "scope"):
                 if required not in settings:
                     raise MapError(f"operation {name!r} needs a {required}", field=path)
