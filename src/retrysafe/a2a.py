@@ -29,7 +29,6 @@ from retrysafe._core.principal import Anonymous, Principals, principal_option
 from retrysafe._core.secret import check_secret
 from retrysafe._http.asgi import (
     ASGIApp,
-    BodyTooLarge,
     Receive,
     Recorder,
     Scope,
@@ -58,7 +57,7 @@ from retrysafe._protocols.a2a import (
     replayed,
     settlement,
 )
-from retrysafe.errors import IdempotencyError, InvalidKeyError
+from retrysafe.errors import BodyTooLarge, IdempotencyError, InvalidKeyError
 from retrysafe.stores import Store
 
 __all__ = [

@@ -55,7 +55,8 @@ from retrysafe._http.flow import (
     prepare,
     run_prepare,
 )
-from retrysafe._http.policy import BodyError, Headers, HttpPolicy, HttpRequest, Response
+from retrysafe._http.policy import Headers, HttpPolicy, HttpRequest, Response
+from retrysafe.errors import BodyError
 
 __all__ = ["IdempotencyMiddleware"]
 

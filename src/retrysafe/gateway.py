@@ -45,7 +45,7 @@ from retrysafe._gateway.limits import (
     ServerLimits,
     protocol_class,
 )
-from retrysafe._gateway.upstream import Pool, UpstreamError, connection_tokens
+from retrysafe._gateway.upstream import Pool, connection_tokens
 from retrysafe._http.asgi import (
     UNPROVEN_END,
     ASGIApp,
@@ -61,6 +61,7 @@ from retrysafe._http.policy import Response, problem
 from retrysafe._ops.admin import FROM_ENV, AdminSite
 from retrysafe._ops.dashboard import serve_admin
 from retrysafe._ops.sweep import DEFAULT_SWEEP_EVERY, BackgroundSweeper
+from retrysafe.errors import UpstreamError
 from retrysafe.stores import Store, redact
 
 __all__ = [

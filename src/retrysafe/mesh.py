@@ -26,7 +26,6 @@ from retrysafe._core.metrics import METRICS
 from retrysafe._core.principal import Anonymous, Principals, principal_option
 from retrysafe._core.secret import check_secret
 from retrysafe._http.asgi import (
-    BodyTooLarge,
     Receive,
     Scope,
     Send,
@@ -39,8 +38,8 @@ from retrysafe._http.asgi import (
     to_the_end,
 )
 from retrysafe._http.policy import HttpRequest, declared_length, unrecorded
-from retrysafe._protocols.mesh import URN, MeshCall, MeshError, Step, loads, parse, transport_error
-from retrysafe.errors import IdempotencyError
+from retrysafe._protocols.mesh import URN, MeshCall, Step, loads, parse, transport_error
+from retrysafe.errors import BodyTooLarge, IdempotencyError, MeshError
 from retrysafe.stores import Store
 
 __all__ = ["URN", "MeshApp", "MeshError", "MeshIdempotency"]

@@ -32,7 +32,7 @@ from retrysafe._core.heartbeat import renewing
 from retrysafe._decorator import failure_logged
 from retrysafe._model.hashing import json_default, key_hash, validate_key
 from retrysafe._model.record import JSON_MEDIA_TYPE, Outcome, Record, Status
-from retrysafe.errors import IdempotencyError, InvalidKeyError, LeaseLostError
+from retrysafe.errors import InvalidKeyError, LeaseLostError, StepResultError
 from retrysafe.stores import Store
 
 __all__ = ["Run", "StepResultError", "Workflow"]
@@ -45,21 +45,6 @@ _JSON = json.JSONEncoder(
 _MAX_PLANS = 1024
 
 Reference = str | Callable[[Any], Any] | None
-
-
-class StepResultError(IdempotencyError, TypeError):
-    """A step returned, but its result (or its reference) cannot be stored.
-
-    The step's side effect happened, so the step and the operation are failed
-    *finally*: no retry calls the step function again. ``derived_key`` is the key
-    the step passed downstream: reconcile with it.
-    """
-
-    code = "idempotency_step_result"
-
-    def __init__(self, message: str, *, step: str = "", derived_key: str = "") -> None:
-        super().__init__(message)
-        self.step, self.derived_key = step, derived_key
 
 
 def _step_name(name: object) -> str:

@@ -73,7 +73,6 @@ from retrysafe._core.engine import (
 from retrysafe._core.heartbeat import renewing
 from retrysafe._http.asgi import (
     ASGIApp,
-    BodyTooLarge,
     Receive,
     Scope,
     Send,
@@ -83,12 +82,19 @@ from retrysafe._http.asgi import (
     send_response,
     to_the_end,
 )
-from retrysafe._http.policy import REPLAYED, BodyError, problem, retry_after_header, unrecorded
+from retrysafe._http.policy import REPLAYED, problem, retry_after_header, unrecorded
 from retrysafe._http.wsgi import environ_headers, status_line
 from retrysafe._http.wsgi import read_body as read_wsgi_body
 from retrysafe._map.map import IdempotencyMap
 from retrysafe._model.record import Outcome
-from retrysafe.errors import IdempotencyError, InProgressError, StoreUnavailableError
+from retrysafe.errors import (
+    BodyError,
+    BodyTooLarge,
+    IdempotencyError,
+    InProgressError,
+    SignatureError,
+    StoreUnavailableError,
+)
 from retrysafe.stores import Store
 
 __all__ = ["SCHEMES", "Delivery", "Receiver", "SignatureError", "WebhookResponse", "verify"]
@@ -97,21 +103,6 @@ log = logging.getLogger("retrysafe")
 
 #: Seconds a signed timestamp may be away from now (Stripe's and Standard Webhooks' default).
 DEFAULT_TOLERANCE = 300.0
-
-
-class SignatureError(IdempotencyError):
-    """The delivery is not signed by a known secret, or is malformed or too old.
-
-    Nothing was stored. ``reason`` is a short machine word: ``missing_header``,
-    ``malformed_header``, ``bad_signature``, ``timestamp_out_of_tolerance``,
-    ``no_event_id``, ``bad_secret`` or ``unknown_scheme``.
-    """
-
-    code = "webhook_signature_invalid"
-
-    def __init__(self, message: str, *, reason: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 class Headers(Mapping[str, str]):

@@ -27,7 +27,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from retrysafe._core.cells import KEEP, Cell, Cells, Flow, cas_update
-from retrysafe.errors import StoreUnavailableError
+from retrysafe.errors import SecretError, StoreUnavailableError
 
 if TYPE_CHECKING:
     from retrysafe.stores import Store
@@ -37,7 +37,6 @@ __all__ = [
     "ENV_SECRET",
     "MIN_SECRET_LENGTH",
     "Secret",
-    "SecretError",
     "asecret_of",
     "cached",
     "check_secret",
@@ -58,10 +57,6 @@ log = logging.getLogger("retrysafe")
 _known: weakref.WeakKeyDictionary[Store[Any], Secret] = weakref.WeakKeyDictionary()
 _from_environ: Secret | None = None
 _lock = threading.Lock()
-
-
-class SecretError(ValueError):
-    """``$RETRYSAFE_SECRET`` is set but unusable, or the store cannot keep a secret."""
 
 
 class Secret:

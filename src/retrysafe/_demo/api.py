@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from retrysafe._demo.shop import Shop, ShopError, refusal
-from retrysafe._http.asgi import BodyTooLarge, read_body, send_json, send_response
+from retrysafe._http.asgi import read_body, send_json, send_response
 from retrysafe._http.policy import problem
 from retrysafe.asgi import Receive, Scope, Send
-from retrysafe.errors import IdempotencyError
+from retrysafe.errors import BodyTooLarge, IdempotencyError
 
 __all__ = ["DemoApi"]
 

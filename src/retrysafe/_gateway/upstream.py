@@ -22,7 +22,9 @@ import ssl
 from collections import deque
 from collections.abc import AsyncGenerator
 
-__all__ = ["Pool", "UpstreamError", "connection_tokens"]
+from retrysafe.errors import UpstreamError
+
+__all__ = ["Pool", "connection_tokens"]
 
 log = logging.getLogger("retrysafe.gateway")
 
@@ -52,19 +54,6 @@ _CHUNK_SIZE = re.compile(rb"[ \t]*([0-9A-Fa-f]{1,15})[ \t]*(?:;.*)?\Z", re.DOTAL
 _POLL = getattr(select, "poll", None)
 # How an answer's body is framed (RFC 9112 6.3).
 _NONE, _LENGTH, _CHUNKED, _UNTIL_CLOSE = range(4)
-
-
-class UpstreamError(Exception):
-    """Talking to the upstream failed: a 502, or a 504 if ``timeout``.
-
-    ``kind`` names the failure for the problem's detail: ConnectError,
-    ConnectTimeout, PoolTimeout, ReadError, ReadTimeout, WriteTimeout,
-    RemoteProtocolError (the upstream broke HTTP/1.1) or LocalProtocolError.
-    """
-
-    def __init__(self, kind: str, detail: object, *, timeout: bool = False) -> None:
-        super().__init__(f"{kind}: {detail}")
-        self.kind, self.timeout = kind, timeout
 
 
 class _NoAnswer(UpstreamError):

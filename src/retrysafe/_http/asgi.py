@@ -16,7 +16,7 @@ from retrysafe._core.heartbeat import renewing
 from retrysafe._core.principal import Principal, Principals, asgi_user, unscoped
 from retrysafe._core.secret import asecret_of
 from retrysafe._http.policy import Canonicalize, Capture, Headers, HttpPolicy, HttpRequest, Response
-from retrysafe.errors import IdempotencyError
+from retrysafe.errors import BodyTooLarge, IdempotencyError
 
 if TYPE_CHECKING:
     from retrysafe.stores import Store
@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 __all__ = [
     "UNPROVEN_END",
     "ASGIApp",
-    "BodyTooLarge",
     "IdempotencyMiddleware",
     "Message",
     "Receive",
@@ -119,10 +118,6 @@ def replaying(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay_receive
-
-
-class BodyTooLarge(Exception):
-    """The request body passed the limit given to :func:`read_body`."""
 
 
 def header(scope: Scope, name: bytes) -> str | None:

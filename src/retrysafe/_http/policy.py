@@ -40,6 +40,7 @@ from retrysafe._model.hashing import KEY_PATTERN, canonical_json, validate_key
 from retrysafe._model.record import Outcome
 from retrysafe.errors import (
     AmbiguousCredentialsError,
+    BodyError,
     FingerprintMismatchError,
     IdempotencyError,
     InProgressError,
@@ -52,7 +53,6 @@ from retrysafe.stores import Store
 __all__ = [
     "MAX_KEY_HEADER",
     "OFFLOAD_JSON",
-    "BodyError",
     "Canonicalize",
     "Headers",
     "HttpPolicy",
@@ -119,18 +119,6 @@ class Response:
     status: int
     headers: list[tuple[str, str]]
     body: bytes
-
-
-class BodyError(IdempotencyError):
-    """The request body cannot be fingerprinted (malformed JSON, or too large)."""
-
-    code = "idempotency_body_invalid"
-
-    def __init__(self, message: str, *, status: int = 400, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        if code is not None:
-            self.code = code
 
 
 class Headers:
