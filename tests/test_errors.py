@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 
 import retrysafe
-from retrysafe import errors
+from retrysafe import Engine, errors, idempotent, open_store
 from retrysafe._http.policy import HttpPolicy
 from retrysafe._protocols.a2a import refusal as a2a_refusal
 from retrysafe._protocols.mesh import URN, parse
 from retrysafe.errors import (
     BodyTooLarge,
     IdempotencyError,
+    InvalidTransitionError,
     MeshError,
     SecretError,
     StoreUnavailableError,
@@ -215,3 +216,30 @@ def test_codes() -> None:
     assert MeshError("OUT_OF_STOCK", "no more").code == "OUT_OF_STOCK"
     assert BodyTooLarge().code == "idempotency_body_too_large"
     assert issubclass(SecretError, ValueError) and SecretError.code == "idempotency_secret_invalid"
+
+
+def test_a_failure_stored_under_an_error_s_former_module_replays_as_it() -> None:
+    """Records written before the errors moved name them ``retrysafe.guards.…``: a
+    decorator that lists the error still rebuilds it from them."""
+    engine = Engine(open_store("memory://"))
+
+    class Former(Exception):  # InvalidTransitionError as an earlier version named it
+        pass
+
+    Former.__module__, Former.__qualname__ = "retrysafe.guards", "InvalidTransitionError"
+
+    def advance(payment_id: str) -> None:
+        raise Former(payment_id, "captured", "authorized")
+
+    before = idempotent(store=engine, key="{payment_id}", final_failures=(Former,))(advance)
+    with pytest.raises(Former):
+        before("p_1")
+    after = idempotent(
+        store=engine,
+        key="{payment_id}",
+        final_failures=(InvalidTransitionError,),
+        operation=before.operation,  # type: ignore[attr-defined]
+    )(advance)
+    with pytest.raises(InvalidTransitionError) as raised:
+        after("p_1")  # replayed, not run
+    assert (raised.value.payment_id, raised.value.current) == ("p_1", "captured")

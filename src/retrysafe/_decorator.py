@@ -336,7 +336,7 @@ class _Results:
         """Only classes this decorator lists (or built-in ones) are rebuilt: a stored
         type name never imports anything."""
         for cls in self.final_types:
-            if _name_of(cls) == name:
+            if _name_of(cls) == name or _moved(cls, name):
                 return cls
         module, _, qualname = name.rpartition(".")
         found = getattr(builtins, qualname, None) if module == "builtins" else None
@@ -347,6 +347,17 @@ class _Results:
 
 def _name_of(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _moved(cls: type, name: str) -> bool:
+    """``name`` is ``cls``, a retrysafe error, as an earlier version stored it: the
+    errors moved to :mod:`retrysafe.errors` from other modules (``retrysafe.guards``)."""
+    module, _, qualname = name.rpartition(".")
+    return (
+        cls.__module__ == "retrysafe.errors"
+        and module.startswith("retrysafe.")
+        and qualname == cls.__qualname__
+    )
 
 
 class _Returns:
