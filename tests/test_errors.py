@@ -6,7 +6,7 @@ import importlib
 import pkgutil
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -61,7 +61,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 
 def _is_error(value: object) -> bool:
     # type(), not isinstance(): a lazy object (Django's settings) must not be set up
-    return issubclass(type(value), type) and issubclass(value, BaseException)  # type: ignore[arg-type]
+    return issubclass(type(value), type) and issubclass(cast(type, value), BaseException)
 
 
 def _pending(name: str) -> bool:
@@ -231,15 +231,11 @@ def test_a_failure_stored_under_an_error_s_former_module_replays_as_it() -> None
     def advance(payment_id: str) -> None:
         raise Former(payment_id, "captured", "authorized")
 
-    before = idempotent(store=engine, key="{payment_id}", final_failures=(Former,))(advance)
+    options: dict[str, Any] = {"store": engine, "key": "{payment_id}", "operation": "advance"}
+    before = idempotent(**options, final_failures=(Former,))(advance)
     with pytest.raises(Former):
         before("p_1")
-    after = idempotent(
-        store=engine,
-        key="{payment_id}",
-        final_failures=(InvalidTransitionError,),
-        operation=before.operation,  # type: ignore[attr-defined]
-    )(advance)
+    after = idempotent(**options, final_failures=(InvalidTransitionError,))(advance)
     with pytest.raises(InvalidTransitionError) as raised:
         after("p_1")  # replayed, not run
     assert (raised.value.payment_id, raised.value.current) == ("p_1", "captured")
