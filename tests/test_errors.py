@@ -53,8 +53,6 @@ PUBLIC = [
 #: Exception classes of the package that are no library errors: the demo shop's
 #: answer, and the CLI's message to its user (``main`` prints it and exits).
 NOT_LIBRARY_ERRORS = {"ShopError", "CliError"}
-#: Moved here with the map's split; checked like the others once it is.
-MOVED_LATER = {"MapError"}
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 
@@ -64,16 +62,12 @@ def _is_error(value: object) -> bool:
     return issubclass(type(value), type) and issubclass(cast(type, value), BaseException)
 
 
-def _pending(name: str) -> bool:
-    return name in MOVED_LATER and not hasattr(errors, name)
-
-
 def _public_errors() -> dict[str, set[type[BaseException]]]:
     found: dict[str, set[type[BaseException]]] = {}
     for module_name in PUBLIC:
         module = importlib.import_module(module_name)
         for name, value in list(vars(module).items()):
-            if name.startswith("_") or not _is_error(value) or _pending(name):
+            if name.startswith("_") or not _is_error(value):
                 continue
             if value.__module__.startswith("retrysafe"):
                 found.setdefault(module_name, set()).add(value)
@@ -103,7 +97,7 @@ def test_every_error_class_of_the_package_is_defined_in_errors() -> None:
         for name, value in list(vars(module).items()):
             if not _is_error(value) or value.__module__ != info.name:
                 continue
-            if name.startswith("_") or name in NOT_LIBRARY_ERRORS or _pending(name):
+            if name.startswith("_") or name in NOT_LIBRARY_ERRORS:
                 continue
             assert info.name == "retrysafe.errors", f"{info.name}.{name}"
 
