@@ -230,6 +230,7 @@ class _Results:
         self._serializer: Serializer | None = None
         with contextlib.suppress(NameError):  # a forward reference: resolved at the first call
             self.serializer  # noqa: B018 - resolve now if the annotation can be resolved
+        self.final_types: tuple[type[BaseException], ...]
         if final is True or final is False:
             self.final_all, self.final_types = final, ()
         else:
@@ -584,6 +585,6 @@ def idempotent(
             wrapper = sync_wrapper
         wrapper.engine = get_engine
         wrapper.operation = op
-        return wrapper  # type: ignore[no-any-return]
+        return wrapper
 
     return decorate if func is None else decorate(func)

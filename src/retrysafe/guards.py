@@ -378,10 +378,10 @@ class SessionRegistry(_Guard):
         clock: Clock = time.time,
     ) -> None:
         super().__init__(store, namespace, clock)
-        ttl = check_ttl(ttl)
-        if ttl is None:
+        checked = check_ttl(ttl)
+        if checked is None:
             raise ValueError("a session needs a ttl")
-        self.ttl = ttl
+        self.ttl = checked
         self.token_factory = token_factory
 
     def _open(self, user_id: str, device_id: str) -> Flow[Session]:
@@ -526,13 +526,14 @@ class VersionedRecords(_Guard):
                 raise TypeError("conflict='lww' needs a timestamp")
             if expected_version is not None:
                 raise ValueError("conflict='lww' takes no expected_version")
+            stamp = timestamp  # not None here, as the closure below cannot see
         else:
             expected = _whole("expected_version", expected_version or 0)
         key = self._cells.key(entity, entity_id)
 
         def decide(cell: Cell | None, now: float) -> tuple[Any, Versioned]:
             if lww:
-                if cell is not None and not _newer(timestamp, value, cell.value):  # type: ignore[arg-type]
+                if cell is not None and not _newer(stamp, value, cell.value):
                     return KEEP, _versioned(entity, entity_id, cell, False)
             else:
                 current = 0 if cell is None else cell.version

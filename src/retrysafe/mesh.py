@@ -14,7 +14,6 @@ calls over HTTP with the same logic.
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Collection, Mapping
@@ -214,7 +213,11 @@ def _asynchronous(handler: Handler) -> Callable[[dict[str, Any]], Awaitable[Any]
         raise TypeError(f"a handler must be callable, not {type(handler).__name__}")
     if is_async(handler):  # an object with an async __call__ counts as async too
         return handler
-    return functools.partial(asyncio.to_thread, handler)
+
+    async def in_thread(call: dict[str, Any]) -> Any:
+        return await asyncio.to_thread(handler, call)
+
+    return in_thread
 
 
 class MeshApp:

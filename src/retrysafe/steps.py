@@ -225,7 +225,7 @@ class Workflow:
             ttl=DEFAULT_TTL if ttl is None else ttl,
             lease=DEFAULT_LEASE if lease is None else lease,
         )
-        self._options = {"ttl": ttl, "lease": lease, "retention": retention}
+        self._options: dict[str, Any] = {"ttl": ttl, "lease": lease, "retention": retention}
         self._parent = Plan(self.engine, "-", operation=operation, wait=wait, **self._options)
         self._plans: dict[str, Plan] = {}
 
@@ -259,7 +259,7 @@ class Workflow:
     @staticmethod
     def _result(replay: Replay) -> Any:
         outcome = replay.outcome
-        stored = None if outcome is None else outcome.value
+        stored: Any = None if outcome is None else outcome.value
         if replay.failed:
             error = stored.get("error", {}) if isinstance(stored, dict) else {}
             raise StepResultError(
@@ -368,7 +368,7 @@ class Workflow:
             while True:
                 wanted = reads.send(self.engine.store.get(wanted))
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            return done.value
 
     async def areferences(self, key: str, *, scope: str = "") -> dict[str, str]:
         """Async :meth:`references`."""
@@ -378,7 +378,7 @@ class Workflow:
             while True:
                 wanted = reads.send(await self.engine.store.aget(wanted))
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            return done.value
 
 
 def _stored_value(record: Record | None, now: float) -> Any:

@@ -60,12 +60,11 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from retrysafe._core.engine import (
     DEFAULT_MAX_BODY,
     Attempt,
-    BeginOptions,
     Engine,
     Replay,
     engine_for,
@@ -522,6 +521,15 @@ def _transaction_of(given: Any) -> tuple[str, str] | None:
     )
 
 
+class _DeliveryOptions(TypedDict):
+    """The engine options of one kind of delivery (the rest come per delivery)."""
+
+    operation: str
+    ttl: float | None
+    lease: float | None
+    retention: str
+
+
 class Receiver:
     """Webhooks exactly once: verify the signature, deduplicate by event, run ``handler``.
 
@@ -608,10 +616,10 @@ class Receiver:
         imap = self._map = IdempotencyMap.default()
         self.engine = engine_for(store, ttl=ttl, lease=lease)
         # Every option as each delivery uses it, checked now (TypeError, ValueError); no I/O.
-        self._options = {}
+        self._options: dict[str, _DeliveryOptions] = {}
         for name in ("webhook", "payment_webhook"):
             op = imap.operation(name)
-            options: BeginOptions = {
+            options: _DeliveryOptions = {
                 "operation": name,
                 "ttl": op.ttl if ttl is None else ttl,
                 "lease": op.lease if lease is None else lease,

@@ -325,7 +325,7 @@ class Engine:
             answer = plan.settle(result, record, started)
             if answer.__class__ is not float:
                 return answer  # type: ignore[return-value]
-            time.sleep(answer)  # type: ignore[arg-type]
+            time.sleep(answer)
 
     def complete(self, claim: Claim, outcome: Outcome) -> None:
         """Store the outcome; :class:`LeaseLostError` if the claim no longer owns the key."""
@@ -398,7 +398,7 @@ class Engine:
             answer = plan.settle(result, record, started)
             if answer.__class__ is not float:
                 return answer  # type: ignore[return-value]
-            await asyncio.sleep(answer)  # type: ignore[arg-type]
+            await asyncio.sleep(answer)
 
     async def acomplete(self, claim: Claim, outcome: Outcome) -> None:
         """Async :meth:`complete`."""

@@ -370,7 +370,7 @@ class _Child:
 
     def _values(self) -> list[float]:
         try:
-            return self._local.values[self._key]  # type: ignore[no-any-return]
+            return self._local.values[self._key]
         except (AttributeError, KeyError):
             # A counter: [n]; a histogram: a count per bucket, +Inf's, then the sum.
             return self._cells.new(self._key, len(self._bounds) + 2 if self._bounds else 1)
@@ -653,7 +653,8 @@ class Metrics:
         else:
             return
         with contextlib.suppress(AttributeError):  # a slotted exception is counted again
-            error._retrysafe_counted = True  # type: ignore[attr-defined]
+            # A marker on the instance; the error classes do not declare it.
+            error._retrysafe_counted = True  # type: ignore[union-attr]
         self._child(outcome, self._label(operation)).inc()
         self._otel.event("retrysafe.claim", operation, outcome, key_hash)
         if outcome in ("in_flight", "conflict"):

@@ -21,6 +21,7 @@ import socket
 import ssl
 from collections import deque
 from collections.abc import AsyncGenerator
+from typing import cast
 
 from retrysafe.errors import UpstreamError
 
@@ -96,7 +97,8 @@ class _Connection(asyncio.Protocol):
     # -- the event loop's side --
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # A stream connection (loop.create_connection) is handed a Transport.
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):  # a request leaves at once, not after an ACK
@@ -116,7 +118,7 @@ class _Connection(asyncio.Protocol):
         self.buffer += data
         if len(self.buffer) > _HIGH_WATER and not self._reading_paused:
             self._reading_paused = True
-            self.transport.pause_reading()  # type: ignore[union-attr]
+            self.transport.pause_reading()  # type: ignore[union-attr]  # data: connected
         self._wake()
 
     def eof_received(self) -> bool:
@@ -204,7 +206,7 @@ class _Connection(asyncio.Protocol):
     def _resume(self) -> None:
         if self._reading_paused and len(self.buffer) <= _LOW_WATER:
             self._reading_paused = False
-            self.transport.resume_reading()  # type: ignore[union-attr]
+            self.transport.resume_reading()  # type: ignore[union-attr]  # data: connected
 
     async def head(self) -> bytes:
         """The next answer's head, up to and with its empty line (CRLF or LF)."""

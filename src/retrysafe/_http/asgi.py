@@ -8,7 +8,7 @@ import asyncio
 import inspect
 import json
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from retrysafe._core.engine import Attempt
@@ -221,7 +221,7 @@ async def send_json(
 _orphans: set[asyncio.Task[Any]] = set()
 
 
-async def to_the_end(handling: Coroutine[Any, Any, T]) -> T:
+async def to_the_end(handling: Awaitable[T]) -> T:
     """Await ``handling`` in a task of its own that a cancellation of the caller
     does not stop.
 

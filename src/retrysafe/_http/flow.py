@@ -165,12 +165,13 @@ class _Driver:
 def run_prepare(flow: PrepareFlow, user: Callable[[], str | None]) -> Prepared:
     """Drive a :func:`prepare` flow: ``user()`` gives the framework's identity."""
     step = _Driver(flow)
+    reply: Any  # a canonical body, a user or a secret: what the flow asked for
     while (need := step.need) is not None:
         try:
             if isinstance(need, Canonicalize):
                 reply = need.run()
             else:
-                reply = user() if need == USER else need.load_secret()  # type: ignore[union-attr]
+                reply = user() if isinstance(need, str) else need.load_secret()
         except IdempotencyError as exc:  # the store is down, a bad body: the flow answers it
             step.resume(None, exc)
         else:
@@ -181,12 +182,13 @@ def run_prepare(flow: PrepareFlow, user: Callable[[], str | None]) -> Prepared:
 async def arun_prepare(flow: PrepareFlow, user: Callable[[], Awaitable[str | None]]) -> Prepared:
     """Async :func:`run_prepare`: the user and the secret are awaited."""
     step = _Driver(flow)
+    reply: Any
     while (need := step.need) is not None:
         try:
             if isinstance(need, Canonicalize):
                 reply = await need.arun()
             else:
-                reply = await (user() if need == USER else need.aload_secret())  # type: ignore[union-attr]
+                reply = await (user() if isinstance(need, str) else need.aload_secret())
         except IdempotencyError as exc:
             step.resume(None, exc)
         else:
@@ -274,6 +276,7 @@ class Flow:
             if exc is None:
                 self.policy.settle(self.att, *self.outcome())
         finally:
+            # A sync flow holds an ExitStack, an async one an AsyncExitStack.
             self.stack.__exit__(*_exc_info(exc))  # type: ignore[union-attr]
 
     async def afinish(self, exc: BaseException | None = None) -> None:
@@ -282,7 +285,7 @@ class Flow:
             if exc is None:
                 await self.policy.asettle(self.att, *self.outcome())
         finally:
-            await self.stack.__aexit__(*_exc_info(exc))  # type: ignore[union-attr]
+            await self.stack.__aexit__(*_exc_info(exc))  # type: ignore[union-attr]  # see finish
 
 
 class Stream:

@@ -51,7 +51,7 @@ def _families() -> Iterable[Any]:
     if multiprocess_dir():
         from prometheus_client import multiprocess
 
-        return multiprocess.MultiProcessCollector(None).collect()  # type: ignore[arg-type]
+        return multiprocess.MultiProcessCollector(None).collect()
     from prometheus_client import REGISTRY
 
     return (f for f in REGISTRY.collect() if f.name.startswith("retrysafe_"))
@@ -276,7 +276,7 @@ class Monitor:
             window = _rate(now.total("replayed") - old.total("replayed"), keyed)
         return lifetime, window
 
-    def latency(self, histogram: str, label: str | None = None) -> dict[str, float | None]:
+    def latency(self, histogram: str, label: str | None = None) -> dict[str, float | str | None]:
         """p50 and p99 in seconds over the window, or the lifetime if the window has none."""
         now, old = self._latest(), self._since(self.window)
 
@@ -432,7 +432,7 @@ class Monitor:
         else:
             body = generate_latest(REGISTRY)
         registry = CollectorRegistry()
-        registry.register(self)  # type: ignore[arg-type]
+        registry.register(self)
         return body + generate_latest(registry), CONTENT_TYPE_LATEST
 
 
