@@ -65,7 +65,7 @@ def _lookup(path: str, arguments: dict[str, Any]) -> Any:
 def _check_paths(what: str, paths: Iterable[str], params: frozenset[str] | None, name: str) -> None:
     """Refuse, at decoration, a path whose root is not a parameter of the function."""
     for path in paths:
-        root = _ROOT.match(path).group()  # type: ignore[union-attr]
+        root = _ROOT.match(path).group()  # type: ignore[union-attr]  # matches every str
         if not root or root.isdigit():
             raise ValueError(f"{what} field {{{path}}} must name an argument, e.g. {{order[id]}}")
         if params is not None and root not in params:
@@ -318,11 +318,11 @@ class _Results:
         decorator lists (or a built-in one), else :class:`IdempotencyError`."""
         error = stored.get("error") if isinstance(stored, dict) else None
         types = error.get("types") if isinstance(error, dict) else None
-        if not isinstance(types, list) or not types:
+        if not isinstance(error, dict) or not isinstance(types, list) or not types:
             return IdempotencyError(
                 "an earlier attempt with this key failed finally; it is not run again"
             )
-        args = error.get("args")  # type: ignore[union-attr]
+        args = error.get("args")
         args = args if isinstance(args, list) else []
         for name in types:
             cls = self._allowed(str(name))
@@ -491,13 +491,13 @@ def idempotent(
                 f"(e.g. '{{{call.skip}.id}}:...') or scope="
             )
         results = _Results(func, serializer, final_failures)
-        if op_spec is not None:
-            op = op_spec.name
+        if isinstance(operation, Operation):
+            op = operation.name
         else:
             qualname = getattr(func, "__qualname__", None)
             if operation is None and qualname is None:
                 raise TypeError(f"give operation= to name {func!r} (it has no __qualname__)")
-            op = operation or f"{func.__module__}.{qualname}"  # type: ignore[assignment]
+            op = operation or f"{func.__module__}.{qualname}"
         if version is not None:
             op = f"{op}#v{version}"
         engine = shared

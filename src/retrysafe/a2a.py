@@ -359,7 +359,7 @@ class IdempotencyMiddleware:
             return
         prepared = core._prepare(request, caller)
         if not isinstance(prepared, Send):
-            await _reply(send, prepared)  # type: ignore[arg-type]
+            await _reply(send, prepared)  # type: ignore[arg-type]  # a send: never None
             return
         # A server or middleware may cancel this task (a client that left, a
         # timeout); work the app runs outside it (a sync endpoint's thread) goes
@@ -379,6 +379,7 @@ class IdempotencyMiddleware:
                 if att.replay is not None:
                     await _reply(send, replayed(prepared, att.replay.outcome), replay=True)
                     return
+                # _Answer stands in for the HTTP policy the recorder calls.
                 recorder = Recorder(send, _Answer(core, prepared), att)  # type: ignore[arg-type]
                 await run_recorded(self.app, scope, receive, recorder)
         except IdempotencyError as exc:

@@ -84,7 +84,7 @@ class MeshIdempotency:
     def _attempt(self, call: MeshCall, scope: str) -> Attempt:
         ttl = self.ttl if call.ttl is None else min(call.ttl, self.ttl)
         return self.engine.attempt(
-            call.key,  # type: ignore[arg-type]
+            call.key,  # type: ignore[arg-type]  # only keyed calls get here
             operation=call.operation,
             scope=scope,
             fingerprint=call.fingerprint,

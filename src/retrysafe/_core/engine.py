@@ -788,7 +788,7 @@ class Attempt:
         if claim is None or self.settled:
             return
         if self._commit(exc):
-            self._engine.complete(claim, self.outcome)  # type: ignore[arg-type]
+            self._engine.complete(claim, self.outcome)  # type: ignore[arg-type]  # _commit: set
             return
         error = None
         try:
@@ -827,7 +827,7 @@ class Attempt:
         if claim is None or self.settled:
             return
         if self._commit(exc):
-            await _shielded(self._engine.acomplete(claim, self.outcome))  # type: ignore[arg-type]
+            await _shielded(self._engine.acomplete(claim, self.outcome))  # type: ignore[arg-type]  # set
             return
         error = None
         try:

@@ -50,6 +50,7 @@ MIN_SECRET_LENGTH = 32
 #: The cell's kind: no guard uses it, so no guard's cell can be this one.
 _KIND, _NAMESPACE = "retrysafe", "deployment"
 #: Where the store keeps the secret: a cell key as ``retrysafe._core.cells.Cells`` makes them.
+# (A key needs no store: None stands in.)
 CELL_KEY = Cells(None, _KIND, _NAMESPACE).key("secret")  # type: ignore[arg-type]
 
 log = logging.getLogger("retrysafe")
