@@ -171,7 +171,8 @@ def run_prepare(flow: PrepareFlow, user: Callable[[], str | None]) -> Prepared:
             if isinstance(need, Canonicalize):
                 reply = need.run()
             else:
-                reply = user() if isinstance(need, str) else need.load_secret()
+                # need is USER or the policy; == is cheaper than isinstance here.
+                reply = user() if need == USER else need.load_secret()  # type: ignore[union-attr]
         except IdempotencyError as exc:  # the store is down, a bad body: the flow answers it
             step.resume(None, exc)
         else:
@@ -188,7 +189,7 @@ async def arun_prepare(flow: PrepareFlow, user: Callable[[], Awaitable[str | Non
             if isinstance(need, Canonicalize):
                 reply = await need.arun()
             else:
-                reply = await (user() if isinstance(need, str) else need.aload_secret())
+                reply = await (user() if need == USER else need.aload_secret())  # type: ignore[union-attr]
         except IdempotencyError as exc:
             step.resume(None, exc)
         else:
