@@ -23,6 +23,7 @@ what each means and how each front door answers it::
     ├── OutboxError
     ├── UpstreamError
     ├── MapError [ValueError]
+├── MissingExtraError [ImportError]
     ├── InvalidTransitionError
     │   └── PaymentNotFoundError [LookupError]
     ├── SequenceError
@@ -51,6 +52,7 @@ __all__ = [
     "LeaseLostError",
     "MapError",
     "MeshError",
+    "MissingExtraError",
     "OutOfOrderError",
     "OutboxError",
     "PaymentNotFoundError",
@@ -447,3 +449,18 @@ def _dotted(path: FieldPath) -> str:
             text = part if _BARE_KEY.fullmatch(part) else json.dumps(part)
             out += f".{text}" if out else text
     return out
+
+
+class MissingExtraError(IdempotencyError, ImportError):
+    """A feature needs a package that is not installed: the message names the
+    extra that installs it (``pip install 'retrysafe[gateway]'``)."""
+
+    code = "idempotency_missing_extra"
+
+    def __init__(self, extra: str, feature: str, *, name: str | None = None) -> None:
+        missing = f" ({name} is not installed)" if name else ""
+        super().__init__(
+            f"{feature} needs the {extra!r} extra{missing}: pip install 'retrysafe[{extra}]'",
+            name=name,
+        )
+        self.extra = extra

@@ -20,7 +20,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from retrysafe._core.metrics import COUNTERS, KEYED, METRICS, STORE_CALLS, Metrics, multiprocess_dir
+from retrysafe._core.metrics import (
+    COUNTERS,
+    KEYED,
+    METRICS,
+    STORE_CALLS,
+    Metrics,
+    multiprocess_dir,
+    require_prometheus,
+)
 from retrysafe.stores import Store, redact
 
 __all__ = ["Monitor", "Sample"]
@@ -148,6 +156,7 @@ class Monitor:
     ) -> None:
         if not (window > 0 and history >= window and interval > 0 and store_every > 0 and idle > 0):
             raise ValueError("window, history, interval, store_every and idle must be positive")
+        require_prometheus("serving the metrics (dashboard, Prometheus endpoint, stats)")
         self.idle = float(idle)
         self._watched = -math.inf
         self._closed = False
