@@ -34,7 +34,13 @@ import urllib.parse
 from collections.abc import AsyncGenerator, Iterable
 from typing import Any, TypeAlias
 
-import httpx
+from retrysafe.errors import MissingExtraError
+
+try:
+    import httpx
+    import uvicorn  # noqa: F401  (the server whose protocols the gateway's limits extend)
+except ImportError as exc:
+    raise MissingExtraError("gateway", "retrysafe.gateway", name=exc.name) from exc
 
 from retrysafe._gateway.limits import (
     DEFAULT_BODY_TIMEOUT,
