@@ -23,7 +23,7 @@ what each means and how each front door answers it::
     ├── OutboxError
     ├── UpstreamError
     ├── MapError [ValueError]
-├── MissingExtraError [ImportError]
+    ├── MissingExtraError [ImportError]
     ├── InvalidTransitionError
     │   └── PaymentNotFoundError [LookupError]
     ├── SequenceError
