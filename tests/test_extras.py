@@ -21,15 +21,15 @@ ROOT = Path(__file__).resolve().parent.parent
 #: The packages of the extras that the core must not need.
 OPTIONAL = ("uvicorn", "typer", "rich", "prometheus_client", "httpx", "opentelemetry")
 
-#: A ``sitecustomize`` module: it blocks the packages of the extras in every
+#: A ``sitecustomize`` module: it blocks the packages named (``{blocked}``) in every
 #: interpreter started with its folder on ``PYTHONPATH``.
-BLOCK = f"""
+BLOCK = """
 import sys
 
 
 class _Block:
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in {OPTIONAL!r}:
+        if name.partition(".")[0] in {blocked!r}:
             raise ImportError(f"No module named {{name!r}} (blocked)", name=name)
         return None
 
@@ -121,14 +121,18 @@ print("after", ",".join(loaded()))
 """
 
 
-def _run(tmp_path: Path, *args: str, blocked: bool = False) -> subprocess.CompletedProcess[str]:
-    """``python ARGS`` in a fresh interpreter, the extras' packages blocked if asked."""
+def _run(
+    tmp_path: Path, *args: str, blocked: bool | tuple[str, ...] = False
+) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` in a fresh interpreter, the extras' packages (or those named)
+    blocked if asked."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     if blocked:
+        names = OPTIONAL if blocked is True else blocked
         folder = tmp_path / "blocked"
         folder.mkdir(exist_ok=True)
-        (folder / "sitecustomize.py").write_text(BLOCK)
+        (folder / "sitecustomize.py").write_text(BLOCK.format(blocked=frozenset(names)))
         env["PYTHONPATH"] = str(folder)
     return subprocess.run(
         [sys.executable, *args],
@@ -218,6 +222,22 @@ def test_the_command_without_the_cli_extra_says_so_in_one_line(tmp_path: Path) -
     assert done.stderr.count("\n") == 1, done.stderr
     assert "Traceback" not in done.stderr
     assert "pip install 'retrysafe[cli]'" in done.stderr
+
+
+def test_the_gateway_command_without_uvicorn_names_the_extra(tmp_path: Path) -> None:
+    done = _run(
+        tmp_path,
+        "-m",
+        "retrysafe",
+        "gateway",
+        "--upstream",
+        "http://127.0.0.1:9",
+        blocked=("uvicorn",),
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "pip install 'retrysafe[gateway]'" in done.stderr
 
 
 def test_all_holds_every_other_extra() -> None:

@@ -199,9 +199,12 @@ def gateway(
     Answers never cross callers: a caller is named by its credentials (every
     Authorization line, API-key headers, session cookies); see docs/principals.md.
     """
+    # isort: off
+    from retrysafe import gateway as gw  # first: without uvicorn, it names the extra
+
     import uvicorn
 
-    from retrysafe import gateway as gw
+    # isort: on
     from retrysafe._gateway.limits import protocol_class
     from retrysafe._ops.serve import (
         SERVER_OPTIONS,
