@@ -30,7 +30,6 @@ from retrysafe._core.recording import arecord, record
 from retrysafe._core.secret import check_secret
 from retrysafe._http.asgi import (
     ASGIApp,
-    BodyTooLarge,
     Receive,
     Recorder,
     Scope,
@@ -61,7 +60,7 @@ from retrysafe._protocols.a2a import (
     replayed,
     settlement,
 )
-from retrysafe.errors import IdempotencyError, InvalidKeyError
+from retrysafe.errors import BodyTooLarge, IdempotencyError, InvalidKeyError
 from retrysafe.stores import Store
 
 __all__ = [
@@ -355,7 +354,7 @@ class A2AMiddleware:
             return
         prepared = core._prepare(request, caller)
         if not isinstance(prepared, Send):
-            await _reply(send, prepared)  # type: ignore[arg-type]
+            await _reply(send, prepared)  # type: ignore[arg-type]  # a send: never None
             return
         # A server or middleware may cancel this task (a client that left, a
         # timeout); work the app runs outside it (a sync endpoint's thread) goes
@@ -375,6 +374,7 @@ class A2AMiddleware:
                 if att.replay is not None:
                     await _reply(send, replayed(prepared, att.replay.outcome), replay=True)
                     return
+                # _Answer stands in for the HTTP policy the recorder calls.
                 recorder = Recorder(send, _Answer(core, prepared), att)  # type: ignore[arg-type]
                 await run_recorded(self.app, scope, receive, recorder)
         except IdempotencyError as exc:

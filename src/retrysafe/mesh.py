@@ -14,7 +14,6 @@ calls over HTTP with the same logic.
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Collection, Mapping
@@ -27,7 +26,6 @@ from retrysafe._core.principal import Anonymous, Principals, principal_option
 from retrysafe._core.recording import arecord, record
 from retrysafe._core.secret import check_secret
 from retrysafe._http.asgi import (
-    BodyTooLarge,
     Receive,
     Scope,
     Send,
@@ -41,8 +39,8 @@ from retrysafe._http.asgi import (
     to_the_end,
 )
 from retrysafe._http.request import HttpRequest, declared_length
-from retrysafe._protocols.mesh import URN, MeshCall, MeshError, loads, parse, transport_error
-from retrysafe.errors import IdempotencyError
+from retrysafe._protocols.mesh import URN, MeshCall, loads, parse, transport_error
+from retrysafe.errors import BodyTooLarge, IdempotencyError, MeshError
 from retrysafe.stores import Store
 
 __all__ = ["URN", "MeshApp", "MeshError", "MeshIdempotency"]
@@ -88,7 +86,7 @@ class MeshIdempotency:
     def _attempt(self, call: MeshCall, scope: str) -> Attempt:
         ttl = self.ttl if call.ttl is None else min(call.ttl, self.ttl)
         return self.engine.attempt(
-            call.key,  # type: ignore[arg-type]
+            call.key,  # type: ignore[arg-type]  # only keyed calls get here
             operation=call.operation,
             scope=scope,
             fingerprint=call.fingerprint,
@@ -197,7 +195,11 @@ def _asynchronous(handler: Handler) -> Callable[[dict[str, Any]], Awaitable[Any]
         raise TypeError(f"a handler must be callable, not {type(handler).__name__}")
     if is_async(handler):  # an object with an async __call__ counts as async too
         return handler
-    return functools.partial(asyncio.to_thread, handler)
+
+    async def in_thread(call: dict[str, Any]) -> Any:
+        return await asyncio.to_thread(handler, call)
+
+    return in_thread
 
 
 class MeshApp:

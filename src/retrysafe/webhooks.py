@@ -60,12 +60,11 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from retrysafe._core.engine import (
     DEFAULT_MAX_BODY,
     Attempt,
-    BeginOptions,
     Engine,
     Replay,
     engine_for,
@@ -74,7 +73,6 @@ from retrysafe._core.heartbeat import renewing
 from retrysafe._core.recording import arecord, record
 from retrysafe._http.asgi import (
     ASGIApp,
-    BodyTooLarge,
     Receive,
     Scope,
     Send,
@@ -87,12 +85,19 @@ from retrysafe._http.asgi import (
 )
 from retrysafe._http.policy import REPLAYED
 from retrysafe._http.problems import Response, problem, retry_after_header
-from retrysafe._http.request import BodyError, Headers
+from retrysafe._http.request import Headers
 from retrysafe._http.wsgi import environ_headers, status_line
 from retrysafe._http.wsgi import read_body as read_wsgi_body
 from retrysafe._map.map import IdempotencyMap
 from retrysafe._model.record import Outcome
-from retrysafe.errors import IdempotencyError, InProgressError, StoreUnavailableError
+from retrysafe.errors import (
+    BodyError,
+    BodyTooLarge,
+    IdempotencyError,
+    InProgressError,
+    SignatureError,
+    StoreUnavailableError,
+)
 from retrysafe.stores import Store
 
 __all__ = ["SCHEMES", "Delivery", "Receiver", "SignatureError", "WebhookResponse", "verify"]
@@ -104,21 +109,6 @@ _ANSWER = "a webhook's answer"
 
 #: Seconds a signed timestamp may be away from now (Stripe's and Standard Webhooks' default).
 DEFAULT_TOLERANCE = 300.0
-
-
-class SignatureError(IdempotencyError):
-    """The delivery is not signed by a known secret, or is malformed or too old.
-
-    Nothing was stored. ``reason`` is a short machine word: ``missing_header``,
-    ``malformed_header``, ``bad_signature``, ``timestamp_out_of_tolerance``,
-    ``no_event_id``, ``bad_secret`` or ``unknown_scheme``.
-    """
-
-    code = "webhook_signature_invalid"
-
-    def __init__(self, message: str, *, reason: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 def _need(h: Headers, name: str) -> str:
@@ -499,6 +489,15 @@ def _transaction_of(given: Any) -> tuple[str, str] | None:
     )
 
 
+class _DeliveryOptions(TypedDict):
+    """The engine options of one kind of delivery (the rest come per delivery)."""
+
+    operation: str
+    ttl: float | None
+    lease: float | None
+    retention: str
+
+
 class Receiver:
     """Webhooks exactly once: verify the signature, deduplicate by event, run ``handler``.
 
@@ -585,10 +584,10 @@ class Receiver:
         imap = self._map = IdempotencyMap.default()
         self.engine = engine_for(store, ttl=ttl, lease=lease)
         # Every option as each delivery uses it, checked now (TypeError, ValueError); no I/O.
-        self._options = {}
+        self._options: dict[str, _DeliveryOptions] = {}
         for name in ("webhook", "payment_webhook"):
             op = imap.operation(name)
-            options: BeginOptions = {
+            options: _DeliveryOptions = {
                 "operation": name,
                 "ttl": op.ttl if ttl is None else ttl,
                 "lease": op.lease if lease is None else lease,

@@ -75,8 +75,10 @@ class IdempotencyMiddleware:
         def request() -> HttpRequest:
             return _request(environ)
 
-        flow = prepare(policy, environ, method, path, lambda: read_body(environ, policy), request)
-        step = run_prepare(flow, _no_user)
+        preparing = prepare(
+            policy, environ, method, path, lambda: read_body(environ, policy), request
+        )
+        step = run_prepare(preparing, _no_user)
         if step is None:
             return self.app(environ, start_response)
         if isinstance(step, Response):

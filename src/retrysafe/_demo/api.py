@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from retrysafe._demo.shop import Shop, ShopError, refusal
-from retrysafe._http.asgi import BodyTooLarge, at_most, read_body, send_answer, send_json
+from retrysafe._http.asgi import at_most, read_body, send_answer, send_json
 from retrysafe._http.problems import Response, problem
 from retrysafe.asgi import Receive, Scope, Send
-from retrysafe.errors import IdempotencyError
+from retrysafe.errors import BodyTooLarge, IdempotencyError
 
 __all__ = ["DemoApi"]
 

@@ -8,7 +8,7 @@ import asyncio
 import inspect
 import json
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from retrysafe._core.engine import Attempt
@@ -19,7 +19,7 @@ from retrysafe._core.secret import asecret_of
 from retrysafe._http.policy import Capture, HttpPolicy
 from retrysafe._http.problems import Response
 from retrysafe._http.request import Canonicalize, Headers, HttpRequest
-from retrysafe.errors import IdempotencyError
+from retrysafe.errors import BodyTooLarge, IdempotencyError
 
 if TYPE_CHECKING:
     from retrysafe.stores import Store
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 __all__ = [
     "UNPROVEN_END",
     "ASGIApp",
-    "BodyTooLarge",
     "IdempotencyMiddleware",
     "Message",
     "Receive",
@@ -122,10 +121,6 @@ def replaying(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay_receive
-
-
-class BodyTooLarge(Exception):
-    """The request body passed the limit of :func:`at_most`."""
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -235,7 +230,7 @@ async def send_json(
 _orphans: set[asyncio.Task[Any]] = set()
 
 
-async def to_the_end(handling: Coroutine[Any, Any, T]) -> T:
+async def to_the_end(handling: Awaitable[T]) -> T:
     """Await ``handling`` in a task of its own that a cancellation of the caller
     does not stop.
 
@@ -518,8 +513,10 @@ class Recorder:
                     policy = self.policy
                     kept = policy.stored_raw_headers(start.get("headers", ()))
                     outcome = policy.outcome_of(status, kept, capture.body(), capture.size)
-                    failed, kept, final = policy.verdict(status, outcome)
-                    await arecord(self.att, kept, failed=failed, final=final, answer=policy.answer)
+                    failed, stored, final = policy.verdict(status, outcome)
+                    await arecord(
+                        self.att, stored, failed=failed, final=final, answer=policy.answer
+                    )
             if not self.started:
                 self.started = True
                 await self._forward(start)

@@ -168,11 +168,13 @@ class _Driver:
 def run_prepare(flow: PrepareFlow, user: Callable[[], str | None]) -> Prepared:
     """Drive a :func:`prepare` flow: ``user()`` gives the framework's identity."""
     step = _Driver(flow)
+    reply: Any  # a canonical body, a user or a secret: what the flow asked for
     while (need := step.need) is not None:
         try:
             if isinstance(need, Canonicalize):
                 reply = need.run()
             else:
+                # need is USER or the policy; == is cheaper than isinstance here.
                 reply = user() if need == USER else need.load_secret()  # type: ignore[union-attr]
         except IdempotencyError as exc:  # the store is down, a bad body: the flow answers it
             step.resume(None, exc)
@@ -184,6 +186,7 @@ def run_prepare(flow: PrepareFlow, user: Callable[[], str | None]) -> Prepared:
 async def arun_prepare(flow: PrepareFlow, user: Callable[[], Awaitable[str | None]]) -> Prepared:
     """Async :func:`run_prepare`: the user and the secret are awaited."""
     step = _Driver(flow)
+    reply: Any
     while (need := step.need) is not None:
         try:
             if isinstance(need, Canonicalize):
@@ -278,6 +281,7 @@ class Exchange:
                 failed, kept, final = self.policy.verdict(*self.outcome())
                 record(self.att, kept, failed=failed, final=final)
         finally:
+            # A sync flow holds an ExitStack, an async one an AsyncExitStack.
             self.stack.__exit__(*_exc_info(exc))  # type: ignore[union-attr]
 
     async def afinish(self, exc: BaseException | None = None) -> None:
@@ -287,7 +291,7 @@ class Exchange:
                 failed, kept, final = self.policy.verdict(*self.outcome())
                 await arecord(self.att, kept, failed=failed, final=final)
         finally:
-            await self.stack.__aexit__(*_exc_info(exc))  # type: ignore[union-attr]
+            await self.stack.__aexit__(*_exc_info(exc))  # type: ignore[union-attr]  # see finish
 
 
 class Stream:

@@ -23,7 +23,6 @@ from retrysafe._core.principal import Anonymous, Principal, Principals, principa
 from retrysafe._core.secret import Secret, asecret_of, check_secret, secret_of
 from retrysafe._http.problems import Response, problem, retry_after_header
 from retrysafe._http.request import (
-    BodyError,
     BodyForm,
     Canonicalize,
     HttpRequest,
@@ -32,10 +31,12 @@ from retrysafe._http.request import (
     form_fingerprint,
     parse_key,
 )
-from retrysafe._map.map import IdempotencyMap, Route
+from retrysafe._map.map import IdempotencyMap
+from retrysafe._map.routes import Route
 from retrysafe._model.record import Outcome
 from retrysafe.errors import (
     AmbiguousCredentialsError,
+    BodyError,
     FingerprintMismatchError,
     InProgressError,
     InvalidKeyError,
@@ -241,7 +242,7 @@ class HttpPolicy:
         if not values:
             return None
         key = parse_key(values)
-        if self.key_format is not None:
+        if self.key_format is not None and key is not None:
             self.key_format(key)
         return key
 

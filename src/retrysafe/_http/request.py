@@ -22,12 +22,11 @@ from typing import Any
 
 from retrysafe._core.secret import Secret
 from retrysafe._model.hashing import KEY_PATTERN, canonical_json, validate_key
-from retrysafe.errors import IdempotencyError, InvalidKeyError
+from retrysafe.errors import BodyError, InvalidKeyError
 
 __all__ = [
     "MAX_KEY_HEADER",
     "OFFLOAD_JSON",
-    "BodyError",
     "BodyForm",
     "Canonicalize",
     "Headers",
@@ -46,18 +45,6 @@ log = logging.getLogger("retrysafe.http")
 #: any parsing: the longest key (255 characters) quoted with every character
 #: escaped, twice over (a proxy that repeats the line), with room to spare.
 MAX_KEY_HEADER = 2048
-
-
-class BodyError(IdempotencyError):
-    """The request body cannot be fingerprinted (malformed JSON, or too large)."""
-
-    code = "idempotency_body_invalid"
-
-    def __init__(self, message: str, *, status: int = 400, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        if code is not None:
-            self.code = code
 
 
 class Headers(Mapping[str, str]):
@@ -255,10 +242,11 @@ def _is_json(content_type: str | None) -> bool:
 # JSON parsed and re-serialised by the C scanner and encoder directly: the same
 # canonical form as canonical_json(json.loads(body)) (sorted keys, no whitespace,
 # UTF-8, no NaN) without the pure-Python layers around them.
-_scan = json.JSONDecoder().scan_once
-_space = json.decoder.WHITESPACE.match
+# (typeshed leaves these CPython internals out: hence the ignores)
+_scan = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+_space = json.decoder.WHITESPACE.match  # type: ignore[attr-defined]
 try:
-    from json.encoder import c_make_encoder as _c_make_encoder
+    from json.encoder import c_make_encoder as _c_make_encoder  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - CPython always has _json
     _c_make_encoder = None
 

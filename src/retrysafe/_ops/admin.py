@@ -294,7 +294,8 @@ class AdminSite:
             return problem(400, "idempotency_key_invalid", str(exc))
         if self.store is None:
             return problem(404, "no_store", "this admin site has no store to search")
-        operation = (query.get("operation") or [None])[0]
+        operations = query.get("operation")
+        operation = operations[0] if operations else None
         scope = (query.get("scope") or [""])[0]
         try:
             if operation is not None:

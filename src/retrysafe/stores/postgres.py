@@ -118,7 +118,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from retrysafe._model.decide import claimable
 from retrysafe._model.duration import parse_duration
 from retrysafe._model.record import ClaimResult, Outcome, Record, Status
-from retrysafe.errors import StoreUnavailableError
+from retrysafe.errors import SchemaModeError, SchemaVersionError, StoreUnavailableError
 from retrysafe.stores._base import ArchivedRecord, Store, StoreStats, SweepBatch
 from retrysafe.stores._redact import redact, redact_in
 from retrysafe.stores._sql import (
@@ -133,15 +133,6 @@ from retrysafe.stores._sql import (
 log = logging.getLogger("retrysafe")
 
 __all__ = ["SCHEMA_VERSION", "PostgresStore", "SchemaModeError", "SchemaVersionError"]
-
-
-class SchemaVersionError(StoreUnavailableError):
-    """The table's schema is newer than this version of retrysafe knows."""
-
-
-class SchemaModeError(StoreUnavailableError, ValueError):
-    """The table was created partitioned and opened unpartitioned, or the other way
-    round (or with another partition interval): the layout is fixed at creation."""
 
 
 class _Op(NamedTuple):
