@@ -32,7 +32,7 @@ from retrysafe._core.heartbeat import renewing
 from retrysafe._decorator import failure_logged
 from retrysafe._model.hashing import json_default, key_hash, validate_key
 from retrysafe._model.record import JSON_MEDIA_TYPE, Outcome, Record, Status
-from retrysafe.errors import IdempotencyError, InvalidKeyError, LeaseLostError
+from retrysafe.errors import InvalidKeyError, LeaseLostError, StepResultError
 from retrysafe.stores import Store
 
 __all__ = ["Run", "StepResultError", "Workflow"]
@@ -45,21 +45,6 @@ _JSON = json.JSONEncoder(
 _MAX_PLANS = 1024
 
 Reference = str | Callable[[Any], Any] | None
-
-
-class StepResultError(IdempotencyError, TypeError):
-    """A step returned, but its result (or its reference) cannot be stored.
-
-    The step's side effect happened, so the step and the operation are failed
-    *finally*: no retry calls the step function again. ``derived_key`` is the key
-    the step passed downstream: reconcile with it.
-    """
-
-    code = "idempotency_step_result"
-
-    def __init__(self, message: str, *, step: str = "", derived_key: str = "") -> None:
-        super().__init__(message)
-        self.step, self.derived_key = step, derived_key
 
 
 def _step_name(name: object) -> str:
@@ -240,7 +225,7 @@ class Workflow:
             ttl=DEFAULT_TTL if ttl is None else ttl,
             lease=DEFAULT_LEASE if lease is None else lease,
         )
-        self._options = {"ttl": ttl, "lease": lease, "retention": retention}
+        self._options: dict[str, Any] = {"ttl": ttl, "lease": lease, "retention": retention}
         self._parent = Plan(self.engine, "-", operation=operation, wait=wait, **self._options)
         self._plans: dict[str, Plan] = {}
 
@@ -274,7 +259,7 @@ class Workflow:
     @staticmethod
     def _result(replay: Replay) -> Any:
         outcome = replay.outcome
-        stored = None if outcome is None else outcome.value
+        stored: Any = None if outcome is None else outcome.value
         if replay.failed:
             error = stored.get("error", {}) if isinstance(stored, dict) else {}
             raise StepResultError(
@@ -383,7 +368,7 @@ class Workflow:
             while True:
                 wanted = reads.send(self.engine.store.get(wanted))
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            return done.value
 
     async def areferences(self, key: str, *, scope: str = "") -> dict[str, str]:
         """Async :meth:`references`."""
@@ -393,7 +378,7 @@ class Workflow:
             while True:
                 wanted = reads.send(await self.engine.store.aget(wanted))
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            return done.value
 
 
 def _stored_value(record: Record | None, now: float) -> Any:

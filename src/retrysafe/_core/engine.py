@@ -325,7 +325,7 @@ class Engine:
             answer = plan.settle(result, record, started)
             if answer.__class__ is not float:
                 return answer  # type: ignore[return-value]
-            time.sleep(answer)  # type: ignore[arg-type]
+            time.sleep(answer)
 
     def complete(self, claim: Claim, outcome: Outcome) -> None:
         """Store the outcome; :class:`LeaseLostError` if the claim no longer owns the key."""
@@ -398,7 +398,7 @@ class Engine:
             answer = plan.settle(result, record, started)
             if answer.__class__ is not float:
                 return answer  # type: ignore[return-value]
-            await asyncio.sleep(answer)  # type: ignore[arg-type]
+            await asyncio.sleep(answer)
 
     async def acomplete(self, claim: Claim, outcome: Outcome) -> None:
         """Async :meth:`complete`."""
@@ -788,7 +788,7 @@ class Attempt:
         if claim is None or self.settled:
             return
         if self._commit(exc):
-            self._engine.complete(claim, self.outcome)  # type: ignore[arg-type]
+            self._engine.complete(claim, self.outcome)  # type: ignore[arg-type]  # _commit: set
             return
         error = None
         try:
@@ -827,7 +827,7 @@ class Attempt:
         if claim is None or self.settled:
             return
         if self._commit(exc):
-            await _shielded(self._engine.acomplete(claim, self.outcome))  # type: ignore[arg-type]
+            await _shielded(self._engine.acomplete(claim, self.outcome))  # type: ignore[arg-type]  # set
             return
         error = None
         try:

@@ -440,6 +440,12 @@ class SQLiteStore(Store[_Op]):
                     return ClaimResult(
                         True, attempts=taken[0], took_over=cur.status if live else None
                     )
+            # Unreachable while one connection writes at a time; as PostgreSQL says it.
+            raise StoreUnavailableError(
+                f"SQLite store {self.path}: a claim ran {_MAX_CLAIM_STATEMENTS} statements "
+                "without settling (concurrent writers kept changing the key)",
+                retry_after=1.0,
+            )
 
         return op
 

@@ -14,8 +14,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "the PostgreSQL store needs psycopg 3 and psycopg_pool: pip install 'retrysafe[postgres]'"
     ) from exc
 
+from retrysafe.errors import SchemaModeError, SchemaVersionError
 from retrysafe.stores.postgres.connection import UNAVAILABLE_ERRORS
-from retrysafe.stores.postgres.schema import SCHEMA_VERSION, SchemaModeError, SchemaVersionError
+from retrysafe.stores.postgres.schema import SCHEMA_VERSION
 from retrysafe.stores.postgres.store import PostgresStore
 
 __all__ = [

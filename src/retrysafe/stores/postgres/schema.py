@@ -10,19 +10,9 @@ from typing import NamedTuple
 
 from psycopg import sql
 
-from retrysafe.errors import StoreUnavailableError
 from retrysafe.stores._sql import COLUMN_SPECS, COLUMNS
 
-__all__ = ["SCHEMA_VERSION", "SchemaModeError", "SchemaVersionError"]
-
-
-class SchemaVersionError(StoreUnavailableError):
-    """The table's schema is newer than this version of retrysafe knows."""
-
-
-class SchemaModeError(StoreUnavailableError, ValueError):
-    """The table was created partitioned and opened unpartitioned, or the other way
-    round (or with another partition interval): the layout is fixed at creation."""
+__all__ = ["SCHEMA_VERSION"]
 
 
 #: Columns that a takeover of a live record keeps (``attempts`` counts on).

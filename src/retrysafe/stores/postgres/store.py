@@ -26,7 +26,7 @@ from psycopg_pool import ConnectionPool
 from retrysafe._model.decide import claimable
 from retrysafe._model.duration import parse_duration
 from retrysafe._model.record import ClaimResult, Outcome, Record, Status
-from retrysafe.errors import StoreUnavailableError
+from retrysafe.errors import SchemaModeError, SchemaVersionError, StoreUnavailableError
 from retrysafe.stores._base import Store
 from retrysafe.stores._redact import redact, redact_in
 from retrysafe.stores._sql import (
@@ -63,8 +63,6 @@ from retrysafe.stores.postgres.schema import (
     _SELECT_COLUMNS,
     _STATS,
     SCHEMA_VERSION,
-    SchemaModeError,
-    SchemaVersionError,
     _lock_id,
     _Names,
     _p_schema,
