@@ -27,7 +27,9 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 try:  # redis-py >= 7
     from redis.maint_notifications import MaintNotificationsConfig
 except ImportError:  # pragma: no cover - older redis-py
-    MaintNotificationsConfig = None
+    _MAINT_CONFIG: type[MaintNotificationsConfig] | None = None
+else:
+    _MAINT_CONFIG = MaintNotificationsConfig
 
 from retrysafe.stores._redact import redact
 
@@ -132,11 +134,11 @@ class RedisClients:
 
     def _client_options(self, retry: Any) -> dict[str, Any]:
         options = {**self._options, "retry": retry}
-        if MaintNotificationsConfig is not None:
+        if _MAINT_CONFIG is not None:
             # With maintenance notifications on ("auto", the default) redis-py's asyncio
             # pool skips its stale-connection check, so the first call after a server
             # restart would fail; they only matter for RESP3 on Redis Enterprise.
-            options["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
+            options["maint_notifications_config"] = _MAINT_CONFIG(enabled=False)
         return options
 
     def _sync_client(self) -> Any:

@@ -119,6 +119,7 @@ def _claim_blob(r: Record) -> bytes:
 
 def _outcome_blob(outcome: Outcome) -> bytes:
     headers = outcome.headers
+    prefix: bytes | None
     if headers:
         prefix = _outcome_prefix(outcome.status, outcome.media_type, headers)
     else:
@@ -206,7 +207,7 @@ def record_from_value(value: bytes | None, key_hash: str) -> Record | None:
             parts[3].decode(),
             parts[4].decode(),
         )
-    meta = parts[5]
+    meta_json = parts[5]
     return Record(
         key_hash=key_hash,
         key=key,
@@ -225,7 +226,7 @@ def record_from_value(value: bytes | None, key_hash: str) -> Record | None:
         final=final,
         outcome=_outcome(value, end) if len(value) > end else None,
         request_payload=parts[6] if flags & 2 else None,
-        metadata=json.loads(meta) if meta else {},
+        metadata=json.loads(meta_json) if meta_json else {},
         retention=FINANCIAL if flags & 8 else STANDARD,
     )
 

@@ -55,6 +55,9 @@ from retrysafe.stores.redis.lua import (
 
 __all__ = ["RedisStore"]
 
+#: What a scanned value that is not a record raises while it is decoded.
+_NOT_A_RECORD: tuple[type[BaseException], ...] = (*_MALFORMED, StoreUnavailableError)
+
 # -- ops -----------------------------------------------------------------------------
 
 
@@ -571,7 +574,7 @@ class RedisStore(RedisClients, Store[_Op]):
             return None
         try:
             return record_from_value(value, self._key_hash(key))
-        except (*_MALFORMED, StoreUnavailableError):  # another program's value
+        except _NOT_A_RECORD:  # another program's value
             return None
 
     def _expired(self, key: bytes, value: Any, now: float) -> Record | None:
