@@ -337,7 +337,8 @@ class PostgresConnections:
     def _run(self, op: _Op) -> Any:
         try:
             pool = self._pool or self._sync_pool()
-            conn: _Connection | None = self._checkout(pool)
+            conn: _Connection | None
+            conn = self._checkout(pool)
             try:
                 cur = conn.store_cursor()
                 while True:
@@ -381,7 +382,8 @@ class PostgresConnections:
         try:
             entry = await self._loop_pool()
             pool = entry.pool
-            conn: _AsyncConnection | None = await self._acheckout(pool)
+            conn: _AsyncConnection | None
+            conn = await self._acheckout(pool)
             try:
                 if not self._migrated:
                     async with entry.migrate_lock:
@@ -448,6 +450,6 @@ class PostgresConnections:
         except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable(exc) from exc
 
-    def _ops_rows(self, query: sql.Composable, params: Sequence[Any]) -> list[Any]:
+    def _ops_rows(self, query: str | sql.Composed, params: Sequence[Any]) -> list[Any]:
         with self._ops_connection() as conn:
             return conn.store_cursor().execute(query, params).fetchall()

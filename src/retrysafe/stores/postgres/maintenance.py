@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
 from psycopg import sql
@@ -15,7 +16,7 @@ from retrysafe._model.record import Record
 from retrysafe.stores._base import ArchivedRecord, RecordQuery, StoreStats, SweepBatch
 from retrysafe.stores._sql import archived_from_row, list_clause, record_from_row, record_params
 from retrysafe.stores.postgres.connection import _Connection, _Op
-from retrysafe.stores.postgres.schema import _DDL_LOCK_TIMEOUT
+from retrysafe.stores.postgres.schema import _DDL_LOCK_TIMEOUT, _Names, _PNames
 
 __all__ = ["PostgresMaintenance"]
 
@@ -34,8 +35,47 @@ class _Partition(NamedTuple):
 _BOUNDS = re.compile(r"FROM \('([^']+)'\) TO \('([^']+)'\)")
 
 
+def _scalar(cur: psycopg.Cursor[Any]) -> Any:
+    """The first column of the one row a function call or an aggregate returns."""
+    row = cur.fetchone()
+    assert row is not None
+    return row[0]
+
+
 class PostgresMaintenance:
-    """The operations half of :class:`PostgresStore`: sync, never on the request path."""
+    """The operations half of :class:`PostgresStore`: sync, never on the request path.
+
+    It uses the statements and names that :class:`PostgresStore` composes, and the
+    executors of :class:`~retrysafe.stores.postgres.connection.PostgresConnections`.
+    """
+
+    # Set by PostgresStore.__init__ and _build_sql.
+    partitioned: bool
+    _where: str
+    _names: _Names
+    _pnames: _PNames
+    _table_name: str
+    _cols: sql.Composed
+    _archive_cols: sql.Composed
+    _q_sweep: str
+    _q_cells_index: str
+    _q_cells_sweep: str
+    _q_leftovers: str
+    _leftover_args: tuple[str, str, str]
+    _q_add_partition: str
+    _q_partitions: str
+    _q_refresh: str
+    _q_list: sql.Composed
+    _q_list_archive: sql.Composed
+    _q_stats: list[str]
+    _q_archive: str
+
+    if TYPE_CHECKING:  # defined by PostgresConnections and PostgresStore
+
+        def _run(self, op: _Op) -> Any: ...
+        def _ops_connection(self) -> AbstractContextManager[_Connection]: ...
+        def _ops_rows(self, query: str | sql.Composed, params: Sequence[Any]) -> list[Any]: ...
+        def _lowers_ahead(self, now: float, have: set[float]) -> Iterator[float]: ...
 
     def sweep(self, now: float, limit: int = 1000) -> SweepBatch:
         """One bounded sweep step (see :meth:`Store.sweep`).
@@ -94,7 +134,7 @@ class PostgresMaintenance:
         deleted = archived = 0
         with self._ops_connection() as conn:
             cur = conn.cursor()
-            if not cur.execute("SELECT pg_try_advisory_lock(%s)", (pn.sweep_lock,)).fetchone()[0]:
+            if not _scalar(cur.execute("SELECT pg_try_advisory_lock(%s)", (pn.sweep_lock,))):
                 return SweepBatch(0, 0, done=True)
             try:
                 cur.execute("SELECT set_config('lock_timeout', %s, false)", (_DDL_LOCK_TIMEOUT,))
@@ -173,7 +213,9 @@ class PostgresMaintenance:
         )
         with conn.transaction():
             cur = conn.cursor()
-            rows, copied = cur.execute(moved, (now,)).fetchone()
+            counts = cur.execute(moved, (now,)).fetchone()
+            assert counts is not None  # the SELECT always returns its one row
+            rows, copied = counts
             cur.execute(sql.SQL("DROP TABLE {}").format(part))
         return int(rows), int(copied)
 
@@ -194,11 +236,11 @@ class PostgresMaintenance:
                 stats.counts[(operation, status)] = int(n)
                 if key_hash is not None and (oldest is None or created_at < oldest[0]):
                     oldest = (created_at, key_hash)
-            stats.expired = int(cur.execute(expired_q, (now,)).fetchone()[0])
+            stats.expired = int(_scalar(cur.execute(expired_q, (now,))))
             if oldest is not None:
                 row = cur.execute(get_q, (oldest[1],)).fetchone()
                 stats.oldest_processing = None if row is None else record_from_row(row)
-            stats.archived = int(cur.execute(archived_q).fetchone()[0])
+            stats.archived = int(_scalar(cur.execute(archived_q)))
         return stats
 
     def archive_records(self, records: Sequence[Record], archived_at: float) -> int:

@@ -249,8 +249,9 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
             detail = redact_in(str(exc), url)
             raise ValueError(f"invalid PostgreSQL URL {redact(url)!r}: {detail}") from None
         kwargs: dict[str, Any] = {"autocommit": True}
-        if "connect_timeout" in params:
-            connect_timeout = float(params["connect_timeout"])
+        url_timeout = params.get("connect_timeout")
+        if url_timeout is not None:
+            connect_timeout = float(url_timeout)
         else:
             kwargs["connect_timeout"] = max(1, round(connect_timeout))
         if "application_name" not in params:
@@ -324,7 +325,7 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
         # and status) with the rule re-checked on the current row.
         assignments = []
         for c in COLUMNS[1:]:
-            value = sql.SQL("%s")
+            value: sql.Composable = sql.SQL("%s")
             if c in _KEPT_WHEN_LIVE:
                 value = sql.SQL("CASE WHEN t.expires_at > %s THEN {} ELSE %s END").format(
                     sql.SQL(_KEPT_WHEN_LIVE[c])
