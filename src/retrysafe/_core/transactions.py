@@ -47,7 +47,7 @@ def _kind(store: Store[Any]) -> str:
 
 
 def _owned(att: Attempt) -> Claim:
-    if att.claim is None or att.settled:
+    if att.claim is None or att.finished:
         raise RuntimeError("transaction() needs an attempt that holds an unsettled claim")
     return att.claim
 
@@ -122,7 +122,7 @@ def transaction(att: Attempt, connection: Any = None) -> Iterator[Any]:
             except _pg_unavailable() as exc:
                 raise _pg_failed(store, exc) from exc
             att._engine._settled(claim, op.parse(cur.rowcount, None), started)
-    att.settled = True  # committed: leaving the attempt's block writes nothing more
+    att.finished = True  # committed: leaving the attempt's block writes nothing more
 
 
 @asynccontextmanager
@@ -143,7 +143,7 @@ async def atransaction(att: Attempt, connection: Any = None) -> AsyncIterator[An
         except _pg_unavailable() as exc:
             raise _pg_failed(store, exc) from exc
         att._engine._settled(claim, op.parse(cur.rowcount, None), started)
-    att.settled = True
+    att.finished = True
 
 
 # -- connections ----------------------------------------------------------------------
