@@ -508,9 +508,9 @@ class Attempt:
             self.claim = answer
         return self
 
-    def _commit(self, exc: BaseException | None) -> bool:
-        """True when leaving the block should complete (not fail) the claim."""
-        return exc is None and self.outcome is not None
+    def _to_store(self, exc: BaseException | None) -> Outcome | None:
+        """The outcome leaving the block completes the claim with; None: fail it."""
+        return self.outcome if exc is None else None
 
     @staticmethod
     def _failed(exc: BaseException | None, error: Exception | None) -> None:
@@ -531,8 +531,9 @@ class Attempt:
         claim = self.claim
         if claim is None or self.finished:
             return
-        if self._commit(exc):
-            self._engine.complete(claim, self.outcome)  # type: ignore[arg-type]
+        outcome = self._to_store(exc)
+        if outcome is not None:
+            self._engine.complete(claim, outcome)
             return
         error = None
         try:
@@ -570,8 +571,9 @@ class Attempt:
         claim = self.claim
         if claim is None or self.finished:
             return
-        if self._commit(exc):
-            await _shielded(self._engine.acomplete(claim, self.outcome))  # type: ignore[arg-type]
+        outcome = self._to_store(exc)
+        if outcome is not None:
+            await _shielded(self._engine.acomplete(claim, outcome))
             return
         error = None
         try:
