@@ -112,7 +112,7 @@ def transaction(att: Attempt, connection: Any = None) -> Iterator[Any]:
         with _sqlite(store, connection) as conn:
             yield conn
             op, started = _completion(att, claim)
-            att._engine._settled(claim, op(conn), started)
+            att._engine._finished(claim, op(conn), started)
     else:
         with _postgres(store, connection) as conn, conn.transaction():
             yield conn
@@ -121,7 +121,7 @@ def transaction(att: Attempt, connection: Any = None) -> Iterator[Any]:
                 cur = conn.execute(op.query, op.params)
             except _pg_unavailable() as exc:
                 raise _pg_failed(store, exc) from exc
-            att._engine._settled(claim, op.parse(cur.rowcount, None), started)
+            att._engine._finished(claim, op.parse(cur.rowcount, None), started)
     att.finished = True  # committed: leaving the attempt's block writes nothing more
 
 
@@ -142,7 +142,7 @@ async def atransaction(att: Attempt, connection: Any = None) -> AsyncIterator[An
             cur = await conn.execute(op.query, op.params)
         except _pg_unavailable() as exc:
             raise _pg_failed(store, exc) from exc
-        att._engine._settled(claim, op.parse(cur.rowcount, None), started)
+        att._engine._finished(claim, op.parse(cur.rowcount, None), started)
     att.finished = True
 
 
