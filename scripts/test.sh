@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's one test command: installs system servers if missing, builds
-# .venv, lints, checks the layers, then runs pytest with any extra arguments passed through.
+# .venv, lints, checks the layers and the types, then runs pytest with any extra
+# arguments passed through.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -81,5 +82,7 @@ fi
 # The layers (docs/architecture.md), and shared code under real names.
 .venv/bin/lint-imports --no-cache --no-logo >/dev/null || .venv/bin/lint-imports --no-cache --no-logo
 .venv/bin/python scripts/private_names.py
+# The type checker on src ([tool.mypy] in pyproject.toml).
+.venv/bin/python -m mypy
 
 exec .venv/bin/python -m pytest "$@"

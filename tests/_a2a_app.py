@@ -32,7 +32,7 @@ from a2a.utils.errors import InternalError
 from starlette.applications import Starlette
 
 from retrysafe._http.asgi import replaying
-from retrysafe.a2a import IdempotencyMiddleware
+from retrysafe.a2a import A2AMiddleware
 
 
 class Counter(_http_apps.Counter):
@@ -120,12 +120,12 @@ def crashing(app: Any, counter: Counter) -> Any:
     return asgi
 
 
-def make_app(counters: str | Path, store: Any, **options: Any) -> IdempotencyMiddleware:
+def make_app(counters: str | Path, store: Any, **options: Any) -> A2AMiddleware:
     counter = Counter(counters)
-    return IdempotencyMiddleware(crashing(agent_app(counter), counter), store=store, **options)
+    return A2AMiddleware(crashing(agent_app(counter), counter), store=store, **options)
 
 
-def app_from_env() -> IdempotencyMiddleware:
+def app_from_env() -> A2AMiddleware:
     """For ``uvicorn --factory``: counters, store URL and options from the environment."""
     from retrysafe import open_store
 

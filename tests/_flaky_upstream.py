@@ -32,7 +32,7 @@ from typing import Any
 
 from _http_servers import Process, free_port, uvicorn_argv
 
-from retrysafe._http.asgi import read_body
+from retrysafe._http.asgi import at_most, read_body
 
 SCHEMA = "CREATE TABLE IF NOT EXISTS effects (n INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT)"
 
@@ -59,7 +59,7 @@ class Flaky:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        body = await read_body(receive, 1 << 20) or b""
+        body = await read_body(receive, at_most(1 << 20)) or b""
         if scope["path"] == "/health":
             await answer(send, 200, {"ok": True})
             return

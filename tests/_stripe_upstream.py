@@ -33,7 +33,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from retrysafe._http.asgi import read_body
+from retrysafe._http.asgi import at_most, read_body
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS calls (
     n INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT, path TEXT, mode TEXT, object_id TEXT)"""
@@ -69,7 +69,7 @@ class StripeUpstream:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        body = await read_body(receive, 1 << 20) or b""
+        body = await read_body(receive, at_most(1 << 20)) or b""
         path = scope["path"]
         if path == "/health":
             await answer(send, 200, {"ok": True})

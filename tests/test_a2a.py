@@ -27,11 +27,18 @@ from _a2a_app import Counter, make_app
 from _http_servers import Process, ThreadServer, free_port, uvicorn_argv
 from conftest import StoreSpec
 
+import retrysafe.a2a as a2a_module
 from retrysafe import Engine, Store, StoreUnavailableError
 from retrysafe._core.principal import Principals
 from retrysafe._http.asgi import caller
 from retrysafe._protocols.a2a import normal_message, part_v03, part_v10, result_as
-from retrysafe.a2a import SEND_METHODS, A2AIdempotency, ErrorCode, IdempotencyMiddleware
+from retrysafe.a2a import (
+    SEND_METHODS,
+    A2AIdempotency,
+    A2AMiddleware,
+    ErrorCode,
+    IdempotencyMiddleware,
+)
 
 _ids = itertools.count(1)
 
@@ -682,7 +689,7 @@ async def test_a_cancelled_request_runs_its_send_once(memory: Store[Any]) -> Non
         await send({"type": "http.response.body", "body": body})
         to_the_cancelled.append(await receive())
 
-    middleware = IdempotencyMiddleware(app, store=memory)
+    middleware = A2AMiddleware(app, store=memory)
 
     async def post(body: dict[str, Any], sent: list[Any] | None = None) -> dict[str, Any]:
         sent = [] if sent is None else sent
@@ -731,7 +738,7 @@ def test_lifespan_passes_through_and_closes_the_store(memory: Store[Any]) -> Non
         await send({"type": "lifespan.shutdown.complete"})
 
     closed: list[bool] = []
-    middleware = IdempotencyMiddleware(app, store=memory)
+    middleware = A2AMiddleware(app, store=memory)
     middleware.core.engine.store.aclose = lambda: closed.append(True) or asyncio.sleep(0)  # type: ignore[method-assign]
     messages = iter([{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}])
 
@@ -748,6 +755,12 @@ def test_lifespan_passes_through_and_closes_the_store(memory: Store[Any]) -> Non
 
 def test_options_are_checked() -> None:
     with pytest.raises(TypeError):
-        IdempotencyMiddleware(lambda *a: None, store="memory://", scope="nope")  # type: ignore[arg-type]
+        A2AMiddleware(lambda *a: None, store="memory://", scope="nope")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         A2AIdempotency("memory://", ttl=-1)
+
+
+def test_the_middleware_keeps_its_old_name() -> None:
+    """``retrysafe.a2a.IdempotencyMiddleware`` is :class:`A2AMiddleware`, kept for compatibility."""
+    assert IdempotencyMiddleware is A2AMiddleware
+    assert "A2AMiddleware" in a2a_module.__all__

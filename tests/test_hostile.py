@@ -62,18 +62,13 @@ from retrysafe import (
     fingerprint,
     open_store,
 )
-from retrysafe._http.policy import (
-    MAX_KEY_HEADER,
-    PROBLEM_TYPE,
-    BodyError,
-    parse_key,
-    request_fingerprint,
-)
+from retrysafe._http.problems import PROBLEM_TYPE
+from retrysafe._http.request import MAX_KEY_HEADER, BodyError, parse_key, request_fingerprint
 from retrysafe._model.hashing import KEY_PATTERN, printable
 from retrysafe._model.record import MAX_REQUEST_ID, stored_request_id
 from retrysafe._protocols.a2a import Send, parse_send
 from retrysafe._protocols.mesh import loads
-from retrysafe.a2a import IdempotencyMiddleware as A2AMiddleware
+from retrysafe.a2a import A2AMiddleware
 from retrysafe.asgi import IdempotencyMiddleware as ASGIMiddleware
 from retrysafe.mesh import URN, MeshApp
 from retrysafe.stores.memory import MemoryStore, record_bytes

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from retrysafe import InvalidKeyError, Outcome, Record, Replay, Status
-from retrysafe._http.policy import (
-    OMITTED,
-    BodyError,
-    HttpPolicy,
-    parse_key,
-    request_fingerprint,
-)
+from retrysafe._http.policy import OMITTED, HttpPolicy
+from retrysafe._http.request import BodyError, parse_key, request_fingerprint
 from retrysafe.http import MAX_KEY_HEADER
 
 KEYS = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=255)
@@ -251,7 +247,7 @@ JSON_VALUES = st.recursive(
 @given(JSON_VALUES)
 def test_the_fast_json_canonical_form_is_canonical_json(value: object) -> None:
     from retrysafe import canonical_json
-    from retrysafe._http.policy import _canonical
+    from retrysafe._http.request import _canonical
 
     text = json.dumps(value, indent=1, ensure_ascii=True)
     assert _canonical(text) == canonical_json(json.loads(text))
@@ -261,3 +257,58 @@ def test_the_fast_json_canonical_form_is_canonical_json(value: object) -> None:
 def test_json_bodies_must_be_utf8_json(body: bytes) -> None:
     with pytest.raises(BodyError):
         request_fingerprint("POST", "/", "", "application/json", body)
+
+
+def test_one_headers_class_serves_every_door() -> None:
+    """The request headers (``retrysafe.http``) and a webhook's are one class: a
+    case-insensitive mapping over str or bytes pairs that keeps repeats."""
+    from retrysafe.http import Headers
+    from retrysafe.webhooks import Headers as WebhookHeaders
+
+    assert WebhookHeaders is Headers
+    h = Headers([(b"X-Sig", b" v1 "), ("x-sig", "v2"), ("Content-Type", "application/json")])
+    assert h["X-SIG"] == h.get("x-sig") == "v1"  # the first of repeated names, stripped
+    assert h.getlist("X-Sig") == ["v1", "v2"]
+    assert h.items() == [("x-sig", "v1"), ("x-sig", "v2"), ("content-type", "application/json")]
+    assert list(h) == ["x-sig", "content-type"] and len(h) == 2
+    assert "CONTENT-TYPE" in h and "missing" not in h and h.get("missing") is None
+    assert h.first("missing", "x-sig") == "v1"
+    assert Headers({"A": "1"}) == {"a": "1"}
+    assert "v1" not in repr(h)  # names only: values may be secrets
+
+
+async def test_recording_an_outcome_never_raises_for_the_store(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every door records through ``_core.recording``: a store that refuses the
+    outcome is logged, and the answer still goes out."""
+    from retrysafe import StoreUnavailableError
+    from retrysafe._core.recording import arecord, record
+
+    calls: list[tuple[str, object, object]] = []
+
+    class Refusing:
+        claim = None
+
+        def complete(self, outcome: object) -> None:
+            calls.append(("complete", outcome, None))
+            raise StoreUnavailableError("down")
+
+        def fail(self, outcome: object, *, final: object) -> None:
+            calls.append(("fail", outcome, final))
+            raise ValueError("too large")
+
+        async def acomplete(self, outcome: object) -> None:
+            self.complete(outcome)
+
+        async def afail(self, outcome: object, *, final: object) -> None:
+            self.fail(outcome, final=final)
+
+    att: Any = Refusing()
+    done = Outcome.json({"ok": True})
+    record(att, done)
+    record(att, done, failed=True, final=True)
+    await arecord(att, None, final=False, answer="a webhook's answer")
+    assert calls == [("complete", done, None), ("fail", done, True), ("fail", None, False)]
+    assert caplog.text.count("was sent but not recorded") == 3
+    assert "a webhook's answer was sent but not recorded" in caplog.text

@@ -685,7 +685,7 @@ def test_mesh_and_a2a_replay_a_token_refresh(memory: Store[Any]) -> None:
     from test_a2a import v03
     from test_mesh import RESULT, request
 
-    from retrysafe.a2a import IdempotencyMiddleware as A2AMiddleware
+    from retrysafe.a2a import A2AMiddleware
     from retrysafe.mesh import MeshApp
 
     runs: list[str] = []

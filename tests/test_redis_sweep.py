@@ -22,7 +22,8 @@ from conftest import Clock, make_spec
 from retrysafe import Claim, Engine, Outcome, Status, StoreUnavailableError, Sweeper
 from retrysafe._model.record import Record
 from retrysafe.stores import Store, open_store
-from retrysafe.stores.redis import RedisStore, _record_value, record_from_value
+from retrysafe.stores.redis import RedisStore, record_from_value
+from retrysafe.stores.redis.codec import _record_value
 
 HOUR = 3600.0
 

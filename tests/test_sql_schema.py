@@ -266,7 +266,7 @@ def make_postgres_v1(
 ) -> None:
     """A table as schema v1 made it: the store's own migration, stopped at v1."""
     with monkeypatch.context() as patch:
-        patch.setattr(postgres, "SCHEMA_VERSION", 1)
+        patch.setattr(postgres.store, "SCHEMA_VERSION", 1)
         store = PostgresStore(url, table=table)
         assert store.migrate() == 1
         store.close()

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from retrysafe._core.engine import DEFAULT_LEASE, DEFAULT_TTL, Attempt, Claim, Engine, Replay
 from retrysafe._decorator import idempotent
-from retrysafe._map.map import IdempotencyMap, MapError, Operation, Route
+from retrysafe._map.map import IdempotencyMap
+from retrysafe._map.operations import Operation
+from retrysafe._map.routes import Route
 from retrysafe._model.hashing import canonical_json, fingerprint, key_hash, validate_key
 from retrysafe._model.record import ClaimResult, Outcome, Record, Status
 from retrysafe._ops.sweep import Sweeper, SweepReport
@@ -18,6 +20,7 @@ from retrysafe.errors import (
     InProgressError,
     InvalidKeyError,
     LeaseLostError,
+    MapError,
     PrincipalRequiredError,
     StoreUnavailableError,
 )

@@ -32,7 +32,7 @@ from retrysafe._core.engine import (
 )
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.metrics import METRICS
-from retrysafe._map.map import Operation
+from retrysafe._map.operations import Operation
 from retrysafe._model.hashing import KEY_PATTERN, fingerprint, validate_key
 from retrysafe._model.record import Outcome
 from retrysafe.errors import IdempotencyError, InvalidKeyError
@@ -64,7 +64,7 @@ def _lookup(path: str, arguments: dict[str, Any]) -> Any:
 def _check_paths(what: str, paths: Iterable[str], params: frozenset[str] | None, name: str) -> None:
     """Refuse, at decoration, a path whose root is not a parameter of the function."""
     for path in paths:
-        root = _ROOT.match(path).group()  # type: ignore[union-attr]
+        root = _ROOT.match(path).group()  # type: ignore[union-attr]  # matches every str
         if not root or root.isdigit():
             raise ValueError(f"{what} field {{{path}}} must name an argument, e.g. {{order[id]}}")
         if params is not None and root not in params:
@@ -229,6 +229,7 @@ class _Results:
         self._serializer: Serializer | None = None
         with contextlib.suppress(NameError):  # a forward reference: resolved at the first call
             self.serializer  # noqa: B018 - resolve now if the annotation can be resolved
+        self.final_types: tuple[type[BaseException], ...]
         if final is True or final is False:
             self.final_all, self.final_types = final, ()
         else:
@@ -316,11 +317,11 @@ class _Results:
         decorator lists (or a built-in one), else :class:`IdempotencyError`."""
         error = stored.get("error") if isinstance(stored, dict) else None
         types = error.get("types") if isinstance(error, dict) else None
-        if not isinstance(types, list) or not types:
+        if not isinstance(error, dict) or not isinstance(types, list) or not types:
             return IdempotencyError(
                 "an earlier attempt with this key failed finally; it is not run again"
             )
-        args = error.get("args")  # type: ignore[union-attr]
+        args = error.get("args")
         args = args if isinstance(args, list) else []
         for name in types:
             cls = self._allowed(str(name))
@@ -335,7 +336,7 @@ class _Results:
         """Only classes this decorator lists (or built-in ones) are rebuilt: a stored
         type name never imports anything."""
         for cls in self.final_types:
-            if _name_of(cls) == name:
+            if _name_of(cls) == name or _moved(cls, name):
                 return cls
         module, _, qualname = name.rpartition(".")
         found = getattr(builtins, qualname, None) if module == "builtins" else None
@@ -346,6 +347,17 @@ class _Results:
 
 def _name_of(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _moved(cls: type, name: str) -> bool:
+    """``name`` is ``cls``, a retrysafe error, as an earlier version stored it: the
+    errors moved to :mod:`retrysafe.errors` from other modules (``retrysafe.guards``)."""
+    module, _, qualname = name.rpartition(".")
+    return (
+        cls.__module__ == "retrysafe.errors"
+        and module.startswith("retrysafe.")
+        and qualname == cls.__qualname__
+    )
 
 
 class _Returns:
@@ -473,13 +485,13 @@ def idempotent(
                 f"(e.g. '{{{call.skip}.id}}:...') or scope="
             )
         results = _Results(func, serializer, final_failures)
-        if op_spec is not None:
-            op = op_spec.name
+        if isinstance(operation, Operation):
+            op = operation.name
         else:
             qualname = getattr(func, "__qualname__", None)
             if operation is None and qualname is None:
                 raise TypeError(f"give operation= to name {func!r} (it has no __qualname__)")
-            op = operation or f"{func.__module__}.{qualname}"  # type: ignore[assignment]
+            op = operation or f"{func.__module__}.{qualname}"
         if version is not None:
             op = f"{op}#v{version}"
         engine = shared
@@ -565,6 +577,6 @@ def idempotent(
             wrapper = sync_wrapper
         wrapper.engine = get_engine
         wrapper.operation = op
-        return wrapper  # type: ignore[no-any-return]
+        return wrapper
 
     return decorate if func is None else decorate(func)

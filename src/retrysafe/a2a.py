@@ -2,10 +2,10 @@
 
 ::
 
-    from retrysafe.a2a import A2AIdempotency, IdempotencyMiddleware
+    from retrysafe.a2a import A2AIdempotency, A2AMiddleware
 
     # ASGI, in front of an A2A server:
-    app = IdempotencyMiddleware(app, store="redis://localhost:6379/0")
+    app = A2AMiddleware(app, store="redis://localhost:6379/0")
     # a function that answers one JSON-RPC request:
     dispatch = A2AIdempotency("sqlite:///idempotency.db").wrap(dispatch)
 
@@ -26,13 +26,14 @@ from typing import Any
 from retrysafe._core.engine import Attempt, Engine, Plan, engine_for
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.principal import Anonymous, Principals, principal_option
+from retrysafe._core.recording import arecord, record
 from retrysafe._core.secret import check_secret
 from retrysafe._http.asgi import (
     ASGIApp,
-    BodyTooLarge,
     Receive,
     Recorder,
     Scope,
+    at_most,
     caller_scope,
     closing,
     is_async,
@@ -45,7 +46,8 @@ from retrysafe._http.asgi import (
 from retrysafe._http.asgi import (
     Send as ASGISend,
 )
-from retrysafe._http.policy import DEFAULT_MAX_REQUEST_BODY, HttpRequest, unrecorded
+from retrysafe._http.policy import DEFAULT_MAX_REQUEST_BODY
+from retrysafe._http.request import HttpRequest
 from retrysafe._model.record import Outcome
 from retrysafe._protocols.a2a import (
     SEND_METHODS,
@@ -58,13 +60,14 @@ from retrysafe._protocols.a2a import (
     replayed,
     settlement,
 )
-from retrysafe.errors import IdempotencyError, InvalidKeyError
+from retrysafe.errors import BodyTooLarge, IdempotencyError, InvalidKeyError
 from retrysafe.stores import Store
 
 __all__ = [
     "SEND_METHODS",
     "STREAM_METHODS",
     "A2AIdempotency",
+    "A2AMiddleware",
     "ErrorCode",
     "IdempotencyMiddleware",
 ]
@@ -175,23 +178,17 @@ class A2AIdempotency:
                     return replayed(send, att.replay.outcome)
                 with renewing(att):
                     response = handler(request)
-                self._settle(att, send, response)
+                self._record(att, send, response)
                 return response
         except IdempotencyError as exc:
             if entered:
                 raise
             return refusal(send.id, exc)
 
-    def _settle(self, att: Attempt, send: Send, response: Any) -> None:
+    def _record(self, att: Attempt, send: Send, response: Any) -> None:
         """Record the response to ``send`` (None: no usable response); never raises."""
         ok, outcome, final = self._verdict(send, response)
-        try:
-            if ok:
-                att.complete(outcome)  # type: ignore[arg-type]
-            else:
-                att.fail(outcome, final=final)
-        except (IdempotencyError, ValueError) as exc:
-            unrecorded(att.claim, exc, f"the answer to message {send.key!r}")
+        record(att, outcome, failed=not ok, final=final, answer=_answer_to(send))
 
     # -- async: the same shells with await ------------------------------------------------
 
@@ -210,23 +207,17 @@ class A2AIdempotency:
                     return replayed(send, att.replay.outcome)
                 with renewing(att):
                     response = await handler(request)
-                await self._asettle(att, send, response)
+                await self._arecord(att, send, response)
                 return response
         except IdempotencyError as exc:
             if entered:
                 raise
             return refusal(send.id, exc)
 
-    async def _asettle(self, att: Attempt, send: Send, response: Any) -> None:
-        """Async :meth:`_settle`."""
+    async def _arecord(self, att: Attempt, send: Send, response: Any) -> None:
+        """Async :meth:`_record`."""
         ok, outcome, final = self._verdict(send, response)
-        try:
-            if ok:
-                await att.acomplete(outcome)  # type: ignore[arg-type]
-            else:
-                await att.afail(outcome, final=final)
-        except (IdempotencyError, ValueError) as exc:
-            unrecorded(att.claim, exc, f"the answer to message {send.key!r}")
+        await arecord(att, outcome, failed=not ok, final=final, answer=_answer_to(send))
 
     def wrap(self, handler: Callable[..., Any]) -> Callable[..., Any]:
         """``handler`` (sync or async, taking one JSON-RPC request) deduplicated.
@@ -257,8 +248,11 @@ class A2AIdempotency:
 # -- ASGI -----------------------------------------------------------------------------
 
 
-class IdempotencyMiddleware:
+class A2AMiddleware:
     """ASGI middleware in front of an A2A JSON-RPC server.
+
+    Unlike the HTTP front doors' ``IdempotencyMiddleware``, it keys on each JSON-RPC
+    send's ``messageId`` (no key header) and answers in JSON-RPC.
 
     A POST holding one JSON-RPC send is run once per messageId (see
     :class:`A2AIdempotency` for ``store``, ``ttl``, ``lease``, ``wait``,
@@ -319,7 +313,7 @@ class IdempotencyMiddleware:
             await self.app(scope, receive, send)
             return
         try:
-            body = await read_body(receive, self.max_request_body)
+            body = await read_body(receive, at_most(self.max_request_body))
         except BodyTooLarge:
             await _reply(
                 send,
@@ -360,7 +354,7 @@ class IdempotencyMiddleware:
             return
         prepared = core._prepare(request, caller)
         if not isinstance(prepared, Send):
-            await _reply(send, prepared)  # type: ignore[arg-type]
+            await _reply(send, prepared)  # type: ignore[arg-type]  # a send: never None
             return
         # A server or middleware may cancel this task (a client that left, a
         # timeout); work the app runs outside it (a sync endpoint's thread) goes
@@ -380,12 +374,17 @@ class IdempotencyMiddleware:
                 if att.replay is not None:
                     await _reply(send, replayed(prepared, att.replay.outcome), replay=True)
                     return
+                # _Answer stands in for the HTTP policy the recorder calls.
                 recorder = Recorder(send, _Answer(core, prepared), att)  # type: ignore[arg-type]
                 await run_recorded(self.app, scope, receive, recorder)
         except IdempotencyError as exc:
             if entered:
                 raise
             await _reply(send, refusal(prepared.id, exc))
+
+
+#: The name this middleware had before :class:`A2AMiddleware`, kept for compatibility.
+IdempotencyMiddleware = A2AMiddleware
 
 
 class _Answer:
@@ -395,11 +394,12 @@ class _Answer:
     fails the attempt (retryable).
     """
 
-    __slots__ = ("core", "max_body", "send")
+    __slots__ = ("answer", "core", "max_body", "send")
 
     def __init__(self, core: A2AIdempotency, send: Send) -> None:
         self.core, self.send = core, send
         self.max_body = core.engine.max_body
+        self.answer = _answer_to(send)
 
     def stored_raw_headers(self, headers: Iterable[tuple[bytes, bytes]]) -> str:
         """The answer's media type (the recorder's "kept headers")."""
@@ -412,8 +412,14 @@ class _Answer:
             return None
         return _parse(body) if size <= self.max_body else _UNKEPT
 
-    async def asettle(self, att: Attempt, status: int, response: Any) -> None:
-        await self.core._asettle(att, self.send, response)
+    def verdict(self, status: int, response: Any) -> tuple[bool, Outcome | None, bool | None]:
+        """(failed, what is stored, final) of the answer's JSON-RPC response."""
+        ok, outcome, final = self.core._verdict(self.send, response)
+        return not ok, outcome, final
+
+
+def _answer_to(send: Send) -> str:
+    return f"the answer to message {send.key!r}"
 
 
 def _parse(body: bytes) -> Any:

@@ -9,10 +9,18 @@ every retry of that call. :class:`MeshClient` and :class:`AsyncMeshClient` add
 mutations durably for later. See ``docs/client.md`` and ``docs/outbox.md``.
 """
 
+from retrysafe.errors import MissingExtraError
+
+try:
+    import httpx  # noqa: F401
+except ImportError as exc:
+    raise MissingExtraError("client", "retrysafe.client", name=exc.name) from exc
+
 from retrysafe._client.clients import AsyncClient, Client, was_replayed
 from retrysafe._client.mesh import AsyncMeshClient, MeshClient
-from retrysafe._client.outbox import FlushResult, Outbox, OutboxError, OutboxItem
+from retrysafe._client.outbox import FlushResult, Outbox, OutboxItem
 from retrysafe._client.retry import RetryPolicy, decide, retry_after, retryable
+from retrysafe.errors import OutboxError
 
 __all__ = [
     "AsyncClient",

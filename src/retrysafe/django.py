@@ -45,7 +45,7 @@ from django.utils.module_loading import import_string
 
 from retrysafe._http.flow import (
     Answer,
-    Flow,
+    Exchange,
     PrepareFlow,
     Stream,
     aenter,
@@ -55,7 +55,10 @@ from retrysafe._http.flow import (
     prepare,
     run_prepare,
 )
-from retrysafe._http.policy import BodyError, Headers, HttpPolicy, HttpRequest, Response
+from retrysafe._http.policy import HttpPolicy
+from retrysafe._http.problems import Response
+from retrysafe._http.request import Headers, HttpRequest
+from retrysafe.errors import BodyError
 
 __all__ = ["IdempotencyMiddleware"]
 
@@ -89,8 +92,8 @@ class IdempotencyMiddleware:
     def __call__(self, request: DjangoRequest) -> Any:  # a response, or a coroutine of one
         if self.is_async:
             return self.__acall__(request)
-        flow = self._prepare(request)
-        step = None if flow is None else run_prepare(flow, lambda: _user(request))
+        preparing = self._prepare(request)
+        step = None if preparing is None else run_prepare(preparing, lambda: _user(request))
         if not isinstance(step, tuple):
             return self.get_response(request) if step is None else _answer(step)
         policy, attempt = step
@@ -101,17 +104,17 @@ class IdempotencyMiddleware:
             if isinstance(att, Response):
                 return _answer(att)
             response = self.get_response(request)
-            flow = Flow(policy, att, stack.pop_all(), _answer_of(response))
+            exchange = Exchange(policy, att, stack.pop_all(), _answer_of(response))
         if response.streaming:
-            _stream(response, flow)
+            _stream(response, exchange)
         else:
-            flow.push(response.content)
-            flow.finish()
+            exchange.push(response.content)
+            exchange.finish()
         return response
 
     async def __acall__(self, request: DjangoRequest) -> HttpResponseBase:
-        flow = self._prepare(request)
-        step = None if flow is None else await arun_prepare(flow, lambda: _auser(request))
+        preparing = self._prepare(request)
+        step = None if preparing is None else await arun_prepare(preparing, lambda: _auser(request))
         if not isinstance(step, tuple):
             return await self.get_response(request) if step is None else _answer(step)
         policy, attempt = step
@@ -122,18 +125,19 @@ class IdempotencyMiddleware:
             if isinstance(att, Response):
                 return _answer(att)
             response = await self.get_response(request)
-            flow = Flow(policy, att, stack.pop_all(), _answer_of(response))
+            held = stack.pop_all()
+            exchange = Exchange(policy, att, held, _answer_of(response))
         if not response.streaming:
-            flow.push(response.content)
-            await flow.afinish()
+            exchange.push(response.content)
+            await exchange.afinish()
             return response
         chunks = response.streaming_content
         if not response.is_async:
             chunks = _from_sync(chunks)
         # The view's resources (Django closes them first) close once the answer is recorded.
-        flow.stack.push_async_callback(sync_to_async(response.close, thread_sensitive=True))
+        held.push_async_callback(sync_to_async(response.close, thread_sensitive=True))
         response.close = _closed
-        response.streaming_content = astream(flow, chunks)
+        response.streaming_content = astream(exchange, chunks)
         return response
 
     def _prepare(self, request: DjangoRequest) -> PrepareFlow | None:
@@ -209,7 +213,7 @@ async def _auser(request: DjangoRequest) -> str | None:
     user = request.__dict__.get("user")
     if user is None:
         return None
-    if isinstance(user, SimpleLazyObject) and user._wrapped is empty:  # type: ignore[attr-defined]
+    if isinstance(user, SimpleLazyObject) and user._wrapped is empty:
         auser = request.__dict__.get("auser")
         if auser is not None:
             return _identity(await auser())
@@ -282,11 +286,11 @@ def _answer(answer: Response) -> HttpResponse:
     return response
 
 
-def _stream(response: Any, flow: Flow) -> None:
+def _stream(response: Any, exchange: Exchange) -> None:
     """Record a sync streamed answer before its last chunk leaves."""
-    stream = Stream(flow, iter(response))
+    stream = Stream(exchange, iter(response))
     # The view's resources (Django closes them first) close once the answer is recorded.
-    flow.stack.callback(response.close)
+    exchange.stack.callback(response.close)
     response.streaming_content = stream
     response.close = stream.close
 
@@ -297,6 +301,10 @@ def _closed() -> None:
 
 async def _from_sync(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
     """A sync streamed body under ASGI, read a chunk at a time in Django's sync thread."""
-    step = sync_to_async(next, thread_sensitive=True)
-    while (chunk := await step(chunks, None)) is not None:
+    step = sync_to_async(_next_chunk, thread_sensitive=True)
+    while (chunk := await step(chunks)) is not None:
         yield chunk
+
+
+def _next_chunk(chunks: Iterator[bytes]) -> bytes | None:
+    return next(chunks, None)

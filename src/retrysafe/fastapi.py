@@ -21,7 +21,8 @@ from collections.abc import Collection
 from typing import Any
 
 from retrysafe._http.asgi import IdempotencyMiddleware
-from retrysafe._http.policy import DEFAULT_HEADERS, PROBLEM_TYPE
+from retrysafe._http.policy import DEFAULT_HEADERS
+from retrysafe._http.problems import PROBLEM_TYPE
 
 __all__ = ["document", "install"]
 
@@ -66,7 +67,9 @@ def install(app: Any, store: Any = None, **options: Any) -> None:
 
     if getattr(app, "middleware_stack", None) is not None:
         raise RuntimeError("Cannot add middleware after an application has started")
-    app.user_middleware.append(Middleware(IdempotencyMiddleware, store=store, **options))
+    # mypy infers starlette's ParamSpec wrongly for a class taking **options.
+    factory: Any = IdempotencyMiddleware
+    app.user_middleware.append(Middleware(factory, store=store, **options))
     header = options.get("header", DEFAULT_HEADERS)
     document(
         app,

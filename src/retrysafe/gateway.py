@@ -34,7 +34,13 @@ import urllib.parse
 from collections.abc import AsyncGenerator, Iterable
 from typing import Any, TypeAlias
 
-import httpx
+from retrysafe.errors import MissingExtraError
+
+try:
+    import httpx
+    import uvicorn  # noqa: F401  (the server whose protocols the gateway's limits extend)
+except ImportError as exc:
+    raise MissingExtraError("gateway", "retrysafe.gateway", name=exc.name) from exc
 
 from retrysafe._gateway.limits import (
     DEFAULT_BODY_TIMEOUT,
@@ -45,7 +51,7 @@ from retrysafe._gateway.limits import (
     ServerLimits,
     protocol_class,
 )
-from retrysafe._gateway.upstream import Pool, UpstreamError, connection_tokens
+from retrysafe._gateway.upstream import Pool, connection_tokens
 from retrysafe._http.asgi import (
     UNPROVEN_END,
     ASGIApp,
@@ -57,10 +63,11 @@ from retrysafe._http.asgi import (
     lifespan,
     send_answer,
 )
-from retrysafe._http.policy import Response, problem
+from retrysafe._http.problems import Response, problem
 from retrysafe._ops.admin import FROM_ENV, AdminSite
 from retrysafe._ops.dashboard import serve_admin
 from retrysafe._ops.sweep import DEFAULT_SWEEP_EVERY, BackgroundSweeper
+from retrysafe.errors import UpstreamError
 from retrysafe.stores import Store, redact
 
 __all__ = [

@@ -29,7 +29,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from retrysafe._core.cells import KEEP, Cell, Cells, Flow, Read, cas_update, check_ttl
-from retrysafe.errors import IdempotencyError
+from retrysafe.errors import (
+    HistoryFullError,
+    InvalidTransitionError,
+    OutOfOrderError,
+    PaymentNotFoundError,
+    SequenceError,
+    SequenceGapError,
+    VersionConflictError,
+)
 from retrysafe.stores import Store
 
 __all__ = [
@@ -54,88 +62,6 @@ __all__ = [
 ]
 
 Clock = Callable[[], float]
-
-# -- errors ------------------------------------------------------------------------------
-
-
-class InvalidTransitionError(IdempotencyError):
-    """The payment may not move from ``current`` to ``requested``; nothing was written."""
-
-    code = "payment_transition_invalid"
-
-    def __init__(self, payment_id: str, current: str | None, requested: str, why: str = "") -> None:
-        super().__init__(
-            f"payment {payment_id!r}: no transition from {current!r} to {requested!r}{why}"
-        )
-        self.payment_id = payment_id
-        self.current = current
-        self.requested = requested
-
-
-class PaymentNotFoundError(InvalidTransitionError, LookupError):
-    """``advance`` on a payment that was never started (``current`` is None; pass
-    ``create=True`` to start it on the way)."""
-
-    code = "payment_not_found"
-
-    def __init__(self, payment_id: str, requested: str) -> None:
-        super().__init__(payment_id, None, requested, ": it was never started (create=True?)")
-
-
-class SequenceError(IdempotencyError):
-    """A sequence number was refused; nothing was written. ``last`` is the last accepted."""
-
-    code = "sequence_refused"
-
-    def __init__(
-        self, message: str, *, session_id: str, operation: str, last: int, sequence: int
-    ) -> None:
-        super().__init__(message)
-        self.session_id = session_id
-        self.operation = operation
-        self.last = last
-        self.sequence = sequence
-
-
-class OutOfOrderError(SequenceError):
-    """The sequence number is not above the last one processed (a stale or repeated request)."""
-
-    code = "sequence_out_of_order"
-
-
-class SequenceGapError(SequenceError):
-    """``strict``: the sequence number skips ahead of ``expected`` (``last + 1``)."""
-
-    code = "sequence_gap"
-
-    @property
-    def expected(self) -> int:
-        """The number that would have been accepted."""
-        return self.last + 1
-
-
-class VersionConflictError(IdempotencyError):
-    """``cas``: the stored version is not the expected one; nothing was written."""
-
-    code = "version_conflict"
-
-    def __init__(self, key: str, current: int, expected: int) -> None:
-        super().__init__(f"{key}: version is {current}, not the expected {expected}")
-        self.key = key
-        self.current = current
-        self.expected = expected
-
-
-class HistoryFullError(IdempotencyError):
-    """The subject's history holds ``max_entries`` entries already; nothing was written."""
-
-    code = "history_full"
-
-    def __init__(self, subject: str, max_entries: int) -> None:
-        super().__init__(f"history {subject!r} is full ({max_entries} entries)")
-        self.subject = subject
-        self.max_entries = max_entries
-
 
 # -- helpers ---------------------------------------------------------------------------
 
@@ -452,10 +378,10 @@ class SessionRegistry(_Guard):
         clock: Clock = time.time,
     ) -> None:
         super().__init__(store, namespace, clock)
-        ttl = check_ttl(ttl)
-        if ttl is None:
+        checked = check_ttl(ttl)
+        if checked is None:
             raise ValueError("a session needs a ttl")
-        self.ttl = ttl
+        self.ttl = checked
         self.token_factory = token_factory
 
     def _open(self, user_id: str, device_id: str) -> Flow[Session]:
@@ -600,13 +526,14 @@ class VersionedRecords(_Guard):
                 raise TypeError("conflict='lww' needs a timestamp")
             if expected_version is not None:
                 raise ValueError("conflict='lww' takes no expected_version")
+            stamp = timestamp  # not None here, as the closure below cannot see
         else:
             expected = _whole("expected_version", expected_version or 0)
         key = self._cells.key(entity, entity_id)
 
         def decide(cell: Cell | None, now: float) -> tuple[Any, Versioned]:
             if lww:
-                if cell is not None and not _newer(timestamp, value, cell.value):  # type: ignore[arg-type]
+                if cell is not None and not _newer(stamp, value, cell.value):
                     return KEEP, _versioned(entity, entity_id, cell, False)
             else:
                 current = 0 if cell is None else cell.version

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from retrysafe._http.policy import (
+from retrysafe._http.request import (
     MAX_KEY_HEADER,
     Headers,
     HttpRequest,

@@ -14,7 +14,6 @@ calls over HTTP with the same logic.
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Collection, Mapping
@@ -24,12 +23,13 @@ from retrysafe._core.engine import DEFAULT_MAX_BODY, Attempt, Engine, engine_for
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.metrics import METRICS
 from retrysafe._core.principal import Anonymous, Principals, principal_option
+from retrysafe._core.recording import arecord, record
 from retrysafe._core.secret import check_secret
 from retrysafe._http.asgi import (
-    BodyTooLarge,
     Receive,
     Scope,
     Send,
+    at_most,
     caller_scope,
     header,
     is_async,
@@ -38,9 +38,9 @@ from retrysafe._http.asgi import (
     send_json,
     to_the_end,
 )
-from retrysafe._http.policy import HttpRequest, declared_length, unrecorded
-from retrysafe._protocols.mesh import URN, MeshCall, MeshError, Step, loads, parse, transport_error
-from retrysafe.errors import IdempotencyError
+from retrysafe._http.request import HttpRequest, declared_length
+from retrysafe._protocols.mesh import URN, MeshCall, loads, parse, transport_error
+from retrysafe.errors import BodyTooLarge, IdempotencyError, MeshError
 from retrysafe.stores import Store
 
 __all__ = ["URN", "MeshApp", "MeshError", "MeshIdempotency"]
@@ -86,7 +86,7 @@ class MeshIdempotency:
     def _attempt(self, call: MeshCall, scope: str) -> Attempt:
         ttl = self.ttl if call.ttl is None else min(call.ttl, self.ttl)
         return self.engine.attempt(
-            call.key,  # type: ignore[arg-type]
+            call.key,  # type: ignore[arg-type]  # only keyed calls get here
             operation=call.operation,
             scope=scope,
             fingerprint=call.fingerprint,
@@ -125,7 +125,7 @@ class MeshIdempotency:
                 with renewing(att):
                     result = _run(handler, call.call)
                 step = call.finish(result, att.claim, self.engine.max_body)
-                _record(att, step)
+                record(att, step.outcome, failed=step.failed, final=step.final)
                 return step.response
         except IdempotencyError as exc:
             if entered:
@@ -158,7 +158,7 @@ class MeshIdempotency:
                 with renewing(att):
                     result = await _arun(handler, call.call)
                 step = call.finish(result, att.claim, self.engine.max_body)
-                await _arecord(att, step)
+                await arecord(att, step.outcome, failed=step.failed, final=step.final)
                 return step.response
         except IdempotencyError as exc:
             if entered:
@@ -186,26 +186,6 @@ async def _arun(handler: Handler, call: dict[str, Any]) -> Any:
         return err
 
 
-def _record(att: Attempt, step: Step) -> None:
-    try:
-        if step.failed:
-            att.fail(step.outcome, final=step.final)
-        else:
-            att.complete(step.outcome)  # type: ignore[arg-type]
-    except IdempotencyError as exc:
-        unrecorded(att.claim, exc)
-
-
-async def _arecord(att: Attempt, step: Step) -> None:
-    try:
-        if step.failed:
-            await att.afail(step.outcome, final=step.final)
-        else:
-            await att.acomplete(step.outcome)  # type: ignore[arg-type]
-    except IdempotencyError as exc:
-        unrecorded(att.claim, exc)
-
-
 # -- HTTP ------------------------------------------------------------------------------
 
 
@@ -215,7 +195,11 @@ def _asynchronous(handler: Handler) -> Callable[[dict[str, Any]], Awaitable[Any]
         raise TypeError(f"a handler must be callable, not {type(handler).__name__}")
     if is_async(handler):  # an object with an async __call__ counts as async too
         return handler
-    return functools.partial(asyncio.to_thread, handler)
+
+    async def in_thread(call: dict[str, Any]) -> Any:
+        return await asyncio.to_thread(handler, call)
+
+    return in_thread
 
 
 class MeshApp:
@@ -294,7 +278,7 @@ class MeshApp:
         try:
             if (declared_length(length) or 0) > self.max_body:
                 raise BodyTooLarge
-            body = await read_body(receive, self.max_body)
+            body = await read_body(receive, at_most(self.max_body))
         except BodyTooLarge:
             return 413, transport_error(f"the request is over {self.max_body} bytes"), []
         if body is None:

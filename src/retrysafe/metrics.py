@@ -103,5 +103,5 @@ def wsgi_app(
         start_response(status_line(response.status), response.headers)
         return [] if environ.get("REQUEST_METHOD") == "HEAD" else [response.body]
 
-    app.site = site  # type: ignore[attr-defined]
+    app.site = site  # type: ignore[attr-defined]  # the WSGI function carries its site
     return app

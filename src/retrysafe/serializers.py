@@ -77,17 +77,14 @@ JSON = JsonSerializer()
 class CustomSerializer:
     """A serializer from a pair of functions: ``dump(value) -> JSON``, ``load(JSON) -> value``."""
 
+    dump: Callable[[Any], Any]
+    load: Callable[[Any], Any]
+
     def __init__(self, dump: Callable[[Any], Any], load: Callable[[Any], Any]) -> None:
         if not callable(dump) or not callable(load):
             raise TypeError("a custom serializer is a pair of callables (dump, load)")
-        self.dump = dump  # type: ignore[method-assign]
-        self.load = load  # type: ignore[method-assign]
-
-    def dump(self, value: Any) -> Any:  # replaced per instance
-        raise NotImplementedError
-
-    def load(self, data: Any) -> Any:  # replaced per instance
-        raise NotImplementedError
+        self.dump = dump
+        self.load = load
 
     def __repr__(self) -> str:
         return f"CustomSerializer({self.dump!r}, {self.load!r})"
@@ -258,13 +255,13 @@ def _class_loader(cls: type) -> Loader | None:
         return _dataclass_loader(cls)
     validate = getattr(cls, "model_validate", None)  # pydantic v2
     if callable(validate):
-        return validate  # type: ignore[no-any-return]
+        return validate
     if issubclass(cls, tuple) and hasattr(cls, "_fields"):  # NamedTuple
         hints = typing.get_type_hints(cls)
         loaders = [_loader(hints.get(name, Any)) or _same for name in cls._fields]
         return lambda data: cls(*(f(v) for f, v in zip(loaders, data, strict=False)))
     if issubclass(cls, _ISO):
-        return cls.fromisoformat  # type: ignore[attr-defined,no-any-return]
+        return cls.fromisoformat
     if issubclass(cls, bytes):
         return lambda data: cls(base64.b64decode(data))
     if issubclass(cls, (str, int, float, decimal.Decimal, uuid.UUID, tuple, set, frozenset)):
@@ -294,6 +291,8 @@ def _dataclass_loader(cls: type) -> Loader:
 
 
 def _generic_loader(tp: Any, origin: Any, args: tuple[Any, ...]) -> Loader | None:
+    each: Loader
+    build: Callable[[Any], Any]
     if origin is typing.Annotated:
         return _loader(args[0])
     if origin is typing.Literal:
@@ -302,32 +301,34 @@ def _generic_loader(tp: Any, origin: Any, args: tuple[Any, ...]) -> Loader | Non
         return _union_loader(args)
     if origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis:
-            item = _loader(args[0]) or _same
-            return lambda data: tuple(item(v) for v in data)
+            each = _loader(args[0]) or _same
+            return lambda data: tuple(each(v) for v in data)
         items = [_loader(a) or _same for a in args]
         return lambda data: tuple(f(v) for f, v in zip(items, data, strict=False))
     if not isinstance(origin, type):
         raise TypeError(f"cannot replay a {tp!r} result: pass serializer=(dump, load)")
+    make: Callable[[Any], Any] = origin  # the narrowed type[Mapping] etc. hides its constructor
     if issubclass(origin, (abc.Mapping,)) and not issubclass(origin, (list, tuple)):
         key = _loader(args[0]) if args else None
         value = _loader(args[1]) if len(args) > 1 else None
-        build = dict if origin in (dict, abc.Mapping, abc.MutableMapping) else origin
+        build = dict if origin in (dict, abc.Mapping, abc.MutableMapping) else make
         if key is None and value is None and build is dict:
             return None
-        key, value = key or _same, value or _same
-        return lambda data: build({key(k): value(v) for k, v in data.items()})
+        k_load, v_load = key or _same, value or _same
+        return lambda data: build({k_load(k): v_load(v) for k, v in data.items()})
     if issubclass(origin, (abc.Set,)):
-        item = (_loader(args[0]) if args else None) or _same
-        build = set if origin in (abc.Set, abc.MutableSet) else origin
-        return lambda data: build(item(v) for v in data)
+        each = (_loader(args[0]) if args else None) or _same
+        build = set if origin in (abc.Set, abc.MutableSet) else make
+        return lambda data: build(each(v) for v in data)
     if issubclass(origin, (abc.Iterable,)):
-        item = _loader(args[0]) if args else None
+        found = _loader(args[0]) if args else None
         if origin in (list, abc.Sequence, abc.MutableSequence, abc.Iterable, abc.Collection):
-            if item is None:
+            if found is None:
                 return None
-            return lambda data: [item(v) for v in data]
-        item = item or _same
-        return lambda data: origin(item(v) for v in data)
+            each = found
+            return lambda data: [each(v) for v in data]
+        each = found or _same
+        return lambda data: make(each(v) for v in data)
     raise TypeError(f"cannot replay a {tp!r} result: pass serializer=(dump, load)")
 
 

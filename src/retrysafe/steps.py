@@ -34,7 +34,7 @@ from retrysafe._core.heartbeat import renewing
 from retrysafe._decorator import failure_logged
 from retrysafe._model.hashing import json_default, key_hash, validate_key
 from retrysafe._model.record import JSON_MEDIA_TYPE, Outcome, Record, Status
-from retrysafe.errors import IdempotencyError, InvalidKeyError, LeaseLostError
+from retrysafe.errors import InvalidKeyError, LeaseLostError, StepResultError
 from retrysafe.stores import Store
 
 __all__ = ["Run", "StepResultError", "Workflow"]
@@ -47,21 +47,6 @@ _JSON = json.JSONEncoder(
 _MAX_PLANS = 1024
 
 Reference = str | Callable[[Any], Any] | None
-
-
-class StepResultError(IdempotencyError, TypeError):
-    """A step returned, but its result (or its reference) cannot be stored.
-
-    The step's side effect happened, so the step and the operation are failed
-    *finally*: no retry calls the step function again. ``derived_key`` is the key
-    the step passed downstream: reconcile with it.
-    """
-
-    code = "idempotency_step_result"
-
-    def __init__(self, message: str, *, step: str = "", derived_key: str = "") -> None:
-        super().__init__(message)
-        self.step, self.derived_key = step, derived_key
 
 
 def _step_name(name: object) -> str:
@@ -277,7 +262,7 @@ class Workflow:
     @staticmethod
     def _result(replay: Replay) -> Any:
         outcome = replay.outcome
-        stored = None if outcome is None else outcome.value
+        stored: Any = None if outcome is None else outcome.value
         if replay.failed:
             error = stored.get("error", {}) if isinstance(stored, dict) else {}
             raise StepResultError(
@@ -386,7 +371,7 @@ class Workflow:
             while True:
                 wanted = reads.send(self.engine.store.get(wanted))
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            return done.value
 
     async def areferences(self, key: str, *, scope: str = "") -> dict[str, str]:
         """Async :meth:`references`."""
@@ -396,7 +381,7 @@ class Workflow:
             while True:
                 wanted = reads.send(await self.engine.store.aget(wanted))
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            return done.value
 
 
 def _stored_value(record: Record | None, now: float) -> Any:

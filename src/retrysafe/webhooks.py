@@ -58,107 +58,65 @@ import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from retrysafe._core.engine import (
     DEFAULT_MAX_BODY,
     Attempt,
-    BeginOptions,
     Engine,
     Replay,
     engine_for,
 )
 from retrysafe._core.heartbeat import renewing
+from retrysafe._core.recording import arecord, record
 from retrysafe._http.asgi import (
     ASGIApp,
-    BodyTooLarge,
     Receive,
     Scope,
     Send,
+    at_most,
     is_async,
     lifespan,
     read_body,
-    send_response,
+    send_answer,
     to_the_end,
 )
-from retrysafe._http.policy import REPLAYED, BodyError, problem, retry_after_header, unrecorded
+from retrysafe._http.policy import REPLAYED
+from retrysafe._http.problems import Response, problem, retry_after_header
+from retrysafe._http.request import Headers
 from retrysafe._http.wsgi import environ_headers, status_line
 from retrysafe._http.wsgi import read_body as read_wsgi_body
 from retrysafe._map.map import IdempotencyMap
 from retrysafe._model.record import Outcome
-from retrysafe.errors import IdempotencyError, InProgressError, StoreUnavailableError
+from retrysafe.errors import (
+    BodyError,
+    BodyTooLarge,
+    IdempotencyError,
+    InProgressError,
+    SignatureError,
+    StoreUnavailableError,
+)
 from retrysafe.stores import Store
 
 __all__ = ["SCHEMES", "Delivery", "Receiver", "SignatureError", "WebhookResponse", "verify"]
 
 log = logging.getLogger("retrysafe")
 
+#: What a failed recording names in the log.
+_ANSWER = "a webhook's answer"
+
 #: Seconds a signed timestamp may be away from now (Stripe's and Standard Webhooks' default).
 DEFAULT_TOLERANCE = 300.0
 
 
-class SignatureError(IdempotencyError):
-    """The delivery is not signed by a known secret, or is malformed or too old.
-
-    Nothing was stored. ``reason`` is a short machine word: ``missing_header``,
-    ``malformed_header``, ``bad_signature``, ``timestamp_out_of_tolerance``,
-    ``no_event_id``, ``bad_secret`` or ``unknown_scheme``.
-    """
-
-    code = "webhook_signature_invalid"
-
-    def __init__(self, message: str, *, reason: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-class Headers(Mapping[str, str]):
-    """A read-only, case-insensitive mapping over any mapping (or list of pairs) of
-    headers, names and values as ``str`` or ``bytes``; the first of repeated names wins.
-
-    Iterating gives the names in lower case.
-    """
-
-    __slots__ = ("_values",)
-
-    def __init__(self, headers: Mapping[str, Any] | Iterable[tuple[Any, Any]]) -> None:
-        items = headers.items() if isinstance(headers, Mapping) else headers
-        self._values: dict[str, str] = {}
-        for name, value in items:
-            key = (name.decode("latin-1") if isinstance(name, bytes) else str(name)).lower()
-            text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
-            self._values.setdefault(key, text.strip())
-
-    def __getitem__(self, name: str) -> str:
-        return self._values[name.lower()]
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name.lower() in self._values
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __repr__(self) -> str:
-        return f"Headers({list(self._values)!r})"  # (names only: values may be secrets)
-
-    def first(self, *names: str) -> str | None:
-        """The first non-empty value among ``names``, or None."""
-        for name in names:
-            value = self._values.get(name.lower())
-            if value:
-                return value
-        return None
-
-    def need(self, name: str) -> str:
-        value = self.first(name)
-        if value is None:
-            raise SignatureError(f"the {name} header is missing", reason="missing_header")
-        return value
+def _need(h: Headers, name: str) -> str:
+    """The value of the header ``name`` (:class:`SignatureError` if it is missing or empty)."""
+    value = h.first(name)
+    if value is None:
+        raise SignatureError(f"the {name} header is missing", reason="missing_header")
+    return value
 
 
 def _secrets(secrets: str | bytes | Iterable[str | bytes]) -> list[str | bytes]:
@@ -222,7 +180,7 @@ def _check_time(timestamp: str, tolerance: float, now: float) -> None:
 
 
 def _shopify(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> _Ids:
-    given = _b64(h.need("X-Shopify-Hmac-Sha256"))
+    given = _b64(_need(h, "X-Shopify-Hmac-Sha256"))
     if given is None:
         raise SignatureError("X-Shopify-Hmac-Sha256 is not base64", reason="malformed_header")
     _check(map(_raw, secrets), body, [given])
@@ -235,7 +193,7 @@ def _shopify(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, no
 
 
 def _stripe(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> _Ids:
-    header = h.need("Stripe-Signature")
+    header = _need(h, "Stripe-Signature")
     timestamp, signatures = None, []
     for part in header.split(","):
         name, _, value = part.strip().partition("=")
@@ -276,10 +234,10 @@ def _standard_key(secret: str | bytes) -> bytes:
 
 
 def _standard(h: Headers, body: bytes, secrets: list[str | bytes], tol: float, now: float) -> _Ids:
-    event_id = h.need("webhook-id")
-    timestamp = h.need("webhook-timestamp")
+    event_id = _need(h, "webhook-id")
+    timestamp = _need(h, "webhook-timestamp")
     given = []
-    for item in h.need("webhook-signature").split():
+    for item in _need(h, "webhook-signature").split():
         version, _, value = item.partition(",")
         if version == "v1" and (sig := _b64(value)) is not None:
             given.append(sig)
@@ -458,7 +416,7 @@ def _answer(status: int, body: dict[str, Any], *headers: tuple[str, str]) -> Web
 def _problem(
     status: int, code: str, detail: str, headers: Iterable[tuple[str, str]] = (), **extra: Any
 ) -> WebhookResponse:
-    """An RFC 9457 problem (as :func:`retrysafe._http.policy.problem`) as a WebhookResponse."""
+    """An RFC 9457 problem (as :func:`retrysafe._http.problems.problem`) as a WebhookResponse."""
     if code in _PROBLEM_TITLES:
         extra["title"] = _PROBLEM_TITLES[code]
     made = problem(status, code, detail, headers=headers, **extra)
@@ -529,6 +487,15 @@ def _transaction_of(given: Any) -> tuple[str, str] | None:
         "transaction= must return (transaction_id, event_type), two non-empty str, or None; "
         f"not {given!r:.80}"
     )
+
+
+class _DeliveryOptions(TypedDict):
+    """The engine options of one kind of delivery (the rest come per delivery)."""
+
+    operation: str
+    ttl: float | None
+    lease: float | None
+    retention: str
 
 
 class Receiver:
@@ -617,10 +584,10 @@ class Receiver:
         imap = self._map = IdempotencyMap.default()
         self.engine = engine_for(store, ttl=ttl, lease=lease)
         # Every option as each delivery uses it, checked now (TypeError, ValueError); no I/O.
-        self._options = {}
+        self._options: dict[str, _DeliveryOptions] = {}
         for name in ("webhook", "payment_webhook"):
             op = imap.operation(name)
-            options: BeginOptions = {
+            options: _DeliveryOptions = {
                 "operation": name,
                 "ttl": op.ttl if ttl is None else ttl,
                 "lease": op.lease if lease is None else lease,
@@ -754,10 +721,10 @@ class Receiver:
                     try:
                         result = self._run(delivery)
                     except Exception as exc:
-                        _record(att, None, self._final)
+                        record(att, None, final=self._final, answer=_ANSWER)
                         return self._failed(delivery, exc)
                 answer, outcome = self._outcome(delivery, result)
-                _record(att, outcome)
+                record(att, outcome, final=True, answer=_ANSWER)
                 return answer
         except IdempotencyError as exc:
             if entered:
@@ -794,10 +761,10 @@ class Receiver:
                     try:
                         result = await self._arun(delivery)
                     except Exception as exc:
-                        await _arecord(att, None, self._final)
+                        await arecord(att, None, final=self._final, answer=_ANSWER)
                         return self._failed(delivery, exc)
                 answer, outcome = self._outcome(delivery, result)
-                await _arecord(att, outcome)
+                await arecord(att, outcome, final=True, answer=_ANSWER)
                 return answer
         except IdempotencyError as exc:
             if entered:
@@ -830,7 +797,7 @@ class Receiver:
         if scope["method"] != "POST":
             return _not_post()
         try:  # (the limit holds while reading: a body is never read far past it)
-            body = await read_body(receive, self.max_body)
+            body = await read_body(receive, at_most(self.max_body))
         except BodyTooLarge:
             return _too_large(self.max_body)
         if body is None:
@@ -874,7 +841,9 @@ class _ReceiverApp:
         elif scope["type"] == "http":
             answer = await self.receiver._asgi_answer(scope, receive)
             if answer is not None:
-                await send_response(send, answer.status, answer.headers, answer.content)
+                await send_answer(
+                    send, Response.sized(answer.status, answer.headers, answer.content)
+                )
 
 
 class _Limit:
@@ -894,31 +863,6 @@ class _Limit:
 
 def _not_post() -> WebhookResponse:
     return _problem(405, "method_not_allowed", "deliver webhooks with POST", [("allow", "POST")])
-
-
-def _record(att: Attempt, outcome: Outcome | None, final: bool = True) -> None:
-    """Complete the attempt with ``outcome``, or fail it (``final`` or not) without one.
-
-    If the store refuses (down, or the lease was lost), the answer goes out regardless.
-    """
-    try:
-        if outcome is None:
-            att.fail(None, final=final)
-        else:
-            att.complete(outcome)
-    except IdempotencyError as exc:
-        unrecorded(att.claim, exc, "a webhook's answer")
-
-
-async def _arecord(att: Attempt, outcome: Outcome | None, final: bool = True) -> None:
-    """Async :func:`_record`."""
-    try:
-        if outcome is None:
-            await att.afail(None, final=final)
-        else:
-            await att.acomplete(outcome)
-    except IdempotencyError as exc:
-        unrecorded(att.claim, exc, "a webhook's answer")
 
 
 async def _awaited(result: Awaitable[Any]) -> Any:

@@ -24,13 +24,10 @@ from contextlib import ExitStack
 from typing import Any
 
 from retrysafe._core.engine import Engine
-from retrysafe._http.flow import Flow, Stream, enter, prepare, run_prepare
-from retrysafe._http.policy import (
-    Headers,
-    HttpPolicy,
-    HttpRequest,
-    Response,
-)
+from retrysafe._http.flow import Exchange, Stream, enter, prepare, run_prepare
+from retrysafe._http.policy import HttpPolicy
+from retrysafe._http.problems import Response
+from retrysafe._http.request import Headers, HttpRequest
 from retrysafe._http.wsgi import (
     Environ,
     ExcInfo,
@@ -78,8 +75,10 @@ class IdempotencyMiddleware:
         def request() -> HttpRequest:
             return _request(environ)
 
-        flow = prepare(policy, environ, method, path, lambda: read_body(environ, policy), request)
-        step = run_prepare(flow, _no_user)
+        preparing = prepare(
+            policy, environ, method, path, lambda: read_body(environ, policy), request
+        )
+        step = run_prepare(preparing, _no_user)
         if step is None:
             return self.app(environ, start_response)
         if isinstance(step, Response):
@@ -95,8 +94,8 @@ class IdempotencyMiddleware:
             close = getattr(result, "close", None)
             if close is not None:
                 stack.callback(close)
-            flow = Flow(policy, att, stack.pop_all(), start.answer)
-        return _respond(flow, start, _body(start.written, result))
+            exchange = Exchange(policy, att, stack.pop_all(), start.answer)
+        return _respond(exchange, start, _body(start.written, result))
 
 
 def _no_user() -> None:
@@ -153,28 +152,28 @@ def _body(written: list[bytes], result: Iterable[bytes]) -> Iterator[bytes]:
     yield from written
 
 
-def _respond(flow: Flow, start: _Start, chunks: Iterator[bytes]) -> Iterable[bytes]:
+def _respond(exchange: Exchange, start: _Start, chunks: Iterator[bytes]) -> Iterable[bytes]:
     """Read the body: up to ``max_body`` it is recorded, then sent; past it, it streams."""
-    limit = flow.policy.max_body
+    limit = exchange.policy.max_body
     ready: list[bytes] = []
     try:
         for chunk in chunks:
             if not chunk:
                 continue
-            out = flow.push(chunk)
+            out = exchange.push(chunk)
             if out is not None:
                 ready.append(out)
-            if flow.capture.size > limit:
+            if exchange.capture.size > limit:
                 start.send()
-                return Stream(flow, chunks, ready)
+                return Stream(exchange, chunks, ready)
         if start.status is None:
             raise RuntimeError(_NO_START)
     except BaseException as exc:
-        flow.finish(exc)
+        exchange.finish(exc)
         raise
-    flow.finish()
+    exchange.finish()
     start.send()
-    last = flow.last()
+    last = exchange.last()
     if last is not None:
         ready.append(last)
     return ready

@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeGuard
 
 import httpx
 
@@ -109,7 +110,9 @@ class _Retrying:
 _READ_BODY = frozenset({409, 429, 500, 502, 503, 504})
 
 
-def _read_first(outcome: httpx.Response | BaseException, may_retry: bool) -> bool:
+def _read_first(
+    outcome: httpx.Response | BaseException, may_retry: bool
+) -> TypeGuard[httpx.Response]:
     """Whether a (streamed) answer must be read before the retry decision."""
     return may_retry and isinstance(outcome, httpx.Response) and outcome.status_code in _READ_BODY
 
@@ -158,7 +161,7 @@ class Client(_Retrying, httpx.Client):
             except httpx.TransportError as exc:
                 outcome = exc
             if _read_first(outcome, may_retry):
-                outcome.read()  # type: ignore[union-attr]
+                outcome.read()
             wait = self._outcome(sent, key, attempt, outcome, started, may_retry)
             if wait is None:
                 return _answer(outcome)
@@ -200,11 +203,11 @@ class AsyncClient(_Retrying, httpx.AsyncClient):
             except httpx.TransportError as exc:
                 outcome = exc
             if _read_first(outcome, may_retry):
-                await outcome.aread()  # type: ignore[union-attr]  # the problem code is in it
+                await outcome.aread()  # the problem code is in it
             wait = self._outcome(sent, key, attempt, outcome, started, may_retry)
             if wait is None:
                 return _answer(outcome)
             if isinstance(outcome, httpx.Response):
                 await outcome.aclose()
-            sleep = self.retry.asleep or asyncio.sleep
-            await sleep(wait)  # type: ignore[misc]
+            sleep: Callable[[float], Awaitable[object]] = self.retry.asleep or asyncio.sleep
+            await sleep(wait)

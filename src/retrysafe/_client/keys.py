@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from retrysafe._map.map import plain_decimal
+from retrysafe._map.operations import plain_decimal
 from retrysafe._model.hashing import canonical_json, validate_key
 from retrysafe.errors import InvalidKeyError
 
@@ -223,8 +223,8 @@ def parse_uuid_key(key: object, versions: Iterable[int] = (4, 7)) -> uuid.UUID:
         raise ValueError(f"versions must be UUID versions 1-8, not {allowed!r}")
     names = " or ".join(map(str, allowed))
     if not isinstance(key, str) or not _UUID_RE.fullmatch(key):
-        validate_key(key)
-        shown = key if len(key) <= 60 else key[:57] + "..."  # type: ignore[arg-type]
+        valid = validate_key(key)
+        shown = valid if len(valid) <= 60 else valid[:57] + "..."
         raise InvalidKeyError(
             f"idempotency key {shown!r} is not a UUID: send a hyphenated version {names} "
             "UUID such as 0190b6a2-7d3c-7cc1-9d3e-5f1a2b3c4d5e"

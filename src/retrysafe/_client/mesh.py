@@ -23,9 +23,9 @@ from typing import Any
 
 import httpx
 
-from retrysafe._client.clients import AsyncClient, Client
+from retrysafe._client.clients import AsyncClient, Client, _Retrying
 from retrysafe._client.keys import new_key
-from retrysafe._client.retry import RetryPolicy, mesh_retryable
+from retrysafe._client.retry import mesh_retryable
 from retrysafe._model.hashing import validate_key
 from retrysafe._protocols.mesh import PROTOCOL, URN
 
@@ -98,7 +98,7 @@ def _envelope(
     }
     # A copy as JSON has it: not JSON fails now (TypeError, ValueError), before anything is
     # sent, and every attempt sends these arguments even if the caller changes them.
-    return json.loads(_JSON(envelope))  # type: ignore[no-any-return]
+    return json.loads(_JSON(envelope))
 
 
 def _answer(response: httpx.Response) -> dict[str, Any]:
@@ -113,11 +113,10 @@ def _answer(response: httpx.Response) -> dict[str, Any]:
     raise ValueError(f"the Mesh server answered {response.status_code} without an envelope")
 
 
-class _MeshCalls:
+class _MeshCalls(_Retrying):
     """What the sync and async Mesh clients share: the request, the attempts, the decision."""
 
-    retry: RetryPolicy  # the base client's
-    build_request: Any
+    build_request: Any  # the base client's
 
     def _mesh_request(
         self,
@@ -133,7 +132,7 @@ class _MeshCalls:
         key = new_key(self.retry.key_version) if key is None else validate_key(key)
         envelope = _envelope(function, arguments, version, key, ttl, extensions)
         headers = {"content-type": "application/json", "accept": "application/json"}
-        return self.build_request(  # type: ignore[no-any-return]
+        return self.build_request(
             "POST", url, headers=headers, extensions={_CALL: _Call(envelope, key)}
         )
 
@@ -141,7 +140,7 @@ class _MeshCalls:
         """A Mesh call: its envelope's key, no header, always retryable (the key makes it safe)."""
         call = _mesh_call(request)
         if call is None:
-            return super()._prepare(request)  # type: ignore[misc, no-any-return]
+            return super()._prepare(request)
         return call.key, True
 
     def _for_attempt(self, request: httpx.Request, attempt: int) -> httpx.Request:
@@ -164,7 +163,7 @@ class _MeshCalls:
         """A Mesh call's answer: :func:`mesh_retryable`; any other: the base client's rule."""
         if isinstance(outcome, httpx.Response) and _mesh_call(outcome.request) is not None:
             return mesh_retryable(outcome)
-        return super()._retryable(outcome)  # type: ignore[misc, no-any-return]
+        return super()._retryable(outcome)
 
 
 class MeshClient(_MeshCalls, Client):

@@ -33,9 +33,13 @@ from retrysafe._client.clients import Client
 from retrysafe._client.keys import new_key
 from retrysafe._client.retry import RetryPolicy, retryable
 from retrysafe._model.hashing import validate_key
-from retrysafe.errors import FingerprintMismatchError, IdempotencyError, InvalidKeyError
+from retrysafe.errors import (
+    FingerprintMismatchError,
+    InvalidKeyError,
+    OutboxError,
+)
 
-__all__ = ["FlushResult", "Outbox", "OutboxError", "OutboxItem"]
+__all__ = ["FlushResult", "Outbox", "OutboxItem"]
 
 #: Headers that carry credentials: give them to the flushing client instead.
 SENSITIVE_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "x-api-key"})
@@ -83,12 +87,6 @@ def _close_held() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_close_held)
-
-
-class OutboxError(IdempotencyError):
-    """The outbox file cannot be opened, read or written."""
-
-    code = "outbox_unavailable"
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import email.utils
 import json
 import random as _random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -40,7 +40,9 @@ class RetryPolicy:
     honour_retry_after: bool = True
     random: _random.Random = field(default_factory=_random.Random, compare=False, repr=False)
     sleep: Callable[[float], object] = field(default=time.sleep, compare=False, repr=False)
-    asleep: Callable[[float], object] | None = field(default=None, compare=False, repr=False)
+    asleep: Callable[[float], Awaitable[object]] | None = field(
+        default=None, compare=False, repr=False
+    )
     clock: Callable[[], float] = field(default=time.monotonic, compare=False, repr=False)
     wall: Callable[[], float] = field(default=time.time, compare=False, repr=False)
 
@@ -160,7 +162,9 @@ def mesh_retryable(outcome: httpx.Response | BaseException) -> bool:
     if isinstance(outcome, BaseException):
         return False
     errors = _mesh_errors(_json(outcome))
-    return bool(errors) and all(isinstance(e, dict) and e.get("retryable") is True for e in errors)
+    if not errors:
+        return False
+    return all(isinstance(e, dict) and e.get("retryable") is True for e in errors)
 
 
 def decide(

@@ -129,6 +129,8 @@ class _Step:
 
     __slots__ = ("cells", "done", "flow", "request", "value")
 
+    value: Any  # the flow's result, once done
+
     def __init__(self, cells: Cells, flow: Flow[Any]) -> None:
         self.cells, self.flow, self.done, self.value = cells, flow, False, None
         self.send(None)
@@ -137,7 +139,7 @@ class _Step:
         """The store op of the pending request."""
         r = self.request
         store = self.cells.store
-        if type(r) is Read:
+        if isinstance(r, Read):
             return store._cell_read(r.key)
         return store._cell_write(r.key, r.expected, _encode(r.value), r.expires_at, r.now)
 

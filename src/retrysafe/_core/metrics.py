@@ -20,6 +20,7 @@ import functools
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import weakref
@@ -32,6 +33,7 @@ from retrysafe.errors import (
     FingerprintMismatchError,
     InProgressError,
     InvalidKeyError,
+    MissingExtraError,
     PrincipalRequiredError,
     StoreUnavailableError,
 )
@@ -44,6 +46,7 @@ __all__ = [
     "Event",
     "Metrics",
     "multiprocess_dir",
+    "require_prometheus",
 ]
 
 log = logging.getLogger("retrysafe.alerts")
@@ -138,6 +141,15 @@ _HANDLER_BUCKETS = (
 #: Operation labels kept apart; past this many, new ones are counted as ``other``.
 MAX_OPERATIONS = 200
 _NO_OPERATION = "(none)"
+
+
+def require_prometheus(feature: str) -> None:
+    """Raise :class:`MissingExtraError` naming the ``metrics`` extra unless
+    ``prometheus_client`` can be imported (what serves the counters needs it)."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError as exc:
+        raise MissingExtraError("metrics", feature, name=exc.name) from exc
 
 
 def multiprocess_dir() -> str | None:
@@ -313,24 +325,26 @@ class Event:
 
 
 class _Otel:
-    """Span events on the current span, if ``opentelemetry-api`` is installed and a
-    tracer provider is set (``trace.set_tracer_provider``). Until one is set, an
-    event costs one attribute read: the API keeps the provider in a module global
-    (read directly; if a later API hides it, every event looks at the current span)."""
+    """Span events on the current span, once the application has imported
+    ``opentelemetry.trace`` (the ``otel`` extra) and set a tracer provider
+    (``trace.set_tracer_provider``). Nothing here imports it: an application that
+    traces has imported it already. Until then an event costs one dictionary lookup;
+    until a provider is set, one attribute read: the API keeps the provider in a
+    module global (read directly; if a later API hides it, every event looks at the
+    current span)."""
 
     def __init__(self) -> None:
-        try:
-            from opentelemetry import trace
-        except ImportError:
-            self.current: Callable[[], Any] | None = None
-        else:
-            self.current = trace.get_current_span
-            self._trace = trace
+        self._trace: Any = None
 
     def event(self, name: str, operation: str, outcome: str, key_hash: str) -> None:
-        if self.current is None or getattr(self._trace, "_TRACER_PROVIDER", True) is None:
+        trace = self._trace
+        if trace is None:
+            trace = self._trace = sys.modules.get("opentelemetry.trace")
+            if trace is None:
+                return
+        if getattr(trace, "_TRACER_PROVIDER", True) is None:
             return
-        span = self.current()
+        span = trace.get_current_span()
         if span.is_recording():
             span.add_event(
                 name,
@@ -370,7 +384,7 @@ class _Child:
 
     def _values(self) -> list[float]:
         try:
-            return self._local.values[self._key]  # type: ignore[no-any-return]
+            return self._local.values[self._key]
         except (AttributeError, KeyError):
             # A counter: [n]; a histogram: a count per bucket, +Inf's, then the sum.
             return self._cells.new(self._key, len(self._bounds) + 2 if self._bounds else 1)
@@ -518,13 +532,19 @@ class Metrics:
 
         In one process they are lock-free per-thread cells added up when scraped
         (:class:`_Cells`); in multi-process mode, ``prometheus_client``'s own,
-        which live in memory-mapped files every worker can read.
+        which live in memory-mapped files every worker can read. Without
+        ``prometheus_client`` (the ``metrics`` extra), the cells count all the same
+        and nothing serves them.
         """
         with self._lock:
             if self._made:
                 return
-            from prometheus_client import REGISTRY, Counter, Histogram
-
+            try:
+                from prometheus_client import REGISTRY, Counter, Histogram
+            except ImportError:  # counted all the same, served by nothing
+                self._cells = _Cells()
+                self._made = True
+                return
             registry = self.registry
             if not multiprocess_dir():
                 self._cells = _Cells()
@@ -653,7 +673,8 @@ class Metrics:
         else:
             return
         with contextlib.suppress(AttributeError):  # a slotted exception is counted again
-            error._retrysafe_counted = True  # type: ignore[attr-defined]
+            # A marker on the instance; the error classes do not declare it.
+            error._retrysafe_counted = True  # type: ignore[union-attr]
         self._child(outcome, self._label(operation)).inc()
         self._otel.event("retrysafe.claim", operation, outcome, key_hash)
         if outcome in ("in_flight", "conflict"):

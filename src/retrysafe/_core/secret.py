@@ -27,7 +27,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from retrysafe._core.cells import KEEP, Cell, Cells, Flow, cas_update
-from retrysafe.errors import StoreUnavailableError
+from retrysafe.errors import SecretError, StoreUnavailableError
 
 if TYPE_CHECKING:
     from retrysafe.stores import Store
@@ -37,7 +37,6 @@ __all__ = [
     "ENV_SECRET",
     "MIN_SECRET_LENGTH",
     "Secret",
-    "SecretError",
     "asecret_of",
     "cached",
     "check_secret",
@@ -51,6 +50,7 @@ MIN_SECRET_LENGTH = 32
 #: The cell's kind: no guard uses it, so no guard's cell can be this one.
 _KIND, _NAMESPACE = "retrysafe", "deployment"
 #: Where the store keeps the secret: a cell key as ``retrysafe._core.cells.Cells`` makes them.
+# (A key needs no store: None stands in.)
 CELL_KEY = Cells(None, _KIND, _NAMESPACE).key("secret")  # type: ignore[arg-type]
 
 log = logging.getLogger("retrysafe")
@@ -58,10 +58,6 @@ log = logging.getLogger("retrysafe")
 _known: weakref.WeakKeyDictionary[Store[Any], Secret] = weakref.WeakKeyDictionary()
 _from_environ: Secret | None = None
 _lock = threading.Lock()
-
-
-class SecretError(ValueError):
-    """``$RETRYSAFE_SECRET`` is set but unusable, or the store cannot keep a secret."""
 
 
 class Secret:

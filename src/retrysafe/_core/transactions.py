@@ -40,9 +40,10 @@ def _kind(store: Store[Any]) -> str:
     try:
         from retrysafe.stores.postgres import PostgresStore
     except ImportError:  # psycopg not installed: it cannot be a PostgreSQL store
-        PostgresStore = None  # type: ignore[assignment,misc]
-    if PostgresStore is not None and isinstance(store, PostgresStore):
-        return "postgres"
+        pass
+    else:
+        if isinstance(store, PostgresStore):
+            return "postgres"
     raise TypeError(f"{_NEEDS}, not {type(store).__name__}")
 
 

@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from retrysafe._demo.shop import Shop, ShopError, refusal
-from retrysafe._http.asgi import BodyTooLarge, read_body, send_json, send_response
-from retrysafe._http.policy import problem
+from retrysafe._http.asgi import at_most, read_body, send_answer, send_json
+from retrysafe._http.problems import Response, problem
 from retrysafe.asgi import Receive, Scope, Send
-from retrysafe.errors import IdempotencyError
+from retrysafe.errors import BodyTooLarge, IdempotencyError
 
 __all__ = ["DemoApi"]
 
@@ -98,10 +98,10 @@ class DemoApi:
                 raise ShopError(500, "internal_error", "the shop failed; retry") from None
         except ShopError as exc:
             answer = problem(exc.status, exc.code, exc.detail, **exc.extra)
-            await send_response(send, answer.status, answer.headers[:1], answer.body)
+            await send_answer(send, answer)
             return
         if isinstance(doc, _Raw):
-            await send_response(send, status, doc.headers, doc.body)
+            await send_answer(send, Response.sized(status, doc.headers, doc.body))
             return
         await send_json(send, status, doc)
 
@@ -173,7 +173,7 @@ def _allow(method: str, allowed: str) -> None:
 
 async def _body(receive: Receive) -> bytes:
     try:
-        body = await read_body(receive, _MAX_BODY)
+        body = await read_body(receive, at_most(_MAX_BODY))
     except BodyTooLarge:
         raise ShopError(413, "body_too_large", f"the body is over {_MAX_BODY} bytes") from None
     if body is None:

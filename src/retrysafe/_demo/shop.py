@@ -142,7 +142,8 @@ def _text(doc: Doc, name: str, limit: int = 64) -> str:
 
 def _cents(items: list[Any]) -> int:
     try:
-        total = sum(Decimal(str(i["price"])) * int(i["quantity"]) for i in items)
+        # Decimal(0) to start: an empty cart totals 0 (an int start had no to_integral_value).
+        total = sum((Decimal(str(i["price"])) * int(i["quantity"]) for i in items), Decimal(0))
     except (InvalidOperation, KeyError, TypeError, ValueError):
         raise ShopError(400, "invalid_cart", "every item needs a price and a quantity") from None
     return int((total * 100).to_integral_value())
@@ -264,6 +265,7 @@ class Shop:
                 ttl=mapped.ttl if mapped else None,
             ) as att:
                 if att.replay is not None:
+                    # The document stored below as att.outcome.
                     return att.replay.outcome.value, True  # type: ignore[union-attr]
                 with att.transaction() as conn:
                     doc = insert(conn)

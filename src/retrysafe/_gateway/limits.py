@@ -30,18 +30,19 @@ from __future__ import annotations
 import asyncio
 import http
 import math
+from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from retrysafe._http.policy import Response, problem
+from retrysafe._http.problems import Response, problem
 
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 except ImportError:  # httptools is not installed (the "speed" extra)
-    HttpToolsProtocol = None  # type: ignore[assignment,misc]
+    HttpToolsProtocol = None  # type: ignore[assignment,misc]  # optional class: None
 
 __all__ = [
     "DEFAULT_BODY_TIMEOUT",
@@ -135,7 +136,14 @@ def _raw(response: Response) -> bytes:
     return "\r\n".join(lines).encode("latin-1") + response.body
 
 
-class _Limited:
+if TYPE_CHECKING:
+    # What the mixin's super() calls reach: uvicorn's protocol (asyncio.Protocol's API).
+    _Protocol = asyncio.Protocol
+else:
+    _Protocol = object
+
+
+class _Limited(_Protocol):
     """The head and connection bounds, over a uvicorn HTTP/1.1 protocol.
 
     Bytes are handed to the parser in pieces no longer than the room the head
@@ -161,8 +169,8 @@ class _Limited:
         """True while a request head is awaited or partly received."""
         raise NotImplementedError
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)  # type: ignore[misc]
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
         limit = self.limits.max_connections
         if len(self.connections) > limit:
             self._refuse(
@@ -179,7 +187,7 @@ class _Limited:
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # lingering: read and dropped
-        feed = super().data_received  # type: ignore[misc]
+        feed = super().data_received
         limit = self.limits.max_head_size
         while data:
             if not self._reading_head():
@@ -215,7 +223,7 @@ class _Limited:
         if self._linger is not None:
             self._linger.cancel()
             self._linger = None
-        super().connection_lost(exc)  # type: ignore[misc]
+        super().connection_lost(exc)
 
     def _arm_head_timer(self) -> None:
         if self._head_timer is None:
@@ -295,7 +303,7 @@ if HttpToolsProtocol is not None:
             super().on_headers_complete()
 
 else:  # pragma: no cover - without httptools
-    LimitedHttpToolsProtocol = None  # type: ignore[assignment,misc]
+    LimitedHttpToolsProtocol = None  # type: ignore[assignment,misc]  # optional class: None
 
 
 def protocol_class(name: str = "auto") -> type[asyncio.Protocol]:
@@ -362,7 +370,9 @@ class BodyTimeout:
             waits = self._waits[loop] = _Waits(loop, self.seconds)
         return waits
 
-    async def __call__(self, app: Any, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(
+        self, app: Any, scope: MutableMapping[str, Any], receive: Any, send: Any
+    ) -> None:
         waits = self._of(asyncio.get_running_loop())
         body_open = True
         late = False
@@ -371,7 +381,7 @@ class BodyTimeout:
         async def timed_receive() -> dict[str, Any]:
             nonlocal body_open, late
             if not body_open:
-                return await receive()  # type: ignore[no-any-return]
+                return await receive()
             task = asyncio.current_task()
             assert task is not None
             waits.start(task)
@@ -388,7 +398,7 @@ class BodyTimeout:
                 waits.deadlines.pop(task, None)
             if message["type"] != "http.request" or not message.get("more_body", False):
                 body_open = False
-            return message  # type: ignore[no-any-return]
+            return message
 
         async def watched_send(message: dict[str, Any]) -> None:
             nonlocal started

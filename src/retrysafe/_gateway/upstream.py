@@ -21,8 +21,11 @@ import socket
 import ssl
 from collections import deque
 from collections.abc import AsyncGenerator
+from typing import cast
 
-__all__ = ["Pool", "UpstreamError", "connection_tokens"]
+from retrysafe.errors import UpstreamError
+
+__all__ = ["Pool", "connection_tokens"]
 
 log = logging.getLogger("retrysafe.gateway")
 
@@ -52,19 +55,6 @@ _CHUNK_SIZE = re.compile(rb"[ \t]*([0-9A-Fa-f]{1,15})[ \t]*(?:;.*)?\Z", re.DOTAL
 _POLL = getattr(select, "poll", None)
 # How an answer's body is framed (RFC 9112 6.3).
 _NONE, _LENGTH, _CHUNKED, _UNTIL_CLOSE = range(4)
-
-
-class UpstreamError(Exception):
-    """Talking to the upstream failed: a 502, or a 504 if ``timeout``.
-
-    ``kind`` names the failure for the problem's detail: ConnectError,
-    ConnectTimeout, PoolTimeout, ReadError, ReadTimeout, WriteTimeout,
-    RemoteProtocolError (the upstream broke HTTP/1.1) or LocalProtocolError.
-    """
-
-    def __init__(self, kind: str, detail: object, *, timeout: bool = False) -> None:
-        super().__init__(f"{kind}: {detail}")
-        self.kind, self.timeout = kind, timeout
 
 
 class _NoAnswer(UpstreamError):
@@ -107,7 +97,8 @@ class _Connection(asyncio.Protocol):
     # -- the event loop's side --
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # A stream connection (loop.create_connection) is handed a Transport.
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):  # a request leaves at once, not after an ACK
@@ -127,7 +118,7 @@ class _Connection(asyncio.Protocol):
         self.buffer += data
         if len(self.buffer) > _HIGH_WATER and not self._reading_paused:
             self._reading_paused = True
-            self.transport.pause_reading()  # type: ignore[union-attr]
+            self.transport.pause_reading()  # type: ignore[union-attr]  # data: connected
         self._wake()
 
     def eof_received(self) -> bool:
@@ -215,7 +206,7 @@ class _Connection(asyncio.Protocol):
     def _resume(self) -> None:
         if self._reading_paused and len(self.buffer) <= _LOW_WATER:
             self._reading_paused = False
-            self.transport.resume_reading()  # type: ignore[union-attr]
+            self.transport.resume_reading()  # type: ignore[union-attr]  # data: connected
 
     async def head(self) -> bytes:
         """The next answer's head, up to and with its empty line (CRLF or LF)."""

@@ -8,15 +8,18 @@ import asyncio
 import inspect
 import json
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from retrysafe._core.engine import Attempt
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.principal import Principal, Principals, asgi_user, unscoped
+from retrysafe._core.recording import arecord
 from retrysafe._core.secret import asecret_of
-from retrysafe._http.policy import Canonicalize, Capture, Headers, HttpPolicy, HttpRequest, Response
-from retrysafe.errors import IdempotencyError
+from retrysafe._http.policy import Capture, HttpPolicy
+from retrysafe._http.problems import Response
+from retrysafe._http.request import Canonicalize, Headers, HttpRequest
+from retrysafe.errors import BodyTooLarge, IdempotencyError
 
 if TYPE_CHECKING:
     from retrysafe.stores import Store
@@ -24,13 +27,13 @@ if TYPE_CHECKING:
 __all__ = [
     "UNPROVEN_END",
     "ASGIApp",
-    "BodyTooLarge",
     "IdempotencyMiddleware",
     "Message",
     "Receive",
     "Recorder",
     "Scope",
     "Send",
+    "at_most",
     "caller",
     "caller_scope",
     "closing",
@@ -43,7 +46,6 @@ __all__ = [
     "run_recorded",
     "send_answer",
     "send_json",
-    "send_response",
     "to_the_end",
 ]
 
@@ -121,10 +123,6 @@ def replaying(body: bytes, receive: Receive) -> Receive:
     return replay_receive
 
 
-class BodyTooLarge(Exception):
-    """The request body passed the limit given to :func:`read_body`."""
-
-
 def header(scope: Scope, name: bytes) -> str | None:
     """The first value of the (lower-case) header ``name``, or None."""
     for key, value in scope.get("headers", ()):
@@ -139,7 +137,7 @@ def http_request(scope: Scope) -> HttpRequest:
         scope["method"],
         scope["path"],
         scope.get("query_string", b"").decode("latin-1"),
-        Headers((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]),
+        Headers(scope["headers"]),
         scope,
     )
 
@@ -176,35 +174,41 @@ def is_async(handler: Callable[..., Any]) -> bool:
     )
 
 
-async def read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body (at most ``limit`` bytes), or None if the client left.
+def at_most(limit: int) -> Callable[[int], None]:
+    """A :func:`read_body` check that raises :class:`BodyTooLarge` past ``limit`` bytes."""
 
-    Raises :class:`BodyTooLarge` past ``limit``.
+    def check(size: int) -> None:
+        if size > limit:
+            raise BodyTooLarge(f"request body over {limit} bytes")
+
+    return check
+
+
+async def read_body(
+    receive: Receive, check: Callable[[int], None], message: Message | None = None
+) -> bytes | None:
+    """The whole request body, or None if the client left.
+
+    ``check(size)`` is called with the bytes read so far as each chunk arrives,
+    and raises to stop the read: :func:`at_most`, or an HTTP policy's
+    ``check_length``. ``message`` is the request's first message, if the caller
+    has received it already.
     """
     chunks: list[bytes] = []
     size = 0
-    while True:
+    if message is None:
         message = await receive()
+    while True:
         if message["type"] != "http.request":
             return None
         chunk = message.get("body", b"")
         if chunk:
             size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge(f"request body over {limit} bytes")
+            check(size)
             chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-async def send_response(
-    send: Send, status: int, headers: Iterable[tuple[str, str]], body: bytes
-) -> None:
-    """Send a whole response in one start and one body message."""
-    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
-    raw.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})
+        message = await receive()
 
 
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
@@ -219,14 +223,14 @@ async def send_json(
 ) -> None:
     """Send ``value`` as a compact UTF-8 JSON response."""
     body = _JSON(value).encode()
-    await send_response(send, status, [("content-type", media_type), *headers], body)
+    await send_answer(send, Response.sized(status, [("content-type", media_type), *headers], body))
 
 
 #: The handlings whose request was cancelled, kept referenced until they end.
 _orphans: set[asyncio.Task[Any]] = set()
 
 
-async def to_the_end(handling: Coroutine[Any, Any, T]) -> T:
+async def to_the_end(handling: Awaitable[T]) -> T:
     """Await ``handling`` in a task of its own that a cancellation of the caller
     does not stop.
 
@@ -387,7 +391,7 @@ class IdempotencyMiddleware:
             if message["type"] != "http.request":
                 return  # the client left before sending its body
             if message.get("more_body", False):
-                body = await _read_body(message, receive, policy)
+                body = await read_body(receive, policy.check_length, message)
                 if body is None:
                     return
             else:
@@ -509,7 +513,10 @@ class Recorder:
                     policy = self.policy
                     kept = policy.stored_raw_headers(start.get("headers", ()))
                     outcome = policy.outcome_of(status, kept, capture.body(), capture.size)
-                    await policy.asettle(self.att, status, outcome)
+                    failed, stored, final = policy.verdict(status, outcome)
+                    await arecord(
+                        self.att, stored, failed=failed, final=final, answer=policy.answer
+                    )
             if not self.started:
                 self.started = True
                 await self._forward(start)
@@ -527,25 +534,8 @@ class Recorder:
             http_log.info("retrysafe: client disconnected; the answer is still recorded (%s)", exc)
 
 
-async def _read_body(message: Message, receive: Receive, policy: HttpPolicy) -> bytes | None:
-    """The whole body of a request sent in several messages (at most
-    ``max_request_body``), from its first ``message``; None on disconnect."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        chunk = message.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            policy.check_length(size)
-            chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-        message = await receive()
-        if message["type"] != "http.request":
-            return None
-
-
 async def send_answer(send: Send, response: Response) -> None:
+    """Send ``response`` whole, in one start and one body message, its headers as they are."""
     await send(
         {
             "type": "http.response.start",

@@ -10,7 +10,7 @@ doors whose requests carry their headers in a WSGI environ (Django's
   two things that may need I/O: the framework's user and the deployment secret;
 - :func:`enter` / :func:`aenter`: begin the attempt, or the answer instead of
   running the app (a refusal, a replay);
-- :class:`Flow`: the rule every HTTP front door keeps, as plain code: *the
+- :class:`Exchange`: the rule every HTTP front door keeps, as plain code: *the
   answer is recorded before its last byte leaves*. A body is passed on chunk
   by chunk with one chunk held back; when the app's body ends the answer is
   recorded, and only then does the held chunk leave. A copy is kept up to
@@ -43,14 +43,17 @@ from typing import Any
 from retrysafe._core.engine import Attempt, run_to_end
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.principal import unscoped
-from retrysafe._http.policy import Canonicalize, Capture, HttpPolicy, HttpRequest, Response
+from retrysafe._core.recording import arecord, record
+from retrysafe._http.policy import Capture, HttpPolicy
+from retrysafe._http.problems import Response
+from retrysafe._http.request import Canonicalize, HttpRequest
 from retrysafe._model.record import Outcome
 from retrysafe.errors import IdempotencyError
 
 __all__ = [
     "USER",
     "Answer",
-    "Flow",
+    "Exchange",
     "PrepareFlow",
     "Prepared",
     "Stream",
@@ -165,11 +168,13 @@ class _Driver:
 def run_prepare(flow: PrepareFlow, user: Callable[[], str | None]) -> Prepared:
     """Drive a :func:`prepare` flow: ``user()`` gives the framework's identity."""
     step = _Driver(flow)
+    reply: Any  # a canonical body, a user or a secret: what the flow asked for
     while (need := step.need) is not None:
         try:
             if isinstance(need, Canonicalize):
                 reply = need.run()
             else:
+                # need is USER or the policy; == is cheaper than isinstance here.
                 reply = user() if need == USER else need.load_secret()  # type: ignore[union-attr]
         except IdempotencyError as exc:  # the store is down, a bad body: the flow answers it
             step.resume(None, exc)
@@ -181,6 +186,7 @@ def run_prepare(flow: PrepareFlow, user: Callable[[], str | None]) -> Prepared:
 async def arun_prepare(flow: PrepareFlow, user: Callable[[], Awaitable[str | None]]) -> Prepared:
     """Async :func:`run_prepare`: the user and the secret are awaited."""
     step = _Driver(flow)
+    reply: Any
     while (need := step.need) is not None:
         try:
             if isinstance(need, Canonicalize):
@@ -230,7 +236,7 @@ def _exc_info(exc: BaseException | None) -> tuple[Any, Any, Any]:
     return (None, None, None) if exc is None else (type(exc), exc, exc.__traceback__)
 
 
-class Flow:
+class Exchange:
     """One answer on its way out: the hold-back rule, the copy, and the attempt's end.
 
     ``stack`` owns the entered attempt (and whatever must close with it, such
@@ -272,17 +278,20 @@ class Flow:
         """Record the answer (unless ``exc``) and leave the attempt."""
         try:
             if exc is None:
-                self.policy.settle(self.att, *self.outcome())
+                failed, kept, final = self.policy.verdict(*self.outcome())
+                record(self.att, kept, failed=failed, final=final)
         finally:
+            # A sync flow holds an ExitStack, an async one an AsyncExitStack.
             self.stack.__exit__(*_exc_info(exc))  # type: ignore[union-attr]
 
     async def afinish(self, exc: BaseException | None = None) -> None:
         """Async :meth:`finish`."""
         try:
             if exc is None:
-                await self.policy.asettle(self.att, *self.outcome())
+                failed, kept, final = self.policy.verdict(*self.outcome())
+                await arecord(self.att, kept, failed=failed, final=final)
         finally:
-            await self.stack.__aexit__(*_exc_info(exc))  # type: ignore[union-attr]
+            await self.stack.__aexit__(*_exc_info(exc))  # type: ignore[union-attr]  # see finish
 
 
 class Stream:
@@ -293,10 +302,12 @@ class Stream:
     An exception from the app's body fails the attempt and propagates.
     """
 
-    __slots__ = ("_chunks", "_flow", "_open", "_ready")
+    __slots__ = ("_chunks", "_exchange", "_open", "_ready")
 
-    def __init__(self, flow: Flow, chunks: Iterator[bytes], ready: Iterable[bytes] = ()) -> None:
-        self._flow, self._chunks = flow, chunks
+    def __init__(
+        self, exchange: Exchange, chunks: Iterator[bytes], ready: Iterable[bytes] = ()
+    ) -> None:
+        self._exchange, self._chunks = exchange, chunks
         self._ready = deque(ready)
         self._open = True
 
@@ -308,25 +319,25 @@ class Stream:
             return self._ready.popleft()
         if self._open and (out := self._pull()) is not None:
             return out
-        last = self._flow.last()
+        last = self._exchange.last()
         if last is None:
             raise StopIteration
         return last
 
     def _pull(self) -> bytes | None:
         """The next chunk free to leave; None when the body has ended and is recorded."""
-        flow = self._flow
+        exchange = self._exchange
         try:
             for chunk in self._chunks:
-                if chunk and (out := flow.push(chunk)) is not None:
+                if chunk and (out := exchange.push(chunk)) is not None:
                     return out
         except BaseException as exc:
             self._open = False
-            flow.held = None  # nothing more leaves after a failure
-            flow.finish(exc)
+            exchange.held = None  # nothing more leaves after a failure
+            exchange.finish(exc)
             raise
         self._open = False
-        flow.finish()
+        exchange.finish()
         return None
 
     def close(self) -> None:
@@ -348,7 +359,7 @@ async def _next(chunks: AsyncIterator[bytes]) -> Any:
         return _END
 
 
-async def astream(flow: Flow, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def astream(exchange: Exchange, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Async :class:`Stream`.
 
     Each read of the app's body runs as a task of its own, so a reader that is
@@ -364,31 +375,33 @@ async def astream(flow: Flow, chunks: AsyncIterator[bytes]) -> AsyncIterator[byt
             step = None
             if chunk is _END:
                 break
-            if chunk and (out := flow.push(chunk)) is not None:
+            if chunk and (out := exchange.push(chunk)) is not None:
                 yield out
     except (GeneratorExit, asyncio.CancelledError):
-        run_to_end(_drain(flow, chunks, step))
+        run_to_end(_drain(exchange, chunks, step))
         raise
     except BaseException as exc:
-        await flow.afinish(exc)
+        await exchange.afinish(exc)
         raise
-    await flow.afinish()
-    last = flow.last()
+    await exchange.afinish()
+    last = exchange.last()
     if last is not None:
         yield last
 
 
-async def _drain(flow: Flow, chunks: AsyncIterator[bytes], step: Awaitable[Any] | None) -> None:
+async def _drain(
+    exchange: Exchange, chunks: AsyncIterator[bytes], step: Awaitable[Any] | None
+) -> None:
     """Read the rest of a body nobody reads any more, and record the answer."""
     log.info("retrysafe: the answer's reader went away; reading the rest to record it")
     try:
         chunk = await (step if step is not None else _next(chunks))
         while chunk is not _END:
             if chunk:
-                flow.push(chunk)
+                exchange.push(chunk)
             chunk = await _next(chunks)
     except BaseException as exc:
         log.error("retrysafe: the app failed while its answer was read to the end: %r", exc)
-        await flow.afinish(exc)
+        await exchange.afinish(exc)
         raise
-    await flow.afinish()
+    await exchange.afinish()

@@ -8,7 +8,8 @@ from http import HTTPStatus
 from types import TracebackType
 from typing import Any, Protocol
 
-from retrysafe._http.policy import BodyError, declared_length
+from retrysafe._http.request import declared_length
+from retrysafe.errors import BodyError
 
 __all__ = [
     "Environ",

@@ -106,7 +106,7 @@ class Outcome:
         return tuple((str(k), str(v)) for k, v in json.loads(text))
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Record:
     """One idempotency record, as every store keeps it.
 

@@ -1,7 +1,7 @@
 """The admin pages: the dashboard, Prometheus metrics, their JSON API, and who may see them.
 
 One core, :class:`AdminSite`, answers a request from its method, path, query,
-headers and client address with a :class:`~retrysafe._http.policy.Response`; the ASGI
+headers and client address with a :class:`~retrysafe._http.problems.Response`; the ASGI
 and WSGI apps (``retrysafe.dashboard``, ``retrysafe.metrics``) and the gateway
 only move bytes. It may call the store, so async servers run it in a thread.
 
@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
-from retrysafe._http.policy import Response, problem
+from retrysafe._http.problems import Response, problem
 from retrysafe._model.hashing import key_hash, validate_key
 from retrysafe._model.record import record_json
 from retrysafe._ops.monitor import Monitor
@@ -294,7 +294,8 @@ class AdminSite:
             return problem(400, "idempotency_key_invalid", str(exc))
         if self.store is None:
             return problem(404, "no_store", "this admin site has no store to search")
-        operation = (query.get("operation") or [None])[0]
+        operations = query.get("operation")
+        operation = operations[0] if operations else None
         scope = (query.get("scope") or [""])[0]
         try:
             if operation is not None:

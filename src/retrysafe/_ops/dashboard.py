@@ -7,7 +7,7 @@ from typing import Any
 
 from retrysafe._core.engine import shared_store
 from retrysafe._http.asgi import Receive, Scope, Send, lifespan, send_answer
-from retrysafe._http.policy import Response
+from retrysafe._http.problems import Response
 from retrysafe._ops.admin import FROM_ENV, AdminSite
 from retrysafe._ops.monitor import Monitor
 from retrysafe.stores import Store

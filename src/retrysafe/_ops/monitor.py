@@ -20,7 +20,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from retrysafe._core.metrics import COUNTERS, KEYED, METRICS, STORE_CALLS, Metrics, multiprocess_dir
+from retrysafe._core.metrics import (
+    COUNTERS,
+    KEYED,
+    METRICS,
+    STORE_CALLS,
+    Metrics,
+    multiprocess_dir,
+    require_prometheus,
+)
 from retrysafe.stores import Store, redact
 
 __all__ = ["Monitor", "Sample"]
@@ -51,7 +59,7 @@ def _families() -> Iterable[Any]:
     if multiprocess_dir():
         from prometheus_client import multiprocess
 
-        return multiprocess.MultiProcessCollector(None).collect()  # type: ignore[arg-type]
+        return multiprocess.MultiProcessCollector(None).collect()
     from prometheus_client import REGISTRY
 
     return (f for f in REGISTRY.collect() if f.name.startswith("retrysafe_"))
@@ -148,6 +156,7 @@ class Monitor:
     ) -> None:
         if not (window > 0 and history >= window and interval > 0 and store_every > 0 and idle > 0):
             raise ValueError("window, history, interval, store_every and idle must be positive")
+        require_prometheus("serving the metrics (dashboard, Prometheus endpoint, stats)")
         self.idle = float(idle)
         self._watched = -math.inf
         self._closed = False
@@ -276,7 +285,7 @@ class Monitor:
             window = _rate(now.total("replayed") - old.total("replayed"), keyed)
         return lifetime, window
 
-    def latency(self, histogram: str, label: str | None = None) -> dict[str, float | None]:
+    def latency(self, histogram: str, label: str | None = None) -> dict[str, float | str | None]:
         """p50 and p99 in seconds over the window, or the lifetime if the window has none."""
         now, old = self._latest(), self._since(self.window)
 
@@ -432,7 +441,7 @@ class Monitor:
         else:
             body = generate_latest(REGISTRY)
         registry = CollectorRegistry()
-        registry.register(self)  # type: ignore[arg-type]
+        registry.register(self)
         return body + generate_latest(registry), CONTENT_TYPE_LATEST
 
 

@@ -370,7 +370,7 @@ def parse_send(request: Any, principal: str) -> Send | None:
         return None
     params = request.get("params")
     message = params.get("message") if isinstance(params, dict) else None
-    if not isinstance(message, dict):
+    if not isinstance(params, dict) or not isinstance(message, dict):
         raise InvalidKeyError("a send needs params.message with a messageId")
     key = _field(message, "messageId")
     if key is None:
@@ -460,7 +460,7 @@ def replayed(send: Send, outcome: Outcome | None) -> dict[str, Any]:
     stored = outcome.value if outcome is not None else None
     if isinstance(stored, dict) and "result" in stored:
         result = stored["result"]
-        if SEND_METHODS.get(stored.get("method")) != send.version:
+        if SEND_METHODS.get(stored.get("method", "")) != send.version:
             result = result_as(result, send.version)
         return {"jsonrpc": "2.0", "id": send.id, "result": result}
     if isinstance(stored, dict) and isinstance(stored.get("error"), dict):

@@ -26,6 +26,7 @@ from retrysafe.errors import (
     IdempotencyError,
     InProgressError,
     InvalidKeyError,
+    MeshError,
     PrincipalRequiredError,
     StoreUnavailableError,
 )
@@ -33,7 +34,6 @@ from retrysafe.errors import (
 __all__ = [
     "URN",
     "MeshCall",
-    "MeshError",
     "Step",
     "envelope",
     "error_envelope",
@@ -64,42 +64,6 @@ _SECONDS = {"millisecond": 0.001, "second": 1.0, "minute": 60.0, "hour": 3600.0,
 UNITS = {**_SECONDS, **{unit + "s": seconds for unit, seconds in _SECONDS.items()}}
 
 _PROTOCOL_TEXT = re.compile(r"mesh/[0-9]+\.[0-9]+")
-_CODE = re.compile(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)*")
-_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
-
-
-class MeshError(Exception):
-    """A Mesh error: raise it from a handler to answer with ``errors: [...]``.
-
-    ``code`` is SCREAMING_SNAKE_CASE; ``details`` a JSON object. Not retryable
-    (the default): the failure is final, stored, and replayed to every retry
-    with the same key. Retryable: nothing is stored and a retry runs again.
-    """
-
-    def __init__(
-        self,
-        code: str,
-        message: str,
-        *,
-        retryable: bool = False,
-        details: dict[str, Any] | None = None,
-    ) -> None:
-        if type(code) is not str or not _CODE.fullmatch(code):
-            raise ValueError(f"code must be SCREAMING_SNAKE_CASE text, not {code!r}")
-        if type(message) is not str:
-            raise TypeError(f"message must be a str, not {type(message).__name__}")
-        if details is not None:
-            if not isinstance(details, dict):
-                raise TypeError(f"details must be a dict, not {type(details).__name__}")
-            _JSON(details)  # raises TypeError or ValueError now, not when it is stored
-        super().__init__(message)
-        self.code, self.message = code, message
-        self.retryable = bool(retryable)
-        self.details = details
-
-    def to_dict(self) -> dict[str, Any]:
-        """The Mesh error object."""
-        return _error(self.code, self.message, self.retryable, self.details)
 
 
 def _error(

@@ -6,12 +6,13 @@ import os
 import urllib.parse
 from typing import Any
 
-from retrysafe.stores._base import ArchivedRecord, Store, StoreStats, SweepBatch
+from retrysafe.stores._base import ArchivedRecord, RecordQuery, Store, StoreStats, SweepBatch
 from retrysafe.stores._redact import redact
 
 __all__ = [
     "DEFAULT_STORE_URL",
     "ArchivedRecord",
+    "RecordQuery",
     "Store",
     "StoreStats",
     "SweepBatch",

@@ -9,14 +9,16 @@ below are shared by every store, so no store writes its logic twice.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import dataclasses
+import heapq
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from retrysafe._model.record import ClaimResult, Outcome, Record, Status
 from retrysafe.stores._redact import redact
 
-__all__ = ["ArchivedRecord", "Store", "StoreStats", "SweepBatch"]
+__all__ = ["ArchivedRecord", "RecordQuery", "Store", "StoreStats", "SweepBatch"]
 
 
 @dataclass(slots=True)
@@ -67,6 +69,48 @@ class ArchivedRecord:
 
     record: Record
     archived_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class RecordQuery:
+    """Which records :meth:`Store.records` lists, oldest ``created_at`` first.
+
+    Every filter given must match: ``status`` (a :class:`Status` or its value),
+    ``operation``, ``created_before`` (a time: records created earlier), ``key`` (the
+    client's raw key, in every scope and operation). At most ``limit`` records.
+    Validated when made: an unknown status or a negative ``limit`` raises
+    ``ValueError``.
+    """
+
+    status: Status | str | None = None
+    operation: str | None = None
+    created_before: float | None = None
+    limit: int = 100
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.status is not None and not isinstance(self.status, Status):
+            object.__setattr__(self, "status", Status(self.status))
+        if self.created_before is not None:
+            object.__setattr__(self, "created_before", float(self.created_before))
+        limit = self.limit
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit must be a non-negative integer, not {limit!r}")
+
+    def matches(self, record: Record) -> bool:
+        """Whether ``record`` passes every filter (for the stores that filter in Python)."""
+        return (
+            (self.status is None or record.status is self.status)
+            and (self.operation is None or record.operation == self.operation)
+            and (self.created_before is None or record.created_at < self.created_before)
+            and (self.key is None or record.key == self.key)
+        )
+
+    def select(self, records: Iterable[Record]) -> list[Record]:
+        """The first ``limit`` matching ``records`` by (``created_at``, key hash)."""
+        return heapq.nsmallest(
+            self.limit, filter(self.matches, records), key=lambda r: (r.created_at, r.key_hash)
+        )
 
 
 OpT = TypeVar("OpT")
@@ -204,20 +248,22 @@ class Store(abc.ABC, Generic[OpT]):
         """
         return 0
 
-    def records(
-        self,
-        *,
-        status: Status | str | None = None,
-        operation: str | None = None,
-        created_before: float | None = None,
-        limit: int = 100,
-        key: str | None = None,
-    ) -> list[Record]:
-        """Records (expired ones included), oldest ``created_at`` first, filtered.
+    def records(self, query: RecordQuery | None = None, /, **filters: Any) -> list[Record]:
+        """Records (expired ones included) that ``query`` selects, oldest first.
 
-        ``key`` is the client's raw key (every scope and operation): a search
-        that reads the whole table or keyspace, for inspection only.
+        The filters may come as a :class:`RecordQuery` or as its fields by keyword
+        (``store.records(status="processing", limit=50)``); keywords given with a
+        query replace its fields. ``key`` searches the whole table or keyspace:
+        for inspection only.
         """
+        if query is None:
+            query = RecordQuery(**filters)
+        elif filters:
+            query = dataclasses.replace(query, **filters)
+        return self._list_records(query)
+
+    def _list_records(self, query: RecordQuery) -> list[Record]:
+        """The records ``query`` selects (each store's own listing)."""
         raise NotImplementedError(f"{type(self).__name__} cannot list records")
 
     def stats(self, now: float) -> StoreStats:

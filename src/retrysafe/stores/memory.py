@@ -12,7 +12,7 @@ from typing import Any
 
 from retrysafe._model.decide import RawCell, claimable, live, writable
 from retrysafe._model.record import FINANCIAL, ClaimResult, Outcome, Record, Status
-from retrysafe.stores._base import ArchivedRecord, Store, StoreStats, SweepBatch
+from retrysafe.stores._base import ArchivedRecord, RecordQuery, Store, StoreStats, SweepBatch
 
 __all__ = ["DEFAULT_MAX_BYTES", "MemoryStore", "record_bytes"]
 
@@ -278,7 +278,7 @@ class MemoryStore(Store[_Op]):
         key = (record.key_hash, record.token)
         if key in self._archive:
             return False
-        self._archive[key] = ArchivedRecord(record.copy(), archived_at)
+        self._archive[key] = ArchivedRecord(record=record.copy(), archived_at=archived_at)
         return True
 
     def sweep(self, now: float, limit: int = 1000) -> SweepBatch:
@@ -296,31 +296,11 @@ class MemoryStore(Store[_Op]):
                 deleted += 1
         return SweepBatch(deleted, archived, done=len(expired) < limit)
 
-    def records(
-        self,
-        *,
-        status: Status | str | None = None,
-        operation: str | None = None,
-        created_before: float | None = None,
-        limit: int = 100,
-        key: str | None = None,
-    ) -> list[Record]:
-        wanted = None if status is None else Status(status)
-
-        def match(r: Record) -> bool:
-            return (
-                (wanted is None or r.status is wanted)
-                and (operation is None or r.operation == operation)
-                and (created_before is None or r.created_at < created_before)
-                and (key is None or r.key == key)
-            )
-
-        found = heapq.nsmallest(
-            limit, filter(match, self._snapshot()), key=lambda r: (r.created_at, r.key_hash)
-        )
+    def _list_records(self, query: RecordQuery) -> list[Record]:
+        found = query.select(self._snapshot())
         with self._lock:  # copies of consistent records: a completion may be under way
             copies = [r.copy() for r in found]
-        return [r for r in copies if match(r)]
+        return [r for r in copies if query.matches(r)]
 
     def stats(self, now: float) -> StoreStats:
         stats = StoreStats()
@@ -355,4 +335,4 @@ class MemoryStore(Store[_Op]):
             (a for a in entries if operation is None or a.record.operation == operation),
             key=lambda a: a.archived_at,
         )
-        return [ArchivedRecord(a.record.copy(), a.archived_at) for a in found]
+        return [ArchivedRecord(record=a.record.copy(), archived_at=a.archived_at) for a in found]

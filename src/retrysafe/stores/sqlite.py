@@ -15,13 +15,15 @@ from functools import partial
 from typing import Any
 
 from retrysafe._model.decide import claimable
-from retrysafe._model.record import ClaimResult, Outcome, Record, Status
+from retrysafe._model.record import ClaimResult, Outcome, Record
 from retrysafe.errors import StoreUnavailableError
-from retrysafe.stores._base import ArchivedRecord, Store, StoreStats, SweepBatch
+from retrysafe.stores._base import ArchivedRecord, RecordQuery, Store, StoreStats, SweepBatch
 from retrysafe.stores._sql import (
     ARCHIVE_COLUMNS,
+    COLUMN_SPECS,
     COLUMNS,
     archived_from_row,
+    list_clause,
     outcome_params,
     record_from_row,
     record_params,
@@ -32,60 +34,53 @@ __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 SCHEMA_VERSION = 2
 _Op = Callable[[sqlite3.Connection], Any]
 
-_SCHEMA = """
+#: SQLite's type for each column kind of :data:`COLUMN_SPECS`.
+_TYPES = {"text": "TEXT", "real": "REAL", "integer": "INTEGER", "bool": "INTEGER", "bytes": "BLOB"}
+#: Column defaults, as schema v1 declared them.
+_DEFAULTS = {"final": "0", "metadata": "'{}'"}
+
+
+def _declare(name: str, kind: str, nullable: bool) -> str:
+    """One column's declaration (without a primary key)."""
+    default = _DEFAULTS.get(name)
+    return (
+        f"{name} {_TYPES[kind]}"
+        + ("" if nullable else " NOT NULL")
+        + ("" if default is None else f" DEFAULT {default}")
+    )
+
+
+def _columns(specs: Sequence[tuple[str, str, bool]], *, key: bool) -> str:
+    """The declarations of ``specs``; ``key``: ``key_hash`` is the primary key."""
+    lines = [
+        f"{name} {_TYPES[kind]} PRIMARY KEY"
+        if key and name == "key_hash"
+        else _declare(name, kind, nullable)
+        for name, kind, nullable in specs
+    ]
+    return ",\n    ".join(lines)
+
+
+# Schema v1 had the columns before ``retention``; v2 added it and the archive. A later
+# column needs its own migration, which adds it to both tables.
+_V1_SPECS = COLUMN_SPECS[: COLUMNS.index("retention")]
+_RETENTION = COLUMN_SPECS[COLUMNS.index("retention")]
+_V2_SPECS = COLUMN_SPECS[: COLUMNS.index("retention") + 1]
+if len(_V2_SPECS) != len(COLUMN_SPECS):  # pragma: no cover - needs a migration
+    raise ImportError("retrysafe.stores.sqlite: a column of _sql.COLUMNS has no migration")
+_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS retrysafe_records (
-    key_hash TEXT PRIMARY KEY,
-    key TEXT NOT NULL,
-    scope TEXT NOT NULL,
-    operation TEXT NOT NULL,
-    fingerprint TEXT NOT NULL,
-    status TEXT NOT NULL,
-    token TEXT NOT NULL,
-    lease_until REAL NOT NULL,
-    expires_at REAL NOT NULL,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    completed_at REAL,
-    attempts INTEGER NOT NULL,
-    request_id TEXT,
-    final INTEGER NOT NULL DEFAULT 0,
-    response_status INTEGER,
-    response_headers TEXT,
-    response_media_type TEXT,
-    response_body BLOB,
-    request_payload BLOB,
-    metadata TEXT NOT NULL DEFAULT '{}'
+    {_columns(_V1_SPECS, key=True)}
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS retrysafe_records_expires_at ON retrysafe_records (expires_at);
 """
 # v2: the retention class of every record (rows of v1 are standard), and the
 # archive: financial records the sweeper removed, each at most once (a fencing
 # token is unique per claim), newest first by ``archived_at``.
-_V2 = """
-ALTER TABLE retrysafe_records ADD COLUMN retention TEXT NOT NULL DEFAULT 'standard';
+_V2 = f"""
+ALTER TABLE retrysafe_records ADD COLUMN {_declare(*_RETENTION)} DEFAULT 'standard';
 CREATE TABLE IF NOT EXISTS retrysafe_archive (
-    key_hash TEXT NOT NULL,
-    key TEXT NOT NULL,
-    scope TEXT NOT NULL,
-    operation TEXT NOT NULL,
-    fingerprint TEXT NOT NULL,
-    status TEXT NOT NULL,
-    token TEXT NOT NULL,
-    lease_until REAL NOT NULL,
-    expires_at REAL NOT NULL,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    completed_at REAL,
-    attempts INTEGER NOT NULL,
-    request_id TEXT,
-    final INTEGER NOT NULL DEFAULT 0,
-    response_status INTEGER,
-    response_headers TEXT,
-    response_media_type TEXT,
-    response_body BLOB,
-    request_payload BLOB,
-    metadata TEXT NOT NULL DEFAULT '{}',
-    retention TEXT NOT NULL,
+    {_columns(_V2_SPECS, key=False)},
     archived_at REAL NOT NULL,
     PRIMARY KEY (key_hash, token)
 ) WITHOUT ROWID;
@@ -445,6 +440,12 @@ class SQLiteStore(Store[_Op]):
                     return ClaimResult(
                         True, attempts=taken[0], took_over=cur.status if live else None
                     )
+            # Unreachable while one connection writes at a time; as PostgreSQL says it.
+            raise StoreUnavailableError(
+                f"SQLite store {self.path}: a claim ran {_MAX_CLAIM_STATEMENTS} statements "
+                "without settling (concurrent writers kept changing the key)",
+                retry_after=1.0,
+            )
 
         return op
 
@@ -607,35 +608,10 @@ class SQLiteStore(Store[_Op]):
         """
         conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
 
-    def records(
-        self,
-        *,
-        status: Status | str | None = None,
-        operation: str | None = None,
-        created_before: float | None = None,
-        limit: int = 100,
-        key: str | None = None,
-    ) -> list[Record]:
-        where: list[str] = []
-        params: list[Any] = []
-        if status is not None:
-            where.append("status = ?")
-            params.append(Status(status).value)
-        if operation is not None:
-            where.append("operation = ?")
-            params.append(operation)
-        if created_before is not None:
-            where.append("created_at < ?")
-            params.append(created_before)
-        if key is not None:
-            where.append("key = ?")
-            params.append(key)
-        query = f"SELECT {_COLS} FROM retrysafe_records"
-        if where:
-            query += " WHERE " + " AND ".join(where)
-        query += " ORDER BY created_at, key_hash LIMIT ?"
-        params.append(limit)
-        rows = self._run(lambda conn: conn.execute(query, params).fetchall())
+    def _list_records(self, query: RecordQuery) -> list[Record]:
+        clause, params = list_clause(query, mark="?")
+        text = f"SELECT {_COLS} FROM retrysafe_records{clause}"
+        rows = self._run(lambda conn: conn.execute(text, params).fetchall())
         return [record_from_row(row) for row in rows]
 
     def stats(self, now: float) -> StoreStats:
