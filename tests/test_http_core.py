@@ -175,7 +175,21 @@ def test_sensitive_headers_are_not_stored_unless_allowed() -> None:
 
 
 def _replay(outcome: Outcome | None, status: Status = Status.COMPLETED) -> Replay:
-    return Replay(Record("h", "k", "", "http", "fp", status, "t", 0, 1, 0, 0, outcome=outcome))
+    record = Record(
+        key_hash="h",
+        key="k",
+        scope="",
+        operation="http",
+        fingerprint="fp",
+        status=status,
+        token="t",
+        lease_until=0,
+        expires_at=1,
+        created_at=0,
+        updated_at=0,
+        outcome=outcome,
+    )
+    return Replay(record)
 
 
 def test_answers_for_replays() -> None:

@@ -20,6 +20,7 @@ from retrysafe import (
     Replay,
     canonical_json,
     fingerprint,
+    idempotent,
     key_hash,
     open_store,
 )
@@ -74,7 +75,19 @@ def test_canonical_json_of_common_types() -> None:
 
 
 def _record(**changes: object) -> Record:
-    base = Record("h", "k", "", "op", "fp", Status.PROCESSING, "t", 10.0, 100.0, 0.0, 0.0)
+    base = Record(
+        key_hash="h",
+        key="k",
+        scope="",
+        operation="op",
+        fingerprint="fp",
+        status=Status.PROCESSING,
+        token="t",
+        lease_until=10.0,
+        expires_at=100.0,
+        created_at=0.0,
+        updated_at=0.0,
+    )
     return dataclasses.replace(base, **changes)
 
 
@@ -331,3 +344,80 @@ def test_a_request_id_is_kept_within_128_characters() -> None:
     claim = engine.begin("k", request_id="r" * (1 << 20))  # every front door, one engine
     assert isinstance(claim, Claim)
     assert engine.store.get(claim.key_hash).request_id.startswith("sha256:")
+
+
+def test_record_copy_keeps_every_field() -> None:
+    record = _record(
+        completed_at=5.0,
+        attempts=3,
+        request_id="r",
+        final=True,
+        outcome=Outcome.json({"a": 1}),
+        request_payload=b"{}",
+        metadata={"m": 1},
+        retention="financial",
+    )
+    copy = record.copy()
+    assert copy == record and copy is not record
+    assert {f.name for f in dataclasses.fields(Record)} == set(Record.__slots__)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"ttl": 0}, ValueError, "ttl must be a positive number of seconds"),
+        ({"ttl": float("inf")}, ValueError, "ttl must be a positive"),
+        ({"ttl": "1h"}, TypeError, "ttl must be a number of seconds, not str"),
+        ({"lease": True}, TypeError, "lease must be a number of seconds, not bool"),
+        ({"wait": -1}, ValueError, r"wait must be a number of seconds >= 0, not -1"),
+        ({"wait": float("nan")}, ValueError, "wait must be a number"),
+        ({"retention": "forever"}, ValueError, "retention must be one of standard, financial"),
+        ({"max_body": -1}, ValueError, "max_body must not be negative"),
+        ({"settle_retry": -1}, ValueError, "settle_retry must be zero or a positive"),
+    ],
+)
+def test_options_are_checked_once_with_the_same_messages_everywhere(
+    options: dict[str, object], error: type[Exception], match: str
+) -> None:
+    from retrysafe._core.options import Options
+
+    with pytest.raises(error, match=match):
+        Options(**options)  # type: ignore[arg-type]
+    with pytest.raises(error, match=match):
+        Engine("memory://", **options)  # type: ignore[arg-type]
+    if "max_body" in options or "settle_retry" in options:
+        return  # engine-wide only
+    engine = Engine("memory://")
+    with pytest.raises(error, match=match):
+        engine.begin("k", **options)  # type: ignore[arg-type]
+    with pytest.raises(error, match=match):
+        idempotent(store=engine, **options)  # type: ignore[arg-type]
+
+
+def test_options_are_normalised() -> None:
+    from retrysafe._core.options import Options
+
+    options = Options(ttl=5, lease=1, wait=0, max_body=True, settle_retry=0)
+    assert (options.ttl, options.lease, options.wait) == (5.0, 1.0, 0.0)
+    assert type(options.ttl) is float and options.max_body == 1 and options.settle_retry == 0.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.ttl = 1  # type: ignore[misc]
+
+
+def test_a_claim_in_flight_answers_wait_then_in_progress() -> None:
+    from retrysafe._core.plan import Plan, Wait
+
+    engine = Engine("memory://", wait=0.05)
+    claim = engine.begin("k", operation="op")
+    assert isinstance(claim, Claim)
+    plan = Plan(engine, "k", operation="op")
+    record = plan.record(engine.clock())
+    answer = plan.answer(engine.store.claim(record), record, 0.0)
+    assert isinstance(answer, Wait) and 0 < answer.seconds <= 0.05
+    plan.deadline = 0.0  # the wait has run out
+    with pytest.raises(InProgressError):
+        plan.answer(engine.store.claim(plan.record(engine.clock())), record, 0.0)
+    attempt = engine.attempt("other", operation="op")
+    with attempt:
+        attempt.complete(Outcome.json(1))
+        assert attempt.finished and attempt.settled  # the former name reads the same

@@ -25,11 +25,10 @@ from retrysafe._core.engine import (
     DEFAULT_TTL,
     Attempt,
     Engine,
+    Options,
     Plan,
     Replay,
     engine_for,
-    positive,
-    retention_class,
 )
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.metrics import METRICS
@@ -449,15 +448,7 @@ def idempotent(
         raise TypeError(f"store must be a Store, a URL or an Engine, not {type(store).__name__}")
     if scope is not None and not isinstance(scope, str) and not callable(scope):
         raise TypeError("scope must be a str or a callable over the arguments")
-    for name, seconds in (("ttl", ttl), ("lease", lease)):
-        if seconds is not None:
-            positive(name, seconds)
-    if wait is not None and (
-        isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0
-    ):
-        raise ValueError(f"wait must be a number of seconds >= 0, not {wait!r}")
-    if retention is not None:
-        retention_class(retention)
+    options = Options(ttl=ttl, lease=lease, wait=wait, retention=retention)
     if validate is not None and not isinstance(validate, str):
         validate = tuple(validate)
         if not all(isinstance(v, str) for v in validate):
@@ -467,16 +458,19 @@ def idempotent(
     op_spec = operation if isinstance(operation, Operation) else None
     if operation is not None and op_spec is None and not isinstance(operation, str):
         raise TypeError("operation must be a str or an Operation of an IdempotencyMap")
-    if op_spec is not None:
-        ttl = op_spec.ttl if ttl is None else ttl
-        lease = op_spec.lease if lease is None else lease
-        retention = op_spec.retention if retention is None else retention
+    if op_spec is not None:  # the map's operation, under explicit options
+        options = Options(
+            ttl=op_spec.ttl if ttl is None else options.ttl,
+            lease=op_spec.lease if lease is None else options.lease,
+            wait=options.wait,
+            retention=op_spec.retention if retention is None else options.retention,
+        )
         if final_failures is False:
             final_failures = op_spec.final_failures
     # An engine made here keeps records for this decorator's ttl (a given
     # engine's ttl can only be narrowed per call).
-    own_ttl = DEFAULT_TTL if ttl is None else ttl
-    own_lease = DEFAULT_LEASE if lease is None else lease
+    own_ttl = DEFAULT_TTL if options.ttl is None else options.ttl
+    own_lease = DEFAULT_LEASE if options.lease is None else options.lease
 
     def decorate(func: F) -> F:
         if not callable(func):
@@ -532,9 +526,7 @@ def idempotent(
                 raise TypeError(f"scope= must return a str, not {type(s).__name__}")
             e = get_engine()
             if plan is None:
-                plan = Plan(
-                    e, "-", operation=op, ttl=ttl, lease=lease, wait=wait, retention=retention
-                )
+                plan = Plan.shared(e, op, options)
             return Attempt(e, plan.derive(k, s, fp))
 
         if inspect.iscoroutinefunction(func):

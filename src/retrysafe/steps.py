@@ -13,6 +13,7 @@ sync and async shells differ only in ``await``.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import re
@@ -24,6 +25,7 @@ from retrysafe._core.engine import (
     DEFAULT_TTL,
     Attempt,
     Engine,
+    Options,
     Plan,
     Replay,
     engine_for,
@@ -219,14 +221,15 @@ class Workflow:
         self.steps = tuple(_step_name(s) for s in steps)
         if len(set(self.steps)) != len(self.steps):
             raise InvalidKeyError(f"steps holds a name twice: {self.steps}")
+        options = Options(ttl=ttl, lease=lease, wait=wait, retention=retention)
         self.engine = engine_for(
             store,
             share=True,
-            ttl=DEFAULT_TTL if ttl is None else ttl,
-            lease=DEFAULT_LEASE if lease is None else lease,
+            ttl=DEFAULT_TTL if options.ttl is None else options.ttl,
+            lease=DEFAULT_LEASE if options.lease is None else options.lease,
         )
-        self._options: dict[str, Any] = {"ttl": ttl, "lease": lease, "retention": retention}
-        self._parent = Plan(self.engine, "-", operation=operation, wait=wait, **self._options)
+        self._options = dataclasses.replace(options, wait=None)  # each step's own wait
+        self._parent = Plan.shared(self.engine, operation, options)
         self._plans: dict[str, Plan] = {}
 
     def __repr__(self) -> str:
@@ -235,7 +238,7 @@ class Workflow:
     def _plan(self, name: str) -> Plan:
         plan = self._plans.get(name)
         if plan is None:
-            plan = Plan(self.engine, "-", operation=f"{self.operation}/{name}", **self._options)
+            plan = Plan.shared(self.engine, f"{self.operation}/{name}", self._options)
             plan.wait = plan.lease  # a takeover waits out the previous owner of the step
             plan.step = True  # counted as a step, not as a request of its own
             if len(self._plans) < _MAX_PLANS:

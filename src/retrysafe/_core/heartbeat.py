@@ -45,7 +45,7 @@ class Watch:
     @property
     def done(self) -> bool:
         """Stopped, or its attempt completed or failed (nothing left to renew)."""
-        return self not in _heartbeat.active or (self.attempt is not None and self.attempt.settled)
+        return self not in _heartbeat.active or (self.attempt is not None and self.attempt.finished)
 
     def stop(self) -> None:
         """Renew no more (the heartbeat lets go of the attempt and its answer at once)."""

@@ -48,7 +48,7 @@ def _kind(store: Store[Any]) -> str:
 
 
 def _owned(att: Attempt) -> Claim:
-    if att.claim is None or att.settled:
+    if att.claim is None or att.finished:
         raise RuntimeError("transaction() needs an attempt that holds an unsettled claim")
     return att.claim
 
@@ -113,7 +113,7 @@ def transaction(att: Attempt, connection: Any = None) -> Iterator[Any]:
         with _sqlite(store, connection) as conn:
             yield conn
             op, started = _completion(att, claim)
-            att._engine._settled(claim, op(conn), started)
+            att._engine._finished(claim, op(conn), started)
     else:
         with _postgres(store, connection) as conn, conn.transaction():
             yield conn
@@ -122,8 +122,8 @@ def transaction(att: Attempt, connection: Any = None) -> Iterator[Any]:
                 cur = conn.execute(op.query, op.params)
             except _pg_unavailable() as exc:
                 raise _pg_failed(store, exc) from exc
-            att._engine._settled(claim, op.parse(cur.rowcount, None), started)
-    att.settled = True  # committed: leaving the attempt's block writes nothing more
+            att._engine._finished(claim, op.parse(cur.rowcount, None), started)
+    att.finished = True  # committed: leaving the attempt's block writes nothing more
 
 
 @asynccontextmanager
@@ -143,8 +143,8 @@ async def atransaction(att: Attempt, connection: Any = None) -> AsyncIterator[An
             cur = await conn.execute(op.query, op.params)
         except _pg_unavailable() as exc:
             raise _pg_failed(store, exc) from exc
-        att._engine._settled(claim, op.parse(cur.rowcount, None), started)
-    att.settled = True
+        att._engine._finished(claim, op.parse(cur.rowcount, None), started)
+    att.finished = True
 
 
 # -- connections ----------------------------------------------------------------------

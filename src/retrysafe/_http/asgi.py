@@ -463,7 +463,7 @@ async def run_recorded(app: ASGIApp, scope: Scope, receive: Receive, recorder: R
     att = recorder.att
     with renewing(att):
         await app(scope, receive, recorder.send)
-    if not att.settled:
+    if not att.finished:
         http_log.warning("retrysafe: the app returned without a complete response")
         await att.afail()
 
@@ -500,7 +500,7 @@ class Recorder:
             capture.add(message.get("body", b""))
             # The answer is complete at the last message, or as soon as the body
             # reaches its Content-Length (a client may retry from that moment).
-            if not self.att.settled and (
+            if not self.att.finished and (
                 not message.get("more_body", False) or capture.size == self.length
             ):
                 if message.get(UNPROVEN_END):

@@ -14,6 +14,7 @@ from retrysafe._core.engine import (
     DEFAULT_MAX_BODY,
     Attempt,
     Engine,
+    Options,
     Plan,
     Replay,
     engine_for,
@@ -196,7 +197,7 @@ class HttpPolicy:
             None if store_headers is None else frozenset(h.lower() for h in store_headers)
         )
         # The engine options every request shares, validated once.
-        self._plan = Plan(self.engine, "-", operation=operation, ttl=ttl, lease=lease, wait=wait)
+        self._plan = Plan.shared(self.engine, operation, Options(ttl=ttl, lease=lease, wait=wait))
         self.drop_headers = frozenset(h.lower() for h in drop_headers) | HOP_BY_HOP
         if key_format is not None and not callable(key_format):
             raise TypeError("key_format must be a callable that raises InvalidKeyError")

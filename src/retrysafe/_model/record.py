@@ -62,6 +62,8 @@ class Status(enum.StrEnum):
 JSON_MEDIA_TYPE = "application/json"
 
 
+_blank = object.__new__
+
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 
 
@@ -104,7 +106,7 @@ class Outcome:
         return tuple((str(k), str(v)) for k, v in json.loads(text))
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Record:
     """One idempotency record, as every store keeps it.
 
@@ -132,28 +134,32 @@ class Record:
     retention: str = STANDARD
 
     def copy(self) -> Record:
-        """A shallow copy (faster than ``dataclasses.replace``)."""
-        return Record(
-            self.key_hash,
-            self.key,
-            self.scope,
-            self.operation,
-            self.fingerprint,
-            self.status,
-            self.token,
-            self.lease_until,
-            self.expires_at,
-            self.created_at,
-            self.updated_at,
-            self.completed_at,
-            self.attempts,
-            self.request_id,
-            self.final,
-            self.outcome,
-            self.request_payload,
-            self.metadata,
-            self.retention,
-        )
+        """A shallow copy.
+
+        A blank record given each field: the fastest form measured (docs/engine.md),
+        a third of a keyword construction. A new field must be added here too.
+        """
+        c = _blank(Record)
+        c.key_hash = self.key_hash
+        c.key = self.key
+        c.scope = self.scope
+        c.operation = self.operation
+        c.fingerprint = self.fingerprint
+        c.status = self.status
+        c.token = self.token
+        c.lease_until = self.lease_until
+        c.expires_at = self.expires_at
+        c.created_at = self.created_at
+        c.updated_at = self.updated_at
+        c.completed_at = self.completed_at
+        c.attempts = self.attempts
+        c.request_id = self.request_id
+        c.final = self.final
+        c.outcome = self.outcome
+        c.request_payload = self.request_payload
+        c.metadata = self.metadata
+        c.retention = self.retention
+        return c
 
     def metadata_json(self) -> str:
         """Metadata as compact JSON (the stores' column form)."""
