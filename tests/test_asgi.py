@@ -190,3 +190,45 @@ def test_an_answer_with_headers_over_the_bound_is_not_stored_nor_run_again() -> 
         assert again.status_code == 500 and again.json()["code"] == "idempotency_failed"
         assert again.headers["idempotent-replayed"] == "true"
     assert runs == 1
+
+
+@pytest.mark.parametrize("fail_mode", ["open", "closed"])
+@pytest.mark.parametrize(
+    "headers", [[], [(b"idempotency-key", b"k1")]], ids=["no-key", "anonymous"]
+)
+async def test_the_apps_own_idempotency_error_is_neither_rerun_nor_answered(
+    fail_mode: str, headers: list[tuple[bytes, bytes]]
+) -> None:
+    """An app that raises an IdempotencyError of its own (its store is down, say) on a
+    request the middleware lets through unrecorded (no key; a keyed request from an
+    anonymous caller): the error is the app's, so it propagates as it is; the app is
+    not run a second time under fail_mode="open" nor answered with a refusal."""
+    from retrysafe import StoreUnavailableError, open_store
+
+    runs: list[int] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        runs.append(1)
+        raise StoreUnavailableError("the app's own store is down")
+
+    middleware = IdempotencyMiddleware(app, store=open_store("memory://"), fail_mode=fail_mode)
+    sent: list[Any] = []
+
+    async def receive() -> Any:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/o",
+        "raw_path": b"/o",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), *headers],
+    }
+    with pytest.raises(StoreUnavailableError, match="the app's own store"):
+        await middleware(scope, receive, send)
+    assert runs == [1]
+    assert sent == []

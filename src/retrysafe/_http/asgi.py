@@ -371,52 +371,57 @@ class IdempotencyMiddleware:
             return http_request(scope)
 
         query = scope["query_string"].decode("latin-1")
+        # The app runs outside this try: its own errors are never taken for the
+        # middleware's (an IdempotencyError of the app's, on a request without a key,
+        # must neither run it again under fail_mode="open" nor become a refusal).
+        attempt: Attempt | None = None
         try:
             key = policy.key(values)
             if key is None:
                 refusal = policy.missing(request)
-                if refusal is None:
-                    await self.app(scope, receive, send)
-                else:
+                if refusal is not None:
                     await send_answer(send, refusal)
-                return
-            who = policy.principals.identify(request, lambda: asgi_user(scope), found, query)
-            if who is None:  # anonymous: run without a record (anonymous="run")
-                unscoped(policy.operation)
-                await self.app(scope, receive, send)
-                return
-            policy.check_declared(clen)
-            secret = policy.secret or await policy.aload_secret()
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before sending its body
-            if message.get("more_body", False):
-                body = await read_body(receive, policy.check_length, message)
-                if body is None:
                     return
             else:
-                body = message.get("body", b"")
-            form = policy.body_form(ctype, body)
-            if isinstance(form, Canonicalize):  # a large JSON body: off the event loop
-                form = await form.arun()
-            attempt = policy.attempt(
-                key,
-                scope["method"],
-                self.request_path(scope),
-                query,
-                ctype,
-                body,
-                who,
-                secret,
-                rid,
-                form,
-            )
+                who = policy.principals.identify(request, lambda: asgi_user(scope), found, query)
+                if who is None:  # anonymous: run without a record (anonymous="run")
+                    unscoped(policy.operation)
+                else:
+                    policy.check_declared(clen)
+                    secret = policy.secret or await policy.aload_secret()
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return  # the client left before sending its body
+                    if message.get("more_body", False):
+                        whole = await read_body(receive, policy.check_length, message)
+                        if whole is None:
+                            return
+                        body = whole
+                    else:
+                        body = message.get("body", b"")
+                    form = policy.body_form(ctype, body)
+                    if isinstance(form, Canonicalize):  # a large JSON body: off the event loop
+                        form = await form.arun()
+                    attempt = policy.attempt(
+                        key,
+                        scope["method"],
+                        self.request_path(scope),
+                        query,
+                        ctype,
+                        body,
+                        who,
+                        secret,
+                        rid,
+                        form,
+                    )
         except IdempotencyError as exc:
             refusal = policy.refusal(exc)
-            if refusal is None:  # the store is down before the body was read; fail open
-                await self.app(scope, receive, send)
-            else:
+            if refusal is not None:
                 await send_answer(send, refusal)
+                return
+            # else the store is down before the body was read: fail open, below
+        if attempt is None:  # no key, an anonymous caller, or failing open
+            await self.app(scope, receive, send)
             return
 
         # A cancelled request (a client that left, a timeout middleware) does not
