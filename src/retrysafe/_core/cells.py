@@ -1,36 +1,10 @@
 """Versioned compare-and-set cells: the storage primitive of :mod:`retrysafe.guards`.
 
-A cell is ``(version, value, expires_at)`` under a string key. ``version`` starts at
-1 and each write adds one; ``value`` is JSON; ``expires_at`` (seconds since the
-epoch, ``None``: never) is when the cell stops counting. Two operations, one round
-trip each:
-
-* ``read(key) -> Cell | None``: the live cell (an expired one reads as ``None``);
-* ``write(key, expected_version, value, ttl) -> bool``: one atomic compare-and-set.
-  ``expected_version=None`` writes version 1 when there is no live cell (absent or
-  expired); an int writes ``expected_version + 1`` when the live cell has exactly
-  that version. ``False`` means another writer got there first: read again.
-
-Every store implements the two ops (``Store._cell_read`` / ``Store._cell_write``) and
-runs them through its own executors (``_run`` / ``_arun``), so pooling, fork safety
-and the mapping of server errors to :class:`~retrysafe.StoreUnavailableError` are
-the store's own. Where cells live: memory, a dict beside the records under the
-store's lock; SQLite, the table ``retrysafe_state``; PostgreSQL, the table
-``<records table>_state`` in the records table's schema (both created on first use
-with ``CREATE TABLE IF NOT EXISTS``, apart from the records schema and its
-migrations); Redis, one string per cell under ``<prefix>cell:`` written by a Lua
-compare-and-set script (one key, so any cluster slot), with a physical TTL (``PX``)
-at the cell's expiry.
-
-Versions restart at 1 when a cell is written anew after it expired, so a writer
-that read a cell, waited past its expiry and meanwhile saw it recreated up to the
-same version would not notice; keep the TTL of a cell much longer than the time
-between a read and a write of it.
-
-Guards are written once as *flows*: generators that yield :class:`Read` and
-:class:`Write` requests and receive their answers; :meth:`Cells.run` and
-:meth:`Cells.arun` drive a flow synchronously or from a coroutine. A flow reads the
-time from the guard's clock, so tests move time by hand.
+A cell is ``(version, JSON value, expires_at)`` under a key; ``read`` and the
+atomic ``write(key, expected_version, value, ttl)`` are one round trip each, run
+by every store. Guards are written once as flows (generators yielding
+:class:`Read` and :class:`Write`) that :meth:`Cells.run` and :meth:`Cells.arun`
+drive. Where each store keeps cells, and their limits: docs/guards.md, "Storage".
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Who the caller is: the principal whose records a keyed request may read and write.
 
-Every HTTP front door (ASGI, WSGI, Django, FastAPI, the gateway, ``MeshApp``
-and the A2A middleware) names the caller the same way; the first rule that
-gives an answer wins:
-
-1. ``principal=``: a callable over the :class:`~retrysafe.http.HttpRequest`
-   returning a str (None: the next rules decide);
-2. the identity the framework authenticated: Django's ``request.user``,
-   Starlette's ``scope["user"]``;
-3. every credential the request carries: each ``Authorization`` line, the
-   ``principal_headers`` (API keys), the session cookies and the
-   ``principal_query`` parameters, all together;
-4. none: the request is anonymous, and ``anonymous`` decides: ``"run"`` it
-   without a record (default), ``"refuse"`` it, or ``"share"`` one public scope.
-
-The scope a record keeps is an HMAC of the principal under the deployment
-secret (:mod:`retrysafe._core.secret`): never a credential, nor a plain hash of one.
-No I/O here; the front doors hand in what they read.
+Every front door names the caller by the same rules, first answer wins: the
+``principal=`` callable, the framework's authenticated identity, every
+credential the request carries, else anonymous (``anonymous`` decides). Records
+keep an HMAC of the principal under the deployment secret, never a credential.
+The decision table per door: docs/principals.md. No I/O here.
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
-"""The demo shop: the backend of the agentic-commerce idempotency map, from retrysafe's blocks.
+"""The demo shop: the backend of the agentic-commerce idempotency map, built from
+retrysafe's blocks (guards, steps, webhooks, transactions).
 
-Every operation is a plain (sync) method that returns ``(status, document)``;
-:mod:`retrysafe._demo.api` serves them over HTTP. Business data lives in one
-SQLite file next to the idempotency records, so orders and mandates commit
-with their records (:meth:`Attempt.transaction`).
-
-=================  ==========================================================
-operation          block
-=================  ==========================================================
-sessions           :class:`~retrysafe.guards.SessionRegistry` (reuse per device)
-cart mandates      key ``cart_mandate:{session}:{cart_hash}``, 30-minute expiry
-intent mandates    key ``intent_mandate:{user}:{intent_hash}``
-orders             key ``order:{mandate}:{user}`` + unique ``cart_mandate_id``,
-                   committed with the record in one transaction
-payments           :class:`~retrysafe.steps.Workflow`: the derived key
-                   ``{key}:charge`` goes to the payment gateway (which dedupes
-                   by it), its transaction id is kept; the payment's state
-                   follows :class:`~retrysafe.guards.PaymentStateMachine`
-webhooks           :class:`~retrysafe.webhooks.Receiver`: Stripe-style payment
-                   events by ``webhook:stripe:{txn}:{type}``, Shopify-style by
-                   ``webhook:shopify:{event_id}``, the
-                   event id being the signed body's SHA-256 (the
-                   ``X-Shopify-Event-Id`` header is not signed)
-session updates    :class:`~retrysafe.guards.SequenceGuard` per session/operation
-profiles, consent  :class:`~retrysafe.guards.VersionedRecords` (compare-and-set),
-                   :class:`~retrysafe.guards.History` (append-only)
-=================  ==========================================================
+Each operation is a plain method returning ``(status, document)``, served over
+HTTP by :mod:`retrysafe._demo.api`; business rows live in the SQLite file of the
+idempotency records and commit with them. Which block serves each route:
+docs/demo.md.
 """
 
 from __future__ import annotations

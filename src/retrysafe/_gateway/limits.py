@@ -1,28 +1,10 @@
-"""What one client may hold of a server: the request head's size and time, an idle
-body's time, and connections.
+"""What one client may hold of the gateway's server: its request head's size and
+time, an idle body's time, and connections.
 
-uvicorn bounds none of these: with httptools a header of any size is buffered
-whole, a connection that sends half a head is held until the client leaves, and
-every connection is accepted. :class:`ServerLimits` names the bounds; the
-protocol classes here (thin subclasses of uvicorn's httptools and h11 ones,
-sharing one mixin) enforce the head and connection bounds, reading the limits
-from the served app's ``server_limits`` attribute; :class:`BodyTimeout`
-enforces the idle-body bound around an ASGI app.
-
-A refusal is an ``application/problem+json`` answer and a closed connection:
-
-- a head over ``max_head_size`` bytes: 431 ``request_header_too_large``, after
-  reading at most ``max_head_size`` bytes of it;
-- a head not complete ``head_timeout`` seconds after the connection opened (or
-  after its first byte, on a kept-alive connection): 408 ``request_header_timeout``;
-- no byte of a body the app is waiting for in ``body_timeout`` seconds: 408
-  ``request_body_timeout`` (the app sees ``http.disconnect``);
-- a connection beyond ``max_connections`` open ones: 503 ``too_many_connections``
-  at once, without reading its request.
-
-After the answer the server stops writing and drops what the client still
-sends for a moment (as nginx's lingering close does), so a client still
-sending its head reads the answer instead of a connection reset.
+:class:`ServerLimits` names the bounds; the protocol classes (thin subclasses of
+uvicorn's httptools and h11 ones) enforce the head and connection bounds, and
+:class:`BodyTimeout` the idle-body one. The answers each bound gives:
+docs/gateway.md, "Limits on clients".
 """
 
 from __future__ import annotations

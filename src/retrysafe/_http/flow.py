@@ -1,26 +1,10 @@
 """What the WSGI and Django front doors share: reading a request, recording an answer.
 
-:mod:`retrysafe._http.policy` decides (no I/O); this module moves bytes for the front
-doors whose requests carry their headers in a WSGI environ (Django's
-``request.META`` has the same form, under WSGI and ASGI alike):
-
-- :func:`prepare`: the key, principal and engine options of a request, an
-  answer instead (400, 413...), or None to pass it through untouched; a flow
-  that asks its driver (:func:`run_prepare` or :func:`arun_prepare`) for the
-  two things that may need I/O: the framework's user and the deployment secret;
-- :func:`enter` / :func:`aenter`: begin the attempt, or the answer instead of
-  running the app (a refusal, a replay);
-- :class:`Exchange`: the rule every HTTP front door keeps, as plain code: *the
-  answer is recorded before its last byte leaves*. A body is passed on chunk
-  by chunk with one chunk held back; when the app's body ends the answer is
-  recorded, and only then does the held chunk leave. A copy is kept up to
-  ``max_body``; above it memory stays flat and only the status and headers are
-  stored;
-- :class:`Stream` (sync) and :func:`astream` (async): iterables that apply the
-  rule to a streamed body. A client that goes away mid-answer (the server
-  closes the iterable early, or cancels the request) does not lose the
-  answer: the rest of the app's body is read and the answer recorded, so the
-  retry gets the replay instead of a second run.
+:func:`prepare` (driven by :func:`run_prepare` / :func:`arun_prepare`) reads the
+key, the caller and the body; :func:`enter` / :func:`aenter` begin the attempt;
+:class:`Exchange`, :class:`Stream` and :func:`astream` pass the app's answer on
+with one chunk held back, so it is recorded before its last byte leaves
+(docs/wsgi.md, "What the middleware does with a keyed request").
 """
 
 from __future__ import annotations
