@@ -174,6 +174,8 @@ class Plan:
         are given, within the engine's (a call may only narrow its ttl)."""
         if options is None:
             self.ttl, self.lease, self.wait = engine.ttl, engine.lease, engine.wait
+            if self.lease > self.ttl:  # the lease is capped by the TTL
+                self.lease = self.ttl
             self.retention = engine.retention
             return
         self.ttl = engine.ttl if options.ttl is None else min(options.ttl, engine.ttl)
