@@ -362,6 +362,53 @@ def test_record_copy_keeps_every_field() -> None:
     assert {f.name for f in dataclasses.fields(Record)} == set(Record.__slots__)
 
 
+def test_the_plans_record_and_claim_set_every_field() -> None:
+    """Plan.record and Plan.answer fill blank instances field by field (the hot path):
+    each field is set, to what the keyword construction gives."""
+    from retrysafe._core.plan import Plan
+    from retrysafe._model.record import ClaimResult
+
+    engine = Engine(MemoryStore(), ttl=100, lease=10)
+    plan = Plan(
+        engine, "k", operation="pay", scope="s", fingerprint="f", request_id="r", metadata={"m": 1}
+    )
+    record = plan.record(1000.0)
+    expected = Record(
+        key_hash=plan.key_hash,
+        key="k",
+        scope="s",
+        operation="pay",
+        fingerprint="f",
+        status=Status.PROCESSING,
+        token=record.token,
+        lease_until=1010.0,
+        expires_at=1100.0,
+        created_at=1000.0,
+        updated_at=1000.0,
+        request_id="r",
+        metadata={"m": 1},
+    )
+    assert record == expected  # (== reads every field: an unset one raises)
+    claim = plan.answer(ClaimResult(True, attempts=2, took_over=Status.FAILED), record, 0.0)
+    assert isinstance(claim, Claim)
+    fields = {f.name: getattr(claim, f.name) for f in dataclasses.fields(Claim)}
+    assert set(fields) == set(Claim.__slots__)
+    assert fields | {"started": 0.0} == {
+        "key": "k",
+        "key_hash": plan.key_hash,
+        "scope": "s",
+        "operation": "pay",
+        "fingerprint": "f",
+        "token": record.token,
+        "lease_until": 1010.0,
+        "expires_at": 1100.0,
+        "attempts": 2,
+        "took_over": Status.FAILED,
+        "request_id": "r",
+        "started": 0.0,
+    }
+
+
 @pytest.mark.parametrize(
     ("options", "error", "match"),
     [
