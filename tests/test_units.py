@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import decimal
+import gc
 import sqlite3
 import uuid
 from pathlib import Path
@@ -243,6 +244,61 @@ def test_memory_store_never_evicts_a_live_lease() -> None:
     with pytest.raises(InProgressError):
         engine.begin("in-flight")  # not forgotten: no second owner
     engine.complete(first, Outcome.json(1))
+
+
+def test_memory_store_rows_are_invisible_to_the_collector() -> None:
+    """Completed, failed and renewed records are kept in forms the collector untracks."""
+    store = MemoryStore()
+    engine = Engine(store)
+    for i in range(50):
+        claim = engine.begin(f"k{i}", fingerprint="f", metadata={"n": i}, request_id="r")
+        assert isinstance(claim, Claim)
+        if i % 3 == 0:
+            engine.complete(claim, Outcome.json({"i": i}, headers=(("x-a", "1"),), status=201))
+        elif i % 3 == 1:
+            engine.fail(claim, Outcome(b"no"), final=True)
+        else:
+            engine.renew(claim, 60)
+    gc.collect()
+    gc.collect()  # a row's answer is untracked in one pass, the row in the next
+    assert len(store) == 50
+    assert not any(gc.is_tracked(row) for row in store._records.values())
+
+
+def test_memory_store_gives_back_every_field() -> None:
+    store = MemoryStore()
+    record = Record(
+        key_hash="h" * 64,
+        key="k",
+        scope="s",
+        operation="pay",
+        fingerprint="f",
+        status=Status.PROCESSING,
+        token="t1",
+        lease_until=1010.0,
+        expires_at=1100.0,
+        created_at=1000.0,
+        updated_at=1000.0,
+        request_id="r",
+        request_payload=b"p",
+        metadata={"m": [1, 2]},
+        retention="financial",
+    )
+    assert store.claim(record).claimed
+    assert store.get(record.key_hash) == record
+    assert store.bytes == record_bytes(record)
+    outcome = Outcome(b"body", 201, (("x-a", "1"),), "text/plain")
+    assert not store.complete(record.key_hash, "t2", outcome, 1001.0)  # another token
+    assert store.complete(record.key_hash, "t1", outcome, 1002.0)
+    done = dataclasses.replace(
+        record, status=Status.COMPLETED, outcome=outcome, completed_at=1002.0, updated_at=1002.0
+    )
+    assert store.get(record.key_hash) == done
+    assert store.bytes == record_bytes(done)
+    assert not store.fail(record.key_hash, "t1", None, True, 1003.0)  # no longer processing
+    found = store.claim(dataclasses.replace(record, token="t3", updated_at=1004.0))
+    assert not found.claimed and found.record == done  # a finished record is read back
+    assert found.record is not None and found.record.status is Status.COMPLETED
 
 
 def test_sqlite_schema_is_versioned(tmp_path: Path) -> None:

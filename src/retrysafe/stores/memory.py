@@ -1,14 +1,22 @@
-"""``memory://``: an in-process store, thread-safe and asyncio-safe, bounded (LRU)."""
+"""``memory://``: an in-process store, thread-safe and asyncio-safe, bounded (LRU).
+
+Each record is kept as a flat tuple of str, bytes, numbers and None (a *row*,
+laid out in docs/stores.md), which the garbage collector stops tracking: a
+store of 100,000 records adds nothing to a full collection's pause. A
+:class:`Record` is built only for what leaves the store.
+"""
 
 from __future__ import annotations
 
+import functools
 import heapq
+import json
 import logging
 import threading
 import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 from retrysafe._model.decide import RawCell, claimable, live, writable
 from retrysafe._model.record import FINANCIAL, ClaimResult, Outcome, Record, Status
@@ -25,21 +33,114 @@ DEFAULT_MAX_BYTES = 64 << 20
 #: What a record costs beyond its strings and bytes (objects, dict slots), roughly.
 _OVERHEAD = 600
 
+#: A stored record (see docs/stores.md): key, scope, operation, fingerprint, status
+#: value, token, lease_until, expires_at, created_at, updated_at, completed_at,
+#: attempts, request_id, final, answer (body, status, headers, media type) or None,
+#: request_payload, metadata as JSON text or None, retention, and its bytes (record_bytes).
+_Row: TypeAlias = tuple[Any, ...]
+# Where a row holds what the store reads or changes.
+_STATUS, _TOKEN, _LEASE, _EXPIRES, _CREATED, _SIZE = 4, 5, 6, 7, 8, 18
+_PROCESSING, _COMPLETED, _FAILED = Status.PROCESSING.value, Status.COMPLETED.value, "failed"
+_STATUSES = {s.value: s for s in Status}
+_blank = object.__new__
+
 
 def record_bytes(record: Record) -> int:
     """What ``record`` holds, in bytes: its strings, stored answer and payload,
     plus a fixed overhead per record (an estimate of its memory, not a measure)."""
+    return _bytes(record, record.metadata_json() if record.metadata else None)
+
+
+def _bytes(record: Record, metadata: str | None) -> int:
+    """:func:`record_bytes` of ``record`` whose metadata has this JSON text."""
     size = _OVERHEAD + len(record.key) + len(record.scope) + len(record.operation)
     size += len(record.fingerprint) + len(record.token) + len(record.request_id or "")
     if record.request_payload is not None:
         size += len(record.request_payload)
-    if record.metadata:
-        size += len(record.metadata_json())
+    if metadata is not None:
+        size += len(metadata)
     outcome = record.outcome
     if outcome is not None:
-        size += len(outcome.body) + len(outcome.media_type)
+        size += _answer_bytes(outcome)
+    return size
+
+
+def _answer_bytes(outcome: Outcome) -> int:
+    size = len(outcome.body) + len(outcome.media_type)
+    if outcome.headers:
         size += sum(len(k) + len(v) for k, v in outcome.headers)
     return size
+
+
+def _answer(outcome: Outcome | None) -> tuple[bytes, int | None, Any, str] | None:
+    """An outcome as a row keeps it."""
+    if outcome is None:
+        return None
+    headers = outcome.headers
+    if headers and type(headers) is not tuple:  # a list would keep the row tracked
+        headers = tuple(tuple(h) for h in headers)  # type: ignore[misc]
+    return (outcome.body, outcome.status, headers, outcome.media_type)
+
+
+def _row(r: Record) -> _Row:
+    """``r`` as the store keeps it (its bytes counted as :func:`record_bytes` does)."""
+    metadata = r.metadata_json() if r.metadata else None  # a dict would keep the row tracked
+    return (
+        r.key,
+        r.scope,
+        r.operation,
+        r.fingerprint,
+        r.status.value,
+        r.token,
+        r.lease_until,
+        r.expires_at,
+        r.created_at,
+        r.updated_at,
+        r.completed_at,
+        r.attempts,
+        r.request_id,
+        r.final,
+        _answer(r.outcome),
+        r.request_payload,
+        metadata,
+        r.retention,
+        _bytes(r, metadata),
+    )
+
+
+def _record(key_hash: str, row: _Row) -> Record:
+    """A new :class:`Record` from a row (filled field by field, as Record.copy is)."""
+    c = _blank(Record)
+    c.key_hash = key_hash
+    (
+        c.key,
+        c.scope,
+        c.operation,
+        c.fingerprint,
+        status,
+        c.token,
+        c.lease_until,
+        c.expires_at,
+        c.created_at,
+        c.updated_at,
+        c.completed_at,
+        c.attempts,
+        c.request_id,
+        c.final,
+        answer,
+        c.request_payload,
+        metadata,
+        c.retention,
+        _,
+    ) = row
+    c.status = _STATUSES[status]
+    if answer is None:
+        c.outcome = None
+    else:
+        o = c.outcome = _blank(Outcome)
+        o.body, o.status, o.headers, o.media_type = answer
+    c.metadata = {} if metadata is None else json.loads(metadata)
+    return c
 
 
 def _bound(name: str, value: object, options: dict[str, str], default: int) -> int:
@@ -82,8 +183,7 @@ class MemoryStore(Store[_Op]):
         self.max_bytes = _bound("max_bytes", max_bytes, options, DEFAULT_MAX_BYTES)
         #: The records' bytes, as :func:`record_bytes` counts them.
         self.bytes = 0
-        self._sizes: dict[str, int] = {}
-        self._records: OrderedDict[str, Record] = OrderedDict()
+        self._records: OrderedDict[str, _Row] = OrderedDict()
         self._lock = threading.Lock()
         #: Swept financial records by (key_hash, token), with when they were archived.
         self._archive: dict[tuple[str, str], ArchivedRecord] = {}
@@ -103,20 +203,35 @@ class MemoryStore(Store[_Op]):
         with self._lock:
             return op()
 
-    # Records and their sizes change together, under the lock, only through these.
+    # The calls of every request run their op directly, under the lock: no closure.
 
-    def _put(self, key_hash: str, record: Record) -> None:
-        self._records[key_hash] = record
-        self._resized(key_hash, record)
+    def claim(self, record: Record) -> ClaimResult:
+        with self._lock:
+            return self._claim_now(record)
 
-    def _resized(self, key_hash: str, record: Record) -> None:
-        size = record_bytes(record)
-        self.bytes += size - self._sizes.get(key_hash, 0)
-        self._sizes[key_hash] = size
+    async def aclaim(self, record: Record) -> ClaimResult:
+        with self._lock:
+            return self._claim_now(record)
 
-    def _drop(self, key_hash: str) -> Record | None:
-        self.bytes -= self._sizes.pop(key_hash, 0)
-        return self._records.pop(key_hash, None)
+    def complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> bool:
+        with self._lock:
+            return self._settle_now(key_hash, token, _COMPLETED, outcome, None, now)
+
+    async def acomplete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> bool:
+        with self._lock:
+            return self._settle_now(key_hash, token, _COMPLETED, outcome, None, now)
+
+    # Rows and the byte count change together, under the lock, only through these.
+
+    def _put(self, key_hash: str, row: _Row, old: _Row | None) -> None:
+        self._records[key_hash] = row
+        self.bytes += row[_SIZE] if old is None else row[_SIZE] - old[_SIZE]
+
+    def _drop(self, key_hash: str) -> _Row | None:
+        row = self._records.pop(key_hash, None)
+        if row is not None:
+            self.bytes -= row[_SIZE]
+        return row
 
     def _evict(self, now: float) -> None:
         """Forget the least recently used records until both bounds hold, but never
@@ -129,93 +244,106 @@ class MemoryStore(Store[_Op]):
             16, len(records)
         ):
             key_hash, oldest = next(iter(records.items()))
-            if oldest.status is Status.PROCESSING and oldest.lease_until > now:
+            if oldest[_STATUS] == _PROCESSING and oldest[_LEASE] > now:
                 records.move_to_end(key_hash)  # in flight: keep it, try the next one
                 passed += 1
             else:
                 self._drop(key_hash)
 
-    def _settled(self, key_hash: str, record: Record, now: float) -> None:
-        """Count a finished record's answer; forget it at once if it is over
-        ``max_bytes`` on its own (rather than evict every other record for it)."""
-        self._resized(key_hash, record)
-        if self._sizes[key_hash] > self.max_bytes:
-            self._drop(key_hash)
-            log.warning(
-                "retrysafe: a record of %d bytes is over the memory store's max_bytes=%d; "
-                "it was not kept (a retry runs again) (key_hash=%s)",
-                record_bytes(record),
-                self.max_bytes,
-                key_hash[:16],
-            )
-        elif self.bytes > self.max_bytes:
-            self._evict(now)
-
-    def _live(self, key_hash: str, token: str) -> Record | None:
+    def _live(self, key_hash: str, token: str) -> _Row | None:
         cur = self._records.get(key_hash)
-        if cur is None or cur.token != token or cur.status is not Status.PROCESSING:
+        if cur is None or cur[_TOKEN] != token or cur[_STATUS] != _PROCESSING:
             return None
         self._records.move_to_end(key_hash)
         return cur
 
     def _claim(self, record: Record) -> _Op:
-        def op() -> ClaimResult:
-            records, key_hash = self._records, record.key_hash
-            cur = records.get(key_hash)
-            if cur is None:  # the common first call
-                self._put(key_hash, record)  # the engine hands the record over
-                if len(records) > self.max_size or self.bytes > self.max_bytes:
-                    self._evict(record.updated_at)
-                return ClaimResult(True)
-            records.move_to_end(key_hash)
-            now = record.updated_at
-            if not claimable(cur, record.fingerprint, now):
-                return ClaimResult(False, record=cur.copy())  # reads get copies
-            took_over = None
-            if cur.expires_at > now:
-                took_over = cur.status
-                record.attempts = cur.attempts + 1
-                record.created_at = cur.created_at
-            self._put(key_hash, record)
-            if self.bytes > self.max_bytes:
-                self._evict(now)
-            return ClaimResult(True, attempts=record.attempts, took_over=took_over)
+        return functools.partial(self._claim_now, record)
 
-        return op
+    def _claim_now(self, record: Record) -> ClaimResult:
+        records, key_hash = self._records, record.key_hash
+        cur = records.get(key_hash)
+        if cur is None:  # the common first call
+            self._put(key_hash, _row(record), None)
+            if len(records) > self.max_size or self.bytes > self.max_bytes:
+                self._evict(record.updated_at)
+            return ClaimResult(True)
+        records.move_to_end(key_hash)
+        now = record.updated_at
+        found = _record(key_hash, cur)  # reads get records of their own
+        if not claimable(found, record.fingerprint, now):
+            return ClaimResult(False, record=found)
+        took_over = None
+        if found.expires_at > now:
+            took_over = found.status
+            record.attempts = found.attempts + 1
+            record.created_at = found.created_at
+        self._put(key_hash, _row(record), cur)
+        if self.bytes > self.max_bytes:
+            self._evict(now)
+        return ClaimResult(True, attempts=record.attempts, took_over=took_over)
 
     def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
-        def op() -> bool:
-            cur = self._live(key_hash, token)
-            if cur is None:
-                return False
-            cur.status, cur.outcome = Status.COMPLETED, outcome
-            cur.completed_at = cur.updated_at = now
-            self._settled(key_hash, cur, now)
-            return True
-
-        return op
+        return functools.partial(self._settle_now, key_hash, token, _COMPLETED, outcome, None, now)
 
     def _fail(
         self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
     ) -> _Op:
-        def op() -> bool:
-            cur = self._live(key_hash, token)
-            if cur is None:
-                return False
-            cur.status, cur.outcome, cur.final, cur.updated_at = Status.FAILED, outcome, final, now
-            self._settled(key_hash, cur, now)
-            return True
+        return functools.partial(self._settle_now, key_hash, token, _FAILED, outcome, final, now)
 
-        return op
+    def _settle_now(
+        self,
+        key_hash: str,
+        token: str,
+        status: str,
+        outcome: Outcome | None,
+        final: bool | None,
+        now: float,
+    ) -> bool:
+        """Complete (``final`` None) or fail the live attempt ``token``; count the
+        answer's bytes, and forget the record at once if it is over ``max_bytes`` on
+        its own (rather than evict every other record for it)."""
+        cur = self._live(key_hash, token)
+        if cur is None:
+            return False
+        size = cur[_SIZE] if outcome is None else cur[_SIZE] + _answer_bytes(outcome)
+        completed_at = now if final is None else cur[10]
+        row = (
+            *cur[:4],
+            status,
+            token,
+            *cur[6:9],
+            now,
+            completed_at,
+            cur[11],
+            cur[12],
+            cur[13] if final is None else final,
+            _answer(outcome),
+            *cur[15:18],
+            size,
+        )
+        self._put(key_hash, row, cur)
+        if size > self.max_bytes:
+            self._drop(key_hash)
+            log.warning(
+                "retrysafe: a record of %d bytes is over the memory store's max_bytes=%d; "
+                "it was not kept (a retry runs again) (key_hash=%s)",
+                size,
+                self.max_bytes,
+                key_hash[:16],
+            )
+        elif self.bytes > self.max_bytes:
+            self._evict(now)
+        return True
 
     def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
         def op() -> bool:
             cur = self._live(key_hash, token)
             if cur is None:
                 return False
-            cur.lease_until, cur.updated_at = lease_until, now
-            if lease_until > cur.expires_at:  # a live attempt never expires under its owner
-                cur.expires_at = lease_until
+            # A live attempt never expires under its owner.
+            expires_at = lease_until if lease_until > cur[_EXPIRES] else cur[_EXPIRES]
+            self._put(key_hash, (*cur[:6], lease_until, expires_at, cur[8], now, *cur[10:]), cur)
             return True
 
         return op
@@ -223,7 +351,7 @@ class MemoryStore(Store[_Op]):
     def _get(self, key_hash: str) -> _Op:
         def op() -> Record | None:
             cur = self._records.get(key_hash)
-            return None if cur is None else cur.copy()
+            return None if cur is None else _record(key_hash, cur)
 
         return op
 
@@ -262,16 +390,14 @@ class MemoryStore(Store[_Op]):
 
     # -- operations work (sweeper, CLI) ----------------------------------------------
     #
-    # The lock is held for a C-speed copy of the records and for the few changes;
-    # scanning, filtering and sorting happen outside it, so claims wait little.
-    # Records are only ever replaced (a takeover), or changed in status, outcome and
-    # lease (complete, fail, renew; a renewal past expires_at pushes it later): their
-    # key, operation and created_at can be read without the lock, expires_at only
-    # grows, and every decision is checked again under it.
+    # The lock is held for a C-speed copy of the rows and for the few changes;
+    # scanning, filtering, sorting and building records happen outside it, so claims
+    # wait little. Rows never change (a change stores a new one), and every decision
+    # is checked again under the lock.
 
-    def _snapshot(self) -> list[Record]:
+    def _snapshot(self) -> list[tuple[str, _Row]]:
         with self._lock:
-            return list(self._records.values())
+            return list(self._records.items())
 
     def _archive_one(self, record: Record, archived_at: float) -> bool:
         """Archive a copy of ``record`` unless it is archived already (hold the lock)."""
@@ -282,42 +408,40 @@ class MemoryStore(Store[_Op]):
         return True
 
     def sweep(self, now: float, limit: int = 1000) -> SweepBatch:
-        expired = [r for r in self._snapshot() if r.expires_at <= now]
-        doomed = heapq.nsmallest(limit, expired, key=lambda r: r.expires_at)
+        expired = [(k, row) for k, row in self._snapshot() if row[_EXPIRES] <= now]
+        doomed = heapq.nsmallest(limit, expired, key=lambda item: item[1][_EXPIRES])
         deleted = archived = 0
         with self._lock:
             records = self._records
-            for r in doomed:
-                if records.get(r.key_hash) is not r or r.expires_at > now:
-                    continue  # taken over (a new record object) or deleted meanwhile
-                if r.retention == FINANCIAL and self._archive_one(r, now):
+            for key_hash, row in doomed:
+                cur = records.get(key_hash)
+                if cur is None or cur[_TOKEN] != row[_TOKEN] or cur[_EXPIRES] > now:
+                    continue  # taken over (another token), renewed or deleted meanwhile
+                if cur[17] == FINANCIAL and self._archive_one(_record(key_hash, cur), now):
                     archived += 1
-                self._drop(r.key_hash)
+                self._drop(key_hash)
                 deleted += 1
         return SweepBatch(deleted, archived, done=len(expired) < limit)
 
     def _list_records(self, query: RecordQuery) -> list[Record]:
-        found = query.select(self._snapshot())
-        with self._lock:  # copies of consistent records: a completion may be under way
-            copies = [r.copy() for r in found]
-        return [r for r in copies if query.matches(r)]
+        return query.select(_record(k, row) for k, row in self._snapshot())
 
     def stats(self, now: float) -> StoreStats:
         stats = StoreStats()
         counts = stats.counts
-        oldest: Record | None = None
-        for r in self._snapshot():
-            if r.expires_at <= now:
+        oldest: tuple[str, _Row] | None = None
+        for key_hash, row in self._snapshot():
+            if row[_EXPIRES] <= now:
                 stats.expired += 1
                 continue
-            key = (r.operation, r.status.value)
+            key = (row[2], row[_STATUS])
             counts[key] = counts.get(key, 0) + 1
-            if r.status is Status.PROCESSING and (
-                oldest is None or r.created_at < oldest.created_at
+            if row[_STATUS] == _PROCESSING and (
+                oldest is None or row[_CREATED] < oldest[1][_CREATED]
             ):
-                oldest = r
+                oldest = (key_hash, row)
+        stats.oldest_processing = None if oldest is None else _record(*oldest)
         with self._lock:
-            stats.oldest_processing = None if oldest is None else oldest.copy()
             stats.archived = len(self._archive)
         return stats
 
