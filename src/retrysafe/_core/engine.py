@@ -248,12 +248,17 @@ class Engine:
 
     def complete(self, claim: Claim, outcome: Outcome) -> None:
         """Store the outcome; :class:`LeaseLostError` if the claim no longer owns the key."""
-        error = self._outcome_error(outcome)
-        if error is not None:
-            self.fail(claim, final=True)
-            raise error
+        if type(outcome) is not Outcome or len(outcome.body) > self.max_body:
+            error = self._outcome_error(outcome)
+            if error is not None:
+                self.fail(claim, final=True)
+                raise error
         started = time.perf_counter()
-        ok = self._finish(claim, "completion", self.store.complete, outcome)
+        write = self.store.complete
+        try:
+            ok = write(claim.key_hash, claim.token, outcome, self.clock())
+        except StoreUnavailableError as exc:
+            ok = self._resend(claim, "completion", exc, write, outcome)
         self._finished(claim, ok, started)
 
     def fail(
@@ -262,22 +267,32 @@ class Engine:
         """Mark the attempt failed: retryable unless ``final`` (default: the engine's policy)."""
         final = self._final(final)
         started = time.perf_counter()
-        ok = self._finish(claim, "failure", self.store.fail, outcome, final)
+        write = self.store.fail
+        try:
+            ok = write(claim.key_hash, claim.token, outcome, final, self.clock())
+        except StoreUnavailableError as exc:
+            ok = self._resend(claim, "failure", exc, write, outcome, final)
         self._finished(claim, ok, started, final)
 
-    def _finish(self, claim: Claim, what: str, write: Callable[..., bool], *args: Any) -> bool:
-        """``write(key_hash, token, *args, now)``: a completion or failure, sent again
-        while the store is unreachable (see :class:`_Resends`)."""
-        resends = None
+    def _resend(
+        self,
+        claim: Claim,
+        what: str,
+        exc: StoreUnavailableError,
+        write: Callable[..., bool],
+        *args: Any,
+    ) -> bool:
+        """After ``exc`` on the first send: ``write(key_hash, token, *args, now)`` (a
+        completion or failure) again while the store is unreachable (see
+        :class:`_Resends`)."""
+        resends = _Resends(self, claim, what)
         while True:
+            time.sleep(resends.delay(exc))
             try:
                 ok = write(claim.key_hash, claim.token, *args, self.clock())
-                if ok or resends is None:
-                    return ok
-                return resends.applied(self.store.get(claim.key_hash))
-            except StoreUnavailableError as exc:
-                resends = resends or _Resends(self, claim, what)
-                time.sleep(resends.delay(exc))
+                return ok or resends.applied(self.store.get(claim.key_hash))
+            except StoreUnavailableError as again:
+                exc = again
 
     def renew(self, claim: Claim, lease: float | None = None) -> None:
         """Extend a live lease to ``lease`` seconds from now (default: the engine's).
@@ -321,12 +336,17 @@ class Engine:
 
     async def acomplete(self, claim: Claim, outcome: Outcome) -> None:
         """Async :meth:`complete`."""
-        error = self._outcome_error(outcome)
-        if error is not None:
-            await self.afail(claim, final=True)
-            raise error
+        if type(outcome) is not Outcome or len(outcome.body) > self.max_body:
+            error = self._outcome_error(outcome)
+            if error is not None:
+                await self.afail(claim, final=True)
+                raise error
         started = time.perf_counter()
-        ok = await self._afinish(claim, "completion", self.store.acomplete, outcome)
+        write = self.store.acomplete
+        try:
+            ok = await write(claim.key_hash, claim.token, outcome, self.clock())
+        except StoreUnavailableError as exc:
+            ok = await self._aresend(claim, "completion", exc, write, outcome)
         self._finished(claim, ok, started)
 
     async def afail(
@@ -335,23 +355,30 @@ class Engine:
         """Async :meth:`fail`."""
         final = self._final(final)
         started = time.perf_counter()
-        ok = await self._afinish(claim, "failure", self.store.afail, outcome, final)
+        write = self.store.afail
+        try:
+            ok = await write(claim.key_hash, claim.token, outcome, final, self.clock())
+        except StoreUnavailableError as exc:
+            ok = await self._aresend(claim, "failure", exc, write, outcome, final)
         self._finished(claim, ok, started, final)
 
-    async def _afinish(
-        self, claim: Claim, what: str, write: Callable[..., Coroutine[Any, Any, bool]], *args: Any
+    async def _aresend(
+        self,
+        claim: Claim,
+        what: str,
+        exc: StoreUnavailableError,
+        write: Callable[..., Coroutine[Any, Any, bool]],
+        *args: Any,
     ) -> bool:
-        """Async :meth:`_finish`."""
-        resends = None
+        """Async :meth:`_resend`."""
+        resends = _Resends(self, claim, what)
         while True:
+            await asyncio.sleep(resends.delay(exc))
             try:
                 ok = await write(claim.key_hash, claim.token, *args, self.clock())
-                if ok or resends is None:
-                    return ok
-                return resends.applied(await self.store.aget(claim.key_hash))
-            except StoreUnavailableError as exc:
-                resends = resends or _Resends(self, claim, what)
-                await asyncio.sleep(resends.delay(exc))
+                return ok or resends.applied(await self.store.aget(claim.key_hash))
+            except StoreUnavailableError as again:
+                exc = again
 
     async def arenew(self, claim: Claim, lease: float | None = None) -> None:
         """Async :meth:`renew`."""

@@ -149,11 +149,15 @@ class Plan:
             self._take(engine, Options(ttl=ttl, lease=lease, wait=wait, retention=retention))
         self.key, self.operation, self.scope, self.fingerprint = key, operation, scope, fingerprint
         self.key_hash = key_hash(scope, operation, key)
-        if request_id is not None and type(request_id) is not str:
+        if request_id is None:
+            self.request_id = None
+        elif type(request_id) is str:
+            self.request_id = stored_request_id(request_id)
+        else:
             raise TypeError("request_id must be a str or None")
         if request_payload is not None and type(request_payload) is not bytes:
             raise TypeError("request_payload must be bytes or None")
-        self.request_id, self.request_payload = stored_request_id(request_id), request_payload
+        self.request_payload = request_payload
         self.metadata = {}
         if metadata:
             if not isinstance(metadata, dict):
