@@ -595,3 +595,27 @@ def test_bare_decorator(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
         return n
 
     assert fn(1) == fn(1) == 1 and fn(2) == 2 and calls == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "path", ["order[id]", "a.b[0].c", "a[b[c]", "a[1x]", "a[ 1]", "a[-1]", "a[\u0663]", "a]b"]
+)
+def test_key_paths_are_walked_as_str_format_walks_them(path: str) -> None:
+    """The paths split once at decoration reach what ``string.Formatter`` reaches."""
+    import string
+    import types
+
+    from retrysafe._decorator import _lookup, _split
+
+    value = types.SimpleNamespace(b=[types.SimpleNamespace(c="c")])
+    arguments: dict[str, Any] = {
+        "order": {"id": 7},
+        "a": {"b[c": 1, "1x": 2, " 1": 3, "-1": 4, 3: 5, "b": None},
+        "a]b": 6,
+    }
+    if path.startswith("a.b"):
+        arguments["a"] = value
+    assert _lookup(_split(path), arguments) == string.Formatter().get_field(path, (), arguments)[0]
+    for bad in ("a..b", "a[]", "a[x"):
+        with pytest.raises(ValueError):
+            _split(bad)

@@ -53,10 +53,40 @@ _ROOT = re.compile(r"[^.\[]*")
 _MISSING = object()
 
 
-def _lookup(path: str, arguments: dict[str, Any]) -> Any:
-    """The value at a ``str.format`` field path (``order[id]``, ``self.account``), or _MISSING."""
+#: A ``str.format`` field path split once: its root and its ``.attr`` / ``[item]`` steps.
+_Path = tuple[Any, tuple[tuple[bool, Any], ...]]
+
+
+_STEP = re.compile(r"\.([^.\[]+)|\[([^\]]+)\]")
+
+
+def _split(path: str) -> _Path:
+    """``path`` (``order[id]``, ``self.account``) split as ``string.Formatter.get_field``
+    walks it: an item key of decimal digits is an int."""
+    root = _ROOT.match(path).group()  # type: ignore[union-attr]  # matches every str
+    steps: list[tuple[bool, Any]] = []
+    at = len(root)
+    while at < len(path):
+        step = _STEP.match(path, at)
+        if step is None:
+            raise ValueError(f"field {{{path}}} is not a str.format field")
+        attr, item = step.groups()
+        if attr is not None:
+            steps.append((True, attr))
+        else:
+            steps.append((False, int(item) if item.isdecimal() else item))
+        at = step.end()
+    return root, tuple(steps)
+
+
+def _lookup(path: _Path, arguments: dict[str, Any]) -> Any:
+    """The value at a split field path (as ``string.Formatter.get_field``), or _MISSING."""
+    first, rest = path
     try:
-        return _FORMATTER.get_field(path, (), arguments)[0]
+        value = arguments[first]
+        for is_attr, step in rest:
+            value = getattr(value, step) if is_attr else value[step]
+        return value
     except (KeyError, IndexError, AttributeError, TypeError):
         return _MISSING
 
@@ -83,21 +113,25 @@ class _Template:
             raise ValueError(f"key template {text!r} is not a str.format template: {exc}") from None
         self.text = text
         _check_paths("key template", (p[1] for p in self.parts if p[1] is not None), params, name)
+        self.fields = [
+            (literal, path, None if path is None else _split(path), spec or "", conversion)
+            for literal, path, spec, conversion in self.parts
+        ]
 
     def render(self, arguments: dict[str, Any]) -> str | None:
         """The key, or None when a field is absent, None or empty."""
         out: list[str] = []
-        for literal, path, spec, conversion in self.parts:
+        for literal, path, split, spec, conversion in self.fields:
             out.append(literal)
-            if path is None:
+            if split is None:
                 continue
-            value = _lookup(path, arguments)
+            value = _lookup(split, arguments)
             if value is _MISSING or value is None or value == "":
                 return None
             if conversion:
                 value = _FORMATTER.convert_field(value, conversion)
             try:
-                out.append(format(value, spec or ""))
+                out.append(format(value, spec))
             except (TypeError, ValueError) as exc:
                 raise InvalidKeyError(
                     f"key template {self.text!r}: cannot format {{{path}}}: {exc}"
@@ -139,8 +173,10 @@ class _Call:
         if isinstance(validate, str):
             validate = (validate,)
         self.validate = None if validate is None else tuple(validate)
+        self.checked: tuple[tuple[str, _Path], ...] = ()  # the validate paths, split
         if self.validate is not None:
             _check_paths("validate", self.validate, known, title)
+            self.checked = tuple((path, _split(path)) for path in self.validate)
         self.scope = scope
 
     def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -180,7 +216,9 @@ class _Call:
         if self.validate is None:
             fp = self._hash(request)
         else:
-            fp = self._hash({path: _optional(_lookup(path, arguments)) for path in self.validate})
+            fp = self._hash(
+                {path: _optional(_lookup(split, arguments)) for path, split in self.checked}
+            )
         key: Any
         if self.template is not None:
             key = self.template.render(arguments)
