@@ -156,6 +156,7 @@ class _Call:
         # Plain parameters (no *args, **kwargs or keyword-only) bind without inspect.
         plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
         self.names = tuple(p.name for p in params) if plain else None
+        self.known = frozenset(self.names or ())
         self.defaults = {p.name: p.default for p in params if p.default is not p.empty}
         names = frozenset(p.name for p in params if p.kind is not p.VAR_KEYWORD)
         known = None if any(p.kind is p.VAR_KEYWORD for p in params) else names
@@ -182,16 +183,21 @@ class _Call:
     def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The bound arguments, defaults applied (the receiver included)."""
         names = self.names
-        if names is not None and len(args) <= len(names) and not kwargs.keys() & names[: len(args)]:
+        if names is None or len(args) > len(names):
+            return self._bind(args, kwargs)
+        if args:
+            if not kwargs.keys().isdisjoint(names[: len(args)]):
+                return self._bind(args, kwargs)  # raises TypeError as a call would
             arguments = dict(zip(names, args, strict=False))
             arguments.update(kwargs)
-            if len(arguments) < len(names):
-                for name, default in self.defaults.items():
-                    arguments.setdefault(name, default)
-            if len(arguments) != len(names) or not arguments.keys() <= set(names):
-                arguments = self._bind(args, kwargs)  # raises TypeError as a call would
-            return arguments
-        return self._bind(args, kwargs)
+        else:
+            arguments = dict(kwargs)
+        if len(arguments) < len(names):
+            for name, default in self.defaults.items():
+                arguments.setdefault(name, default)
+        if len(arguments) != len(names) or not arguments.keys() <= self.known:
+            arguments = self._bind(args, kwargs)  # raises TypeError as a call would
+        return arguments
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         bound = self.signature.bind(*args, **kwargs)

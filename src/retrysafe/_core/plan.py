@@ -202,7 +202,7 @@ class Plan:
         plan.ttl, plan.lease, plan.wait = self.ttl, self.lease, self.wait
         plan.operation, plan.metadata, plan.request_payload = self.operation, {}, None
         plan.key, plan.scope, plan.fingerprint = key, scope, fingerprint
-        plan.request_id = stored_request_id(request_id)
+        plan.request_id = None if request_id is None else stored_request_id(request_id)
         plan.retention = self.retention
         plan.step = self.step
         plan.key_hash = key_hash(scope, plan.operation, key)

@@ -42,6 +42,7 @@ _Row: TypeAlias = tuple[Any, ...]
 _STATUS, _TOKEN, _LEASE, _EXPIRES, _CREATED, _SIZE = 4, 5, 6, 7, 8, 18
 _PROCESSING, _COMPLETED, _FAILED = Status.PROCESSING.value, Status.COMPLETED.value, "failed"
 _STATUSES = {s.value: s for s in Status}
+_VALUES = {s: s.value for s in Status}
 _blank = object.__new__
 
 
@@ -72,10 +73,8 @@ def _answer_bytes(outcome: Outcome) -> int:
     return size
 
 
-def _answer(outcome: Outcome | None) -> tuple[bytes, int | None, Any, str] | None:
+def _answer(outcome: Outcome) -> tuple[bytes, int | None, Any, str]:
     """An outcome as a row keeps it."""
-    if outcome is None:
-        return None
     headers = outcome.headers
     if headers and type(headers) is not tuple:  # a list would keep the row tracked
         headers = tuple(tuple(h) for h in headers)  # type: ignore[misc]
@@ -85,12 +84,13 @@ def _answer(outcome: Outcome | None) -> tuple[bytes, int | None, Any, str] | Non
 def _row(r: Record) -> _Row:
     """``r`` as the store keeps it (its bytes counted as :func:`record_bytes` does)."""
     metadata = r.metadata_json() if r.metadata else None  # a dict would keep the row tracked
+    outcome = r.outcome
     return (
         r.key,
         r.scope,
         r.operation,
         r.fingerprint,
-        r.status.value,
+        _VALUES[r.status],
         r.token,
         r.lease_until,
         r.expires_at,
@@ -100,7 +100,7 @@ def _row(r: Record) -> _Row:
         r.attempts,
         r.request_id,
         r.final,
-        _answer(r.outcome),
+        None if outcome is None else _answer(outcome),
         r.request_payload,
         metadata,
         r.retention,
@@ -318,7 +318,7 @@ class MemoryStore(Store[_Op]):
             cur[11],
             cur[12],
             cur[13] if final is None else final,
-            _answer(outcome),
+            None if outcome is None else _answer(outcome),
             *cur[15:18],
             size,
         )
