@@ -26,7 +26,7 @@ from retrysafe import (
     open_store,
 )
 from retrysafe._model.decide import Verdict, claimable, retry_after, verdict
-from retrysafe._model.record import Record, Status
+from retrysafe._model.record import ClaimResult, Record, Status
 from retrysafe.stores.memory import MemoryStore, record_bytes
 from retrysafe.stores.sqlite import SCHEMA_VERSION as SQLITE_SCHEMA_VERSION
 from retrysafe.stores.sqlite import SQLiteStore
@@ -284,7 +284,7 @@ def test_memory_store_gives_back_every_field() -> None:
         metadata={"m": [1, 2]},
         retention="financial",
     )
-    assert store.claim(record).claimed
+    assert store.claim(record) == ClaimResult(True)  # (== reads every field: an unset one raises)
     assert store.get(record.key_hash) == record
     assert store.bytes == record_bytes(record)
     outcome = Outcome(b"body", 201, (("x-a", "1"),), "text/plain")
@@ -422,7 +422,6 @@ def test_the_plans_record_and_claim_set_every_field() -> None:
     """Plan.record and Plan.answer fill blank instances field by field (the hot path):
     each field is set, to what the keyword construction gives."""
     from retrysafe._core.plan import Plan
-    from retrysafe._model.record import ClaimResult
 
     engine = Engine(MemoryStore(), ttl=100, lease=10)
     plan = Plan(
@@ -463,6 +462,9 @@ def test_the_plans_record_and_claim_set_every_field() -> None:
         "request_id": "r",
         "started": 0.0,
     }
+    done = dataclasses.replace(record, status=Status.COMPLETED, outcome=Outcome.json(1))
+    replay = plan.answer(ClaimResult(False, record=done), record, 0.0)
+    assert replay == Replay(done) and set(Replay.__slots__) == {"record"}
 
 
 @pytest.mark.parametrize(

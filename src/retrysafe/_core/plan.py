@@ -274,7 +274,9 @@ class Plan:
         decision = verdict(found, self.fingerprint)
         if decision is Verdict.REPLAY:
             METRICS.replayed(self.operation, self.key_hash, now_perf - started, self.step)
-            return Replay(found)
+            replay = _blank(Replay)  # as record() builds its record
+            replay.record = found
+            return replay
         METRICS.store_call("claim", now_perf - started)
         if decision is Verdict.CONFLICT:
             raise self._refused(

@@ -267,7 +267,9 @@ class MemoryStore(Store[_Op]):
             self._put(key_hash, _row(record), None)
             if len(records) > self.max_size or self.bytes > self.max_bytes:
                 self._evict(record.updated_at)
-            return ClaimResult(True)
+            result = _blank(ClaimResult)  # ClaimResult(True), field by field (as Record.copy)
+            result.claimed, result.record, result.attempts, result.took_over = True, None, 1, None
+            return result
         records.move_to_end(key_hash)
         now = record.updated_at
         found = _record(key_hash, cur)  # reads get records of their own
