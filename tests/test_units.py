@@ -526,3 +526,13 @@ def test_a_claim_in_flight_answers_wait_then_in_progress() -> None:
     with attempt:
         attempt.complete(Outcome.json(1))
         assert attempt.finished and attempt.settled  # the former name reads the same
+
+
+def test_is_key_accepts_what_the_key_pattern_matches() -> None:
+    from retrysafe._model.hashing import KEY_PATTERN, is_key
+
+    for code in range(0x250):
+        char = chr(code)
+        assert is_key(char) is bool(KEY_PATTERN.fullmatch(char)), hex(code)
+    for key in ("a" * 255, "a" * 256, "", "a b", "a\x00", "é", "\ud800", 5, None, b"k"):
+        assert is_key(key) is (type(key) is str and bool(KEY_PATTERN.fullmatch(key)))

@@ -33,7 +33,7 @@ from retrysafe._core.engine import (
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.metrics import METRICS
 from retrysafe._map.operations import Operation
-from retrysafe._model.hashing import KEY_PATTERN, fingerprint, validate_key
+from retrysafe._model.hashing import fingerprint, is_key, validate_key
 from retrysafe._model.record import Outcome
 from retrysafe.errors import IdempotencyError, InvalidKeyError
 from retrysafe.serializers import Serializer, resolve
@@ -236,7 +236,7 @@ class _Call:
                 key = None
         else:  # the whole canonical argument set is the key
             key = fp if self.validate is None else self._hash(request)
-        if key is not None and (type(key) is not str or not KEY_PATTERN.fullmatch(key)):
+        if key is not None and not is_key(key):
             validate_key(key)  # raises with the reason
         scope = self.scope(*args, **kwargs) if callable(self.scope) else (self.scope or "")
         return key, scope, fp

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from types import TracebackType
-from typing import Any, TypedDict, Unpack
+from typing import Any, Unpack
 
 from retrysafe._core.metrics import METRICS
 from retrysafe._core.options import (
@@ -26,7 +26,7 @@ from retrysafe._core.options import (
     Options,
     positive,
 )
-from retrysafe._core.plan import Claim, Plan, Replay, Wait
+from retrysafe._core.plan import BeginOptions, Claim, Plan, Replay, Wait
 from retrysafe._model.record import STANDARD, Outcome, Record, Status
 from retrysafe.errors import LeaseLostError, StoreUnavailableError
 from retrysafe.stores import DEFAULT_STORE_URL, Store, open_store
@@ -49,20 +49,7 @@ __all__ = [
 
 log = logging.getLogger("retrysafe")
 
-
-class BeginOptions(TypedDict, total=False):
-    """Keyword options of :meth:`Engine.begin` (and of ``attempt``)."""
-
-    operation: str
-    scope: str
-    fingerprint: str
-    request_id: str | None
-    ttl: float | None
-    lease: float | None
-    wait: float | None
-    metadata: dict[str, Any] | None
-    request_payload: bytes | None
-    retention: str
+_blank = object.__new__
 
 
 class _Resends:
@@ -230,7 +217,9 @@ class Engine:
         :class:`InvalidKeyError` (nothing written), :class:`InProgressError`,
         :class:`FingerprintMismatchError` or :class:`StoreUnavailableError`.
         """
-        return self._begin(Plan(self, key, **options))
+        plan = _blank(Plan)  # Plan(self, key, **options), without type.__call__'s detour
+        plan.fill(self, key, **options)
+        return self._begin(plan)
 
     def _begin(self, plan: Plan) -> Claim | Replay:
         while True:
@@ -318,7 +307,9 @@ class Engine:
 
     async def abegin(self, key: str, **options: Unpack[BeginOptions]) -> Claim | Replay:
         """Async :meth:`begin`."""
-        return await self._abegin(Plan(self, key, **options))
+        plan = _blank(Plan)
+        plan.fill(self, key, **options)
+        return await self._abegin(plan)
 
     async def _abegin(self, plan: Plan) -> Claim | Replay:
         while True:

@@ -9,12 +9,12 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from retrysafe._core.metrics import METRICS
 from retrysafe._core.options import Options
 from retrysafe._model.decide import Verdict, retry_after, verdict
-from retrysafe._model.hashing import KEY_PATTERN, key_hash, validate_key
+from retrysafe._model.hashing import is_key, key_hash, validate_key
 from retrysafe._model.record import ClaimResult, Outcome, Record, Status, stored_request_id
 from retrysafe.errors import (
     FingerprintMismatchError,
@@ -29,7 +29,22 @@ if TYPE_CHECKING:
 #: A slots instance with no field set yet (the hot path fills each one by name).
 _blank = object.__new__
 
-__all__ = ["Claim", "Plan", "Replay", "Wait"]
+__all__ = ["BeginOptions", "Claim", "Plan", "Replay", "Wait"]
+
+
+class BeginOptions(TypedDict, total=False):
+    """Keyword options of :meth:`Engine.begin` (and of ``attempt``)."""
+
+    operation: str
+    scope: str
+    fingerprint: str
+    request_id: str | None
+    ttl: float | None
+    lease: float | None
+    wait: float | None
+    metadata: dict[str, Any] | None
+    request_payload: bytes | None
+    retention: str | None
 
 
 @dataclass(slots=True)
@@ -119,7 +134,10 @@ class Plan:
         "wait",
     )
 
-    def __init__(
+    def __init__(self, engine: Engine, key: str, **options: Unpack[BeginOptions]) -> None:
+        self.fill(engine, key, **options)
+
+    def fill(
         self,
         engine: Engine,
         key: str,
@@ -135,7 +153,8 @@ class Plan:
         request_payload: bytes | None = None,
         retention: str | None = None,
     ) -> None:
-        if type(key) is not str or not KEY_PATTERN.fullmatch(key):
+        """Validate one call's inputs and take them (``__init__`` on a blank plan)."""
+        if not is_key(key):
             try:
                 validate_key(key)  # raises with the reason
             except InvalidKeyError as exc:

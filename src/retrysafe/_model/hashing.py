@@ -19,6 +19,7 @@ __all__ = [
     "MAX_KEY_LENGTH",
     "canonical_json",
     "fingerprint",
+    "is_key",
     "key_hash",
     "printable",
     "validate_key",
@@ -26,6 +27,14 @@ __all__ = [
 
 MAX_KEY_LENGTH = 255
 KEY_PATTERN = re.compile(r"[\x20-\x7e]{1,255}")
+
+
+def is_key(key: object) -> bool:
+    """Whether ``key`` is a valid idempotency key (what KEY_PATTERN matches), without a
+    regular expression: the printable ASCII characters are exactly space to ``~``."""
+    return (
+        type(key) is str and 0 < len(key) <= MAX_KEY_LENGTH and key.isascii() and key.isprintable()
+    )
 
 
 def validate_key(key: object) -> str:
