@@ -96,18 +96,19 @@ class _Tokens:
     """
 
     def __init__(self) -> None:
-        self.reseed()
-        os.register_at_fork(after_in_child=self.reseed)
+        self.restart()
+        os.register_at_fork(after_in_child=self.restart)
 
-    def reseed(self) -> None:
+    def restart(self) -> None:
         self.prefix = os.urandom(10).hex()
         self.counter = itertools.count()
 
-    def __call__(self) -> str:
+    def new(self) -> str:
+        """A token no other claim of any process gets."""
         return f"{self.prefix}{next(self.counter):x}"
 
 
-_new_token = _Tokens()
+_new_token = _Tokens().new  # a bound method: cheaper to call than an instance
 
 
 _json_check = json.JSONEncoder(allow_nan=False).encode
