@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import importlib.util
 import itertools
 import json
 import os
@@ -172,20 +173,13 @@ def _pause() -> float:
 
 @contextlib.contextmanager
 def trees(rev: str) -> Iterator[dict[str, str]]:
-    """label -> the ``src/`` directory to import retrysafe from: the tree, and ``rev``."""
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", f"{rev}^{{commit}}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    with tempfile.TemporaryDirectory(prefix="rsbench-engine-") as tmp:
-        archive = subprocess.run(
-            ["git", "archive", commit, "src"], cwd=ROOT, capture_output=True, check=True
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        yield {commit: str(Path(tmp) / "src"), "tree": str(ROOT / "src")}
+    """label -> the ``src/`` directory to import retrysafe from: ``rev``, and the tree."""
+    spec = importlib.util.spec_from_file_location("_rsbench_stores", HERE / "stores.py")
+    assert spec is not None and spec.loader is not None
+    stores = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stores)
+    with stores.exported(rev) as (commit, src):
+        yield {commit: src, "tree": str(ROOT / "src")}
 
 
 def child(src: str, *args: str, wrap: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:

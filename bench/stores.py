@@ -824,10 +824,10 @@ def _version(dist: str) -> str:
 REV_SRC, REV_COMMIT = "RSBENCH_SRC", "RSBENCH_REV"
 
 
-def run_rev(rev: str) -> int:
-    """Run the calling script again in a child whose ``retrysafe`` is ``rev``'s ``src/``
-    (exported with ``git archive``), so that a benchmark measures a commit, not a
-    working tree that others are editing."""
+@contextlib.contextmanager
+def exported(rev: str) -> Iterator[tuple[str, str]]:
+    """(the short commit of ``rev``, its ``src/`` exported with ``git archive`` into a
+    temporary directory that lasts as long as the block)."""
     commit = subprocess.run(
         ["git", "rev-parse", "--short", f"{rev}^{{commit}}"],
         cwd=ROOT,
@@ -840,7 +840,14 @@ def run_rev(rev: str) -> int:
             ["git", "archive", commit, "src"], cwd=ROOT, capture_output=True, check=True
         ).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        src = str(Path(tmp) / "src")
+        yield commit, str(Path(tmp) / "src")
+
+
+def run_rev(rev: str) -> int:
+    """Run the calling script again in a child whose ``retrysafe`` is ``rev``'s ``src/``
+    (exported with ``git archive``), so that a benchmark measures a commit, not a
+    working tree that others are editing."""
+    with exported(rev) as (commit, src):
         env = {
             **os.environ,
             REV_SRC: src,
