@@ -143,6 +143,21 @@ def _record(key_hash: str, row: _Row) -> Record:
     return c
 
 
+def _result(
+    claimed: bool, record: Record | None, attempts: int, took_over: Status | None
+) -> ClaimResult:
+    """A :class:`ClaimResult` filled field by field (a plain call: the dataclass's
+    construction goes through ``type.__call__``)."""
+    result = _blank(ClaimResult)
+    result.claimed, result.record, result.attempts, result.took_over = (
+        claimed,
+        record,
+        attempts,
+        took_over,
+    )
+    return result
+
+
 def _bound(name: str, value: object, options: dict[str, str], default: int) -> int:
     """A bound given as an argument, else in the URL's query, else ``default``; at least 1."""
     if value is None:
@@ -267,14 +282,12 @@ class MemoryStore(Store[_Op]):
             self._put(key_hash, _row(record), None)
             if len(records) > self.max_size or self.bytes > self.max_bytes:
                 self._evict(record.updated_at)
-            result = _blank(ClaimResult)  # ClaimResult(True), field by field (as Record.copy)
-            result.claimed, result.record, result.attempts, result.took_over = True, None, 1, None
-            return result
+            return _result(True, None, 1, None)
         records.move_to_end(key_hash)
         now = record.updated_at
         found = _record(key_hash, cur)  # reads get records of their own
         if not claimable(found, record.fingerprint, now):
-            return ClaimResult(False, record=found)
+            return _result(False, found, 1, None)
         took_over = None
         if found.expires_at > now:
             took_over = found.status
@@ -283,7 +296,7 @@ class MemoryStore(Store[_Op]):
         self._put(key_hash, _row(record), cur)
         if self.bytes > self.max_bytes:
             self._evict(now)
-        return ClaimResult(True, attempts=record.attempts, took_over=took_over)
+        return _result(True, None, record.attempts, took_over)
 
     def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
         return functools.partial(self._settle_now, key_hash, token, _COMPLETED, outcome, None, now)
