@@ -209,6 +209,9 @@ class HttpPolicy:
         # The engine options every request shares, validated once.
         self._plan = Plan.shared(self.engine, operation, Options(ttl=ttl, lease=lease, wait=wait))
         self.drop_headers = frozenset(h.lower() for h in drop_headers) | HOP_BY_HOP
+        # What an answer keeps, as one test per header: never these, or only those.
+        self._unkept = self.drop_headers | SENSITIVE if self.store_headers is None else None
+        self._only = None if self.store_headers is None else self.store_headers - self.drop_headers
         if key_format is not None and not callable(key_format):
             raise TypeError("key_format must be a callable that raises InvalidKeyError")
         self.key_format = key_format
@@ -420,25 +423,33 @@ class HttpPolicy:
 
     def stored_headers(self, headers: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
         """The response headers kept for replay: lower-cased, sensitive ones left out."""
-        allow, drop = self.store_headers, self.drop_headers
-        out = []
-        for name, value in headers:
-            name = name.lower()
-            if name in drop:
-                continue
-            if allow is None:
-                if name in SENSITIVE:
-                    continue
-            elif name not in allow:
-                continue
-            out.append((name, value))
-        return tuple(out)
+        unkept, only = self._unkept, self._only
+        if unkept is not None:
+            return tuple([(n, v) for k, v in headers if (n := k.lower()) not in unkept])
+        assert only is not None
+        return tuple([(n, v) for k, v in headers if (n := k.lower()) in only])
 
     def stored_raw_headers(
         self, headers: Iterable[tuple[bytes, bytes]]
     ) -> tuple[tuple[str, str], ...]:
         """:meth:`stored_headers` of ASGI's (name, value) byte pairs."""
-        return self.stored_headers((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
+        unkept, only = self._unkept, self._only
+        if unkept is not None:
+            return tuple(
+                [
+                    (n, v.decode("latin-1"))
+                    for k, v in headers
+                    if (n := k.decode("latin-1").lower()) not in unkept
+                ]
+            )
+        assert only is not None
+        return tuple(
+            [
+                (n, v.decode("latin-1"))
+                for k, v in headers
+                if (n := k.decode("latin-1").lower()) in only
+            ]
+        )
 
     def is_failure(self, status: int) -> bool:
         """A 5xx answer fails the attempt (retryable unless ``final_failures``)."""
