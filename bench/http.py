@@ -36,10 +36,14 @@ rate in the same round. This is a benchmark, not a test (pytest does not run it)
                          [--workloads first,replay] [--rev REV] [--candidate DIR] [--write [PATH]]
     python bench/http.py --profile VARIANT [--seconds S]    # cProfile of one server
     python bench/http.py --breakdown [REQUESTS] [--rev REV] [--write [PATH]]  # part by part
+    python bench/http.py --gc-probe first|replay N [FIRST_CALLS_BEFORE] [SRC]  # GC, in-process
 
 ``--breakdown`` runs the middleware in-process (no sockets), adding one part at a
 time (the plumbing, the fingerprint, the engine), and counts the instructions each
 costs per request with valgrind when it is installed (else the least CPU time).
+``--gc-probe`` counts the garbage collections (and the longest of each generation)
+that N in-process requests set off, and the tracked objects they leave behind: the
+part of the tail that is the garbage collector's, apart from the machine's load.
 """
 
 from __future__ import annotations
@@ -923,56 +927,114 @@ def _breakdown_app(name: str) -> Any:
     return IdempotencyMiddleware(Endpoint(), store="memory://")
 
 
+def _in_process_request(key: str) -> dict[str, Any]:
+    """The scope of one in-process POST (the breakdown's and the GC probe's)."""
+    body = REQUEST_BODY.encode()
+    headers = [
+        (b"host", b"127.0.0.1"),
+        (b"user-agent", b"wrk"),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"authorization", b"Bearer rsbench"),
+        (b"idempotency-key", key.encode()),
+    ]
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": PATH,
+        "raw_path": PATH.encode(),
+        "query_string": b"",
+        "headers": headers,
+    }
+
+
+async def _in_process_receive() -> dict[str, Any]:
+    return {"type": "http.request", "body": REQUEST_BODY.encode(), "more_body": False}
+
+
+async def _in_process_send(message: Any) -> None:
+    return None
+
+
+def _run_loop(main: Any) -> Any:
+    if importlib.util.find_spec("uvloop") is not None:
+        import uvloop
+
+        return uvloop.run(main)
+    import asyncio
+
+    return asyncio.run(main)
+
+
 def breakdown_run(argv: Sequence[str]) -> int:
     """``--breakdown-run NAME WORKLOAD N [SRC]``: N requests in-process (retrysafe from
     SRC if given); prints their CPU seconds."""
-    import asyncio
-
     name, workload, n = argv[0], argv[1], int(argv[2])
     if len(argv) > 3:
         sys.path.insert(0, argv[3])
     app = _breakdown_app(name)
-    body = REQUEST_BODY.encode()
-
-    def scope(key: str) -> dict[str, Any]:
-        headers = [
-            (b"host", b"127.0.0.1"),
-            (b"user-agent", b"wrk"),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"authorization", b"Bearer rsbench"),
-            (b"idempotency-key", key.encode()),
-        ]
-        return {
-            "type": "http",
-            "method": "POST",
-            "path": PATH,
-            "raw_path": PATH.encode(),
-            "query_string": b"",
-            "headers": headers,
-        }
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message: Any) -> None:
-        return None
+    receive, send = _in_process_receive, _in_process_send
 
     async def run() -> float:
         for i in range(200):  # warm-up; warm-0 is the replayed key
-            await app(scope(f"warm-{i}"), receive, send)
-        scopes = [scope("warm-0" if workload == "replay" else f"key-{i}") for i in range(n)]
+            await app(_in_process_request(f"warm-{i}"), receive, send)
+        keys = ["warm-0" if workload == "replay" else f"key-{i}" for i in range(n)]
+        scopes = [_in_process_request(key) for key in keys]
         start = time.process_time()
         for one in scopes:
             await app(one, receive, send)
         return time.process_time() - start
 
-    if importlib.util.find_spec("uvloop") is not None:
-        import uvloop
+    print(_run_loop(run()))
+    return 0
 
-        print(uvloop.run(run()))
-    else:
-        print(asyncio.run(run()))
+
+def gc_probe(argv: Sequence[str]) -> int:
+    """``--gc-probe WORKLOAD N [FIRST_CALLS_BEFORE] [SRC]``: the garbage collections N
+    in-process requests to the middleware (memory://) set off, and the tracked objects
+    they leave, after FIRST_CALLS_BEFORE first calls have filled the store. Replays
+    use 64 keys, as the wrk replay workload does."""
+    import collections
+    import gc
+
+    workload, n = argv[0], int(argv[1])
+    before = int(argv[2]) if len(argv) > 2 else 0
+    if len(argv) > 3:
+        sys.path.insert(0, argv[3])
+    app = _breakdown_app("middleware")
+    receive, send = _in_process_receive, _in_process_send
+    counts: collections.Counter[int] = collections.Counter()
+    longest: dict[int, float] = collections.defaultdict(float)
+    began = [0.0]
+
+    def timed(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            gen = info["generation"]
+            counts[gen] += 1
+            longest[gen] = max(longest[gen], (time.perf_counter() - began[0]) * 1e3)
+
+    async def run() -> None:
+        for i in range(REPLAY_KEYS):
+            await app(_in_process_request(f"r-{i}"), receive, send)
+        for i in range(before):
+            await app(_in_process_request(f"before-{i}"), receive, send)
+        gc.collect()
+        tracked = len(gc.get_objects())
+        gc.callbacks.append(timed)
+        for i in range(n):
+            key = f"r-{i % REPLAY_KEYS}" if workload == "replay" else f"k-{i}"
+            await app(_in_process_request(key), receive, send)
+        gc.callbacks.remove(timed)
+        gc.collect()
+        grown = len(gc.get_objects()) - tracked
+        print(f"{workload}: {n} requests after {before} first calls")
+        print(f"tracked objects left: {grown:+d} ({grown / n:+.2f} per request)")
+        for gen in (0, 1, 2):
+            print(f"gen{gen}: {counts[gen]} collections, longest {longest[gen]:.1f} ms")
+
+    _run_loop(run())
     return 0
 
 
@@ -1291,6 +1353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(argv[1:])
     if argv[:1] == ["--breakdown-run"]:
         return breakdown_run(argv[1:])
+    if argv[:1] == ["--gc-probe"]:
+        return gc_probe(argv[1:])
     args = parse_args(argv)
     # Stop the servers on SIGTERM and SIGINT too (a shell ignores SIGINT for a
     # background job): both unwind the ExitStack below.

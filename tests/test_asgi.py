@@ -232,3 +232,44 @@ async def test_the_apps_own_idempotency_error_is_neither_rerun_nor_answered(
         await middleware(scope, receive, send)
     assert runs == [1]
     assert sent == []
+
+
+async def test_to_the_end_hands_over_the_outcome_and_outlives_its_caller(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The handling's result or exception reaches its caller; a caller cancelled
+    meanwhile leaves it running to its end, and its failure is logged."""
+    from retrysafe._http import asgi
+
+    async def seven() -> int:
+        return 7
+
+    async def fails() -> int:
+        raise ValueError("no")
+
+    assert await asgi.to_the_end(seven()) == 7
+    with pytest.raises(ValueError, match="no"):
+        await asgi.to_the_end(fails())
+
+    started, release, ended = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def slow() -> None:
+        started.set()
+        try:
+            await release.wait()
+            raise ValueError("late")
+        finally:
+            ended.set()
+
+    caller = asyncio.create_task(asgi.to_the_end(slow()))
+    await started.wait()
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert not ended.is_set() and len(asgi._orphans) == 1  # it runs on, held
+    release.set()
+    await ended.wait()
+    for _ in range(3):  # the task's last step and its done callback
+        await asyncio.sleep(0)
+    assert not asgi._orphans
+    assert "the handling of a cancelled request failed: ValueError('late')" in caplog.text

@@ -237,6 +237,91 @@ def test_a_user_class_that_raises_never_fails_the_request() -> None:
     assert asgi_user({"user": object()}) is None and asgi_user({}) is None
 
 
+class _User:
+    is_authenticated = True
+    identity = "alice"
+
+
+def _general(principals: Principals, scope: dict[str, Any], query: str) -> Principal | None:
+    """The general rules, as the ASGI door applied them to every request before."""
+    from retrysafe._core.principal import asgi_user
+    from retrysafe._http.asgi import http_request
+
+    wanted = principals.raw_names
+    headers = [(k.decode(), v.decode()) for k, v in scope["headers"] if k in wanted]
+    return principals.identify(
+        lambda: http_request(scope), lambda: asgi_user(scope), headers, query
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "headers", "query", "user"),
+    [
+        ({}, [(b"authorization", b"Bearer a")], "", False),  # the lone path
+        ({}, [(b"x-api-key", b" k1 ")], "", False),  # the lone path, stripped
+        ({}, [(b"authorization", b"")], "", False),  # empty: anonymous
+        ({"anonymous": "share"}, [(b"authorization", b"")], "", False),
+        ({}, [(b"authorization", b"Bearer a"), (b"cookie", b"sessionid=s")], "", False),
+        ({}, [(b"authorization", b"Bearer a"), (b"x-api-key", b"k")], "", False),
+        ({}, [(b"cookie", b"sessionid=s")], "", False),
+        ({}, [(b"authorization", b"Bearer a")], "", True),  # the user comes first
+        ({"principal": lambda r: "tenant"}, [(b"authorization", b"Bearer a")], "", False),
+        ({"principal_query": ["token"]}, [(b"authorization", b"Bearer a")], "token=t", False),
+        ({"principal_query": ["token"]}, [(b"authorization", b"Bearer a")], "", False),
+        ({"principal_headers": ["x-tenant"]}, [(b"x-tenant", b"t1")], "", False),
+    ],
+)
+def test_the_lone_credential_path_names_whom_the_rules_name(
+    options: dict[str, Any], headers: list[tuple[bytes, bytes]], query: str, user: bool
+) -> None:
+    """The ASGI door's shortcut for one credential header line gives the principal the
+    general rules give (and remembers it); every other request takes the rules."""
+    from retrysafe._http.asgi import caller
+
+    p = Principals(**options)
+    scope: dict[str, Any] = {"method": "POST", "path": "/o", "headers": [(b"host", b"h"), *headers]}
+    scope["query_string"] = query.encode()
+    if user:
+        scope["user"] = _User()
+    for _ in range(2):  # the second time from memory, where the shortcut remembers
+        assert caller(scope, p) == _general(p, scope, query)
+
+
+def test_two_different_lone_credentials_are_two_principals() -> None:
+    from retrysafe._core.principal import LONE_BYTES, LONE_CACHED
+    from retrysafe._http.asgi import caller
+
+    p = Principals()
+
+    def who(value: bytes) -> Principal | None:
+        return caller({"headers": [(b"authorization", value)], "query_string": b""}, p)
+
+    assert who(b"Bearer a") == who(b"Bearer a") != who(b"Bearer b")
+    for i in range(LONE_CACHED + 5):  # a full memory starts afresh: bounded
+        assert who(b"Bearer %d" % i) == creds(p, authorization=f"Bearer {i}")
+    assert len(p._lone) <= LONE_CACHED
+    long = b"Bearer " + b"x" * LONE_BYTES  # too long to remember, still named
+    assert who(long) == creds(p, authorization=long.decode())
+    assert (b"authorization", long) not in p._lone
+
+
+def test_a_policy_remembers_scopes_under_its_own_secret_only() -> None:
+    from retrysafe._core.secret import Secret
+    from retrysafe._http.policy import SCOPES_CACHED, HttpPolicy
+
+    policy = HttpPolicy("memory://")
+    secret = policy.load_secret()
+    alice, bob = Principal("credentials", "a"), Principal("credentials", "b")
+    assert policy.scope_of(alice, secret) == alice.scope(secret) == policy.scope_of(alice, secret)
+    assert policy.scope_of(bob, secret) == bob.scope(secret) != alice.scope(secret)
+    other = Secret(b"o" * 32)  # another secret: never an answer remembered under this one
+    assert policy.scope_of(alice, other) == alice.scope(other) != alice.scope(secret)
+    for i in range(SCOPES_CACHED + 5):
+        one = Principal("credentials", str(i))
+        assert policy.scope_of(one, secret) == one.scope(secret)
+    assert len(policy._scopes) <= SCOPES_CACHED
+
+
 @pytest.mark.parametrize(
     "options",
     [

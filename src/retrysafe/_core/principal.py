@@ -22,6 +22,8 @@ from retrysafe.errors import AmbiguousCredentialsError, PrincipalRequiredError
 __all__ = [
     "ANONYMOUS_MODES",
     "DEFAULT_PRINCIPAL_HEADERS",
+    "LONE_BYTES",
+    "LONE_CACHED",
     "NOT_IDENTITY_COOKIES",
     "PUBLIC",
     "SESSION_HINTS",
@@ -239,6 +241,12 @@ def _names(value: Collection[str] | str, option: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n.strip().lower() for n in names))
 
 
+#: How many principals of lone credentials :meth:`Principals.lone` keeps, and the
+#: longest credential it keeps (longer ones are worked out each time).
+LONE_CACHED = 1024
+LONE_BYTES = 512
+
+
 class Principals:
     """The principal options every HTTP front door takes, validated once.
 
@@ -252,12 +260,14 @@ class Principals:
     """
 
     __slots__ = (
+        "_lone",
         "anonymous",
         "cookies",
         "environ_names",
         "fn",
         "header_set",
         "headers",
+        "lone_names",
         "query",
         "raw_names",
     )
@@ -297,6 +307,9 @@ class Principals:
         self.raw_names = frozenset(
             n.encode("latin-1") for n in ("authorization", "cookie", *self.headers)
         )
+        #: The raw names of the credential headers (``authorization`` included, cookies not).
+        self.lone_names = frozenset(n.encode("latin-1") for n in ("authorization", *self.headers))
+        self._lone: dict[tuple[bytes, bytes], Principal] = {}
         #: (lower-case name, WSGI environ name) of each credential header.
         self.environ_names = tuple(
             (n, "HTTP_" + n.upper().replace("-", "_")) for n in ("authorization", *self.headers)
@@ -419,6 +432,26 @@ class Principals:
             elif name.lower() not in wanted:
                 continue
             yield name, value
+
+    def lone(self, name: bytes, value: bytes) -> Principal | None:
+        """:meth:`others` of a request whose only credential is one header line
+        (``name`` in :data:`lone_names`, no cookie, no ``principal_query`` parameter,
+        no framework user), as a server gives it: the same answer, remembered.
+
+        Callers that send one credential send the same one again and again: the
+        principal of each of the last :data:`LONE_CACHED` short ones is kept (the
+        cache holds credentials in memory, as the request did; it is bounded in
+        entries and bytes, and starts afresh when full).
+        """
+        known = self._lone.get((name, value))
+        if known is not None:
+            return known
+        who = self.others(None, ((name.decode("latin-1"), value.decode("latin-1")),), "")
+        if who is not None and len(value) <= LONE_BYTES:
+            if len(self._lone) >= LONE_CACHED:
+                self._lone = {}
+            self._lone[name, value] = who
+        return who
 
     def strip_query(self, query: str) -> str:
         """``query`` without the credential parameters (they are in the scope, and a

@@ -8,7 +8,8 @@ import asyncio
 import inspect
 import json
 import logging
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+import sys
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from retrysafe._core.engine import Attempt
@@ -39,6 +40,7 @@ __all__ = [
     "closing",
     "header",
     "http_request",
+    "identify",
     "is_async",
     "lifespan",
     "read_body",
@@ -162,9 +164,33 @@ def caller(scope: Scope, principals: Principals) -> Principal | None:
     """Who sends an ASGI request (see :meth:`Principals.identify`); None: anonymous,
     to run without a record."""
     wanted = principals.raw_names
-    found = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k in wanted]
-    query = scope.get("query_string", b"").decode("latin-1")
-    return principals.identify(lambda: http_request(scope), lambda: asgi_user(scope), found, query)
+    found = [(k, v) for k, v in scope["headers"] if k in wanted]
+    return identify(scope, principals, found, scope.get("query_string", b"").decode("latin-1"))
+
+
+def identify(
+    scope: Scope, principals: Principals, found: list[tuple[bytes, bytes]], query: str
+) -> Principal | None:
+    """:func:`caller`, given the request's header lines named in ``principals.raw_names``
+    (raw, in order) and its query string.
+
+    A request whose one credential is one header line (no ``principal=``, no
+    ``scope["user"]``, no credential query parameters) gets
+    :meth:`Principals.lone`: the same principal, remembered.
+    """
+    if (
+        len(found) == 1
+        and principals.fn is None
+        and scope.get("user") is None
+        and (not query or not principals.query)
+    ):
+        name, value = found[0]
+        if name in principals.lone_names:
+            return principals.lone(name, value)
+    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in found]
+    return principals.identify(
+        lambda: http_request(scope), lambda: asgi_user(scope), headers, query
+    )
 
 
 def is_async(handler: Callable[..., Any]) -> bool:
@@ -227,10 +253,10 @@ async def send_json(
 
 
 #: The handlings whose request was cancelled, kept referenced until they end.
-_orphans: set[asyncio.Task[Any]] = set()
+_orphans: set[asyncio.Task[None]] = set()
 
 
-async def to_the_end(handling: Awaitable[T]) -> T:
+async def to_the_end(handling: Coroutine[Any, Any, T]) -> T:
     """Await ``handling`` in a task of its own that a cancellation of the caller
     does not stop.
 
@@ -241,19 +267,70 @@ async def to_the_end(handling: Awaitable[T]) -> T:
     first: instead the handling runs to its end and records its answer, and a
     retry meanwhile is told it is still in flight. A failure of a handling
     whose caller is gone is logged as a warning.
+
+    The task hands its outcome to a future the caller awaits (a cancellation
+    reaches that future, never the task): no shield. On Python 3.12+ it starts
+    eagerly, so a handling that ends without suspending costs no turn of the
+    event loop.
     """
-    task = asyncio.ensure_future(handling)
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+    task = _detached(loop, _carry(handling, done))
     try:
-        return await asyncio.shield(task)
+        return await done
     except asyncio.CancelledError:
-        if not task.done():
-            _orphans.add(task)
-            task.add_done_callback(_orphan_ended)
+        if not done.done():
+            done.cancel()
+        if done.cancelled():
+            if not task.done():
+                _orphans.add(task)
+                task.add_done_callback(_orphans.discard)
+        elif done.exception() is not None:  # it ended as the caller was cancelled
+            _orphan_failed(done.exception())
         raise
 
 
+async def _carry(handling: Coroutine[Any, Any, T], done: asyncio.Future[T]) -> None:
+    """Await ``handling`` and hand its outcome to ``done``; once ``done`` is cancelled
+    (the caller left), a failure is logged instead."""
+    try:
+        result = await handling
+    except asyncio.CancelledError:  # this task itself was cancelled (the loop is closing)
+        if not done.done():
+            done.cancel()
+        raise
+    except BaseException as exc:
+        if done.cancelled():
+            _orphan_failed(exc)
+        elif not done.done():
+            done.set_exception(exc)
+        if not isinstance(exc, Exception):
+            raise  # KeyboardInterrupt, SystemExit: the loop's to handle
+        return
+    if not done.done():
+        done.set_result(result)
+
+
+def _orphan_failed(exc: BaseException | None) -> None:
+    log.warning("retrysafe: the handling of a cancelled request failed: %r", exc)
+
+
+if sys.version_info >= (3, 12):
+
+    def _detached(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]) -> Any:
+        """A task for ``coro``, run eagerly up to its first suspension."""
+        return asyncio.Task(coro, loop=loop, eager_start=True)
+
+else:  # 3.11: no eager tasks (driving the coroutine by hand would run its first
+    # part in the caller's task, where anyio's cancel scopes would take it for theirs)
+
+    def _detached(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]) -> Any:
+        """A task for ``coro``."""
+        return loop.create_task(coro)
+
+
 async def run_detached(
-    run: Callable[[Receive, Send], Awaitable[None]], receive: Receive, send: Send
+    run: Callable[[Receive, Send], Coroutine[Any, Any, None]], receive: Receive, send: Send
 ) -> None:
     """``await run(receive, send)`` through :func:`to_the_end`, for one HTTP request.
 
@@ -275,12 +352,6 @@ async def run_detached(
     except asyncio.CancelledError:
         cancelled = True
         raise
-
-
-def _orphan_ended(task: asyncio.Task[Any]) -> None:
-    _orphans.discard(task)
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("retrysafe: the handling of a cancelled request failed: %r", task.exception())
 
 
 class IdempotencyMiddleware:
@@ -353,7 +424,7 @@ class IdempotencyMiddleware:
             return
         names, credentials = policy.raw_header_names, policy.principals.raw_names
         values: list[str] = []
-        found: list[tuple[str, str]] = []
+        found: list[tuple[bytes, bytes]] = []
         ctype = rid = clen = None
         for name, value in scope["headers"]:
             if name in names:
@@ -361,14 +432,11 @@ class IdempotencyMiddleware:
             elif name == b"content-type":
                 ctype = value.decode("latin-1")
             elif name in credentials:
-                found.append((name.decode("latin-1"), value.decode("latin-1")))
+                found.append((name, value))
             elif name == b"content-length":
                 clen = value
             elif name == b"x-request-id":
                 rid = value.decode("latin-1")
-
-        def request() -> HttpRequest:
-            return http_request(scope)
 
         query = scope["query_string"].decode("latin-1")
         # The app runs outside this try: its own errors are never taken for the
@@ -378,12 +446,12 @@ class IdempotencyMiddleware:
         try:
             key = policy.key(values)
             if key is None:
-                refusal = policy.missing(request)
+                refusal = policy.missing(lambda: http_request(scope))
                 if refusal is not None:
                     await send_answer(send, refusal)
                     return
             else:
-                who = policy.principals.identify(request, lambda: asgi_user(scope), found, query)
+                who = identify(scope, policy.principals, found, query)
                 if who is None:  # anonymous: run without a record (anonymous="run")
                     unscoped(policy.operation)
                 else:
@@ -424,14 +492,7 @@ class IdempotencyMiddleware:
             await self.app(scope, receive, send)
             return
 
-        # A cancelled request (a client that left, a timeout middleware) does not
-        # stop a keyed one: work the app runs in a thread would go on regardless,
-        # and a retry would run it again alongside (see run_detached).
-        await run_detached(
-            lambda hear, answer: self._keyed(policy, attempt, scope, hear, answer),
-            replaying(body, receive),
-            send,
-        )
+        await self._keyed(policy, attempt, scope, body, receive, send)
 
     def request_path(self, scope: Scope) -> str:
         """The path a keyed request's fingerprint covers: ``scope["path"]``, the one the
@@ -439,25 +500,47 @@ class IdempotencyMiddleware:
         return str(scope["path"])
 
     async def _keyed(
-        self, policy: HttpPolicy, attempt: Attempt, scope: Scope, receive: Receive, send: Send
+        self,
+        policy: HttpPolicy,
+        attempt: Attempt,
+        scope: Scope,
+        body: bytes,
+        receive: Receive,
+        send: Send,
     ) -> None:
-        """Run (or replay, or refuse) one keyed request with the app, recording its answer."""
-        entered = False
+        """Claim a keyed request's key, then replay, refuse, or run the app (``body``
+        is the request's, already read) and record its answer."""
         try:
-            async with attempt as att:
-                entered = True
-                if att.replay is not None:
-                    await send_answer(send, policy.replay(att.replay))
-                    return
-                await run_recorded(self.app, scope, receive, Recorder(send, policy, att))
+            att = await attempt.__aenter__()  # left in _run, the task that runs the app
         except IdempotencyError as exc:
-            if entered:
-                raise
             refusal = policy.refusal(exc)
             if refusal is None:  # fail open
-                await self.app(scope, receive, send)
+                await self.app(scope, replaying(body, receive), send)
             else:
                 await send_answer(send, refusal)
+            return
+        if att.replay is not None:  # nothing runs: nothing to carry past a cancellation
+            await send_answer(send, policy.replay(att.replay))
+            return
+        # A cancelled request (a client that left, a timeout middleware) does not
+        # stop a keyed one: work the app runs in a thread would go on regardless,
+        # and a retry would run it again alongside (see run_detached).
+        await run_detached(
+            lambda hear, answer: self._run(policy, att, scope, hear, answer),
+            replaying(body, receive),
+            send,
+        )
+
+    async def _run(
+        self, policy: HttpPolicy, att: Attempt, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Run the app for a claimed attempt and record its answer; an exception of the
+        app fails the attempt, as leaving ``async with attempt`` would."""
+        try:
+            await run_recorded(self.app, scope, receive, Recorder(send, policy, att))
+        except BaseException as exc:
+            await att.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
 
 
 async def run_recorded(app: ASGIApp, scope: Scope, receive: Receive, recorder: Recorder) -> None:

@@ -20,7 +20,13 @@ from retrysafe._core.engine import (
     engine_for,
 )
 from retrysafe._core.metrics import METRICS
-from retrysafe._core.principal import Anonymous, Principal, Principals, principal_option
+from retrysafe._core.principal import (
+    LONE_BYTES,
+    Anonymous,
+    Principal,
+    Principals,
+    principal_option,
+)
 from retrysafe._core.secret import Secret, asecret_of, check_secret, secret_of
 from retrysafe._http.problems import Response, problem, retry_after_header
 from retrysafe._http.request import (
@@ -52,6 +58,7 @@ __all__ = [
     "MAX_STORED_HEADERS",
     "OMITTED",
     "REPLAYED",
+    "SCOPES_CACHED",
     "Capture",
     "HttpPolicy",
 ]
@@ -84,6 +91,8 @@ HOP_BY_HOP = frozenset(
 #: waiting for it, too large, URI or head too long, rate limited): never stored,
 #: the attempt fails retryable, so the retry of a corrected request runs.
 UNPROCESSED = frozenset({408, 413, 414, 429, 431})
+#: How many callers' record scopes a policy remembers (see :meth:`HttpPolicy.scope_of`).
+SCOPES_CACHED = 1024
 #: The most bytes of answer headers a record keeps (names, values, ": " and CRLF):
 #: with ``max_body`` and the key, the byte bound of an HTTP record.
 MAX_STORED_HEADERS = 64 << 10
@@ -178,6 +187,7 @@ class HttpPolicy:
         )
         check_secret(self.engine.store)
         self._secret: Secret | None = None
+        self._scopes: dict[Principal, str] = {}
         if not isinstance(operation, str):
             raise TypeError("operation must be a str")
         self.operation = operation
@@ -199,6 +209,9 @@ class HttpPolicy:
         # The engine options every request shares, validated once.
         self._plan = Plan.shared(self.engine, operation, Options(ttl=ttl, lease=lease, wait=wait))
         self.drop_headers = frozenset(h.lower() for h in drop_headers) | HOP_BY_HOP
+        # What an answer keeps, as one test per header: never these, or only those.
+        self._unkept = self.drop_headers | SENSITIVE if self.store_headers is None else None
+        self._only = None if self.store_headers is None else self.store_headers - self.drop_headers
         if key_format is not None and not callable(key_format):
             raise TypeError("key_format must be a callable that raises InvalidKeyError")
         self.key_format = key_format
@@ -321,7 +334,25 @@ class HttpPolicy:
             self.check_length(len(body))
         query = self.principals.strip_query(query)
         fp = form_fingerprint(method, path, query, form, secret)
-        return Attempt(self.engine, self._plan.derive(key, who.scope(secret), fp, request_id))
+        return Attempt(
+            self.engine, self._plan.derive(key, self.scope_of(who, secret), fp, request_id)
+        )
+
+    def scope_of(self, who: Principal, secret: Secret) -> str:
+        """``who.scope(secret)``; under this policy's secret, the last
+        :data:`SCOPES_CACHED` callers' scopes are remembered (a keyed hash each time
+        costs about as much as the rest of the caller's identification)."""
+        if secret is not self._secret:
+            return who.scope(secret)
+        scopes = self._scopes
+        found = scopes.get(who)
+        if found is None:
+            found = who.scope(secret)
+            if len(who.material) <= LONE_BYTES:
+                if len(scopes) >= SCOPES_CACHED:
+                    scopes = self._scopes = {}
+                scopes[who] = found
+        return found
 
     def body_form(self, content_type: str | None, body: bytes) -> BodyForm | Canonicalize:
         """:func:`body_form` of a body within ``max_request_body`` (:class:`BodyError` if not)."""
@@ -392,25 +423,33 @@ class HttpPolicy:
 
     def stored_headers(self, headers: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
         """The response headers kept for replay: lower-cased, sensitive ones left out."""
-        allow, drop = self.store_headers, self.drop_headers
-        out = []
-        for name, value in headers:
-            name = name.lower()
-            if name in drop:
-                continue
-            if allow is None:
-                if name in SENSITIVE:
-                    continue
-            elif name not in allow:
-                continue
-            out.append((name, value))
-        return tuple(out)
+        unkept, only = self._unkept, self._only
+        if unkept is not None:
+            return tuple([(n, v) for k, v in headers if (n := k.lower()) not in unkept])
+        assert only is not None
+        return tuple([(n, v) for k, v in headers if (n := k.lower()) in only])
 
     def stored_raw_headers(
         self, headers: Iterable[tuple[bytes, bytes]]
     ) -> tuple[tuple[str, str], ...]:
         """:meth:`stored_headers` of ASGI's (name, value) byte pairs."""
-        return self.stored_headers((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
+        unkept, only = self._unkept, self._only
+        if unkept is not None:
+            return tuple(
+                [
+                    (n, v.decode("latin-1"))
+                    for k, v in headers
+                    if (n := k.decode("latin-1").lower()) not in unkept
+                ]
+            )
+        assert only is not None
+        return tuple(
+            [
+                (n, v.decode("latin-1"))
+                for k, v in headers
+                if (n := k.decode("latin-1").lower()) in only
+            ]
+        )
 
     def is_failure(self, status: int) -> bool:
         """A 5xx answer fails the attempt (retryable unless ``final_failures``)."""
