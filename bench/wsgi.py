@@ -576,13 +576,14 @@ def _cpu(job: BreakdownKey, n: int, src: str | None) -> float:
 
 
 def breakdown(
-    apps: Sequence[str], requests: int, src: str | None
+    apps: Sequence[str], names: Sequence[str], requests: int, src: str | None
 ) -> tuple[str, dict[BreakdownKey, float]]:
-    """Per-request cost of each in-process variant: valgrind instructions (exact) when
-    valgrind is installed, else the least CPU time of 9 runs."""
+    """Per-request cost of each in-process variant (of ``names``, bare always): valgrind
+    instructions (exact) when valgrind is installed, else the least CPU time of 9 runs."""
     from concurrent.futures import ThreadPoolExecutor
 
-    jobs = [(app, name, w) for app in apps for name in BREAKDOWN for w in ("first", "replay")]
+    chosen = [n for n in BREAKDOWN if n == BARE or n in names]
+    jobs = [(app, name, w) for app in apps for name in chosen for w in ("first", "replay")]
     if shutil.which("valgrind"):
         unit = "instructions"
 
@@ -608,7 +609,7 @@ def breakdown_table(unit: str, costs: dict[BreakdownKey, float]) -> list[str]:
     ]
     apps = list(dict.fromkeys(app for app, _, _ in costs))
     for app in apps:
-        for name in BREAKDOWN:
+        for name in (n for n in BREAKDOWN if (app, n, "first") in costs):
             cells = []
             for w in ("first", "replay"):
                 here = costs[app, name, w]
@@ -664,7 +665,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--connections", type=int, default=32)
     p.add_argument("--threads", type=int, default=2, help="wrk threads")
     p.add_argument("--app", default="flask,django", help="flask, django or flask,django")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="bare is always measured")
+    p.add_argument(
+        "--variants",
+        default=",".join(dict.fromkeys([*VARIANTS, *BREAKDOWN])),
+        help="bare is always measured (--breakdown also knows stubbed)",
+    )
     p.add_argument("--workloads", default="first,replay")
     p.add_argument(
         "--breakdown",
@@ -681,7 +686,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.apps = list(dict.fromkeys(args.app.split(",")))
     if not args.apps or any(a not in APPS for a in args.apps):
         p.error(f"--app: {' or '.join(APPS)}, or both separated by a comma")
-    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    unknown = set(args.variants.split(",")) - set(VARIANTS) - set(BREAKDOWN)
     if unknown:
         p.error(f"unknown variants: {', '.join(sorted(unknown))}")
     args.workload_names = [H.WORKLOADS[w] for w in args.workloads.split(",") if w in H.WORKLOADS]
@@ -715,7 +720,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.rev:
             base, code = H.export_rev(args.rev, stack)
         if args.breakdown:
-            unit, costs = breakdown(args.apps, args.breakdown, base)
+            names = args.variants.split(",")
+            unit, costs = breakdown(args.apps, names, args.breakdown, base)
             print(stores.plain(breakdown_table(unit, costs)))
             if args.write:
                 _write(args.write, render_breakdown(unit, costs, command, args.breakdown, code))
