@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from contextlib import AsyncExitStack, ExitStack
+from contextlib import AsyncExitStack
 from typing import Any
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
@@ -92,19 +92,22 @@ class IdempotencyMiddleware:
     def __call__(self, request: DjangoRequest) -> Any:  # a response, or a coroutine of one
         if self.is_async:
             return self.__acall__(request)
-        preparing = self._prepare(request)
-        step = None if preparing is None else run_prepare(preparing, lambda: _user(request))
+        preparing = self._prepare(request, lambda: _user(request))
+        step = None if preparing is None else run_prepare(preparing)
         if not isinstance(step, tuple):
             return self.get_response(request) if step is None else _answer(step)
         policy, attempt = step
-        with ExitStack() as stack:
-            att = enter(policy, stack, attempt)
-            if att is None:  # the store is down and fail_mode="open"
-                return self.get_response(request)
-            if isinstance(att, Response):
-                return _answer(att)
+        held = enter(policy, attempt)
+        if held is None:  # the store is down and fail_mode="open"
+            return self.get_response(request)
+        if isinstance(held, Response):
+            return _answer(held)
+        try:
             response = self.get_response(request)
-            exchange = Exchange(policy, att, stack.pop_all(), _answer_of(response))
+        except BaseException as exc:  # the attempt fails (retryable)
+            held.leave(exc)
+            raise
+        exchange = Exchange(policy, held.att, held, _answer_of(response))
         if response.streaming:
             _stream(response, exchange)
         else:
@@ -140,8 +143,11 @@ class IdempotencyMiddleware:
         response.streaming_content = astream(exchange, chunks)
         return response
 
-    def _prepare(self, request: DjangoRequest) -> PrepareFlow | None:
-        """The :func:`~retrysafe._http.flow.prepare` flow of a protected request, else None."""
+    def _prepare(
+        self, request: DjangoRequest, user: Callable[[], str | None] | None = None
+    ) -> PrepareFlow | None:
+        """The :func:`~retrysafe._http.flow.prepare` flow of a protected request, else None
+        (``user``: the sync reader of ``request.user``; without it the flow asks for it)."""
         method = request.method or ""
         policy = self.policy.select(method, request.path)
         if policy is None:
@@ -157,7 +163,7 @@ class IdempotencyMiddleware:
             )
 
         return prepare(
-            policy, request.META, method, request.path, lambda: _body(request), http_request
+            policy, request.META, method, request.path, lambda: _body(request), http_request, user
         )
 
 

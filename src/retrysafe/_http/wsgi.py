@@ -68,12 +68,14 @@ def _read(stream: Any, policy: LengthCheck, size: int | None) -> bytes:
     return b"".join(chunks)
 
 
+#: The status line of every code Python knows, built once.
+_STATUS_LINES = {int(status): f"{int(status)} {status.phrase}" for status in HTTPStatus}
+
+
 def status_line(code: int) -> str:
     """``201 Created``: a WSGI status line for a status code."""
-    try:
-        return f"{code} {HTTPStatus(code).phrase}"
-    except ValueError:
-        return f"{code} Unknown"
+    line = _STATUS_LINES.get(code)
+    return f"{code} Unknown" if line is None else line
 
 
 def environ_headers(environ: Environ) -> Iterator[tuple[str, str]]:
