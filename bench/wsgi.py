@@ -451,6 +451,8 @@ BREAKDOWN = {
     "memory": 'retrysafe, `store="memory://"`',
     "stubbed": "retrysafe with the engine's claim and completion stubbed out (every key is "
     "claimed, so its replay column is a first call); the rest of the middleware stays",
+    "plumbing": "the same with the body's canonical form and the fingerprint's hash stubbed "
+    "out too: the key, the caller's scope, the body read and the answer's recording stay",
 }
 
 
@@ -508,9 +510,15 @@ def breakdown_run(argv: Sequence[str]) -> int:
     app_name, name, workload, n = argv[0], argv[1], argv[2], int(argv[3])
     if len(argv) > 4:
         sys.path.insert(0, argv[4])
-    if name == "stubbed":
+    if name in ("stubbed", "plumbing"):
         _stub_engine()
-    app = make_app(app_name, "memory" if name == "stubbed" else name)
+    if name == "plumbing":
+        import retrysafe._http.policy as policy
+
+        # this process only: the body's canonical form and the hash over it
+        policy.body_form = lambda *args: (b"b", b"")  # type: ignore[assignment]
+        policy.form_fingerprint = lambda *args: "f" * 64  # type: ignore[assignment]
+    app = make_app(app_name, "memory" if name in ("stubbed", "plumbing") else name)
     body = H.REQUEST_BODY.encode()
     statuses: list[str] = []
 
