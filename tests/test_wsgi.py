@@ -492,3 +492,47 @@ def test_status_lines_are_those_of_http_status() -> None:
         except ValueError:
             want = f"{code} Unknown"
         assert status_line(code) == want
+
+
+class Trickle(io.RawIOBase):
+    """A ``wsgi.input`` that gives at most ``most`` bytes per read, as a socket may."""
+
+    def __init__(self, data: bytes, most: int) -> None:
+        self.data, self.most = data, most
+
+    def read(self, size: int = -1) -> bytes:
+        n = self.most if size < 0 else min(size, self.most)
+        out, self.data = self.data[:n], self.data[n:]
+        return out
+
+
+@pytest.mark.parametrize("size", [50, 200_000], ids=["one-block", "several-blocks"])
+def test_a_body_given_a_few_bytes_per_read_is_read_whole(memory: Store[Any], size: int) -> None:
+    seen: list[bytes] = []
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        seen.append(environ["wsgi.input"].read())
+        start_response("201 Created", [])
+        return [b"ok"]
+
+    server = Server(IdempotencyMiddleware(app, store=memory))
+    environ: dict[str, Any] = {}
+    setup_testing_defaults(environ)
+    body = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    environ.update(
+        REQUEST_METHOD="POST",
+        CONTENT_LENGTH=str(size),
+        HTTP_IDEMPOTENCY_KEY="k",
+        HTTP_AUTHORIZATION=CALLER["authorization"],
+    )
+    environ["wsgi.input"] = Trickle(body, 7)
+    assert b"".join(server.app(environ, server.start_response)) == b"ok"
+    assert server.status == "201 Created" and seen == [body]
+
+
+def test_paths_are_the_utf_8_text_an_asgi_server_gives() -> None:
+    from retrysafe.wsgi import _path
+
+    assert _path({"SCRIPT_NAME": "/app", "PATH_INFO": "/orders"}) == "/app/orders"
+    assert _path({"PATH_INFO": "/caf\xc3\xa9"}) == "/café"  # UTF-8 bytes as latin-1
+    assert _path({"PATH_INFO": "/\xff"}) == "/\udcff"  # not UTF-8: surrogate-escaped

@@ -188,6 +188,8 @@ def _answer(start_response: StartResponse, response: Response) -> list[bytes]:
 
 def _text(value: str) -> str:
     """A WSGI string (bytes as latin-1) as the UTF-8 text an ASGI server gives."""
+    if value.isascii():  # the same in both (the common case)
+        return value
     try:
         return value.encode("latin-1").decode("utf-8", "surrogateescape")
     except UnicodeEncodeError:
