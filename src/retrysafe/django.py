@@ -280,15 +280,22 @@ def _answer_of(response: HttpResponseBase) -> Answer:
 
 def _answer(answer: Response) -> HttpResponse:
     """A replay or problem as a Django response: exactly its status, headers and body."""
-    response = HttpResponse(answer.body, status=answer.status)
-    del response["Content-Type"]  # only the answer's own headers describe its body
+    joined: dict[str, tuple[str, str]] = {}  # lower-case name: (name, the values joined)
+    cookies = []
     for name, value in answer.headers:
-        if name.lower() == "set-cookie":  # stored only when store_headers allows it
-            response.cookies.load(value)
-        elif name in response:
-            response[name] = f"{response[name]}, {value}"
+        low = name.lower()
+        if low == "set-cookie":  # stored only when store_headers allows it
+            cookies.append(value)
+        elif low in joined:
+            first, before = joined[low]
+            joined[low] = (first, f"{before}, {value}")
         else:
-            response[name] = value
+            joined[low] = (name, value)
+    response = HttpResponse(answer.body, status=answer.status, headers=dict(joined.values()))
+    if "content-type" not in joined:  # only the answer's own headers describe its body
+        del response["Content-Type"]
+    for cookie in cookies:
+        response.cookies.load(cookie)
     return response
 
 
