@@ -47,7 +47,6 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import functools  # noqa: E402
 import importlib.util  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
@@ -227,12 +226,13 @@ def flask_app(kind: str, store: str) -> Any:
 
 
 def django_app(kind: str, store: str) -> Any:
-    """Django's WSGI handler of one variant: settings in code, no database."""
+    """Django's WSGI handler of one variant: settings in code, no database (a process
+    may build several: each handler reads ``MIDDLEWARE`` when it is made)."""
     import django
     from django.conf import settings
-    from django.core.wsgi import get_wsgi_application
+    from django.core.handlers.wsgi import WSGIHandler
     from django.http import HttpResponse, JsonResponse
-    from django.urls import path
+    from django.urls import clear_url_caches, path
 
     counter = Counter()
 
@@ -247,23 +247,24 @@ def django_app(kind: str, store: str) -> Any:
     class Urls:  # ROOT_URLCONF may be any hashable object with urlpatterns
         urlpatterns = [path(PATH.lstrip("/"), create), path(CALLS_PATH.lstrip("/"), calls)]
 
-    middleware = {
+    if not settings.configured:
+        settings.configure(
+            DEBUG=False,
+            SECRET_KEY="rsbench-not-secret",
+            ALLOWED_HOSTS=["*"],
+            INSTALLED_APPS=[],
+            DATABASES={},
+            USE_TZ=True,
+        )
+        django.setup(set_prefix=False)
+    settings.ROOT_URLCONF = Urls
+    settings.MIDDLEWARE = {
         "memory": ["retrysafe.django.IdempotencyMiddleware"],
         "floor": [f"{__name__}.DjangoFloor"],
     }.get(kind, [])
-    settings.configure(
-        DEBUG=False,
-        SECRET_KEY="rsbench-not-secret",
-        ALLOWED_HOSTS=["*"],
-        ROOT_URLCONF=Urls,
-        MIDDLEWARE=middleware,
-        INSTALLED_APPS=[],
-        DATABASES={},
-        USE_TZ=True,
-        RETRYSAFE={"store": store},
-    )
-    django.setup(set_prefix=False)
-    return get_wsgi_application()
+    settings.RETRYSAFE = {"store": store}
+    clear_url_caches()
+    return WSGIHandler()
 
 
 def make_app(app: str, kind: str, store: str = "memory://") -> Any:
@@ -505,20 +506,15 @@ def environ(key: str, body: bytes) -> dict[str, Any]:
 
 
 def breakdown_run(argv: Sequence[str]) -> int:
-    """``--breakdown-run APP VARIANT WORKLOAD N [SRC]``: N requests in-process (retrysafe
-    from SRC if given); prints their CPU seconds."""
-    app_name, name, workload, n = argv[0], argv[1], argv[2], int(argv[3])
-    if len(argv) > 4:
-        sys.path.insert(0, argv[4])
-    if name in ("stubbed", "plumbing"):
-        _stub_engine()
-    if name == "plumbing":
-        import retrysafe._http.policy as policy
+    """``--breakdown-run APP N VARIANTS [SRC]``: each variant's N first calls and N replays
+    in-process, one loop each, in the order of :data:`BREAKDOWN` (stubbed and plumbing
+    patch this process, so they come last); retrysafe from SRC if given. Prints the CPU
+    seconds of each loop as JSON."""
+    import math
 
-        # this process only: the body's canonical form and the hash over it
-        policy.body_form = lambda *args: (b"b", b"")  # type: ignore[assignment]
-        policy.form_fingerprint = lambda *args: "f" * 64  # type: ignore[assignment]
-    app = make_app(app_name, "memory" if name in ("stubbed", "plumbing") else name)
+    app_name, n, names = argv[0], int(argv[1]), argv[2].split(",")
+    if len(argv) > 3:
+        sys.path.insert(0, argv[3])
     body = H.REQUEST_BODY.encode()
     statuses: list[str] = []
 
@@ -526,86 +522,118 @@ def breakdown_run(argv: Sequence[str]) -> int:
         statuses.append(status)
         return lambda data: None
 
-    def call(env: dict[str, Any]) -> None:
-        result = app(env, start_response)
-        for _ in result:
-            pass
-        close = getattr(result, "close", None)
-        if close is not None:
-            close()
+    took = {}
+    for name in (n for n in BREAKDOWN if n in names):
+        if name in ("stubbed", "plumbing"):
+            _stub_engine()
+        if name == "plumbing":
+            import retrysafe._http.policy as policy
 
-    for i in range(200):  # warm-up; warm-0 is the replayed key
-        call(environ(f"warm-{i}", body))
-    envs = [environ("warm-0" if workload == "replay" else f"key-{i}", body) for i in range(n)]
-    statuses.clear()
-    start = time.process_time()
-    # Under valgrind, instructions are collected inside functools.reduce only: the loop.
-    functools.reduce(lambda _, env: call(env), envs, None)
-    took = time.process_time() - start
-    if any(not s.startswith("201") for s in statuses) or len(statuses) != n:
-        raise H.BenchError(f"{app_name}/{name}: answers other than 201: {set(statuses)}")
-    print(took)
+            # this process only: the body's canonical form and the hash over it
+            policy.body_form = lambda *args: (b"b", b"")  # type: ignore[assignment]
+            policy.form_fingerprint = lambda *args: "f" * 64  # type: ignore[assignment]
+        app = make_app(app_name, "memory" if name in ("stubbed", "plumbing") else name)
+
+        def call(env: dict[str, Any]) -> float:
+            result = app(env, start_response)  # noqa: B023 (called before the next app)
+            for _ in result:
+                pass
+            close = getattr(result, "close", None)
+            if close is not None:
+                close()
+            return 0.0
+
+        for i in range(200):  # warm-up; warm-0 is the replayed key
+            call(environ(f"{name}-warm-{i}", body))
+        for workload in ("first", "replay"):
+            keys = [
+                f"{name}-warm-0" if workload == "replay" else f"{name}-key-{i}" for i in range(n)
+            ]
+            envs = [environ(key, body) for key in keys]
+            statuses.clear()
+            start = time.process_time()
+            # Under valgrind, instructions are collected inside math.fsum only: this loop.
+            math.fsum(call(env) for env in envs)
+            took[f"{name}/{workload}"] = time.process_time() - start
+            if len(statuses) != n or any(not s.startswith("201") for s in statuses):
+                raise H.BenchError(f"{app_name}/{name}: answers other than 201: {set(statuses)}")
+    print(json.dumps(took))
     return 0
 
 
-def _run_argv(job: BreakdownKey, n: int, src: str | None) -> list[str]:
+def _run_argv(app: str, names: Sequence[str], n: int, src: str | None) -> list[str]:
     script = str(Path(__file__).resolve())
-    return [sys.executable, script, "--breakdown-run", *job, str(n), *([src] if src else [])]
+    argv = [sys.executable, script, "--breakdown-run", app, str(n), ",".join(names)]
+    return [*argv, *([src] if src else [])]
 
 
-#: callgrind counts only inside the measured loop (nothing on the request path of
-#: Flask, Django or retrysafe calls functools.reduce).
+#: callgrind counts only inside math.fsum (nothing on the request path of Flask, Django
+#: or retrysafe calls it) and writes one dump after each call: one per measured loop.
 CALLGRIND = [
     "valgrind",
     "--tool=callgrind",
-    "--callgrind-out-file=/dev/null",
     "--collect-atstart=no",
-    "--toggle-collect=functools_reduce",
+    "--toggle-collect=math_fsum",
+    "--dump-after=math_fsum",
 ]
 
 
-def _instructions(job: BreakdownKey, n: int, src: str | None) -> int:
-    """Instructions executed in the loop of ``n`` requests (valgrind's callgrind)."""
-    out = subprocess.run(
-        [*CALLGRIND, *_run_argv(job, n, src)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
-    m = re.search(r"Collected : (\d+)", out.stderr)
-    if out.returncode != 0 or m is None:
-        raise H.BenchError(f"{job}: no instruction count from valgrind:\n{out.stderr[-3000:]}")
-    return int(m.group(1))
-
-
-def _cpu(job: BreakdownKey, n: int, src: str | None) -> float:
-    out = subprocess.run(_run_argv(job, n, src), capture_output=True, text=True, check=True)
-    return float(out.stdout.split()[-1])
+def _instructions(app: str, names: Sequence[str], n: int, src: str | None) -> list[float]:
+    """Instructions executed in each measured loop of one app's variants (callgrind)."""
+    with tempfile.TemporaryDirectory(prefix="rsbench-callgrind-") as tmp:
+        out_file = Path(tmp) / "out"
+        out = subprocess.run(
+            [*CALLGRIND, f"--callgrind-out-file={out_file}", *_run_argv(app, names, n, src)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
+        if out.returncode != 0:
+            raise H.BenchError(f"{app}: valgrind failed:\n{out.stderr[-3000:]}")
+        dumps = sorted(Path(tmp).glob("out.*"), key=lambda p: int(p.suffix[1:]))
+        totals = []
+        for dump in dumps:
+            m = re.search(r"^totals: (\d+)", dump.read_text(), re.MULTILINE)
+            if m is None:
+                raise H.BenchError(f"{app}: no totals in {dump.name}")
+            totals.append(float(m.group(1)))
+    return totals
 
 
 def breakdown(
     apps: Sequence[str], names: Sequence[str], requests: int, src: str | None
 ) -> tuple[str, dict[BreakdownKey, float]]:
     """Per-request cost of each in-process variant (of ``names``, bare always): valgrind
-    instructions (exact) when valgrind is installed, else the least CPU time of 9 runs."""
+    instructions (exact) when valgrind is installed, else the least CPU time of 9 runs.
+    One process per app runs all its variants."""
     from concurrent.futures import ThreadPoolExecutor
 
     chosen = [n for n in BREAKDOWN if n == BARE or n in names]
-    jobs = [(app, name, w) for app in apps for name in chosen for w in ("first", "replay")]
-    if shutil.which("valgrind"):
-        unit = "instructions"
+    loops = [(name, w) for name in chosen for w in ("first", "replay")]
+    valgrind = shutil.which("valgrind") is not None
 
-        def cost(job: BreakdownKey) -> float:
-            return _instructions(job, requests, src) / requests
-    else:
-        unit = "CPU us"
-
-        def cost(job: BreakdownKey) -> float:
-            return min(_cpu(job, requests, src) for _ in range(9)) / requests * 1e6
+    def cost(app: str) -> list[float]:
+        if valgrind:
+            totals = _instructions(app, chosen, requests, src)
+            if len(totals) != len(loops):
+                raise H.BenchError(f"{app}: {len(totals)} callgrind dumps for {len(loops)} loops")
+            return [t / requests for t in totals]
+        runs = []
+        for _ in range(9):
+            out = subprocess.run(
+                _run_argv(app, chosen, requests, src), capture_output=True, text=True, check=True
+            )
+            runs.append(json.loads(out.stdout.splitlines()[-1]))
+        return [min(r[f"{n}/{w}"] for r in runs) / requests * 1e6 for n, w in loops]
 
     with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
-        costs = dict(zip(jobs, pool.map(cost, jobs), strict=True))
-    return unit, costs
+        per_app = dict(zip(apps, pool.map(cost, apps), strict=True))
+    costs = {
+        (app, name, w): value
+        for app, values in per_app.items()
+        for (name, w), value in zip(loops, values, strict=True)
+    }
+    return ("instructions" if valgrind else "CPU us"), costs
 
 
 def breakdown_table(unit: str, costs: dict[BreakdownKey, float]) -> list[str]:
@@ -632,7 +660,8 @@ def render_breakdown(
 ) -> str:
     how = (
         "instructions executed (valgrind's callgrind: the same on every run, whatever the "
-        f"machine's load) in a loop of {requests} requests, after 200 to warm up"
+        f"machine's load) in a loop of {requests} requests, after 200 to warm up; one "
+        "process per app runs its variants one after the other"
         if unit == "instructions"
         else f"the least CPU time of 9 runs of {requests} requests"
     )
