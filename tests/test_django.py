@@ -500,3 +500,31 @@ def test_keyword_options_take_precedence_over_settings(memory: Store[Any]) -> No
     assert middleware.policy.methods == {"PUT"}
     assert middleware.policy.engine.store is memory
     assert not iscoroutinefunction(middleware)
+
+
+def test_a_stored_answer_becomes_exactly_its_django_response() -> None:
+    from retrysafe._http.problems import Response
+    from retrysafe.django import _answer
+
+    stored = Response(
+        201,
+        [
+            ("x-order", "a"),
+            ("Vary", "Accept"),
+            ("vary", "Cookie"),
+            ("set-cookie", "session=s1; Path=/"),
+            ("idempotent-replayed", "true"),
+        ],
+        b"body",
+    )
+    response = _answer(stored)
+    assert response.status_code == 201 and response.content == b"body"
+    assert "Content-Type" not in response  # only the answer's own headers
+    assert list(response.items()) == [
+        ("x-order", "a"),
+        ("Vary", "Accept, Cookie"),  # repeated lines joined, the first spelling kept
+        ("idempotent-replayed", "true"),
+    ]
+    assert response.cookies["session"].value == "s1"
+    typed = _answer(Response(200, [("content-type", "application/json")], b"{}"))
+    assert typed["Content-Type"] == "application/json"

@@ -411,3 +411,128 @@ def test_a_short_request_body_is_refused(memory: Store[Any]) -> None:
     assert server.status == "400 Bad Request"
     assert b"ended after 10 of its 100 bytes" in body
     assert status_of(memory, "k") is None
+
+
+def test_a_close_that_raises_after_the_answer_is_recorded(memory: Store[Any]) -> None:
+    from retrysafe._core.heartbeat import _heartbeat
+
+    class Breaks(Body):
+        def close(self) -> None:
+            super().close()
+            raise OSError("close broke")
+
+    body = Breaks(2, 3)
+    server = Server(IdempotencyMiddleware(app_of(body), store=memory))
+    with pytest.raises(OSError, match="close broke"):
+        server.get()  # the server sees close()'s error, as with any WSGI app
+    assert body.closed
+    assert status_of(memory, "k") is Status.COMPLETED  # recorded before close() ran
+    assert not any(w.claim.key == "k" for w in _heartbeat.active)  # no longer renewed
+
+
+# -- what a keyed request holds -------------------------------------------------------------
+
+
+def _held(memory: Store[Any], key: str) -> Any:
+    from retrysafe import Engine
+    from retrysafe._http.flow import Held
+
+    att = Engine(memory).attempt(key, operation="held").__enter__()
+    return Held(att)
+
+
+def _held_status(memory: Store[Any], key: str) -> Status | None:
+    from retrysafe import key_hash
+
+    record = memory.get(key_hash("", "held", key))
+    return None if record is None else record.status
+
+
+def test_held_closes_last_in_first_out_then_stops_renewing_then_leaves(
+    memory: Store[Any],
+) -> None:
+    from retrysafe._core.heartbeat import _heartbeat
+
+    held = _held(memory, "h1")
+    active = _heartbeat.active
+    order: list[str] = []
+    held.callback(lambda: order.append("first"))
+    held.callback(lambda: order.append(f"second, renewed: {held.renewal.entry in active}"))
+    held.leave(KeyError("the app broke"))
+    assert order == ["second, renewed: True", "first"]
+    assert held.renewal.entry not in _heartbeat.active
+    assert _held_status(memory, "h1") is Status.FAILED  # the exception failed it
+    held.leave()  # leaving again does nothing
+    assert _held_status(memory, "h1") is Status.FAILED
+
+
+def test_held_raises_a_callback_error_and_fails_the_attempt_with_it(memory: Store[Any]) -> None:
+    held = _held(memory, "h2")
+    ran: list[str] = []
+
+    def breaks() -> None:
+        raise OSError("close broke")
+
+    held.callback(lambda: ran.append("ran"))
+    held.callback(breaks)
+    with pytest.raises(OSError, match="close broke"):
+        held.leave()
+    assert ran == ["ran"]  # the callbacks before it still run
+    assert _held_status(memory, "h2") is Status.FAILED
+
+
+def test_status_lines_are_those_of_http_status() -> None:
+    from http import HTTPStatus
+
+    from retrysafe._http.wsgi import status_line
+
+    for code in range(100, 1000):
+        try:
+            want = f"{code} {HTTPStatus(code).phrase}"
+        except ValueError:
+            want = f"{code} Unknown"
+        assert status_line(code) == want
+
+
+class Trickle(io.RawIOBase):
+    """A ``wsgi.input`` that gives at most ``most`` bytes per read, as a socket may."""
+
+    def __init__(self, data: bytes, most: int) -> None:
+        self.data, self.most = data, most
+
+    def read(self, size: int = -1) -> bytes:
+        n = self.most if size < 0 else min(size, self.most)
+        out, self.data = self.data[:n], self.data[n:]
+        return out
+
+
+@pytest.mark.parametrize("size", [50, 200_000], ids=["one-block", "several-blocks"])
+def test_a_body_given_a_few_bytes_per_read_is_read_whole(memory: Store[Any], size: int) -> None:
+    seen: list[bytes] = []
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        seen.append(environ["wsgi.input"].read())
+        start_response("201 Created", [])
+        return [b"ok"]
+
+    server = Server(IdempotencyMiddleware(app, store=memory))
+    environ: dict[str, Any] = {}
+    setup_testing_defaults(environ)
+    body = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    environ.update(
+        REQUEST_METHOD="POST",
+        CONTENT_LENGTH=str(size),
+        HTTP_IDEMPOTENCY_KEY="k",
+        HTTP_AUTHORIZATION=CALLER["authorization"],
+    )
+    environ["wsgi.input"] = Trickle(body, 7)
+    assert b"".join(server.app(environ, server.start_response)) == b"ok"
+    assert server.status == "201 Created" and seen == [body]
+
+
+def test_paths_are_the_utf_8_text_an_asgi_server_gives() -> None:
+    from retrysafe.wsgi import _path
+
+    assert _path({"SCRIPT_NAME": "/app", "PATH_INFO": "/orders"}) == "/app/orders"
+    assert _path({"PATH_INFO": "/caf\xc3\xa9"}) == "/café"  # UTF-8 bytes as latin-1
+    assert _path({"PATH_INFO": "/\xff"}) == "/\udcff"  # not UTF-8: surrogate-escaped

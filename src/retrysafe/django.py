@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from contextlib import AsyncExitStack, ExitStack
+from contextlib import AsyncExitStack
 from typing import Any
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
@@ -92,19 +92,22 @@ class IdempotencyMiddleware:
     def __call__(self, request: DjangoRequest) -> Any:  # a response, or a coroutine of one
         if self.is_async:
             return self.__acall__(request)
-        preparing = self._prepare(request)
-        step = None if preparing is None else run_prepare(preparing, lambda: _user(request))
+        preparing = self._prepare(request, lambda: _user(request))
+        step = None if preparing is None else run_prepare(preparing)
         if not isinstance(step, tuple):
             return self.get_response(request) if step is None else _answer(step)
         policy, attempt = step
-        with ExitStack() as stack:
-            att = enter(policy, stack, attempt)
-            if att is None:  # the store is down and fail_mode="open"
-                return self.get_response(request)
-            if isinstance(att, Response):
-                return _answer(att)
+        held = enter(policy, attempt)
+        if held is None:  # the store is down and fail_mode="open"
+            return self.get_response(request)
+        if isinstance(held, Response):
+            return _answer(held)
+        try:
             response = self.get_response(request)
-            exchange = Exchange(policy, att, stack.pop_all(), _answer_of(response))
+        except BaseException as exc:  # the attempt fails (retryable)
+            held.leave(exc)
+            raise
+        exchange = Exchange(policy, held.att, held, _answer_of(response))
         if response.streaming:
             _stream(response, exchange)
         else:
@@ -140,8 +143,11 @@ class IdempotencyMiddleware:
         response.streaming_content = astream(exchange, chunks)
         return response
 
-    def _prepare(self, request: DjangoRequest) -> PrepareFlow | None:
-        """The :func:`~retrysafe._http.flow.prepare` flow of a protected request, else None."""
+    def _prepare(
+        self, request: DjangoRequest, user: Callable[[], str | None] | None = None
+    ) -> PrepareFlow | None:
+        """The :func:`~retrysafe._http.flow.prepare` flow of a protected request, else None
+        (``user``: the sync reader of ``request.user``; without it the flow asks for it)."""
         method = request.method or ""
         policy = self.policy.select(method, request.path)
         if policy is None:
@@ -157,7 +163,7 @@ class IdempotencyMiddleware:
             )
 
         return prepare(
-            policy, request.META, method, request.path, lambda: _body(request), http_request
+            policy, request.META, method, request.path, lambda: _body(request), http_request, user
         )
 
 
@@ -274,15 +280,22 @@ def _answer_of(response: HttpResponseBase) -> Answer:
 
 def _answer(answer: Response) -> HttpResponse:
     """A replay or problem as a Django response: exactly its status, headers and body."""
-    response = HttpResponse(answer.body, status=answer.status)
-    del response["Content-Type"]  # only the answer's own headers describe its body
+    joined: dict[str, tuple[str, str]] = {}  # lower-case name: (name, the values joined)
+    cookies = []
     for name, value in answer.headers:
-        if name.lower() == "set-cookie":  # stored only when store_headers allows it
-            response.cookies.load(value)
-        elif name in response:
-            response[name] = f"{response[name]}, {value}"
+        low = name.lower()
+        if low == "set-cookie":  # stored only when store_headers allows it
+            cookies.append(value)
+        elif low in joined:
+            first, before = joined[low]
+            joined[low] = (first, f"{before}, {value}")
         else:
-            response[name] = value
+            joined[low] = (name, value)
+    response = HttpResponse(answer.body, status=answer.status, headers=dict(joined.values()))
+    if "content-type" not in joined:  # only the answer's own headers describe its body
+        del response["Content-Type"]
+    for cookie in cookies:
+        response.cookies.load(cookie)
     return response
 
 

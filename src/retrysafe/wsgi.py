@@ -20,7 +20,6 @@ chunked bodies too) and handed to the app as a fresh ``wsgi.input``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from contextlib import ExitStack
 from typing import Any
 
 from retrysafe._core.engine import Engine
@@ -76,25 +75,28 @@ class IdempotencyMiddleware:
             return _request(environ)
 
         preparing = prepare(
-            policy, environ, method, path, lambda: read_body(environ, policy), request
+            policy, environ, method, path, lambda: read_body(environ, policy), request, _no_user
         )
-        step = run_prepare(preparing, _no_user)
+        step = run_prepare(preparing)
         if step is None:
             return self.app(environ, start_response)
         if isinstance(step, Response):
             return _answer(start_response, step)
-        with ExitStack() as stack:
-            att = enter(policy, stack, step[1])
-            if att is None:  # the store is down and fail_mode="open"
-                return self.app(environ, start_response)
-            if isinstance(att, Response):
-                return _answer(start_response, att)
-            start = _Start(start_response)
+        held = enter(policy, step[1])
+        if held is None:  # the store is down and fail_mode="open"
+            return self.app(environ, start_response)
+        if isinstance(held, Response):
+            return _answer(start_response, held)
+        start = _Start(start_response)
+        try:
             result = self.app(environ, start)
-            close = getattr(result, "close", None)
-            if close is not None:
-                stack.callback(close)
-            exchange = Exchange(policy, att, stack.pop_all(), start.answer)
+        except BaseException as exc:  # the attempt fails (retryable)
+            held.leave(exc)
+            raise
+        close = getattr(result, "close", None)
+        if close is not None:
+            held.callback(close)
+        exchange = Exchange(policy, held.att, held, start.answer)
         return _respond(exchange, start, _body(start.written, result))
 
 
@@ -186,6 +188,8 @@ def _answer(start_response: StartResponse, response: Response) -> list[bytes]:
 
 def _text(value: str) -> str:
     """A WSGI string (bytes as latin-1) as the UTF-8 text an ASGI server gives."""
+    if value.isascii():  # the same in both (the common case)
+        return value
     try:
         return value.encode("latin-1").decode("utf-8", "surrogateescape")
     except UnicodeEncodeError:

@@ -1,10 +1,11 @@
 """What the WSGI and Django front doors share: reading a request, recording an answer.
 
 :func:`prepare` (driven by :func:`run_prepare` / :func:`arun_prepare`) reads the
-key, the caller and the body; :func:`enter` / :func:`aenter` begin the attempt;
-:class:`Exchange`, :class:`Stream` and :func:`astream` pass the app's answer on
-with one chunk held back, so it is recorded before its last byte leaves
-(docs/wsgi.md, "What the middleware does with a keyed request").
+key, the caller and the body; :func:`enter` / :func:`aenter` begin the attempt
+(sync: held by a :class:`Held`); :class:`Exchange`, :class:`Stream` and
+:func:`astream` pass the app's answer on with one chunk held back, so it is
+recorded before its last byte leaves (docs/wsgi.md, "What the middleware does
+with a keyed request").
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import (
     Iterator,
     Mapping,
 )
-from contextlib import AsyncExitStack, ExitStack
+from contextlib import AsyncExitStack
 from typing import Any
 
 from retrysafe._core.engine import Attempt, run_to_end
@@ -38,6 +39,7 @@ __all__ = [
     "USER",
     "Answer",
     "Exchange",
+    "Held",
     "PrepareFlow",
     "Prepared",
     "Stream",
@@ -59,8 +61,9 @@ Prepared = tuple[HttpPolicy, Attempt] | Response | None
 
 
 #: What a :func:`prepare` flow asks its driver for: the identity the framework
-#: authenticated (a str, or None), (yielding the policy) its deployment secret,
-#: or (yielding a :class:`Canonicalize`) a large JSON body's canonical form.
+#: authenticated (a str, or None; asked only of an async driver), (yielding the
+#: policy) its deployment secret, or (yielding a :class:`Canonicalize`) a large
+#: JSON body's canonical form.
 USER = "user"
 PrepareFlow = Generator[str | HttpPolicy | Canonicalize, Any, Prepared]
 
@@ -72,13 +75,15 @@ def prepare(
     path: str,
     body: Callable[[], bytes],
     request: Callable[[], HttpRequest],
+    user: Callable[[], str | None] | None = None,
 ) -> PrepareFlow:
     """What a protected request asks for, from its WSGI-style headers in ``meta``.
 
-    A flow: it yields :data:`USER` for the framework's identity (only when the
-    ``principal`` callable does not decide) and then the policy whose deployment
-    secret it needs (until the policy has it), only for a keyed request, and
-    returns what the request gets.
+    A flow: for a keyed request it reads the framework's identity (only when the
+    ``principal`` callable does not decide) from ``user()``, or without ``user``
+    yields :data:`USER` for it (an async front door awaits it); then it yields the
+    policy whose deployment secret it needs (until the policy has it), and returns
+    what the request gets.
     ``body()`` reads the whole request body (raising :class:`BodyError` over
     the limit); it is called only for a keyed request of a known principal,
     after ``Content-Length`` was checked.
@@ -91,8 +96,8 @@ def prepare(
         query = meta.get("QUERY_STRING", "")
         who = policy.principals.named(request)
         if who is None:  # the framework's user is read only when principal= did not decide
-            user = yield USER
-            who = policy.principals.others(user, _credentials(meta, policy), query)
+            known = (yield USER) if user is None else user()
+            who = policy.principals.others(known, _credentials(meta, policy), query)
             if who is None:  # anonymous: run without a record (anonymous="run")
                 unscoped(policy.operation)
                 return None
@@ -149,17 +154,14 @@ class _Driver:
             self.need, self.value = None, stop.value
 
 
-def run_prepare(flow: PrepareFlow, user: Callable[[], str | None]) -> Prepared:
-    """Drive a :func:`prepare` flow: ``user()`` gives the framework's identity."""
+def run_prepare(flow: PrepareFlow) -> Prepared:
+    """Drive a :func:`prepare` flow that was given its ``user`` (it never yields :data:`USER`)."""
     step = _Driver(flow)
-    reply: Any  # a canonical body, a user or a secret: what the flow asked for
+    reply: Any  # a canonical body or a secret: what the flow asked for
     while (need := step.need) is not None:
         try:
-            if isinstance(need, Canonicalize):
-                reply = need.run()
-            else:
-                # need is USER or the policy; == is cheaper than isinstance here.
-                reply = user() if need == USER else need.load_secret()  # type: ignore[union-attr]
+            # need is a Canonicalize or the policy (never USER: the flow has its user)
+            reply = need.run() if isinstance(need, Canonicalize) else need.load_secret()  # type: ignore[union-attr]
         except IdempotencyError as exc:  # the store is down, a bad body: the flow answers it
             step.resume(None, exc)
         else:
@@ -184,17 +186,58 @@ async def arun_prepare(flow: PrepareFlow, user: Callable[[], Awaitable[str | Non
     return step.value
 
 
-def enter(policy: HttpPolicy, stack: ExitStack, attempt: Attempt) -> Attempt | Response | None:
-    """Begin the attempt on ``stack``: the attempt to run the app in, an answer instead
-    (a refusal or a replay), or None to serve without idempotency (fail open).
+class Held:
+    """A begun attempt, held until its answer is recorded: the attempt, the renewal
+    of its lease, and callbacks to run first (the app's ``close()``).
+
+    :meth:`leave` leaves them as an ``ExitStack`` would (the callbacks last in,
+    first out, then the renewal, then the attempt, which an exception fails),
+    once, without an ``ExitStack``'s cost on every request.
+    """
+
+    __slots__ = ("att", "closers", "held", "renewal")
+
+    def __init__(self, att: Attempt) -> None:
+        self.att = att
+        self.renewal = renewing(att)
+        self.closers: list[Callable[[], object]] = []
+        self.held = True
+
+    def callback(self, close: Callable[[], object]) -> None:
+        """Run ``close()`` first when leaving."""
+        self.closers.append(close)
+
+    def leave(self, exc: BaseException | None = None) -> None:
+        """Leave the attempt (failed by ``exc``, or by an error of a callback, which is raised)."""
+        if not self.held:
+            return
+        self.held = False
+        error = exc
+        closers = self.closers
+        while closers:
+            try:
+                closers.pop()()
+            except BaseException as err:
+                error = err
+        self.renewal.__exit__(None, None, None)
+        self.att.__exit__(*_exc_info(error))
+        if error is not exc:
+            raise error  # type: ignore[misc]  # (not None: it differs from exc)
+
+
+def enter(policy: HttpPolicy, attempt: Attempt) -> Held | Response | None:
+    """Begin the attempt: held, to run the app in, an answer instead (a refusal or a
+    replay), or None to serve without idempotency (fail open).
 
     Only errors of beginning become answers; the app's own errors are not seen here.
     """
     try:
-        att = stack.enter_context(attempt)
+        att = attempt.__enter__()
     except IdempotencyError as exc:
         return policy.refusal(exc)
-    return _started(policy, stack, att)
+    if att.replay is not None:  # (leaving a replayed attempt does nothing)
+        return policy.replay(att.replay)
+    return Held(att)
 
 
 async def aenter(
@@ -205,14 +248,9 @@ async def aenter(
         att = await stack.enter_async_context(attempt)
     except IdempotencyError as exc:
         return policy.refusal(exc)
-    return _started(policy, stack, att)
-
-
-def _started(policy: HttpPolicy, stack: ExitStack | AsyncExitStack, att: Attempt) -> Any:
-    """The replay, or the attempt to run: its lease renewed until it is recorded."""
     if att.replay is not None:
         return policy.replay(att.replay)
-    stack.enter_context(renewing(att))
+    stack.enter_context(renewing(att))  # the lease is renewed until the answer is recorded
     return att
 
 
@@ -223,10 +261,10 @@ def _exc_info(exc: BaseException | None) -> tuple[Any, Any, Any]:
 class Exchange:
     """One answer on its way out: the hold-back rule, the copy, and the attempt's end.
 
-    ``stack`` owns the entered attempt (and whatever must close with it, such
-    as the app's iterable): :meth:`finish` records the answer and leaves it;
-    given an exception it leaves it with that exception instead, which fails
-    the attempt (retryable).
+    ``stack`` holds the entered attempt (and whatever must close with it, such
+    as the app's iterable): a :class:`Held` (sync) or an ``AsyncExitStack``.
+    :meth:`finish` records the answer and leaves it; given an exception it
+    leaves it with that exception instead, which fails the attempt (retryable).
     """
 
     __slots__ = ("answer", "att", "capture", "held", "policy", "stack")
@@ -235,7 +273,7 @@ class Exchange:
         self,
         policy: HttpPolicy,
         att: Attempt,
-        stack: ExitStack | AsyncExitStack,
+        stack: Held | AsyncExitStack,
         answer: Answer,
     ) -> None:
         self.policy, self.att, self.stack, self.answer = policy, att, stack, answer
@@ -265,8 +303,7 @@ class Exchange:
                 failed, kept, final = self.policy.verdict(*self.outcome())
                 record(self.att, kept, failed=failed, final=final)
         finally:
-            # A sync flow holds an ExitStack, an async one an AsyncExitStack.
-            self.stack.__exit__(*_exc_info(exc))  # type: ignore[union-attr]
+            self.stack.leave(exc)  # type: ignore[union-attr]  # a sync flow holds a Held
 
     async def afinish(self, exc: BaseException | None = None) -> None:
         """Async :meth:`finish`."""
@@ -275,7 +312,7 @@ class Exchange:
                 failed, kept, final = self.policy.verdict(*self.outcome())
                 await arecord(self.att, kept, failed=failed, final=final)
         finally:
-            await self.stack.__aexit__(*_exc_info(exc))  # type: ignore[union-attr]  # see finish
+            await self.stack.__aexit__(*_exc_info(exc))  # type: ignore[union-attr]  # async: a stack
 
 
 class Stream:

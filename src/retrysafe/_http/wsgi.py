@@ -58,6 +58,15 @@ def read_body(environ: Environ, policy: LengthCheck) -> bytes:
 def _read(stream: Any, policy: LengthCheck, size: int | None) -> bytes:
     chunks: list[bytes] = []
     got = 0
+    # A small declared body in one read, unless the stream gives less. (A larger one
+    # is read a block at a time: a read may allocate its whole size before any byte
+    # arrives, so memory follows the bytes received, not the bytes declared.)
+    if size is not None and size <= _BLOCK:
+        first: bytes = stream.read(size)
+        if not first or len(first) >= size:
+            return first
+        chunks.append(first)
+        got = len(first)
     while size is None or got < size:
         chunk = stream.read(_BLOCK if size is None else min(_BLOCK, size - got))
         if not chunk:
@@ -68,12 +77,14 @@ def _read(stream: Any, policy: LengthCheck, size: int | None) -> bytes:
     return b"".join(chunks)
 
 
+#: The status line of every code Python knows, built once.
+_STATUS_LINES = {int(status): f"{int(status)} {status.phrase}" for status in HTTPStatus}
+
+
 def status_line(code: int) -> str:
     """``201 Created``: a WSGI status line for a status code."""
-    try:
-        return f"{code} {HTTPStatus(code).phrase}"
-    except ValueError:
-        return f"{code} Unknown"
+    line = _STATUS_LINES.get(code)
+    return f"{code} Unknown" if line is None else line
 
 
 def environ_headers(environ: Environ) -> Iterator[tuple[str, str]]:
