@@ -14,6 +14,10 @@ part to the one above it:
   middleware with the memory store, the proxy), called with prebuilt scopes;
 * ``server-bare``: the raw client against uvicorn's own httptools protocol
   serving the bare ASGI endpoint (the upstream the HTTP bench hits directly);
+* ``server-floor``: the raw client against uvicorn's own httptools protocol
+  serving the least a gateway does (the body forwarded with a fixed head on one
+  kept-alive connection, the answer's body passed back): the floor of any
+  gateway on uvicorn;
 * ``server-plain``: the raw client against uvicorn's own httptools protocol
   serving the gateway app (no head or connection bounds);
 * ``server``: the same with the gateway's ``HTTPProtocol`` (the bounds on), as
@@ -66,7 +70,7 @@ UPSTREAM_ANSWER = (
     b"content-type: application/json\r\n"
     b"content-length: %d\r\n\r\n%s" % (len(ANSWER_BYTES), ANSWER_BYTES)
 )
-VARIANTS = ("direct", "proxy", "app", "server-bare", "server-plain", "server")
+VARIANTS = ("direct", "proxy", "app", "server-bare", "server-floor", "server-plain", "server")
 WORKLOADS = ("first", "replay")
 _LENGTH = re.compile(rb"\r\ncontent-length: *([0-9]+)", re.IGNORECASE)
 
@@ -162,6 +166,29 @@ async def bare_endpoint(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": ANSWER_BYTES})
 
 
+class FloorProxy:
+    """The least a gateway does: each request's body forwarded on one kept-alive
+    connection with a fixed head, the answer's body passed back; no idempotency, no
+    header filtering, no bounds."""
+
+    def __init__(self, upstream: Any, host: bytes) -> None:
+        self.upstream, self.host = upstream, host
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        body = (await receive())["body"]
+        answer = await self.upstream.exchange(
+            b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n\r\n%s"
+            % (scope["raw_path"], self.host, len(body), body)
+        )
+        content = answer.partition(b"\r\n\r\n")[2]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(content)),
+        ]
+        await send({"type": "http.response.start", "status": 201, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
+
+
 async def _serve(app: Any, protocol: Any) -> tuple[Any, int]:
     """uvicorn serving ``app`` with ``protocol`` on a free port of this event loop."""
     import uvicorn
@@ -202,6 +229,9 @@ async def run(variant: str, workload: str, n: int) -> float:
 
             protocol = HTTPProtocol if variant == "server" else HttpToolsProtocol
             server_app = bare_endpoint if variant == "server-bare" else app
+            if variant == "server-floor":
+                _, conn = await loop.create_connection(Client, HOST, int(upstream.rsplit(":")[2]))
+                server_app = FloorProxy(conn, upstream[7:].encode())
             _, port = await _serve(server_app, protocol)
             _, client = await loop.create_connection(Client, HOST, port)
             host = f"{HOST}:{port}".encode()
@@ -275,7 +305,8 @@ def _cpu(variant: str, workload: str, n: int, src: str | None) -> float:
 
 def breakdown(n: int, variants: Sequence[str], src: str | None) -> None:
     jobs = [(v, w) for v in variants for w in WORKLOADS if not (v == "proxy" and w == "replay")]
-    jobs = [(v, w) for v, w in jobs if not (v in ("direct", "server-bare") and w == "replay")]
+    once = ("direct", "server-bare", "server-floor")  # no replay: nothing is stored
+    jobs = [(v, w) for v, w in jobs if not (v in once and w == "replay")]
     if shutil.which("valgrind"):
         unit = "instructions"
 
