@@ -110,6 +110,7 @@ ADMIN_PREFIX = "/_retrysafe/"
 HEALTH_PATH = "/_retrysafe/health"
 DASHBOARD_PATH = "/_retrysafe/"
 METRICS_PATH = "/_retrysafe/metrics"
+_ADMIN_ROOT = ADMIN_PREFIX[:-1]
 #: The environment that :func:`app_from_env` reads (with ``RETRYSAFE_STORE``).
 ENV_UPSTREAM = "RETRYSAFE_GATEWAY_UPSTREAM"
 ENV_REQUIRE_KEY = "RETRYSAFE_GATEWAY_REQUIRE_KEY"
@@ -563,9 +564,8 @@ class Gateway:
             path = scope["path"]
             if path == HEALTH_PATH:
                 await send_answer(send, await self._health(scope))
-            elif path.startswith(ADMIN_PREFIX) or path == ADMIN_PREFIX[:-1]:
-                base = ADMIN_PREFIX[:-1]
-                await serve_admin(self.admin, scope, send, path[len(base) :], base)
+            elif path.startswith(ADMIN_PREFIX) or path == _ADMIN_ROOT:
+                await serve_admin(self.admin, scope, send, path[len(_ADMIN_ROOT) :], _ADMIN_ROOT)
             else:
                 await self._body_timeout(self.middleware, scope, receive, send)
         elif kind == "lifespan":

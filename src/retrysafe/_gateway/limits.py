@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import http
 import math
-from collections.abc import MutableMapping
+from collections.abc import Awaitable, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -390,11 +390,11 @@ class BodyTimeout:
                 body_open = False
             return message
 
-        async def watched_send(message: dict[str, Any]) -> None:
+        def watched_send(message: dict[str, Any]) -> Awaitable[None]:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-            await send(message)
+            return send(message)  # awaited by the app: no frame of its own
 
         await app(scope, timed_receive, watched_send)
         if late and not started:
