@@ -48,6 +48,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import cProfile  # noqa: E402
+import importlib.util  # noqa: E402
 import os  # noqa: E402
 import pstats  # noqa: E402
 import re  # noqa: E402
@@ -59,10 +60,22 @@ from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from typing import Any  # noqa: E402
 
 ROOT = HERE.parent
-HOST = "127.0.0.1"
-PATH = "/orders"
-REQUEST_BODY = b'{"order_id":"o-1","amount":1999,"currency":"eur"}'
-ANSWER_BYTES = b'{"id":"ch_123","status":"created"}'
+
+
+def _load(name: str, path: Path) -> Any:
+    """A module by file path, without putting its folder on sys.path."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# The HTTP bench's endpoint, request and answer: the upstream that bench hits directly.
+_http = _load("_rsbench_http", HERE / "http.py")
+HOST, PATH = _http.HOST, _http.PATH
+REQUEST_BODY, ANSWER_BYTES = _http.REQUEST_BODY.encode(), _http.ANSWER_BYTES
 UPSTREAM_ANSWER = (
     b"HTTP/1.1 201 Created\r\n"
     b"date: Fri, 27 Nov 2026 12:00:00 GMT\r\n"
@@ -153,19 +166,6 @@ def scope_of(key: str) -> dict[str, Any]:
     }
 
 
-async def bare_endpoint(scope: Any, receive: Any, send: Any) -> None:
-    """The bare upstream app of bench/http.py: read the body, answer 201."""
-    if scope["type"] != "http":
-        return
-    more = True
-    while more:
-        message = await receive()
-        more = message.get("more_body", False)
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"34")]
-    await send({"type": "http.response.start", "status": 201, "headers": headers})
-    await send({"type": "http.response.body", "body": ANSWER_BYTES})
-
-
 class FloorProxy:
     """The least a gateway does: each request's body forwarded on one kept-alive
     connection with a fixed head, the answer's body passed back; no idempotency, no
@@ -228,7 +228,7 @@ async def run(variant: str, workload: str, n: int) -> float:
             from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
             protocol = HTTPProtocol if variant == "server" else HttpToolsProtocol
-            server_app = bare_endpoint if variant == "server-bare" else app
+            server_app = _http.Endpoint() if variant == "server-bare" else app
             if variant == "server-floor":
                 _, conn = await loop.create_connection(Client, HOST, int(upstream.rsplit(":")[2]))
                 server_app = FloorProxy(conn, upstream[7:].encode())
@@ -277,46 +277,31 @@ def _argv(variant: str, workload: str, n: int, src: str | None) -> list[str]:
     ]
 
 
-def _instructions(variant: str, workload: str, n: int, src: str | None) -> int:
-    out = subprocess.run(
-        [
-            "valgrind",
-            "--tool=callgrind",
-            "--callgrind-out-file=/dev/null",
-            *_argv(variant, workload, n, src),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=ROOT,
-    )
+def _cost(job: tuple[str, str], n: int, src: str | None, valgrind: bool) -> float:
+    """Instructions (under valgrind's callgrind) or CPU seconds of ``n`` requests of a job."""
+    argv = _argv(*job, n, src)
+    if valgrind:
+        argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *argv]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=ROOT)
+    if not valgrind:
+        return float(out.stdout.split()[-1])
     m = re.search(r"Collected : (\d+)", out.stderr)
     if m is None:
         raise RuntimeError(f"no instruction count from valgrind:\n{out.stderr[-2000:]}")
     return int(m.group(1))
 
 
-def _cpu(variant: str, workload: str, n: int, src: str | None) -> float:
-    out = subprocess.run(
-        _argv(variant, workload, n, src), capture_output=True, text=True, check=True, cwd=ROOT
-    )
-    return float(out.stdout.split()[-1])
-
-
 def breakdown(n: int, variants: Sequence[str], src: str | None) -> None:
     jobs = [(v, w) for v in variants for w in WORKLOADS if not (v == "proxy" and w == "replay")]
     once = ("direct", "server-bare", "server-floor")  # no replay: nothing is stored
     jobs = [(v, w) for v, w in jobs if not (v in once and w == "replay")]
-    if shutil.which("valgrind"):
-        unit = "instructions"
+    valgrind = shutil.which("valgrind") is not None
+    unit = "instructions" if valgrind else "CPU us"
 
-        def cost(job: tuple[str, str]) -> float:
-            return (_instructions(*job, n + 100, src) - _instructions(*job, 100, src)) / n
-    else:
-        unit = "CPU us"
-
-        def cost(job: tuple[str, str]) -> float:
-            return min(_cpu(*job, n, src) for _ in range(5)) / n * 1e6
+    def cost(job: tuple[str, str]) -> float:
+        if valgrind:  # the difference of two runs leaves out start-up and warm-up
+            return (_cost(job, n + 100, src, True) - _cost(job, 100, src, True)) / n
+        return min(_cost(job, n, src, False) for _ in range(5)) / n * 1e6
 
     with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
         costs = dict(zip(jobs, pool.map(cost, jobs), strict=True))
