@@ -23,12 +23,16 @@ part to the one above it:
 * ``server``: the same with the gateway's ``HTTPProtocol`` (the bounds on), as
   ``retrysafe gateway`` serves it.
 
-Cost per request: instructions executed (valgrind's callgrind, the same on every
-run whatever the machine's load), the difference between runs of N+100 and 100
-requests, so start-up and warm-up drop out. Without valgrind: the least CPU time
-of 5 runs. Kernel work (the socket system calls) is not counted by valgrind.
+Cost per request: instructions executed (valgrind's callgrind, or with
+``--counter perf`` the CPU's user-space instruction counter, which runs at full
+speed: both the same on every run whatever the machine's load, within a few
+hundred instructions for perf), the difference between runs of N+100 and 100
+requests, so start-up and warm-up drop out; kernel work (the socket system
+calls) is not counted. ``--counter cpu`` (the default without valgrind): the
+least CPU time of 5 runs.
 
     python bench/gateway.py --breakdown [N] [--variants direct,proxy,...] [--src DIR]
+                            [--counter valgrind|perf|cpu]
     python bench/gateway.py --profile VARIANT [--workload first|replay] [N]
 
 ``--src DIR`` imports retrysafe from DIR (an exported tree, say) instead of src/.
@@ -62,18 +66,11 @@ from typing import Any  # noqa: E402
 ROOT = HERE.parent
 
 
-def _load(name: str, path: Path) -> Any:
-    """A module by file path, without putting its folder on sys.path."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 # The HTTP bench's endpoint, request and answer: the upstream that bench hits directly.
-_http = _load("_rsbench_http", HERE / "http.py")
+_spec = importlib.util.spec_from_file_location("_rsbench_http", HERE / "http.py")
+assert _spec is not None and _spec.loader is not None
+_http = sys.modules["_rsbench_http"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_http)
 HOST, PATH = _http.HOST, _http.PATH
 REQUEST_BODY, ANSWER_BYTES = _http.REQUEST_BODY.encode(), _http.ANSWER_BYTES
 UPSTREAM_ANSWER = (
@@ -277,31 +274,34 @@ def _argv(variant: str, workload: str, n: int, src: str | None) -> list[str]:
     ]
 
 
-def _cost(job: tuple[str, str], n: int, src: str | None, valgrind: bool) -> float:
-    """Instructions (under valgrind's callgrind) or CPU seconds of ``n`` requests of a job."""
+def _cost(job: tuple[str, str], n: int, src: str | None, counter: str) -> float:
+    """Instructions (valgrind's callgrind, or perf's user-space counter) or CPU seconds
+    of ``n`` requests of a job."""
     argv = _argv(*job, n, src)
-    if valgrind:
+    if counter == "valgrind":
         argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *argv]
+    elif counter == "perf":
+        argv = ["perf", "stat", "-x,", "-e", "instructions:u", *argv]
     out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=ROOT)
-    if not valgrind:
+    if counter == "cpu":
         return float(out.stdout.split()[-1])
-    m = re.search(r"Collected : (\d+)", out.stderr)
+    pattern = r"Collected : (\d+)" if counter == "valgrind" else r"(?m)^(\d+),[^,]*,instructions"
+    m = re.search(pattern, out.stderr)
     if m is None:
-        raise RuntimeError(f"no instruction count from valgrind:\n{out.stderr[-2000:]}")
+        raise RuntimeError(f"no instruction count from {counter}:\n{out.stderr[-2000:]}")
     return int(m.group(1))
 
 
-def breakdown(n: int, variants: Sequence[str], src: str | None) -> None:
+def breakdown(n: int, variants: Sequence[str], src: str | None, counter: str) -> None:
     jobs = [(v, w) for v in variants for w in WORKLOADS if not (v == "proxy" and w == "replay")]
     once = ("direct", "server-bare", "server-floor")  # no replay: nothing is stored
     jobs = [(v, w) for v, w in jobs if not (v in once and w == "replay")]
-    valgrind = shutil.which("valgrind") is not None
-    unit = "instructions" if valgrind else "CPU us"
+    unit = "CPU us" if counter == "cpu" else "instructions"
 
     def cost(job: tuple[str, str]) -> float:
-        if valgrind:  # the difference of two runs leaves out start-up and warm-up
-            return (_cost(job, n + 100, src, True) - _cost(job, 100, src, True)) / n
-        return min(_cost(job, n, src, False) for _ in range(5)) / n * 1e6
+        if counter != "cpu":  # the difference of two runs leaves out start-up and warm-up
+            return (_cost(job, n + 100, src, counter) - _cost(job, 100, src, counter)) / n
+        return min(_cost(job, n, src, counter) for _ in range(5)) / n * 1e6
 
     with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
         costs = dict(zip(jobs, pool.map(cost, jobs), strict=True))
@@ -329,6 +329,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workload", choices=WORKLOADS, default="first")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--src", help="import retrysafe from this folder")
+    parser.add_argument(
+        "--counter",
+        choices=("valgrind", "perf", "cpu"),
+        help="valgrind (the default when installed), perf (its user-space instructions "
+        "counter: as exact, at full speed, where the CPU's counters are readable) or cpu",
+    )
     parser.add_argument("--run", nargs=3, metavar=("VARIANT", "WORKLOAD", "N"), help="internal")
     args = parser.parse_args(argv)
     if args.src:
@@ -344,7 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
-    breakdown(args.breakdown or 1000, variants, args.src)
+    counter = args.counter or ("valgrind" if shutil.which("valgrind") else "cpu")
+    breakdown(args.breakdown or 1000, variants, args.src, counter)
     return 0
 
 
