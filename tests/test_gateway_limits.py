@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import socket
 import subprocess
@@ -188,6 +189,28 @@ def test_pipelined_requests_are_counted_head_by_head(gateway: Callable[..., Runn
         while chunk := sock.recv(65536):
             data += chunk
     assert data.count(b"HTTP/1.1 200 ") == 2, data[:300]
+
+
+def test_a_kept_alive_connections_next_head_is_bounded_too(
+    gateway: Callable[..., Running],
+) -> None:
+    """After one answer on a kept-alive connection, the next head, over the limit and
+    sent in one write, gets 431 as on a new connection (httptools once let a head
+    through whole when it began in a read of its own)."""
+    gw = gateway(max_head_size=4096)
+    with gw.connect() as sock:
+        sock.sendall(b"GET /echo HTTP/1.1\r\nHost: gw.test\r\n\r\n")
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 "), head
+        length = int(re.search(rb"(?i)\r\ncontent-length: *([0-9]+)", head)[1])  # type: ignore[index]
+        while len(body) < length:
+            body += sock.recv(65536)
+        sock.sendall(b"GET /echo HTTP/1.1\r\nHost: gw.test\r\nX-Pad: " + b"p" * 60000 + b"\r\n\r\n")
+        status, headers, body = read_answer(sock)
+    assert status == 431 and problem_code(headers, body) == "request_header_too_large"
 
 
 def test_a_4MiB_key_header_is_refused_before_it_is_parsed(

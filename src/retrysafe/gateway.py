@@ -51,7 +51,7 @@ from retrysafe._gateway.limits import (
     ServerLimits,
     protocol_class,
 )
-from retrysafe._gateway.upstream import Pool, connection_tokens
+from retrysafe._gateway.upstream import HOP_BY_HOP, Pool, connection_tokens, end_to_end
 from retrysafe._http.asgi import (
     UNPROVEN_END,
     ASGIApp,
@@ -110,6 +110,7 @@ ADMIN_PREFIX = "/_retrysafe/"
 HEALTH_PATH = "/_retrysafe/health"
 DASHBOARD_PATH = "/_retrysafe/"
 METRICS_PATH = "/_retrysafe/metrics"
+_ADMIN_ROOT = ADMIN_PREFIX[:-1]
 #: The environment that :func:`app_from_env` reads (with ``RETRYSAFE_STORE``).
 ENV_UPSTREAM = "RETRYSAFE_GATEWAY_UPSTREAM"
 ENV_REQUIRE_KEY = "RETRYSAFE_GATEWAY_REQUIRE_KEY"
@@ -134,19 +135,6 @@ _PRINCIPAL_OPTIONS = ("principal_headers", "principal_cookies", "principal_query
 # A key hash that no record has: reading it is the store's cheapest round trip.
 _PROBE_KEY = "0" * 64
 _PROBE_TIMEOUT = 5.0
-# RFC 9110 7.6.1: headers of one connection, never forwarded (names listed in
-# Connection too). Expect is answered by the gateway's own server.
-_HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"expect",
-    }
-)
 # Headers that say who the client is, where it connected or what it asked for, as a
 # proxy in front sets them. From a client that is not a trusted proxy they are
 # forgeries: dropped, with every X-Forwarded-* (the gateway sets its own three).
@@ -169,7 +157,6 @@ FORWARDING_HEADERS = frozenset(
     }
 )
 _OWN = frozenset({b"host", b"x-forwarded-for", b"x-forwarded-host", b"x-forwarded-proto"})
-_NO_BODY = frozenset({b"content-length"})
 _NOT_VCHAR = re.compile(rb"[^\x21-\x7e]")
 _BOOLS = {
     "1": True,
@@ -218,17 +205,34 @@ class _ClientGone(Exception):
     """The client disconnected while its request body was being forwarded."""
 
 
-def _end_to_end(
-    headers: list[tuple[bytes, bytes]], skip: frozenset[bytes] = frozenset()
-) -> list[tuple[bytes, bytes]]:
-    """``headers`` (lower-cased names, repeats kept) without hop-by-hop ones and ``skip``."""
-    drop = _HOP_BY_HOP | connection_tokens(headers) | skip
-    out = []
-    for name, value in headers:
-        name = name.lower()
-        if name not in drop and not name.startswith(b"proxy-"):
-            out.append((name, value))
-    return out
+# How a request header reaches the upstream, from an untrusted client and from a
+# trusted proxy: as it came, dropped, replaced by the gateway's own, or read for its
+# tokens (Connection).
+_FORWARD, _DROP, _OWN_FIELD, _CONNECTION = range(4)
+# Header names seen, as sent, with their lower-cased form and what becomes of them
+# (short names only, and so many at most: a client's random names are not kept).
+_NAMES: dict[bytes, tuple[bytes, int, int]] = {}
+_MAX_NAMES, _MAX_NAME = 1024, 64
+_HOP_OR_EMPTY = HOP_BY_HOP | {b""}
+
+
+def _name_kinds(raw: bytes) -> tuple[bytes, int, int]:
+    """A request header's name lower-cased, and how it is forwarded from an untrusted
+    client and from a trusted proxy."""
+    name = raw.lower()
+    if name == b"connection":
+        kinds = (name, _CONNECTION, _CONNECTION)
+    elif name in HOP_BY_HOP or name.startswith(b"proxy-"):
+        kinds = (name, _DROP, _DROP)
+    elif name in _OWN:
+        kinds = (name, _OWN_FIELD, _OWN_FIELD)
+    elif name in FORWARDING_HEADERS or name.startswith(b"x-forwarded-"):
+        kinds = (name, _DROP, _FORWARD)
+    else:
+        kinds = (name, _FORWARD, _FORWARD)
+    if len(raw) <= _MAX_NAME and len(_NAMES) < _MAX_NAMES:
+        _NAMES[raw] = kinds
+    return kinds
 
 
 class _Proxy:
@@ -317,11 +321,22 @@ class _Proxy:
         trusted = self.trusts(client)
         out = [(b"host", self.host)]
         own: dict[bytes, list[bytes]] = {}
-        for name, value in _end_to_end(headers):
-            if name in _OWN:
-                own.setdefault(name, []).append(value)
-            elif trusted or not (name in FORWARDING_HEADERS or name.startswith(b"x-forwarded-")):
-                out.append((name, value))
+        connection: list[bytes] = []
+        side = 2 if trusted else 1
+        for raw, value in headers:
+            kinds = _NAMES.get(raw) or _name_kinds(raw)
+            kind = kinds[side]
+            if kind == _FORWARD:
+                out.append((kinds[0], value))
+            elif kind == _OWN_FIELD:
+                own.setdefault(kinds[0], []).append(value)
+            elif kind == _CONNECTION:
+                connection.append(value)
+        if connection and not connection_tokens([(b"connection", v) for v in connection]) <= (
+            _HOP_OR_EMPTY
+        ):
+            # Connection names end-to-end headers as this connection's own: dropped too.
+            out, own = self._listed(headers, trusted)
         chain = [v for v in own.get(b"x-forwarded-for", ()) if v.strip()] if trusted else []
         if client:
             chain.append(str(client[0]).encode("latin-1"))
@@ -337,6 +352,20 @@ class _Proxy:
             elif value:
                 out.append((name, value))
         return out
+
+    def _listed(
+        self, headers: list[tuple[bytes, bytes]], trusted: bool
+    ) -> tuple[list[tuple[bytes, bytes]], dict[bytes, list[bytes]]]:
+        """The forwarded headers and the gateway's own that came, where a Connection
+        header lists more than the hop-by-hop ones."""
+        out = [(b"host", self.host)]
+        own: dict[bytes, list[bytes]] = {}
+        for name, value in end_to_end(headers):
+            if name in _OWN:
+                own.setdefault(name, []).append(value)
+            elif trusted or not (name in FORWARDING_HEADERS or name.startswith(b"x-forwarded-")):
+                out.append((name, value))
+        return out, own
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -364,11 +393,9 @@ class _Proxy:
             await send_answer(send, _upstream_problem(status, code, exc))
             return
         try:
-            status = answer.status
-            # A 204 or 304 has no body, whatever its Content-Length says (RFC 9110 8.6).
-            skip = _NO_BODY if status in (204, 304) else frozenset()
-            headers = _end_to_end(answer.headers, skip)
-            await send({"type": "http.response.start", "status": status, "headers": headers})
+            # The pool passes on the end-to-end headers only.
+            headers = answer.headers
+            await send({"type": "http.response.start", "status": answer.status, "headers": headers})
             # The chunk that completes a declared Content-Length is the last message:
             # the middleware records the answer before that message leaves, and a
             # client holding the whole body may retry at once.
@@ -382,7 +409,7 @@ class _Proxy:
                     await send(
                         {"type": "http.response.body", "body": chunk, "more_body": not ended}
                     )
-                chunk = await answer.read()
+                chunk = b"" if answer.done else await answer.read()
             if not ended:
                 # A body that ran to the close: passed on, but nothing proves it whole.
                 last = {"type": "http.response.body", "body": b"", "more_body": False}
@@ -537,9 +564,8 @@ class Gateway:
             path = scope["path"]
             if path == HEALTH_PATH:
                 await send_answer(send, await self._health(scope))
-            elif path.startswith(ADMIN_PREFIX) or path == ADMIN_PREFIX[:-1]:
-                base = ADMIN_PREFIX[:-1]
-                await serve_admin(self.admin, scope, send, path[len(base) :], base)
+            elif path.startswith(ADMIN_PREFIX) or path == _ADMIN_ROOT:
+                await serve_admin(self.admin, scope, send, path[len(_ADMIN_ROOT) :], _ADMIN_ROOT)
             else:
                 await self._body_timeout(self.middleware, scope, receive, send)
         elif kind == "lifespan":

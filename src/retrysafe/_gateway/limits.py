@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import http
 import math
-from collections.abc import MutableMapping
+from collections.abc import Awaitable, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -186,7 +186,8 @@ class _Limited(_Protocol):
                 # The head ended in this piece; a pipelined one begun after it in
                 # the same piece is counted from the next piece on.
                 self._head_used = 0
-                self._cancel_head_timer()
+                if self._head_timer is not None:
+                    self._cancel_head_timer()
             elif self._head_used >= limit:
                 self._refuse(
                     problem(
@@ -197,7 +198,8 @@ class _Limited(_Protocol):
                     )
                 )
                 return
-        if not self.transport.is_closing() and self._reading_head():
+        # A head partly here: its time runs (until then, uvicorn's keep-alive one does).
+        if self._head_used and not self.transport.is_closing() and self._reading_head():
             self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -283,6 +285,12 @@ if HttpToolsProtocol is not None:
             self._in_head = False
             self._heads += 1
             super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            # The next head is awaited: a kept-alive connection's bytes are bounded
+            # from their first one, as a new connection's are.
+            self._in_head = True
+            super().on_message_complete()
 
 else:  # pragma: no cover - without httptools
     LimitedHttpToolsProtocol = None  # type: ignore[assignment,misc]  # optional class: None
@@ -382,11 +390,11 @@ class BodyTimeout:
                 body_open = False
             return message
 
-        async def watched_send(message: dict[str, Any]) -> None:
+        def watched_send(message: dict[str, Any]) -> Awaitable[None]:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-            await send(message)
+            return send(message)  # awaited by the app: no frame of its own
 
         await app(scope, timed_receive, watched_send)
         if late and not started:

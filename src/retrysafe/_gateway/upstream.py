@@ -25,7 +25,7 @@ from typing import cast
 
 from retrysafe.errors import UpstreamError
 
-__all__ = ["Pool", "connection_tokens"]
+__all__ = ["HOP_BY_HOP", "Pool", "connection_tokens", "end_to_end"]
 
 log = logging.getLogger("retrysafe.gateway")
 
@@ -45,11 +45,42 @@ _LOW_WATER = 64 << 10
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 # Requests that carry a body: an empty one is sent with Content-Length: 0 (RFC 9110 8.6).
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+#: RFC 9110 7.6.1: headers of one connection, never forwarded (names listed in
+#: Connection too). Expect is answered by the gateway's own server.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"expect",
+    }
+)
+_HOP_OR_EMPTY = HOP_BY_HOP | {b""}  # Connection tokens that name no other header
+_NO_BODY = frozenset({b"content-length"})
 # Interim (1xx) answers skipped before the answer, at most.
 _MAX_INTERIM = 16
 _STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [\t\x20-\x7e\x80-\xff]*)?\Z")
 _FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([\t\x20-\x7e\x80-\xff]*?)[ \t]*\Z")
 _FOLDED = re.compile(rb"[\t\x20-\x7e\x80-\xff]*\Z")
+# A whole answer head of the common form (final status, no folded line), for the fast path.
+_PLAIN_HEAD = re.compile(
+    rb"HTTP/1\.([01]) ([0-9]{3})(?: [\t\x20-\x7e\x80-\xff]*)?\r?\n"
+    rb"((?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t\x20-\x7e\x80-\xff]*\r?\n)*)\r?\n"
+)
+_PLAIN_FIELD = re.compile(
+    rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([\t\x20-\x7e\x80-\xff]*?)[ \t]*\r?\n"
+)
+# How the fast path treats an answer's header: passed on (absent), dropped (hop-by-hop),
+# or read for the framing.
+_CONTENT_LENGTH, _CONNECTION, _CODING = 1, 2, 3
+_ANSWER_FIELDS = dict.fromkeys(HOP_BY_HOP, 0) | {
+    b"content-length": _CONTENT_LENGTH,
+    b"connection": _CONNECTION,
+    b"transfer-encoding": _CODING,
+}
 _CHUNK_SIZE = re.compile(rb"[ \t]*([0-9A-Fa-f]{1,15})[ \t]*(?:;.*)?\Z", re.DOTALL)
 # poll() where there is one: select() takes no descriptor over FD_SETSIZE (1024).
 _POLL = getattr(select, "poll", None)
@@ -65,6 +96,19 @@ def connection_tokens(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
     """The header names a ``Connection`` header lists (hop-by-hop as well)."""
     values = [v for k, v in headers if k.lower() == b"connection"]
     return frozenset(t.strip().lower() for v in values for t in v.split(b",") if t.strip())
+
+
+def end_to_end(
+    headers: list[tuple[bytes, bytes]], skip: frozenset[bytes] = frozenset()
+) -> list[tuple[bytes, bytes]]:
+    """``headers`` (names lower-cased, repeats kept) without hop-by-hop ones and ``skip``."""
+    drop = HOP_BY_HOP | connection_tokens(headers) | skip
+    out = []
+    for name, value in headers:
+        name = name.lower()
+        if name not in drop and not name.startswith(b"proxy-"):
+            out.append((name, value))
+    return out
 
 
 def _expire(waiter: asyncio.Future[bool]) -> None:
@@ -93,6 +137,8 @@ class _Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[bool] | None = None
         self._reading_paused = False
         self._writing_paused = False
+        self._poll: select.poll | None = None  # the socket, registered once
+        self._fd: int | None = None  # None: no socket to poll (-1: its descriptor is gone)
 
     # -- the event loop's side --
 
@@ -100,9 +146,17 @@ class _Connection(asyncio.Protocol):
         # A stream connection (loop.create_connection) is handed a Transport.
         self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        if sock is None:
+            return
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):  # a request leaves at once, not after an ACK
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._fd = -1
+        with contextlib.suppress(OSError, ValueError):
+            self._fd = sock.fileno()
+            if _POLL is not None and self._fd >= 0:
+                self._poll = _POLL()
+                self._poll.register(self._fd, select.POLLIN | select.POLLPRI)
 
     def data_received(self, data: bytes) -> None:
         if not self.busy:  # after its answer ended: never another request's answer
@@ -157,18 +211,14 @@ class _Connection(asyncio.Protocol):
     def quiet(self) -> bool:
         """Nothing waits in the socket that the event loop has not read yet: no bytes
         (an upstream's late ones would become the next answer) and no close."""
-        sock = self.transport.get_extra_info("socket") if self.transport else None
-        if sock is None:
-            return True
         try:
-            fd = sock.fileno()
-            if fd < 0:
+            if self._poll is not None:
+                return not self._poll.poll(0)
+            if self._fd is None:
+                return True
+            if self._fd < 0:
                 return False
-            if _POLL is not None:
-                poll = _POLL()
-                poll.register(fd, select.POLLIN | select.POLLPRI)
-                return not poll.poll(0)
-            readable, _, broken = select.select([fd], [], [fd], 0)
+            readable, _, broken = select.select([self._fd], [], [self._fd], 0)
         except (OSError, ValueError):
             return False
         return not (readable or broken)
@@ -271,7 +321,8 @@ class _Connection(asyncio.Protocol):
 
 
 class _Answer:
-    """The upstream's answer: status and headers, and its body as :meth:`read` gives it.
+    """The upstream's answer: status, the headers to pass on (no hop-by-hop ones, no
+    Content-Length on a 204 or 304), and its body as :meth:`read` gives it.
 
     The connection goes back to the pool once the body is read whole (if it can
     carry another request), and is closed if the answer is dropped before that.
@@ -392,6 +443,48 @@ def _parse_head(head: bytes) -> tuple[bool, int, list[tuple[bytes, bytes]]]:
     return match[1] == b"1", int(match[2]), headers
 
 
+def _plain_answer(
+    method: str, head: bytes
+) -> tuple[int, int, list[tuple[bytes, bytes]], bool] | None:
+    """The common answer head in one pass: a final status but 204 and 304, to a request
+    but HEAD, one Content-Length, no Transfer-Encoding, no folded line. Its status,
+    Content-Length, end-to-end headers and whether the connection may carry another
+    request; None for any other head, which the general path reads."""
+    match = _PLAIN_HEAD.fullmatch(head)
+    if match is None or method == "HEAD":
+        return None
+    status = int(match[2])
+    if status < 200 or status in (204, 304):
+        return None
+    out = []
+    length = connection = None
+    kinds = _ANSWER_FIELDS
+    for name, value in _PLAIN_FIELD.findall(head, match.start(3), match.end(3)):
+        name = name.lower()
+        kind = kinds.get(name)
+        if kind is None:
+            if not name.startswith(b"proxy-"):
+                out.append((name, value))
+        elif kind == _CONTENT_LENGTH:
+            if length is not None:
+                return None
+            length = value
+            out.append((name, value))
+        elif kind == _CONNECTION:
+            connection = value if connection is None else connection + b"," + value
+        elif kind == _CODING:
+            return None
+    if length is None or not length.isdigit() or len(length) >= 19:
+        return None
+    keep = match[1] == b"1"
+    if connection is not None:
+        tokens = {t.strip().lower() for t in connection.split(b",")}
+        keep = keep and b"close" not in tokens
+        if not tokens <= _HOP_OR_EMPTY:
+            out = [field for field in out if field[0] not in tokens]
+    return status, int(length), out, keep
+
+
 def _framing(
     method: str, status: int, headers: list[tuple[bytes, bytes]]
 ) -> tuple[int, int | None, bool, list[tuple[bytes, bytes]]]:
@@ -419,6 +512,18 @@ def _framing(
     first = next(i for i, (k, _) in enumerate(headers) if k == b"content-length")
     rest = [(k, v) for k, v in headers[first + 1 :] if k != b"content-length"]
     return _LENGTH, int(value), True, [*headers[:first], (b"content-length", value), *rest]
+
+
+def _final(
+    method: str, http11: bool, status: int, headers: list[tuple[bytes, bytes]]
+) -> tuple[int, int | None, bool, list[tuple[bytes, bytes]]]:
+    """A final answer's framing (mode, Content-Length), whether its connection may carry
+    another request, and the headers to pass on, from its parsed head."""
+    mode, length, keep, headers = _framing(method, status, headers)
+    keep = keep and http11 and b"close" not in connection_tokens(headers)
+    # A 204 or 304 has no body, whatever its Content-Length says (RFC 9110 8.6).
+    skip = _NO_BODY if status in (204, 304) else frozenset()
+    return mode, length, keep, end_to_end(headers, skip)
 
 
 def _request_head(
@@ -478,9 +583,15 @@ class Pool:
         head, declared = _request_head(method, target, headers, body)
         again = isinstance(body, bytes) and method in _IDEMPOTENT
         while True:
-            conn, reused = await self._acquire()
+            conn = self._kept()
+            reused = conn is not None
+            if conn is None:
+                conn, reused = await self._acquire()
             try:
-                await _write(conn, head, body, declared)
+                if isinstance(body, bytes):
+                    _write_bytes(conn, head, body)
+                else:
+                    await _write(conn, head, body, declared)
                 return await self._answer(conn, method)
             except _NoAnswer:
                 self.discard(conn)
@@ -492,8 +603,14 @@ class Pool:
                 raise
 
     async def _answer(self, conn: _Connection, method: str) -> _Answer:
-        for _ in range(_MAX_INTERIM + 1):
-            http11, status, headers = _parse_head(await conn.head())
+        head = await conn.head()
+        plain = _plain_answer(method, head)
+        if plain is not None:
+            return _Answer(conn, plain[0], plain[2], _LENGTH, plain[1], plain[3])
+        for interim in range(_MAX_INTERIM + 1):
+            if interim:
+                head = await conn.head()
+            http11, status, headers = _parse_head(head)
             if status >= 200:
                 break
             if status == 101:  # the gateway never asks to switch protocols
@@ -501,21 +618,27 @@ class Pool:
             # 100 Continue, 103 Early Hints: interim answers, not passed on
         else:
             raise UpstreamError("RemoteProtocolError", "too many interim (1xx) answers")
-        mode, length, keep, headers = _framing(method, status, headers)
-        keep = keep and http11 and b"close" not in connection_tokens(headers)
+        mode, length, keep, headers = _final(method, http11, status, headers)
         return _Answer(conn, status, headers, mode, length, keep)
+
+    def _kept(self) -> _Connection | None:
+        """The most recently used kept-alive connection still fit for a request, if any."""
+        now = self.loop.time()
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.usable() and now - conn.idle_since < _KEEP_ALIVE and conn.quiet():
+                conn.busy = True
+                return conn
+            self.discard(conn)
+        return None
 
     async def _acquire(self) -> tuple[_Connection, bool]:
         """A kept-alive connection (True), else a new one (False) once there is room."""
         deadline = None
         while True:
             now = self.loop.time()
-            while self._idle:
-                conn = self._idle.pop()
-                if conn.usable() and now - conn.idle_since < _KEEP_ALIVE and conn.quiet():
-                    conn.busy = True
-                    return conn, True
-                self.discard(conn)
+            if (conn := self._kept()) is not None:
+                return conn, True
             if self._open < _MAX_CONNECTIONS:
                 break
             if deadline is None:
@@ -613,23 +736,27 @@ class Pool:
         await asyncio.sleep(0)  # the transports' connection_lost runs
 
 
+def _write_bytes(conn: _Connection, head: bytes, body: bytes) -> None:
+    """Send a request's head and a body held whole."""
+    transport = conn.transport
+    assert transport is not None
+    if len(body) < 65536:
+        transport.write(head + body)  # one segment
+    else:
+        transport.write(head)
+        transport.write(body)
+
+
 async def _write(
-    conn: _Connection, head: bytes, body: bytes | AsyncGenerator[bytes, None], declared: int | None
+    conn: _Connection, head: bytes, body: AsyncGenerator[bytes, None], declared: int | None
 ) -> None:
-    """Send a request's head and body.
+    """Send a request's head and a streamed body.
 
     A streamed body stops early if the upstream leaves, or answers while the
     gateway waits to write: the answer is then read, and the connection not kept.
     """
     transport = conn.transport
     assert transport is not None
-    if isinstance(body, bytes):
-        if len(body) < 65536:
-            transport.write(head + body)  # one segment
-        else:
-            transport.write(head)
-            transport.write(body)
-        return
     transport.write(head)
     sent = 0
     try:
