@@ -39,6 +39,7 @@ from retrysafe.stores.redis.codec import (
     _TOOK,
     _outcome_blob,
     _record_value,
+    _stored_fingerprint,
     _token,
     _ttl_ms,
     record_from_value,
@@ -96,8 +97,13 @@ def _parse_set_claim(reply: Any, op: _Op) -> ClaimResult | _Op:
     if not claimable(found, r.fingerprint, r.updated_at):
         return ClaimResult(False, found)
     ttl = args[6] if len(args) > 5 else 0
-    claim = ("EVALSHA", _CLAIM_SHA, 1, args[1], args[2], r.fingerprint, ttl)
-    return _Op(claim, _parse_claim, op.key)
+    return _Op(_claim_script(args[1], args[2], r, ttl), _parse_claim, op.key)
+
+
+def _claim_script(key: str, value: bytes, record: Record, ttl: int) -> tuple[Any, ...]:
+    """The claim script's command (see lua._CLAIM): it reads records of both layouts."""
+    fp = record.fingerprint
+    return ("EVALSHA", _CLAIM_SHA, 1, key, value, _stored_fingerprint(fp), ttl, fp)
 
 
 def _parse_claim(reply: Any, op: _Op) -> ClaimResult:
@@ -252,10 +258,9 @@ class RedisStore(RedisClients, Store[_Op]):
         # them, may remove them (docs/stores.md, "Redis layout").
         ttl = 0 if record.retention == FINANCIAL else _ttl_ms(record.expires_at, record.updated_at)
         if not self._set_claims:  # the server has no SET NX GET
-            args: Sequence[Any] = ("EVALSHA", _CLAIM_SHA, 1, key, value, record.fingerprint, ttl)
-            return _Op(args, _parse_claim, kh)
+            return _Op(_claim_script(key, value, record, ttl), _parse_claim, kh)
         if ttl:
-            args = ("SET", key, value, "NX", "GET", "PX", ttl)
+            args: Sequence[Any] = ("SET", key, value, "NX", "GET", "PX", ttl)
         else:
             args = ("SET", key, value, "NX", "GET")
         return _Op(args, _parse_set_claim, kh, record, _SET_GET)
@@ -579,7 +584,7 @@ class RedisStore(RedisClients, Store[_Op]):
 
     def _expired(self, key: bytes, value: Any, now: float) -> Record | None:
         """The record under ``key`` if it is one and expired at ``now``."""
-        if type(value) is not bytes or len(value) < _FIXED or value[0] != 49:
+        if type(value) is not bytes or len(value) < _FIXED or value[0] not in (49, 50):
             return None
         if not _DOUBLE.unpack_from(value, 13)[0] <= now:  # live: no need to decode
             return None
