@@ -180,6 +180,32 @@ async def test_a_burst_past_the_pool_waits_for_connections(redis_server: Any) ->
         RedisStore(redis_server.url, max_connections=0)
 
 
+def _blocked(raw: redis.Redis) -> bool:
+    return any(c.get("cmd") == "blpop" for c in raw.client_list())
+
+
+async def test_a_cancelled_call_closes_its_connection(store: RedisStore, raw: redis.Redis) -> None:
+    """A call cancelled while its reply is unread closes that connection, so the next
+    call on the pool never reads the reply meant for the cancelled one."""
+    from retrysafe.stores.redis.store import _Op, _parse_bool
+
+    waiting = f"cancel-{uuid.uuid4().hex[:8]}"
+    blocked = asyncio.ensure_future(store._arun(_Op(("BLPOP", waiting, 0), _parse_bool, "k")))
+    while not _blocked(raw):  # sent, its reply unread
+        await asyncio.sleep(0.01)
+    blocked.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await blocked
+    engine = Engine(store)
+    claim = await engine.abegin("after-cancel", operation=OP, fingerprint="fp")
+    assert isinstance(claim, Claim)  # a reply of its own, not BLPOP's
+    while _blocked(raw):  # until the server sees it closed
+        await asyncio.sleep(0.01)
+    raw.rpush(waiting, b"x")
+    assert raw.lpop(waiting) == b"x"  # nobody was left waiting to take it
+    await store.aclose()
+
+
 def test_threads_past_the_pool_wait_for_connections(redis_server: Any) -> None:
     """The sync client too: 64 threads on a pool of 4 all claim (redis-py's own pool
     refuses a call past its limit, which reached callers as StoreUnavailableError)."""

@@ -135,6 +135,57 @@ def _parse_cell(reply: Any, op: _Op) -> list[Any] | None:
     return [int(version), text, float(expires_at) if expires_at else None]
 
 
+# -- sending -------------------------------------------------------------------------
+# A standalone client's command goes straight to a pooled connection: redis-py's
+# pool (its bound, its wait, its check of a returned connection, its fork guard),
+# then one send and one read. Left out is what the client wraps around that, which
+# this store has no use for: retries (off), reply callbacks (the ops parse raw
+# replies) and per-command observability. An error reply leaves the connection in
+# step; any other failure (a timeout, a cancelled read) may leave a reply unread,
+# so that connection is closed before it returns to the pool. A cluster client
+# routes by slot and follows redirections: its commands go through it.
+
+
+def _send(client: Any, op: _Op) -> Any:
+    """One command on one of ``client``'s pooled connections; its raw reply."""
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    try:
+        conn.send_command(*op.args)
+        return conn.read_response()
+    except _rx.ResponseError:
+        raise
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+
+
+async def _asend(client: Any, op: _Op) -> Any:
+    """As :func:`_send`, on an asyncio client."""
+    pool = client.connection_pool
+    conn = await pool.get_connection()
+    try:
+        await conn.send_command(*op.args)
+        return await conn.read_response()
+    except _rx.ResponseError:
+        raise
+    except BaseException:
+        await conn.disconnect(nowait=True)
+        raise
+    finally:
+        await pool.release(conn)
+
+
+def _send_cluster(client: Any, op: _Op) -> Any:
+    return client.execute_command(*op.args, **op.options)
+
+
+async def _asend_cluster(client: Any, op: _Op) -> Any:
+    return await client.execute_command(*op.args, **op.options)
+
+
 #: URL schemes of the stores that can hold a Redis store's archive.
 #: Archive URLs: durable stores only. A memory:// archive would lose every record the
 #: sweep deletes from Redis when the process ends (a MemoryStore object is accepted,
@@ -349,11 +400,12 @@ class RedisStore(RedisClients, Store[_Op]):
         while True:
             try:
                 client = self._sync or self._sync_client()
+                send = _send_cluster if self.cluster else _send
                 try:
-                    reply = client.execute_command(*op.args, **op.options)
+                    reply = send(client, op)
                 except _rx.NoScriptError:  # a new or flushed server: load, then run once
                     client.script_load(_SCRIPTS[op.args[1]])
-                    reply = client.execute_command(*op.args, **op.options)
+                    reply = send(client, op)
             except Exception as exc:
                 op = self._retry_or_raise(op, exc)
                 continue
@@ -367,11 +419,12 @@ class RedisStore(RedisClients, Store[_Op]):
         while True:
             try:
                 client = self._async.get(loop) or await self._aconnect(loop)
+                asend = _asend_cluster if self.cluster else _asend
                 try:
-                    reply = await client.execute_command(*op.args, **op.options)
+                    reply = await asend(client, op)
                 except _rx.NoScriptError:
                     await client.script_load(_SCRIPTS[op.args[1]])
-                    reply = await client.execute_command(*op.args, **op.options)
+                    reply = await asend(client, op)
             except Exception as exc:
                 op = self._retry_or_raise(op, exc)
                 continue
