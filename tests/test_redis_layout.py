@@ -78,12 +78,24 @@ def test_fingerprints_round_trip(fingerprint: str) -> None:
     assert record_from_value(_record_value(record), record.key_hash) == record
 
 
+@pytest.mark.parametrize(
+    "token",
+    ["ab12", "abc", "0ab", "0", "0" * 41, "ABC", "tok", "", "\x00t", "\x02", "g" + "a" * 30],
+)
+def test_tokens_round_trip(token: str) -> None:
+    record = _record(token=token)
+    assert record_from_value(_record_value(record), record.key_hash) == record
+
+
 def test_the_compact_fields_store_nothing_twice() -> None:
-    """A SHA-256 takes 33 bytes, the media type and its content-type header one byte
-    together, the content-length one byte."""
+    """A SHA-256 takes 33 bytes, a hex token half its length and one, the media type
+    and its content-type header one byte together, the content-length one byte."""
     outcome = Outcome(b'{"id":1}', 201, JSON_HEADERS, "application/json")
-    compact = _record_value(_record(outcome=outcome))
+    token = "0123456789abcdef0123a"  # as the engine makes them: 21 hex digits
+    compact = _record_value(_record(outcome=outcome, token=token))
     assert bytes.fromhex(SHA) in compact and SHA.encode() not in compact
+    assert int.from_bytes(compact[56:60]) == 12
+    assert compact[60:72] == b"\x01" + bytes.fromhex("0" + token)
     assert b"application/json" not in compact and b"content-length" not in compact
     assert len(compact) < len(v1_value(_record(outcome=outcome))) - 100
 

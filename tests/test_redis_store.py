@@ -327,19 +327,26 @@ def test_version_1_records_are_taken_over(
     assert new.status is Status.COMPLETED and new.outcome == Outcome.json({"ok": True})
 
 
-def test_an_attempt_on_a_version_1_record_completes(
+def test_a_version_1_attempt_is_its_own_process_s_to_settle(
     store: RedisStore, raw: redis.Redis, clock: Clock
 ) -> None:
-    """The token-checked scripts patch version-1 records too (the outcome they append
-    is read by its own first byte)."""
+    """A version-1 record in flight belongs to the older process that claimed it (and
+    its own scripts): this release's token-checked writes never match its token
+    (stored in another form) and write nothing; its owner's completion then replays."""
     engine = Engine(store, ttl=HOUR, clock=clock)
     old = _as_version_1(store, raw, engine, "k")
-    outcome = Outcome(b"ok", 201, (("content-length", "2"),), "text/plain")
-    assert store.renew(old.key_hash, old.token, clock.now + 60, clock.now)
-    assert store.complete(old.key_hash, old.token, outcome, clock.now)
-    new = store.get(old.key_hash)
-    assert new is not None and new.status is Status.COMPLETED and new.outcome == outcome
-    assert new.fingerprint == SHA and new.lease_until == clock.now + 60
+    name = store.record_key(old.key_hash)
+    before = raw.get(name)
+    assert not store.renew(old.key_hash, old.token, clock.now + 60, clock.now)
+    assert not store.complete(old.key_hash, old.token, Outcome(b"x"), clock.now)
+    assert not store.fail(old.key_hash, old.token, None, False, clock.now)
+    assert raw.get(name) == before
+    done = dataclasses.replace(
+        old, status=Status.COMPLETED, completed_at=clock.now, outcome=Outcome.json(1)
+    )
+    raw.set(name, v1_value(done), keepttl=True)  # what the older process writes
+    replay = engine.begin("k", operation="op", fingerprint=SHA)
+    assert isinstance(replay, Replay) and replay.outcome == Outcome.json(1)
 
 
 def test_operations_views_read_version_1_records(

@@ -58,6 +58,7 @@ _encode_json = json.JSONEncoder(separators=(",", ":")).encode
 _encode_meta = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode  # metadata_json
 _CACHE_MAX = 256
 _HEX64 = re.compile("[0-9a-f]{64}")
+_HEX = re.compile("[0-9a-f]{1,1024}")
 #: The compact outcome prefix: a marker byte (JSON prefixes start with "["), the
 #: status (uint16; 0xFFFF for None), then the media type and the headers.
 _COMPACT = 1
@@ -85,8 +86,32 @@ def _ttl_ms(expires_at: float, now: float) -> int:
 
 def _token(token: str) -> bytes:
     """Token length (uint32) and token, as a record holds them from offset 56."""
-    raw = token.encode()
+    raw = _stored_token(token)
     return _U32.pack(len(raw)) + raw
+
+
+def _stored_token(token: str) -> bytes:
+    """A fencing token as version 2 stores it: lowercase hex (what the engine makes)
+    as its bytes after 0 (even length) or 1 (odd: a leading 0 digit added); any other
+    token as its UTF-8, after byte 2 if it starts with byte 0, 1 or 2."""
+    if _HEX.fullmatch(token):
+        if len(token) % 2:
+            return b"\x01" + bytes.fromhex("0" + token)
+        return b"\x00" + bytes.fromhex(token)
+    raw = token.encode()
+    return b"\x02" + raw if raw[:1] in (b"\x00", b"\x01", b"\x02") else raw
+
+
+def _read_token(raw: bytes) -> str:
+    """Inverse of :func:`_stored_token`."""
+    form = raw[:1]
+    if form == b"\x00":
+        return raw[1:].hex()
+    if form == b"\x01":
+        return raw[1:].hex()[1:]
+    if form == b"\x02":
+        return raw[1:].decode()
+    return raw.decode()
 
 
 def _stored_fingerprint(fingerprint: str) -> bytes:
@@ -112,7 +137,7 @@ def _read_fingerprint(raw: bytes) -> str:
 
 def _record_value(r: Record) -> bytes:
     """The stored form of a record being claimed (attempts 1; a takeover patches it)."""
-    token = r.token.encode()
+    token = _stored_token(r.token)
     fp = _stored_fingerprint(r.fingerprint)
     blob = _claim_blob(r)
     completed = r.completed_at
@@ -247,6 +272,7 @@ def record_from_value(value: bytes | None, key_hash: str) -> Record | None:
     if len(value) < end or blob_len == 0:
         raise ValueError(f"truncated: {len(value)} bytes, the header announces at least {end}")
     raw_fp = value[fp_at:blob_at]
+    raw_token = value[_FIXED:fp_at]
     flags = value[blob_at]
     payload = None
     if flags | 9 == 57:  # "0" "1" "8" "9": no payload, no JSON fields: one split
@@ -267,7 +293,7 @@ def record_from_value(value: bytes | None, key_hash: str) -> Record | None:
         operation=operation,
         fingerprint=raw_fp.decode() if version == b"1" else _read_fingerprint(raw_fp),
         status=_STATUS[status],
-        token=value[_FIXED:fp_at].decode(),
+        token=raw_token.decode() if version == b"1" else _read_token(raw_token),
         lease_until=lease,
         expires_at=expires,
         created_at=created,
