@@ -24,6 +24,12 @@ median over the rounds. This is a benchmark, not a test (pytest does not run it)
 
 Without URLs it starts its own redis-server and PostgreSQL (tests/_servers.py)
 and stops them at the end.
+
+    python bench/stores.py --redis-instructions [CALLS] [--redis-url URL]
+
+counts instead, with valgrind, the client instructions per call of each Redis
+contender (the store and its floor, ``@idempotent`` and Powertools), one process
+each: exact, whatever else the machine runs.
 """
 
 # ruff: noqa: E402  (the imports follow the sys.path guard below)
@@ -39,6 +45,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 import argparse
 import contextlib
 import cProfile
+import functools
 import importlib
 import importlib.metadata
 import itertools
@@ -47,6 +54,7 @@ import platform
 import pstats
 import secrets
 import shlex
+import shutil
 import sqlite3
 import statistics
 import subprocess
@@ -356,9 +364,10 @@ def sqlite_section(stack: contextlib.ExitStack, info: dict[str, str]) -> list[Co
 
 
 def redis_section(
-    url: str, ns: str, stack: contextlib.ExitStack, info: dict[str, str]
+    url: str, ns: str, stack: contextlib.ExitStack, info: dict[str, str], decorators: bool = True
 ) -> tuple[list[Contender], list[Contender], Any]:
-    """(store contenders, decorator contenders, a plain client for the floor and stats)."""
+    """(store contenders, decorator contenders (none unless ``decorators``), a plain
+    client for the floor and stats)."""
     import redis
 
     store = open_store(url, prefix=f"{ns}store:")
@@ -395,7 +404,7 @@ def redis_section(
             "redis-py + hiredis, one client: SET key val NX + SET key val2, then GET key",
         ),
     )
-    return store_contenders, decorator_contenders(url, ns, stack), client
+    return store_contenders, decorator_contenders(url, ns, stack) if decorators else [], client
 
 
 class _FakeLambdaContext:
@@ -661,6 +670,80 @@ def postgres_section(
             "WHERE key = %s (table: text primary key, 3 columns and a bytea)",
         ),
     )
+
+
+# -- Redis: client instructions per call (valgrind) ------------------------------------------
+
+#: ``--redis-instructions``: the Redis contenders measured, by label.
+INSTRUCTION_JOBS = (
+    ("redis", SUBJECT, FIRST),
+    ("redis", FLOOR, FIRST),
+    ("redis", SUBJECT, REPLAY),
+    ("redis", FLOOR, REPLAY),
+    (DECORATOR, SUBJECT, FIRST),
+    (DECORATOR, PEER, FIRST),
+    (DECORATOR, SUBJECT, REPLAY),
+    (DECORATOR, PEER, REPLAY),
+)
+
+
+def instructions_run(argv: Sequence[str]) -> int:
+    """``--redis-instructions-run INDEX N URL``: ``N`` calls of one Redis contender
+    (``INSTRUCTION_JOBS[INDEX]``) after a warm-up, in this process."""
+    index, n, url = int(argv[0]), int(argv[1]), argv[2]
+    section, name, workload = INSTRUCTION_JOBS[index]
+    with contextlib.ExitStack() as stack:
+        ns = f"rsinstr-{secrets.token_hex(4)}:"
+        stores, decorators, _ = redis_section(url, ns, stack, {}, section == DECORATOR)
+        (c,) = [
+            c
+            for c in stores + decorators
+            if (c.section, c.name, c.workload) == (section, name, workload)
+        ]
+        c.prepare()
+        c.run(50)  # warm-up: connections made, scripts loaded
+        # valgrind counts only inside functools.reduce (see _client_instructions)
+        functools.reduce(lambda _, __: c.run(n), [None], None)
+    return 0
+
+
+def _client_instructions(index: int, n: int, url: str) -> int:
+    """Instructions this interpreter executes for ``n`` calls (valgrind's callgrind,
+    counting only inside the ``functools.reduce`` that makes them: no start-up, no
+    warm-up)."""
+    run = [sys.executable, str(Path(__file__).resolve()), "--redis-instructions-run"]
+    argv = [*run, str(index), str(n), url]
+    callgrind = ["--collect-atstart=no", "--toggle-collect=functools_reduce"]
+    out = subprocess.run(
+        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *callgrind, *argv],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    found = [line for line in out.stderr.splitlines() if "Collected : " in line]
+    if not found:
+        raise BenchError(f"no instruction count from valgrind:\n{out.stderr[-2000:]}")
+    return int(found[-1].rsplit(" ", 1)[-1])
+
+
+def redis_instructions(calls: int, url: str | None) -> int:
+    """Print each Redis contender's client instructions per call. The server runs
+    outside valgrind; only the client is counted."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--redis-instructions needs valgrind")
+    with contextlib.ExitStack() as stack:
+        url = url or start_server("redis", stack)
+        rows = []
+        for i, (section, name, workload) in enumerate(INSTRUCTION_JOBS):
+            per_call = _client_instructions(i, calls, url) / calls
+            rows.append((section, name, workload, per_call))
+            print(f"  {section} / {name} / {workload}: {per_call:,.0f}", flush=True)
+    print("\n| section | contender | workload | client instructions per call |")
+    print("|---|---|---|--:|")
+    for section, name, workload, per_call in rows:
+        print(f"| {section} | {name} | {workload} | {per_call:,.0f} |")
+    return 0
 
 
 # -- servers ------------------------------------------------------------------------------
@@ -952,6 +1035,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--profile", action="store_true", help="cProfile retrysafe's contenders after the rounds"
     )
+    p.add_argument(
+        "--redis-instructions",
+        type=int,
+        nargs="?",
+        const=200,
+        metavar="CALLS",
+        help="only count the Redis contenders' client instructions per call (valgrind)",
+    )
     args = p.parse_args(argv)
     args.stores = [s.strip() for s in args.stores.split(",") if s.strip()]
     unknown = sorted(set(args.stores) - set(STORES))
@@ -1009,7 +1100,12 @@ def preflight(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    raw = sys.argv[1:] if argv is None else list(argv)
+    if raw[:1] == ["--redis-instructions-run"]:
+        return instructions_run(raw[1:])
     args = parse_args(argv)
+    if args.redis_instructions is not None:
+        return redis_instructions(args.redis_instructions, args.redis_url)
     preflight(args)
     script = os.path.relpath(sys.argv[0]) if sys.argv[0] else "bench/stores.py"
     command = shlex.join(["python", script, *(sys.argv[1:] if argv is None else argv)])

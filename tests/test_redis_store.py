@@ -3,12 +3,16 @@
 Whatever sits under a record key (another program's value, a truncated or corrupt
 record, another type), and whatever the server answers with an error, a call
 raises :class:`StoreUnavailableError` naming the key, never a raw decoding or
-redis-py error, and never overwrites the value.
+redis-py error, and never overwrites the value. Records of layout version 1 (an
+upgraded deployment's live records, under the same keys) are not foreign: they
+replay, refuse, wait and are taken over as before, and the operations views read
+them (docs/stores.md, "Redis layout").
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 import uuid
@@ -19,10 +23,22 @@ from typing import Any
 
 import pytest
 import redis
-from conftest import make_spec
+from _redis_records import v1_value
+from conftest import Clock, make_spec
 
-from retrysafe import Claim, Engine, Outcome, StoreUnavailableError, key_hash
-from retrysafe.stores.redis import RedisStore
+from retrysafe import (
+    Claim,
+    Engine,
+    FingerprintMismatchError,
+    InProgressError,
+    Outcome,
+    Replay,
+    Status,
+    StoreUnavailableError,
+    key_hash,
+)
+from retrysafe._model.record import Record
+from retrysafe.stores.redis import LAYOUT_VERSION, RedisStore
 
 OP = "foreign"
 KEY = "the-key"
@@ -180,6 +196,32 @@ async def test_a_burst_past_the_pool_waits_for_connections(redis_server: Any) ->
         RedisStore(redis_server.url, max_connections=0)
 
 
+def _blocked(raw: redis.Redis) -> bool:
+    return any(c.get("cmd") == "blpop" for c in raw.client_list())
+
+
+async def test_a_cancelled_call_closes_its_connection(store: RedisStore, raw: redis.Redis) -> None:
+    """A call cancelled while its reply is unread closes that connection, so the next
+    call on the pool never reads the reply meant for the cancelled one."""
+    from retrysafe.stores.redis.store import _Op, _parse_bool
+
+    waiting = f"cancel-{uuid.uuid4().hex[:8]}"
+    blocked = asyncio.ensure_future(store._arun(_Op(("BLPOP", waiting, 0), _parse_bool, "k")))
+    while not _blocked(raw):  # sent, its reply unread
+        await asyncio.sleep(0.01)
+    blocked.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await blocked
+    engine = Engine(store)
+    claim = await engine.abegin("after-cancel", operation=OP, fingerprint="fp")
+    assert isinstance(claim, Claim)  # a reply of its own, not BLPOP's
+    while _blocked(raw):  # until the server sees it closed
+        await asyncio.sleep(0.01)
+    raw.rpush(waiting, b"x")
+    assert raw.lpop(waiting) == b"x"  # nobody was left waiting to take it
+    await store.aclose()
+
+
 def test_threads_past_the_pool_wait_for_connections(redis_server: Any) -> None:
     """The sync client too: 64 threads on a pool of 4 all claim (redis-py's own pool
     refuses a call past its limit, which reached callers as StoreUnavailableError)."""
@@ -213,3 +255,116 @@ def test_renewal_past_the_expiry_moves_the_physical_ttl(store: RedisStore, raw: 
     assert raw.pttl(fin_key) == -1  # a financial record still has none (the sweeper's)
     engine.renew(standard, 1)  # a shorter lease never shortens the expiry
     assert raw.pttl(key) > 28_000
+
+
+# -- records of layout version 1 (written before the compact fields) ------------------
+
+SHA = "0123456789abcdef" * 4
+JSON_HEADERS = (("content-type", "application/json"), ("content-length", "8"))
+HOUR = 3600.0
+
+
+def _as_version_1(
+    store: RedisStore, raw: redis.Redis, engine: Engine, key: str, **changes: Any
+) -> Record:
+    """Claim ``key`` (fingerprint SHA), then rewrite its record as version 1 wrote it,
+    with ``changes``, keeping the TTL; the record as the store reads it back."""
+    claim = engine.begin(key, operation="op", fingerprint=SHA)
+    assert isinstance(claim, Claim)
+    current = store.get(claim.key_hash)
+    assert current is not None
+    old = dataclasses.replace(current, **changes)
+    name = store.record_key(claim.key_hash)
+    raw.set(name, v1_value(old), keepttl=True)
+    assert raw.get(name)[:1] == b"1"  # type: ignore[index]
+    assert store.get(claim.key_hash) == old
+    return old
+
+
+@pytest.mark.parametrize("claims", ["set", "script"])
+def test_version_1_records_replay_refuse_and_wait(
+    store: RedisStore, raw: redis.Redis, clock: Clock, claims: str
+) -> None:
+    store._set_claims = claims == "set"  # "script": the path of Redis < 7.0
+    engine = Engine(store, ttl=HOUR, clock=clock)
+    outcome = Outcome(b'{"id":1}', 201, JSON_HEADERS, "application/json")
+    done = _as_version_1(
+        store,
+        raw,
+        engine,
+        "done",
+        status=Status.COMPLETED,
+        completed_at=clock.now,
+        outcome=outcome,
+    )
+    replay = engine.begin("done", operation="op", fingerprint=SHA)
+    assert isinstance(replay, Replay) and replay.outcome == outcome
+    with pytest.raises(FingerprintMismatchError):
+        engine.begin("done", operation="op", fingerprint="f" * 64)
+    _as_version_1(store, raw, engine, "busy")  # processing, lease live
+    with pytest.raises(InProgressError):
+        engine.begin("busy", operation="op", fingerprint=SHA, wait=0)
+    assert store.get(done.key_hash) == done  # nothing rewritten
+
+
+@pytest.mark.parametrize("claims", ["set", "script"])
+@pytest.mark.parametrize("left", ["lease-ran-out", "failed"])
+def test_version_1_records_are_taken_over(
+    store: RedisStore, raw: redis.Redis, clock: Clock, claims: str, left: str
+) -> None:
+    store._set_claims = claims == "set"
+    engine = Engine(store, ttl=HOUR, lease=10, clock=clock)
+    changes: dict[str, Any] = {"status": Status.FAILED} if left == "failed" else {}
+    old = _as_version_1(store, raw, engine, "k", **changes)
+    clock.advance(20)  # past the lease
+    claim = engine.begin("k", operation="op", fingerprint=SHA)
+    assert isinstance(claim, Claim) and claim.attempts == 2
+    value = raw.get(store.record_key(old.key_hash))
+    assert value is not None and value[:1] == LAYOUT_VERSION
+    engine.complete(claim, Outcome.json({"ok": True}))
+    new = store.get(old.key_hash)
+    assert new is not None and new.created_at == old.created_at and new.attempts == 2
+    assert new.status is Status.COMPLETED and new.outcome == Outcome.json({"ok": True})
+
+
+def test_a_version_1_attempt_is_its_own_process_s_to_settle(
+    store: RedisStore, raw: redis.Redis, clock: Clock
+) -> None:
+    """A version-1 record in flight belongs to the older process that claimed it (and
+    its own scripts): this release's token-checked writes never match its token
+    (stored in another form) and write nothing; its owner's completion then replays."""
+    engine = Engine(store, ttl=HOUR, clock=clock)
+    old = _as_version_1(store, raw, engine, "k")
+    name = store.record_key(old.key_hash)
+    before = raw.get(name)
+    assert not store.renew(old.key_hash, old.token, clock.now + 60, clock.now)
+    assert not store.complete(old.key_hash, old.token, Outcome(b"x"), clock.now)
+    assert not store.fail(old.key_hash, old.token, None, False, clock.now)
+    assert raw.get(name) == before
+    done = dataclasses.replace(
+        old, status=Status.COMPLETED, completed_at=clock.now, outcome=Outcome.json(1)
+    )
+    raw.set(name, v1_value(done), keepttl=True)  # what the older process writes
+    replay = engine.begin("k", operation="op", fingerprint=SHA)
+    assert isinstance(replay, Replay) and replay.outcome == Outcome.json(1)
+
+
+def test_operations_views_read_version_1_records(
+    store: RedisStore, raw: redis.Redis, clock: Clock
+) -> None:
+    engine = Engine(store, ttl=HOUR, clock=clock)
+    prefix = f"v1-{uuid.uuid4().hex[:8]}-"
+    old = _as_version_1(store, raw, engine, prefix + "a")
+    listed = store.records(key=prefix + "a")
+    assert listed == [old]
+    assert store.stats(clock.now).counts.get(("op", "processing"), 0) >= 1
+    clock.advance(2 * HOUR)  # expired (logically; the physical TTL is the real clock's)
+    swept = 0
+    while True:
+        batch = store.sweep(clock.now)
+        swept += batch.deleted
+        if batch.done:
+            break
+    assert swept >= 1 and store.get(old.key_hash) is None
+    other = _as_version_1(store, raw, engine, prefix + "b")
+    assert store.delete(other.key_hash) and store.get(other.key_hash) is None

@@ -16,11 +16,11 @@ from urllib.parse import quote
 
 import pytest
 import redis
+from _redis_records import make_record as _record
 from _servers import RedisCluster, free_port
 from conftest import Clock, make_spec
 
 from retrysafe import Claim, Engine, Outcome, Status, StoreUnavailableError, Sweeper
-from retrysafe._model.record import Record
 from retrysafe.stores import Store, open_store
 from retrysafe.stores.redis import RedisStore, record_from_value
 from retrysafe.stores.redis.codec import _record_value
@@ -66,24 +66,6 @@ def _claim(store: Store[Any], clock: Clock, key: str, retention: str, **kw: Any)
 
 
 # -- retention in the layout ------------------------------------------------------------
-
-
-def _record(**changes: Any) -> Record:
-    fields: dict[str, Any] = dict(
-        key_hash="h" * 64,
-        key="k",
-        scope="s",
-        operation="op",
-        fingerprint="f" * 64,
-        status=Status.PROCESSING,
-        token="tok",
-        lease_until=2.0,
-        expires_at=3.0,
-        created_at=1.0,
-        updated_at=1.0,
-    )
-    fields.update(changes)
-    return Record(**fields)
 
 
 @pytest.mark.parametrize("retention", ["standard", "financial"])

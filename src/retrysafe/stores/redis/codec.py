@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -26,8 +27,10 @@ _MALFORMED: tuple[type[BaseException], ...] = (
 
 # -- layout --------------------------------------------------------------------------
 
-#: First byte of every record; a new layout gets a new version.
-LAYOUT_VERSION = b"1"
+#: First byte of every record this code writes; a new layout gets a new version.
+LAYOUT_VERSION = b"2"
+#: The versions this code reads: 1 (written before the compact fields) and 2.
+LAYOUT_VERSIONS = (b"1", b"2")
 #: The fixed part of a record (docs/stores.md, "Redis layout").
 HEADER = struct.Struct(">cIddd?c?ddIII")
 
@@ -54,6 +57,17 @@ _FLAG_CHARS = "0123456789:;<=>?"
 _encode_json = json.JSONEncoder(separators=(",", ":")).encode
 _encode_meta = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode  # metadata_json
 _CACHE_MAX = 256
+_HEX64 = re.compile("[0-9a-f]{64}")
+_HEX = re.compile("[0-9a-f]{1,1024}")
+#: The compact outcome prefix: a marker byte (JSON prefixes start with "["), the
+#: status (uint16; 0xFFFF for None), then the media type and the headers.
+_COMPACT = 1
+_COMPACT_HEAD = struct.Struct(">BH")
+_NO_STATUS = 0xFFFF
+_U16 = struct.Struct(">H")
+#: Media types stored as one byte (0 means "spelled out").
+_MEDIA_TYPES = ("", "application/json", "application/octet-stream", "text/plain; charset=utf-8")
+_MEDIA_CODE = {m: i for i, m in enumerate(_MEDIA_TYPES) if m}
 #: Outcome prefixes (JSON + NUL) of header-less outcomes by (status, media type), and
 #: back: the common ones (``Outcome.json``, a bare 200) are a dict lookup each way.
 _PREFIX_OF: dict[tuple[int | None, str], bytes] = {}
@@ -72,14 +86,59 @@ def _ttl_ms(expires_at: float, now: float) -> int:
 
 def _token(token: str) -> bytes:
     """Token length (uint32) and token, as a record holds them from offset 56."""
-    raw = token.encode()
+    raw = _stored_token(token)
     return _U32.pack(len(raw)) + raw
+
+
+def _stored_token(token: str) -> bytes:
+    """A fencing token as version 2 stores it: lowercase hex (what the engine makes)
+    as its bytes after 0 (even length) or 1 (odd: a leading 0 digit added); any other
+    token as its UTF-8, after byte 2 if it starts with byte 0, 1 or 2."""
+    if _HEX.fullmatch(token):
+        if len(token) % 2:
+            return b"\x01" + bytes.fromhex("0" + token)
+        return b"\x00" + bytes.fromhex(token)
+    raw = token.encode()
+    return b"\x02" + raw if raw[:1] in (b"\x00", b"\x01", b"\x02") else raw
+
+
+def _read_token(raw: bytes) -> str:
+    """Inverse of :func:`_stored_token`."""
+    form = raw[:1]
+    if form == b"\x00":
+        return raw[1:].hex()
+    if form == b"\x01":
+        return raw[1:].hex()[1:]
+    if form == b"\x02":
+        return raw[1:].decode()
+    return raw.decode()
+
+
+def _stored_fingerprint(fingerprint: str) -> bytes:
+    """A fingerprint as version 2 stores it: NUL and 32 bytes for 64 lowercase hex
+    digits (a SHA-256), else its UTF-8, escaped by a leading SOH if it starts with
+    NUL or SOH."""
+    if len(fingerprint) == 64 and _HEX64.fullmatch(fingerprint):
+        return b"\x00" + bytes.fromhex(fingerprint)
+    raw = fingerprint.encode()
+    return b"\x01" + raw if raw[:1] in (b"\x00", b"\x01") else raw
+
+
+def _read_fingerprint(raw: bytes) -> str:
+    """Inverse of :func:`_stored_fingerprint`."""
+    if raw[:1] == b"\x00" and len(raw) == 33:
+        return raw[1:].hex()
+    if raw[:1] == b"\x01":
+        return raw[1:].decode()
+    if raw[:1] == b"\x00":
+        raise ValueError(f"a binary fingerprint of {len(raw) - 1} bytes")
+    return raw.decode()
 
 
 def _record_value(r: Record) -> bytes:
     """The stored form of a record being claimed (attempts 1; a takeover patches it)."""
-    token = r.token.encode()
-    fp = r.fingerprint.encode()
+    token = _stored_token(r.token)
+    fp = _stored_fingerprint(r.fingerprint)
     blob = _claim_blob(r)
     completed = r.completed_at
     fixed = HEADER.pack(
@@ -118,23 +177,66 @@ def _claim_blob(r: Record) -> bytes:
 
 
 def _outcome_blob(outcome: Outcome) -> bytes:
+    """An outcome as version 2 stores it: the compact prefix, else the JSON one."""
     headers = outcome.headers
     prefix: bytes | None
     if headers:
-        prefix = _outcome_prefix(outcome.status, outcome.media_type, headers)
+        prefix = _compact_prefix(outcome.status, outcome.media_type, headers, len(outcome.body))
+        if prefix is None:
+            prefix = _json_prefix(outcome.status, outcome.media_type, headers)
     else:
         key = (outcome.status, outcome.media_type)
         prefix = _PREFIX_OF.get(key)
         if prefix is None:
-            prefix = _outcome_prefix(outcome.status, outcome.media_type, ())
+            prefix = _compact_prefix(outcome.status, outcome.media_type, (), 0)
+            if prefix is None:
+                prefix = _json_prefix(outcome.status, outcome.media_type, ())
             if len(_PREFIX_OF) < _CACHE_MAX:
                 _PREFIX_OF[key] = prefix
     return b"".join((prefix, outcome.body))
 
 
-def _outcome_prefix(status: int | None, media_type: str, headers: Sequence[Any]) -> bytes:
+def _json_prefix(status: int | None, media_type: str, headers: Sequence[Any]) -> bytes:
+    """The JSON outcome prefix (every form an outcome can take; version 1 wrote only it)."""
     pairs = [[k, v] for k, v in headers]
     return _encode_json([status, media_type, pairs]).encode() + b"\x00"
+
+
+def _short(text: str) -> bytes | None:
+    """A length byte and the UTF-8 of ``text``; None if longer than 255 bytes."""
+    raw = text.encode("utf-8", "surrogatepass")
+    return bytes((len(raw),)) + raw if len(raw) < 256 else None
+
+
+def _compact_prefix(
+    status: int | None, media_type: str, headers: Sequence[Any], body_len: int
+) -> bytes | None:
+    """The compact outcome prefix (docs/stores.md, "Redis layout"); None when a field
+    does not fit it (the JSON prefix holds those)."""
+    if status is None:
+        status = _NO_STATUS
+    elif type(status) is not int or not 0 <= status < _NO_STATUS or len(headers) > 255:
+        return None
+    code = _MEDIA_CODE.get(media_type)
+    if code is not None:
+        media = bytes((code,))
+    else:
+        spelled = _short(media_type)
+        if spelled is None:
+            return None
+        media = b"\x00" + spelled
+    out = [_COMPACT_HEAD.pack(_COMPACT, status), media, bytes((len(headers),))]
+    for name, value in headers:
+        if name == "content-type" and value == media_type:
+            out.append(b"\x01")
+        elif name == "content-length" and value == str(body_len):
+            out.append(b"\x02")
+        else:
+            n, v = _short(name), value.encode("utf-8", "surrogatepass")
+            if n is None or len(v) > 0xFFFF:
+                return None
+            out += (b"\x00", n, _U16.pack(len(v)), v)
+    return b"".join(out)
 
 
 # -- parsing -------------------------------------------------------------------------
@@ -159,63 +261,39 @@ def record_from_value(value: bytes | None, key_hash: str) -> Record | None:
         blob_len,
         token_len,
     ) = HEADER.unpack_from(value)
-    if version != LAYOUT_VERSION:
+    if version not in LAYOUT_VERSIONS:
         raise StoreUnavailableError(
             f"Redis record {key_hash} has layout version {version!r}; this retrysafe "
-            f"reads version {LAYOUT_VERSION!r} (a newer retrysafe wrote it?)"
+            "reads versions b'1' and b'2' (a newer retrysafe wrote it?)"
         )
     fp_at = _FIXED + token_len
     blob_at = fp_at + fp_len
     end = blob_at + blob_len
     if len(value) < end or blob_len == 0:
         raise ValueError(f"truncated: {len(value)} bytes, the header announces at least {end}")
+    raw_fp = value[fp_at:blob_at]
+    raw_token = value[_FIXED:fp_at]
     flags = value[blob_at]
-    if flags | 9 == 57:  # "0" "1" "8" "9": no payload, no JSON fields: decode at once
-        text = value[_FIXED:end].decode()
-        if text.isascii():  # byte offsets are character offsets
-            blob_at -= _FIXED
-            token, fp = text[:token_len], text[token_len:blob_at]
-            _, key, scope, operation, rid, meta = text[blob_at:].split("\x00")
-            return Record(
-                key_hash=key_hash,
-                key=key,
-                scope=scope,
-                operation=operation,
-                fingerprint=fp,
-                status=_STATUS[status],
-                token=token,
-                lease_until=lease,
-                expires_at=expires,
-                created_at=created,
-                updated_at=updated,
-                completed_at=completed if has_completed else None,
-                attempts=attempts,
-                request_id=rid if flags & 1 else None,
-                final=final,
-                outcome=_outcome(value, end) if len(value) > end else None,
-                request_payload=None,
-                metadata=json.loads(meta) if meta else {},
-                retention=FINANCIAL if flags & 8 else STANDARD,
-            )
-    parts = value[blob_at:end].split(b"\x00", 6)
-    if flags & 4:
-        key, scope, operation, rid = (json.loads(p) for p in parts[1:5])
+    payload = None
+    if flags | 9 == 57:  # "0" "1" "8" "9": no payload, no JSON fields: one split
+        _, key, scope, operation, rid, meta = value[blob_at:end].decode().split("\x00")
     else:
-        key, scope, operation, rid = (
-            parts[1].decode(),
-            parts[2].decode(),
-            parts[3].decode(),
-            parts[4].decode(),
-        )
-    meta_json = parts[5]
+        parts = value[blob_at:end].split(b"\x00", 6)
+        if flags & 4:
+            key, scope, operation, rid = (json.loads(p) for p in parts[1:5])
+        else:
+            key, scope, operation, rid = (p.decode() for p in parts[1:5])
+        meta = parts[5].decode()
+        if flags & 2:
+            payload = parts[6]
     return Record(
         key_hash=key_hash,
         key=key,
         scope=scope,
         operation=operation,
-        fingerprint=value[fp_at:blob_at].decode(),
+        fingerprint=raw_fp.decode() if version == b"1" else _read_fingerprint(raw_fp),
         status=_STATUS[status],
-        token=value[_FIXED:fp_at].decode(),
+        token=raw_token.decode() if version == b"1" else _read_token(raw_token),
         lease_until=lease,
         expires_at=expires,
         created_at=created,
@@ -225,13 +303,16 @@ def record_from_value(value: bytes | None, key_hash: str) -> Record | None:
         request_id=rid if flags & 1 else None,
         final=final,
         outcome=_outcome(value, end) if len(value) > end else None,
-        request_payload=parts[6] if flags & 2 else None,
-        metadata=json.loads(meta_json) if meta_json else {},
+        request_payload=payload,
+        metadata=json.loads(meta) if meta else {},
         retention=FINANCIAL if flags & 8 else STANDARD,
     )
 
 
 def _outcome(value: bytes, start: int) -> Outcome:
+    """The outcome stored from ``start``: a compact prefix or a JSON one, and the body."""
+    if value[start] == _COMPACT:
+        return _compact_outcome(value, start)
     cut = value.index(b"\x00", start)
     prefix = value[start:cut]
     known = _PREFIX.get(prefix)
@@ -241,3 +322,47 @@ def _outcome(value: bytes, start: int) -> Outcome:
     if not pairs and len(_PREFIX) < _CACHE_MAX:
         _PREFIX[prefix] = (status, media_type)
     return Outcome(value[cut + 1 :], status, tuple((k, v) for k, v in pairs), media_type)
+
+
+def _compact_outcome(value: bytes, start: int) -> Outcome:
+    """Inverse of :func:`_compact_prefix`, and the body after it."""
+    _, status = _COMPACT_HEAD.unpack_from(value, start)
+    at = start + 3
+    code = value[at]
+    if code:
+        media_type = _MEDIA_TYPES[code]
+        at += 1
+    else:
+        n = value[at + 1]
+        media_type = value[at + 2 : at + 2 + n].decode("utf-8", "surrogatepass")
+        at += 2 + n
+    count = value[at]
+    at += 1
+    if not count:
+        return Outcome(value[at:], None if status == _NO_STATUS else status, (), media_type)
+    headers: list[tuple[str, str]] = []
+    length_at = -1  # the content-length pair, filled in once the body is known
+    for _ in range(count):
+        tag = value[at]
+        if tag == 1:
+            headers.append(("content-type", media_type))
+            at += 1
+        elif tag == 2:
+            length_at = len(headers)
+            headers.append(("content-length", ""))
+            at += 1
+        elif tag == 0:
+            n = value[at + 1]
+            name = value[at + 2 : at + 2 + n].decode("utf-8", "surrogatepass")
+            at += 2 + n
+            (m,) = _U16.unpack_from(value, at)
+            headers.append((name, value[at + 2 : at + 2 + m].decode("utf-8", "surrogatepass")))
+            at += 2 + m
+        else:
+            raise ValueError(f"unknown header tag {tag}")
+    if at > len(value):
+        raise ValueError("truncated outcome")
+    body = value[at:]
+    if length_at >= 0:
+        headers[length_at] = ("content-length", str(len(body)))
+    return Outcome(body, None if status == _NO_STATUS else status, tuple(headers), media_type)

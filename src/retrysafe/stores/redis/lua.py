@@ -12,7 +12,9 @@ import hashlib
 # its updated_at.
 
 # KEYS[1] record key; ARGV[1] the new record (attempts 1, created = now), ARGV[2]
-# its fingerprint, ARGV[3] PX ms ("0": no TTL). Mirrors retrysafe._model.decide.claimable.
+# its fingerprint as layout 2 stores it, ARGV[3] PX ms ("0": no TTL), ARGV[4] the
+# fingerprint as layout 1 stored it (its text). Both layouts share the fixed header,
+# so the script reads either. Mirrors retrysafe._model.decide.claimable.
 # Claimed: returns attempts * 4 + took_over (0 none, 1 processing, 2 failed).
 # Not claimed: returns the live record.
 _CLAIM = """
@@ -22,7 +24,8 @@ local new = ARGV[1]
 local attempts = 1
 local took = 0
 if v then
-  if string.byte(v, 1) ~= 49 then
+  local version = string.byte(v, 1)
+  if version ~= 49 and version ~= 50 then
     return v
   end
   local now = struct.unpack('>d', new, 33)
@@ -32,7 +35,11 @@ if v then
       return v
     end
     local f, c, t = struct.unpack('>I4I4I4', v, 49)
-    if string.sub(v, 61 + t, 60 + t + f) ~= ARGV[2] then
+    local fp = ARGV[2]
+    if version == 49 then
+      fp = ARGV[4]
+    end
+    if string.sub(v, 61 + t, 60 + t + f) ~= fp then
       return v
     end
     if status == 102 then
@@ -46,7 +53,8 @@ if v then
       took = 1
     end
     attempts = struct.unpack('>I4', v, 2) + 1
-    new = '1' .. struct.pack('>I4', attempts) .. string.sub(v, 6, 13) .. string.sub(new, 14)
+    new = string.sub(new, 1, 1) .. struct.pack('>I4', attempts) .. string.sub(v, 6, 13)
+      .. string.sub(new, 14)
   end
 end
 if ARGV[3] == '0' then

@@ -39,6 +39,7 @@ from retrysafe.stores.redis.codec import (
     _TOOK,
     _outcome_blob,
     _record_value,
+    _stored_fingerprint,
     _token,
     _ttl_ms,
     record_from_value,
@@ -96,8 +97,13 @@ def _parse_set_claim(reply: Any, op: _Op) -> ClaimResult | _Op:
     if not claimable(found, r.fingerprint, r.updated_at):
         return ClaimResult(False, found)
     ttl = args[6] if len(args) > 5 else 0
-    claim = ("EVALSHA", _CLAIM_SHA, 1, args[1], args[2], r.fingerprint, ttl)
-    return _Op(claim, _parse_claim, op.key)
+    return _Op(_claim_script(args[1], args[2], r, ttl), _parse_claim, op.key)
+
+
+def _claim_script(key: str, value: bytes, record: Record, ttl: int) -> tuple[Any, ...]:
+    """The claim script's command (see lua._CLAIM): it reads records of both layouts."""
+    fp = record.fingerprint
+    return ("EVALSHA", _CLAIM_SHA, 1, key, value, _stored_fingerprint(fp), ttl, fp)
 
 
 def _parse_claim(reply: Any, op: _Op) -> ClaimResult:
@@ -127,6 +133,57 @@ def _parse_cell(reply: Any, op: _Op) -> list[Any] | None:
         return None
     version, expires_at, text = reply.decode().split("\n", 2)
     return [int(version), text, float(expires_at) if expires_at else None]
+
+
+# -- sending -------------------------------------------------------------------------
+# A standalone client's command goes straight to a pooled connection: redis-py's
+# pool (its bound, its wait, its check of a returned connection, its fork guard),
+# then one send and one read. Left out is what the client wraps around that, which
+# this store has no use for: retries (off), reply callbacks (the ops parse raw
+# replies) and per-command observability. An error reply leaves the connection in
+# step; any other failure (a timeout, a cancelled read) may leave a reply unread,
+# so that connection is closed before it returns to the pool. A cluster client
+# routes by slot and follows redirections: its commands go through it.
+
+
+def _send(client: Any, op: _Op) -> Any:
+    """One command on one of ``client``'s pooled connections; its raw reply."""
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    try:
+        conn.send_command(*op.args)
+        return conn.read_response()
+    except _rx.ResponseError:
+        raise
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+
+
+async def _asend(client: Any, op: _Op) -> Any:
+    """As :func:`_send`, on an asyncio client."""
+    pool = client.connection_pool
+    conn = await pool.get_connection()
+    try:
+        await conn.send_command(*op.args)
+        return await conn.read_response()
+    except _rx.ResponseError:
+        raise
+    except BaseException:
+        await conn.disconnect(nowait=True)
+        raise
+    finally:
+        await pool.release(conn)
+
+
+def _send_cluster(client: Any, op: _Op) -> Any:
+    return client.execute_command(*op.args, **op.options)
+
+
+async def _asend_cluster(client: Any, op: _Op) -> Any:
+    return await client.execute_command(*op.args, **op.options)
 
 
 #: URL schemes of the stores that can hold a Redis store's archive.
@@ -252,10 +309,9 @@ class RedisStore(RedisClients, Store[_Op]):
         # them, may remove them (docs/stores.md, "Redis layout").
         ttl = 0 if record.retention == FINANCIAL else _ttl_ms(record.expires_at, record.updated_at)
         if not self._set_claims:  # the server has no SET NX GET
-            args: Sequence[Any] = ("EVALSHA", _CLAIM_SHA, 1, key, value, record.fingerprint, ttl)
-            return _Op(args, _parse_claim, kh)
+            return _Op(_claim_script(key, value, record, ttl), _parse_claim, kh)
         if ttl:
-            args = ("SET", key, value, "NX", "GET", "PX", ttl)
+            args: Sequence[Any] = ("SET", key, value, "NX", "GET", "PX", ttl)
         else:
             args = ("SET", key, value, "NX", "GET")
         return _Op(args, _parse_set_claim, kh, record, _SET_GET)
@@ -344,11 +400,12 @@ class RedisStore(RedisClients, Store[_Op]):
         while True:
             try:
                 client = self._sync or self._sync_client()
+                send = _send_cluster if self.cluster else _send
                 try:
-                    reply = client.execute_command(*op.args, **op.options)
+                    reply = send(client, op)
                 except _rx.NoScriptError:  # a new or flushed server: load, then run once
                     client.script_load(_SCRIPTS[op.args[1]])
-                    reply = client.execute_command(*op.args, **op.options)
+                    reply = send(client, op)
             except Exception as exc:
                 op = self._retry_or_raise(op, exc)
                 continue
@@ -362,11 +419,12 @@ class RedisStore(RedisClients, Store[_Op]):
         while True:
             try:
                 client = self._async.get(loop) or await self._aconnect(loop)
+                asend = _asend_cluster if self.cluster else _asend
                 try:
-                    reply = await client.execute_command(*op.args, **op.options)
+                    reply = await asend(client, op)
                 except _rx.NoScriptError:
                     await client.script_load(_SCRIPTS[op.args[1]])
-                    reply = await client.execute_command(*op.args, **op.options)
+                    reply = await asend(client, op)
             except Exception as exc:
                 op = self._retry_or_raise(op, exc)
                 continue
@@ -579,7 +637,7 @@ class RedisStore(RedisClients, Store[_Op]):
 
     def _expired(self, key: bytes, value: Any, now: float) -> Record | None:
         """The record under ``key`` if it is one and expired at ``now``."""
-        if type(value) is not bytes or len(value) < _FIXED or value[0] != 49:
+        if type(value) is not bytes or len(value) < _FIXED or value[0] not in (49, 50):
             return None
         if not _DOUBLE.unpack_from(value, 13)[0] <= now:  # live: no need to decode
             return None
