@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from retrysafe._model.record import Outcome, Record, Status
@@ -128,19 +128,33 @@ def archived_from_row(row: Sequence[Any]) -> ArchivedRecord:
     return ArchivedRecord(record=record_from_row(row), archived_at=float(row[22]))
 
 
-def list_clause(query: RecordQuery, *, mark: str, alias: str = "") -> tuple[str, list[Any]]:
+def _status_value(status: Status | str) -> Any:
+    return Status(status).value
+
+
+def _same(key: str) -> Any:
+    return key
+
+
+def list_clause(
+    query: RecordQuery,
+    *,
+    mark: str,
+    alias: str = "",
+    status: Callable[[Status | str], Any] = _status_value,
+    key: Callable[[str], Any] = _same,
+) -> tuple[str, list[Any]]:
     """The end of a listing's ``SELECT … FROM records``: its ``WHERE`` (when ``query``
     filters), ``ORDER BY`` and ``LIMIT``, with ``mark`` as the placeholder, and the
-    parameters."""
+    parameters; ``status`` and ``key`` give the stored form of those filters."""
     col = f"{alias}." if alias else ""
-    status = query.status
     where: list[str] = []
     params: list[Any] = []
     for condition, value in (
-        ("status =", None if status is None else Status(status).value),
+        ("status =", None if query.status is None else status(query.status)),
         ("operation =", query.operation),
         ("created_at <", query.created_before),
-        ("key =", query.key),
+        ("key =", None if query.key is None else key(query.key)),
     ):
         if value is not None:
             where.append(f"{col}{condition} {mark}")
