@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
+from operator import itemgetter
 from typing import Any
 
 from retrysafe._model.decide import claimable
@@ -142,8 +143,52 @@ _SELECT = f"SELECT {_COLS} FROM retrysafe_records WHERE key_hash = ?"
 #: Reads and writes one claim may take before it gives up (each retry means a
 #: concurrent writer changed the key in between).
 _MAX_CLAIM_STATEMENTS = 100
-_MARKS = ", ".join("?" * len(COLUMNS))
-_INSERT = f"INSERT INTO retrysafe_records ({_COLS}) VALUES ({_MARKS}) ON CONFLICT DO NOTHING"
+_CAS = f" WHERE key_hash = ? AND token = ? AND status = {PROCESSING}"
+
+# -- statements that bind no NULL (a None costs sqlite3 an adapter lookup) ------------
+#
+# One text per set of values present, made on first use: a claim's record has a few
+# (processing, with or without a request id, ...), a finish one per outcome shape.
+
+#: Where the nullable columns are in a row of :data:`COLUMNS` order.
+_NULLABLE = tuple(i for i, type_ in enumerate(V3_TYPES.values()) if "NOT NULL" not in type_)
+_nullable = itemgetter(*_NULLABLE)
+_INSERTS: dict[tuple[bool, ...], tuple[str, Callable[[Sequence[Any]], Any]]] = {}
+
+
+def _insert(params: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
+    """The ``INSERT`` of a row that binds its values other than NULL, and those values."""
+    present = tuple([v is not None for v in _nullable(params)])
+    made = _INSERTS.get(present)
+    if made is None:
+        absent = {i for i, here in zip(_NULLABLE, present, strict=True) if not here}
+        keep = [i for i in range(len(COLUMNS)) if i not in absent]
+        made = _INSERTS[present] = (
+            f"INSERT INTO retrysafe_records ({', '.join(COLUMNS[i] for i in keep)}) "
+            f"VALUES ({', '.join('?' * len(keep))}) ON CONFLICT DO NOTHING",
+            itemgetter(*keep),
+        )
+    return made[0], made[1](params)
+
+
+_OUTCOME_COLUMNS = ("response_status", "response_headers", "response_media_type", "response_body")
+_FINISHES: dict[tuple[str, tuple[bool, ...]], str] = {}
+
+
+def _finish(sets: str, outcome: tuple[Any, Any, Any, Any]) -> tuple[str, tuple[Any, ...]]:
+    """The compare-and-set ``UPDATE`` that writes ``sets`` (its own parameters last) and
+    the outcome's columns, binding those other than NULL; and those values."""
+    present = tuple([v is not None for v in outcome])
+    sql = _FINISHES.get((sets, present))
+    if sql is None:
+        columns = ", ".join(
+            f"{c} = ?" if here else f"{c} = NULL"
+            for c, here in zip(_OUTCOME_COLUMNS, present, strict=True)
+        )
+        sql = _FINISHES[(sets, present)] = f"UPDATE retrysafe_records SET {columns}, {sets}" + _CAS
+    return sql, tuple([v for v in outcome if v is not None])
+
+
 # Take over a claimable record: the predicate of _decide.claimable, re-checked
 # atomically on the current row; attempts and created_at carry over from a live one.
 # Parameters: ?1..?22 the new record in COLUMNS order (?1 key_hash, ?5 fingerprint,
@@ -157,18 +202,9 @@ _TAKEOVER = (
     f"((status = {FAILED} AND final = 0) OR (status = {PROCESSING} AND lease_until <= ?11)))) "
     "RETURNING attempts"
 )
-_CAS = f" WHERE key_hash = ? AND token = ? AND status = {PROCESSING}"
 # completed_at NULL: the completion's updated_at (see _sqlite_rows).
-_COMPLETE = (
-    f"UPDATE retrysafe_records SET status = {COMPLETED}, response_status = ?, "
-    "response_headers = ?, response_media_type = ?, response_body = ?, "
-    "completed_at = NULL, updated_at = ?" + _CAS
-)
-_FAIL = (
-    f"UPDATE retrysafe_records SET status = {FAILED}, response_status = ?, "
-    "response_headers = ?, response_media_type = ?, response_body = ?, "
-    "final = ?, updated_at = ?" + _CAS
-)
+_COMPLETE = f"status = {COMPLETED}, completed_at = NULL, updated_at = ?"
+_FAIL = f"status = {FAILED}, final = ?, updated_at = ?"
 # A renewal past the record's expiry pushes the expiry to the new lease's end: a
 # live attempt never expires under its owner (the claim would be free to take).
 _RENEW = (
@@ -479,10 +515,11 @@ class SQLiteStore(Store[_Op]):
         def op(conn: sqlite3.Connection) -> ClaimResult:
             params = row_params(record)
             key = params[:1]
+            insert = _insert(params)
             for _ in range(_MAX_CLAIM_STATEMENTS):
                 row = conn.execute(_SELECT, key).fetchone()
                 if row is None:
-                    if conn.execute(_INSERT, params).rowcount == 1:
+                    if conn.execute(*insert).rowcount == 1:
                         return ClaimResult(True)
                     continue
                 cur = row_record(row)
@@ -508,14 +545,15 @@ class SQLiteStore(Store[_Op]):
         return lambda conn: conn.execute(sql, params).rowcount == 1
 
     def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
-        params = (*outcome_params(outcome), now, pack_hex(key_hash), pack_hex(token))
-        return self._write(_COMPLETE, params)
+        sql, values = _finish(_COMPLETE, outcome_params(outcome))
+        return self._write(sql, (*values, now, pack_hex(key_hash), pack_hex(token)))
 
     def _fail(
         self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
     ) -> _Op:
-        params = (*outcome_params(outcome), final, now, pack_hex(key_hash), pack_hex(token))
-        return self._write(_FAIL, params)
+        sql, values = _finish(_FAIL, outcome_params(outcome))
+        flag = 1 if final else 0
+        return self._write(sql, (*values, flag, now, pack_hex(key_hash), pack_hex(token)))
 
     def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
         params = (lease_until, now, lease_until, pack_hex(key_hash), pack_hex(token))
