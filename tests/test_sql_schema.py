@@ -330,7 +330,7 @@ def test_postgres_without_auto_migrate_needs_the_migrate_command(
         with pytest.raises(StoreUnavailableError, match="retention"):
             store.get(old[0].key_hash)
         assert main(["migrate", "--store", f"{pg_url}?table={pg_table}"]) == 0
-        assert f"schema at version {sqlite.SCHEMA_VERSION}" in capsys.readouterr().out
+        assert f"schema at version {postgres.SCHEMA_VERSION}" in capsys.readouterr().out
         got = store.get(old[0].key_hash)
         assert got is not None and got.retention == "standard"
     finally:

@@ -86,41 +86,45 @@ def record_params(r: Record) -> tuple[Any, ...]:
 
 
 _STATUS = {s.value: s for s in Status}
+_blank = object.__new__
 
 
 def record_from_row(row: Sequence[Any]) -> Record:
-    """A :class:`Record` from a row in :data:`COLUMNS` order."""
+    """A :class:`Record` from a row in :data:`COLUMNS` order, filled field by field on a
+    blank instance (as ``Record.copy`` is: a third of a keyword construction)."""
+    r: Record = _blank(Record)
+    r.key_hash = row[0]
+    r.key = row[1]
+    r.scope = row[2]
+    r.operation = row[3]
+    r.fingerprint = row[4]
+    r.status = _STATUS[row[5]]
+    r.token = row[6]
+    r.lease_until = float(row[7])
+    r.expires_at = float(row[8])
+    r.created_at = float(row[9])
+    r.updated_at = float(row[10])
+    v = row[11]
+    r.completed_at = None if v is None else float(v)
+    r.attempts = int(row[12])
+    r.request_id = row[13]
+    r.final = bool(row[14])
     body = row[18]
-    outcome = None
-    if body is not None:
-        outcome = Outcome(
-            bytes(body),
-            row[15],
-            Outcome.parse_headers(row[16]),
-            row[17] or "application/octet-stream",
-        )
-    payload, metadata, completed_at = row[19], row[20], row[11]
-    return Record(
-        key_hash=row[0],
-        key=row[1],
-        scope=row[2],
-        operation=row[3],
-        fingerprint=row[4],
-        status=_STATUS[row[5]],
-        token=row[6],
-        lease_until=float(row[7]),
-        expires_at=float(row[8]),
-        created_at=float(row[9]),
-        updated_at=float(row[10]),
-        completed_at=None if completed_at is None else float(completed_at),
-        attempts=int(row[12]),
-        request_id=row[13],
-        final=bool(row[14]),
-        outcome=outcome,
-        request_payload=None if payload is None else bytes(payload),
-        metadata=json.loads(metadata) if metadata and metadata != "{}" else {},
-        retention=row[21],
-    )
+    if body is None:
+        r.outcome = None
+    else:
+        o: Outcome = _blank(Outcome)
+        o.body = bytes(body)
+        o.status = row[15]
+        o.headers = Outcome.parse_headers(row[16])
+        o.media_type = row[17] or "application/octet-stream"
+        r.outcome = o
+    v = row[19]
+    r.request_payload = None if v is None else bytes(v)
+    v = row[20]
+    r.metadata = json.loads(v) if v and v != "{}" else {}
+    r.retention = row[21]
+    return r
 
 
 def archived_from_row(row: Sequence[Any]) -> ArchivedRecord:
