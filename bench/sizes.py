@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib
+import importlib.util
 import secrets
 import sqlite3
 import tempfile
@@ -57,7 +58,6 @@ ANSWER = Outcome.json(ORDER).body
 assert len(ANSWER) == 60, len(ANSWER)
 OPERATION = "orders.create"
 FINGERPRINT = "3b" * 32
-REQUEST = b'{"sku":"A-1","qty":1}'
 HEADERS = [(b"content-type", b"application/json"), (b"content-length", b"60")]
 
 
@@ -81,41 +81,26 @@ async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": ANSWER})
 
 
+def _peers() -> Any:
+    """bench/peers.py, for its in-process ``post`` through an ASGI app."""
+    spec = importlib.util.spec_from_file_location("rsbench_peers", _HERE / "peers.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
 def write_http(store: Any, n: int) -> None:
-    """``n`` keyed first calls, with credentials, through the ASGI middleware on ``store``."""
+    """``n`` keyed first calls, with credentials, through the ASGI middleware on ``store``
+    (bench/peers.py's request: a ``POST`` with a bearer token and a JSON body)."""
+    post = _peers().post
     middleware = IdempotencyMiddleware(_app, store=store)
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": REQUEST, "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
 
     async def run() -> None:
         for _ in range(n):
-            sent.clear()
-            headers = [
-                (b"idempotency-key", str(uuid.uuid4()).encode()),
-                (b"content-type", b"application/json"),
-                (b"authorization", b"Bearer sk_live_4eC39HqLyjWDarjtT1zdp7dc"),
-            ]
-            scope = {
-                "type": "http",
-                "asgi": {"version": "3.0"},
-                "http_version": "1.1",
-                "method": "POST",
-                "scheme": "http",
-                "path": "/orders",
-                "raw_path": b"/orders",
-                "root_path": "",
-                "query_string": b"",
-                "headers": headers,
-                "client": ("127.0.0.1", 50000),
-                "server": ("127.0.0.1", 8000),
-            }
-            await middleware(scope, receive, send)
-            assert sent[0]["status"] == 201, sent[0]
+            status, _, body = await post(middleware, str(uuid.uuid4()))
+            assert (status, body) == (201, ANSWER), (status, body)
         if isinstance(store, str):
             await middleware.policy.engine.aclose()
 
@@ -209,11 +194,14 @@ def measure_redis(url: str) -> Callable[[Write, int], Measure]:
     return measure
 
 
-def _servers_module() -> Any:
+def _start(kind: str, stack: contextlib.ExitStack) -> str:
+    """A throwaway server of ``kind`` (tests/_servers.py), stopped with ``stack``."""
     tests = str(ROOT / "tests")
     if tests not in sys.path:
         sys.path.insert(0, tests)
-    return importlib.import_module("_servers")
+    servers = importlib.import_module("_servers")
+    server = servers.PostgresServer() if kind == "postgres" else servers.RedisServer()
+    return str(stack.enter_context(server).url)
 
 
 #: Per store: the figure that counts as its cost per record, and how it is read.
@@ -243,19 +231,10 @@ def main(argv: list[str] | None = None) -> int:
             "memory": measure_memory,
             "sqlite": measure_sqlite,
         }
-        servers = None
-        if "postgres" in stores:
-            url = args.postgres_url
-            if url is None:
-                servers = servers or _servers_module()
-                url = stack.enter_context(servers.PostgresServer()).url
-            measures["postgres"] = measure_postgres(url)
-        if "redis" in stores:
-            url = args.redis_url
-            if url is None:
-                servers = servers or _servers_module()
-                url = stack.enter_context(servers.RedisServer()).url
-            measures["redis"] = measure_redis(url)
+        for kind, given in (("postgres", args.postgres_url), ("redis", args.redis_url)):
+            if kind in stores:
+                url = given or _start(kind, stack)
+                measures[kind] = (measure_postgres if kind == "postgres" else measure_redis)(url)
         for store in stores:
             for way, write in (("engine", write_engine), ("http", write_http)):
                 figures = measures[store](write, args.n)
