@@ -177,6 +177,9 @@ def measure_redis(url: str) -> Callable[[Write, int], Measure]:
             write(f"{url}{sep}prefix={prefix}", n)
             after = int(client.info("memory")["used_memory"])
             keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+            # The middleware keeps its scope secret under the prefix too: records only.
+            if len(keys) > n:
+                keys = [k for k in keys if b"{" in k]
             assert len(keys) == n, (len(keys), n)
             usage = sum(int(client.memory_usage(k, samples=0) or 0) for k in keys)
             names = sum(len(k) for k in keys)
