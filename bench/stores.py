@@ -360,6 +360,58 @@ def sqlite_section(stack: contextlib.ExitStack, info: dict[str, str]) -> list[Co
     )
 
 
+def sqlite_instructions_run(name: str, workload: str, n: int) -> int:
+    """``--instructions-run NAME WORKLOAD N``: 200 calls to warm up, then ``n`` calls
+    of one SQLite contender, in this process (valgrind counts it)."""
+    with contextlib.ExitStack() as stack:
+        for c in sqlite_section(stack, {}):
+            if c.name == name and c.workload == workload:
+                c.prepare()
+                c.run(200)
+                c.run(n)
+                return 0
+    raise SystemExit(f"no SQLite contender {name} / {workload}")
+
+
+def sqlite_instructions(n: int) -> list[str]:
+    """Instructions per call of each SQLite contender (valgrind's callgrind): the
+    difference of a run of ``n`` calls and a run of none, over ``n``. The same on every
+    run, whatever the machine's load; SQLite's C code and the fsyncs' system calls
+    count, the kernel's work does not."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def count(name: str, workload: str, calls: int) -> int:
+        script = str(Path(__file__).resolve())
+        argv = [sys.executable, script, "--instructions-run", name, workload, str(calls)]
+        out = subprocess.run(
+            ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *argv],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        )
+        found = [line for line in out.stderr.splitlines() if "Collected :" in line]
+        if not found:
+            raise BenchError(f"no instruction count from valgrind:\n{out.stderr[-2000:]}")
+        return int(found[-1].rsplit(":", 1)[1])
+
+    jobs = [(name, w) for w in (FIRST, REPLAY) for name in (SUBJECT, FLOOR)]
+
+    def per_call(job: tuple[str, str]) -> float:
+        return (count(*job, n) - count(*job, 0)) / n
+
+    with ThreadPoolExecutor(2) as pool:
+        costs = dict(zip(jobs, pool.map(per_call, jobs), strict=True))
+    lines = [
+        "| workload | retrysafe instructions/call | floor instructions/call | floor / retrysafe |",
+        "|---|--:|--:|--:|",
+    ]
+    for w in (FIRST, REPLAY):
+        ours, floor = costs[(SUBJECT, w)], costs[(FLOOR, w)]
+        lines.append(f"| {w} | {ours:,.0f} | {floor:,.0f} | {floor / ours:.2f} |")
+    return lines
+
+
 # -- Redis ----------------------------------------------------------------------------
 
 
@@ -1043,6 +1095,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="CALLS",
         help="only count the Redis contenders' client instructions per call (valgrind)",
     )
+    p.add_argument(
+        "--instructions",
+        type=int,
+        metavar="N",
+        help="SQLite only: count instructions per call over N calls (valgrind), then exit",
+    )
     args = p.parse_args(argv)
     args.stores = [s.strip() for s in args.stores.split(",") if s.strip()]
     unknown = sorted(set(args.stores) - set(STORES))
@@ -1103,9 +1161,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw = sys.argv[1:] if argv is None else list(argv)
     if raw[:1] == ["--redis-instructions-run"]:
         return instructions_run(raw[1:])
+    if raw[:1] == ["--instructions-run"]:
+        return sqlite_instructions_run(raw[1], raw[2], int(raw[3]))
     args = parse_args(argv)
     if args.redis_instructions is not None:
         return redis_instructions(args.redis_instructions, args.redis_url)
+    if args.instructions:
+        print(plain(sqlite_instructions(args.instructions)))
+        return 0
     preflight(args)
     script = os.path.relpath(sys.argv[0]) if sys.argv[0] else "bench/stores.py"
     command = shlex.join(["python", script, *(sys.argv[1:] if argv is None else argv)])

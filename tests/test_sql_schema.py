@@ -129,7 +129,7 @@ def test_sqlite_v1_file_upgrades_in_place(tmp_path: Path, clock: Clock) -> None:
         store.close()
     conn = sqlite3.connect(path)
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == sqlite.SCHEMA_VERSION == 2
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == sqlite.SCHEMA_VERSION == 3
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(retrysafe_archive)")}
         assert "retrysafe_archive_archived_at" in indexes
     finally:
@@ -142,7 +142,7 @@ def test_sqlite_migrate_command_upgrades_v1(tmp_path: Path, clock: Clock, capsys
     path = tmp_path / "v1.db"
     make_sqlite_v1(path, [v1_record(clock, 0)])
     assert main(["migrate", "--store", f"sqlite:///{path}"]) == 0
-    assert "schema at version 2" in capsys.readouterr().out
+    assert f"schema at version {sqlite.SCHEMA_VERSION}" in capsys.readouterr().out
     assert sqlite_columns(path, "retrysafe_records")[-1] == "retention"
     assert main(["migrate", "--store", f"sqlite:///{path}"]) == 0  # current: nothing to do
 
@@ -186,7 +186,7 @@ def test_sqlite_sweep_waits_for_a_writer_and_then_sees_its_claim(
     other.execute("BEGIN IMMEDIATE")
     other.execute(
         "UPDATE retrysafe_records SET expires_at = ?, token = 'new' WHERE key_hash = ?",
-        (clock.now + HOUR, first.key_hash),
+        (clock.now + HOUR, bytes.fromhex(first.key_hash)),
     )
     swept: list[Any] = []
     sweeper = threading.Thread(target=lambda: swept.append(store.sweep(clock.now, 10)))
@@ -330,7 +330,7 @@ def test_postgres_without_auto_migrate_needs_the_migrate_command(
         with pytest.raises(StoreUnavailableError, match="retention"):
             store.get(old[0].key_hash)
         assert main(["migrate", "--store", f"{pg_url}?table={pg_table}"]) == 0
-        assert "schema at version 2" in capsys.readouterr().out
+        assert f"schema at version {postgres.SCHEMA_VERSION}" in capsys.readouterr().out
         got = store.get(old[0].key_hash)
         assert got is not None and got.retention == "standard"
     finally:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from retrysafe._model.record import Outcome, Record, Status
@@ -86,41 +86,45 @@ def record_params(r: Record) -> tuple[Any, ...]:
 
 
 _STATUS = {s.value: s for s in Status}
+_blank = object.__new__
 
 
 def record_from_row(row: Sequence[Any]) -> Record:
-    """A :class:`Record` from a row in :data:`COLUMNS` order."""
+    """A :class:`Record` from a row in :data:`COLUMNS` order, filled field by field on a
+    blank instance (as ``Record.copy`` is: a third of a keyword construction)."""
+    r: Record = _blank(Record)
+    r.key_hash = row[0]
+    r.key = row[1]
+    r.scope = row[2]
+    r.operation = row[3]
+    r.fingerprint = row[4]
+    r.status = _STATUS[row[5]]
+    r.token = row[6]
+    r.lease_until = float(row[7])
+    r.expires_at = float(row[8])
+    r.created_at = float(row[9])
+    r.updated_at = float(row[10])
+    v = row[11]
+    r.completed_at = None if v is None else float(v)
+    r.attempts = int(row[12])
+    r.request_id = row[13]
+    r.final = bool(row[14])
     body = row[18]
-    outcome = None
-    if body is not None:
-        outcome = Outcome(
-            bytes(body),
-            row[15],
-            Outcome.parse_headers(row[16]),
-            row[17] or "application/octet-stream",
-        )
-    payload, metadata, completed_at = row[19], row[20], row[11]
-    return Record(
-        key_hash=row[0],
-        key=row[1],
-        scope=row[2],
-        operation=row[3],
-        fingerprint=row[4],
-        status=_STATUS[row[5]],
-        token=row[6],
-        lease_until=float(row[7]),
-        expires_at=float(row[8]),
-        created_at=float(row[9]),
-        updated_at=float(row[10]),
-        completed_at=None if completed_at is None else float(completed_at),
-        attempts=int(row[12]),
-        request_id=row[13],
-        final=bool(row[14]),
-        outcome=outcome,
-        request_payload=None if payload is None else bytes(payload),
-        metadata=json.loads(metadata) if metadata and metadata != "{}" else {},
-        retention=row[21],
-    )
+    if body is None:
+        r.outcome = None
+    else:
+        o: Outcome = _blank(Outcome)
+        o.body = bytes(body)
+        o.status = row[15]
+        o.headers = Outcome.parse_headers(row[16])
+        o.media_type = row[17] or "application/octet-stream"
+        r.outcome = o
+    v = row[19]
+    r.request_payload = None if v is None else bytes(v)
+    v = row[20]
+    r.metadata = json.loads(v) if v and v != "{}" else {}
+    r.retention = row[21]
+    return r
 
 
 def archived_from_row(row: Sequence[Any]) -> ArchivedRecord:
@@ -128,19 +132,33 @@ def archived_from_row(row: Sequence[Any]) -> ArchivedRecord:
     return ArchivedRecord(record=record_from_row(row), archived_at=float(row[22]))
 
 
-def list_clause(query: RecordQuery, *, mark: str, alias: str = "") -> tuple[str, list[Any]]:
+def _status_value(status: Status | str) -> Any:
+    return Status(status).value
+
+
+def _same(key: str) -> Any:
+    return key
+
+
+def list_clause(
+    query: RecordQuery,
+    *,
+    mark: str,
+    alias: str = "",
+    status: Callable[[Status | str], Any] = _status_value,
+    key: Callable[[str], Any] = _same,
+) -> tuple[str, list[Any]]:
     """The end of a listing's ``SELECT … FROM records``: its ``WHERE`` (when ``query``
     filters), ``ORDER BY`` and ``LIMIT``, with ``mark`` as the placeholder, and the
-    parameters."""
+    parameters; ``status`` and ``key`` give the stored form of those filters."""
     col = f"{alias}." if alias else ""
-    status = query.status
     where: list[str] = []
     params: list[Any] = []
     for condition, value in (
-        ("status =", None if status is None else Status(status).value),
+        ("status =", None if query.status is None else status(query.status)),
         ("operation =", query.operation),
         ("created_at <", query.created_before),
-        ("key =", query.key),
+        ("key =", None if query.key is None else key(query.key)),
     ):
         if value is not None:
             where.append(f"{col}{condition} {mark}")

@@ -12,26 +12,33 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
+from operator import itemgetter
 from typing import Any
 
 from retrysafe._model.decide import claimable
 from retrysafe._model.record import ClaimResult, Outcome, Record
 from retrysafe.errors import StoreUnavailableError
 from retrysafe.stores._base import ArchivedRecord, RecordQuery, Store, StoreStats, SweepBatch
-from retrysafe.stores._sql import (
-    ARCHIVE_COLUMNS,
-    COLUMN_SPECS,
-    COLUMNS,
-    archived_from_row,
-    list_clause,
+from retrysafe.stores._sql import ARCHIVE_COLUMNS, COLUMN_SPECS, COLUMNS, list_clause
+from retrysafe.stores._sql import record_from_row as v2_record
+from retrysafe.stores._sqlite_rows import (
+    COMPLETED,
+    FAILED,
+    FINANCIAL_CODE,
+    PROCESSING,
+    V3_TYPES,
     outcome_params,
-    record_from_row,
-    record_params,
+    pack_hex,
+    pack_key,
+    row_params,
+    row_record,
+    status_code,
+    status_value,
 )
 
 __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _Op = Callable[[sqlite3.Connection], Any]
 
 #: SQLite's type for each column kind of :data:`COLUMN_SPECS`.
@@ -68,6 +75,7 @@ _RETENTION = COLUMN_SPECS[COLUMNS.index("retention")]
 _V2_SPECS = COLUMN_SPECS[: COLUMNS.index("retention") + 1]
 if len(_V2_SPECS) != len(COLUMN_SPECS):  # pragma: no cover - needs a migration
     raise ImportError("retrysafe.stores.sqlite: a column of _sql.COLUMNS has no migration")
+_COLS = ", ".join(COLUMNS)
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS retrysafe_records (
     {_columns(_V1_SPECS, key=True)}
@@ -86,16 +94,101 @@ CREATE TABLE IF NOT EXISTS retrysafe_archive (
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS retrysafe_archive_archived_at ON retrysafe_archive (archived_at);
 """
-#: Migrations by the version they lead to; v1 is the initial schema. Append, never edit.
-MIGRATIONS: dict[int, str] = {1: _SCHEMA, 2: _V2}
+# v3: the compact rows of _sqlite_rows (packed digests, status and retention codes,
+# no empty texts, no completed_at twice), in tables rebuilt with those types; every
+# row of v2 is rewritten, in the migration's one transaction.
+_V3_COLUMNS = ",\n    ".join(f"{name} {type_}" for name, type_ in V3_TYPES.items())
+_V3_TABLES = (
+    (
+        "retrysafe_records",
+        f"{_COLS}",
+        f"""CREATE TABLE retrysafe_records_v3 (
+    {_V3_COLUMNS},
+    PRIMARY KEY (key_hash)
+) WITHOUT ROWID""",
+        "CREATE INDEX retrysafe_records_expires_at ON retrysafe_records (expires_at)",
+    ),
+    (
+        "retrysafe_archive",
+        f"{_COLS}, archived_at",
+        f"""CREATE TABLE retrysafe_archive_v3 (
+    {_V3_COLUMNS},
+    archived_at REAL NOT NULL,
+    PRIMARY KEY (key_hash, token)
+) WITHOUT ROWID""",
+        "CREATE INDEX retrysafe_archive_archived_at ON retrysafe_archive (archived_at)",
+    ),
+)
 
-_COLS = ", ".join(COLUMNS)
+
+def _v3(conn: sqlite3.Connection) -> None:
+    """Rewrite both tables in the compact row form (inside the migration's transaction)."""
+    for table, cols, create, index in _V3_TABLES:
+        conn.execute(create)
+        marks = ", ".join("?" * (cols.count(",") + 1))
+        rows = conn.execute(f"SELECT {cols} FROM {table}")
+        conn.executemany(
+            f"INSERT INTO {table}_v3 ({cols}) VALUES ({marks})",
+            ((*row_params(v2_record(row)), *row[len(COLUMNS) :]) for row in rows),
+        )
+        conn.execute(f"DROP TABLE {table}")
+        conn.execute(f"ALTER TABLE {table}_v3 RENAME TO {table}")
+        conn.execute(index)
+
+
+#: Migrations by the version they lead to; v1 is the initial schema. Append, never edit.
+MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {1: _SCHEMA, 2: _V2, 3: _v3}
+
 _SELECT = f"SELECT {_COLS} FROM retrysafe_records WHERE key_hash = ?"
 #: Reads and writes one claim may take before it gives up (each retry means a
 #: concurrent writer changed the key in between).
 _MAX_CLAIM_STATEMENTS = 100
-_MARKS = ", ".join("?" * len(COLUMNS))
-_INSERT = f"INSERT INTO retrysafe_records ({_COLS}) VALUES ({_MARKS}) ON CONFLICT DO NOTHING"
+_CAS = f" WHERE key_hash = ? AND token = ? AND status = {PROCESSING}"
+
+# -- statements that bind no NULL (a None costs sqlite3 an adapter lookup) ------------
+#
+# One text per set of values present, made on first use: a claim's record has a few
+# (processing, with or without a request id, ...), a finish one per outcome shape.
+
+#: Where the nullable columns are in a row of :data:`COLUMNS` order.
+_NULLABLE = tuple(i for i, type_ in enumerate(V3_TYPES.values()) if "NOT NULL" not in type_)
+_nullable = itemgetter(*_NULLABLE)
+_INSERTS: dict[tuple[bool, ...], tuple[str, Callable[[Sequence[Any]], Any]]] = {}
+
+
+def _insert(params: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
+    """The ``INSERT`` of a row that binds its values other than NULL, and those values."""
+    present = tuple([v is not None for v in _nullable(params)])
+    made = _INSERTS.get(present)
+    if made is None:
+        absent = {i for i, here in zip(_NULLABLE, present, strict=True) if not here}
+        keep = [i for i in range(len(COLUMNS)) if i not in absent]
+        made = _INSERTS[present] = (
+            f"INSERT INTO retrysafe_records ({', '.join(COLUMNS[i] for i in keep)}) "
+            f"VALUES ({', '.join('?' * len(keep))}) ON CONFLICT DO NOTHING",
+            itemgetter(*keep),
+        )
+    return made[0], made[1](params)
+
+
+_OUTCOME_COLUMNS = ("response_status", "response_headers", "response_media_type", "response_body")
+_FINISHES: dict[tuple[str, tuple[bool, ...]], str] = {}
+
+
+def _finish(sets: str, outcome: tuple[Any, Any, Any, Any]) -> tuple[str, tuple[Any, ...]]:
+    """The compare-and-set ``UPDATE`` that writes ``sets`` (its own parameters last) and
+    the outcome's columns, binding those other than NULL; and those values."""
+    present = tuple([v is not None for v in outcome])
+    sql = _FINISHES.get((sets, present))
+    if sql is None:
+        columns = ", ".join(
+            f"{c} = ?" if here else f"{c} = NULL"
+            for c, here in zip(_OUTCOME_COLUMNS, present, strict=True)
+        )
+        sql = _FINISHES[(sets, present)] = f"UPDATE retrysafe_records SET {columns}, {sets}" + _CAS
+    return sql, tuple([v for v in outcome if v is not None])
+
+
 # Take over a claimable record: the predicate of _decide.claimable, re-checked
 # atomically on the current row; attempts and created_at carry over from a live one.
 # Parameters: ?1..?22 the new record in COLUMNS order (?1 key_hash, ?5 fingerprint,
@@ -106,20 +199,12 @@ _TAKEOVER = (
     "attempts = CASE WHEN expires_at > ?11 THEN attempts + 1 ELSE 1 END, "
     "created_at = CASE WHEN expires_at > ?11 THEN created_at ELSE ?11 END "
     "WHERE key_hash = ?1 AND (expires_at <= ?11 OR (fingerprint = ?5 AND "
-    "((status = 'failed' AND final = 0) OR (status = 'processing' AND lease_until <= ?11)))) "
+    f"((status = {FAILED} AND final = 0) OR (status = {PROCESSING} AND lease_until <= ?11)))) "
     "RETURNING attempts"
 )
-_CAS = " WHERE key_hash = ? AND token = ? AND status = 'processing'"
-_COMPLETE = (
-    "UPDATE retrysafe_records SET status = 'completed', response_status = ?, "
-    "response_headers = ?, response_media_type = ?, response_body = ?, "
-    "completed_at = ?, updated_at = ?" + _CAS
-)
-_FAIL = (
-    "UPDATE retrysafe_records SET status = 'failed', response_status = ?, "
-    "response_headers = ?, response_media_type = ?, response_body = ?, "
-    "final = ?, updated_at = ?" + _CAS
-)
+# completed_at NULL: the completion's updated_at (see _sqlite_rows).
+_COMPLETE = f"status = {COMPLETED}, completed_at = NULL, updated_at = ?"
+_FAIL = f"status = {FAILED}, final = ?, updated_at = ?"
 # A renewal past the record's expiry pushes the expiry to the new lease's end: a
 # live attempt never expires under its owner (the claim would be free to take).
 _RENEW = (
@@ -142,7 +227,7 @@ _DOOMED = (
 )
 _SWEEP_ARCHIVE = (
     f"INSERT INTO retrysafe_archive ({_ARCHIVE_COLS}) SELECT {_COLS}, ?1 FROM retrysafe_records "
-    f"WHERE key_hash IN ({_DOOMED}) AND expires_at <= ?1 AND retention = 'financial' "
+    f"WHERE key_hash IN ({_DOOMED}) AND expires_at <= ?1 AND retention = {FINANCIAL_CODE} "
     "ON CONFLICT DO NOTHING"
 )
 # A financial row goes only once its copy is in the archive: the two statements pick
@@ -150,7 +235,7 @@ _SWEEP_ARCHIVE = (
 # stands between a financial record and its loss.
 _SWEEP_DELETE = (
     f"DELETE FROM retrysafe_records WHERE key_hash IN ({_DOOMED}) AND expires_at <= ?1 "
-    "AND (retention <> 'financial' OR EXISTS (SELECT 1 FROM retrysafe_archive AS a "
+    f"AND (retention IS NOT {FINANCIAL_CODE} OR EXISTS (SELECT 1 FROM retrysafe_archive AS a "
     "WHERE a.key_hash = retrysafe_records.key_hash AND a.token = retrysafe_records.token))"
 )
 _ARCHIVE_INSERT = (
@@ -350,9 +435,13 @@ class SQLiteStore(Store[_Op]):
             try:
                 version = conn.execute("PRAGMA user_version").fetchone()[0]
                 for target in range(version + 1, SCHEMA_VERSION + 1):
-                    for statement in MIGRATIONS[target].split(";"):
-                        if statement.strip():
-                            conn.execute(statement)
+                    migration = MIGRATIONS[target]
+                    if callable(migration):
+                        migration(conn)
+                    else:
+                        for statement in migration.split(";"):
+                            if statement.strip():
+                                conn.execute(statement)
                     conn.execute(f"PRAGMA user_version={target}")
                 conn.execute("COMMIT")
             except BaseException:
@@ -424,14 +513,16 @@ class SQLiteStore(Store[_Op]):
         # absent key is inserted, a claimable one taken over, each by one
         # atomic statement that re-checks the rule. Losing a race reads again.
         def op(conn: sqlite3.Connection) -> ClaimResult:
-            params = record_params(record)
+            params = row_params(record)
+            key = params[:1]
+            insert = _insert(params)
             for _ in range(_MAX_CLAIM_STATEMENTS):
-                row = conn.execute(_SELECT, (record.key_hash,)).fetchone()
+                row = conn.execute(_SELECT, key).fetchone()
                 if row is None:
-                    if conn.execute(_INSERT, params).rowcount == 1:
+                    if conn.execute(*insert).rowcount == 1:
                         return ClaimResult(True)
                     continue
-                cur = record_from_row(row)
+                cur = row_record(row)
                 if not claimable(cur, record.fingerprint, record.updated_at):
                     return ClaimResult(False, record=cur)
                 taken = conn.execute(_TAKEOVER, params).fetchone()
@@ -454,25 +545,31 @@ class SQLiteStore(Store[_Op]):
         return lambda conn: conn.execute(sql, params).rowcount == 1
 
     def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
-        return self._write(_COMPLETE, (*outcome_params(outcome), now, now, key_hash, token))
+        sql, values = _finish(_COMPLETE, outcome_params(outcome))
+        return self._write(sql, (*values, now, pack_hex(key_hash), pack_hex(token)))
 
     def _fail(
         self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
     ) -> _Op:
-        return self._write(_FAIL, (*outcome_params(outcome), final, now, key_hash, token))
+        sql, values = _finish(_FAIL, outcome_params(outcome))
+        flag = 1 if final else 0
+        return self._write(sql, (*values, flag, now, pack_hex(key_hash), pack_hex(token)))
 
     def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
-        return self._write(_RENEW, (lease_until, now, lease_until, key_hash, token))
+        params = (lease_until, now, lease_until, pack_hex(key_hash), pack_hex(token))
+        return self._write(_RENEW, params)
 
     def _get(self, key_hash: str) -> _Op:
+        key = (pack_hex(key_hash),)
+
         def op(conn: sqlite3.Connection) -> Record | None:
-            row = conn.execute(_SELECT, (key_hash,)).fetchone()
-            return None if row is None else record_from_row(row)
+            row = conn.execute(_SELECT, key).fetchone()
+            return None if row is None else row_record(row)
 
         return op
 
     def _delete(self, key_hash: str) -> _Op:
-        return self._write(_DELETE, (key_hash,))
+        return self._write(_DELETE, (pack_hex(key_hash),))
 
     def _cells_table(self, conn: sqlite3.Connection) -> None:
         """Create the cells' table once per store object (it stays in the file)."""
@@ -609,10 +706,10 @@ class SQLiteStore(Store[_Op]):
         conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
 
     def _list_records(self, query: RecordQuery) -> list[Record]:
-        clause, params = list_clause(query, mark="?")
+        clause, params = list_clause(query, mark="?", status=status_code, key=pack_key)
         text = f"SELECT {_COLS} FROM retrysafe_records{clause}"
         rows = self._run(lambda conn: conn.execute(text, params).fetchall())
-        return [record_from_row(row) for row in rows]
+        return [row_record(row) for row in rows]
 
     def stats(self, now: float) -> StoreStats:
         # One read transaction: every count comes from the same snapshot (WAL
@@ -624,20 +721,20 @@ class SQLiteStore(Store[_Op]):
                 for operation, status, n, created_at, key_hash in conn.execute(
                     _STATS_COUNTS, (now,)
                 ):
-                    stats.counts[(operation, status)] = n
-                    if status == "processing" and (oldest is None or created_at < oldest[0]):
+                    stats.counts[(operation, status_value(status))] = n
+                    if status == PROCESSING and (oldest is None or created_at < oldest[0]):
                         oldest = (created_at, key_hash)
                 stats.expired = conn.execute(_STATS_EXPIRED, (now,)).fetchone()[0]
                 if oldest is not None:
                     row = conn.execute(_SELECT, (oldest[1],)).fetchone()
-                    stats.oldest_processing = None if row is None else record_from_row(row)
+                    stats.oldest_processing = None if row is None else row_record(row)
                 stats.archived = conn.execute(_STATS_ARCHIVED).fetchone()[0]
             return stats
 
         return self._run(op)
 
     def archive_records(self, records: Sequence[Record], archived_at: float) -> int:
-        rows = [(*record_params(r), archived_at) for r in records]
+        rows = [(*row_params(r), archived_at) for r in records]
 
         def op(conn: sqlite3.Connection) -> int:
             with self._transaction(conn):
@@ -656,4 +753,6 @@ class SQLiteStore(Store[_Op]):
         query += " ORDER BY archived_at DESC LIMIT ?"
         params.append(limit)
         rows = self._run(lambda conn: conn.execute(query, params).fetchall())
-        return [archived_from_row(row) for row in rows]
+        return [
+            ArchivedRecord(record=row_record(row), archived_at=row[len(COLUMNS)]) for row in rows
+        ]

@@ -1,0 +1,262 @@
+"""The compact row form of a record in SQLite (schema v3): each value in its
+shortest faithful form. docs/stores.md ("SQLite row") gives the layout.
+
+Values are bound in the types that Python's sqlite3 binds without its adapter
+lookup (``int``, ``float``, ``str``, ``bytearray``): any other (``bytes``,
+``bool``, ``None``) costs a lookup of about 2,000 instructions per value. So
+packed values are ``bytearray``, short blobs are copied into one, flags are ints,
+and the store's statements leave NULLs out of their parameters."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from retrysafe._model.record import FINANCIAL, STANDARD, Outcome, Record, Status
+from retrysafe.stores._sql import COLUMNS
+
+__all__ = [
+    "COMPLETED",
+    "FAILED",
+    "FINANCIAL_CODE",
+    "PROCESSING",
+    "V3_TYPES",
+    "blob",
+    "pack_hex",
+    "pack_key",
+    "row_params",
+    "row_record",
+    "status_code",
+    "status_value",
+]
+
+#: Status codes (SQLite stores 0 and 1 in no bytes at all).
+PROCESSING, COMPLETED, FAILED = 0, 1, 2
+_STATUSES = (Status.PROCESSING, Status.COMPLETED, Status.FAILED)
+_CODES = {s: i for i, s in enumerate(_STATUSES)}
+#: Retention codes; another class would be stored as its text.
+_RETENTIONS = (STANDARD, FINANCIAL)
+FINANCIAL_CODE = 1
+#: Media type codes; NULL is ``application/octet-stream``, any other type its text.
+_JSON_MEDIA = "application/json"
+
+#: The declared type of each v3 column, in :data:`COLUMNS` order. ``BLOB`` has no
+#: affinity: the column keeps a value's packed bytes or its text as given.
+V3_TYPES: dict[str, str] = {
+    "key_hash": "BLOB NOT NULL",
+    "key": "BLOB NOT NULL",
+    "scope": "BLOB NOT NULL",
+    "operation": "TEXT NOT NULL",
+    "fingerprint": "BLOB NOT NULL",
+    "status": "INTEGER NOT NULL",
+    "token": "BLOB NOT NULL",
+    "lease_until": "REAL NOT NULL",
+    "expires_at": "REAL NOT NULL",
+    "created_at": "REAL NOT NULL",
+    "updated_at": "REAL NOT NULL",
+    "completed_at": "BLOB",
+    "attempts": "INTEGER NOT NULL",
+    "request_id": "TEXT",
+    "final": "INTEGER NOT NULL",
+    "response_status": "INTEGER",
+    "response_headers": "TEXT",
+    "response_media_type": "BLOB",
+    "response_body": "BLOB",
+    "request_payload": "BLOB",
+    "metadata": "TEXT",
+    "retention": "BLOB NOT NULL",
+}
+assert tuple(V3_TYPES) == COLUMNS
+
+_blank = object.__new__
+
+
+def status_code(status: Status | str) -> int:
+    """The stored code of a status."""
+    return _CODES[Status(status)]
+
+
+def status_value(code: int) -> str:
+    """The status value of a stored code."""
+    return _STATUSES[code].value
+
+
+#: Blobs up to this size are bound as a ``bytearray`` copy (cheaper than the lookup).
+_COPIED = 2048
+
+
+def blob(value: bytes | None) -> bytes | bytearray | None:
+    """``value`` in the form sqlite3 binds cheapest."""
+    if value is not None and len(value) <= _COPIED:
+        return bytearray(value)
+    return value
+
+
+def pack_hex(text: str) -> str | bytearray:
+    """Even-length lowercase hex (a SHA-256 digest, say) as its bytes; any other text
+    as it is (reads back the same either way)."""
+    if text and not len(text) & 1:
+        try:
+            packed = bytearray.fromhex(text)
+        except ValueError:
+            return text
+        if packed.hex() == text:
+            return packed
+    return text
+
+
+def pack_key(key: str) -> str | bytearray:
+    """A lowercase canonical UUID as its 16 bytes; any other key as it is."""
+    if len(key) == 36 and key[8] == key[13] == key[18] == key[23] == "-":
+        packed = pack_hex(key.replace("-", ""))
+        if type(packed) is bytearray and len(packed) == 16:
+            return packed
+    return key
+
+
+def _unkey(value: str | bytes) -> str:
+    if type(value) is not bytes:
+        return value  # type: ignore[return-value]
+    h = value.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def _pack_scope(scope: str) -> str | bytearray:
+    """``kind:hex`` (a principal's scope) as ``kind:`` and the bytes; other scopes as
+    they are."""
+    kind, colon, digits = scope.partition(":")
+    if colon and kind.isascii():
+        packed = pack_hex(digits)
+        if type(packed) is bytearray:
+            return bytearray(kind, "ascii") + b":" + packed
+    return scope
+
+
+def _unscope(value: str | bytes) -> str:
+    if type(value) is not bytes:
+        return value  # type: ignore[return-value]
+    kind, _, packed = value.partition(b":")
+    return f"{kind.decode()}:{packed.hex()}"
+
+
+def _pack_headers(headers: tuple[tuple[str, str], ...]) -> str | None:
+    """Names and values joined by NUL; JSON pairs when one holds a NUL or the first
+    name begins with ``[``; NULL for none."""
+    if not headers:
+        return None
+    parts = [x for pair in headers for x in pair]
+    try:
+        text = "\0".join(parts)
+    except TypeError:  # not str: JSON keeps what it can, as before
+        return Outcome(headers=headers).headers_json()
+    if text.count("\0") != len(parts) - 1 or parts[0].startswith("["):
+        return Outcome(headers=headers).headers_json()
+    return text
+
+
+def _unheaders(text: str | None) -> tuple[tuple[str, str], ...]:
+    if not text:
+        return ()
+    if text[0] == "[":
+        return Outcome.parse_headers(text)
+    parts = text.split("\0")
+    return tuple(zip(parts[::2], parts[1::2], strict=True))
+
+
+def outcome_params(outcome: Outcome | None) -> tuple[Any, Any, Any, Any]:
+    """(response_status, response_headers, response_media_type, response_body)."""
+    if outcome is None:
+        return (None, None, None, None)
+    media: Any = outcome.media_type
+    if media == _JSON_MEDIA:
+        media = 1
+    elif media == "application/octet-stream":
+        media = None
+    return (outcome.status, _pack_headers(outcome.headers), media, blob(outcome.body))
+
+
+def _completed_at(r: Record) -> Any:
+    """NULL when it is ``updated_at`` of a completed record (a completion sets both);
+    ``''`` for a completed record without one."""
+    at = r.completed_at
+    if r.status is Status.COMPLETED:
+        if at == r.updated_at:
+            return None
+        if at is None:
+            return ""
+    return at
+
+
+def row_params(r: Record) -> tuple[Any, ...]:
+    """A record's v3 row, in :data:`COLUMNS` order."""
+    retention = r.retention
+    return (
+        pack_hex(r.key_hash),
+        pack_key(r.key),
+        _pack_scope(r.scope),
+        r.operation,
+        pack_hex(r.fingerprint),
+        _CODES[r.status],
+        pack_hex(r.token),
+        r.lease_until,
+        r.expires_at,
+        r.created_at,
+        r.updated_at,
+        _completed_at(r),
+        r.attempts,
+        r.request_id,
+        1 if r.final else 0,
+        *outcome_params(r.outcome),
+        blob(r.request_payload),
+        r.metadata_json() if r.metadata else None,
+        0 if retention == STANDARD else 1 if retention == FINANCIAL else retention,
+    )
+
+
+def row_record(row: Sequence[Any]) -> Record:
+    """A :class:`Record` from a v3 row in :data:`COLUMNS` order, filled field by field
+    on a blank instance (as ``Record.copy`` is)."""
+    r: Record = _blank(Record)
+    v = row[0]
+    r.key_hash = v.hex() if type(v) is bytes else v
+    r.key = _unkey(row[1])
+    v = row[2]
+    r.scope = _unscope(v) if v else ""
+    r.operation = row[3]
+    v = row[4]
+    r.fingerprint = v.hex() if type(v) is bytes else v
+    status = r.status = _STATUSES[row[5]]
+    v = row[6]
+    r.token = v.hex() if type(v) is bytes else v
+    r.lease_until = row[7]
+    r.expires_at = row[8]
+    r.created_at = row[9]
+    r.updated_at = row[10]
+    v = row[11]
+    if v is None:
+        r.completed_at = r.updated_at if status is Status.COMPLETED else None
+    else:
+        r.completed_at = None if v == "" else float(v)
+    r.attempts = row[12]
+    r.request_id = row[13]
+    r.final = bool(row[14])
+    body = row[18]
+    if body is None:
+        r.outcome = None
+    else:
+        o: Outcome = _blank(Outcome)
+        o.body = body
+        o.status = row[15]
+        o.headers = _unheaders(row[16])
+        v = row[17]
+        o.media_type = (
+            "application/octet-stream" if v is None else _JSON_MEDIA if v == 1 else str(v)
+        )
+        r.outcome = o
+    r.request_payload = row[19]
+    v = row[20]
+    r.metadata = json.loads(v) if v else {}
+    v = row[21]
+    r.retention = _RETENTIONS[v] if type(v) is int else v
+    return r
