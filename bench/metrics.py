@@ -820,10 +820,11 @@ def results_table(pairs: Sequence[Pair], unit: str) -> list[str]:
 Costs = dict[str, dict[str, Any]]  # mode -> what -> ns per call (and CHILDREN -> classes)
 
 
-def costs_table(costs: Costs) -> list[str]:
+def costs_table(costs: Costs, unit: str = "ns per call") -> list[str]:
+    """One row per call of :data:`CALLS` and the scrape; a column per mode."""
     modes = list(costs)
     lines = [
-        "| call | " + " | ".join(f"ns per call, {mode}" for mode in modes) + " | how often |",
+        "| call | " + " | ".join(f"{unit}, {mode}" for mode in modes) + " | how often |",
         "|---|" + "--:|" * len(modes) + "---|",
     ]
     rows = [(what, note) for what, _, _, note in CALLS]
@@ -832,20 +833,6 @@ def costs_table(costs: Costs) -> list[str]:
         cells = [f"{costs[mode][what]:,.0f}" if what in costs[mode] else "-" for mode in modes]
         if any(c != "-" for c in cells):
             lines.append(f"| {what} | " + " | ".join(cells) + f" | {note} |")
-    return lines
-
-
-def call_instructions_table(counts: Costs) -> list[str]:
-    modes = list(counts)
-    lines = [
-        "| call | " + " | ".join(f"instructions, {mode}" for mode in modes) + " | how often |",
-        "|---|" + "--:|" * len(modes) + "---|",
-    ]
-    rows = [(what, note) for what, _, _, note in CALLS]
-    rows.append((SCRAPE, f"per scrape, {SCRAPE_OPS} operations"))
-    for what, note in rows:
-        cells = [f"{counts[mode][what]:,.0f}" for mode in modes]
-        lines.append(f"| {what} | " + " | ".join(cells) + f" | {note} |")
     return lines
 
 
@@ -1049,7 +1036,7 @@ def render(
                 "times, whole. The same on every run, whatever the machine's load."
             ),
             "",
-            *call_instructions_table(per_call),
+            *costs_table(per_call, "instructions"),
             "",
         ]
     return "\n".join(out)
@@ -1177,7 +1164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(bs.plain(costs_table(costs)))
     if per_call:
         print("\n== instructions per metrics call (valgrind) ==")
-        print(bs.plain(call_instructions_table(per_call)))
+        print(bs.plain(costs_table(per_call, "instructions")))
     for mode, c in costs.items():
         print(f"the children timed, {mode}: {c[CHILDREN]}")
     print(
