@@ -3,7 +3,10 @@ same on the hot path as on the general one, and never failing the request.
 
 A report in one process adds to its thread's own list of values, with no lock;
 these tests race threads at a switch interval of a microsecond, and compare the
-exposition with that of the same reports made one after another.
+exposition with that of the same reports made one after another. (CPython 3.11
+does not switch threads inside ``values[i] += 1``, so a shared list would pass
+the count too; what the race tests here is the rest: new slots added to every
+thread's list while the others count, threads starting, ending and retiring.)
 """
 
 from __future__ import annotations
