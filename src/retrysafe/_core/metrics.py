@@ -142,6 +142,7 @@ _HANDLER_BUCKETS = (
 _STORE_SUM = len(_STORE_BUCKETS) + 1  # a histogram's slot of its sum, after +Inf's
 _HANDLER_SUM = len(_HANDLER_BUCKETS) + 1
 _TRACE = "opentelemetry.trace"
+_MODULES = sys.modules  # read on every report: one global instead of two lookups
 _NOTHING: dict[str, int] = {}
 #: Operation labels kept apart; past this many, new ones are counted as ``other``.
 MAX_OPERATIONS = 200
@@ -682,8 +683,9 @@ class Metrics:
         step: bool = False,
     ) -> None:
         """A claim was granted after a store call of ``seconds`` (``step``: a workflow's)."""
-        rare = step or took_over is not None
-        if self.enabled and not self._answered(True, operation, key_hash, seconds, rare):
+        if not self.enabled:
+            return
+        if not self._answered(True, operation, key_hash, seconds, step or took_over is not None):
             self._claimed(operation, key_hash, took_over, seconds, step)
 
     @_quiet
@@ -723,7 +725,7 @@ class Metrics:
             values[at.executed if ran else at.replayed] += 1.0
             values[at.claim + bisect_left(_STORE_BUCKETS, seconds)] += 1.0
             values[at.claim + _STORE_SUM] += seconds
-            if self._otel.trace is not None or _TRACE in sys.modules:
+            if self._otel.trace is not None or _TRACE in _MODULES:
                 if ran:
                     self._otel.event("retrysafe.claim", operation, "executed", key_hash)
                 else:
@@ -793,7 +795,7 @@ class Metrics:
                 values[store + _STORE_SUM] += seconds
                 values[at.handler + bisect_left(_HANDLER_BUCKETS, handler)] += 1.0
                 values[at.handler + _HANDLER_SUM] += handler
-            if self._otel.trace is not None or _TRACE in sys.modules:
+            if self._otel.trace is not None or _TRACE in _MODULES:
                 self._otel.event(f"retrysafe.{call}", operation, "ok", key_hash)
         except Exception as exc:
             self._broken(exc)
