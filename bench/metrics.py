@@ -602,40 +602,18 @@ def call_count_run(n: int) -> None:
 def _call_instructions(n: int, multi: bool, tmp: str) -> dict[str, float]:
     folder = Path(tmp) / ("multi" if multi else "single")
     folder.mkdir()
-    out = folder / "calls.out"
-    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(folder)} if multi else None
-    if env is None:
-        env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    run = subprocess.run(
-        [
-            "valgrind",
-            "--tool=callgrind",
-            "--collect-atstart=no",
-            "--toggle-collect=functools_reduce",
-            "--dump-after=functools_reduce",
-            f"--callgrind-out-file={out}",
-            sys.executable,
-            __file__,
-            "--call-count-run",
-            str(n),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-    )
-    dumps = sorted(folder.glob(f"{out.name}.*"), key=lambda f: int(f.suffix[1:]))
-    totals = []
-    for dump in dumps:
-        found = re.search(r"^totals: (\d+)", dump.read_text(), re.M)
-        totals.append(int(found.group(1)) if found else -1)
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    if multi:
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(folder)
+    argv = [sys.executable, __file__, "--call-count-run", str(n)]
+    totals, stderr = callgrind(argv, folder / "calls.out", env)
     whats = [what for what, *_ in CALLS]
-    if run.returncode != 0 or len(totals) != len(whats) + 2 or min(totals) <= 0:
-        raise BenchError(f"call instructions: callgrind gave {totals}:\n{run.stderr[-2000:]}")
+    if len(totals) != len(whats) + 2:
+        raise BenchError(f"call instructions: callgrind gave {totals}:\n{stderr[-2000:]}")
     per_loop = totals[0] / n
-    out_counts = {w: t / n - per_loop for w, t in zip(whats, totals[1:-1], strict=True)}
-    out_counts[SCRAPE] = totals[-1] / max(1, n // 100)
-    return out_counts
+    counts = {w: t / n - per_loop for w, t in zip(whats, totals[1:-1], strict=True)}
+    counts[SCRAPE] = totals[-1] / max(1, n // 100)
+    return counts
 
 
 def call_instructions(n: int) -> Costs:
@@ -678,9 +656,12 @@ def count_run(section: str, workload: str, n: int) -> None:
     METRICS.enabled = True
 
 
-def _instructions(section: str, workload: str, n: int, tmp: str) -> tuple[float, float]:
-    out = Path(tmp) / f"{section}-{workload}.out"
-    argv = [sys.executable, __file__, "--count-run", section, workload, str(n)]
+def callgrind(
+    argv: list[str], out: Path, env: dict[str, str] | None = None
+) -> tuple[list[int], str]:
+    """Run ``argv`` under callgrind, counting only inside ``functools.reduce`` calls
+    and dumping after each: the instructions of each dump, and the child's stderr
+    (an empty list if it failed)."""
     run = subprocess.run(
         [
             "valgrind",
@@ -694,16 +675,24 @@ def _instructions(section: str, workload: str, n: int, tmp: str) -> tuple[float,
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env=env,
     )
-    dumps = sorted(Path(tmp).glob(f"{out.name}.*"), key=lambda f: int(f.suffix[1:]))
+    dumps = sorted(out.parent.glob(f"{out.name}.*"), key=lambda f: int(f.suffix[1:]))
     totals = []
     for dump in dumps:
         found = re.search(r"^totals: (\d+)", dump.read_text(), re.M)
         totals.append(int(found.group(1)) if found else -1)
-    if run.returncode != 0 or len(totals) != 2 or min(totals) <= 0:
+    if run.returncode != 0 or (totals and min(totals) <= 0):
+        return [], run.stderr
+    return totals, run.stderr
+
+
+def _instructions(section: str, workload: str, n: int, tmp: str) -> tuple[float, float]:
+    argv = [sys.executable, __file__, "--count-run", section, workload, str(n)]
+    totals, stderr = callgrind(argv, Path(tmp) / f"{section}-{workload}.out")
+    if len(totals) != 2:
         raise BenchError(
-            f"{section}/{workload}: callgrind gave {totals} "
-            f"(expected 2 dumps):\n{run.stderr[-2000:]}"
+            f"{section}/{workload}: callgrind gave {totals} (expected 2 dumps):\n{stderr[-2000:]}"
         )
     return totals[0] / n, totals[1] / n
 
