@@ -688,23 +688,25 @@ class Metrics:
         if not self._answered(True, operation, key_hash, seconds, step or took_over is not None):
             self._claimed(operation, key_hash, took_over, seconds, step)
 
-    @_quiet
     def _claimed(
         self, operation: str, key_hash: str, took_over: object, seconds: float, step: bool
     ) -> None:
         """:meth:`claimed` the general way: a new operation, a step, a takeover (or a
         retry after a failure), or multi-process mode."""
-        op = self._op(operation)
-        self._store_child("claim").observe(seconds)
-        if step:
-            self._child("step_executed", op.label).inc()
-        else:
-            op.executed.inc()
-        outcome = "executed"
-        if took_over is not None and getattr(took_over, "value", took_over) == "processing":
-            self._child("lease_takeover", op.label).inc()
-            outcome = "lease_takeover"
-        self._otel.event("retrysafe.claim", operation, outcome, key_hash)
+        try:
+            op = self._op(operation)
+            self._store_child("claim").observe(seconds)
+            if step:
+                self._child("step_executed", op.label).inc()
+            else:
+                op.executed.inc()
+            outcome = "executed"
+            if took_over is not None and getattr(took_over, "value", took_over) == "processing":
+                self._child("lease_takeover", op.label).inc()
+                outcome = "lease_takeover"
+            self._otel.event("retrysafe.claim", operation, outcome, key_hash)
+        except Exception as exc:
+            self._broken(exc)
 
     def replayed(self, operation: str, key_hash: str, seconds: float, step: bool = False) -> None:
         """A claim found a finished record to replay (``step``: a workflow's)."""
@@ -734,16 +736,18 @@ class Metrics:
             self._broken(exc)
         return True
 
-    @_quiet
     def _replayed(self, operation: str, key_hash: str, seconds: float, step: bool) -> None:
         """:meth:`replayed` the general way: a new operation, a step, or multi-process mode."""
-        self._store_child("claim").observe(seconds)
-        op = self._op(operation)
-        if step:
-            self._child("step_replayed", op.label).inc()
-        else:
-            op.replayed.inc()
-        self._otel.event("retrysafe.replay", operation, "replayed", key_hash)
+        try:
+            self._store_child("claim").observe(seconds)
+            op = self._op(operation)
+            if step:
+                self._child("step_replayed", op.label).inc()
+            else:
+                op.replayed.inc()
+            self._otel.event("retrysafe.replay", operation, "replayed", key_hash)
+        except Exception as exc:
+            self._broken(exc)
 
     @_quiet
     def refused(
