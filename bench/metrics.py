@@ -33,15 +33,18 @@ reports cost, piece by piece.
 
     python bench/metrics.py [--rounds R] [--seconds S] [--sections asgi,engine,server]
                             [--stores memory,sqlite] [--server-stores memory[,sqlite]]
-                            [--rev REV] [--instructions [N]] [--profile]
+                            [--rev REV] [--instructions [N]] [--call-instructions [N]]
+                            [--profile]
                             [--write docs/performance.md]
 
 ``--rev`` measures a commit's ``src/`` (exported with ``git archive``, run in a child
 process) instead of a working tree that others may be editing. ``--instructions``
 counts, with valgrind, the instructions per request of the in-process memory variants
 with metrics off and on: exact figures, whatever the machine's load (about 30 s
-more). ``--profile`` adds a cProfile of the in-process memory-store variants' metrics-on
-loops after the rounds.
+more). ``--call-instructions`` counts, with valgrind too, the instructions of each
+metrics call and of a scrape, in one process and in multi-process mode. ``--profile``
+adds a cProfile of the in-process memory-store variants' metrics-on loops after the
+rounds.
 
 This is a benchmark, not a test (pytest does not run it).
 """
@@ -77,6 +80,7 @@ import statistics
 import subprocess
 import tempfile
 import textwrap
+import threading
 import time
 import timeit
 from collections.abc import Callable, Coroutine, Sequence
@@ -444,7 +448,7 @@ def server_pairs(store: str, url: str, stack: contextlib.ExitStack) -> list[Pair
 # -- what each metrics call costs -------------------------------------------------------------
 
 
-#: (what, statement, enabled, how often); timed on the process's real ``METRICS``.
+#: (what, statement, enabled, how often); run on the process's real ``METRICS``.
 CALLS: list[tuple[str, str, bool, str]] = [
     ("`METRICS.claimed(...)`, on", "m.claimed(op, kh, None, 2e-6)", True, "1 per first request"),
     (
@@ -462,27 +466,18 @@ CALLS: list[tuple[str, str, bool, str]] = [
         "the same, off",
     ),
     ("`METRICS.replayed(...)`, off", "m.replayed(op, kh, 2e-6)", False, "the same, off"),
-    ("`Metrics._label(op)`", "m._label(op)", True, "2 per first request, 1 per replay"),
     (
-        "`Metrics._child(family, label)`",
-        'm._child("executed", label)',
+        '`METRICS.store_call("renew", ...)`, on',
+        'm.store_call("renew", 2e-6)',
         True,
-        "4 per first request, 2 per replay",
-    ),
-    ("counter child `.inc()`", "counter.inc()", True, "1 per first request, 1 per replay"),
-    (
-        "histogram child `.observe()` (first bucket)",
-        "store_h.observe(2e-6)",
-        True,
-        "3 per first request, 1 per replay",
+        "1 per lease renewal",
     ),
     (
-        "`_Otel.event(...)`",
-        'otel.event("retrysafe.claim", op, "executed", kh)',
+        '`METRICS.count("invalid_key", op)`, on',
+        'm.count("invalid_key", op)',
         True,
-        "2 per first request, 1 per replay",
+        "1 per refused key (not the hot path)",
     ),
-    ("`trace.get_current_span()` (opentelemetry)", "get_span()", True, "inside each `_Otel.event`"),
     (
         "`time.perf_counter()`",
         "time.perf_counter()",
@@ -490,47 +485,78 @@ CALLS: list[tuple[str, str, bool, str]] = [
         "4 per first request, 2 per replay, on or off",
     ),
 ]
+#: The scrape: every retrysafe metric as Prometheus text, :data:`SCRAPE_OPS` operations.
+SCRAPE = "a scrape (`generate_latest`)"
+SCRAPE_OPS = 10
 
 
 CHILDREN = "children"  # the key of call_costs() that names the children's classes
 
 
-def call_costs(number: int = 100_000, repeat: int = 7) -> dict[str, Any]:
-    """ns per call of each of :data:`CALLS`: the least of ``repeat`` timeit runs of
-    ``number`` calls, minus an empty loop's; and, under :data:`CHILDREN`, the classes
-    of the counter and histogram children timed."""
+def call_names() -> dict[str, Any]:
+    """The names :data:`CALLS` use, with the metrics made and :data:`SCRAPE_OPS`
+    operations counted (from this thread and from an ended one), so that every call
+    timed is a steady-state one."""
+    from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+
     m = METRICS
     m.enabled = True
     op, kh = "rsbench.micro", "k" * 64
-    m.claimed(op, kh, None, 2e-6)  # creates the metrics and the children
-    m.settled("complete", op, kh, 2e-6, 5e-6)
-    m.replayed(op, kh, 2e-6)
-    names = {
+
+    def traffic() -> None:
+        for name in [op, *(f"rsbench.op{i}" for i in range(SCRAPE_OPS - 1))]:
+            m.claimed(name, kh, None, 2e-6)  # creates the metrics and the children
+            m.settled("complete", name, kh, 2e-6, 5e-6)
+            m.replayed(name, kh, 2e-6)
+        m.store_call("renew", 2e-6)
+        m.count("invalid_key", op)
+
+    traffic()
+    ended = threading.Thread(target=traffic)
+    ended.start()
+    ended.join()
+    registry = REGISTRY
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    return {
         "m": m,
         "op": op,
         "kh": kh,
         "time": time,
-        "label": m._label(op),
-        "counter": m._child("executed", m._label(op)),
-        "store_h": m._child("store", "claim"),
-        "otel": m._otel,
-        "get_span": m._otel.current or (lambda: None),
+        "scrape": functools.partial(generate_latest, registry),
     }
+
+
+def call_costs(number: int = 100_000, repeat: int = 7) -> dict[str, Any]:
+    """ns per call of each of :data:`CALLS`: the least of ``repeat`` timeit runs of
+    ``number`` calls, minus an empty loop's; the same of :data:`SCRAPE` (``number``
+    / 500 calls); and, under :data:`CHILDREN`, how the process keeps its values."""
+    m = METRICS
+    names = call_names()
     empty = min(timeit.Timer("pass").repeat(repeat, number)) / number
-    kinds = {
-        f"{type(names[n]).__module__}.{type(names[n]).__qualname__}" for n in ("counter", "store_h")
-    }
-    out: dict[str, Any] = {CHILDREN: ", ".join(sorted(kinds))}
+    out: dict[str, Any] = {CHILDREN: values_kind()}
     try:
         for what, stmt, enabled, _ in CALLS:
-            if "get_span" in stmt and m._otel.current is None:
-                continue
             m.enabled = enabled
             best = min(timeit.Timer(stmt, globals=names).repeat(repeat, number)) / number
             out[what] = max(0.0, best - empty) * 1e9
+        m.enabled = True
+        few = max(1, number // 500)
+        out[SCRAPE] = min(timeit.Timer("scrape()", globals=names).repeat(repeat, few)) / few * 1e9
     finally:
         m.enabled = True
     return out
+
+
+def values_kind() -> str:
+    """Where this process's metrics live: its own cells, or prometheus_client's values."""
+    cells = getattr(METRICS, "_cells", None)
+    if cells is not None:
+        return f"{type(cells).__module__}.{type(cells).__qualname__}"
+    return "prometheus_client.metrics.Counter, prometheus_client.metrics.Histogram"
 
 
 def multiprocess_costs() -> dict[str, Any]:
@@ -547,6 +573,60 @@ def multiprocess_costs() -> dict[str, Any]:
             cwd=ROOT,
         )
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# -- instructions per metrics call, whatever the machine's load -------------------------------
+
+CALL_WARMUP = 200
+
+
+def call_count_run(n: int) -> None:
+    """The child of :func:`call_instructions`: an empty loop of ``n``, then each of
+    :data:`CALLS` ``n`` times and :data:`SCRAPE` ``n // 100`` times, each batch inside
+    one ``functools.reduce`` call (the only code callgrind counts, dumped after each)."""
+    names = call_names()
+    batches = [("", "pass", True, n)]
+    batches += [(what, stmt, enabled, n) for what, stmt, enabled, _ in CALLS]
+    batches.append((SCRAPE, "scrape()", True, max(1, n // 100)))
+    try:
+        for _, stmt, enabled, k in batches:
+            METRICS.enabled = enabled
+            timer = timeit.Timer(stmt, globals=names)
+            timer.timeit(min(k, CALL_WARMUP))
+            gc.collect()
+            functools.reduce(lambda _, t: t.timeit(k), [timer], None)
+    finally:
+        METRICS.enabled = True
+
+
+def _call_instructions(n: int, multi: bool, tmp: str) -> dict[str, float]:
+    folder = Path(tmp) / ("multi" if multi else "single")
+    folder.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    if multi:
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(folder)
+    argv = [sys.executable, __file__, "--call-count-run", str(n)]
+    totals, stderr = callgrind(argv, folder / "calls.out", env)
+    whats = [what for what, *_ in CALLS]
+    if len(totals) != len(whats) + 2:
+        raise BenchError(f"call instructions: callgrind gave {totals}:\n{stderr[-2000:]}")
+    per_loop = totals[0] / n
+    counts = {w: t / n - per_loop for w, t in zip(whats, totals[1:-1], strict=True)}
+    counts[SCRAPE] = totals[-1] / max(1, n // 100)
+    return counts
+
+
+def call_instructions(n: int) -> Costs:
+    """mode -> call -> instructions per call, counted by callgrind (an empty loop's
+    subtracted; the scrape's not), in one process and in multi-process mode."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with (
+        tempfile.TemporaryDirectory(prefix="rsbench-callgrind-") as tmp,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        single, multi = pool.map(lambda multi: _call_instructions(n, multi, tmp), (False, True))
+    return {SINGLE: single, MULTI: multi}
 
 
 # -- instructions: what metrics add per request, whatever the machine's load ----------------
@@ -576,9 +656,12 @@ def count_run(section: str, workload: str, n: int) -> None:
     METRICS.enabled = True
 
 
-def _instructions(section: str, workload: str, n: int, tmp: str) -> tuple[float, float]:
-    out = Path(tmp) / f"{section}-{workload}.out"
-    argv = [sys.executable, __file__, "--count-run", section, workload, str(n)]
+def callgrind(
+    argv: list[str], out: Path, env: dict[str, str] | None = None
+) -> tuple[list[int], str]:
+    """Run ``argv`` under callgrind, counting only inside ``functools.reduce`` calls
+    and dumping after each: the instructions of each dump, and the child's stderr
+    (an empty list if it failed)."""
     run = subprocess.run(
         [
             "valgrind",
@@ -592,16 +675,24 @@ def _instructions(section: str, workload: str, n: int, tmp: str) -> tuple[float,
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env=env,
     )
-    dumps = sorted(Path(tmp).glob(f"{out.name}.*"), key=lambda f: int(f.suffix[1:]))
+    dumps = sorted(out.parent.glob(f"{out.name}.*"), key=lambda f: int(f.suffix[1:]))
     totals = []
     for dump in dumps:
         found = re.search(r"^totals: (\d+)", dump.read_text(), re.M)
         totals.append(int(found.group(1)) if found else -1)
-    if run.returncode != 0 or len(totals) != 2 or min(totals) <= 0:
+    if run.returncode != 0 or (totals and min(totals) <= 0):
+        return [], run.stderr
+    return totals, run.stderr
+
+
+def _instructions(section: str, workload: str, n: int, tmp: str) -> tuple[float, float]:
+    argv = [sys.executable, __file__, "--count-run", section, workload, str(n)]
+    totals, stderr = callgrind(argv, Path(tmp) / f"{section}-{workload}.out")
+    if len(totals) != 2:
         raise BenchError(
-            f"{section}/{workload}: callgrind gave {totals} "
-            f"(expected 2 dumps):\n{run.stderr[-2000:]}"
+            f"{section}/{workload}: callgrind gave {totals} (expected 2 dumps):\n{stderr[-2000:]}"
         )
     return totals[0] / n, totals[1] / n
 
@@ -718,13 +809,16 @@ def results_table(pairs: Sequence[Pair], unit: str) -> list[str]:
 Costs = dict[str, dict[str, Any]]  # mode -> what -> ns per call (and CHILDREN -> classes)
 
 
-def costs_table(costs: Costs) -> list[str]:
+def costs_table(costs: Costs, unit: str = "ns per call") -> list[str]:
+    """One row per call of :data:`CALLS` and the scrape; a column per mode."""
     modes = list(costs)
     lines = [
-        "| call | " + " | ".join(f"ns per call, {mode}" for mode in modes) + " | how often |",
+        "| call | " + " | ".join(f"{unit}, {mode}" for mode in modes) + " | how often |",
         "|---|" + "--:|" * len(modes) + "---|",
     ]
-    for what, _, _, note in CALLS:
+    rows = [(what, note) for what, _, _, note in CALLS]
+    rows.append((SCRAPE, f"per scrape, {SCRAPE_OPS} operations"))
+    for what, note in rows:
         cells = [f"{costs[mode][what]:,.0f}" if what in costs[mode] else "-" for mode in modes]
         if any(c != "-" for c in cells):
             lines.append(f"| {what} | " + " | ".join(cells) + f" | {note} |")
@@ -780,6 +874,7 @@ def render(
     command: str,
     info: dict[str, str],
     elapsed: float,
+    per_call: Costs | None = None,
 ) -> str:
     first_added, replay_added = added_ns(costs[SINGLE])
     out = [
@@ -893,9 +988,10 @@ def render(
         "#### What each metrics call costs",
         "",
         _wrap(
-            "`timeit` of each call the engine makes to `METRICS` (and the pieces inside it): "
-            "the least of 7 runs of 100,000 calls, minus an empty loop, on the process's "
-            "real `METRICS` (labelled children already created). A first request makes "
+            "`timeit` of each call the engine makes to `METRICS`: the least of 7 runs of "
+            "100,000 calls, minus an empty loop, on the process's real `METRICS` (with "
+            f"{SCRAPE_OPS} operations counted already, from this thread and an ended one; "
+            "a scrape: 200 calls). A first request makes "
             "`claimed` + `settled`, a replay `replayed`; with metrics off each is a method "
             "call that returns at once. By these figures metrics add "
             f"{first_added / 1000:.2f} us to a first request and {replay_added / 1000:.2f} us "
@@ -913,10 +1009,25 @@ def render(
         "",
         *costs_table(costs),
         "",
-        *(f"- the children timed, {mode}: `{c[CHILDREN]}`" for mode, c in costs.items()),
+        *(f"- the values timed, {mode}: `{c[CHILDREN]}`" for mode, c in costs.items()),
         f"- {otel_state()}",
         "",
     ]
+    if per_call:
+        out += [
+            "#### Instructions per metrics call (valgrind)",
+            "",
+            _wrap(
+                "The same calls counted by callgrind in a child process (in each mode): "
+                f"after a warm-up of {CALL_WARMUP} calls, {args.call_instructions} calls of "
+                "each inside one `functools.reduce` call, the only code counted, minus an "
+                f"empty loop's instructions; a scrape, {max(1, args.call_instructions // 100)} "
+                "times, whole. The same on every run, whatever the machine's load."
+            ),
+            "",
+            *costs_table(per_call, "instructions"),
+            "",
+        ]
     return "\n".join(out)
 
 
@@ -944,7 +1055,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="also count the instructions per request of the in-process memory variants "
         "with valgrind (N requests each, default 1000)",
     )
+    p.add_argument(
+        "--call-instructions",
+        type=int,
+        nargs="?",
+        const=10_000,
+        default=0,
+        metavar="N",
+        help="also count the instructions of each metrics call and of a scrape with "
+        "valgrind, in one process and in multi-process mode (N calls each, default 10000)",
+    )
     p.add_argument("--count-run", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--call-count-run", type=int, help=argparse.SUPPRESS)
     p.add_argument("--call-costs-json", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
         "--write",
@@ -970,6 +1092,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.count_run:  # a child of instructions()
         count_run(args.count_run[0], args.count_run[1], int(args.count_run[2]))
+        return 0
+    if args.call_count_run:  # a child of call_instructions()
+        call_count_run(args.call_count_run)
         return 0
     if args.call_costs_json:  # the child of multiprocess_costs()
         print(json.dumps(call_costs()))
@@ -1013,6 +1138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     info["load average at end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     costs: Costs = {SINGLE: call_costs(), MULTI: multiprocess_costs()}
     counts = instructions(args.instructions) if args.instructions else {}
+    per_call = call_instructions(args.call_instructions) if args.call_instructions else {}
     elapsed = time.monotonic() - started
 
     for name, pairs in sections.items():
@@ -1025,6 +1151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(bs.plain(instructions_table(counts)))
     print("\n== what each metrics call costs (ns) ==")
     print(bs.plain(costs_table(costs)))
+    if per_call:
+        print("\n== instructions per metrics call (valgrind) ==")
+        print(bs.plain(costs_table(per_call, "instructions")))
     for mode, c in costs.items():
         print(f"the children timed, {mode}: {c[CHILDREN]}")
     print(
@@ -1032,7 +1161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{info['load average at start (1, 5, 15 min)']}, at end {info['load average at end']})"
     )
     if args.write is not None:
-        text = render(sections, costs, counts, args, command, info, elapsed)
+        text = render(sections, costs, counts, args, command, info, elapsed, per_call)
         args.write.write_text(bs.splice(args.write, text, (BEGIN_MARK, END_MARK), SECTION))
         print(f"wrote {args.write}")
     return 0

@@ -204,7 +204,8 @@ def test_metrics_count_without_prometheus_and_serving_them_names_the_extra(
         m.count("executed", "charge")
         m.count("executed", "charge")
         assert m._cells is not None
-        assert m._cells._all[("executed", "charge")] == [[2]], m._cells._all
+        slot = m._cells._slots[("executed", "charge")]
+        assert [values[slot] for values in m._cells._lists] == [0, 2], m._cells._lists
         try:
             MetricsApp()
         except MissingExtraError as exc:

@@ -1,9 +1,10 @@
 """What the engine reports: Prometheus counters and histograms, alerts, trace events.
 
 The engine calls :data:`METRICS` at each decision, so every front door reports
-the same figures. In one process each report is a few dictionary lookups and
-updates of this thread's own values, with no lock; with metrics disabled it is
-one attribute test.
+the same figures. In one process a claim, a replay or a completion is one
+dictionary lookup (the operation's slots, resolved on its first report) and a few
+additions to this thread's own list of values: no lock, nothing built. With
+metrics disabled it is one attribute test. See docs/metrics.md, "How they count".
 
 Under several worker processes, set ``PROMETHEUS_MULTIPROC_DIR`` before the
 workers start (``retrysafe gateway --workers N`` does): each process writes its
@@ -13,7 +14,6 @@ counters to files there, and whichever process answers a scrape adds them up.
 from __future__ import annotations
 
 import atexit
-import bisect
 import collections
 import contextlib
 import functools
@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import weakref
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,6 +139,11 @@ _HANDLER_BUCKETS = (
     60.0,
     300.0,
 )
+_STORE_SUM = len(_STORE_BUCKETS) + 1  # a histogram's slot of its sum, after +Inf's
+_HANDLER_SUM = len(_HANDLER_BUCKETS) + 1
+_TRACE = "opentelemetry.trace"
+_MODULES = sys.modules  # read on every report: one global instead of two lookups
+_NOTHING: dict[str, int] = {}
 #: Operation labels kept apart; past this many, new ones are counted as ``other``.
 MAX_OPERATIONS = 200
 _NO_OPERATION = "(none)"
@@ -328,18 +334,19 @@ class _Otel:
     """Span events on the current span, once the application has imported
     ``opentelemetry.trace`` (the ``otel`` extra) and set a tracer provider
     (``trace.set_tracer_provider``). Nothing here imports it: an application that
-    traces has imported it already. Until then an event costs one dictionary lookup;
-    until a provider is set, one attribute read: the API keeps the provider in a
-    module global (read directly; if a later API hides it, every event looks at the
-    current span)."""
+    traces has imported it already. Until then the engine's reports skip
+    :meth:`event` after one test of ``sys.modules``; until a provider is set, an
+    event costs one attribute read: the API keeps the provider in a module global
+    (read directly; if a later API hides it, every event looks at the current
+    span)."""
 
     def __init__(self) -> None:
-        self._trace: Any = None
+        self.trace: Any = None  # the module, once imported
 
     def event(self, name: str, operation: str, outcome: str, key_hash: str) -> None:
-        trace = self._trace
+        trace = self.trace
         if trace is None:
-            trace = self._trace = sys.modules.get("opentelemetry.trace")
+            trace = self.trace = sys.modules.get(_TRACE)
             if trace is None:
                 return
         if getattr(trace, "_TRACER_PROVIDER", True) is None:
@@ -374,98 +381,116 @@ class _Owner:
 
 
 class _Child:
-    """One labelled counter or histogram: a list of values per thread, so an update
-    takes no lock (only its thread writes it) and loses nothing."""
+    """One labelled counter or histogram: its slots in every thread's values (a
+    counter: one; a histogram: a count per bucket, +Inf's, then the sum)."""
 
-    __slots__ = ("_bounds", "_cells", "_key", "_local")
+    __slots__ = ("_bounds", "_cells", "slot")
 
-    def __init__(self, cells: _Cells, key: tuple[str, str], bounds: tuple[float, ...]) -> None:
-        self._cells, self._key, self._bounds, self._local = cells, key, bounds, cells.local
-
-    def _values(self) -> list[float]:
-        try:
-            return self._local.values[self._key]
-        except (AttributeError, KeyError):
-            # A counter: [n]; a histogram: a count per bucket, +Inf's, then the sum.
-            return self._cells.new(self._key, len(self._bounds) + 2 if self._bounds else 1)
+    def __init__(self, cells: _Cells, slot: int, bounds: tuple[float, ...]) -> None:
+        self._cells, self.slot, self._bounds = cells, slot, bounds
 
     def inc(self, n: float = 1) -> None:
-        self._values()[0] += n
+        self._cells.mine()[self.slot] += n
+        if not n:  # shown at zero, as a child that counted 0 always was
+            self._cells.zero.add(self.slot)
 
     def observe(self, value: float) -> None:
-        values = self._values()
-        values[bisect.bisect_left(self._bounds, value)] += 1  # Prometheus' le is inclusive
-        values[-1] += value
+        values, slot = self._cells.mine(), self.slot
+        values[slot + bisect_left(self._bounds, value)] += 1.0  # Prometheus' le is inclusive
+        values[slot + len(self._bounds) + 1] += value
+
+
+class _Thread(threading.local):
+    """A thread's values: made (zeros, a slot for every child) when the thread
+    first reports, and retired when it ends."""
+
+    def __init__(self, cells: _Cells) -> None:  # once per thread, on its first use
+        self.values = cells.join()
+        # Dropped with the thread's locals when it ends: then its values retire.
+        self.owner = owner = _Owner()
+        weakref.finalize(owner, cells.retire, self.values)
 
 
 class _Cells:
-    """The metrics of one process: per-thread values, added up by :meth:`collect`.
+    """The metrics of one process: one flat list of values per thread, added up by
+    :meth:`collect`. Only its thread adds to a list, so an update takes no lock and
+    loses nothing; every list has a slot for every child (a new child's slots are
+    added to all of them, under the lock, before the child is handed out).
 
     When a thread ends, its values are added to the retired totals (a server
     that starts a thread per request must not grow a list per request).
     """
 
     def __init__(self) -> None:
-        self.local = threading.local()
         self._lock = threading.Lock()
-        self._all: dict[tuple[str, str], list[list[float]]] = {}
-        self._retired: dict[tuple[str, str], list[float]] = {}
+        self._size = 0
+        self._slots: dict[tuple[str, str], int] = {}
+        self._retired: list[float] = []
+        self._lists: list[list[float]] = [self._retired]
+        self.zero: set[int] = set()  # the slots of counters that counted 0
+        self.local = _Thread(self)
 
     def child(self, family: str, label: str) -> _Child:
         bounds = _FAMILIES[family][3] or ()
-        return _Child(self, (family, label), bounds)
-
-    def new(self, key: tuple[str, str], size: int) -> list[float]:
-        """This thread's values for ``key`` (made on its first update)."""
-        values: list[float] = [0] * size
-        mine = getattr(self.local, "values", None)
-        if mine is None:
-            mine = self.local.values = {}
-            # Dropped with the thread's locals when it ends: then its values retire.
-            self.local.owner = owner = _Owner()
-            weakref.finalize(owner, self._retire, mine)
-        mine[key] = values
+        size = len(bounds) + 2 if bounds else 1
         with self._lock:
-            self._all.setdefault(key, []).append(values)
+            slot = self._slots.get((family, label))
+            if slot is None:
+                slot = self._slots[(family, label)] = self._size
+                self._size += size
+                for values in self._lists:
+                    values.extend([0.0] * size)
+        return _Child(self, slot, bounds)
+
+    def mine(self) -> list[float]:
+        """This thread's values."""
+        values: list[float] = self.local.values
         return values
 
-    def _retire(self, mine: dict[tuple[str, str], list[float]]) -> None:
+    def join(self) -> list[float]:
+        """A new thread's values, added up from now on."""
         with self._lock:
-            for key, values in mine.items():
-                lists = self._all[key]
-                retired = self._retired.get(key)
-                if retired is None:
-                    retired = self._retired[key] = [0] * len(values)
-                    lists.append(retired)
-                for i, v in enumerate(values):
-                    retired[i] += v
-                lists[:] = [v for v in lists if v is not values]
+            values = [0.0] * self._size
+            self._lists.append(values)
+        return values
+
+    def retire(self, values: list[float]) -> None:
+        """Move an ended thread's values into the retired totals."""
+        with self._lock:
+            retired = self._retired
+            for i, v in enumerate(values):
+                retired[i] += v
+            self._lists = [v for v in self._lists if v is not values]
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
         from prometheus_client.utils import floatToGoString
 
         with self._lock:  # summed under the lock: a thread retiring now is counted once
-            cells = {
-                key: [sum(column) for column in zip(*lists, strict=True)]
-                for key, lists in self._all.items()
-            }
+            totals = [sum(column) for column in zip(*self._lists, strict=True)]
+            slots = list(self._slots.items())
+        children: dict[str, list[tuple[str, list[float]]]] = {f: [] for f in _FAMILIES}
+        for (family, value), slot in slots:
+            bounds = _FAMILIES[family][3]
+            values = totals[slot : slot + (len(bounds) + 2 if bounds else 1)]
+            if any(values) or slot in self.zero:  # a child appears once it has counted
+                children[family].append((value, values))
         for family, (name, text, label, bounds) in _FAMILIES.items():
-            mine = {k[1]: totals for k, totals in cells.items() if k[0] == family}
+            mine = children[family]
             if bounds is None:
                 counter = CounterMetricFamily(name, text, labels=[label])
-                for value, totals in mine.items():
-                    counter.add_metric([value], totals[0])
+                for value, values in mine:
+                    counter.add_metric([value], values[0])
                 yield counter
                 continue
             histogram = HistogramMetricFamily(name, text, labels=[label])
             edges = [*(floatToGoString(b) for b in bounds), "+Inf"]
-            for value, totals in mine.items():
+            for value, values in mine:
                 running, buckets = 0.0, []
-                for edge, n in zip(edges, totals[:-1], strict=True):
+                for edge, n in zip(edges, values[:-1], strict=True):
                     running += n
                     buckets.append((edge, running))
-                histogram.add_metric([value], buckets, sum_value=totals[-1])
+                histogram.add_metric([value], buckets, sum_value=values[-1])
             yield histogram
 
 
@@ -491,6 +516,16 @@ class _Op:
         self.label, self.executed, self.replayed, self.handler = label, executed, replayed, handler
 
 
+class _Slots:
+    """Where a claim, a replay and a completion of one operation add in a thread's
+    values (one process: :class:`_Cells`), found with one lookup."""
+
+    __slots__ = ("claim", "executed", "handler", "replayed")
+
+    def __init__(self, claim: int, executed: int, replayed: int, handler: int) -> None:
+        self.claim, self.executed, self.replayed, self.handler = claim, executed, replayed, handler
+
+
 class Metrics:
     """The process's metrics (one instance, :data:`METRICS`); see the module docstring.
 
@@ -513,6 +548,12 @@ class Metrics:
         self.recent: collections.deque[Event] = collections.deque(maxlen=200)
         self._made = False
         self._cells: _Cells | None = None
+        self._local: Any = None  # the cells' thread locals
+        # The hot path's lookups (filled in one process only: multi-process mode
+        # goes through prometheus_client's children).
+        self._slots: dict[str, _Slots] = {}
+        self._store_slots: dict[str, int] = {}
+        self._count_slots: dict[str, dict[str, int]] = {}  # outcome -> operation -> slot
         self._lock = threading.Lock()
         self._children: dict[tuple[str, str], Any] = {}
         self._operations: dict[str, str] = {}
@@ -543,11 +584,13 @@ class Metrics:
                 from prometheus_client import REGISTRY, Counter, Histogram
             except ImportError:  # counted all the same, served by nothing
                 self._cells = _Cells()
+                self._local = self._cells.local
                 self._made = True
                 return
             registry = self.registry
             if not multiprocess_dir():
                 self._cells = _Cells()
+                self._local = self._cells.local
                 (registry or REGISTRY).register(self._cells)
                 self._made = True
                 return
@@ -584,12 +627,18 @@ class Metrics:
             )
             if label != "other":  # bounded like the labels
                 self._ops[operation] = op
+                if self._cells is not None:
+                    claim = self._store_child("claim").slot
+                    slots = _Slots(claim, op.executed.slot, op.replayed.slot, op.handler.slot)
+                    self._slots[operation] = slots
         return op
 
     def _store_child(self, call: str) -> Any:
         child = self._store.get(call)
         if child is None:
             child = self._store[call] = self._child("store", call)
+            if self._cells is not None:
+                self._store_slots[call] = child.slot
         return child
 
     def _label(self, operation: str) -> str:
@@ -601,11 +650,27 @@ class Metrics:
             label = self._operations[operation] = operation or _NO_OPERATION
         return label
 
-    @_quiet
     def count(self, outcome: str, operation: str, n: float = 1) -> None:
         """Add ``n`` to the ``outcome`` counter of ``operation``."""
-        if self.enabled:
-            self._child(outcome, self._label(operation)).inc(n)
+        if not self.enabled:
+            return
+        try:
+            slot = self._count_slots.get(outcome, _NOTHING).get(operation)
+            if slot is None:
+                self._count(outcome, operation, n)
+                return
+            values = self._local.values
+            values[slot] += n
+        except Exception as exc:
+            self._broken(exc)
+
+    def _count(self, outcome: str, operation: str, n: float) -> None:
+        """:meth:`count` the general way: a new operation, or multi-process mode."""
+        label = self._label(operation)
+        child = self._child(outcome, label)
+        child.inc(n)
+        if self._cells is not None and label != "other":  # bounded like the labels
+            self._count_slots.setdefault(outcome, {})[operation] = child.slot
 
     # -- what the engine reports -----------------------------------------------------------
 
@@ -620,6 +685,14 @@ class Metrics:
         """A claim was granted after a store call of ``seconds`` (``step``: a workflow's)."""
         if not self.enabled:
             return
+        if not self._answered(True, operation, key_hash, seconds, step or took_over is not None):
+            self._claimed(operation, key_hash, took_over, seconds, step)
+
+    def _claimed(
+        self, operation: str, key_hash: str, took_over: object, seconds: float, step: bool
+    ) -> None:
+        """:meth:`claimed` the general way: a new operation, a step, a takeover (or a
+        retry after a failure), or multi-process mode."""
         try:
             op = self._op(operation)
             self._store_child("claim").observe(seconds)
@@ -637,8 +710,34 @@ class Metrics:
 
     def replayed(self, operation: str, key_hash: str, seconds: float, step: bool = False) -> None:
         """A claim found a finished record to replay (``step``: a workflow's)."""
-        if not self.enabled:
-            return
+        if self.enabled and not self._answered(False, operation, key_hash, seconds, step):
+            self._replayed(operation, key_hash, seconds, step)
+
+    def _answered(
+        self, ran: bool, operation: str, key_hash: str, seconds: float, rare: bool
+    ) -> bool:
+        """A claim's answer on the hot path: it ``ran`` (an execution) or replayed, after
+        a store call of ``seconds``. False if it is left to the general way: ``rare`` (a
+        step, a takeover or a retry), a new operation, or multi-process mode."""
+        try:
+            at = self._slots.get(operation)
+            if at is None or rare:
+                return False
+            values = self._local.values
+            values[at.executed if ran else at.replayed] += 1.0
+            values[at.claim + bisect_left(_STORE_BUCKETS, seconds)] += 1.0
+            values[at.claim + _STORE_SUM] += seconds
+            if self._otel.trace is not None or _TRACE in _MODULES:
+                if ran:
+                    self._otel.event("retrysafe.claim", operation, "executed", key_hash)
+                else:
+                    self._otel.event("retrysafe.replay", operation, "replayed", key_hash)
+        except Exception as exc:
+            self._broken(exc)
+        return True
+
+    def _replayed(self, operation: str, key_hash: str, seconds: float, step: bool) -> None:
+        """:meth:`replayed` the general way: a new operation, a step, or multi-process mode."""
         try:
             self._store_child("claim").observe(seconds)
             op = self._op(operation)
@@ -689,9 +788,19 @@ class Metrics:
         if not self.enabled:
             return
         try:
-            self._store_child(call).observe(seconds)
-            self._op(operation).handler.observe(handler)
-            self._otel.event(f"retrysafe.{call}", operation, "ok", key_hash)
+            at = self._slots.get(operation)
+            store = self._store_slots.get(call)
+            if at is None or store is None:
+                self._store_child(call).observe(seconds)
+                self._op(operation).handler.observe(handler)
+            else:
+                values = self._local.values
+                values[store + bisect_left(_STORE_BUCKETS, seconds)] += 1.0
+                values[store + _STORE_SUM] += seconds
+                values[at.handler + bisect_left(_HANDLER_BUCKETS, handler)] += 1.0
+                values[at.handler + _HANDLER_SUM] += handler
+            if self._otel.trace is not None or _TRACE in _MODULES:
+                self._otel.event(f"retrysafe.{call}", operation, "ok", key_hash)
         except Exception as exc:
             self._broken(exc)
 
@@ -709,11 +818,18 @@ class Metrics:
 
     def store_call(self, call: str, seconds: float) -> None:
         """A store call (``claim``, ``renew``, …) took ``seconds``."""
-        if self.enabled:
-            try:
+        if not self.enabled:
+            return
+        try:
+            store = self._store_slots.get(call)
+            if store is None:
                 self._store_child(call).observe(seconds)
-            except Exception as exc:
-                self._broken(exc)
+                return
+            values = self._local.values
+            values[store + bisect_left(_STORE_BUCKETS, seconds)] += 1.0
+            values[store + _STORE_SUM] += seconds
+        except Exception as exc:
+            self._broken(exc)
 
     @_quiet
     def unrecorded(self, what: str, operation: str, key: str, key_hash: str) -> None:
