@@ -35,8 +35,9 @@ _OVERHEAD = 600
 
 #: A stored record (see docs/stores.md): key, scope, operation, fingerprint, status
 #: value, token, lease_until, expires_at, created_at, updated_at, completed_at,
-#: attempts, request_id, final, answer (body, status, headers, media type) or None,
-#: request_payload, metadata as JSON text or None, retention, and its bytes (record_bytes).
+#: attempts, request_id, final, the answer's body or None, request_payload, metadata
+#: as JSON text or None, retention, its bytes (record_bytes); then, with an answer,
+#: its status, media type and each header's name and value.
 _Row: TypeAlias = tuple[Any, ...]
 # Where a row holds what the store reads or changes.
 _STATUS, _TOKEN, _LEASE, _EXPIRES, _CREATED, _SIZE = 4, 5, 6, 7, 8, 18
@@ -73,12 +74,18 @@ def _answer_bytes(outcome: Outcome) -> int:
     return size
 
 
-def _answer(outcome: Outcome) -> tuple[bytes, int | None, Any, str]:
-    """An outcome as a row keeps it."""
+def _answer(outcome: Outcome | None) -> tuple[Any, ...]:
+    """What a row keeps of an answer after its bytes: its status, media type, then
+    each header's name and value, flat; nothing without an answer. A row holds no
+    tuple: the collector untracks a tuple only once it has seen every tuple in it
+    untracked, and answers nested in rows kept many rows tracked for several full
+    collections."""
+    if outcome is None:
+        return ()
     headers = outcome.headers
-    if headers and type(headers) is not tuple:  # a list would keep the row tracked
-        headers = tuple(tuple(h) for h in headers)  # type: ignore[misc]
-    return (outcome.body, outcome.status, headers, outcome.media_type)
+    if not headers:
+        return (outcome.status, outcome.media_type)
+    return (outcome.status, outcome.media_type, *[x for h in headers for x in h])
 
 
 def _row(r: Record) -> _Row:
@@ -100,11 +107,12 @@ def _row(r: Record) -> _Row:
         r.attempts,
         r.request_id,
         r.final,
-        None if outcome is None else _answer(outcome),
+        None if outcome is None else outcome.body,
         r.request_payload,
         metadata,
         r.retention,
         _bytes(r, metadata),
+        *_answer(outcome),
     )
 
 
@@ -127,18 +135,20 @@ def _record(key_hash: str, row: _Row) -> Record:
         c.attempts,
         c.request_id,
         c.final,
-        answer,
+        body,
         c.request_payload,
         metadata,
         c.retention,
         _,
+        *answer,
     ) = row
     c.status = _STATUSES[status]
-    if answer is None:
+    if body is None:
         c.outcome = None
     else:
         o = c.outcome = _blank(Outcome)
-        o.body, o.status, o.headers, o.media_type = answer
+        o.body, o.status, o.media_type = body, answer[0], answer[1]
+        o.headers = tuple(zip(answer[2::2], answer[3::2], strict=True)) if len(answer) > 2 else ()
     c.metadata = {} if metadata is None else json.loads(metadata)
     return c
 
@@ -333,9 +343,10 @@ class MemoryStore(Store[_Op]):
             cur[11],
             cur[12],
             cur[13] if final is None else final,
-            None if outcome is None else _answer(outcome),
+            None if outcome is None else outcome.body,
             *cur[15:18],
             size,
+            *_answer(outcome),
         )
         self._put(key_hash, row, cur)
         if size > self.max_bytes:
