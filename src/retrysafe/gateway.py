@@ -23,6 +23,7 @@ bounds; the idle-body bound is the app's own.
 from __future__ import annotations
 
 import asyncio
+import gc
 import ipaddress
 import json
 import logging
@@ -575,6 +576,11 @@ class Gateway:
             await send({"type": "websocket.close", "code": 1008})
 
     def _start(self) -> None:
+        # What is loaded by now (modules, classes, the app) lives as long as the
+        # process: moved out of the collector's sight, it no longer lengthens every
+        # full collection (tens of milliseconds here, the gateway's p99 tail).
+        gc.collect()
+        gc.freeze()
         self.admin.monitor.start()
         if self.sweeper is not None:
             self.sweeper.start()
