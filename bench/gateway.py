@@ -10,6 +10,8 @@ part to the one above it:
   upstream costs in this process: client and stub);
 * ``proxy``: the gateway's upstream hop alone (``_Proxy`` as an ASGI app, called
   with prebuilt scopes) against the stub;
+* ``proxy-floor``: the least an upstream hop does (``FloorProxy``, below), called
+  the same way: what ``proxy`` would cost if the hop were free but for its I/O;
 * ``app``: the whole gateway app (``Gateway``: the idle-body bound, the
   middleware with the memory store, the proxy), called with prebuilt scopes;
 * ``server-bare``: the raw client against uvicorn's own httptools protocol
@@ -80,7 +82,16 @@ UPSTREAM_ANSWER = (
     b"content-type: application/json\r\n"
     b"content-length: %d\r\n\r\n%s" % (len(ANSWER_BYTES), ANSWER_BYTES)
 )
-VARIANTS = ("direct", "proxy", "app", "server-bare", "server-floor", "server-plain", "server")
+VARIANTS = (
+    "direct",
+    "proxy",
+    "proxy-floor",
+    "app",
+    "server-bare",
+    "server-floor",
+    "server-plain",
+    "server",
+)
 WORKLOADS = ("first", "replay")
 _LENGTH = re.compile(rb"\r\ncontent-length: *([0-9]+)", re.IGNORECASE)
 
@@ -221,6 +232,9 @@ async def run(variant: str, workload: str, n: int) -> float:
         app: Any = gateway
         if variant == "proxy":
             app = gateway.proxy
+        if variant == "proxy-floor":
+            _, conn = await loop.create_connection(Client, HOST, int(upstream.rsplit(":")[2]))
+            app = FloorProxy(conn, upstream[7:].encode())
         if variant.startswith("server"):
             from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -293,9 +307,8 @@ def _cost(job: tuple[str, str], n: int, src: str | None, counter: str) -> float:
 
 
 def breakdown(n: int, variants: Sequence[str], src: str | None, counter: str) -> None:
-    jobs = [(v, w) for v in variants for w in WORKLOADS if not (v == "proxy" and w == "replay")]
-    once = ("direct", "server-bare", "server-floor")  # no replay: nothing is stored
-    jobs = [(v, w) for v, w in jobs if not (v in once and w == "replay")]
+    once = ("direct", "proxy", "proxy-floor", "server-bare", "server-floor")  # nothing stored
+    jobs = [(v, w) for v in variants for w in WORKLOADS if not (v in once and w == "replay")]
     unit = "CPU us" if counter == "cpu" else "instructions"
 
     def cost(job: tuple[str, str]) -> float:
