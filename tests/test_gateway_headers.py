@@ -1,22 +1,24 @@
 """The gateway's one-pass header paths give what the general paths give.
 
-An upstream answer's common head is read in one pass (``_plain_answer``) and a
-request's headers are filtered in one pass (``_Proxy.headers``); every other head
-goes to the general path. Here both run on the same generated heads: where the
-fast path answers, it answers exactly as the general path does, and the heads it
-routes elsewhere (folded lines, Transfer-Encoding, repeated lengths, HEAD, 1xx,
-204, 304) are routed elsewhere.
+An upstream answer's common head (CRLF line ends) is read in one pass
+(``_plain_answer``) and a request's headers are filtered in one pass
+(``_Proxy.headers``); every other head goes to the general path. Here both run on
+the same generated heads: where the fast path answers, it answers exactly as the
+general path does, and the heads it routes elsewhere (folded lines, LF line ends,
+Transfer-Encoding, repeated lengths, HEAD, 1xx, 204, 304) are routed elsewhere.
+The pool reads the same answers however their bytes arrive.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retrysafe._gateway.upstream import _LENGTH, _final, _parse_head, _plain_answer
+from retrysafe._gateway.upstream import _LENGTH, Pool, _final, _parse_head, _plain_answer
 from retrysafe.errors import UpstreamError
 from retrysafe.gateway import FORWARDING_HEADERS, _Proxy, parse_upstream, trusted_networks
 
@@ -101,8 +103,9 @@ def test_the_one_pass_answer_head_is_the_general_one(head: bytes, method: str) -
     "head",
     [
         b"HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ncontent-length: 34\r\n\r\n",
-        b"HTTP/1.1 200 OK\ndate: x\nContent-Length: 0\nConnection: keep-alive\n\n",
+        b"HTTP/1.1 200 OK\r\ndate: x\r\nContent-Length: 0\r\nConnection: keep-alive\r\n\r\n",
         b"HTTP/1.0 200 OK\r\nContent-Length: 5\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nX-Tab:\ta\tb\t\r\nX-Empty:\r\nContent-Length:  5 \r\n\r\n",
         b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close, x-a\r\nx-a: 1\r\n\r\n",
     ],
 )
@@ -128,6 +131,11 @@ def test_common_answer_heads_take_the_one_pass_path(head: bytes) -> None:
         ("GET", b"HTTP/1.1 200 OK\r\nX-A: 1\r\n\r\n"),  # runs to the close
         ("GET", b"HTTP/1.1 200 OK\r\nX-A: a\rb\r\nContent-Length: 5\r\n\r\n"),
         ("GET", b"HTTP/1.1 200 OK\r\nX A: 1\r\nContent-Length: 5\r\n\r\n"),
+        # LF line ends (RFC 9112 2.2 lets a recipient take them): read the general way
+        ("GET", b"HTTP/1.1 200 OK\ndate: x\nContent-Length: 0\nConnection: keep-alive\n\n"),
+        ("GET", b"HTTP/1.1 200 OK\r\nContent-Length: 5\n\r\n"),
+        ("GET", b"HTTP/1.1 200 OK\r\nX-A: 1\r\n\r\nContent-Length: 5\r\n\r\n"),
+        ("GET", b"HTTP/1.1 200 OK\r\nX-A: \x00\r\nContent-Length: 5\r\n\r\n"),
     ],
 )
 def test_other_answer_heads_go_to_the_general_path(method: str, head: bytes) -> None:
@@ -190,3 +198,71 @@ def test_the_one_pass_request_headers_are_the_general_ones(
         assert b"x-forwarded-port" not in names
         sent = [value for name, value in fast if name == b"x-forwarded-for"]
         assert sent == ([client[0].encode()] if client else [])
+
+
+HELLO = [(b"content-length", b"5")]
+ANSWERS = [
+    # the common head: read where it lies in the connection's buffer
+    (
+        b"HTTP/1.1 201 Created\r\nContent-Type: text/plain\r\ncontent-length: 5\r\n\r\nhello",
+        201,
+        [(b"content-type", b"text/plain"), *HELLO],
+    ),
+    (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nX-A: 1\r\n\r\n",
+        200,
+        [
+            (b"content-length", b"0"),
+            (b"x-a", b"1"),
+        ],
+    ),
+    # every other head: read the general way
+    (b"HTTP/1.1 200 OK\nContent-Length: 5\nX-A: 1\n\nhello", 200, [*HELLO, (b"x-a", b"1")]),
+    (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 202 OK\r\nContent-Length: 5\r\n\r\nhello", 202, HELLO),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", 200, []),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello", 200, HELLO),
+    (
+        b"HTTP/1.1 200 OK\r\nX-A: 1\r\n b\r\nContent-Length: 5\r\n\r\nhello",
+        200,
+        [
+            (b"x-a", b"1 b"),
+            *HELLO,
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(("answer", "status", "headers"), ANSWERS)
+@pytest.mark.parametrize("cut", [None, 1, 15, -9, -5, -1])
+def test_an_answer_reads_the_same_however_its_bytes_arrive(
+    answer: bytes, status: int, headers: list[tuple[bytes, bytes]], cut: int | None
+) -> None:
+    """The pool reads a common head from its buffer at once when it is all there, else
+    waits for the rest: either way the same answer, and its connection is kept."""
+
+    async def scenario() -> list[tuple[int, list[tuple[bytes, bytes]], bytes, int]]:
+        pieces = [answer] if cut is None else [answer[:cut], answer[cut:]]
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while await reader.readuntil(b"\r\n\r\n"):
+                for piece in pieces:
+                    writer.write(piece)
+                    await writer.drain()
+                    await asyncio.sleep(0)
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = Pool(("127.0.0.1", port, None), None, 30.0, asyncio.get_running_loop())
+        results = []
+        for _ in range(2):  # the second on the kept-alive connection
+            got = await pool.send("GET", b"/", [(b"host", b"upstream")], b"")
+            data = b""
+            while chunk := await got.read():
+                data += chunk
+            results.append((got.status, got.headers, data, pool._open))
+        await pool.aclose()
+        server.close()
+        return results
+
+    body = b"hello" if answer.endswith((b"hello", b"0\r\n\r\n")) else b""
+    assert asyncio.run(scenario()) == [(status, headers, body, 1)] * 2
