@@ -215,6 +215,7 @@ _FORWARD, _DROP, _OWN_FIELD, _CONNECTION = range(4)
 _NAMES: dict[bytes, tuple[bytes, int, int]] = {}
 _MAX_NAMES, _MAX_NAME = 1024, 64
 _HOP_OR_EMPTY = HOP_BY_HOP | {b""}
+_SCHEMES = {"http": b"http", "https": b"https"}
 
 
 def _name_kinds(raw: bytes) -> tuple[bytes, int, int]:
@@ -252,6 +253,7 @@ class _Proxy:
         self.address = (host, upstream.port or (443 if https else 80), host if https else None)
         self._ssl: ssl.SSLContext | None = None
         self._pools: dict[asyncio.AbstractEventLoop, Pool] = {}
+        self._pool: Pool | None = None
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """For an ``https://`` upstream: certificates checked against certifi's CA bundle."""
@@ -277,11 +279,14 @@ class _Proxy:
             for old in [lp for lp in self._pools if lp.is_closed()]:
                 del self._pools[old]
             pool = self._pools[loop] = Pool(self.address, self.ssl_context(), self.timeout, loop)
+        self._pool = pool  # the last one used: most often the only one
         return pool
 
     async def aclose(self) -> None:
         """Close the running event loop's connections."""
         pool = self._pools.pop(asyncio.get_running_loop(), None)
+        if pool is self._pool:
+            self._pool = None
         if pool is not None:
             await pool.aclose()
 
@@ -319,7 +324,7 @@ class _Proxy:
         """
         headers = scope["headers"]
         client = scope.get("client")
-        trusted = self.trusts(client)
+        trusted = bool(self.trusted) and self.trusts(client)
         out = [(b"host", self.host)]
         own: dict[bytes, list[bytes]] = {}
         connection: list[bytes] = []
@@ -338,20 +343,24 @@ class _Proxy:
         ):
             # Connection names end-to-end headers as this connection's own: dropped too.
             out, own = self._listed(headers, trusted)
-        chain = [v for v in own.get(b"x-forwarded-for", ()) if v.strip()] if trusted else []
-        if client:
-            chain.append(str(client[0]).encode("latin-1"))
-        if chain:
-            out.append((b"x-forwarded-for", b", ".join(chain)))
-        for name, value in (
-            (b"x-forwarded-host", own.get(b"host", [b""])[0]),
-            (b"x-forwarded-proto", scope.get("scheme", "http").encode("latin-1")),
-        ):
-            given = own.get(name) if trusted else None
-            if given:
-                out.extend((name, v) for v in given)
-            elif value:
-                out.append((name, value))
+        if trusted:
+            chain = [v for v in own.get(b"x-forwarded-for", ()) if v.strip()]
+            if client:
+                chain.append(str(client[0]).encode("latin-1"))
+            if chain:
+                out.append((b"x-forwarded-for", b", ".join(chain)))
+        elif client:
+            out.append((b"x-forwarded-for", str(client[0]).encode("latin-1")))
+        given = own.get(b"x-forwarded-host") if trusted else None
+        if given:
+            out.extend((b"x-forwarded-host", v) for v in given)
+        elif (host := own.get(b"host")) and host[0]:
+            out.append((b"x-forwarded-host", host[0]))
+        given = own.get(b"x-forwarded-proto") if trusted else None
+        if given:
+            out.extend((b"x-forwarded-proto", v) for v in given)
+        elif scheme := scope.get("scheme", "http"):
+            out.append((b"x-forwarded-proto", _SCHEMES.get(scheme) or scheme.encode("latin-1")))
         return out
 
     def _listed(
@@ -374,8 +383,19 @@ class _Proxy:
         method = scope["method"]
         answer = None
         try:
-            body = await _body(receive)
-            answer = await self.pool().send(method, self.target(scope), self.headers(scope), body)
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            # A body in one message is sent whole; any other is streamed, never buffered.
+            body: bytes | AsyncGenerator[bytes, None] = (
+                _stream(message, receive)
+                if message.get("more_body", False)
+                else message.get("body", b"")
+            )
+            pool = self._pool
+            if pool is None or pool.loop is not asyncio.get_running_loop():
+                pool = self.pool()
+            answer = await pool.send(method, self.target(scope), self.headers(scope), body)
             # Read before the status goes out: a framing error up to the first body
             # byte (a bad chunk size, say) is still the 502 problem.
             chunk = await answer.read()
@@ -459,16 +479,6 @@ class _Recording(IdempotencyMiddleware):
 
     def request_path(self, scope: Scope) -> str:
         return self.app.path(scope).decode("ascii")
-
-
-async def _body(receive: Receive) -> bytes | AsyncGenerator[bytes, None]:
-    """The request body: bytes if it came in one message, else a stream of its chunks."""
-    message = await receive()
-    if message["type"] == "http.disconnect":
-        raise _ClientGone
-    if not message.get("more_body", False):
-        return message.get("body", b"")
-    return _stream(message, receive)
 
 
 async def _stream(message: Message, receive: Receive) -> AsyncGenerator[bytes, None]:
