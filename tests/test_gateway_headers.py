@@ -266,3 +266,30 @@ def test_an_answer_reads_the_same_however_its_bytes_arrive(
 
     body = b"hello" if answer.endswith((b"hello", b"0\r\n\r\n")) else b""
     assert asyncio.run(scenario()) == [(status, headers, body, 1)] * 2
+
+
+def test_a_kept_alive_connections_later_wait_still_times_out() -> None:
+    """A connection's one timer, armed by a first wait, moves on to the deadline of
+    a later one: an upstream that never answers the second request times out."""
+
+    async def scenario() -> UpstreamError:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await reader.readuntil(b"\r\n\r\n")  # and no answer
+            await reader.read()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = Pool(("127.0.0.1", port, None), None, 0.3, asyncio.get_running_loop())
+        first = await pool.send("GET", b"/", [(b"host", b"upstream")], b"")
+        assert await first.read() == b"ok"
+        with pytest.raises(UpstreamError) as caught:
+            await pool.send("GET", b"/", [(b"host", b"upstream")], b"")
+        assert pool._open == 0
+        await pool.aclose()
+        server.close()
+        return caught.value
+
+    error = asyncio.run(scenario())
+    assert error.timeout and error.kind == "ReadTimeout"

@@ -135,6 +135,8 @@ class _Connection(asyncio.Protocol):
         self.discarded = False
         self.idle_since = 0.0
         self._waiter: asyncio.Future[bool] | None = None
+        self._deadline = 0.0  # of the wait under way
+        self._timer: asyncio.TimerHandle | None = None
         self._reading_paused = False
         self._writing_paused = False
         self._poll: select.poll | None = None  # the socket, registered once
@@ -231,14 +233,37 @@ class _Connection(asyncio.Protocol):
         """Wait for the next event (bytes, the end, room to write), the pool's timeout at most."""
         loop = self.pool.loop
         waiter = self._waiter = loop.create_future()
-        timer = loop.call_later(self.pool.timeout, _expire, waiter)
+        self._deadline = loop.time() + self.pool.timeout
+        if self._timer is None:  # else the armed one moves itself on to this deadline
+            self._timer = loop.call_at(self._deadline, self._late)
         try:
             woke = await waiter
         finally:
-            timer.cancel()
             self._waiter = None
         if not woke:
             raise UpstreamError(kind, f"nothing for {self.pool.timeout:g} s", timeout=True)
+
+    def _late(self) -> None:
+        """The connection's one timer: ends a wait past its deadline, or moves on to it.
+
+        One timer serves the waits of many requests (a kept-alive connection's next
+        waits begin before the last one's deadline): a wait costs no timer of its own.
+        """
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return
+        loop = self.pool.loop
+        if loop.time() >= self._deadline:
+            waiter.set_result(False)
+        else:
+            self._timer = loop.call_at(self._deadline, self._late)
+
+    def stop_timer(self) -> None:
+        """Cancel the connection's timer (it is closed)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def drain(self) -> bool:
         """Wait for room to write; False if the upstream answered or left instead."""
@@ -739,6 +764,7 @@ class Pool:
     def discard(self, conn: _Connection) -> None:
         """Close ``conn`` and free its place."""
         conn.busy = False
+        conn.stop_timer()
         if not conn.discarded:
             conn.discarded = True
             self._open -= 1
