@@ -468,6 +468,8 @@ def trusted_networks(proxies: Iterable[str]) -> tuple[IPNetwork, ...]:
 
 def _visible(target: bytes) -> bytes:
     """Bytes no HTTP/1.1 request line may carry percent-encoded; nothing else changes."""
+    if _NOT_VCHAR.search(target) is None:  # the usual: nothing to encode
+        return target
     return _NOT_VCHAR.sub(lambda m: b"%%%02X" % m.group()[0], target)
 
 
