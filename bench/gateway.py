@@ -12,6 +12,8 @@ part to the one above it:
   with prebuilt scopes) against the stub;
 * ``proxy-floor``: the least an upstream hop does (``FloorProxy``, below), called
   the same way: what ``proxy`` would cost if the hop were free but for its I/O;
+* ``middleware``: the gateway's middleware in front of ``_Proxy`` (the memory store),
+  called with prebuilt scopes: ``app`` without the gateway's dispatch and body bound;
 * ``app``: the whole gateway app (``Gateway``: the idle-body bound, the
   middleware with the memory store, the proxy), called with prebuilt scopes;
 * ``server-bare``: the raw client against uvicorn's own httptools protocol
@@ -86,6 +88,7 @@ VARIANTS = (
     "direct",
     "proxy",
     "proxy-floor",
+    "middleware",
     "app",
     "server-bare",
     "server-floor",
@@ -232,6 +235,8 @@ async def run(variant: str, workload: str, n: int) -> float:
         app: Any = gateway
         if variant == "proxy":
             app = gateway.proxy
+        if variant == "middleware":
+            app = gateway.middleware
         if variant == "proxy-floor":
             _, conn = await loop.create_connection(Client, HOST, int(upstream.rsplit(":")[2]))
             app = FloorProxy(conn, upstream[7:].encode())
