@@ -333,7 +333,8 @@ class _Connection(asyncio.Protocol):
         else:
             data = bytes(buf[:limit])
             del buf[:limit]
-        self._resume()
+        if self._reading_paused:
+            self._resume()
         return data
 
     async def take(self, limit: int) -> bytes:
@@ -659,7 +660,8 @@ class Pool:
             plain = _plain_answer(method, head)
             if plain is not None:
                 del buf[: end + 4]
-                conn._resume()
+                if conn._reading_paused:
+                    conn._resume()
                 return _Answer(conn, plain[0], plain[2], _LENGTH, plain[1], plain[3])
         head = await conn.head()
         plain = _plain_answer(method, head)
