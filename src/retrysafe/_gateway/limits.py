@@ -132,6 +132,8 @@ class _Limited(_Protocol):
     has left, so a head is never parsed or buffered past ``max_head_size``.
     """
 
+    #: The protocol's own data_received, called without a super() per call.
+    _feed: Any
     # Set by uvicorn's __init__, which runs first.
     app: Any
     loop: asyncio.AbstractEventLoop
@@ -169,7 +171,7 @@ class _Limited(_Protocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # lingering: read and dropped
-        feed = super().data_received
+        feed = self._feed
         limit = self.limits.max_head_size
         while data:
             if not self._reading_head():
@@ -254,6 +256,8 @@ class _Limited(_Protocol):
 class LimitedH11Protocol(_Limited, H11Protocol):
     """uvicorn's h11 protocol with :class:`ServerLimits` enforced."""
 
+    _feed = H11Protocol.data_received
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._setup_limits()
@@ -269,6 +273,8 @@ if HttpToolsProtocol is not None:
     class LimitedHttpToolsProtocol(_Limited, HttpToolsProtocol):
         """uvicorn's httptools protocol with :class:`ServerLimits` enforced."""
 
+        _feed = HttpToolsProtocol.data_received
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._setup_limits()
@@ -277,20 +283,22 @@ if HttpToolsProtocol is not None:
         def _reading_head(self) -> bool:
             return self._in_head
 
+        # The parser's callbacks, once per request each: the base class's called
+        # directly (its own, there is no other in between), without a super() object.
         def on_message_begin(self) -> None:
             self._in_head = True
-            super().on_message_begin()
+            HttpToolsProtocol.on_message_begin(self)
 
         def on_headers_complete(self) -> None:
             self._in_head = False
             self._heads += 1
-            super().on_headers_complete()
+            HttpToolsProtocol.on_headers_complete(self)
 
         def on_message_complete(self) -> None:
             # The next head is awaited: a kept-alive connection's bytes are bounded
             # from their first one, as a new connection's are.
             self._in_head = True
-            super().on_message_complete()
+            HttpToolsProtocol.on_message_complete(self)
 
 else:  # pragma: no cover - without httptools
     LimitedHttpToolsProtocol = None  # type: ignore[assignment,misc]  # optional class: None
@@ -351,6 +359,7 @@ class BodyTimeout:
     def __init__(self, seconds: float) -> None:
         self.seconds = _positive_seconds("body_timeout", seconds)
         self._waits: dict[asyncio.AbstractEventLoop, _Waits] = {}
+        self._last: _Waits | None = None  # the last loop's: most often the only one
 
     def _of(self, loop: asyncio.AbstractEventLoop) -> _Waits:
         waits = self._waits.get(loop)
@@ -358,12 +367,16 @@ class BodyTimeout:
             for old in [lp for lp in self._waits if lp.is_closed()]:
                 del self._waits[old]
             waits = self._waits[loop] = _Waits(loop, self.seconds)
+        self._last = waits
         return waits
 
     async def __call__(
         self, app: Any, scope: MutableMapping[str, Any], receive: Any, send: Any
     ) -> None:
-        waits = self._of(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        waits = self._last
+        if waits is None or waits.loop is not loop:
+            waits = self._of(loop)
         body_open = True
         late = False
         started = False
