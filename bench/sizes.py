@@ -17,7 +17,11 @@ indexes and TOAST included), as written and after ``VACUUM``; Redis,
 encoding a store has, this measures it. Not a test (pytest does not run it).
 
     python bench/sizes.py [-n N] [--stores memory,sqlite,postgres,redis]
-                          [--redis-url URL] [--postgres-url URL]
+                          [--redis-url URL] [--postgres-url URL] [--anatomy]
+
+``--anatomy`` also prints where a PostgreSQL record's bytes go: the heap's live and
+dead tuples and free space (pgstattuple, when the server has it), each index, and
+each column's average size.
 
 Without URLs it starts its own redis-server and PostgreSQL (tests/_servers.py).
 """
@@ -141,7 +145,71 @@ def measure_sqlite(write: Write, n: int) -> Measure:
         }
 
 
-def measure_postgres(url: str) -> Callable[[Write, int], Measure]:
+#: ``--anatomy``: where a PostgreSQL record's bytes go, one block per way, printed last.
+ANATOMY: list[str] = []
+
+
+def _pg_anatomy(conn: Any, table: str, n: int, label: str) -> None:
+    """Per record, as written: the heap split by pgstattuple (live tuples, dead
+    tuples, free space), each index, TOAST, HOT updates, and each column's average
+    ``pg_column_size`` (the live row; its header and padding are the rest)."""
+    import psycopg
+
+    def one(query: str, *params: Any) -> Any:
+        row = conn.execute(query, params).fetchone()
+        assert row is not None
+        return row[0] if len(row) == 1 else row
+
+    lines = [f"{label}, N = {n}: bytes per record"]
+    try:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS pgstattuple")
+        stat = one(
+            "SELECT table_len, tuple_len, dead_tuple_count, dead_tuple_len, free_space "
+            "FROM pgstattuple(%s::regclass)",
+            table,
+        )
+        lines.append(
+            f"  heap {stat[0] / n:,.0f}: live tuples {stat[1] / n:,.0f}, dead tuples "
+            f"{stat[3] / n:,.0f} ({stat[2]} of them), free {stat[4] / n:,.0f}, "
+            f"line pointers and page headers the rest"
+        )
+    except psycopg.Error as exc:  # the extension is optional
+        lines.append(f"  heap {one('SELECT pg_relation_size(%s)', table) / n:,.0f} ({exc})")
+    for (index,) in conn.execute(
+        "SELECT indexrelid::regclass::text FROM pg_index WHERE indrelid = %s::regclass",
+        (table,),
+    ).fetchall():
+        lines.append(f"  index {index}: {one('SELECT pg_relation_size(%s)', index) / n:,.0f}")
+    toast = one(
+        "SELECT coalesce(pg_total_relation_size(nullif(reltoastrelid, 0)), 0) "
+        "FROM pg_class WHERE oid = %s::regclass",
+        table,
+    )
+    hot = one(
+        "SELECT n_tup_hot_upd, n_tup_upd FROM pg_stat_user_tables WHERE relid = %s::regclass", table
+    )
+    lines.append(f"  TOAST {toast / n:,.0f}; HOT updates {hot[0]} of {hot[1]}")
+    columns = [
+        r[0]
+        for r in conn.execute(
+            "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 "
+            "AND NOT attisdropped ORDER BY attnum",
+            (table,),
+        ).fetchall()
+    ]
+    sizes = one(
+        "SELECT avg(pg_column_size(t.*)), "
+        + ", ".join(f'coalesce(avg(pg_column_size(t."{c}")), 0)' for c in columns)
+        + f" FROM {table} AS t"
+    )
+    lines.append(f"  live row {sizes[0]:,.1f} (tuple header, null bitmap, padding included):")
+    lines.append(
+        "    " + ", ".join(f"{c} {v:.1f}" for c, v in zip(columns, sizes[1:], strict=True))
+    )
+    ANATOMY.append("\n".join(lines))
+
+
+def measure_postgres(url: str, anatomy: bool = False) -> Callable[[Write, int], Measure]:
     import psycopg
 
     def measure(write: Write, n: int) -> Measure:
@@ -152,6 +220,8 @@ def measure_postgres(url: str) -> Callable[[Write, int], Measure]:
         with psycopg.connect(url, autocommit=True) as conn:
             count = conn.execute(f"SELECT count(*) FROM {table}").fetchone()
             assert count is not None and count[0] == n, (count, n)
+            if anatomy:
+                _pg_anatomy(conn, table, n, f"postgres {write.__name__.removeprefix('write_')}")
             written = conn.execute(size, (table,)).fetchone()
             conn.execute(f"VACUUM {table}")
             vacuumed = conn.execute(size, (table,)).fetchone()
@@ -222,6 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stores", default=",".join(STORES))
     parser.add_argument("--redis-url")
     parser.add_argument("--postgres-url")
+    parser.add_argument(
+        "--anatomy",
+        action="store_true",
+        help="PostgreSQL: where a record's bytes go (pgstattuple, indexes, columns)",
+    )
     args = parser.parse_args(argv)
     stores = [s.strip() for s in args.stores.split(",") if s.strip()]
     unknown = set(stores) - set(STORES)
@@ -237,7 +312,11 @@ def main(argv: list[str] | None = None) -> int:
         for kind, given in (("postgres", args.postgres_url), ("redis", args.redis_url)):
             if kind in stores:
                 url = given or _start(kind, stack)
-                measures[kind] = (measure_postgres if kind == "postgres" else measure_redis)(url)
+                measures[kind] = (
+                    measure_postgres(url, args.anatomy)
+                    if kind == "postgres"
+                    else measure_redis(url)
+                )
         for store in stores:
             for way, write in (("engine", write_engine), ("http", write_http)):
                 figures = measures[store](write, args.n)
@@ -252,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         cost = figures[name]
         others = ", ".join(f"{k} {v:,.0f}" for k, v in figures.items() if k != name)
         print(f"| {store} | {way} | {cost:,.0f} | {GB / cost:,.0f} | {how} | {others or '-'} |")
+    for block in ANATOMY:
+        print(f"\n{block}")
     return 0
 
 
