@@ -34,13 +34,14 @@ from retrysafe.stores.redis.codec import (
     _DONE,
     _DOUBLE,
     _FAILED,
-    _FIXED,
+    _HEAD,
     _MALFORMED,
+    _SAME,
     _TOOK,
     _outcome_blob,
     _record_value,
     _stored_fingerprint,
-    _token,
+    _stored_token,
     _ttl_ms,
     record_from_value,
 )
@@ -322,8 +323,8 @@ class RedisStore(RedisClients, Store[_Op]):
             _COMPLETE_SHA,
             1,
             f"{self.prefix}{{{key_hash}}}",
-            _token(token),
-            _DONE.pack(b"c", True, now, now),
+            _stored_token(token),
+            _DONE.pack(b"c", _SAME, now),
             _outcome_blob(outcome),
         )
         return _Op(args, _parse_bool, key_hash)
@@ -336,7 +337,7 @@ class RedisStore(RedisClients, Store[_Op]):
             _FAIL_SHA,
             1,
             self.record_key(key_hash),
-            _token(token),
+            _stored_token(token),
             _FAILED.pack(final, b"f"),
             _DOUBLE.pack(now),
         ]
@@ -350,7 +351,7 @@ class RedisStore(RedisClients, Store[_Op]):
             _RENEW_SHA,
             1,
             self.record_key(key_hash),
-            _token(token),
+            _stored_token(token),
             _DOUBLE.pack(lease_until),
             _DOUBLE.pack(now),
             _ttl_ms(lease_until, now) or 1,
@@ -637,7 +638,7 @@ class RedisStore(RedisClients, Store[_Op]):
 
     def _expired(self, key: bytes, value: Any, now: float) -> Record | None:
         """The record under ``key`` if it is one and expired at ``now``."""
-        if type(value) is not bytes or len(value) < _FIXED or value[0] not in (49, 50):
+        if type(value) is not bytes or len(value) < _HEAD or value[0] not in (49, 50, 51):
             return None
         if not _DOUBLE.unpack_from(value, 13)[0] <= now:  # live: no need to decode
             return None
