@@ -234,7 +234,8 @@ class RedisStore(RedisClients, Store[_Op]):
     raises :class:`~retrysafe.StoreUnavailableError` at once, and the next call
     reconnects. ``max_connections`` bounds the sync client's pool and each asyncio
     client's (per event loop); a call past it waits for a free connection for up to
-    ``socket_timeout``.
+    ``socket_timeout``. ``compact_keys`` keeps records under the key hash's 32 bytes
+    rather than its hex; read docs/stores.md ("Redis keys") before turning it on.
     """
 
     def __init__(
