@@ -102,7 +102,7 @@ def _parse_set_claim(reply: Any, op: _Op) -> ClaimResult | _Op:
 
 
 def _claim_script(key: str | bytes, value: bytes, record: Record, ttl: int) -> tuple[Any, ...]:
-    """The claim script's command (see lua._CLAIM): it reads records of both layouts."""
+    """The claim script's command (see lua._CLAIM): it reads records of every layout."""
     fp = record.fingerprint
     return ("EVALSHA", _CLAIM_SHA, 1, key, value, _stored_fingerprint(fp), ttl, fp)
 
