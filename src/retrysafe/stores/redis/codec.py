@@ -30,7 +30,7 @@ _MALFORMED: tuple[type[BaseException], ...] = (
 #: First byte of every record this code writes; a new layout gets a new version.
 LAYOUT_VERSION = b"3"
 #: The versions this code reads: 1 (written before the compact fields), 2 (before
-#: UUID keys as 16 bytes) and 3.
+#: the short header and the 16-byte UUID keys and scope digests) and 3.
 LAYOUT_VERSIONS = (b"1", b"2", b"3")
 #: The fixed part of a record of versions 1 and 2 (docs/stores.md, "Redis layout").
 HEADER = struct.Struct(">cIddd?c?ddIII")
