@@ -18,10 +18,15 @@ encoding a store has, this measures it. Not a test (pytest does not run it).
 
     python bench/sizes.py [-n N] [--stores memory,sqlite,postgres,redis]
                           [--redis-url URL] [--postgres-url URL] [--anatomy]
+                          [--redis-compact-keys]
 
 ``--anatomy`` also prints where a PostgreSQL record's bytes go: the heap's live and
 dead tuples and free space (pgstattuple, when the server has it), each index, and
 each column's average size.
+
+Redis records go under a prefix as long as the default ``retrysafe:`` (10
+characters), so the key's allocation is the default's; ``--redis-compact-keys``
+opens the Redis store with ``compact_keys=1`` (32-byte key hashes in the keys).
 
 Without URLs it starts its own redis-server and PostgreSQL (tests/_servers.py).
 """
@@ -235,16 +240,17 @@ def measure_postgres(url: str, anatomy: bool = False) -> Callable[[Write, int], 
     return measure
 
 
-def measure_redis(url: str) -> Callable[[Write, int], Measure]:
+def measure_redis(url: str, compact_keys: bool = False) -> Callable[[Write, int], Measure]:
     import redis
 
     def measure(write: Write, n: int) -> Measure:
-        prefix = f"rssizes{secrets.token_hex(3)}:"
+        prefix = f"rsz{secrets.token_hex(3)}:"  # as long as "retrysafe:"
         client = redis.Redis.from_url(url)
         try:
             before = int(client.info("memory")["used_memory"])
             sep = "&" if "?" in url else "?"
-            write(f"{url}{sep}prefix={prefix}", n)
+            compact = "&compact_keys=1" if compact_keys else ""
+            write(f"{url}{sep}prefix={prefix}{compact}", n)
             after = int(client.info("memory")["used_memory"])
             keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
             # The middleware keeps its scope secret under the prefix too: records only.
@@ -297,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="PostgreSQL: where a record's bytes go (pgstattuple, indexes, columns)",
     )
+    parser.add_argument("--redis-compact-keys", action="store_true")
     args = parser.parse_args(argv)
     stores = [s.strip() for s in args.stores.split(",") if s.strip()]
     unknown = set(stores) - set(STORES)
@@ -312,11 +319,10 @@ def main(argv: list[str] | None = None) -> int:
         for kind, given in (("postgres", args.postgres_url), ("redis", args.redis_url)):
             if kind in stores:
                 url = given or _start(kind, stack)
-                measures[kind] = (
-                    measure_postgres(url, args.anatomy)
-                    if kind == "postgres"
-                    else measure_redis(url)
-                )
+                if kind == "postgres":
+                    measures[kind] = measure_postgres(url, args.anatomy)
+                else:
+                    measures[kind] = measure_redis(url, args.redis_compact_keys)
         for store in stores:
             for way, write in (("engine", write_engine), ("http", write_http)):
                 figures = measures[store](write, args.n)

@@ -1,22 +1,27 @@
-"""The Redis record layout: version 2's compact fields, and records of version 1.
+"""The Redis record layout: version 3's short header and UUID keys, version 2's
+compact fields, and records of versions 1 and 2.
 
 Version 2 stores a SHA-256 fingerprint as 32 bytes and an outcome's status, media
-type and headers in a compact prefix; every record must still read back exactly,
-and so must the records version 1 wrote (docs/stores.md, "Redis layout"). What a
-live server does with version-1 records is in tests/test_redis_store.py.
+type and headers in a compact prefix; version 3 adds a 44-byte header (one-byte
+lengths, completed_at not stored twice) and a UUID key as 16 bytes. Every record
+must still read back exactly, and so must the records versions 1 and 2 wrote
+(docs/stores.md, "Redis layout"). What a live server does with them is in
+tests/test_redis_store.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from typing import Any
 
 import pytest
-from _redis_records import make_record, v1_value
+from _redis_records import make_record, v1_value, v2_value
 
 from retrysafe import Outcome, Status
 from retrysafe._model.record import Record
 from retrysafe.stores.redis import LAYOUT_VERSION, record_from_value
-from retrysafe.stores.redis.codec import _record_value
+from retrysafe.stores.redis.codec import HEAD, LENGTHS, _record_value
 
 SHA = "0123456789abcdef" * 4
 
@@ -36,7 +41,7 @@ def _record(**changes: Any) -> Record:
     return make_record(**{**done, **changes})
 
 
-# -- version 2 -----------------------------------------------------------------------
+# -- versions 2 and 3 ----------------------------------------------------------------
 
 
 JSON_HEADERS = (("content-type", "application/json"), ("content-length", "8"))
@@ -52,6 +57,10 @@ JSON_HEADERS = (("content-type", "application/json"), ("content-length", "8"))
         Outcome(b"x", 200, (("Content-Type", "text/csv"),), "text/csv"),
         Outcome(b"x", 200, (("content-type", "text/html"),), "application/json"),
         Outcome(b"x", 0, (("x-\u00e9", "v\udcff\u2603"), ("x-a", "")), "t/\u00fc"),
+        Outcome(b"x", 100, (), "application/json"),  # the status in one byte: 100-355
+        Outcome(b"x", 355, (), "application/json"),
+        Outcome(b"x", 356, (("content-length", "1"),), "application/json"),  # two bytes
+        Outcome(b"x", 99, (), "application/json"),
         Outcome(b"x", 65535, (), "application/octet-stream"),  # past uint16's 0xFFFF mark
         Outcome(b"x", -1, (), "text/plain; charset=utf-8"),
         Outcome(b"x", 200, (("x-big", "v" * 70_000),), "text/plain"),
@@ -64,8 +73,9 @@ JSON_HEADERS = (("content-type", "application/json"), ("content-length", "8"))
 def test_outcomes_round_trip(outcome: Outcome) -> None:
     record = _record(outcome=outcome)
     value = _record_value(record)
-    assert value[:1] == LAYOUT_VERSION == b"2"
+    assert value[:1] == LAYOUT_VERSION == b"3"
     assert record_from_value(value, record.key_hash) == record
+    assert record_from_value(v2_value(record), record.key_hash) == record
 
 
 @pytest.mark.parametrize(
@@ -89,15 +99,114 @@ def test_tokens_round_trip(token: str) -> None:
 
 def test_the_compact_fields_store_nothing_twice() -> None:
     """A SHA-256 takes 33 bytes, a hex token half its length and one, the media type
-    and its content-type header one byte together, the content-length one byte."""
+    and its content-type header one byte together, the content-length one byte, a
+    completed_at equal to updated_at nothing, a UUID key 16 bytes."""
     outcome = Outcome(b'{"id":1}', 201, JSON_HEADERS, "application/json")
     token = "0123456789abcdef0123a"  # as the engine makes them: 21 hex digits
-    compact = _record_value(_record(outcome=outcome, token=token))
+    key = str(uuid.uuid4())
+    record = _record(outcome=outcome, token=token, key=key)
+    compact = _record_value(record)
     assert bytes.fromhex(SHA) in compact and SHA.encode() not in compact
-    assert int.from_bytes(compact[56:60]) == 12
-    assert compact[60:72] == b"\x01" + bytes.fromhex("0" + token)
+    assert compact[31] == 2  # completed_at: the same as updated_at
+    assert LENGTHS.unpack_from(compact, HEAD.size)[0] == 12
+    assert compact[44:56] == b"\x01" + bytes.fromhex("0" + token)
     assert b"application/json" not in compact and b"content-length" not in compact
-    assert len(compact) < len(v1_value(_record(outcome=outcome))) - 100
+    assert key.encode() not in compact and uuid.UUID(key).bytes in compact
+    assert len(compact) < len(v2_value(record)) - 30
+    assert len(v2_value(record)) < len(v1_value(record)) - 100
+
+
+@pytest.mark.parametrize(
+    ("changes", "version"),
+    [
+        ({"completed_at": 1.25}, b"3"),  # not updated_at: stored
+        ({"completed_at": None, "status": Status.FAILED, "final": True}, b"3"),
+        ({"token": "t" * 300}, b"2"),  # too long for version 3's lengths: version 2
+        ({"fingerprint": "x" * 300}, b"2"),
+        ({"request_payload": b"p\x00" * 40_000}, b"2"),
+        ({"request_payload": b"p\x00q", "request_id": "r\x00", "metadata": {"a": [1]}}, b"3"),
+        ({"attempts": 70_000, "retention": "financial"}, b"3"),
+    ],
+    ids=[
+        "completed-apart",
+        "failed",
+        "long-token",
+        "long-fingerprint",
+        "big-payload",
+        "json-fields",
+        "financial",
+    ],
+)
+def test_every_record_reads_back(changes: dict[str, Any], version: bytes) -> None:
+    for key in ("order-1", str(uuid.uuid4())):
+        record = _record(key=key, outcome=Outcome.json([1]), **changes)
+        value = _record_value(record)
+        assert value[:1] == version
+        read = record_from_value(value, record.key_hash)
+        assert read == dataclasses.replace(record, attempts=1)  # a claim writes attempt 1
+        assert record_from_value(v2_value(record), record.key_hash) == record
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        str(uuid.uuid4()),
+        str(uuid.uuid4()).upper(),  # stored as its text: the bytes would lose the case
+        "{" + str(uuid.uuid4()) + "}",
+        str(uuid.uuid4())[:-1] + "g",
+        str(uuid.UUID(int=0)),
+    ],
+    ids=["uuid", "upper", "braced", "not-hex", "nil"],
+)
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"request_id": "r"}, {"request_payload": b"\x00p"}, {"scope": "a\x00b"}],
+    ids=["plain", "request-id", "payload", "json-fields"],
+)
+def test_uuid_keys_round_trip(key: str, changes: dict[str, Any]) -> None:
+    record = _record(key=key, **changes)
+    value = _record_value(record)
+    assert (key.encode() in value) is (key != key.lower() or len(key) != 36 or "g" in key)
+    assert record_from_value(value, record.key_hash) == record
+
+
+HEX32 = "fedcba9876543210" * 2  # not in the fingerprint SHA
+
+
+@pytest.mark.parametrize(
+    ("scope", "digest"),
+    [
+        (f"credentials:{HEX32}", True),  # what the HTTP doors make of credentials
+        (f":{HEX32}", True),
+        (f"a:b:{HEX32}", True),
+        (f"credentials:{HEX32.upper()}", False),
+        (f"credentials:{HEX32}0", False),
+        (f"credentials:{HEX32[1:]}", False),
+        (HEX32, False),
+        (f"credentials-{HEX32}", False),
+        (f"a\x00b:{HEX32}", True),  # with JSON fields
+        ("", False),
+    ],
+)
+@pytest.mark.parametrize("key", ["order-1", str(uuid.uuid4())])
+@pytest.mark.parametrize("changes", [{}, {"request_payload": b"\x00p", "request_id": "r"}])
+def test_scope_digests_round_trip(
+    scope: str, digest: bool, key: str, changes: dict[str, Any]
+) -> None:
+    record = _record(key=key, scope=scope, **changes)
+    value = _record_value(record)
+    assert (HEX32.encode() in value) is (not digest and HEX32 in scope)
+    assert (bytes.fromhex(HEX32) in value) is digest
+    assert record_from_value(value, record.key_hash) == record
+
+
+@pytest.mark.parametrize("flags", [b"/", b"p", b"\x00", b"\xff"])
+def test_unknown_claim_flags_are_malformed(flags: bytes) -> None:
+    value = bytearray(_record_value(_record(key="k")))
+    at = value.index(b"0\x00k\x00")
+    value[at : at + 1] = flags
+    with pytest.raises(ValueError, match="claim flags"):
+        record_from_value(bytes(value), "h" * 64)
 
 
 def test_a_record_of_version_1_reads_the_same() -> None:

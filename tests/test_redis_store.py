@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import redis
-from _redis_records import v1_value
+from _redis_records import v1_value, v2_value
 from conftest import Clock, make_spec
 
 from retrysafe import (
@@ -257,17 +257,26 @@ def test_renewal_past_the_expiry_moves_the_physical_ttl(store: RedisStore, raw: 
     assert raw.pttl(key) > 28_000
 
 
-# -- records of layout version 1 (written before the compact fields) ------------------
+# -- records of layout versions 1 (before the compact fields) and 2 (before the short
+# -- header and UUID keys) ----------------------------------------------------------
 
 SHA = "0123456789abcdef" * 4
 JSON_HEADERS = (("content-type", "application/json"), ("content-length", "8"))
 HOUR = 3600.0
 
 
+_WRITERS = {"1": v1_value, "2": v2_value}
+
+
 def _as_version_1(
-    store: RedisStore, raw: redis.Redis, engine: Engine, key: str, **changes: Any
+    store: RedisStore,
+    raw: redis.Redis,
+    engine: Engine,
+    key: str,
+    version: str = "1",
+    **changes: Any,
 ) -> Record:
-    """Claim ``key`` (fingerprint SHA), then rewrite its record as version 1 wrote it,
+    """Claim ``key`` (fingerprint SHA), then rewrite its record as ``version`` wrote it,
     with ``changes``, keeping the TTL; the record as the store reads it back."""
     claim = engine.begin(key, operation="op", fingerprint=SHA)
     assert isinstance(claim, Claim)
@@ -275,15 +284,16 @@ def _as_version_1(
     assert current is not None
     old = dataclasses.replace(current, **changes)
     name = store.record_key(claim.key_hash)
-    raw.set(name, v1_value(old), keepttl=True)
-    assert raw.get(name)[:1] == b"1"  # type: ignore[index]
+    raw.set(name, _WRITERS[version](old), keepttl=True)
+    assert raw.get(name)[:1] == version.encode()  # type: ignore[index]
     assert store.get(claim.key_hash) == old
     return old
 
 
+@pytest.mark.parametrize("version", ["1", "2"])
 @pytest.mark.parametrize("claims", ["set", "script"])
 def test_version_1_records_replay_refuse_and_wait(
-    store: RedisStore, raw: redis.Redis, clock: Clock, claims: str
+    store: RedisStore, raw: redis.Redis, clock: Clock, claims: str, version: str
 ) -> None:
     store._set_claims = claims == "set"  # "script": the path of Redis < 7.0
     engine = Engine(store, ttl=HOUR, clock=clock)
@@ -293,6 +303,7 @@ def test_version_1_records_replay_refuse_and_wait(
         raw,
         engine,
         "done",
+        version,
         status=Status.COMPLETED,
         completed_at=clock.now,
         outcome=outcome,
@@ -301,23 +312,24 @@ def test_version_1_records_replay_refuse_and_wait(
     assert isinstance(replay, Replay) and replay.outcome == outcome
     with pytest.raises(FingerprintMismatchError):
         engine.begin("done", operation="op", fingerprint="f" * 64)
-    _as_version_1(store, raw, engine, "busy")  # processing, lease live
+    _as_version_1(store, raw, engine, "busy", version)  # processing, lease live
     with pytest.raises(InProgressError):
         engine.begin("busy", operation="op", fingerprint=SHA, wait=0)
     assert store.get(done.key_hash) == done  # nothing rewritten
 
 
+@pytest.mark.parametrize("version", ["1", "2"])
 @pytest.mark.parametrize("claims", ["set", "script"])
 @pytest.mark.parametrize("left", ["lease-ran-out", "failed"])
 def test_version_1_records_are_taken_over(
-    store: RedisStore, raw: redis.Redis, clock: Clock, claims: str, left: str
+    store: RedisStore, raw: redis.Redis, clock: Clock, claims: str, left: str, version: str
 ) -> None:
     store._set_claims = claims == "set"
     engine = Engine(store, ttl=HOUR, lease=10, clock=clock)
     changes: dict[str, Any] = {"status": Status.FAILED} if left == "failed" else {}
-    old = _as_version_1(store, raw, engine, "k", **changes)
+    old = _as_version_1(store, raw, engine, str(uuid.uuid4()), version, **changes)
     clock.advance(20)  # past the lease
-    claim = engine.begin("k", operation="op", fingerprint=SHA)
+    claim = engine.begin(old.key, operation="op", fingerprint=SHA)
     assert isinstance(claim, Claim) and claim.attempts == 2
     value = raw.get(store.record_key(old.key_hash))
     assert value is not None and value[:1] == LAYOUT_VERSION
@@ -349,12 +361,50 @@ def test_a_version_1_attempt_is_its_own_process_s_to_settle(
     assert isinstance(replay, Replay) and replay.outcome == Outcome.json(1)
 
 
-def test_operations_views_read_version_1_records(
+def test_a_version_2_attempt_settles_in_version_2(
     store: RedisStore, raw: redis.Redis, clock: Clock
 ) -> None:
+    """A version-2 record in flight stores its token as this release does: its owner's
+    renew, complete and fail (this release's scripts, if its owner was upgraded with
+    the token) keep version 2's layout, and the record reads back right."""
     engine = Engine(store, ttl=HOUR, clock=clock)
-    prefix = f"v1-{uuid.uuid4().hex[:8]}-"
-    old = _as_version_1(store, raw, engine, prefix + "a")
+    for end in ("complete", "fail"):
+        old = _as_version_1(store, raw, engine, f"v2-{end}", "2")
+        name = store.record_key(old.key_hash)
+        later = clock.now + 60
+        assert store.renew(old.key_hash, old.token, later, clock.now + 1)
+        assert not store.complete(old.key_hash, "0" + old.token, Outcome(b"x"), clock.now)
+        if end == "complete":
+            assert store.complete(old.key_hash, old.token, Outcome.json(1), clock.now + 2)
+            want = dataclasses.replace(
+                old,
+                status=Status.COMPLETED,
+                lease_until=later,
+                updated_at=clock.now + 2,
+                completed_at=clock.now + 2,
+                outcome=Outcome.json(1),
+            )
+        else:
+            assert store.fail(old.key_hash, old.token, Outcome.json(2), True, clock.now + 2)
+            want = dataclasses.replace(
+                old,
+                status=Status.FAILED,
+                final=True,
+                lease_until=later,
+                updated_at=clock.now + 2,
+                outcome=Outcome.json(2),
+            )
+        assert raw.get(name)[:1] == b"2"  # type: ignore[index]
+        assert store.get(old.key_hash) == want
+
+
+@pytest.mark.parametrize("version", ["1", "2"])
+def test_operations_views_read_version_1_records(
+    store: RedisStore, raw: redis.Redis, clock: Clock, version: str
+) -> None:
+    engine = Engine(store, ttl=HOUR, clock=clock)
+    prefix = f"v{version}-{uuid.uuid4().hex[:8]}-"
+    old = _as_version_1(store, raw, engine, prefix + "a", version)
     listed = store.records(key=prefix + "a")
     assert listed == [old]
     assert store.stats(clock.now).counts.get(("op", "processing"), 0) >= 1
@@ -366,5 +416,5 @@ def test_operations_views_read_version_1_records(
         if batch.done:
             break
     assert swept >= 1 and store.get(old.key_hash) is None
-    other = _as_version_1(store, raw, engine, prefix + "b")
+    other = _as_version_1(store, raw, engine, prefix + "b", version)
     assert store.delete(other.key_hash) and store.get(other.key_hash) is None

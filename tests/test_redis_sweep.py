@@ -23,7 +23,7 @@ from conftest import Clock, make_spec
 from retrysafe import Claim, Engine, Outcome, Status, StoreUnavailableError, Sweeper
 from retrysafe.stores import Store, open_store
 from retrysafe.stores.redis import RedisStore, record_from_value
-from retrysafe.stores.redis.codec import _record_value
+from retrysafe.stores.redis.codec import HEAD, LENGTHS, _record_value
 
 HOUR = 3600.0
 
@@ -86,11 +86,18 @@ def test_retention_round_trips(retention: str, changes: dict[str, Any]) -> None:
     assert record_from_value(_record_value(record), record.key_hash) == record
 
 
+def _flags_at(value: bytes) -> int:
+    """Where a version-3 record's claim blob (its flags byte) starts."""
+    at = HEAD.size + 8 * (value[31] == 1)
+    token_len, fp_len, _ = LENGTHS.unpack_from(value, at)
+    return at + LENGTHS.size + token_len + fp_len
+
+
 def test_records_written_before_the_retention_bit_read_as_standard() -> None:
     for changes in ({}, {"request_id": "r"}, {"request_payload": b"p"}, {"key": "a\x00b"}):
         value = _record_value(_record(**changes))
-        fp_len, token_len = int.from_bytes(value[48:52]), int.from_bytes(value[56:60])
-        flags = value[60 + token_len + fp_len]
+        assert value[:1] == b"3"
+        flags = value[_flags_at(value)]
         assert chr(flags) in "01234567"  # what every earlier version wrote
         assert record_from_value(value, "h" * 64).retention == "standard"  # type: ignore[union-attr]
 
@@ -100,8 +107,7 @@ def test_the_financial_flag_keeps_the_older_bits() -> None:
     for changes in ({}, {"request_id": "r"}, {"request_payload": b"p"}, {"key": "a\x00b"}):
         standard = _record_value(_record(**changes))
         financial = _record_value(_record(retention="financial", **changes))
-        fp_len, token_len = int.from_bytes(standard[48:52]), int.from_bytes(standard[56:60])
-        at = 60 + token_len + fp_len
+        at = _flags_at(standard)
         assert financial[at] == standard[at] | 8 and financial[at] & 7 == standard[at] & 7
         assert financial[:at] == standard[:at] and financial[at + 1 :] == standard[at + 1 :]
 

@@ -64,11 +64,11 @@ UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
 # -- URLs --------------------------------------------------------------------------
 
 
-def _parse_url(url: str, prefix: str) -> tuple[str, bool, str, str | None]:
-    """(URL for redis-py, cluster?, prefix, archive URL).
+def _parse_url(url: str, prefix: str) -> tuple[str, bool, str, str | None, bool | None]:
+    """(URL for redis-py, cluster?, prefix, archive URL, compact keys?).
 
     ``prefix=`` in the query wins over ``prefix``; ``archive=`` is a URL-encoded
-    store URL.
+    store URL; ``compact_keys=`` is 1/true/yes/on or 0/false/no/off (None: absent).
     """
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
@@ -80,6 +80,7 @@ def _parse_url(url: str, prefix: str) -> tuple[str, bool, str, str | None]:
     client_scheme, cluster = _SCHEMES[scheme]
     keep: list[str] = []
     archive: str | None = None
+    compact: bool | None = None
     for piece in parts.query.split("&"):
         if not piece:
             continue
@@ -89,6 +90,8 @@ def _parse_url(url: str, prefix: str) -> tuple[str, bool, str, str | None]:
             prefix = unquote_plus(value)
         elif name == "archive":
             archive = unquote_plus(value)
+        elif name == "compact_keys":
+            compact = _flag(name, unquote_plus(value))
         elif name == "decode_responses":
             raise ValueError("decode_responses is not supported: record bodies are bytes")
         else:
@@ -96,7 +99,17 @@ def _parse_url(url: str, prefix: str) -> tuple[str, bool, str, str | None]:
     if cluster and parts.path not in ("", "/", "/0"):
         raise ValueError(f"Redis Cluster has only database 0: {redact(url)!r}")
     client_url = urlunsplit(parts._replace(scheme=client_scheme, query="&".join(keep)))
-    return client_url, cluster, prefix, archive
+    return client_url, cluster, prefix, archive, compact
+
+
+def _flag(name: str, value: str) -> bool:
+    """A boolean URL option."""
+    text = value.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 1 or 0 (true or false), not {value!r}")
 
 
 #: Clients a forked child inherited from its parent, kept referenced and never closed

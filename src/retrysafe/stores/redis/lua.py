@@ -6,18 +6,38 @@ from __future__ import annotations
 import hashlib
 
 # -- Lua -----------------------------------------------------------------------------
-# 1-based positions in a record: attempts 2, created 6, expires 14, lease 22, final 30,
-# status 31 (p=112 c=99 f=102), has completed 32, updated 33, completed 41, lengths
-# F C T at 49 53 57, token 61. A claim's own record carries the claim's ``now`` as
-# its updated_at.
+# 1-based positions in a record, the same in every layout version: attempts 2,
+# created 6, expires 14, lease 22, final 30, status 31 (p=112 c=99 f=102), has
+# completed 32, updated 33. Versions 1 and 2 (bytes "1" "2" = 49 50): completed 41,
+# lengths F C T (uint32) at 49 53 57, token 61. Version 3 (51): completed 41 only
+# if byte 32 is 1, then lengths T F (uint8) C (uint16), then the token. A claim's
+# own record carries the claim's ``now`` as its updated_at.
+
+# The parts of a record ``v`` of any version: where its lengths start, where its
+# token starts, the token, fingerprint and claim blob lengths, and where the claim
+# blob ends.
+_PARTS = """
+local function parts(v)
+  if string.byte(v, 1) == 51 then
+    local at = 41
+    if string.byte(v, 32) == 1 then
+      at = 49
+    end
+    local t, f, c = struct.unpack('>BBH', v, at)
+    return at, at + 4, t, f, at + 3 + t + f + c
+  end
+  local f, c, t = struct.unpack('>I4I4I4', v, 49)
+  return 49, 61, t, f, 60 + f + c + t
+end
+"""
 
 # KEYS[1] record key; ARGV[1] the new record (attempts 1, created = now), ARGV[2]
-# its fingerprint as layout 2 stores it, ARGV[3] PX ms ("0": no TTL), ARGV[4] the
-# fingerprint as layout 1 stored it (its text). Both layouts share the fixed header,
-# so the script reads either. Mirrors retrysafe._model.decide.claimable.
+# its fingerprint as layouts 2 and 3 store it, ARGV[3] PX ms ("0": no TTL), ARGV[4]
+# the fingerprint as layout 1 stored it (its text). The layouts share the first 40
+# bytes, so the script reads any. Mirrors retrysafe._model.decide.claimable.
 # Claimed: returns attempts * 4 + took_over (0 none, 1 processing, 2 failed).
 # Not claimed: returns the live record.
-_CLAIM = """
+_CLAIM = f"""{_PARTS}
 local key = KEYS[1]
 local v = redis.call('GET', key)
 local new = ARGV[1]
@@ -25,7 +45,7 @@ local attempts = 1
 local took = 0
 if v then
   local version = string.byte(v, 1)
-  if version ~= 49 and version ~= 50 then
+  if version < 49 or version > 51 then
     return v
   end
   local now = struct.unpack('>d', new, 33)
@@ -34,12 +54,12 @@ if v then
     if status ~= 112 and status ~= 102 then
       return v
     end
-    local f, c, t = struct.unpack('>I4I4I4', v, 49)
+    local _, at, t, f = parts(v)
     local fp = ARGV[2]
     if version == 49 then
       fp = ARGV[4]
     end
-    if string.sub(v, 61 + t, 60 + t + f) ~= fp then
+    if string.sub(v, at + t, at + t + f - 1) ~= fp then
       return v
     end
     if status == 102 then
@@ -65,31 +85,38 @@ end
 return attempts * 4 + took
 """
 
-# The compare-and-set scripts: KEYS[1] record key, ARGV[1] token length (uint32) ..
-# token. They act only on a processing record owned by the token, keep its TTL, and
-# return 1 if they wrote, else 0. ``e`` is where the claim blob ends.
-_CAS = """
+# The compare-and-set scripts: KEYS[1] record key, ARGV[1] the token as the record
+# stores it. They act only on a processing record owned by the token, keep its TTL,
+# and return 1 if they wrote, else 0. ``lengths`` is where the record's lengths
+# start, ``e`` where its claim blob ends.
+_CAS = f"""{_PARTS}
 local v = redis.call('GET', KEYS[1])
-local t = ARGV[1]
-if not v or string.byte(v, 31) ~= 112 or string.sub(v, 57, 56 + #t) ~= t then
+if not v or string.byte(v, 31) ~= 112 then
+  return 0
+end
+local lengths, at, n, _, e = parts(v)
+if n ~= #ARGV[1] or string.sub(v, at, at + n - 1) ~= ARGV[1] then
   return 0
 end
 """
-_END = """local f, c, t = struct.unpack('>I4I4I4', v, 49)
-local e = 60 + f + c + t
-"""
 
-# ARGV[2] bytes 31-48 (status c, has completed_at, updated_at, completed_at),
-# ARGV[3] the outcome blob.
-_COMPLETE = f"""{_CAS}{_END}
-local new = string.sub(v, 1, 30) .. ARGV[2] .. string.sub(v, 49, e) .. ARGV[3]
+# ARGV[2] bytes 31-40 (status c, has completed_at 2: the same as updated_at, updated_at),
+# ARGV[3] the outcome blob. A record of version 1 or 2 keeps its layout: completed_at
+# written out (has completed_at 1).
+_COMPLETE = f"""{_CAS}
+local head = ARGV[2]
+if string.byte(v, 1) ~= 51 then
+  local now = string.sub(head, 3, 10)
+  head = string.sub(head, 1, 1) .. '\\1' .. now .. now
+end
+local new = string.sub(v, 1, 30) .. head .. string.sub(v, lengths, e) .. ARGV[3]
 redis.call('SET', KEYS[1], new, 'KEEPTTL')
 return 1
 """
 
 # ARGV[2] bytes 30-31 (final, status f), ARGV[3] updated_at, ARGV[4] the outcome
 # blob (absent: no outcome).
-_FAIL = f"""{_CAS}{_END}
+_FAIL = f"""{_CAS}
 local new = string.sub(v, 1, 29) .. ARGV[2] .. string.sub(v, 32, 32) .. ARGV[3]
   .. string.sub(v, 41, e) .. (ARGV[4] or '')
 redis.call('SET', KEYS[1], new, 'KEEPTTL')

@@ -34,13 +34,14 @@ from retrysafe.stores.redis.codec import (
     _DONE,
     _DOUBLE,
     _FAILED,
-    _FIXED,
+    _HEAD,
     _MALFORMED,
+    _SAME,
     _TOOK,
     _outcome_blob,
     _record_value,
     _stored_fingerprint,
-    _token,
+    _stored_token,
     _ttl_ms,
     record_from_value,
 )
@@ -100,8 +101,8 @@ def _parse_set_claim(reply: Any, op: _Op) -> ClaimResult | _Op:
     return _Op(_claim_script(args[1], args[2], r, ttl), _parse_claim, op.key)
 
 
-def _claim_script(key: str, value: bytes, record: Record, ttl: int) -> tuple[Any, ...]:
-    """The claim script's command (see lua._CLAIM): it reads records of both layouts."""
+def _claim_script(key: str | bytes, value: bytes, record: Record, ttl: int) -> tuple[Any, ...]:
+    """The claim script's command (see lua._CLAIM): it reads records of every layout."""
     fp = record.fingerprint
     return ("EVALSHA", _CLAIM_SHA, 1, key, value, _stored_fingerprint(fp), ttl, fp)
 
@@ -110,12 +111,6 @@ def _parse_claim(reply: Any, op: _Op) -> ClaimResult:
     if type(reply) is int:
         return ClaimResult(True, None, reply >> 2, _TOOK[reply & 3])
     return ClaimResult(False, record_from_value(reply, op.key))
-
-
-def _op_key(args: Sequence[Any]) -> str:
-    """The record key an op's command acts on (EVALSHA sha 1 key …, or CMD key …)."""
-    key = args[3] if args[0] == "EVALSHA" else args[1]
-    return key.decode(errors="replace") if isinstance(key, bytes) else str(key)
 
 
 def _parse_get(reply: Any, op: _Op) -> Record | None:
@@ -239,7 +234,8 @@ class RedisStore(RedisClients, Store[_Op]):
     raises :class:`~retrysafe.StoreUnavailableError` at once, and the next call
     reconnects. ``max_connections`` bounds the sync client's pool and each asyncio
     client's (per event loop); a call past it waits for a free connection for up to
-    ``socket_timeout``.
+    ``socket_timeout``. ``compact_keys`` keeps records under the key hash's 32 bytes
+    rather than its hex; read docs/stores.md ("Redis keys") before turning it on.
     """
 
     def __init__(
@@ -251,6 +247,7 @@ class RedisStore(RedisClients, Store[_Op]):
         socket_timeout: float = 5.0,
         connect_timeout: float = 2.0,
         max_connections: int = 100,
+        compact_keys: bool = False,
     ) -> None:
         self.url = url
         if isinstance(max_connections, bool) or not isinstance(max_connections, int):
@@ -258,8 +255,12 @@ class RedisStore(RedisClients, Store[_Op]):
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
         self.max_connections = max_connections
-        self._client_url, self.cluster, self.prefix, in_url = _parse_url(url, prefix)
+        self._client_url, self.cluster, self.prefix, in_url, compact = _parse_url(url, prefix)
         self._safe_url = redact(url)
+        #: Record keys ``<prefix>{<32 bytes>}`` (binary) instead of ``<prefix>{<64 hex>}``
+        #: (docs/stores.md, "Redis keys"); ``compact_keys=`` in the URL wins.
+        self.compact_keys = bool(compact_keys) if compact is None else compact
+        self._open = f"{self.prefix}{{".encode()
         if in_url is not None:
             if archive is not None:
                 raise ValueError(
@@ -295,15 +296,23 @@ class RedisStore(RedisClients, Store[_Op]):
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _forget_clients(ref))
 
-    def record_key(self, key_hash: str) -> str:
-        """The Redis key of a record."""
+    def record_key(self, key_hash: str) -> str | bytes:
+        """The Redis key of a record: ``<prefix>{<key_hash>}``; with ``compact_keys``,
+        a key hash of 64 hex digits as its 32 bytes between the braces (bytes)."""
+        if self.compact_keys:
+            try:
+                raw = bytes.fromhex(key_hash)
+            except ValueError:  # not a key hash the engine makes: the text form
+                raw = b""
+            if len(raw) == 32 and len(key_hash) == 64:
+                return b"".join((self._open, raw, b"}"))
         return f"{self.prefix}{{{key_hash}}}"
 
     # -- ops ---------------------------------------------------------------------
 
     def _claim(self, record: Record) -> _Op:
         kh = record.key_hash
-        key = f"{self.prefix}{{{kh}}}"
+        key = self.record_key(kh)
         value = _record_value(record)
         # Financial records get no physical TTL: only the sweeper, after archiving
         # them, may remove them (docs/stores.md, "Redis layout").
@@ -321,9 +330,9 @@ class RedisStore(RedisClients, Store[_Op]):
             "EVALSHA",
             _COMPLETE_SHA,
             1,
-            f"{self.prefix}{{{key_hash}}}",
-            _token(token),
-            _DONE.pack(b"c", True, now, now),
+            self.record_key(key_hash),
+            _stored_token(token),
+            _DONE.pack(b"c", _SAME, now),
             _outcome_blob(outcome),
         )
         return _Op(args, _parse_bool, key_hash)
@@ -336,7 +345,7 @@ class RedisStore(RedisClients, Store[_Op]):
             _FAIL_SHA,
             1,
             self.record_key(key_hash),
-            _token(token),
+            _stored_token(token),
             _FAILED.pack(final, b"f"),
             _DOUBLE.pack(now),
         ]
@@ -350,7 +359,7 @@ class RedisStore(RedisClients, Store[_Op]):
             _RENEW_SHA,
             1,
             self.record_key(key_hash),
-            _token(token),
+            _stored_token(token),
             _DOUBLE.pack(lease_until),
             _DOUBLE.pack(now),
             _ttl_ms(lease_until, now) or 1,
@@ -457,7 +466,7 @@ class RedisStore(RedisClients, Store[_Op]):
             self._set_claims = False
             assert record is not None
             return self._claim(record)
-        key = _op_key(args)
+        key = self._op_key(args)
         if "WRONGTYPE" in text:
             raise StoreUnavailableError(
                 f"Redis store {self._safe_url}: {key} is not a retrysafe record "
@@ -475,7 +484,7 @@ class RedisStore(RedisClients, Store[_Op]):
         """The error for a reply that is not a well-formed record (left as it is)."""
         detail = str(exc) or type(exc).__name__
         return StoreUnavailableError(
-            f"Redis store {self._safe_url}: {_op_key(op.args)} holds a value that is not "
+            f"Redis store {self._safe_url}: {self._op_key(op.args)} holds a value that is not "
             f"a readable retrysafe record ({type(exc).__name__}: {detail}); it was not "
             "overwritten: delete it if it is stale",
             transient=False,
@@ -623,8 +632,20 @@ class RedisStore(RedisClients, Store[_Op]):
             pipe.execute_command("GET", key)
         return pipe.execute(raise_on_error=False)
 
+    def _op_key(self, args: Sequence[Any]) -> str:
+        """The record key an op's command acts on (EVALSHA sha 1 key …, or CMD key …),
+        as text: a compact key as ``<prefix>{<key_hash>}``."""
+        key = args[3] if args[0] == "EVALSHA" else args[1]
+        if type(key) is not bytes:
+            return str(key)
+        if key.startswith(self._open) and len(key) == len(self._open) + 33:
+            return f"{self.prefix}{{{self._key_hash(key)}}}"
+        return key.decode(errors="backslashreplace")
+
     def _key_hash(self, key: bytes) -> str:
-        return key.decode(errors="replace")[len(self.prefix) + 1 : -1]
+        """The key hash of a scanned record key (either form: 32 bytes are compact)."""
+        inner = key[len(self._open) : -1]
+        return inner.hex() if len(inner) == 32 else inner.decode(errors="replace")
 
     def _decode(self, key: bytes, value: Any) -> Record | None:
         """The record a scanned key holds; ``None`` for anything that is not one."""
@@ -637,7 +658,7 @@ class RedisStore(RedisClients, Store[_Op]):
 
     def _expired(self, key: bytes, value: Any, now: float) -> Record | None:
         """The record under ``key`` if it is one and expired at ``now``."""
-        if type(value) is not bytes or len(value) < _FIXED or value[0] not in (49, 50):
+        if type(value) is not bytes or len(value) < _HEAD or value[0] not in (49, 50, 51):
             return None
         if not _DOUBLE.unpack_from(value, 13)[0] <= now:  # live: no need to decode
             return None
