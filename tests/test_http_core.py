@@ -312,3 +312,59 @@ async def test_recording_an_outcome_never_raises_for_the_store(
     assert calls == [("complete", done, None), ("fail", done, True), ("fail", None, False)]
     assert caplog.text.count("was sent but not recorded") == 3
     assert "a webhook's answer was sent but not recorded" in caplog.text
+
+
+RAW_HEADERS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            [b"content-type", b"Content-Type", b"x-a", b"set-cookie", b"connection", b"etag"]
+        )
+        | st.binary(min_size=1, max_size=8),
+        st.binary(max_size=8) | st.just(b"x" * (40 << 10)),
+    ),
+    max_size=5,
+)
+
+
+@given(
+    RAW_HEADERS,
+    st.sampled_from([200, 201, 204, 302, 404, 408, 429, 500, 503]),
+    st.integers(0, 4),
+    st.sampled_from([{}, {"store_headers": ["x-a", "set-cookie"]}, {"final_failures": True}]),
+)
+def test_what_an_asgi_answer_records_is_its_verdict_in_one_pass(
+    headers: list[tuple[bytes, bytes]], status: int, size: int, options: dict[str, Any]
+) -> None:
+    """The middleware's one-pass ``recorded`` gives what the verdict of the answer's
+    outcome gives (the protocol the A2A door speaks): the same headers kept, media
+    type (an empty Content-Type too), omitted body, header bound and failure."""
+    policy = HttpPolicy("memory://", max_body=2, **options)
+    body = b"abcd"[:size] if size <= 2 else b""
+    kept = policy.stored_raw_headers(headers)
+    expected = policy.verdict(status, policy.outcome_of(status, kept, body, size))
+    assert policy.recorded(status, headers, body, size) == expected
+
+
+@pytest.mark.parametrize("body", [b' {"a":1}', b'{"a":1} ', b'\n\t{"a":1}\r\n', b'{ "a" : 1 }'])
+def test_whitespace_around_a_json_body_is_not_fingerprinted(body: bytes) -> None:
+    fp = request_fingerprint
+    assert fp("POST", "/", "", "application/json", body) == fp(
+        "POST", "/", "", "application/json", b'{"a":1}'
+    )
+
+
+def _key_or_error(parse: Any, value: str) -> object:
+    try:
+        return parse([value])
+    except InvalidKeyError:
+        return InvalidKeyError
+
+
+@given(
+    st.text(st.characters(min_codepoint=0, max_codepoint=0x200), max_size=300)
+    | KEYS.map(lambda k: f" {k}\t")
+    | KEYS.map(sf_string)
+)
+def test_the_policy_takes_one_key_line_as_parse_key_does(value: str) -> None:
+    """The policy's shortcut for one bare key line answers what parse_key answers."""
+    assert _key_or_error(HttpPolicy("memory://").key, value) == _key_or_error(parse_key, value)

@@ -20,6 +20,7 @@ from retrysafe._core.secret import asecret_of
 from retrysafe._http.policy import Capture, HttpPolicy
 from retrysafe._http.problems import Response
 from retrysafe._http.request import Canonicalize, Headers, HttpRequest
+from retrysafe._model.record import Outcome
 from retrysafe.errors import BodyTooLarge, IdempotencyError
 
 if TYPE_CHECKING:
@@ -253,7 +254,7 @@ async def send_json(
 
 
 #: The handlings whose request was cancelled, kept referenced until they end.
-_orphans: set[asyncio.Task[None]] = set()
+_orphans: set[asyncio.Future[None]] = set()
 
 
 async def to_the_end(handling: Coroutine[Any, Any, T]) -> T:
@@ -279,15 +280,21 @@ async def to_the_end(handling: Coroutine[Any, Any, T]) -> T:
     try:
         return await done
     except asyncio.CancelledError:
-        if not done.done():
-            done.cancel()
-        if done.cancelled():
-            if not task.done():
-                _orphans.add(task)
-                task.add_done_callback(_orphans.discard)
-        elif done.exception() is not None:  # it ended as the caller was cancelled
-            _orphan_failed(done.exception())
+        _left(done, task)
         raise
+
+
+def _left(done: asyncio.Future[Any], task: asyncio.Future[None]) -> None:
+    """The caller awaiting ``done``, the outcome of ``task``, was cancelled: the task
+    runs on (kept referenced until it ends), or its failure is logged."""
+    if not done.done():
+        done.cancel()
+    if done.cancelled():
+        if not task.done():
+            _orphans.add(task)
+            task.add_done_callback(_orphans.discard)
+    elif done.exception() is not None:  # it ended as the caller was cancelled
+        _orphan_failed(done.exception())
 
 
 async def _carry(handling: Coroutine[Any, Any, T], done: asyncio.Future[T]) -> None:
@@ -295,20 +302,27 @@ async def _carry(handling: Coroutine[Any, Any, T], done: asyncio.Future[T]) -> N
     (the caller left), a failure is logged instead."""
     try:
         result = await handling
-    except asyncio.CancelledError:  # this task itself was cancelled (the loop is closing)
-        if not done.done():
-            done.cancel()
-        raise
     except BaseException as exc:
-        if done.cancelled():
-            _orphan_failed(exc)
-        elif not done.done():
-            done.set_exception(exc)
-        if not isinstance(exc, Exception):
-            raise  # KeyboardInterrupt, SystemExit: the loop's to handle
+        _hand_failure(done, exc)
         return
     if not done.done():
         done.set_result(result)
+
+
+def _hand_failure(done: asyncio.Future[Any], exc: BaseException) -> None:
+    """Hand the failure ``exc`` of a detached handling to ``done`` (logged if its caller
+    left); re-raised if it is not the handling's to end with (a cancellation of the
+    task itself as the loop closes, KeyboardInterrupt, SystemExit)."""
+    if isinstance(exc, asyncio.CancelledError):  # the task itself was cancelled
+        if not done.done():
+            done.cancel()
+        raise exc
+    if done.cancelled():
+        _orphan_failed(exc)
+    elif not done.done():
+        done.set_exception(exc)
+    if not isinstance(exc, Exception):
+        raise exc  # KeyboardInterrupt, SystemExit: the loop's to handle
 
 
 def _orphan_failed(exc: BaseException | None) -> None:
@@ -524,22 +538,18 @@ class IdempotencyMiddleware:
             return
         # A cancelled request (a client that left, a timeout middleware) does not
         # stop a keyed one: work the app runs in a thread would go on regardless,
-        # and a retry would run it again alongside (see run_detached).
-        await run_detached(
-            lambda hear, answer: self._run(policy, att, scope, hear, answer),
-            replaying(body, receive),
-            send,
-        )
-
-    async def _run(
-        self, policy: HttpPolicy, att: Attempt, scope: Scope, receive: Receive, send: Send
-    ) -> None:
-        """Run the app for a claimed attempt and record its answer; an exception of the
-        app fails the attempt, as leaving ``async with attempt`` would."""
+        # and a retry would run it again alongside (see to_the_end). The app runs in
+        # a task that hands its end to ``done``, as to_the_end's does, but one object
+        # is its receive, its send (the recorder) and its body: no wrapper between.
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        keyed = _Keyed(self.app, scope, body, receive, send, policy, att, done)
+        task = _detached(loop, keyed.run())
         try:
-            await run_recorded(self.app, scope, receive, Recorder(send, policy, att))
-        except BaseException as exc:
-            await att.__aexit__(type(exc), exc, exc.__traceback__)
+            await done
+        except asyncio.CancelledError:
+            keyed.cancelled = True  # the app hears http.disconnect, what it sends goes nowhere
+            _left(done, task)
             raise
 
 
@@ -563,13 +573,24 @@ class Recorder:
     end and its answer is stored, so the client's retry gets the replay.
     """
 
-    __slots__ = ("att", "capture", "connected", "down", "length", "policy", "start", "started")
+    __slots__ = (
+        "att",
+        "cancelled",
+        "capture",
+        "connected",
+        "down",
+        "length",
+        "policy",
+        "start",
+        "started",
+    )
 
     def __init__(self, send: Send, policy: HttpPolicy, att: Attempt) -> None:
         self.down, self.policy, self.att = send, policy, att
         self.start: Message | None = None
         self.capture = Capture(policy.max_body)
         self.connected = True
+        self.cancelled = False  # the request was cancelled: nothing more is sent
         self.started = False
         self.length = -1  # the answer's Content-Length, if it declares one
 
@@ -597,13 +618,11 @@ class Recorder:
                     http_log.warning("retrysafe: the answer's end cannot be proven; not stored")
                     await self.att.afail(final=False)
                 else:
-                    status = start["status"]
-                    policy = self.policy
-                    kept = policy.stored_raw_headers(start.get("headers", ()))
-                    outcome = policy.outcome_of(status, kept, capture.body(), capture.size)
-                    failed, stored, final = policy.verdict(status, outcome)
+                    failed, stored, final = self._recorded(
+                        start["status"], start.get("headers", ()), capture.body(), capture.size
+                    )
                     await arecord(
-                        self.att, stored, failed=failed, final=final, answer=policy.answer
+                        self.att, stored, failed=failed, final=final, answer=self.policy.answer
                     )
             if not self.started:
                 self.started = True
@@ -612,14 +631,79 @@ class Recorder:
             return
         await self._forward(message)
 
+    def _recorded(
+        self, status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes, size: int
+    ) -> tuple[bool, Outcome | None, bool | None]:
+        """(failed, what is stored, final) of the answer: the policy's verdict of its
+        outcome (the protocol a2a's answers speak too)."""
+        policy = self.policy
+        outcome = policy.outcome_of(status, policy.stored_raw_headers(headers), body, size)
+        return policy.verdict(status, outcome)
+
     async def _forward(self, message: Message) -> None:
-        if not self.connected:
+        if not self.connected or self.cancelled:
             return
         try:
             await self.down(message)
         except OSError as exc:  # the client went away; finish and record anyway
             self.connected = False
             http_log.info("retrysafe: client disconnected; the answer is still recorded (%s)", exc)
+
+
+class _Keyed(Recorder):
+    """The run of a claimed request's app, in a task of its own (see
+    :meth:`IdempotencyMiddleware._keyed`): the app's receive (the body already read,
+    then the client's messages), its send (the recorder) and the task's body, which
+    hands its end to ``done`` as :func:`to_the_end`'s task does."""
+
+    __slots__ = ("app", "body", "done", "scope", "up")
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        scope: Scope,
+        body: bytes,
+        receive: Receive,
+        send: Send,
+        policy: HttpPolicy,
+        att: Attempt,
+        done: asyncio.Future[None],
+    ) -> None:
+        super().__init__(send, policy, att)
+        self.app, self.scope, self.up, self.done = app, scope, receive, done
+        self.body: bytes | None = body
+
+    def _recorded(
+        self, status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes, size: int
+    ) -> tuple[bool, Outcome | None, bool | None]:
+        return self.policy.recorded(status, headers, body, size)  # the same, in one pass
+
+    async def receive(self) -> Message:
+        """The body read before the claim, then the client's messages; once the
+        request is cancelled, ``http.disconnect``."""
+        if self.cancelled:
+            return {"type": "http.disconnect"}
+        body = self.body
+        if body is None:
+            return await self.up()
+        self.body = None
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def run(self) -> None:
+        """Run the app and record its answer (an exception of the app fails the
+        attempt, as leaving ``async with attempt`` would); hand the end to ``done``."""
+        att = self.att
+        try:
+            try:
+                await run_recorded(self.app, self.scope, self.receive, self)
+            except BaseException as exc:
+                await att.__aexit__(type(exc), exc, exc.__traceback__)
+                raise
+        except BaseException as exc:
+            _hand_failure(self.done, exc)
+            return
+        if not self.done.done():
+            self.done.set_result(None)
 
 
 async def send_answer(send: Send, response: Response) -> None:

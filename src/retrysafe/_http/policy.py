@@ -255,6 +255,18 @@ class HttpPolicy:
         """The request's key from the key header lines (:class:`InvalidKeyError` if bad)."""
         if not values:
             return None
+        if len(values) == 1 and self.key_format is None:
+            # One bare key of visible ASCII, nothing to strip: parse_key's answer, at once.
+            line = values[0]
+            if (
+                len(line) <= 255
+                and line.isascii()
+                and line.isprintable()
+                and line[:1] not in ' "'
+                and line[-1] != " "
+                and "," not in line
+            ):
+                return line
         key = parse_key(values)
         if self.key_format is not None and key is not None:
             self.key_format(key)
@@ -468,6 +480,41 @@ class HttpPolicy:
             return True, None, False
         if _header_bytes(outcome.headers) > MAX_STORED_HEADERS:
             return True, None, True
+        if self.is_failure(status):
+            return True, outcome, self.final_failures
+        return False, outcome, False
+
+    def recorded(
+        self, status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes, size: int
+    ) -> tuple[bool, Outcome | None, bool]:
+        """``verdict(status, outcome_of(status, stored_raw_headers(headers), body, size))``
+        in one pass over ASGI's (name, value) byte pairs: what an answer records."""
+        if status in UNPROCESSED:
+            return True, None, False
+        unkept, only = self._unkept, self._only
+        kept: list[tuple[str, str]] = []
+        media = None
+        total = 0  # the bytes of the kept headers, as _header_bytes counts them
+        for k, v in headers:
+            name = k.decode("latin-1").lower()
+            if unkept is not None:
+                if name in unkept:
+                    continue
+            elif only is None or name not in only:
+                continue
+            value = v.decode("latin-1")
+            kept.append((name, value))
+            total += len(name) + len(value) + 4
+            if media is None and name == "content-type":
+                media = value
+        if total > MAX_STORED_HEADERS:
+            return True, None, True
+        if size > self.max_body:
+            outcome = Outcome(b"", status, tuple(kept), OMITTED)
+        else:
+            if media is None:
+                media = "application/octet-stream"
+            outcome = Outcome(body, status, tuple(kept), media)
         if self.is_failure(status):
             return True, outcome, self.final_failures
         return False, outcome, False
