@@ -28,6 +28,7 @@ from retrysafe import (
     Store,
     key_hash,
 )
+from retrysafe.stores.memory import MemoryStore
 
 OP = "payments.charge"
 
@@ -473,6 +474,36 @@ async def test_cancelled_during_completion_still_completes(store: Store[Any]) ->
             break
     assert result.outcome.value == "charged once" and runs == [1]
     await store.aclose()
+
+
+class OwnTimeout(MemoryStore):
+    """A store like most client libraries: its claim enters a timeout (here one already
+    due) before its first wait; ``drive_inline`` is the Store default, False."""
+
+    drive_inline = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tasks: list[asyncio.Task[Any] | None] = []
+
+    async def aclaim(self, record: Any) -> Any:
+        self.tasks.append(asyncio.current_task())
+        async with asyncio.timeout(0):
+            await asyncio.Event().wait()
+        raise AssertionError("the timeout did not fire")
+
+
+async def test_a_store_calls_own_timeout_ends_that_call_not_its_caller() -> None:
+    """A timeout entered by a store call belongs to that call's task: on Python 3.11,
+    driving the call's first step by hand in the caller's task (as the engine does for
+    stores that say they may be) made it cancel the caller, and the call waited on."""
+    store = OwnTimeout()
+    engine = Engine(store)
+    with pytest.raises(TimeoutError):
+        async with engine.attempt("k", operation=OP):
+            raise AssertionError("claimed")
+    assert store.tasks and store.tasks[0] is not asyncio.current_task()
+    assert MemoryStore.drive_inline and not Store.drive_inline
 
 
 async def test_cancelled_during_claim_releases_the_key(store: Store[Any]) -> None:

@@ -484,13 +484,17 @@ class Attempt:
     async def acomplete(self, outcome: Outcome) -> None:
         """Async :meth:`complete`, shielded from cancellation."""
         # (_shielded's body, inlined: one coroutine less on every first call)
-        started = _start(self._engine.acomplete(self._owned(), outcome))
+        engine = self._engine
+        started = _start(engine.acomplete(self._owned(), outcome), engine.store.drive_inline)
         if isinstance(started, asyncio.Future):
             await asyncio.shield(started)
 
     async def afail(self, outcome: Outcome | None = None, *, final: bool | None = None) -> None:
         """Async :meth:`fail`, shielded from cancellation."""
-        started = _start(self._engine.afail(self._owned(), outcome, final=final))
+        engine = self._engine
+        started = _start(
+            engine.afail(self._owned(), outcome, final=final), engine.store.drive_inline
+        )
         if isinstance(started, asyncio.Future):
             await asyncio.shield(started)
 
@@ -572,7 +576,8 @@ class Attempt:
     # is recorded and never runs again.
 
     async def __aenter__(self) -> Attempt:
-        task = _start(self._engine._abegin(self._plan))
+        engine = self._engine
+        task = _start(engine._abegin(self._plan), engine.store.drive_inline)
         if not isinstance(task, asyncio.Future):
             return self._started(task)  # answered without suspending: nothing to shield
         try:
@@ -596,11 +601,13 @@ class Attempt:
             return
         outcome = self._to_store(exc)
         if outcome is not None:
-            await _shielded(self._engine.acomplete(claim, outcome))
+            await _shielded(self._engine.acomplete(claim, outcome), self._engine.store.drive_inline)
             return
         error = None
         try:
-            await _shielded(self._engine.afail(claim, final=self.final))
+            await _shielded(
+                self._engine.afail(claim, final=self.final), self._engine.store.drive_inline
+            )
         except (LeaseLostError, StoreUnavailableError) as err:
             error = err
         self._failed(exc, error)
@@ -609,17 +616,22 @@ class Attempt:
 #: Store calls that must finish even if their caller was cancelled.
 _pending: set[asyncio.Future[Any]] = set()
 
-# _start(coro) runs ``coro`` up to its first suspension. A call that needs no I/O
-# wait (the memory store, a cached answer) returns its result there, with no extra
+# _start(coro, inline) runs ``coro`` up to its first suspension. A call that needs no
+# I/O wait (the memory store, a cached answer) returns its result there, with no extra
 # turn of the event loop; one that suspends goes on in a task of its own that no
 # cancellation reaches (see run_to_end), and that task is returned. Python 3.12+
-# does this with a public mechanism, an eager task. 3.11 has none, so there the
-# coroutine is driven by hand, as a task would drive it: that saves a task and a
-# loop turn per store call that finishes at once (two per request; measured in
-# docs/engine.md). Chosen once, here, by version.
+# does this with a public mechanism, an eager task, which runs that first step as
+# the new task (its current task and its own context). 3.11 has none: there the
+# coroutine can only be driven by hand, and its first step then runs as the
+# *caller's* task, so a timeout it enters there (redis-py's reads, psycopg's waits)
+# would later cancel the caller instead of the read, and a context variable it sets
+# (a tracing span) would be reset in another context. So on 3.11 the first step is
+# taken by hand only for a store whose class says its async calls enter nothing of
+# the kind (``Store.drive_inline``: the memory and SQLite stores); every other store
+# call gets its task at once. Chosen once, here, by version.
 if sys.version_info >= (3, 12):
 
-    def _start(coro: Coroutine[Any, Any, Any]) -> Any:
+    def _start(coro: Coroutine[Any, Any, Any], inline: bool) -> Any:
         """Run ``coro`` up to its first suspension: its result, or its task."""
         task = asyncio.Task(coro, loop=asyncio.get_running_loop(), eager_start=True)
         if task.done():
@@ -628,8 +640,11 @@ if sys.version_info >= (3, 12):
 
 else:
 
-    def _start(coro: Coroutine[Any, Any, Any]) -> Any:
-        """Run ``coro`` up to its first suspension: its result, or its task."""
+    def _start(coro: Coroutine[Any, Any, Any], inline: bool) -> Any:
+        """Run ``coro`` up to its first suspension (by hand only if ``inline``): its
+        result, or its task."""
+        if not inline:
+            return run_to_end(coro)
         try:
             waiting = coro.send(None)
         except StopIteration as stop:
@@ -659,9 +674,10 @@ else:
                 return stop.value
 
 
-async def _shielded(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Await ``coro``; if the caller is cancelled meanwhile, ``coro`` still runs to its end."""
-    started = _start(coro)
+async def _shielded(coro: Coroutine[Any, Any, Any], inline: bool) -> Any:
+    """Await ``coro``; if the caller is cancelled meanwhile, ``coro`` still runs to its end
+    (``inline``: see :func:`_start`)."""
+    started = _start(coro, inline)
     if isinstance(started, asyncio.Future):
         return await asyncio.shield(started)
     return started

@@ -13,7 +13,7 @@ import dataclasses
 import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from retrysafe._model.record import ClaimResult, Outcome, Record, Status
 from retrysafe.stores._redact import redact
@@ -134,6 +134,11 @@ class Store(abc.ABC, Generic[OpT]):
     """
 
     url: str = ""
+    #: True when this store's async methods may be driven by hand up to their first
+    #: suspension in the caller's task (the engine does so on Python 3.11 to save a
+    #: task per call): they enter no timeout, cancel scope or context variable that
+    #: outlives that step (a thread hop, or no I/O at all). False for any other store.
+    drive_inline: ClassVar[bool] = False
 
     # -- what each store defines -------------------------------------------------
 

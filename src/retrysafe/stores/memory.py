@@ -195,6 +195,8 @@ class MemoryStore(Store[_Op]):
     does not archive).
     """
 
+    drive_inline = True  # no I/O at all
+
     def __init__(
         self,
         url: str = "memory://",

@@ -344,6 +344,8 @@ class SQLiteStore(Store[_Op]):
     :attr:`sweep_gap` (0: sweep at full speed, with no claims to make room for).
     """
 
+    drive_inline = True  # its async calls are a thread hop (asyncio.to_thread)
+
     def __init__(self, url: str, *, timeout: float | None = None, synchronous: str | None = None):
         path, options = _path_from_url(url)
         self.url = url
