@@ -536,3 +536,43 @@ def test_paths_are_the_utf_8_text_an_asgi_server_gives() -> None:
     assert _path({"SCRIPT_NAME": "/app", "PATH_INFO": "/orders"}) == "/app/orders"
     assert _path({"PATH_INFO": "/caf\xc3\xa9"}) == "/café"  # UTF-8 bytes as latin-1
     assert _path({"PATH_INFO": "/\xff"}) == "/\udcff"  # not UTF-8: surrogate-escaped
+
+
+# -- the caller, from the environ -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "environ", "query", "user"),
+    [
+        ({}, {"HTTP_AUTHORIZATION": "Bearer a"}, "", None),  # the lone path
+        ({}, {"HTTP_X_API_KEY": " k1 "}, "", None),  # the lone path, stripped
+        ({}, {"HTTP_AUTHORIZATION": "Bearer a, Bearer b"}, "", None),  # joined lines: one value
+        ({}, {"HTTP_AUTHORIZATION": ""}, "", None),  # empty: anonymous
+        ({"anonymous": "share"}, {"HTTP_AUTHORIZATION": ""}, "", None),
+        ({}, {"HTTP_AUTHORIZATION": "Bearer caf\xc3\xa9"}, "", None),  # not ASCII: the rules
+        ({}, {"HTTP_AUTHORIZATION": "Bearer a", "HTTP_COOKIE": "sessionid=s"}, "", None),
+        ({}, {"HTTP_AUTHORIZATION": "Bearer a", "HTTP_COOKIE": "currency=USD"}, "", None),
+        ({}, {"HTTP_AUTHORIZATION": "Bearer a", "HTTP_X_API_KEY": "k"}, "", None),
+        ({}, {"HTTP_COOKIE": "sessionid=s"}, "", None),
+        ({}, {"HTTP_AUTHORIZATION": "Bearer a"}, "", "auth.user:1"),  # the user comes first
+        ({"principal_query": ["token"]}, {"HTTP_AUTHORIZATION": "Bearer a"}, "token=t", None),
+        ({"principal_query": ["token"]}, {"HTTP_AUTHORIZATION": "Bearer a"}, "", None),
+        ({"principal_headers": ["x-tenant"]}, {"HTTP_X_TENANT": "t1"}, "", None),
+        ({"principal_headers": ["x-tenant"]}, {"HTTP_X_API_KEY": "k"}, "", None),  # not read
+        ({}, {"HTTP_HOST": "h"}, "", None),  # no credential at all
+    ],
+)
+def test_the_caller_of_an_environ_is_whom_the_rules_name(
+    options: dict[str, Any], environ: dict[str, str], query: str, user: str | None
+) -> None:
+    """The one-pass reading of an environ's credentials (with its shortcut for one
+    credential header) gives the principal the general rules give, every time."""
+    from retrysafe._core.principal import Principals
+    from retrysafe._http.flow import caller
+
+    p = Principals(**options)
+    lines = [("authorization", "HTTP_AUTHORIZATION"), *p.environ_names, ("cookie", "HTTP_COOKIE")]
+    general = [(name, environ[key]) for name, key in dict(lines).items() if key in environ]
+    want = p.others(user, general, query)
+    for _ in range(2):  # the second time from memory, where the shortcut remembers
+        assert caller(p, environ, user, query) == want

@@ -27,7 +27,7 @@ from typing import Any
 
 from retrysafe._core.engine import Attempt, run_to_end
 from retrysafe._core.heartbeat import renewing
-from retrysafe._core.principal import unscoped
+from retrysafe._core.principal import Principal, Principals, unscoped
 from retrysafe._core.recording import arecord, record
 from retrysafe._http.policy import Capture, HttpPolicy
 from retrysafe._http.problems import Response
@@ -46,6 +46,7 @@ __all__ = [
     "aenter",
     "arun_prepare",
     "astream",
+    "caller",
     "enter",
     "prepare",
     "run_prepare",
@@ -94,10 +95,11 @@ def prepare(
         if key is None:
             return policy.missing(request)
         query = meta.get("QUERY_STRING", "")
-        who = policy.principals.named(request)
+        principals = policy.principals
+        who = principals.named(request)
         if who is None:  # the framework's user is read only when principal= did not decide
             known = (yield USER) if user is None else user()
-            who = policy.principals.others(known, _credentials(meta, policy), query)
+            who = caller(principals, meta, known, query)
             if who is None:  # anonymous: run without a record (anonymous="run")
                 unscoped(policy.operation)
                 return None
@@ -124,15 +126,29 @@ def prepare(
     return (policy, attempt)
 
 
-def _credentials(meta: Mapping[str, Any], policy: HttpPolicy) -> Iterator[tuple[str, str]]:
-    """The credential headers of a WSGI environ (the server joined repeated lines)."""
-    for name, key in policy.principals.environ_names:
+def caller(
+    principals: Principals, meta: Mapping[str, Any], user: str | None, query: str
+) -> Principal | None:
+    """:meth:`~retrysafe._core.principal.Principals.others` of a WSGI environ (the
+    server joined repeated lines), in one pass over the credential names.
+
+    A request whose one credential is a single header (no cookie, no
+    ``principal_query`` parameter, no framework user) takes the remembered
+    :meth:`~retrysafe._core.principal.Principals.lone` answer: the same principal.
+    """
+    found: list[tuple[str, str]] = []
+    for name, key in principals.environ_names:
         value = meta.get(key)
         if value is not None:
-            yield name, value
+            found.append((name, value))
     cookie = meta.get("HTTP_COOKIE")
     if cookie:
-        yield "cookie", cookie
+        found.append(("cookie", cookie))
+    elif user is None and len(found) == 1 and (not query or not principals.query):
+        name, value = found[0]
+        if value.isascii():  # (a WSGI str is latin-1: ASCII is the same in bytes)
+            return principals.lone(name.encode(), value.encode())
+    return principals.others(user, found, query)
 
 
 class _Driver:
@@ -140,11 +156,10 @@ class _Driver:
 
     __slots__ = ("flow", "need", "value")
 
-    def __init__(self, flow: PrepareFlow) -> None:
+    def __init__(self, flow: PrepareFlow, need: str | HttpPolicy | Canonicalize | None) -> None:
         self.flow: PrepareFlow = flow
-        self.need: str | HttpPolicy | Canonicalize | None = None
+        self.need = need  # what the flow asked for first
         self.value: Prepared = None
-        self.resume(None, None)
 
     def resume(self, reply: Any, error: IdempotencyError | None) -> None:
         """Hand the flow what it asked for, or the error that getting it raised."""
@@ -156,7 +171,11 @@ class _Driver:
 
 def run_prepare(flow: PrepareFlow) -> Prepared:
     """Drive a :func:`prepare` flow that was given its ``user`` (it never yields :data:`USER`)."""
-    step = _Driver(flow)
+    try:  # most flows need nothing: they return at once
+        first = flow.send(None)
+    except StopIteration as stop:
+        return stop.value
+    step = _Driver(flow, first)
     reply: Any  # a canonical body or a secret: what the flow asked for
     while (need := step.need) is not None:
         try:
@@ -171,7 +190,8 @@ def run_prepare(flow: PrepareFlow) -> Prepared:
 
 async def arun_prepare(flow: PrepareFlow, user: Callable[[], Awaitable[str | None]]) -> Prepared:
     """Async :func:`run_prepare`: the user and the secret are awaited."""
-    step = _Driver(flow)
+    step = _Driver(flow, None)
+    step.resume(None, None)
     reply: Any
     while (need := step.need) is not None:
         try:
@@ -214,15 +234,18 @@ class Held:
         self.held = False
         error = exc
         closers = self.closers
-        while closers:
+        while closers:  # (usually one: the app's close())
             try:
                 closers.pop()()
             except BaseException as err:
                 error = err
         self.renewal.__exit__(None, None, None)
-        self.att.__exit__(*_exc_info(error))
+        if error is None:
+            self.att.__exit__(None, None, None)
+            return
+        self.att.__exit__(type(error), error, error.__traceback__)
         if error is not exc:
-            raise error  # type: ignore[misc]  # (not None: it differs from exc)
+            raise error  # (not None: it differs from exc)
 
 
 def enter(policy: HttpPolicy, attempt: Attempt) -> Held | Response | None:
