@@ -62,34 +62,7 @@ from typing import Any
 BEGIN_MARK = "<!-- bench/client.py: generated from here -->"
 END_MARK = "<!-- bench/client.py: generated up to here -->"
 SECTION = "## Step 6: the client and the outbox"
-HOST = "127.0.0.1"
-PATH = "/orders"
-CALLS_PATH = "/_calls"
-PAYLOAD = {"order_id": "o-1", "amount": 1999, "currency": "eur"}
-BODY = json.dumps(PAYLOAD, separators=(",", ":")).encode()
-HEADERS = {"Content-Type": "application/json"}
-#: Who calls through the gateway (a keyed request without credentials runs unrecorded there).
-VIA = {**HEADERS, "Authorization": "Bearer rsbench"}
-ANSWER = json.dumps({"id": "ch_123", "status": "created"}, separators=(",", ":")).encode()
 LIBRARIES = ("httpx", "httpcore", "h11", "uvicorn", "uvloop", "httptools")
-#: Operations per outbox variant when counting syscalls under strace.
-SYSCALL_OPS = 100
-
-# Contender names.
-HTTPX, CLIENT = "httpx.Client.post", "Client.post"
-AHTTPX, ACLIENT = "httpx.AsyncClient.post", "AsyncClient.post"
-DIRECT, GW_FIRST, GW_REPLAY = "Client.post, direct", "Client.post via gateway", "retry via gateway"
-FLOOR_FULL = "sqlite3 INSERT, one open connection (FULL)"
-FLOOR_NORMAL = "sqlite3 INSERT, one open connection (NORMAL)"
-FLOOR_PER_CALL = "sqlite3 INSERT, a connection per call (FULL)"
-ENQUEUE = "Outbox.enqueue"
-ENQUEUE_HELD = "Outbox.enqueue, file held open"
-POSTS = "N x Client.post, direct"
-FLUSH = "Outbox.flush of N"
-FLUSH_HELD = "Outbox.flush of N, file held open"
-MOCK = ", no socket"
-ENQUEUE_NAMES = (FLOOR_FULL, FLOOR_NORMAL, FLOOR_PER_CALL, ENQUEUE, ENQUEUE_HELD)
-FLUSH_NAMES = (FLUSH, FLUSH_HELD)
 
 
 def _load(name: str, path: Path) -> ModuleType:
@@ -105,6 +78,11 @@ bs = _load("_rsbench_stores", HERE / "stores.py")
 Contender = bs.Contender
 BenchError = bs.BenchError
 
+# This script's own modules, in the order they use each other (each finds the ones
+# loaded before it in sys.modules).
+cn = _load("_rsbench_client_names", HERE / "_client_names.py")  # the shared names
+cr = _load("_rsbench_client_report", HERE / "_client_report.py")  # the Markdown
+
 
 # -- the server (runs in a uvicorn subprocess) ----------------------------------------------
 
@@ -115,7 +93,7 @@ class Endpoint:
 
     headers = [
         (b"content-type", b"application/json"),
-        (b"content-length", str(len(ANSWER)).encode()),
+        (b"content-length", str(len(cn.ANSWER)).encode()),
     ]
 
     def __init__(self) -> None:
@@ -151,7 +129,7 @@ class Endpoint:
         if any(k == b"idempotency-key" for k, _ in scope["headers"]):
             self.keyed += 1
         await send({"type": "http.response.start", "status": 201, "headers": self.headers})
-        await send({"type": "http.response.body", "body": ANSWER})
+        await send({"type": "http.response.body", "body": cn.ANSWER})
 
 
 def serve(port: int) -> int:
@@ -163,7 +141,7 @@ def serve(port: int) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     uvicorn.run(
         Endpoint(),
-        host=HOST,
+        host=cn.HOST,
         port=port,
         workers=1,
         log_level="warning",
@@ -231,8 +209,8 @@ def start_upstream(tmp: Path, stack: contextlib.ExitStack) -> Process:
     argv = [sys.executable, str(Path(__file__).resolve()), "--serve", str(port)]
     proc = Process("upstream", argv, tmp / "upstream.log")
     stack.callback(proc.stop)
-    url = f"http://{HOST}:{port}"
-    proc.wait(lambda: url if _get(url + CALLS_PATH) is not None else None)
+    url = f"http://{cn.HOST}:{port}"
+    proc.wait(lambda: url if _get(url + cn.CALLS_PATH) is not None else None)
     return proc
 
 
@@ -247,7 +225,7 @@ def start_gateway(upstream: str, store: str, tmp: Path, stack: contextlib.ExitSt
         "--store",
         store,
         "--listen",
-        f"{HOST}:0",
+        f"{cn.HOST}:0",
     ]
     proc = Process("gateway", argv, tmp / "gateway.log")
     stack.callback(proc.stop)
@@ -329,7 +307,7 @@ class Tally:
 
 
 def _check(r: Any, what: str, replayed: bool = False) -> None:
-    if r.status_code != 201 or r.content != ANSWER:
+    if r.status_code != 201 or r.content != cn.ANSWER:
         raise BenchError(f"{what}: answered {r.status_code} {r.content[:200]!r}")
     if (r.headers.get("idempotent-replayed") == "true") != replayed:
         raise BenchError(f"{what}: Idempotent-Replayed is {r.headers.get('idempotent-replayed')}")
@@ -346,41 +324,44 @@ def sync_contenders(
     ours = stack.enter_context(Client(base_url=upstream.url))
 
     def floor() -> None:
-        r = plain.post(PATH, content=BODY, headers=HEADERS)
+        r = plain.post(cn.PATH, content=cn.BODY, headers=cn.HEADERS)
         tally.add(False)
-        _check(r, HTTPX)
+        _check(r, cn.HTTPX)
 
     def client() -> None:
-        r = ours.post(PATH, content=BODY, headers=HEADERS)
+        r = ours.post(cn.PATH, content=cn.BODY, headers=cn.HEADERS)
         tally.add(True)
-        _check(r, CLIENT)
+        _check(r, cn.CLIENT)
 
-    out = [served("http", HTTPX, floor, [upstream]), served("http", CLIENT, client, [upstream])]
+    out = [
+        served("http", cn.HTTPX, floor, [upstream]),
+        served("http", cn.CLIENT, client, [upstream]),
+    ]
     if gateway is None:
         return out
     via = stack.enter_context(Client(base_url=gateway.url))
     retry_key = [""]
 
     def gw_first() -> None:
-        r = via.post(PATH, content=BODY, headers=VIA)
+        r = via.post(cn.PATH, content=cn.BODY, headers=cn.VIA)
         tally.add(True)
-        _check(r, GW_FIRST)
+        _check(r, cn.GW_FIRST)
 
     def gw_prepare() -> None:  # a completed key to retry
         retry_key[0] = str(uuid.uuid4())
-        r = via.post(PATH, content=BODY, headers={**VIA, "Idempotency-Key": retry_key[0]})
+        r = via.post(cn.PATH, content=cn.BODY, headers={**cn.VIA, "Idempotency-Key": retry_key[0]})
         tally.add(True)
-        _check(r, GW_REPLAY)
+        _check(r, cn.GW_REPLAY)
 
     def gw_replay() -> None:
-        r = via.post(PATH, content=BODY, headers={**VIA, "Idempotency-Key": retry_key[0]})
-        _check(r, GW_REPLAY, replayed=True)
+        r = via.post(cn.PATH, content=cn.BODY, headers={**cn.VIA, "Idempotency-Key": retry_key[0]})
+        _check(r, cn.GW_REPLAY, replayed=True)
 
     both = [gateway, upstream]
     return [
         *out,
-        served("gateway", GW_FIRST, gw_first, both),
-        served("gateway", GW_REPLAY, gw_replay, both, prepare=gw_prepare),
+        served("gateway", cn.GW_FIRST, gw_first, both),
+        served("gateway", cn.GW_REPLAY, gw_replay, both, prepare=gw_prepare),
     ]
 
 
@@ -401,7 +382,7 @@ def async_contenders(upstream: Process, tally: Tally, stack: contextlib.ExitStac
         async def calls(n: int) -> None:
             post = client.post
             for _ in range(n):
-                r = await post(PATH, content=BODY, headers=HEADERS)
+                r = await post(cn.PATH, content=cn.BODY, headers=cn.HEADERS)
                 tally.add(keyed)
                 _check(r, name)
 
@@ -414,7 +395,7 @@ def async_contenders(upstream: Process, tally: Tally, stack: contextlib.ExitStac
         c.run = run
         return c
 
-    return [make(AHTTPX, plain, False), make(ACLIENT, ours, True)]
+    return [make(cn.AHTTPX, plain, False), make(cn.ACLIENT, ours, True)]
 
 
 def mock_contenders(stack: contextlib.ExitStack) -> list[Any]:
@@ -426,23 +407,26 @@ def mock_contenders(stack: contextlib.ExitStack) -> list[Any]:
 
     def handler(request: httpx.Request) -> httpx.Response:
         keyed = b"1" if "idempotency-key" in request.headers else b"0"
-        return httpx.Response(201, headers=[(b"x-keyed", keyed)], content=ANSWER)
+        return httpx.Response(201, headers=[(b"x-keyed", keyed)], content=cn.ANSWER)
 
     transport = httpx.MockTransport(handler)
     loop = asyncio.new_event_loop()
     stack.callback(loop.close)
     out = []
-    for name, cls, keyed in ((HTTPX, httpx.Client, b"0"), (CLIENT, Client, b"1")):
+    for name, cls, keyed in ((cn.HTTPX, httpx.Client, b"0"), (cn.CLIENT, Client, b"1")):
         client = stack.enter_context(cls(base_url="http://server", transport=transport))
 
         def run(n: int, post: Any = client.post, name: str = name, keyed: bytes = keyed) -> None:
             for _ in range(n):
-                r = post(PATH, content=BODY, headers=HEADERS)
+                r = post(cn.PATH, content=cn.BODY, headers=cn.HEADERS)
                 if r.status_code != 201 or r.headers["x-keyed"] != keyed.decode():
-                    raise BenchError(f"{name}{MOCK}: {r.status_code} {r.headers}")
+                    raise BenchError(f"{name}{cn.MOCK}: {r.status_code} {r.headers}")
 
-        out.append(Contender("mock", name + MOCK, "call", run))
-    for name, acls, keyed in ((AHTTPX, httpx.AsyncClient, b"0"), (ACLIENT, AsyncClient, b"1")):
+        out.append(Contender("mock", name + cn.MOCK, "call", run))
+    for name, acls, keyed in (
+        (cn.AHTTPX, httpx.AsyncClient, b"0"),
+        (cn.ACLIENT, AsyncClient, b"1"),
+    ):
         aclient = acls(base_url="http://server", transport=transport)
         stack.callback(lambda c=aclient: loop.run_until_complete(c.aclose()))
 
@@ -450,14 +434,14 @@ def mock_contenders(stack: contextlib.ExitStack) -> list[Any]:
             n: int, post: Any = aclient.post, name: str = name, keyed: bytes = keyed
         ) -> None:
             for _ in range(n):
-                r = await post(PATH, content=BODY, headers=HEADERS)
+                r = await post(cn.PATH, content=cn.BODY, headers=cn.HEADERS)
                 if r.status_code != 201 or r.headers["x-keyed"] != keyed.decode():
-                    raise BenchError(f"{name}{MOCK}: {r.status_code} {r.headers}")
+                    raise BenchError(f"{name}{cn.MOCK}: {r.status_code} {r.headers}")
 
         def arun(n: int, calls: Any = calls) -> None:
             loop.run_until_complete(calls(n))
 
-        out.append(Contender("mock", name + MOCK, "call", arun))
+        out.append(Contender("mock", name + cn.MOCK, "call", arun))
     return out
 
 
@@ -478,7 +462,7 @@ def sqlite_ops(
     """One enqueue (or its floor) per call, each variant on its own file in ``directory``."""
     from retrysafe.client import Outbox
 
-    head = json.dumps(HEADERS, sort_keys=True)
+    head = json.dumps(cn.HEADERS, sort_keys=True)
     insert = (
         "INSERT INTO retrysafe_outbox (key, method, url, headers, body, created_at) "
         "VALUES (?, ?, ?, ?, ?, ?)"
@@ -491,7 +475,7 @@ def sqlite_ops(
         execute = conn.execute
 
         def op() -> None:
-            execute(insert, (str(uuid.uuid4()), "POST", url, head, BODY, time.time()))
+            execute(insert, (str(uuid.uuid4()), "POST", url, head, cn.BODY, time.time()))
 
         return op
 
@@ -501,7 +485,7 @@ def sqlite_ops(
         def op() -> None:
             conn = sqlite3.connect(path, isolation_level=None)
             try:
-                conn.execute(insert, (str(uuid.uuid4()), "POST", url, head, BODY, time.time()))
+                conn.execute(insert, (str(uuid.uuid4()), "POST", url, head, cn.BODY, time.time()))
             finally:
                 conn.close()
 
@@ -515,16 +499,16 @@ def sqlite_ops(
             conn.execute("SELECT count(*) FROM retrysafe_outbox").fetchall()
 
         def op() -> None:
-            outbox.enqueue("POST", url, BODY, headers=HEADERS)
+            outbox.enqueue("POST", url, cn.BODY, headers=cn.HEADERS)
 
         return op
 
     return {
-        FLOOR_FULL: kept("floor-full.db", "FULL"),
-        FLOOR_NORMAL: kept("floor-normal.db", "NORMAL"),
-        FLOOR_PER_CALL: per_call(),
-        ENQUEUE: enqueue("enqueue.db", held=False),
-        ENQUEUE_HELD: enqueue("enqueue-held.db", held=True),
+        cn.FLOOR_FULL: kept("floor-full.db", "FULL"),
+        cn.FLOOR_NORMAL: kept("floor-normal.db", "NORMAL"),
+        cn.FLOOR_PER_CALL: per_call(),
+        cn.ENQUEUE: enqueue("enqueue.db", held=False),
+        cn.ENQUEUE_HELD: enqueue("enqueue-held.db", held=True),
     }
 
 
@@ -532,12 +516,12 @@ def outboxes(directory: Path, stack: contextlib.ExitStack) -> dict[str, Any]:
     """The two outboxes that get flushed: alone, and with the file held open."""
     from retrysafe.client import Outbox
 
-    out = {FLUSH: Outbox(_outbox_file(directory / "flush.db"))}
+    out = {cn.FLUSH: Outbox(_outbox_file(directory / "flush.db"))}
     held = Outbox(_outbox_file(directory / "flush-held.db"))
     conn = sqlite3.connect(held.path, isolation_level=None)
     stack.callback(conn.close)
     conn.execute("SELECT count(*) FROM retrysafe_outbox").fetchall()
-    out[FLUSH_HELD] = held
+    out[cn.FLUSH_HELD] = held
     return out
 
 
@@ -561,7 +545,7 @@ class FlushCycles(Served):
         while done == 0 or wall < seconds:
             q = clock()
             for _ in range(self.items):
-                self.outbox.enqueue("POST", self.url, BODY, headers=HEADERS)
+                self.outbox.enqueue("POST", self.url, cn.BODY, headers=cn.HEADERS)
             queue += clock() - q
             s0, c0, t0 = self._server_cpu(), cpu_clock(), clock()
             result = self.outbox.flush(self.client)
@@ -586,14 +570,14 @@ def flush_contenders(
     from retrysafe.client import Client
 
     client = stack.enter_context(Client(base_url=upstream.url))
-    url = upstream.url + PATH
+    url = upstream.url + cn.PATH
 
     def post() -> None:  # what the flush sends for an item, with a new key
-        r = client.post(url, content=BODY, headers=HEADERS)
+        r = client.post(url, content=cn.BODY, headers=cn.HEADERS)
         tally.add(True)
-        _check(r, POSTS)
+        _check(r, cn.POSTS)
 
-    out = [served("flush", POSTS, post, [upstream])]
+    out = [served("flush", cn.POSTS, post, [upstream])]
     for name, outbox in outboxes(directory, stack).items():
         out.append(
             FlushCycles(
@@ -636,41 +620,34 @@ def syscall_child(directory: str) -> int:
         return connect(*args, **kwargs)
 
     sqlite3.connect = counting  # type: ignore[assignment]  # the outbox calls sqlite3.connect
-    url = f"http://{HOST}:9{PATH}"
+    url = f"http://{cn.HOST}:9{cn.PATH}"
     connections: dict[str, float] = {}
     with contextlib.ExitStack() as stack:
         for name, op in sqlite_ops(Path(directory), url, stack).items():
             op()  # warm
             _mark(name, "begin")
             before = opened[0]
-            for _ in range(SYSCALL_OPS):
+            for _ in range(cn.SYSCALL_OPS):
                 op()
-            connections[name] = (opened[0] - before) / SYSCALL_OPS
+            connections[name] = (opened[0] - before) / cn.SYSCALL_OPS
             _mark(name, "end")
-        transport = httpx.MockTransport(lambda request: httpx.Response(201, content=ANSWER))
+        transport = httpx.MockTransport(lambda request: httpx.Response(201, content=cn.ANSWER))
         client = stack.enter_context(Client(transport=transport))
         for name, outbox in outboxes(Path(directory), stack).items():
-            for _ in range(SYSCALL_OPS):
-                outbox.enqueue("POST", url, BODY, headers=HEADERS)
+            for _ in range(cn.SYSCALL_OPS):
+                outbox.enqueue("POST", url, cn.BODY, headers=cn.HEADERS)
             _mark(name, "begin")
             before = opened[0]
             result = outbox.flush(client)
-            connections[name] = (opened[0] - before) / SYSCALL_OPS
+            connections[name] = (opened[0] - before) / cn.SYSCALL_OPS
             _mark(name, "end")
-            if len(result.delivered) != SYSCALL_OPS:
+            if len(result.delivered) != cn.SYSCALL_OPS:
                 raise BenchError(f"{name}: {result!r}")
     print(json.dumps(connections))
     return 0
 
 
-@dataclass
-class Syscalls:
-    connections: float  # sqlite3.connect calls
-    fsyncs: float | None  # None: not counted (no strace)
-    deletes: float | None
-
-
-def count_syscalls(tmp: Path) -> dict[str, Syscalls]:
+def count_syscalls(tmp: Path) -> dict[str, cn.Syscalls]:
     """Per operation of each outbox variant, in a child process (under ``strace -f`` when
     it is installed): connections opened, fsyncs and files deleted."""
     directory = tmp / "syscalls"
@@ -694,7 +671,7 @@ def count_syscalls(tmp: Path) -> dict[str, Syscalls]:
                 if found.group(2) == "begin":
                     phase, fsyncs, deletes = found.group(1), 0, 0
                 elif phase is not None:
-                    counted[phase] = (fsyncs / SYSCALL_OPS, deletes / SYSCALL_OPS)
+                    counted[phase] = (fsyncs / cn.SYSCALL_OPS, deletes / cn.SYSCALL_OPS)
                     phase = None
             elif phase is not None and "= -1" not in line:
                 if re.search(r"\b(fsync|fdatasync)\(", line):
@@ -702,24 +679,9 @@ def count_syscalls(tmp: Path) -> dict[str, Syscalls]:
                 elif re.search(r"\bunlink(at)?\(", line):
                     deletes += 1
     return {
-        name: Syscalls(n, *counted.get(name, (None, None)))  # type: ignore[arg-type]
+        name: cn.Syscalls(n, *counted.get(name, (None, None)))  # type: ignore[arg-type]
         for name, n in connections.items()
     }
-
-
-# -- report ----------------------------------------------------------------------------------
-
-
-def _rate(c: Any) -> str:
-    return f"{c.median:,.0f}"
-
-
-def _spread(c: Any) -> str:
-    return f"{min(c.samples):,.0f}-{max(c.samples):,.0f}"
-
-
-def _us(rate: float) -> float:
-    return 1e6 / rate
 
 
 def _filesystem(path: Path) -> str:
@@ -730,189 +692,6 @@ def _filesystem(path: Path) -> str:
             if str(path).startswith(mount) and len(mount) >= len(best[0]):
                 best = (mount, kind, device)
     return f"{best[1]} on {best[2]} (mounted at {best[0]})"
-
-
-def render(
-    args: Any,
-    command: str,
-    info: dict[str, str],
-    cs: dict[str, Any],
-    syscalls: dict[str, Syscalls],
-    elapsed: float,
-) -> str:
-    n = args.flush_items
-    out = [
-        "### The last run",
-        "",
-        "Generated by `bench/client.py --write`; do not edit by hand. One thread; every",
-        f"variant runs interleaved with its floor in {args.rounds} rounds of {args.seconds:g} s",
-        "(the order flips every round) after a warm-up; figures are medians over the rounds,",
-        "ratios are ratios of medians. Client CPU is this process's CPU time per call, which",
-        "other load on the machine moves far less than the wall-clock rate; server CPU is the",
-        "server processes' CPU time per call, summed over the rounds.",
-        "",
-        "```",
-        command,
-        "```",
-        "",
-        f"The run took {elapsed:.0f} s.",
-        "",
-        *(f"- {k}: {v}" for k, v in info.items()),
-        "",
-        "The server: a pure ASGI app that reads the body and answers 201 with a",
-        f"{len(ANSWER)}-byte JSON body, under uvicorn (one worker, httptools, uvloop, no access",
-        "log) in its own process on a loopback port. Every call is",
-        f'`client.post("{PATH}", content=<{len(BODY)}-byte JSON>, headers={{"Content-Type": '
-        "...})`,",
-        "on a client made once (keep-alive, default options), and checks the answer;",
-        "the server counts the POSTs it answered and those with an `Idempotency-Key`, and",
-        "the run fails unless they match what the benchmark sent (the gateway's first calls",
-        "once each, its retries never).",
-        "",
-        "#### The clients against plain httpx",
-        "",
-        "| client | calls/s (rounds min-max) | / httpx | client CPU us/call | "
-        "added CPU us/call | server CPU us/call |",
-        "|---|--:|--:|--:|--:|--:|",
-    ]
-    for floor_name, name in ((HTTPX, CLIENT), (AHTTPX, ACLIENT)):
-        floor, sub = cs[floor_name], cs[name]
-        for c in (floor, sub):
-            ratio = "-" if c is floor else f"{c.median / floor.median:.2f}"
-            added = "-" if c is floor else f"{c.cpu - floor.cpu:+.1f}"
-            out.append(
-                f"| `{c.name}` | {_rate(c)} ({_spread(c)}) | {ratio} | {c.cpu:.1f} | "
-                f"{added} | {c.server_cpu:.0f} |"
-            )
-    out += [
-        "",
-        "Async: `httpx.AsyncClient` and `AsyncClient` on one asyncio event loop (the",
-        "default one, not uvloop), the calls awaited one after another.",
-        "",
-        "The same calls on `httpx.MockTransport` (an in-process handler answering the same",
-        "201; no socket, no server): the clients' own work, which the loopback round trip",
-        "and the kernel's socket work above hide and make noisy.",
-        "",
-        "| client | calls/s (rounds min-max) | / httpx | client CPU us/call | added CPU us/call |",
-        "|---|--:|--:|--:|--:|",
-    ]
-    for floor_name, name in ((HTTPX, CLIENT), (AHTTPX, ACLIENT)):
-        floor, sub = cs[floor_name + MOCK], cs[name + MOCK]
-        for c in (floor, sub):
-            ratio = "-" if c is floor else f"{c.median / floor.median:.2f}"
-            added = "-" if c is floor else f"{c.cpu - floor.cpu:+.1f}"
-            out.append(
-                f"| `{c.name.removesuffix(MOCK)}` | {_rate(c)} ({_spread(c)}) | {ratio} "
-                f"| {c.cpu:.1f} | {added} |"
-            )
-    out.append("")
-    if GW_FIRST in cs:
-        d = cs[CLIENT]
-        out += [
-            "#### Through the gateway",
-            "",
-            "`python -m retrysafe gateway --upstream <server> --store sqlite:///<temp dir>/g.db",
-            "--listen 127.0.0.1:0` (default options: SQLite WAL with `synchronous=FULL`, one",
-            "worker), in front of the same server, against `Client.post` straight to it.",
-            "A first call is the gateway's proxy hop (a second HTTP exchange, to the server) plus",
-            "a claim and a completion on SQLite (two commits); a retry sends one completed key",
-            "again and is answered from the store (one read, no upstream call).",
-            "",
-            "| path | calls/s (rounds min-max) | / direct | us/call (wall) | added us/call | "
-            "client CPU us/call | server CPU us/call |",
-            "|---|--:|--:|--:|--:|--:|--:|",
-        ]
-        for c in (d, cs[GW_FIRST], cs[GW_REPLAY]):
-            ratio = "-" if c is d else f"{c.median / d.median:.2f}"
-            added = "-" if c is d else f"{_us(c.median) - _us(d.median):+,.0f}"
-            who = "server" if c is d else "gateway + server"
-            out.append(
-                f"| {c.name} | {_rate(c)} ({_spread(c)}) | {ratio} | {_us(c.median):,.0f} "
-                f"| {added} | {c.cpu:.1f} | {c.server_cpu:.0f} ({who}) |"
-            )
-        out.append("")
-    sc = syscalls
-
-    def calls(name: str) -> list[str]:
-        s = sc.get(name)
-        if s is None:
-            return ["-", "-", "-"]
-        return [
-            f"{s.connections:.1f}",
-            *("-" if v is None else f"{v:.1f}" for v in (s.fsyncs, s.deletes)),
-        ]
-
-    floor = cs[FLOOR_FULL]
-    out += [
-        "#### `Outbox.enqueue` against a bare INSERT",
-        "",
-        '`outbox.enqueue("POST", url, <body>, headers={"Content-Type": ...})` (a new UUID key,',
-        "the checks, `INSERT ... ON CONFLICT DO NOTHING` and a `SELECT` of the row back, on",
-        "the thread's kept-open connection: WAL, `synchronous=FULL`, Python's default). The floor",
-        "stores the same row (a new UUID, the same method, URL, headers, body and time) in the",
-        "same table with one autocommit `INSERT` on a connection kept open, `synchronous=FULL`",
-        "too. Two more floors split the difference: `synchronous=NORMAL` (no fsync at a",
-        "commit) and a connection opened and closed per `INSERT`. *File held open*: another",
-        "connection to the outbox file stays open (idle), so that no close of the outbox's own",
-        "is ever the last one (a last close checkpoints the WAL into the database and deletes it).",
-        "Each variant has a file of its own.",
-        "",
-        "| variant | ops/s (rounds min-max) | / floor | us/op (wall) | added us/op | "
-        "client CPU us/op | connections/op | fsyncs/op | files deleted/op |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
-    ]
-    for name in ENQUEUE_NAMES:
-        c = cs[name]
-        ratio = "-" if c is floor else f"{c.median / floor.median:.2f}"
-        added = "-" if c is floor else f"{_us(c.median) - _us(floor.median):+,.0f}"
-        out.append(
-            f"| {name} | {_rate(c)} ({_spread(c)}) | {ratio} | {_us(c.median):,.0f} | "
-            f"{added} | {c.cpu:.1f} | {' | '.join(calls(name))} |"
-        )
-    posts = cs[POSTS]
-    out += [
-        "",
-        "#### `Outbox.flush` against the same calls sent directly",
-        "",
-        f"Each cycle queues {n} mutations (not timed), then times `outbox.flush(client)`,",
-        "which sends them through a `retrysafe.client.Client` to the server; cycles repeat",
-        f"until a round's {args.seconds:g} s of flushing are up. Per item the flush does a",
-        "`SELECT` of the first queued item, an `UPDATE` of its attempts (a commit), the POST",
-        "with the item's key, and a `DELETE` (a commit), on the thread's kept-open",
-        "connection; once per flush, the `flock` and a `COUNT(*)`. The floor is what the",
-        f"flush sends: {n} `client.post(url, content=body, headers=...)` on the same client (a",
-        "new key each), nothing stored. Rates are items per second.",
-        "",
-        "| variant | items/s (rounds min-max) | / direct | us/item (wall) | added us/item | "
-        "client CPU us/item | server CPU us/item | connections/item | fsyncs/item | "
-        "files deleted/item |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
-    ]
-    for name in (POSTS, *FLUSH_NAMES):
-        c = cs[name]
-        ratio = "-" if c is posts else f"{c.median / posts.median:.2f}"
-        added = "-" if c is posts else f"{_us(c.median) - _us(posts.median):+,.0f}"
-        tail = ["0", "0", "0"] if c is posts else calls(name)
-        cells = [added, f"{c.cpu:.1f}", f"{c.server_cpu:.0f}", *tail]
-        out.append(
-            f"| {name} | {_rate(c)} ({_spread(c)}) | {ratio} | {_us(c.median):,.0f} | "
-            f"{' | '.join(cells)} |"
-        )
-    out.append("")
-    traced = any(v.fsyncs is not None for v in syscalls.values())
-    if syscalls:
-        out += [
-            "Connections, fsyncs and deletions per operation: counted in a separate process,",
-            f"{SYSCALL_OPS} operations per variant (a flush of {SYSCALL_OPS} items through",
-            "`httpx.MockTransport`): `sqlite3.connect` calls (wrapped to count them), and,",
-            "under `strace -f`, `fsync`/`fdatasync` calls and `unlink`s (the `-wal` and `-shm`",
-            "files SQLite removes when the last connection to a WAL database closes)"
-            + ("." if traced else ": not counted, strace is not installed."),
-            "",
-        ]
-    else:
-        out += ["Connections, fsyncs and deletions: not counted (`--no-syscalls`).", ""]
-    return "\n".join(out)
 
 
 # -- main ------------------------------------------------------------------------------------
@@ -945,7 +724,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bs.note_rev(info)
     cs: dict[str, Any] = {}
     tally = Tally()
-    syscalls: dict[str, Syscalls] = {}
+    syscalls: dict[str, cn.Syscalls] = {}
 
     def measure(name: str, group: list[Any]) -> None:
         print(
@@ -967,7 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         measure("no socket (httpx.MockTransport)", mock_contenders(stack))
         outdir = tmp / "outbox"
         outdir.mkdir()
-        ops = sqlite_ops(outdir, upstream.url + PATH, stack)
+        ops = sqlite_ops(outdir, upstream.url + cn.PATH, stack)
         enqueue = []
         for name, op in ops.items():
 
@@ -978,7 +757,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             enqueue.append(Contender("enqueue", name, "op", run))
         measure("outbox enqueue", enqueue)
         measure("outbox flush", flush_contenders(upstream, outdir, args.flush_items, tally, stack))
-        seen = _get(upstream.url + CALLS_PATH)
+        seen = _get(upstream.url + cn.CALLS_PATH)
         if (seen["calls"], seen["keyed"]) != (tally.calls, tally.keyed):
             raise BenchError(
                 f"the server answered {seen} POSTs, the benchmark expected "
@@ -991,7 +770,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if gateway is not None:
             gateway.stop()
-            lines = gateway.log.read_text().count('"POST ' + PATH)
+            lines = gateway.log.read_text().count('"POST ' + cn.PATH)
             info["gateway's log"] = (
                 f"{lines:,} access-log lines, one per request (uvicorn's "
                 "default in `retrysafe gateway`), to a file"
@@ -1003,7 +782,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     info["load average at end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     info["SQLite"] = sqlite3.sqlite_version
     info["client libraries"] = bs.library_info(list(LIBRARIES))
-    text = render(args, command, info, cs, syscalls, elapsed)
+    text = cr.render(args, command, info, cs, syscalls, elapsed)
     print()
     print(text)
     if args.write is not None:
