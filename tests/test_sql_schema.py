@@ -129,7 +129,7 @@ def test_sqlite_v1_file_upgrades_in_place(tmp_path: Path, clock: Clock) -> None:
         store.close()
     conn = sqlite3.connect(path)
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == sqlite.SCHEMA_VERSION == 3
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == sqlite.SCHEMA_VERSION == 4
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(retrysafe_archive)")}
         assert "retrysafe_archive_archived_at" in indexes
     finally:

@@ -30,15 +30,17 @@ from retrysafe.stores._sqlite_rows import (
     outcome_params,
     pack_hex,
     pack_key,
+    pack_token,
     row_params,
     row_record,
     status_code,
     status_value,
+    v3_record,
 )
 
 __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 _Op = Callable[[sqlite3.Connection], Any]
 
 #: SQLite's type for each column kind of :data:`COLUMN_SPECS`.
@@ -121,23 +123,45 @@ _V3_TABLES = (
 )
 
 
-def _v3(conn: sqlite3.Connection) -> None:
-    """Rewrite both tables in the compact row form (inside the migration's transaction)."""
+def _rewrite(conn: sqlite3.Connection, decode: Callable[[Sequence[Any]], Record]) -> None:
+    """Rebuild both tables with every row in the current form, ``decode`` reading the
+    old one (inside the migration's transaction)."""
     for table, cols, create, index in _V3_TABLES:
         conn.execute(create)
         marks = ", ".join("?" * (cols.count(",") + 1))
         rows = conn.execute(f"SELECT {cols} FROM {table}")
         conn.executemany(
             f"INSERT INTO {table}_v3 ({cols}) VALUES ({marks})",
-            ((*row_params(v2_record(row)), *row[len(COLUMNS) :]) for row in rows),
+            ((*row_params(decode(row)), *row[len(COLUMNS) :]) for row in rows),
         )
         conn.execute(f"DROP TABLE {table}")
         conn.execute(f"ALTER TABLE {table}_v3 RENAME TO {table}")
         conn.execute(index)
 
 
+def _v3(conn: sqlite3.Connection, start: int) -> None:
+    """Rewrite both tables in the compact row form (it writes the current form)."""
+    _rewrite(conn, v2_record)
+
+
+# v4: fencing tokens packed whatever their length, and an answer's content-type and
+# content-length headers as marks when its media type and body give them (see
+# _sqlite_rows). A file older than v3 has its rows in this form already (_v3 writes
+# the current one).
+def _v4(conn: sqlite3.Connection, start: int) -> None:
+    """Rewrite a v3 file's rows in the v4 form."""
+    if start == 3:
+        _rewrite(conn, v3_record)
+
+
 #: Migrations by the version they lead to; v1 is the initial schema. Append, never edit.
-MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {1: _SCHEMA, 2: _V2, 3: _v3}
+#: A callable one is given the connection and the file's version before the upgrade.
+MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection, int], None]] = {
+    1: _SCHEMA,
+    2: _V2,
+    3: _v3,
+    4: _v4,
+}
 
 _SELECT = f"SELECT {_COLS} FROM retrysafe_records WHERE key_hash = ?"
 #: Reads and writes one claim may take before it gives up (each retry means a
@@ -437,7 +461,7 @@ class SQLiteStore(Store[_Op]):
                 for target in range(version + 1, SCHEMA_VERSION + 1):
                     migration = MIGRATIONS[target]
                     if callable(migration):
-                        migration(conn)
+                        migration(conn, version)
                     else:
                         for statement in migration.split(";"):
                             if statement.strip():
@@ -546,17 +570,17 @@ class SQLiteStore(Store[_Op]):
 
     def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
         sql, values = _finish(_COMPLETE, outcome_params(outcome))
-        return self._write(sql, (*values, now, pack_hex(key_hash), pack_hex(token)))
+        return self._write(sql, (*values, now, pack_hex(key_hash), pack_token(token)))
 
     def _fail(
         self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
     ) -> _Op:
         sql, values = _finish(_FAIL, outcome_params(outcome))
         flag = 1 if final else 0
-        return self._write(sql, (*values, flag, now, pack_hex(key_hash), pack_hex(token)))
+        return self._write(sql, (*values, flag, now, pack_hex(key_hash), pack_token(token)))
 
     def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
-        params = (lease_until, now, lease_until, pack_hex(key_hash), pack_hex(token))
+        params = (lease_until, now, lease_until, pack_hex(key_hash), pack_token(token))
         return self._write(_RENEW, params)
 
     def _get(self, key_hash: str) -> _Op:
