@@ -154,7 +154,8 @@ def test_sqlite_sweep_statements_use_the_indexes(tmp_path: Path) -> None:
     try:
         for query in (sqlite._SWEEP_ARCHIVE, sqlite._SWEEP_DELETE):
             plan = " | ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + query, (1, 2)))
-            assert "USING PRIMARY KEY" in plan and "retrysafe_records_expires_at" in plan, plan
+            assert "USING INTEGER PRIMARY KEY" in plan, plan
+            assert "retrysafe_records_expires_at" in plan, plan
             assert "SCAN" not in plan, plan
     finally:
         conn.close()

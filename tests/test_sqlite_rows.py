@@ -73,6 +73,12 @@ EDGES = [
     base(scope="kind:ab:cd"),
     base(scope="ключ:ab"),
     base(scope="abcd"),
+    base(scope="user:ab"),
+    base(scope="principal:" + "cd" * 16),
+    base(scope="public:"),
+    base(scope="\x01:ab"),
+    base(scope="\x01"),
+    base(scope="credentials"),
     base(outcome=Outcome(b"", None, (), "application/octet-stream")),
     base(outcome=Outcome(b"x", 200, (("a\0b", "c"),), "text/plain")),
     base(outcome=Outcome(b"x", 200, (("[a", "b"), ("c", "")), "")),
@@ -143,15 +149,18 @@ def test_a_record_reads_back_from_the_file(tmp_path: Path, record: Record) -> No
         store.close()
 
 
-def test_tokens_and_headers_are_packed() -> None:
+def test_tokens_headers_and_scopes_are_packed() -> None:
     """The engine's tokens (20 digits and a counter) are bytes whatever their length;
-    an HTTP answer's content-type and content-length are a byte each."""
+    an HTTP answer's content-type and content-length are a byte each, as is the kind
+    of a principal's scope."""
     assert pack_token("030508c3d43aec0c245a0") == bytes.fromhex("0030508c3d43aec0c245a0")
     assert pack_token("a30508c3d43aec0c245a01") == bytes.fromhex("a30508c3d43aec0c245a01")
     assert pack_token("030508c3d43aec0c245a01") == "030508c3d43aec0c245a01"
     headers = (("content-type", "application/json"), ("content-length", "2"))
     params = row_params(base(outcome=Outcome(b"{}", 200, headers, "application/json")))
     assert params[16] == "\x01\0\0\x02\0"
+    scope = "credentials:" + "ab" * 16
+    assert row_params(base(scope=scope))[2] == b"\x01" + bytes.fromhex("ab" * 16)
 
 
 def test_digests_and_uuids_are_packed() -> None:
@@ -254,6 +263,7 @@ def test_a_v2_file_is_rewritten_compact(tmp_path: Path, clock: Clock) -> None:
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
         assert {
             "retrysafe_records",
+            "retrysafe_records_key",
             "retrysafe_records_expires_at",
             "retrysafe_archive",
             "retrysafe_archive_archived_at",
@@ -267,6 +277,10 @@ def v3_params(r: Record) -> tuple[Any, ...]:
     """A record's row as schema v3 wrote it: even-length hex tokens packed, odd ones as
     text, headers joined by NUL without marks."""
     params = list(row_params(r))
+    kind, colon, digits = r.scope.partition(":")
+    packed = pack_hex(digits)
+    if colon and kind.isascii() and type(packed) is bytearray:
+        params[2] = bytearray(kind, "ascii") + b":" + packed
     params[6] = pack_hex(r.token)
     if r.outcome is not None and r.outcome.headers:
         parts = [x for pair in r.outcome.headers for x in pair]
@@ -313,6 +327,14 @@ def test_a_v3_file_is_rewritten(tmp_path: Path, clock: Clock) -> None:
         assert store.complete(running.key_hash, running.token, Outcome(b"ok"), clock.now)
     finally:
         store.close()
+    conn = sqlite3.connect(path)
+    try:
+        indexes = {row[1] for row in conn.execute("PRAGMA index_list(retrysafe_records)")}
+        assert indexes == {"retrysafe_records_key", "retrysafe_records_expires_at"}
+        # A rowid table: no primary key of its own.
+        assert not any(row[5] for row in conn.execute("PRAGMA table_info(retrysafe_records)"))
+    finally:
+        conn.close()
 
 
 OUTCOMES = [r.outcome for r in EDGES if r.outcome is not None]
@@ -361,5 +383,47 @@ def test_finishes_write_every_outcome_shape(tmp_path: Path, final: bool) -> None
             if outcome is None:
                 continue
             assert store.get(running.key_hash) == done
+    finally:
+        store.close()
+
+
+# -- v4: the rowid table and its key index ---------------------------------------------
+
+
+def test_key_hashes_sharing_their_first_bytes_stay_apart(tmp_path: Path) -> None:
+    """The key index holds 8 bytes of the hash: keys equal there (and texts equal in
+    their first 8 characters) are told apart by the whole hash in every statement."""
+    store = SQLiteStore(f"sqlite:///{tmp_path}/p.db")
+    running = base(status=Status.PROCESSING, completed_at=None, outcome=None)
+    try:
+        for hashes in (("aa" * 32, "aa" * 8 + "bb" * 24), ("same-start-1", "same-start-2")):
+            one, two = (dataclasses.replace(running, key_hash=h) for h in hashes)
+            assert store.claim(one).claimed and store.claim(two).claimed
+            assert store.claim(one).record == one and store.claim(two).record == two
+            assert store.renew(one.key_hash, one.token, one.lease_until + 1, one.updated_at)
+            assert store.complete(two.key_hash, two.token, Outcome(b"2"), two.updated_at)
+            got_one, got_two = store.get(one.key_hash), store.get(two.key_hash)
+            assert got_one is not None and got_one.status is Status.PROCESSING
+            assert got_one.lease_until == one.lease_until + 1
+            assert got_two is not None and got_two.outcome == Outcome(b"2")
+            assert store.delete(one.key_hash)
+            assert store.get(one.key_hash) is None and store.get(two.key_hash) == got_two
+    finally:
+        store.close()
+
+
+def test_the_claims_insert_never_adds_a_second_row(tmp_path: Path) -> None:
+    """Without a unique index, the claim's INSERT checks that the key is absent."""
+    store = SQLiteStore(f"sqlite:///{tmp_path}/u.db")
+    record = base(status=Status.PROCESSING, completed_at=None, outcome=None)
+    insert = sqlite._insert(row_params(record))
+    count = "SELECT count(*) FROM retrysafe_records"
+    try:
+        assert store._run(lambda conn: conn.execute(*insert).rowcount) == 1
+        assert store._run(lambda conn: conn.execute(*insert).rowcount) == 0
+        other = dataclasses.replace(record, token="abc", fingerprint="cd" * 32)
+        assert not store.claim(other).claimed
+        assert store._run(lambda conn: conn.execute(count).fetchone()) == (1,)
+        assert store.get(record.key_hash) == record
     finally:
         store.close()

@@ -143,20 +143,32 @@ def _unkey(value: str | bytes) -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
+#: The principal kinds of retrysafe's scopes, each stored as one byte below 0x20.
+_KINDS = ("", "credentials", "user", "principal", "public")
+_KIND_CODES = {kind: code for code, kind in enumerate(_KINDS) if kind}
+
+
 def _pack_scope(scope: str) -> str | bytearray:
-    """``kind:hex`` (a principal's scope) as ``kind:`` and the bytes; other scopes as
-    they are."""
+    """``kind:hex`` (a principal's scope) as the kind's code and the bytes, or as
+    ``kind:`` and the bytes for another kind (one not starting with a control
+    character); other scopes as they are."""
     kind, colon, digits = scope.partition(":")
     if colon and kind.isascii():
         packed = pack_hex(digits)
         if type(packed) is bytearray:
-            return bytearray(kind, "ascii") + b":" + packed
+            code = _KIND_CODES.get(kind)
+            if code is not None:
+                return bytearray((code,)) + packed
+            if not kind or kind[0] >= " ":
+                return bytearray(kind, "ascii") + b":" + packed
     return scope
 
 
 def _unscope(value: str | bytes) -> str:
     if type(value) is not bytes:
         return value  # type: ignore[return-value]
+    if value[0] < 0x20:
+        return f"{_KINDS[value[0]]}:{value[1:].hex()}"
     kind, _, packed = value.partition(b":")
     return f"{kind.decode()}:{packed.hex()}"
 
@@ -317,9 +329,14 @@ def row_record(row: Sequence[Any]) -> Record:
 
 
 def v3_record(row: Sequence[Any]) -> Record:
-    """A :class:`Record` from a v3 row (for the migration to v4): every even-length hex
-    token packed, and headers without marks."""
+    """A :class:`Record` from a v3 row (for the migration to v4): every packed scope as
+    ``kind:`` and the bytes, every even-length hex token packed, and headers without
+    marks."""
     r = row_record(row)
+    v = row[2]
+    if type(v) is bytes:
+        kind, _, packed = v.partition(b":")
+        r.scope = f"{kind.decode()}:{packed.hex()}"
     v = row[6]
     r.token = v.hex() if type(v) is bytes else v
     text = row[16]
