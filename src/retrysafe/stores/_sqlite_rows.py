@@ -113,18 +113,10 @@ def pack_token(token: str) -> str | bytearray:
     engine's are 20 digits and a counter); even-length when its first digit is not
     ``0``, which keeps the two apart; any other token as it is."""
     odd = len(token) & 1
-    if odd or (token and token[0] != "0"):
-        packed = pack_hex("0" + token if odd else token)
-        if type(packed) is bytearray:
-            return packed
-    return token
-
-
-def _untoken(value: str | bytes) -> str:
-    if type(value) is not bytes:
-        return value  # type: ignore[return-value]
-    h = value.hex()
-    return h[1:] if h[0] == "0" else h
+    if not odd and (not token or token[0] == "0"):
+        return token
+    packed = pack_hex("0" + token if odd else token)
+    return packed if type(packed) is bytearray else token
 
 
 def pack_key(key: str) -> str | bytearray:
@@ -294,7 +286,12 @@ def row_record(row: Sequence[Any]) -> Record:
     v = row[4]
     r.fingerprint = v.hex() if type(v) is bytes else v
     status = r.status = _STATUSES[row[5]]
-    r.token = _untoken(row[6])
+    v = row[6]
+    if type(v) is bytes:  # the reverse of pack_token
+        v = v.hex()
+        if v[0] == "0":
+            v = v[1:]
+    r.token = v
     r.lease_until = row[7]
     r.expires_at = row[8]
     r.created_at = row[9]
