@@ -17,7 +17,10 @@ indexes and TOAST included), as written and after ``VACUUM``; Redis,
 encoding a store has, this measures it. Not a test (pytest does not run it).
 
     python bench/sizes.py [-n N] [--stores memory,sqlite,postgres,redis]
-                          [--redis-url URL] [--postgres-url URL]
+                          [--redis-url URL] [--postgres-url URL] [--in-flight K]
+
+``--in-flight K``: the engine's first calls claim K keys before completing them (a
+completion grows the row a claim wrote, which may split a full page).
 
 Without URLs it starts its own redis-server and PostgreSQL (tests/_servers.py).
 """
@@ -35,6 +38,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 import argparse
 import asyncio
 import contextlib
+import functools
 import importlib
 import importlib.util
 import secrets
@@ -61,15 +65,20 @@ FINGERPRINT = "3b" * 32
 HEADERS = [(b"content-type", b"application/json"), (b"content-length", b"60")]
 
 
-def write_engine(store: Any, n: int) -> None:
-    """``n`` first calls through an :class:`Engine` on ``store`` (a URL or a store)."""
+def write_engine(store: Any, n: int, in_flight: int = 1) -> None:
+    """``n`` first calls through an :class:`Engine` on ``store`` (a URL or a store),
+    ``in_flight`` claims at a time before their completions."""
     engine = Engine(open_store(store) if isinstance(store, str) else store)
     outcome = Outcome.json(ORDER)
     try:
-        for _ in range(n):
-            claim = engine.begin(str(uuid.uuid4()), operation=OPERATION, fingerprint=FINGERPRINT)
-            assert type(claim) is Claim, claim
-            engine.complete(claim, outcome)
+        for start in range(0, n, in_flight):
+            claims = [
+                engine.begin(str(uuid.uuid4()), operation=OPERATION, fingerprint=FINGERPRINT)
+                for _ in range(min(in_flight, n - start))
+            ]
+            for claim in claims:
+                assert type(claim) is Claim, claim
+                engine.complete(claim, outcome)
     finally:
         if isinstance(store, str):
             engine.close()
@@ -222,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stores", default=",".join(STORES))
     parser.add_argument("--redis-url")
     parser.add_argument("--postgres-url")
+    parser.add_argument(
+        "--in-flight", type=int, default=1, help="engine claims made before their completions"
+    )
     args = parser.parse_args(argv)
     stores = [s.strip() for s in args.stores.split(",") if s.strip()]
     unknown = set(stores) - set(STORES)
@@ -239,12 +251,14 @@ def main(argv: list[str] | None = None) -> int:
                 url = given or _start(kind, stack)
                 measures[kind] = (measure_postgres if kind == "postgres" else measure_redis)(url)
         for store in stores:
-            for way, write in (("engine", write_engine), ("http", write_http)):
+            engine = functools.partial(write_engine, in_flight=max(1, args.in_flight))
+            for way, write in (("engine", engine), ("http", write_http)):
                 figures = measures[store](write, args.n)
                 rows.append((store, way, figures))
                 print(f"{store} {way}: done", file=sys.stderr, flush=True)
 
-    print(f"One small order (a 60-byte JSON answer), N = {args.n} records per row.\n")
+    print(f"One small order (a 60-byte JSON answer), N = {args.n} records per row", end="")
+    print(f", {args.in_flight} engine claims in flight.\n" if args.in_flight > 1 else ".\n")
     print("| store | written by | bytes per record | records per GB | how | other figures |")
     print("|---|---|--:|--:|---|---|")
     for store, way, figures in rows:
