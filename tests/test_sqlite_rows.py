@@ -331,6 +331,8 @@ def test_a_v3_file_is_rewritten(tmp_path: Path, clock: Clock) -> None:
     try:
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(retrysafe_records)")}
         assert indexes == {"retrysafe_records_key", "retrysafe_records_expires_at"}
+        triggers = "SELECT name FROM sqlite_master WHERE type = 'trigger'"
+        assert conn.execute(triggers).fetchall() == [("retrysafe_records_one_per_key",)]
         # A rowid table: no primary key of its own.
         assert not any(row[5] for row in conn.execute("PRAGMA table_info(retrysafe_records)"))
     finally:
@@ -413,7 +415,8 @@ def test_key_hashes_sharing_their_first_bytes_stay_apart(tmp_path: Path) -> None
 
 
 def test_the_claims_insert_never_adds_a_second_row(tmp_path: Path) -> None:
-    """Without a unique index, the claim's INSERT checks that the key is absent."""
+    """Without a unique index, a trigger drops an INSERT of a key already there: the
+    claim's, or any other connection's."""
     store = SQLiteStore(f"sqlite:///{tmp_path}/u.db")
     record = base(status=Status.PROCESSING, completed_at=None, outcome=None)
     insert = sqlite._insert(row_params(record))
@@ -427,3 +430,11 @@ def test_the_claims_insert_never_adds_a_second_row(tmp_path: Path) -> None:
         assert store.get(record.key_hash) == record
     finally:
         store.close()
+    conn = sqlite3.connect(tmp_path / "u.db", isolation_level=None)
+    try:
+        marks = ", ".join("?" * len(COLUMNS))
+        plain = f"INSERT INTO retrysafe_records ({', '.join(COLUMNS)}) VALUES ({marks})"
+        assert conn.execute(plain, row_params(record)).rowcount == 0
+        assert conn.execute(count).fetchone() == (1,)
+    finally:
+        conn.close()

@@ -151,8 +151,10 @@ def _v3(conn: sqlite3.Connection, start: int) -> None:
 
 # v4: the records in a rowid table, found by an index on the key hash's first 8 bytes
 # (its rowid beside them): no 32-byte primary key in the expiry index and no pages
-# left part-empty by random-key inserts (rows are appended); the claim's INSERT
-# checks that the key is absent, under the write lock. Fencing tokens packed whatever
+# left part-empty by random-key inserts (rows are appended). A trigger keeps a key
+# hash to one row: it drops any INSERT of a key already there, under the write lock
+# (cheaper than the INSERT ... SELECT ... WHERE NOT EXISTS, which SQLite runs through
+# a temporary table as it reads the table it writes). Fencing tokens packed whatever
 # their length, and an answer's content-type and content-length as marks when its
 # media type and body give them (see _sqlite_rows). A file older than v3 has its rows
 # in the current form already (_v3 writes it).
@@ -164,6 +166,10 @@ _V4_RECORDS: _Tables = (
         (
             "CREATE INDEX retrysafe_records_key ON retrysafe_records (substr(key_hash, 1, 8))",
             "CREATE INDEX retrysafe_records_expires_at ON retrysafe_records (expires_at)",
+            "CREATE TRIGGER retrysafe_records_one_per_key BEFORE INSERT ON retrysafe_records "
+            "WHEN EXISTS (SELECT 1 FROM retrysafe_records WHERE substr(key_hash, 1, 8) = "
+            "substr(NEW.key_hash, 1, 8) AND key_hash = NEW.key_hash) "
+            "BEGIN SELECT RAISE(IGNORE); END",
         ),
     ),
 )
@@ -218,8 +224,7 @@ def _insert(params: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
         keep = [i for i in range(len(COLUMNS)) if i not in absent]
         made = _INSERTS[present] = (
             f"INSERT INTO retrysafe_records ({', '.join(COLUMNS[i] for i in keep)}) "
-            f"SELECT {', '.join(f'?{n + 1}' for n in range(len(keep)))} "
-            f"WHERE NOT EXISTS (SELECT 1 FROM retrysafe_records WHERE {_KEY})",
+            f"VALUES ({', '.join('?' * len(keep))})",
             itemgetter(*keep),
         )
     return made[0], made[1](params)
