@@ -18,7 +18,7 @@ encoding a store has, this measures it. Not a test (pytest does not run it).
 
     python bench/sizes.py [-n N] [--stores memory,sqlite,postgres,redis]
                           [--redis-url URL] [--postgres-url URL] [--anatomy]
-                          [--redis-compact-keys]
+                          [--redis-compact-keys] [--in-flight K]
 
 ``--anatomy`` also prints where a PostgreSQL record's bytes go: the heap's live and
 dead tuples and free space (pgstattuple, when the server has it), each index, and
@@ -27,6 +27,9 @@ each column's average size.
 Redis records go under a prefix as long as the default ``retrysafe:`` (10
 characters), so the key's allocation is the default's; ``--redis-compact-keys``
 opens the Redis store with ``compact_keys=1`` (32-byte key hashes in the keys).
+
+``--in-flight K``: the engine's first calls claim K keys before completing them (a
+completion grows the row a claim wrote, which may split a full page).
 
 Without URLs it starts its own redis-server and PostgreSQL (tests/_servers.py).
 """
@@ -44,6 +47,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 import argparse
 import asyncio
 import contextlib
+import functools
 import importlib
 import importlib.util
 import secrets
@@ -70,15 +74,20 @@ FINGERPRINT = "3b" * 32
 HEADERS = [(b"content-type", b"application/json"), (b"content-length", b"60")]
 
 
-def write_engine(store: Any, n: int) -> None:
-    """``n`` first calls through an :class:`Engine` on ``store`` (a URL or a store)."""
+def write_engine(store: Any, n: int, in_flight: int = 1) -> None:
+    """``n`` first calls through an :class:`Engine` on ``store`` (a URL or a store),
+    ``in_flight`` claims at a time before their completions."""
     engine = Engine(open_store(store) if isinstance(store, str) else store)
     outcome = Outcome.json(ORDER)
     try:
-        for _ in range(n):
-            claim = engine.begin(str(uuid.uuid4()), operation=OPERATION, fingerprint=FINGERPRINT)
-            assert type(claim) is Claim, claim
-            engine.complete(claim, outcome)
+        for start in range(0, n, in_flight):
+            claims = [
+                engine.begin(str(uuid.uuid4()), operation=OPERATION, fingerprint=FINGERPRINT)
+                for _ in range(min(in_flight, n - start))
+            ]
+            for claim in claims:
+                assert type(claim) is Claim, claim
+                engine.complete(claim, outcome)
     finally:
         if isinstance(store, str):
             engine.close()
@@ -304,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         help="PostgreSQL: where a record's bytes go (pgstattuple, indexes, columns)",
     )
     parser.add_argument("--redis-compact-keys", action="store_true")
+    parser.add_argument(
+        "--in-flight", type=int, default=1, help="engine claims made before their completions"
+    )
     args = parser.parse_args(argv)
     stores = [s.strip() for s in args.stores.split(",") if s.strip()]
     unknown = set(stores) - set(STORES)
@@ -324,12 +336,14 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     measures[kind] = measure_redis(url, args.redis_compact_keys)
         for store in stores:
-            for way, write in (("engine", write_engine), ("http", write_http)):
+            engine = functools.partial(write_engine, in_flight=max(1, args.in_flight))
+            for way, write in (("engine", engine), ("http", write_http)):
                 figures = measures[store](write, args.n)
                 rows.append((store, way, figures))
                 print(f"{store} {way}: done", file=sys.stderr, flush=True)
 
-    print(f"One small order (a 60-byte JSON answer), N = {args.n} records per row.\n")
+    print(f"One small order (a 60-byte JSON answer), N = {args.n} records per row", end="")
+    print(f", {args.in_flight} engine claims in flight.\n" if args.in_flight > 1 else ".\n")
     print("| store | written by | bytes per record | records per GB | how | other figures |")
     print("|---|---|--:|--:|---|---|")
     for store, way, figures in rows:

@@ -5,7 +5,8 @@ For every store, in one run:
 1. **populate** a fresh table with ``--records`` expired records, straight through
    SQL (SQLite: ``executemany`` in one transaction; PostgreSQL: ``COPY ... FROM
    STDIN``, then ``VACUUM (ANALYZE)``, as autovacuum would have by then). Rows are
-   built with ``retrysafe.stores._sql.record_params`` from completed ``Record``s
+   built from completed ``Record``s (``retrysafe.stores._sql.record_params``; SQLite's
+   compact form, ``_sqlite_rows.row_params``)
    with a small JSON outcome, expiring over the last few minutes; a ``--financial``
    share has retention "financial" (archived before deletion). This is setup: its
    time is printed, never part of the figures.
@@ -90,6 +91,7 @@ from retrysafe._model.hashing import key_hash  # noqa: E402
 from retrysafe._model.record import FINANCIAL, STANDARD  # noqa: E402
 from retrysafe.stores import Store  # noqa: E402
 from retrysafe.stores._sql import COLUMNS, record_params  # noqa: E402
+from retrysafe.stores._sqlite_rows import FINANCIAL_CODE, row_params  # noqa: E402
 
 ROOT = HERE.parent
 STORES = ("sqlite", "postgres")
@@ -125,8 +127,15 @@ def is_financial(i: int, share: float) -> bool:
     return math.floor((i + 1) * share) > math.floor(i * share)
 
 
-def expired_rows(n: int, share: float, now: float, tag: str) -> Iterator[list[tuple[Any, ...]]]:
-    """Chunks of rows (COLUMNS order) of ``n`` completed records that expired before ``now``.
+def expired_rows(
+    n: int,
+    share: float,
+    now: float,
+    tag: str,
+    params: Callable[[Record], tuple[Any, ...]] = record_params,
+) -> Iterator[list[tuple[Any, ...]]]:
+    """Chunks of rows (COLUMNS order, as ``params`` writes a record: the plain form, or
+    SQLite's own) of ``n`` completed records that expired before ``now``.
 
     Expiry times spread over the ``n`` ms before ``now - 60`` in insertion order; the
     primary key (a SHA-256) is random with respect to them, as in a real table.
@@ -160,7 +169,7 @@ def expired_rows(n: int, share: float, now: float, tag: str) -> Iterator[list[tu
             metadata={},
             retention=retention,
         )
-        chunk.append(record_params(record))
+        chunk.append(params(record))
         if len(chunk) == CHUNK:
             yield chunk
             chunk = []
@@ -182,7 +191,7 @@ def populate_sqlite(path: str, n: int, share: float, tag: str) -> None:
         )
         conn.execute("BEGIN IMMEDIATE")
         try:
-            for rows in expired_rows(n, share, time.time(), tag):
+            for rows in expired_rows(n, share, time.time(), tag, row_params):
                 conn.executemany(insert, rows)
         except BaseException:
             conn.execute("ROLLBACK")
@@ -388,6 +397,8 @@ def sqlite_setup(args: argparse.Namespace, stack: contextlib.ExitStack) -> Setup
     url = f"sqlite:///{path}?synchronous={args.sqlite_synchronous}"
 
     def count(where: str) -> int:
+        # The compact row form keeps the retention as a code (see _sqlite_rows).
+        where = where.replace("retention = 'financial'", f"retention = {FINANCIAL_CODE}")
         with contextlib.closing(sqlite3.connect(path)) as conn:
             return int(
                 conn.execute(f"SELECT count(*) FROM retrysafe_records WHERE {where}").fetchone()[0]

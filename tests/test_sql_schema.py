@@ -129,7 +129,7 @@ def test_sqlite_v1_file_upgrades_in_place(tmp_path: Path, clock: Clock) -> None:
         store.close()
     conn = sqlite3.connect(path)
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == sqlite.SCHEMA_VERSION == 3
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == sqlite.SCHEMA_VERSION == 4
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(retrysafe_archive)")}
         assert "retrysafe_archive_archived_at" in indexes
     finally:
@@ -154,7 +154,8 @@ def test_sqlite_sweep_statements_use_the_indexes(tmp_path: Path) -> None:
     try:
         for query in (sqlite._SWEEP_ARCHIVE, sqlite._SWEEP_DELETE):
             plan = " | ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + query, (1, 2)))
-            assert "USING PRIMARY KEY" in plan and "retrysafe_records_expires_at" in plan, plan
+            assert "USING INTEGER PRIMARY KEY" in plan, plan
+            assert "retrysafe_records_expires_at" in plan, plan
             assert "SCAN" not in plan, plan
     finally:
         conn.close()

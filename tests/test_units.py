@@ -320,7 +320,7 @@ def test_memory_store_gives_back_every_field() -> None:
 def test_sqlite_schema_is_versioned(tmp_path: Path) -> None:
     path = tmp_path / "v.db"
     store = SQLiteStore(f"sqlite:///{path}")
-    assert store.migrate() == SQLITE_SCHEMA_VERSION == 3
+    assert store.migrate() == SQLITE_SCHEMA_VERSION == 4
     store.close()
     with sqlite3.connect(path) as conn:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SQLITE_SCHEMA_VERSION

@@ -1,4 +1,4 @@
-"""The compact row form of a record in SQLite (schema v3): each value in its
+"""The compact row form of a record in SQLite (schema v4): each value in its
 shortest faithful form. docs/stores.md ("SQLite row") gives the layout.
 
 Values are bound in the types that Python's sqlite3 binds without its adapter
@@ -25,10 +25,12 @@ __all__ = [
     "blob",
     "pack_hex",
     "pack_key",
+    "pack_token",
     "row_params",
     "row_record",
     "status_code",
     "status_value",
+    "v3_record",
 ]
 
 #: Status codes (SQLite stores 0 and 1 in no bytes at all).
@@ -106,6 +108,17 @@ def pack_hex(text: str) -> str | bytearray:
     return text
 
 
+def pack_token(token: str) -> str | bytearray:
+    """A lowercase hex fencing token as its bytes: odd-length after a ``0`` digit (the
+    engine's are 20 digits and a counter); even-length when its first digit is not
+    ``0``, which keeps the two apart; any other token as it is."""
+    odd = len(token) & 1
+    if not odd and (not token or token[0] == "0"):
+        return token
+    packed = pack_hex("0" + token if odd else token)
+    return packed if type(packed) is bytearray else token
+
+
 def pack_key(key: str) -> str | bytearray:
     """A lowercase canonical UUID as its 16 bytes; any other key as it is."""
     if len(key) == 36 and key[8] == key[13] == key[18] == key[23] == "-":
@@ -122,30 +135,59 @@ def _unkey(value: str | bytes) -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
+#: The principal kinds of retrysafe's scopes, each stored as one byte below 0x20.
+_KINDS = ("", "credentials", "user", "principal", "public")
+_KIND_CODES = {kind: code for code, kind in enumerate(_KINDS) if kind}
+
+
 def _pack_scope(scope: str) -> str | bytearray:
-    """``kind:hex`` (a principal's scope) as ``kind:`` and the bytes; other scopes as
-    they are."""
+    """``kind:hex`` (a principal's scope) as the kind's code and the bytes, or as
+    ``kind:`` and the bytes for another kind (one not starting with a control
+    character); other scopes as they are."""
     kind, colon, digits = scope.partition(":")
     if colon and kind.isascii():
         packed = pack_hex(digits)
         if type(packed) is bytearray:
-            return bytearray(kind, "ascii") + b":" + packed
+            code = _KIND_CODES.get(kind)
+            if code is not None:
+                return bytearray((code,)) + packed
+            if not kind or kind[0] >= " ":
+                return bytearray(kind, "ascii") + b":" + packed
     return scope
 
 
 def _unscope(value: str | bytes) -> str:
     if type(value) is not bytes:
         return value  # type: ignore[return-value]
+    if value[0] < 0x20:
+        return f"{_KINDS[value[0]]}:{value[1:].hex()}"
     kind, _, packed = value.partition(b":")
     return f"{kind.decode()}:{packed.hex()}"
 
 
-def _pack_headers(headers: tuple[tuple[str, str], ...]) -> str | None:
-    """Names and values joined by NUL; JSON pairs when one holds a NUL or the first
-    name begins with ``[``; NULL for none."""
+#: Names that stand for a header the answer's other columns give: ``content-type``
+#: equal to the media type, ``content-length`` equal to the body's length (each with an
+#: empty value in the text).
+_TYPE_MARK, _LENGTH_MARK = "\x01", "\x02"
+_MARKS = (_TYPE_MARK, _LENGTH_MARK)
+
+
+def _pack_headers(headers: tuple[tuple[str, str], ...], media: str, body: bytes) -> str | None:
+    """Names and values joined by NUL, ``content-type`` and ``content-length`` as a mark
+    when the media type and body give them; JSON pairs when a name or value holds a
+    NUL, a name is a mark or the first name begins with ``[``; NULL for none."""
     if not headers:
         return None
-    parts = [x for pair in headers for x in pair]
+    parts: list[str] = []
+    for name, value in headers:
+        if name in _MARKS:
+            return Outcome(headers=headers).headers_json()
+        if name == "content-type" and value == media:
+            parts += (_TYPE_MARK, "")
+        elif name == "content-length" and value == str(len(body)):
+            parts += (_LENGTH_MARK, "")
+        else:
+            parts += (name, value)
     try:
         text = "\0".join(parts)
     except TypeError:  # not str: JSON keeps what it can, as before
@@ -155,13 +197,28 @@ def _pack_headers(headers: tuple[tuple[str, str], ...]) -> str | None:
     return text
 
 
-def _unheaders(text: str | None) -> tuple[tuple[str, str], ...]:
+def _unheaders(text: str | None, media: str, body: bytes) -> tuple[tuple[str, str], ...]:
     if not text:
         return ()
     if text[0] == "[":
         return Outcome.parse_headers(text)
     parts = text.split("\0")
-    return tuple(zip(parts[::2], parts[1::2], strict=True))
+    names = parts[::2]
+    if _TYPE_MARK in names or _LENGTH_MARK in names:
+        names = [
+            "content-type"
+            if name == _TYPE_MARK
+            else "content-length"
+            if name == _LENGTH_MARK
+            else name
+            for name in names
+        ]
+        values = [
+            media if name == _TYPE_MARK else str(len(body)) if name == _LENGTH_MARK else value
+            for name, value in zip(parts[::2], parts[1::2], strict=True)
+        ]
+        return tuple(zip(names, values, strict=True))
+    return tuple(zip(names, parts[1::2], strict=True))
 
 
 def outcome_params(outcome: Outcome | None) -> tuple[Any, Any, Any, Any]:
@@ -173,7 +230,9 @@ def outcome_params(outcome: Outcome | None) -> tuple[Any, Any, Any, Any]:
         media = 1
     elif media == "application/octet-stream":
         media = None
-    return (outcome.status, _pack_headers(outcome.headers), media, blob(outcome.body))
+    body = outcome.body
+    headers = _pack_headers(outcome.headers, outcome.media_type, body)
+    return (outcome.status, headers, media, blob(body))
 
 
 def _completed_at(r: Record) -> Any:
@@ -189,7 +248,7 @@ def _completed_at(r: Record) -> Any:
 
 
 def row_params(r: Record) -> tuple[Any, ...]:
-    """A record's v3 row, in :data:`COLUMNS` order."""
+    """A record's v4 row, in :data:`COLUMNS` order."""
     retention = r.retention
     return (
         pack_hex(r.key_hash),
@@ -198,7 +257,7 @@ def row_params(r: Record) -> tuple[Any, ...]:
         r.operation,
         pack_hex(r.fingerprint),
         _CODES[r.status],
-        pack_hex(r.token),
+        pack_token(r.token),
         r.lease_until,
         r.expires_at,
         r.created_at,
@@ -215,7 +274,7 @@ def row_params(r: Record) -> tuple[Any, ...]:
 
 
 def row_record(row: Sequence[Any]) -> Record:
-    """A :class:`Record` from a v3 row in :data:`COLUMNS` order, filled field by field
+    """A :class:`Record` from a v4 row in :data:`COLUMNS` order, filled field by field
     on a blank instance (as ``Record.copy`` is)."""
     r: Record = _blank(Record)
     v = row[0]
@@ -228,7 +287,11 @@ def row_record(row: Sequence[Any]) -> Record:
     r.fingerprint = v.hex() if type(v) is bytes else v
     status = r.status = _STATUSES[row[5]]
     v = row[6]
-    r.token = v.hex() if type(v) is bytes else v
+    if type(v) is bytes:  # the reverse of pack_token
+        v = v.hex()
+        if v[0] == "0":
+            v = v[1:]
+    r.token = v
     r.lease_until = row[7]
     r.expires_at = row[8]
     r.created_at = row[9]
@@ -248,15 +311,33 @@ def row_record(row: Sequence[Any]) -> Record:
         o: Outcome = _blank(Outcome)
         o.body = body
         o.status = row[15]
-        o.headers = _unheaders(row[16])
         v = row[17]
-        o.media_type = (
+        media = o.media_type = (
             "application/octet-stream" if v is None else _JSON_MEDIA if v == 1 else str(v)
         )
+        o.headers = _unheaders(row[16], media, body)
         r.outcome = o
     r.request_payload = row[19]
     v = row[20]
     r.metadata = json.loads(v) if v else {}
     v = row[21]
     r.retention = _RETENTIONS[v] if type(v) is int else v
+    return r
+
+
+def v3_record(row: Sequence[Any]) -> Record:
+    """A :class:`Record` from a v3 row (for the migration to v4): every packed scope as
+    ``kind:`` and the bytes, every even-length hex token packed, and headers without
+    marks."""
+    r = row_record(row)
+    v = row[2]
+    if type(v) is bytes:
+        kind, _, packed = v.partition(b":")
+        r.scope = f"{kind.decode()}:{packed.hex()}"
+    v = row[6]
+    r.token = v.hex() if type(v) is bytes else v
+    text = row[16]
+    if r.outcome is not None and text and text[0] != "[":
+        parts = text.split("\0")
+        r.outcome.headers = tuple(zip(parts[::2], parts[1::2], strict=True))
     return r

@@ -30,15 +30,17 @@ from retrysafe.stores._sqlite_rows import (
     outcome_params,
     pack_hex,
     pack_key,
+    pack_token,
     row_params,
     row_record,
     status_code,
     status_value,
+    v3_record,
 )
 
 __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 _Op = Callable[[sqlite3.Connection], Any]
 
 #: SQLite's type for each column kind of :data:`COLUMN_SPECS`.
@@ -106,7 +108,7 @@ _V3_TABLES = (
     {_V3_COLUMNS},
     PRIMARY KEY (key_hash)
 ) WITHOUT ROWID""",
-        "CREATE INDEX retrysafe_records_expires_at ON retrysafe_records (expires_at)",
+        ("CREATE INDEX retrysafe_records_expires_at ON retrysafe_records (expires_at)",),
     ),
     (
         "retrysafe_archive",
@@ -116,34 +118,91 @@ _V3_TABLES = (
     archived_at REAL NOT NULL,
     PRIMARY KEY (key_hash, token)
 ) WITHOUT ROWID""",
-        "CREATE INDEX retrysafe_archive_archived_at ON retrysafe_archive (archived_at)",
+        ("CREATE INDEX retrysafe_archive_archived_at ON retrysafe_archive (archived_at)",),
     ),
 )
+_Tables = tuple[tuple[str, str, str, tuple[str, ...]], ...]
 
 
-def _v3(conn: sqlite3.Connection) -> None:
-    """Rewrite both tables in the compact row form (inside the migration's transaction)."""
-    for table, cols, create, index in _V3_TABLES:
+def _rewrite(
+    conn: sqlite3.Connection, tables: _Tables, decode: Callable[[Sequence[Any]], Record]
+) -> None:
+    """Rebuild ``tables`` (each: name, columns, its new table's ``CREATE`` under the name
+    ending ``_v3``, its indexes) with every row in the current form, ``decode`` reading
+    the old one (inside the migration's transaction)."""
+    for table, cols, create, indexes in tables:
         conn.execute(create)
         marks = ", ".join("?" * (cols.count(",") + 1))
         rows = conn.execute(f"SELECT {cols} FROM {table}")
         conn.executemany(
             f"INSERT INTO {table}_v3 ({cols}) VALUES ({marks})",
-            ((*row_params(v2_record(row)), *row[len(COLUMNS) :]) for row in rows),
+            ((*row_params(decode(row)), *row[len(COLUMNS) :]) for row in rows),
         )
         conn.execute(f"DROP TABLE {table}")
         conn.execute(f"ALTER TABLE {table}_v3 RENAME TO {table}")
-        conn.execute(index)
+        for index in indexes:
+            conn.execute(index)
+
+
+def _v3(conn: sqlite3.Connection, start: int) -> None:
+    """Rewrite both tables in the compact row form (it writes the current form)."""
+    _rewrite(conn, _V3_TABLES, v2_record)
+
+
+# v4: the records in a rowid table, found by an index on the key hash's first 8 bytes
+# (its rowid beside them): no 32-byte primary key in the expiry index and no pages
+# left part-empty by random-key inserts (rows are appended). A trigger keeps a key
+# hash to one row: it drops any INSERT of a key already there, under the write lock
+# (cheaper than the INSERT ... SELECT ... WHERE NOT EXISTS, which SQLite runs through
+# a temporary table as it reads the table it writes). Fencing tokens packed whatever
+# their length, and an answer's content-type and content-length as marks when its
+# media type and body give them (see _sqlite_rows). A file older than v3 has its rows
+# in the current form already (_v3 writes it).
+_V4_RECORDS: _Tables = (
+    (
+        "retrysafe_records",
+        _COLS,
+        f"CREATE TABLE retrysafe_records_v3 (\n    {_V3_COLUMNS}\n)",
+        (
+            "CREATE INDEX retrysafe_records_key ON retrysafe_records (substr(key_hash, 1, 8))",
+            "CREATE INDEX retrysafe_records_expires_at ON retrysafe_records (expires_at)",
+            "CREATE TRIGGER retrysafe_records_one_per_key BEFORE INSERT ON retrysafe_records "
+            "WHEN EXISTS (SELECT 1 FROM retrysafe_records WHERE substr(key_hash, 1, 8) = "
+            "substr(NEW.key_hash, 1, 8) AND key_hash = NEW.key_hash) "
+            "BEGIN SELECT RAISE(IGNORE); END",
+        ),
+    ),
+)
+
+
+def _v4(conn: sqlite3.Connection, start: int) -> None:
+    """Rebuild the records as a rowid table; rewrite a v3 file's rows in the v4 form."""
+    decode = v3_record if start == 3 else row_record
+    _rewrite(conn, _V4_RECORDS, decode)
+    if start == 3:
+        _rewrite(conn, _V3_TABLES[1:], v3_record)
 
 
 #: Migrations by the version they lead to; v1 is the initial schema. Append, never edit.
-MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {1: _SCHEMA, 2: _V2, 3: _v3}
+#: A callable one is given the connection and the file's version before the upgrade.
+MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection, int], None]] = {
+    1: _SCHEMA,
+    2: _V2,
+    3: _v3,
+    4: _v4,
+}
 
-_SELECT = f"SELECT {_COLS} FROM retrysafe_records WHERE key_hash = ?"
+#: A record by its key hash (?1), through the index on its first 8 bytes.
+_KEY = "substr(key_hash, 1, 8) = substr(?1, 1, 8) AND key_hash = ?1"
+_SELECT = f"SELECT {_COLS} FROM retrysafe_records WHERE {_KEY}"
 #: Reads and writes one claim may take before it gives up (each retry means a
 #: concurrent writer changed the key in between).
 _MAX_CLAIM_STATEMENTS = 100
-_CAS = f" WHERE key_hash = ? AND token = ? AND status = {PROCESSING}"
+# Its parameters: the key hash twice, the token.
+_CAS = (
+    " WHERE substr(key_hash, 1, 8) = substr(?, 1, 8) AND key_hash = ? AND token = ? "
+    f"AND status = {PROCESSING}"
+)
 
 # -- statements that bind no NULL (a None costs sqlite3 an adapter lookup) ------------
 #
@@ -165,7 +224,7 @@ def _insert(params: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
         keep = [i for i in range(len(COLUMNS)) if i not in absent]
         made = _INSERTS[present] = (
             f"INSERT INTO retrysafe_records ({', '.join(COLUMNS[i] for i in keep)}) "
-            f"VALUES ({', '.join('?' * len(keep))}) ON CONFLICT DO NOTHING",
+            f"VALUES ({', '.join('?' * len(keep))})",
             itemgetter(*keep),
         )
     return made[0], made[1](params)
@@ -198,7 +257,7 @@ _TAKEOVER = (
     f"UPDATE retrysafe_records SET ({_COLS}) = ({_NUMBERED}), "
     "attempts = CASE WHEN expires_at > ?11 THEN attempts + 1 ELSE 1 END, "
     "created_at = CASE WHEN expires_at > ?11 THEN created_at ELSE ?11 END "
-    "WHERE key_hash = ?1 AND (expires_at <= ?11 OR (fingerprint = ?5 AND "
+    f"WHERE {_KEY} AND (expires_at <= ?11 OR (fingerprint = ?5 AND "
     f"((status = {FAILED} AND final = 0) OR (status = {PROCESSING} AND lease_until <= ?11)))) "
     "RETURNING attempts"
 )
@@ -211,30 +270,28 @@ _RENEW = (
     "UPDATE retrysafe_records SET lease_until = ?, updated_at = ?, "
     "expires_at = max(expires_at, ?)" + _CAS
 )
-_DELETE = "DELETE FROM retrysafe_records WHERE key_hash = ?"
+_DELETE = f"DELETE FROM retrysafe_records WHERE {_KEY}"
 
 # -- operations work (sweeper, CLI) ---------------------------------------------------
 #
-# No index beyond the v1 ones: listing by status or created_at and the stats scan
+# No index beyond the key's and the expiry's: listing by status or created_at and the stats scan
 # the table, which an operator's occasional command can afford, while an index
 # on (status, created_at) would be rewritten by every claim and every completion.
 
 _ARCHIVE_COLS = ", ".join(ARCHIVE_COLUMNS)
 #: The oldest expired records of one sweep batch (?1 now, ?2 limit), through the
 #: expires_at index. Evaluated twice in one write transaction, so twice the same set.
-_DOOMED = (
-    "SELECT key_hash FROM retrysafe_records WHERE expires_at <= ?1 ORDER BY expires_at LIMIT ?2"
-)
+_DOOMED = "SELECT rowid FROM retrysafe_records WHERE expires_at <= ?1 ORDER BY expires_at LIMIT ?2"
 _SWEEP_ARCHIVE = (
     f"INSERT INTO retrysafe_archive ({_ARCHIVE_COLS}) SELECT {_COLS}, ?1 FROM retrysafe_records "
-    f"WHERE key_hash IN ({_DOOMED}) AND expires_at <= ?1 AND retention = {FINANCIAL_CODE} "
+    f"WHERE rowid IN ({_DOOMED}) AND expires_at <= ?1 AND retention = {FINANCIAL_CODE} "
     "ON CONFLICT DO NOTHING"
 )
 # A financial row goes only once its copy is in the archive: the two statements pick
 # their rows by the same subquery, and this guard keeps that from being what
 # stands between a financial record and its loss.
 _SWEEP_DELETE = (
-    f"DELETE FROM retrysafe_records WHERE key_hash IN ({_DOOMED}) AND expires_at <= ?1 "
+    f"DELETE FROM retrysafe_records WHERE rowid IN ({_DOOMED}) AND expires_at <= ?1 "
     f"AND (retention IS NOT {FINANCIAL_CODE} OR EXISTS (SELECT 1 FROM retrysafe_archive AS a "
     "WHERE a.key_hash = retrysafe_records.key_hash AND a.token = retrysafe_records.token))"
 )
@@ -439,7 +496,7 @@ class SQLiteStore(Store[_Op]):
                 for target in range(version + 1, SCHEMA_VERSION + 1):
                     migration = MIGRATIONS[target]
                     if callable(migration):
-                        migration(conn)
+                        migration(conn, version)
                     else:
                         for statement in migration.split(";"):
                             if statement.strip():
@@ -548,17 +605,20 @@ class SQLiteStore(Store[_Op]):
 
     def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
         sql, values = _finish(_COMPLETE, outcome_params(outcome))
-        return self._write(sql, (*values, now, pack_hex(key_hash), pack_hex(token)))
+        key = pack_hex(key_hash)
+        return self._write(sql, (*values, now, key, key, pack_token(token)))
 
     def _fail(
         self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
     ) -> _Op:
         sql, values = _finish(_FAIL, outcome_params(outcome))
         flag = 1 if final else 0
-        return self._write(sql, (*values, flag, now, pack_hex(key_hash), pack_hex(token)))
+        key = pack_hex(key_hash)
+        return self._write(sql, (*values, flag, now, key, key, pack_token(token)))
 
     def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
-        params = (lease_until, now, lease_until, pack_hex(key_hash), pack_hex(token))
+        key = pack_hex(key_hash)
+        params = (lease_until, now, lease_until, key, key, pack_token(token))
         return self._write(_RENEW, params)
 
     def _get(self, key_hash: str) -> _Op:
