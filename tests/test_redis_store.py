@@ -76,7 +76,9 @@ WRITERS: dict[str, Callable[[redis.Redis, str, bytes], None]] = {
     "truncated-header": lambda r, k, valid: r.set(k, valid[:40]),
     "truncated-body": lambda r, k, valid: r.set(k, valid[:-5]),
     "bad-status": lambda r, k, valid: r.set(k, valid[:30] + b"x" + valid[31:]),
-    "bad-utf8": lambda r, k, valid: r.set(k, valid[:60] + b"\xff" + valid[61:]),
+    # the operation's name is text in every layout (a fixed offset can land in a
+    # binary field, whose length varies with the record's token)
+    "bad-utf8": lambda r, k, valid: r.set(k, valid.replace(OP.encode(), b"\xff" + OP[1:].encode())),
     "hash": lambda r, k, valid: r.hset(k, mapping={"a": "b"}),
 }
 
