@@ -8,7 +8,7 @@ import contextlib
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote_plus, urlsplit, urlunsplit
+from urllib.parse import unquote_plus, urlsplit
 
 try:
     import redis
@@ -98,7 +98,9 @@ def _parse_url(url: str, prefix: str) -> tuple[str, bool, str, str | None, bool 
             keep.append(piece)
     if cluster and parts.path not in ("", "/", "/0"):
         raise ValueError(f"Redis Cluster has only database 0: {redact(url)!r}")
-    client_url = urlunsplit(parts._replace(scheme=client_scheme, query="&".join(keep)))
+    # (not urlunsplit: it drops the "//" of a unix:// URL, which redis-py then refuses)
+    query = "&".join(keep)
+    client_url = f"{client_scheme}://{parts.netloc}{parts.path}" + (f"?{query}" if query else "")
     return client_url, cluster, prefix, archive, compact
 
 
