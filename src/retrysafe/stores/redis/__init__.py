@@ -1,7 +1,7 @@
 """``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://``: records in Redis.
 
-:class:`RedisStore` is the store; the record codec, the Lua scripts and the clients
-live in modules of their own.
+:class:`RedisStore` is the store; the record codec, the Lua scripts, the clients
+and the store's own connections live in modules of their own.
 """
 
 from __future__ import annotations

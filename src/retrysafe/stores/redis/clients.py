@@ -1,5 +1,6 @@
-"""The Redis store's clients: its URLs, and redis-py clients (standalone or cluster,
-sync or one per event loop) made on first use and never carried across a fork."""
+"""The Redis store's clients: its URLs; its own connection pools for a standalone
+server's hot commands (connections.py) and redis-py clients (standalone or cluster,
+sync or one per event loop), made on first use and never carried across a fork."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ else:
     _MAINT_CONFIG = MaintNotificationsConfig
 
 from retrysafe.stores._redact import redact
+from retrysafe.stores.redis.connections import AsyncPool, Endpoint, Pool
 
 if TYPE_CHECKING:
     from retrysafe.stores.redis.store import RedisStore
@@ -124,8 +126,18 @@ def _forget_clients(ref: weakref.ref[RedisStore]) -> None:
     store = ref()
     if store is None:
         return
-    _INHERITED.append((store._sync, list(store._async.values()), list(store._starting.values())))
+    _INHERITED.append(
+        (
+            store._sync,
+            list(store._async.values()),
+            list(store._starting.values()),
+            store._pool,
+            list(store._pools.values()),
+        )
+    )
     store._sync = None
+    store._pool = None
+    store._pools = weakref.WeakKeyDictionary()
     store._async = weakref.WeakKeyDictionary()
     store._starting = weakref.WeakKeyDictionary()
     store._lock = threading.Lock()
@@ -135,9 +147,14 @@ def _forget_clients(ref: weakref.ref[RedisStore]) -> None:
 
 
 class RedisClients:
-    """The client half of :class:`RedisStore`: makes its redis-py clients on first use."""
+    """The client half of :class:`RedisStore`: makes its pools and redis-py clients on
+    first use."""
 
     cluster: bool
+    #: A standalone server the store's own pools reach (None: everything on redis-py).
+    _endpoint: Endpoint | None
+    _pool: Pool | None
+    _pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncPool]
     max_connections: int
     _client_url: str
     _options: dict[str, Any]
@@ -155,6 +172,24 @@ class RedisClients:
             # restart would fail; they only matter for RESP3 on Redis Enterprise.
             options["maint_notifications_config"] = _MAINT_CONFIG(enabled=False)
         return options
+
+    def _sync_pool(self) -> Pool:
+        with self._sync_lock:
+            if self._pool is None:
+                assert self._endpoint is not None
+                self._pool = Pool(self._endpoint)
+            return self._pool
+
+    def _async_pool(self, loop: asyncio.AbstractEventLoop) -> AsyncPool:
+        with self._lock:
+            pool = self._pools.get(loop)
+            if pool is None:
+                # A pool pins its loop: forget the pools of loops that were closed.
+                for old in [lp for lp in self._pools if lp.is_closed()]:
+                    del self._pools[old]
+                assert self._endpoint is not None
+                pool = self._pools[loop] = AsyncPool(self._endpoint, loop)
+            return pool
 
     def _sync_client(self) -> Any:
         # Its own lock: a cluster client connects while it is built, and the event

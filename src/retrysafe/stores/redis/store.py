@@ -45,6 +45,7 @@ from retrysafe.stores.redis.codec import (
     _ttl_ms,
     record_from_value,
 )
+from retrysafe.stores.redis.connections import AsyncPool, Pool, endpoint
 from retrysafe.stores.redis.lua import (
     _CELL_WRITE_SHA,
     _CLAIM_SHA,
@@ -131,6 +132,9 @@ def _parse_cell(reply: Any, op: _Op) -> list[Any] | None:
 
 
 # -- sending -------------------------------------------------------------------------
+# A standalone server's hot commands go through the store's own pools (connections.py;
+# docs/stores.md, "The store's own connections"), unless its URL asks for something
+# they do not do (TLS, ...): then, as the operations work always does, through redis-py.
 # A standalone client's command goes straight to a pooled connection: redis-py's
 # pool (its bound, its wait, its check of a returned connection, its fork guard),
 # then one send and one read. Left out is what the client wraps around that, which
@@ -171,6 +175,24 @@ async def _asend(client: Any, op: _Op) -> Any:
         raise
     finally:
         await pool.release(conn)
+
+
+def _call(pool: Pool, op: _Op) -> Any:
+    """One command on the store's own pool; a new or flushed server's scripts loaded."""
+    try:
+        return pool.call(op.args)
+    except _rx.NoScriptError:
+        pool.call(("SCRIPT", "LOAD", _SCRIPTS[op.args[1]]))
+        return pool.call(op.args)
+
+
+async def _acall(pool: AsyncPool, op: _Op) -> Any:
+    """As :func:`_call`, on an event loop's pool."""
+    try:
+        return await pool.call(op.args)
+    except _rx.NoScriptError:
+        await pool.call(("SCRIPT", "LOAD", _SCRIPTS[op.args[1]]))
+        return await pool.call(op.args)
 
 
 def _send_cluster(client: Any, op: _Op) -> Any:
@@ -228,12 +250,14 @@ class _Pass:
 class RedisStore(RedisClients, Store[_Op]):
     """Records in Redis or Redis Cluster (layout: docs/stores.md, "Redis layout").
 
-    Nothing connects until the first operation. The sync client is shared by all
-    threads; an asyncio client is made per running event loop. redis-py's own
-    retries are off (a re-sent script could apply twice): a failed round trip
-    raises :class:`~retrysafe.StoreUnavailableError` at once, and the next call
-    reconnects. ``max_connections`` bounds the sync client's pool and each asyncio
-    client's (per event loop); a call past it waits for a free connection for up to
+    Nothing connects until the first operation. On a standalone server the hot
+    commands go through the store's own connections, the rest through redis-py
+    (docs/stores.md, "The store's own connections"); the sync pool and client are
+    shared by all threads, and each running event loop gets its own. No command is
+    re-sent (a re-sent script could apply twice): a failed round trip raises
+    :class:`~retrysafe.StoreUnavailableError` at once, and the next call
+    reconnects. ``max_connections`` bounds each pool (the sync one, and each event
+    loop's); a call past it waits for a free connection for up to
     ``socket_timeout``. ``compact_keys`` keeps records under the key hash's 32 bytes
     rather than its hex; read docs/stores.md ("Redis keys") before turning it on.
     """
@@ -278,6 +302,17 @@ class RedisStore(RedisClients, Store[_Op]):
             "socket_timeout": socket_timeout,
             "socket_connect_timeout": connect_timeout,
         }
+        self._endpoint = None
+        if not self.cluster:
+            pool_options = {"max_connections": max_connections, "timeout": socket_timeout}
+            try:
+                self._endpoint = endpoint(self._client_url, {**pool_options, **self._options})
+            except Exception:  # a bad URL option: redis-py reports it at first use, as before
+                self._endpoint = None
+        self._pool: Pool | None = None
+        self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncPool] = (
+            weakref.WeakKeyDictionary()
+        )
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()
         self._set_claims = True  # claims use SET NX GET until the server refuses it
@@ -408,13 +443,16 @@ class RedisStore(RedisClients, Store[_Op]):
     def _run(self, op: _Op) -> Any:
         while True:
             try:
-                client = self._sync or self._sync_client()
-                send = _send_cluster if self.cluster else _send
-                try:
-                    reply = send(client, op)
-                except _rx.NoScriptError:  # a new or flushed server: load, then run once
-                    client.script_load(_SCRIPTS[op.args[1]])
-                    reply = send(client, op)
+                if self._endpoint is not None:
+                    reply = _call(self._pool or self._sync_pool(), op)
+                else:
+                    client = self._sync or self._sync_client()
+                    send = _send_cluster if self.cluster else _send
+                    try:
+                        reply = send(client, op)
+                    except _rx.NoScriptError:  # a new or flushed server: load, run once
+                        client.script_load(_SCRIPTS[op.args[1]])
+                        reply = send(client, op)
             except Exception as exc:
                 op = self._retry_or_raise(op, exc)
                 continue
@@ -427,13 +465,16 @@ class RedisStore(RedisClients, Store[_Op]):
         loop = asyncio.get_running_loop()
         while True:
             try:
-                client = self._async.get(loop) or await self._aconnect(loop)
-                asend = _asend_cluster if self.cluster else _asend
-                try:
-                    reply = await asend(client, op)
-                except _rx.NoScriptError:
-                    await client.script_load(_SCRIPTS[op.args[1]])
-                    reply = await asend(client, op)
+                if self._endpoint is not None:
+                    reply = await _acall(self._pools.get(loop) or self._async_pool(loop), op)
+                else:
+                    client = self._async.get(loop) or await self._aconnect(loop)
+                    asend = _asend_cluster if self.cluster else _asend
+                    try:
+                        reply = await asend(client, op)
+                    except _rx.NoScriptError:
+                        await client.script_load(_SCRIPTS[op.args[1]])
+                        reply = await asend(client, op)
             except Exception as exc:
                 op = self._retry_or_raise(op, exc)
                 continue
@@ -728,12 +769,18 @@ class RedisStore(RedisClients, Store[_Op]):
         return self._unavailable(exc)
 
     def close(self) -> None:
-        """Close the sync client and the archive; forget clients of closed event loops."""
+        """Close the sync pool and client and the archive; forget the pools and clients
+        of closed event loops."""
         with self._sync_lock, self._lock:
             client, self._sync = self._sync, None
+            pool, self._pool = self._pool, None
             for old in [lp for lp in self._async if lp.is_closed()]:
                 del self._async[old]
+            for old in [lp for lp in self._pools if lp.is_closed()]:
+                del self._pools[old]
             archive = self._archive
+        if pool is not None:
+            pool.close()
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
@@ -742,13 +789,16 @@ class RedisStore(RedisClients, Store[_Op]):
                 archive.close()
 
     async def aclose(self) -> None:
-        """Close the current event loop's client, then as :meth:`close`."""
+        """Close the current event loop's pool and client, then as :meth:`close`."""
         loop = asyncio.get_running_loop()
         starting = self._starting.pop(loop, None)
         if starting is not None and not starting.done():  # a cluster client being started
             await asyncio.wait([starting])  # (its client, if any, is closed below)
         with self._lock:
             client = self._async.pop(loop, None)
+            pool = self._pools.pop(loop, None)
+        if pool is not None:
+            pool.close()
         if client is not None:
             with contextlib.suppress(Exception):
                 await client.aclose()
