@@ -25,13 +25,13 @@ median over the rounds. This is a benchmark, not a test (pytest does not run it)
 Without URLs it starts its own redis-server and PostgreSQL (tests/_servers.py)
 and stops them at the end.
 
-    python bench/stores.py --redis-instructions [CALLS] [--redis-url URL] [--redis-minimal-send]
+    python bench/stores.py --redis-instructions [CALLS] [--redis-url URL] [--redis-py-path]
 
 counts instead, with valgrind, the client instructions per call of each Redis
 contender (the store and its floor, ``@idempotent`` and Powertools), one process
-each: exact, whatever else the machine runs. ``--redis-minimal-send`` runs the
-store's rows again with a prototype store-owned command path in place of
-redis-py's pool (see :func:`_minimal_send`): what owning it would save.
+each: exact, whatever else the machine runs. ``--redis-py-path`` runs the store's
+rows again with its own connections turned off (every command through redis-py's
+pool, as a URL with a TLS option does): what owning them saves.
 """
 
 # ruff: noqa: E402  (the imports follow the sys.path guard below)
@@ -741,59 +741,15 @@ INSTRUCTION_JOBS = (
 )
 
 
-def _minimal_send() -> Callable[[Any, Any], Any]:
-    """A prototype of a store-owned command path for one standalone server, in place
-    of ``retrysafe.stores.redis.store._send``: sockets of its own (a plain list as the
-    pool), ``hiredis.pack_command`` and a ``hiredis.Reader`` each. Only a measurement:
-    no TLS, AUTH or SELECT, no bound on the pool, error replies only as far as the
-    bench needs."""
-    import socket
-
-    import hiredis
-    from redis import exceptions
-
-    idle: list[tuple[socket.socket, Any]] = []
-
-    def send(client: Any, op: Any) -> Any:
-        if idle:
-            sock, reader = idle.pop()
-        else:
-            kwargs = client.connection_pool.connection_kwargs
-            sock = socket.create_connection((kwargs["host"], kwargs["port"]), timeout=5.0)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            reader = hiredis.Reader()
-        try:
-            sock.sendall(hiredis.pack_command(tuple(op.args)))
-            reply = reader.gets()
-            while reply is False:
-                data = sock.recv(65536)
-                if not data:
-                    raise exceptions.ConnectionError("closed by the server")
-                reader.feed(data)
-                reply = reader.gets()
-        except BaseException:
-            sock.close()
-            raise
-        idle.append((sock, reader))
-        if isinstance(reply, hiredis.ReplyError):
-            text = str(reply)
-            if text.startswith("NOSCRIPT"):
-                raise exceptions.NoScriptError(text)
-            raise exceptions.ResponseError(text)
-        return reply
-
-    return send
-
-
 def instructions_run(argv: Sequence[str]) -> int:
-    """``--redis-instructions-run INDEX N URL [minimal]``: ``N`` calls of one Redis
+    """``--redis-instructions-run INDEX N URL [redis-py]``: ``N`` calls of one Redis
     contender (``INSTRUCTION_JOBS[INDEX]``) after a warm-up, in this process; with
-    ``minimal``, the store sends through :func:`_minimal_send`."""
+    ``redis-py``, the store sends every command through redis-py."""
     index, n, url = int(argv[0]), int(argv[1]), argv[2]
-    if argv[3:] == ["minimal"]:
+    if argv[3:] == ["redis-py"]:
         from retrysafe.stores.redis import store as redis_store
 
-        redis_store._send = _minimal_send()  # type: ignore[assignment]
+        redis_store.endpoint = lambda url, options: None  # no URL is the store's own
     section, name, workload = INSTRUCTION_JOBS[index]
     with contextlib.ExitStack() as stack:
         ns = f"rsinstr-{secrets.token_hex(4)}:"
@@ -810,12 +766,12 @@ def instructions_run(argv: Sequence[str]) -> int:
     return 0
 
 
-def _client_instructions(index: int, n: int, url: str, minimal: bool = False) -> int:
+def _client_instructions(index: int, n: int, url: str, redis_py: bool = False) -> int:
     """Instructions this interpreter executes for ``n`` calls (valgrind's callgrind,
     counting only inside the ``functools.reduce`` that makes them: no start-up, no
     warm-up)."""
     run = [sys.executable, str(Path(__file__).resolve()), "--redis-instructions-run"]
-    argv = [*run, str(index), str(n), url, *(["minimal"] if minimal else [])]
+    argv = [*run, str(index), str(n), url, *(["redis-py"] if redis_py else [])]
     callgrind = ["--collect-atstart=no", "--toggle-collect=functools_reduce"]
     out = subprocess.run(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *callgrind, *argv],
@@ -830,22 +786,22 @@ def _client_instructions(index: int, n: int, url: str, minimal: bool = False) ->
     return int(found[-1].rsplit(" ", 1)[-1])
 
 
-def redis_instructions(calls: int, url: str | None, minimal: bool = False) -> int:
+def redis_instructions(calls: int, url: str | None, redis_py: bool = False) -> int:
     """Print each Redis contender's client instructions per call. The server runs
-    outside valgrind; only the client is counted. With ``minimal``, the store's rows
-    again through :func:`_minimal_send`."""
+    outside valgrind; only the client is counted. With ``redis_py``, the store's rows
+    again with every command through redis-py."""
     if shutil.which("valgrind") is None:
         raise SystemExit("--redis-instructions needs valgrind")
     with contextlib.ExitStack() as stack:
         url = url or start_server("redis", stack)
         rows = []
         jobs = [(i, job, False) for i, job in enumerate(INSTRUCTION_JOBS)]
-        if minimal:
+        if redis_py:
             jobs += [(i, job, True) for i, job in enumerate(INSTRUCTION_JOBS) if job[1] == SUBJECT]
         for i, (section, name, workload), alone in jobs:
             per_call = _client_instructions(i, calls, url, alone) / calls
             if alone:
-                name = f"{name}, minimal send (prototype)"
+                name = f"{name}, through redis-py's pool"
             rows.append((section, name, workload, per_call))
             print(f"  {section} / {name} / {workload}: {per_call:,.0f}", flush=True)
     print("\n| section | contender | workload | client instructions per call |")
@@ -1153,10 +1109,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="only count the Redis contenders' client instructions per call (valgrind)",
     )
     p.add_argument(
-        "--redis-minimal-send",
+        "--redis-py-path",
         action="store_true",
-        help="with --redis-instructions: the store's rows again, through a prototype "
-        "store-owned command path",
+        help="with --redis-instructions: the store's rows again, with every command "
+        "through redis-py (its own connections off)",
     )
     p.add_argument(
         "--instructions",
@@ -1228,7 +1184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return sqlite_instructions_run(raw[1], raw[2], int(raw[3]))
     args = parse_args(argv)
     if args.redis_instructions is not None:
-        return redis_instructions(args.redis_instructions, args.redis_url, args.redis_minimal_send)
+        return redis_instructions(args.redis_instructions, args.redis_url, args.redis_py_path)
     if args.instructions:
         print(plain(sqlite_instructions(args.instructions)))
         return 0
