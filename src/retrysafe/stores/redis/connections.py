@@ -83,8 +83,9 @@ def endpoint(url: str, options: dict[str, Any]) -> Endpoint | None:
     """The endpoint of a standalone ``redis://`` or ``unix://`` URL, with the store's
     ``options`` under the URL's as redis-py merges them (``max_connections``, the
     pool's wait ``timeout``, socket timeouts); None when the URL asks for anything
-    this module does not do the same way as redis-py (or hiredis is missing)."""
-    if not _HIREDIS:
+    this module does not do the same way as redis-py (or hiredis or ``poll`` is
+    missing)."""
+    if not _HIREDIS or not hasattr(select, "poll"):  # (Windows has no poll)
         return None
     kwargs = {**options, **parse_url(url)}
     if not kwargs.keys() <= _OURS or (kwargs.get("username") and not kwargs.get("password")):
@@ -173,10 +174,20 @@ def _closed() -> _rx.ConnectionError:
     return _rx.ConnectionError("Connection closed by server.")
 
 
-def _stale(fd: int) -> bool:
+def _watch(fd: int) -> Any:
+    """A poller of ``fd``'s readability (``select.poll``: no limit on the fd's number,
+    as ``select.select`` has), or None without a descriptor."""
+    if fd < 0:
+        return None
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return poller
+
+
+def _stale(poller: Any) -> bool:
     """An idle connection with something to read (EOF after a server restart, or a
     reply nobody asked for) is not reused."""
-    return fd >= 0 and bool(select.select((fd,), (), (), 0)[0])
+    return poller is not None and bool(poller.poll(0))
 
 
 def _no_connection() -> _rx.ConnectionError:
@@ -245,11 +256,11 @@ class _Bounded(Generic[_C]):
 
 
 class _Conn:
-    __slots__ = ("fd", "reader", "sock")
+    __slots__ = ("poller", "reader", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.fd = sock.fileno()
+        self.poller = _watch(sock.fileno())
         self.reader = _reader()
 
     def call(self, packed: bytes) -> Any:
@@ -297,7 +308,7 @@ class Pool(_Bounded[_Conn]):
                 conn = idle.pop()
             except IndexError:
                 conn = self._open_or_wait()
-            if not _stale(conn.fd):
+            if not _stale(conn.poller):
                 return conn
             self._discard(conn)
 
@@ -373,19 +384,19 @@ class Pool(_Bounded[_Conn]):
 class _Protocol(asyncio.Protocol):
     """One connection on an event loop: feeds a reader, answers the waiting call."""
 
-    __slots__ = ("fd", "lost", "reader", "transport", "waiter")
+    __slots__ = ("lost", "poller", "reader", "transport", "waiter")
 
     def __init__(self) -> None:
         self.reader = _reader()
         self.waiter: asyncio.Future[Any] | None = None
         self.transport: asyncio.Transport | None = None
         self.lost = False
-        self.fd = -1
+        self.poller: Any = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast("asyncio.Transport", transport)  # (uvloop's: not a subclass)
         sock = transport.get_extra_info("socket")
-        self.fd = sock.fileno() if sock is not None else -1
+        self.poller = _watch(sock.fileno() if sock is not None else -1)
 
     def data_received(self, data: bytes) -> None:
         waiter = self.waiter
@@ -462,7 +473,7 @@ class AsyncPool(_Bounded[_Protocol]):
         idle = self._idle
         while True:
             conn = idle.pop() if idle else await self._open_or_wait()
-            if not (conn.lost or _stale(conn.fd)):
+            if not (conn.lost or _stale(conn.poller)):
                 return conn
             self._discard(conn)
 
