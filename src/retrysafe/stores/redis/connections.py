@@ -46,8 +46,6 @@ _OURS = frozenset(
         "max_connections",
         "timeout",
         "connection_class",
-        "retry",  # off in the store: no command is ever re-sent
-        "maint_notifications_config",  # off in the store (redis-py >= 7)
     }
 )
 
