@@ -372,3 +372,26 @@ def test_close_closes_idle_connections_and_the_next_call_reconnects(redis_server
     assert pool.connections == 0 and store._pool is None
     assert store.get("0" * 64) is None
     store.close()
+
+
+async def test_a_cancelled_waiter_leaves_the_queue(redis_server: Any, raw: redis.Redis) -> None:
+    """Two calls wait for the one connection; the first is cancelled: the second gets
+    it when it comes back, and the pool still holds one connection."""
+    store = _store(f"{redis_server.url}?max_connections=1")
+    waiting = f"held-{uuid.uuid4().hex[:8]}"
+    held = asyncio.ensure_future(store._arun(_blpop(waiting)))
+    while not any(c.get("cmd") == "blpop" for c in raw.client_list()):
+        await asyncio.sleep(0.01)
+    pool = store._pools[asyncio.get_running_loop()]
+    first = asyncio.ensure_future(store.aget("0" * 64))
+    second = asyncio.ensure_future(store.aget("1" * 64))
+    while len(pool._waiters) < 2:
+        await asyncio.sleep(0)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    raw.rpush(waiting, b"x")
+    assert await held is True
+    assert await second is None
+    assert pool.connections == 1 and not pool._waiters
+    await store.aclose()
