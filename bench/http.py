@@ -12,6 +12,10 @@ One run measures, with the same load generator and the same settings:
   (``SET NX GET`` + ``SET`` through ``redis.asyncio``, the round trips retrysafe makes);
 * **fik-memory**: the peer fastapi-idempotency-key's middleware on its in-memory backend
   (default options), the one the issue's targets name for first calls;
+* **fik-redis**: the same peer on its Redis backend (default options; as released, its
+  replays answer 422: its completion overwrites the claim's fingerprint with ``""``);
+  **fik-redis-kept**: the same with that one fix (the completion writes the claim's
+  fingerprint; the same two round trips), so that its replays can be measured;
 * **gateway**: ``retrysafe.gateway.create_app(upstream, store="memory://")`` in front of
   the bare server, against hitting that bare server directly (skipped, with a message,
   while ``retrysafe.gateway`` does not exist).
@@ -94,6 +98,8 @@ ANSWER_BYTES = json.dumps(ANSWER, separators=(",", ":")).encode()
 FIRST, REPLAY = "first call", "replay"
 WORKLOADS = {"first": FIRST, "replay": REPLAY}
 BARE, GATEWAY, PEER_MEMORY = "bare", "gateway", "fik-memory"
+PEER_REDIS, PEER_REDIS_KEPT = "fik-redis", "fik-redis-kept"
+PEERS = (PEER_MEMORY, PEER_REDIS, PEER_REDIS_KEPT)
 PEER_MODULE = "fastapi_idempotency_key"
 APPS = ("asgi", "starlette")
 
@@ -130,6 +136,20 @@ SPECS: dict[str, Spec] = {
         "`fastapi_idempotency_key.IdempotencyMiddleware(endpoint, backend=MemoryBackend())`, "
         "default options (the peer that leads on first calls)",
         "memory",
+        "idempotency-replayed",
+    ),
+    PEER_REDIS: Spec(
+        "peer",
+        "`fastapi_idempotency_key.IdempotencyMiddleware(endpoint, backend=RedisBackend("
+        "redis_url=url))`, default options (as released: every replay answers 422)",
+        "{redis}",
+        "idempotency-replayed",
+    ),
+    PEER_REDIS_KEPT: Spec(
+        "peer",
+        "fik-redis with one fix: the completion writes the claim's fingerprint (0.1.1 "
+        'writes `""`, which refuses every replay); the same two round trips (`EVAL`s)',
+        "{redis}",
         "idempotency-replayed",
     ),
     "floor-redis": Spec(
@@ -327,6 +347,67 @@ def fik_memory(app: Any) -> Any:
     return IdempotencyMiddleware(app, backend=MemoryBackend())
 
 
+def fik_redis(app: Any, url: str, keep_fingerprint: bool = False) -> Any:
+    """fastapi-idempotency-key's middleware on its Redis backend, default options; with
+    ``keep_fingerprint``, its completion writes the claim's fingerprint (0.1.1 writes
+    ``""``, so that every replay is refused as another request, 422)."""
+    from fastapi_idempotency_key import IdempotencyMiddleware, RedisBackend
+
+    backend = RedisBackend(redis_url=url)
+    if keep_fingerprint:
+        backend = _fik_kept(RedisBackend)(redis_url=url)
+    return IdempotencyMiddleware(app, backend=backend)
+
+
+def _fik_kept(base: Any) -> Any:
+    """fik's RedisBackend whose completion keeps the claim's fingerprint."""
+    import json
+
+    from fastapi_idempotency_key import IdempotencyRecord, IdempotencyStatus
+
+    class KeptFingerprint(base):  # type: ignore[misc,valid-type]
+        def __init__(self, **options: Any) -> None:
+            super().__init__(**options)
+            self.claimed: dict[str, str] = {}  # key -> fingerprint, while in flight
+
+        async def _try_lock_once(self, key: str, fingerprint: str, ttl: int) -> Any:
+            acquired, record = await super()._try_lock_once(key, fingerprint, ttl)
+            if acquired:
+                self.claimed[key] = fingerprint
+            return acquired, record
+
+        async def release_lock(self, key: str) -> None:
+            self.claimed.pop(key, None)
+            await super().release_lock(key)
+
+        async def store_response(
+            self, key: str, status_code: int, headers: Any, body: bytes, ttl: int
+        ) -> None:
+            # 0.1.1's store_response, with the claim's fingerprint for its ""
+            now = time.time()
+            record = IdempotencyRecord(
+                key=key,
+                fingerprint=self.claimed.pop(key, ""),
+                status=IdempotencyStatus.COMPLETED,
+                status_code=status_code,
+                headers=list(headers),
+                body=body,
+                created_at=now,
+                expires_at=now + ttl if ttl > 0 else 0.0,
+            )
+            payload = json.dumps(record.to_dict())
+            await self.redis.eval(self.LUA_STORE_RESPONSE, 1, self._get_key(key), payload, ttl)
+
+    return KeptFingerprint
+
+
+def peer_app(name: str, app: Any, store: str) -> Any:
+    """The peer variant ``name`` around ``app`` (``store``: its Redis URL, if any)."""
+    if name == PEER_MEMORY:
+        return fik_memory(app)
+    return fik_redis(app, store, keep_fingerprint=name == PEER_REDIS_KEPT)
+
+
 def server_settings() -> dict[str, Any]:
     """uvicorn's settings, the same for every variant."""
     have = {m: importlib.util.find_spec(m) is not None for m in ("uvloop", "httptools")}
@@ -350,6 +431,7 @@ def serve(argv: Sequence[str]) -> int:
     parser.add_argument("--kind", choices=kinds, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--store")
+    parser.add_argument("--peer", choices=PEERS, default=PEER_MEMORY)
     parser.add_argument("--upstream")
     parser.add_argument("--app", choices=APPS, default="asgi")
     parser.add_argument("--profile-out")
@@ -372,7 +454,7 @@ def serve(argv: Sequence[str]) -> int:
         elif args.kind == "floor":
             app = Floor(app, args.store)
         elif args.kind == "peer":
-            app = fik_memory(app)
+            app = peer_app(args.peer, app, args.store)
     profiler = cProfile.Profile() if args.profile_out else None
     # uvicorn shuts down on SIGTERM, then raises it again under this handler.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
@@ -627,13 +709,18 @@ class Variant:
         if self.reference is not None:
             status, headers, _ = self._post(replay_key(prefix, 0))
             if status != 201 or headers.get(self.spec.replayed) != "true":
-                raise BenchError(f"{self.label}: a warmed key was not replayed: {headers}")
+                raise BenchError(f"{self.label}: a warmed key answered {status}, not a replay")
 
     def measure(self, load: Load, workload: str, tag: str) -> Sample:
         mode = "replay" if workload == REPLAY else "first"
         prefix = f"{tag}-{self.name}-{self.app}-{secrets.token_hex(4)}"
         if mode == "replay":
-            self.warm_replay_keys(prefix)
+            try:
+                self.warm_replay_keys(prefix)
+            except BenchError as exc:  # a peer that does not replay: shown, not fatal
+                if self.spec.kind != "peer":
+                    raise
+                return Sample(0.0, 0, 0.0, 0.0, 0.0, [str(exc).removeprefix(f"{self.label}: ")])
         calls_before = self.settled_calls()
         cpu_before = sum(s.cpu() for s in self.servers())
         stats, text = load.run(self.server.url, mode, prefix)
@@ -678,10 +765,11 @@ def choose(requested: Sequence[str]) -> tuple[list[str], list[tuple[str, str]]]:
         print("skipping the gateway: retrysafe.gateway does not exist (yet)", flush=True)
         names.remove(GATEWAY)
         skipped.append((GATEWAY, "`retrysafe.gateway` did not exist when this ran"))
-    if PEER_MEMORY in names and importlib.util.find_spec(PEER_MODULE) is None:
-        print("skipping fik-memory: fastapi-idempotency-key is not installed", flush=True)
-        names.remove(PEER_MEMORY)
-        skipped.append((PEER_MEMORY, "fastapi-idempotency-key was not installed"))
+    for peer in PEERS:
+        if peer in names and importlib.util.find_spec(PEER_MODULE) is None:
+            print(f"skipping {peer}: fastapi-idempotency-key is not installed", flush=True)
+            names.remove(peer)
+            skipped.append((peer, "fastapi-idempotency-key was not installed"))
     return names, skipped
 
 
@@ -737,6 +825,8 @@ def start_variants(
                 tag = f"{name}-{app}-candidate" if twin else f"{name}-{app}"
                 store = spec.store.format(tmp=tmp, name=tag, redis=redis_url)
                 argv = ["--kind", spec.kind, "--app", app, "--store", store, *src(twin)]
+                if spec.kind == "peer":
+                    argv += ["--peer", name]
                 server = start(name, app, argv)
                 variants.append(Variant(name, app, spec, server, server, bare, twin))
     if GATEWAY in names:  # in front of the first endpoint's bare server
