@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from redis import exceptions as _rx
 from redis._parsers import BaseParser
@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - the redis extra brings it; redis-py do
 else:
     _HIREDIS = True
 
-__all__ = ["AsyncPool", "Endpoint", "Pool", "endpoint"]
+__all__ = ["MAX_REPLY", "AsyncPool", "Endpoint", "Pool", "endpoint"]
 
 #: Options of redis-py's pool and connection the store's own path handles the same
 #: way; a URL with any other (TLS, keepalive, health checks, ...) stays on redis-py.
@@ -50,8 +50,17 @@ _OURS = frozenset(
 )
 
 _RECV = 65536
+#: The most bytes one reply may take: a Redis string's own bound (512 MiB, the
+#: server's default ``proto-max-bulk-len``) and room for the rest of a reply. A
+#: garbled or hostile stream past it closes its connection rather than fill memory.
+MAX_REPLY = (512 << 20) + (1 << 20)
 
-_C = TypeVar("_C")  # a pool's connection
+
+class _Link(Protocol):
+    reader: Any  # its hiredis.Reader
+
+
+_C = TypeVar("_C", bound=_Link)  # a pool's connection
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +181,10 @@ def _closed() -> _rx.ConnectionError:
     return _rx.ConnectionError("Connection closed by server.")
 
 
+def _too_long() -> _rx.InvalidResponse:
+    return _rx.InvalidResponse(f"A reply over {MAX_REPLY} bytes")
+
+
 def _watch(fd: int) -> Any:
     """A poller of ``fd``'s readability (``select.poll``: no limit on the fd's number,
     as ``select.select`` has), or None without a descriptor."""
@@ -220,8 +233,10 @@ class _Bounded(Generic[_C]):
         return self._count
 
     def _settle(self, conn: _C, reply: Any) -> Any:
-        """Give ``conn`` back (or close it), then the reply, or its error raised."""
-        if _in_step(reply):
+        """Give ``conn`` back (or close it), then the reply, or its error raised. A
+        connection with bytes left after its reply (nobody asked for them) is closed:
+        the next caller would read them as its own reply."""
+        if _in_step(reply) and not conn.reader.has_data():
             self._give_back(conn)
         else:
             self._discard(conn)
@@ -230,11 +245,11 @@ class _Bounded(Generic[_C]):
         return reply
 
     def _give_back(self, conn: _C) -> None:
-        if self._closed:
-            self._discard(conn)
-            return
         self._idle.append(conn)
-        self._returned()
+        if self._closed:  # (after the append: a close() running now, or done, drains it)
+            self._drain()
+        else:
+            self._returned()
 
     def _returned(self) -> None:
         """A connection is idle again: wake a caller waiting for one."""
@@ -246,8 +261,16 @@ class _Bounded(Generic[_C]):
     def close(self) -> None:
         """Close the idle connections; those in use close when their call ends."""
         self._closed = True
-        while self._idle:
-            self._discard(self._idle.pop())
+        self._drain()
+
+    def _drain(self) -> None:
+        idle = self._idle
+        while True:
+            try:
+                conn = idle.pop()
+            except IndexError:  # (another thread took the last one)
+                return
+            self._discard(conn)
 
 
 # -- sync -------------------------------------------------------------------------------
@@ -266,10 +289,14 @@ class _Conn:
         sock, reader = self.sock, self.reader
         sock.sendall(packed)
         reply = reader.gets()
+        read = 0
         while reply is False:
             data = sock.recv(_RECV)
             if not data:
                 raise _closed()
+            read += len(data)
+            if read > MAX_REPLY:
+                raise _too_long()
             reader.feed(data)
             reply = reader.gets()
         return reply
@@ -382,7 +409,7 @@ class Pool(_Bounded[_Conn]):
 class _Protocol(asyncio.Protocol):
     """One connection on an event loop: feeds a reader, answers the waiting call."""
 
-    __slots__ = ("lost", "poller", "reader", "transport", "waiter")
+    __slots__ = ("lost", "poller", "read", "reader", "transport", "waiter")
 
     def __init__(self) -> None:
         self.reader = _reader()
@@ -390,6 +417,7 @@ class _Protocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.lost = False
         self.poller: Any = None
+        self.read = 0  # bytes of the awaited reply so far
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast("asyncio.Transport", transport)  # (uvloop's: not a subclass)
@@ -402,8 +430,18 @@ class _Protocol(asyncio.Protocol):
             self.lost = True
             return
         reader = self.reader
-        reader.feed(data)
-        reply = reader.gets()
+        self.read += len(data)
+        try:
+            if self.read > MAX_REPLY:
+                raise _too_long()
+            reader.feed(data)
+            reply = reader.gets()
+        except Exception as exc:  # a malformed or endless reply: this caller's error
+            self.waiter = None
+            self.close()
+            if not waiter.done():
+                waiter.set_exception(exc)
+            return
         if reply is not False:
             self.waiter = None
             if not waiter.done():
@@ -418,6 +456,7 @@ class _Protocol(asyncio.Protocol):
     def send(self, packed: bytes, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any]:
         """Write one command; the future of its reply."""
         waiter = self.waiter = loop.create_future()
+        self.read = 0
         assert self.transport is not None
         self.transport.write(packed)
         return waiter
