@@ -1,5 +1,5 @@
 """bench/peers.py's app, the middlewares it compares, and how it drives an ASGI app in
-process.
+process; bench/http.py's fik-redis variants (``fik_redis``).
 
 Loaded by path by bench/peers.py (see its docstring); not a script of its own.
 """
@@ -7,6 +7,8 @@ Loaded by path by bench/peers.py (see its docstring); not a script of its own.
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -96,6 +98,56 @@ def _wrap_fik(app: Any, url: str, ns: str) -> tuple[Any, Closer]:
 
     backend = RedisBackend(redis_url=url, prefix=f"{ns}fik:")
     return IdempotencyMiddleware(app, backend=backend), backend.close
+
+
+def fik_redis(app: Any, url: str, keep_fingerprint: bool = False) -> Any:
+    """fastapi-idempotency-key's middleware on its Redis backend, default options; with
+    ``keep_fingerprint``, its completion writes the claim's fingerprint (0.1.1 writes
+    ``""``, so that every replay is refused as another request, 422)."""
+    from fastapi_idempotency_key import IdempotencyMiddleware, RedisBackend
+
+    kind = _fik_kept(RedisBackend) if keep_fingerprint else RedisBackend
+    return IdempotencyMiddleware(app, backend=kind(redis_url=url))
+
+
+def _fik_kept(base: Any) -> Any:
+    """fik's RedisBackend whose completion keeps the claim's fingerprint."""
+    from fastapi_idempotency_key import IdempotencyRecord, IdempotencyStatus
+
+    class KeptFingerprint(base):  # type: ignore[misc,valid-type]
+        def __init__(self, **options: Any) -> None:
+            super().__init__(**options)
+            self.claimed: dict[str, str] = {}  # key -> fingerprint, while in flight
+
+        async def _try_lock_once(self, key: str, fingerprint: str, ttl: int) -> Any:
+            acquired, record = await super()._try_lock_once(key, fingerprint, ttl)
+            if acquired:
+                self.claimed[key] = fingerprint
+            return acquired, record
+
+        async def release_lock(self, key: str) -> None:
+            self.claimed.pop(key, None)
+            await super().release_lock(key)
+
+        async def store_response(
+            self, key: str, status_code: int, headers: Any, body: bytes, ttl: int
+        ) -> None:
+            # 0.1.1's store_response, with the claim's fingerprint for its ""
+            now = time.time()
+            record = IdempotencyRecord(
+                key=key,
+                fingerprint=self.claimed.pop(key, ""),
+                status=IdempotencyStatus.COMPLETED,
+                status_code=status_code,
+                headers=list(headers),
+                body=body,
+                created_at=now,
+                expires_at=now + ttl if ttl > 0 else 0.0,
+            )
+            payload = json.dumps(record.to_dict())
+            await self.redis.eval(self.LUA_STORE_RESPONSE, 1, self._get_key(key), payload, ttl)
+
+    return KeptFingerprint
 
 
 MIDDLEWARES = {

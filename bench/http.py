@@ -42,14 +42,18 @@ rate in the same round. This is a benchmark, not a test (pytest does not run it)
                          [--workloads first,replay] [--rev REV] [--candidate DIR] [--write [PATH]]
     python bench/http.py --profile VARIANT [--seconds S]    # cProfile of one server
     python bench/http.py --breakdown [REQUESTS] [--rev REV] [--write [PATH]]  # part by part
+    python bench/http.py --breakdown-redis [REQUESTS] [--rev REV]  # Redis, against the floor
     python bench/http.py --gc-probe first|replay N [FIRST_CALLS_BEFORE] [SRC]  # GC, in-process
 
 ``--breakdown`` runs the middleware in-process (no sockets), adding one part at a
 time (the plumbing, the fingerprint, the engine), and counts the instructions each
 costs per request with valgrind when it is installed (else the least CPU time).
-``--gc-probe`` counts the garbage collections (and the longest of each generation)
-that N in-process requests set off, and the tracked objects they leave behind: the
-part of the tail that is the garbage collector's, apart from the machine's load.
+``--breakdown-redis`` does the same on a Redis server of its own (outside valgrind:
+the client's instructions) for the middleware on Redis, the Redis floor and the peer
+on its Redis backend. ``--gc-probe`` counts the garbage collections (and the longest
+of each generation) that N in-process requests set off, and the tracked objects they
+leave behind: the part of the tail that is the garbage collector's, apart from the
+machine's load.
 """
 
 from __future__ import annotations
@@ -347,65 +351,12 @@ def fik_memory(app: Any) -> Any:
     return IdempotencyMiddleware(app, backend=MemoryBackend())
 
 
-def fik_redis(app: Any, url: str, keep_fingerprint: bool = False) -> Any:
-    """fastapi-idempotency-key's middleware on its Redis backend, default options; with
-    ``keep_fingerprint``, its completion writes the claim's fingerprint (0.1.1 writes
-    ``""``, so that every replay is refused as another request, 422)."""
-    from fastapi_idempotency_key import IdempotencyMiddleware, RedisBackend
-
-    backend = RedisBackend(redis_url=url)
-    if keep_fingerprint:
-        backend = _fik_kept(RedisBackend)(redis_url=url)
-    return IdempotencyMiddleware(app, backend=backend)
-
-
-def _fik_kept(base: Any) -> Any:
-    """fik's RedisBackend whose completion keeps the claim's fingerprint."""
-    import json
-
-    from fastapi_idempotency_key import IdempotencyRecord, IdempotencyStatus
-
-    class KeptFingerprint(base):  # type: ignore[misc,valid-type]
-        def __init__(self, **options: Any) -> None:
-            super().__init__(**options)
-            self.claimed: dict[str, str] = {}  # key -> fingerprint, while in flight
-
-        async def _try_lock_once(self, key: str, fingerprint: str, ttl: int) -> Any:
-            acquired, record = await super()._try_lock_once(key, fingerprint, ttl)
-            if acquired:
-                self.claimed[key] = fingerprint
-            return acquired, record
-
-        async def release_lock(self, key: str) -> None:
-            self.claimed.pop(key, None)
-            await super().release_lock(key)
-
-        async def store_response(
-            self, key: str, status_code: int, headers: Any, body: bytes, ttl: int
-        ) -> None:
-            # 0.1.1's store_response, with the claim's fingerprint for its ""
-            now = time.time()
-            record = IdempotencyRecord(
-                key=key,
-                fingerprint=self.claimed.pop(key, ""),
-                status=IdempotencyStatus.COMPLETED,
-                status_code=status_code,
-                headers=list(headers),
-                body=body,
-                created_at=now,
-                expires_at=now + ttl if ttl > 0 else 0.0,
-            )
-            payload = json.dumps(record.to_dict())
-            await self.redis.eval(self.LUA_STORE_RESPONSE, 1, self._get_key(key), payload, ttl)
-
-    return KeptFingerprint
-
-
 def peer_app(name: str, app: Any, store: str) -> Any:
     """The peer variant ``name`` around ``app`` (``store``: its Redis URL, if any)."""
     if name == PEER_MEMORY:
         return fik_memory(app)
-    return fik_redis(app, store, keep_fingerprint=name == PEER_REDIS_KEPT)
+    peers = _load("_rsbench_peers_app", HERE / "_peers_app.py")
+    return peers.fik_redis(app, store, keep_fingerprint=name == PEER_REDIS_KEPT)
 
 
 def server_settings() -> dict[str, Any]:
@@ -990,6 +941,16 @@ BREAKDOWN = {
     PEER_MEMORY: "fastapi-idempotency-key's middleware on its memory backend (a side branch: "
     "its step is counted from bare)",
 }
+#: ``--breakdown-redis``: the in-process variants on Redis (the server outside valgrind).
+BREAKDOWN_REDIS = {
+    "redis": '`IdempotencyMiddleware(endpoint, store="redis://...")`',
+    "floor-redis": "the floor middleware with `redis.asyncio` (`SET NX GET`, then `SET`)",
+    PEER_REDIS: "fastapi-idempotency-key on its Redis backend (first calls only: as "
+    "released, its replays answer 422)",
+    PEER_REDIS_KEPT: "the same, its completion keeping the claim's fingerprint",
+}
+#: The environment variable that gives --breakdown-run the Redis server's URL.
+REDIS_ENV = "RSBENCH_REDIS_URL"
 BREAKDOWN_MARKS = (
     "<!-- bench/http.py --breakdown: generated from here -->",
     "<!-- bench/http.py --breakdown: generated up to here -->",
@@ -1032,6 +993,11 @@ def _breakdown_app(name: str) -> Any:
         return Floor(Endpoint(), "memory")
     if name == PEER_MEMORY:
         return fik_memory(Endpoint())
+    redis_url = os.environ.get(REDIS_ENV, "")
+    if name == "floor-redis":
+        return Floor(Endpoint(), redis_url)
+    if name in (PEER_REDIS, PEER_REDIS_KEPT):
+        return peer_app(name, Endpoint(), redis_url)
     from retrysafe.asgi import IdempotencyMiddleware
 
     # the HTTP core's module at this tree's revision (--rev measures older trees too)
@@ -1044,7 +1010,7 @@ def _breakdown_app(name: str) -> Any:
         _http.request_fingerprint = lambda *args: "f" * 64
         _http.body_form = lambda *args: (b"b", b"")
         _http.form_fingerprint = lambda *args: "f" * 64
-    return IdempotencyMiddleware(Endpoint(), store="memory://")
+    return IdempotencyMiddleware(Endpoint(), store=redis_url if name == "redis" else "memory://")
 
 
 def _in_process_request(key: str) -> dict[str, Any]:
@@ -1095,10 +1061,14 @@ def breakdown_run(argv: Sequence[str]) -> int:
     app = _breakdown_app(name)
     receive, send = _in_process_receive, _in_process_send
 
+    # On Redis, keys of this run only (the server outlives it)
+    run_id = f"{secrets.token_hex(4)}-" if os.environ.get(REDIS_ENV) else ""
+
     async def run() -> float:
         for i in range(200):  # warm-up; warm-0 is the replayed key
-            await app(_in_process_request(f"warm-{i}"), receive, send)
-        keys = ["warm-0" if workload == "replay" else f"key-{i}" for i in range(n)]
+            await app(_in_process_request(f"{run_id}warm-{i}"), receive, send)
+        warm = f"{run_id}warm-0"
+        keys = [warm if workload == "replay" else f"{run_id}key-{i}" for i in range(n)]
         scopes = [_in_process_request(key) for key in keys]
         start = time.process_time()
         for one in scopes:
@@ -1190,13 +1160,16 @@ def _cpu(name: str, workload: str, n: int, src: str | None) -> float:
     return float(out.stdout.split()[-1])
 
 
-def breakdown(requests: int, src: str | None) -> tuple[str, dict[tuple[str, str], float]]:
+def breakdown(
+    requests: int, src: str | None, variants: Sequence[str] = tuple(BREAKDOWN)
+) -> tuple[str, dict[tuple[str, str], float]]:
     """Per-request cost of each in-process variant: valgrind instructions when valgrind
     is installed (exact: the same on every run), else the least CPU time of 9 runs."""
     from concurrent.futures import ThreadPoolExecutor
 
-    names = [n for n in BREAKDOWN if n != PEER_MEMORY or importlib.util.find_spec(PEER_MODULE)]
-    jobs = [(name, w) for name in names for w in ("first", "replay")]
+    have_peer = importlib.util.find_spec(PEER_MODULE) is not None
+    names = [n for n in variants if n not in PEERS or have_peer]
+    jobs = [(n, w) for n in names for w in ("first", "replay") if (n, w) != (PEER_REDIS, "replay")]
     if shutil.which("valgrind"):
         unit = "instructions"
 
@@ -1231,6 +1204,28 @@ def breakdown_table(unit: str, costs: dict[tuple[str, str], float]) -> list[str]
             # floor is a side branch: plumbing adds to bare, like the floor does
             before = names[i - 1] if name not in ("bare", "plumbing", PEER_MEMORY) else "bare"
             cells.append("-" if name == "bare" else f"+{fmt.format(here - costs[before, w])}")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
+
+
+def breakdown_redis(requests: int, src: str | None) -> list[str]:
+    """``--breakdown-redis``: the Redis variants in-process, against the Redis floor."""
+    servers_mod = _load("_rsbench_servers", ROOT / "tests" / "_servers.py")
+    with servers_mod.RedisServer() as redis:  # --save '' --appendonly no
+        os.environ[REDIS_ENV] = redis.url
+        unit, costs = breakdown(requests, src, tuple(BREAKDOWN_REDIS))
+    out = [
+        f"| in-process variant (Redis) | first call: {unit}/request | x floor-redis "
+        f"| replay: {unit}/request | x floor-redis |",
+        "|---|--:|--:|--:|--:|",
+    ]
+    for name in BREAKDOWN_REDIS:
+        cells = []
+        for w in ("first", "replay"):
+            here, floor = costs.get((name, w)), costs.get(("floor-redis", w))
+            cells += (
+                ["-", "-"] if here is None or not floor else [f"{here:,.0f}", f"{here / floor:.2f}"]
+            )
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     return out
 
@@ -1431,6 +1426,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "part by part (valgrind instructions if installed, else CPU time)",
     )
     p.add_argument(
+        "--breakdown-redis",
+        type=int,
+        nargs="?",
+        const=1000,
+        metavar="REQUESTS",
+        help="as --breakdown, for the Redis variants on a redis-server of its own",
+    )
+    p.add_argument(
         "--rev",
         help="measure this git revision's src/ (exported with git archive) "
         "instead of the working tree",
@@ -1489,6 +1492,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         base, code = None, f"{retrysafe_version()} ({stores.git_state()})"
         if args.rev:
             base, code = export_rev(args.rev, stack)
+        if args.breakdown_redis:
+            print(stores.plain(breakdown_redis(args.breakdown_redis, base)))
+            return 0
         if args.breakdown:
             unit, costs = breakdown(args.breakdown, base)
             print(stores.plain(breakdown_table(unit, costs)))
