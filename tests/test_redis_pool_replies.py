@@ -34,6 +34,7 @@ class FakeServer:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.accepted = 0
+        self.cleanups: list[Callable[[], object]] = []  # run when the test ends
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -77,6 +78,8 @@ def fake() -> Iterator[Callable[[list[Reply]], FakeServer]]:
 
     yield make
     for server in servers:
+        for cleanup in server.cleanups:
+            cleanup()
         server.sock.close()
 
 
@@ -87,11 +90,19 @@ def _pool(server: FakeServer, mode: str) -> tuple[Callable[[tuple[Any, ...]], An
     assert e is not None
     if mode == "sync":
         pool = Pool(e)
+        server.cleanups.append(pool.close)
         return pool.call, pool
     loop = asyncio.new_event_loop()
     errors: list[Any] = []
     loop.set_exception_handler(lambda loop, context: errors.append(context))
     apool = AsyncPool(e, loop)
+
+    def close() -> None:
+        apool.close()
+        loop.run_until_complete(asyncio.sleep(0))  # (the transports' connection_lost)
+        loop.close()
+
+    server.cleanups.append(close)
 
     def call(args: tuple[Any, ...]) -> Any:
         try:
