@@ -194,6 +194,31 @@ def test_an_interrupt_in_a_sync_call_closes_its_connection(
     store.close()
 
 
+def test_an_interrupt_while_a_connection_is_taken_keeps_the_bound(
+    redis_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupt while an idle connection is checked: it is closed, not lost to
+    the bound (with one connection allowed, the next call still gets one)."""
+    store = RedisStore(
+        f"{redis_server.url}?max_connections=1&timeout=0.5",
+        prefix=f"take-{uuid.uuid4().hex[:8]}:",
+    )
+    assert store.get("0" * 64) is None
+    pool = store._pool
+    assert pool is not None and pool.connections == 1
+
+    def interrupted(poller: Any) -> bool:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(connections, "_stale", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            store.get("0" * 64)
+    assert pool.connections == 0
+    assert store.get("0" * 64) is None
+    store.close()
+
+
 def test_many_short_event_loops_leave_one_pool(redis_server: Any) -> None:
     """A pool per event loop, dropped once its loop is closed: many ``asyncio.run``
     calls leave at most one pool, and no sockets behind."""

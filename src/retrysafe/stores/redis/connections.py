@@ -333,8 +333,12 @@ class Pool(_Bounded[_Conn]):
                 conn = idle.pop()
             except IndexError:
                 conn = self._open_or_wait()
-            if not _stale(conn.poller):
-                return conn
+            try:
+                if not _stale(conn.poller):
+                    return conn
+            except BaseException:  # an interrupt: the connection is not lost to the bound
+                self._discard(conn)
+                raise
             self._discard(conn)
 
     def _open_or_wait(self) -> _Conn:
