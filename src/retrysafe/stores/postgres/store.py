@@ -28,14 +28,9 @@ from retrysafe._model.duration import parse_duration
 from retrysafe._model.record import ClaimResult, Outcome, Record, Status
 from retrysafe.errors import SchemaModeError, SchemaVersionError, StoreUnavailableError
 from retrysafe.stores._base import Store
+from retrysafe.stores._packing import tagged_token
 from retrysafe.stores._redact import redact, redact_in
-from retrysafe.stores._sql import (
-    ARCHIVE_COLUMNS,
-    COLUMNS,
-    outcome_params,
-    record_from_row,
-    record_params,
-)
+from retrysafe.stores._sql import ARCHIVE_COLUMNS, COLUMNS
 from retrysafe.stores.postgres.connection import (
     _DEFAULT_AHEAD,
     _DEFAULT_INTERVAL,
@@ -52,6 +47,18 @@ from retrysafe.stores.postgres.connection import (
     _to_bool,
 )
 from retrysafe.stores.postgres.maintenance import PostgresMaintenance
+from retrysafe.stores.postgres.rows import (
+    COMPLETED,
+    FAILED,
+    PROCESSING,
+    STATUSES,
+    V3_TYPES,
+    outcome_params,
+    pack_digest,
+    row_params,
+    row_record,
+    status_code,
+)
 from retrysafe.stores.postgres.schema import (
     _CLAIMABLE,
     _KEPT_WHEN_LIVE,
@@ -59,7 +66,6 @@ from retrysafe.stores.postgres.schema import (
     _P_MIGRATIONS,
     _PARENT_INTERVAL,
     _PARTITION_COMMENT,
-    _RECORD_COLUMNS,
     _SELECT_COLUMNS,
     _STATS,
     SCHEMA_VERSION,
@@ -81,7 +87,7 @@ def _changed(rowcount: int, row: Sequence[Any] | None) -> bool:
 
 
 def _record_or_none(rowcount: int, row: Sequence[Any] | None) -> Record | None:
-    return None if row is None else record_from_row(row)
+    return None if row is None else row_record(row)
 
 
 #: Where a claim's row says whether the claim inserted the record (after the columns).
@@ -95,11 +101,12 @@ def _takeover_params(record: Record, found: Record) -> list[Any]:
     """Parameters of the takeover ``UPDATE`` that writes ``record`` over ``found``."""
     now = record.updated_at
     params: list[Any] = []
-    for column, value in zip(COLUMNS[1:], record_params(record)[1:], strict=True):
+    row = row_params(record)
+    for column, value in zip(COLUMNS[1:], row[1:], strict=True):
         if column in _KEPT_WHEN_LIVE:
             params.append(now)
         params.append(value)
-    params += (record.key_hash, found.token, found.status.value, now, record.fingerprint, now)
+    params += (row[0], tagged_token(found.token), status_code(found.status), now, row[4], now)
     return params
 
 
@@ -131,9 +138,9 @@ def _pclaimed(rowcount: int, row: Sequence[Any] | None) -> ClaimResult:
         return ClaimResult(
             True,
             attempts=row[_P_CLAIMED + 1],
-            took_over=None if took_over is None else Status(took_over),
+            took_over=None if took_over is None else STATUSES[took_over],
         )
-    return ClaimResult(False, record=record_from_row(row))
+    return ClaimResult(False, record=row_record(row))
 
 
 def _no_partition(exc: psycopg.Error) -> bool:
@@ -298,7 +305,7 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
         table = names.table
         versions = sql.Identifier(*schema, f"{base}_schema")
         cols = sql.SQL(", ").join(map(sql.Identifier, COLUMNS))
-        cas = sql.SQL(" WHERE key_hash = %s AND token = %s AND status = 'processing'")
+        cas = sql.SQL(f" WHERE key_hash = %s AND token = %s AND status = {PROCESSING}")
 
         def text(query: sql.Composable) -> str:
             return query.as_string(None)
@@ -342,14 +349,14 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
             "response_body = %s"
         )
         self._q_complete = text(
-            sql.SQL(
-                "UPDATE {} SET status = 'completed', {}, completed_at = %s, updated_at = %s"
-            ).format(table, outcome)
+            sql.SQL("UPDATE {} SET status = {}, {}, completed_at = NULL, updated_at = %s").format(
+                table, sql.Literal(COMPLETED), outcome
+            )
             + cas
         )
         self._q_fail = text(
-            sql.SQL("UPDATE {} SET status = 'failed', {}, final = %s, updated_at = %s").format(
-                table, outcome
+            sql.SQL("UPDATE {} SET status = {}, {}, final = %s, updated_at = %s").format(
+                table, sql.Literal(FAILED), outcome
             )
             + cas
         )
@@ -415,7 +422,7 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
             _lock_id(parts, "ddl"),
             _lock_id(parts, "sweep"),
         )
-        types = [sql.SQL(type_) for _, type_, _ in _RECORD_COLUMNS]
+        types = [sql.SQL(V3_TYPES[c].removesuffix(" NOT NULL")) for c in COLUMNS]
         self._q_pclaim = text(
             sql.SQL("SELECT {}, r.o_claimed, r.o_attempts, r.o_took_over FROM {}({}) AS r").format(
                 sql.SQL(", ").join(
@@ -651,11 +658,12 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
         if self.partitioned:
             return _Op(
                 self._q_pclaim,
-                record_params(record),
+                row_params(record),
                 _pclaimed,
                 partial(self._pclaim_recover, record, statements),
             )
-        params = (record.key_hash, *record_params(record))
+        row = row_params(record)
+        params = (row[0], *row)
         return _Op(self._q_claim, params, partial(self._claimed, record, statements))
 
     def _claimed(
@@ -666,7 +674,7 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
             return self._claim_again(record, statements)
         if row[_INSERTED]:
             return ClaimResult(True, attempts=record.attempts)
-        found = record_from_row(row)
+        found = row_record(row)
         now = record.updated_at
         if not claimable(found, record.fingerprint, now):
             return ClaimResult(False, record=found)
@@ -764,24 +772,30 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
             )
 
     def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
-        params = (*outcome_params(outcome), now, now, key_hash, token)
+        params = (*outcome_params(outcome), now, pack_digest(key_hash), tagged_token(token))
         return _Op(self._q_complete, params, _changed, self._moved)
 
     def _fail(
         self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
     ) -> _Op:
-        params = (*outcome_params(outcome), bool(final), now, key_hash, token)
+        params = (
+            *outcome_params(outcome),
+            bool(final),
+            now,
+            pack_digest(key_hash),
+            tagged_token(token),
+        )
         return _Op(self._q_fail, params, _changed, self._moved)
 
     def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
-        params = (lease_until, now, lease_until, key_hash, token)
+        params = (lease_until, now, lease_until, pack_digest(key_hash), tagged_token(token))
         return _Op(self._q_renew, params, _changed, self._moved)
 
     def _get(self, key_hash: str) -> _Op:
-        return _Op(self._q_get, (key_hash,), _record_or_none)
+        return _Op(self._q_get, (pack_digest(key_hash),), _record_or_none)
 
     def _delete(self, key_hash: str) -> _Op:
-        return _Op(self._q_delete, (key_hash,), _changed, self._moved)
+        return _Op(self._q_delete, (pack_digest(key_hash),), _changed, self._moved)
 
     def _cell_read(self, key: str) -> _Op:
         return _Op(self._q_cell_read, (key,), _cell_or_none, self._cells_missing)
