@@ -367,30 +367,20 @@ def sqlite_section(stack: contextlib.ExitStack, info: dict[str, str]) -> list[Co
     )
 
 
-def sqlite_instructions_run(name: str, workload: str, n: int) -> int:
-    """``--instructions-run NAME WORKLOAD N``: 200 calls to warm up, then ``n`` calls
-    of one SQLite contender, in this process (valgrind counts it)."""
+def instructions_run_one(
+    section: Callable[[contextlib.ExitStack], list[Contender]], name: str, workload: str, n: int
+) -> int:
+    """``--instructions-run NAME WORKLOAD N`` (and ``--postgres-instructions-run``): 200
+    calls to warm up, then ``n`` calls of one contender of ``section``, in this process
+    (valgrind counts it)."""
     with contextlib.ExitStack() as stack:
-        for c in sqlite_section(stack, {}):
+        for c in section(stack):
             if c.name == name and c.workload == workload:
                 c.prepare()
                 c.run(200)
                 c.run(n)
                 return 0
-    raise SystemExit(f"no SQLite contender {name} / {workload}")
-
-
-def postgres_instructions_run(name: str, workload: str, n: int, url: str) -> int:
-    """``--postgres-instructions-run NAME WORKLOAD N URL``: as ``--instructions-run``, for
-    a PostgreSQL contender against the server at ``url`` (its work is not counted)."""
-    with contextlib.ExitStack() as stack:
-        for c in postgres_section(url, secrets.token_hex(4), False, stack, {}):
-            if c.name == name and c.workload == workload:
-                c.prepare()
-                c.run(200)
-                c.run(n)
-                return 0
-    raise SystemExit(f"no PostgreSQL contender {name} / {workload}")
+    raise SystemExit(f"no contender {name} / {workload}")
 
 
 def sqlite_instructions(n: int, run: Sequence[str] = ("--instructions-run",)) -> list[str]:
@@ -1251,9 +1241,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if raw[:1] == ["--redis-instructions-run"]:
         return instructions_run(raw[1:])
     if raw[:1] == ["--instructions-run"]:
-        return sqlite_instructions_run(raw[1], raw[2], int(raw[3]))
-    if raw[:1] == ["--postgres-instructions-run"]:
-        return postgres_instructions_run(raw[1], raw[2], int(raw[3]), raw[4])
+        return instructions_run_one(
+            lambda stack: sqlite_section(stack, {}), raw[1], raw[2], int(raw[3])
+        )
+    if raw[:1] == ["--postgres-instructions-run"]:  # against the server at raw[4]
+        return instructions_run_one(
+            lambda stack: postgres_section(raw[4], secrets.token_hex(4), False, stack, {}),
+            raw[1],
+            raw[2],
+            int(raw[3]),
+        )
     args = parse_args(argv)
     if args.redis_instructions is not None:
         return redis_instructions(args.redis_instructions, args.redis_url, args.redis_minimal_send)

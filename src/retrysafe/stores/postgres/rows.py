@@ -121,42 +121,41 @@ def status_value(code: int) -> str:
     return _STATUSES[code].value
 
 
+def _packed_or_text(packed: str | bytearray, text: str, size: int) -> bytes:
+    """``packed`` when a packer packed ``text`` (into ``size`` bytes); else the UTF-8
+    of ``text``, with 0xFF appended when that is ``size`` bytes long."""
+    if type(packed) is bytearray:
+        return bytes(packed)
+    raw = text.encode()
+    return raw + _PAD if len(raw) == size else raw
+
+
+def _text(raw: bytes, size: int) -> str:
+    """Inverse of :func:`_packed_or_text` for a value that is not ``size`` bytes."""
+    if len(raw) == size + 1 and raw[-1] == 0xFF:
+        raw = raw[:-1]
+    return raw.decode()
+
+
 def pack_digest(text: str) -> bytes:
     """64 lowercase hex digits (a SHA-256) as their 32 bytes; any other text as its
     UTF-8, with 0xFF appended when that is 32 bytes long."""
-    if len(text) == 2 * _DIGEST:
-        packed = pack_hex(text)
-        if type(packed) is bytearray:
-            return bytes(packed)
-    raw = text.encode()
-    return raw + _PAD if len(raw) == _DIGEST else raw
+    return _packed_or_text(pack_hex(text) if len(text) == 2 * _DIGEST else text, text, _DIGEST)
 
 
 def unpack_digest(raw: bytes) -> str:
     """Inverse of :func:`pack_digest`."""
-    if len(raw) == _DIGEST:
-        return raw.hex()
-    if len(raw) == _DIGEST + 1 and raw[-1] == 0xFF:
-        raw = raw[:-1]
-    return raw.decode()
+    return raw.hex() if len(raw) == _DIGEST else _text(raw, _DIGEST)
 
 
 def pack_record_key(key: str) -> bytes:
     """A lowercase canonical UUID as its 16 bytes; any other key as its UTF-8, with
     0xFF appended when that is 16 bytes long."""
-    packed = pack_key(key)
-    if type(packed) is bytearray:
-        return bytes(packed)
-    raw = key.encode()
-    return raw + _PAD if len(raw) == _UUID else raw
+    return _packed_or_text(pack_key(key), key, _UUID)
 
 
 def _unpack_key(raw: bytes) -> str:
-    if len(raw) == _UUID:
-        return unkey(raw)
-    if len(raw) == _UUID + 1 and raw[-1] == 0xFF:
-        raw = raw[:-1]
-    return raw.decode()
+    return unkey(raw) if len(raw) == _UUID else _text(raw, _UUID)
 
 
 def _pack_scope(scope: str) -> bytes:
