@@ -57,7 +57,6 @@ from retrysafe.stores.postgres.rows import (
     pack_digest,
     row_params,
     row_record,
-    status_code,
 )
 from retrysafe.stores.postgres.schema import (
     _CLAIMABLE,
@@ -97,8 +96,9 @@ _INSERTED = len(COLUMNS)
 _MAX_CLAIM_STATEMENTS = 100
 
 
-def _takeover_params(record: Record, found: Record) -> list[Any]:
-    """Parameters of the takeover ``UPDATE`` that writes ``record`` over ``found``."""
+def _takeover_params(record: Record, found: Sequence[Any]) -> list[Any]:
+    """Parameters of the takeover ``UPDATE`` that writes ``record`` over the row
+    ``found`` (its stored token and status, as read)."""
     now = record.updated_at
     params: list[Any] = []
     row = row_params(record)
@@ -106,7 +106,7 @@ def _takeover_params(record: Record, found: Record) -> list[Any]:
         if column in _KEPT_WHEN_LIVE:
             params.append(now)
         params.append(value)
-    params += (row[0], tagged_token(found.token), status_code(found.status), now, row[4], now)
+    params += (row[0], found[6], found[5], now, row[4], now)
     return params
 
 
@@ -680,7 +680,7 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
             return ClaimResult(False, record=found)
         self._check_statements(statements)
         took_over = found.status if found.expires_at > now else None
-        params = _takeover_params(record, found)
+        params = _takeover_params(record, row)
         return _Op(
             self._q_takeover, params, partial(self._took_over, record, statements + 1, took_over)
         )
