@@ -121,11 +121,11 @@ def status_value(code: int) -> str:
     return _STATUSES[code].value
 
 
-def _packed_or_text(packed: str | bytearray, text: str, size: int) -> bytes:
+def _packed_or_text(packed: str | bytearray, text: str, size: int) -> bytes | bytearray:
     """``packed`` when a packer packed ``text`` (into ``size`` bytes); else the UTF-8
     of ``text``, with 0xFF appended when that is ``size`` bytes long."""
     if type(packed) is bytearray:
-        return bytes(packed)
+        return packed
     raw = text.encode()
     return raw + _PAD if len(raw) == size else raw
 
@@ -137,7 +137,7 @@ def _text(raw: bytes, size: int) -> str:
     return raw.decode()
 
 
-def pack_digest(text: str) -> bytes:
+def pack_digest(text: str) -> bytes | bytearray:
     """64 lowercase hex digits (a SHA-256) as their 32 bytes; any other text as its
     UTF-8, with 0xFF appended when that is 32 bytes long."""
     return _packed_or_text(pack_hex(text) if len(text) == 2 * _DIGEST else text, text, _DIGEST)
@@ -148,7 +148,7 @@ def unpack_digest(raw: bytes) -> str:
     return raw.hex() if len(raw) == _DIGEST else _text(raw, _DIGEST)
 
 
-def pack_record_key(key: str) -> bytes:
+def pack_record_key(key: str) -> bytes | bytearray:
     """A lowercase canonical UUID as its 16 bytes; any other key as its UTF-8, with
     0xFF appended when that is 16 bytes long."""
     return _packed_or_text(pack_key(key), key, _UUID)
@@ -161,6 +161,8 @@ def _unpack_key(raw: bytes) -> str:
 def _pack_scope(scope: str) -> bytes:
     """A principal's ``kind:hex`` scope as 0x00 and SQLite's packed form; any other
     as its UTF-8, after 0x01 when it starts with byte 0 or 1."""
+    if not scope:
+        return b""
     packed = pack_scope(scope)
     if type(packed) is bytearray:
         return b"\x00" + packed
