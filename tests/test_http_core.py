@@ -336,12 +336,12 @@ def test_what_an_asgi_answer_records_is_its_verdict_in_one_pass(
     headers: list[tuple[bytes, bytes]], status: int, size: int, options: dict[str, Any]
 ) -> None:
     """The middleware's one-pass ``recorded`` gives what the verdict of the answer's
-    outcome gives (the protocol the A2A door speaks): the same headers kept, media
+    outcome gives (the WSGI doors' way): the same headers kept, media
     type (an empty Content-Type too), omitted body, header bound and failure."""
     policy = HttpPolicy("memory://", max_body=2, **options)
     body = b"abcd"[:size] if size <= 2 else b""
-    kept = policy.stored_raw_headers(headers)
-    expected = policy.verdict(status, policy.outcome_of(status, kept, body, size))
+    decoded = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+    expected = policy.verdict(status, policy.outcome(status, decoded, body, size))
     assert policy.recorded(status, headers, body, size) == expected
 
 

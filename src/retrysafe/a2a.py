@@ -401,19 +401,16 @@ class _Answer:
         self.max_body = core.engine.max_body
         self.answer = _answer_to(send)
 
-    def stored_raw_headers(self, headers: Iterable[tuple[bytes, bytes]]) -> str:
-        """The answer's media type (the recorder's "kept headers")."""
+    def recorded(
+        self, status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes, size: int
+    ) -> tuple[bool, Outcome | None, bool | None]:
+        """(failed, what is stored, final) of the answer's JSON-RPC response; only a
+        200 JSON answer can hold one."""
         ctype = next((v for k, v in headers if k.lower() == b"content-type"), b"")
-        return ctype.decode("latin-1").split(";")[0].strip().lower()
-
-    def outcome_of(self, status: int, ctype: str, body: bytes, size: int) -> Any:
-        """The JSON-RPC response in the answer; None if it cannot hold one."""
-        if status != 200 or not (ctype == "application/json" or ctype.endswith("+json")):
-            return None
-        return _parse(body) if size <= self.max_body else _UNKEPT
-
-    def verdict(self, status: int, response: Any) -> tuple[bool, Outcome | None, bool | None]:
-        """(failed, what is stored, final) of the answer's JSON-RPC response."""
+        media = ctype.decode("latin-1").split(";")[0].strip().lower()
+        response: Any = None
+        if status == 200 and (media == "application/json" or media.endswith("+json")):
+            response = _parse(body) if size <= self.max_body else _UNKEPT
         ok, outcome, final = self.core._verdict(self.send, response)
         return not ok, outcome, final
 

@@ -20,7 +20,6 @@ from retrysafe._core.secret import asecret_of
 from retrysafe._http.policy import Capture, HttpPolicy
 from retrysafe._http.problems import Response
 from retrysafe._http.request import Canonicalize, Headers, HttpRequest
-from retrysafe._model.record import Outcome
 from retrysafe.errors import BodyTooLarge, IdempotencyError
 
 if TYPE_CHECKING:
@@ -618,7 +617,7 @@ class Recorder:
                     http_log.warning("retrysafe: the answer's end cannot be proven; not stored")
                     await self.att.afail(final=False)
                 else:
-                    failed, stored, final = self._recorded(
+                    failed, stored, final = self.policy.recorded(
                         start["status"], start.get("headers", ()), capture.body(), capture.size
                     )
                     await arecord(
@@ -630,15 +629,6 @@ class Recorder:
             await self._forward(message)
             return
         await self._forward(message)
-
-    def _recorded(
-        self, status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes, size: int
-    ) -> tuple[bool, Outcome | None, bool | None]:
-        """(failed, what is stored, final) of the answer: the policy's verdict of its
-        outcome (the protocol a2a's answers speak too)."""
-        policy = self.policy
-        outcome = policy.outcome_of(status, policy.stored_raw_headers(headers), body, size)
-        return policy.verdict(status, outcome)
 
     async def _forward(self, message: Message) -> None:
         if not self.connected or self.cancelled:
@@ -672,11 +662,6 @@ class _Keyed(Recorder):
         super().__init__(send, policy, att)
         self.app, self.scope, self.up, self.done = app, scope, receive, done
         self.body: bytes | None = body
-
-    def _recorded(
-        self, status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes, size: int
-    ) -> tuple[bool, Outcome | None, bool | None]:
-        return self.policy.recorded(status, headers, body, size)  # the same, in one pass
 
     async def receive(self) -> Message:
         """The body read before the claim, then the client's messages; once the

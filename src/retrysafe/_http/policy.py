@@ -441,28 +441,6 @@ class HttpPolicy:
         assert only is not None
         return tuple([(n, v) for k, v in headers if (n := k.lower()) in only])
 
-    def stored_raw_headers(
-        self, headers: Iterable[tuple[bytes, bytes]]
-    ) -> tuple[tuple[str, str], ...]:
-        """:meth:`stored_headers` of ASGI's (name, value) byte pairs."""
-        unkept, only = self._unkept, self._only
-        if unkept is not None:
-            return tuple(
-                [
-                    (n, v.decode("latin-1"))
-                    for k, v in headers
-                    if (n := k.decode("latin-1").lower()) not in unkept
-                ]
-            )
-        assert only is not None
-        return tuple(
-            [
-                (n, v.decode("latin-1"))
-                for k, v in headers
-                if (n := k.decode("latin-1").lower()) in only
-            ]
-        )
-
     def is_failure(self, status: int) -> bool:
         """A 5xx answer fails the attempt (retryable unless ``final_failures``)."""
         return status >= 500
@@ -487,8 +465,9 @@ class HttpPolicy:
     def recorded(
         self, status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes, size: int
     ) -> tuple[bool, Outcome | None, bool]:
-        """``verdict(status, outcome_of(status, stored_raw_headers(headers), body, size))``
-        in one pass over ASGI's (name, value) byte pairs: what an answer records."""
+        """What an ASGI answer records, from its (name, value) byte pairs: ``verdict(status,
+        outcome(status, headers, body, size))`` of the latin-1 decoded headers, in one
+        pass (the ASGI recorder calls it; the A2A door's answers define their own)."""
         if status in UNPROCESSED:
             return True, None, False
         unkept, only = self._unkept, self._only
