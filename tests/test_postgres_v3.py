@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -26,12 +27,19 @@ from retrysafe import (
 from retrysafe._cli.app import main
 from retrysafe._core.plan import Replay
 from retrysafe._model.hashing import key_hash
-from retrysafe._model.record import Record
+from retrysafe._model.record import ClaimResult, Record
 from retrysafe.errors import SchemaVersionError
 from retrysafe.stores import postgres
+from retrysafe.stores._packing import tagged_token, untag_token
 from retrysafe.stores._sql import COLUMNS, record_from_row, record_params
 from retrysafe.stores.postgres import PostgresStore
-from retrysafe.stores.postgres.rows import row_params, row_record
+from retrysafe.stores.postgres.rows import (
+    pack_digest,
+    pack_record_key,
+    row_params,
+    row_record,
+    unpack_digest,
+)
 
 HOUR = 3600.0
 DAY = 24 * HOUR
@@ -154,6 +162,122 @@ def test_a_completed_record_without_a_completion_time_keeps_none() -> None:
     row = served(row_params(record(0, completed_at=None)))
     assert math.isnan(row[COLUMNS.index("completed_at")])
     assert row_record(row).completed_at is None
+
+
+def reference_digest(text: str) -> bytes:
+    """pack_digest's rule, written plainly."""
+    if re.fullmatch("[0-9a-f]{64}", text):
+        return bytes.fromhex(text)
+    raw = text.encode()
+    return raw + b"\xff" if len(raw) == 32 else raw
+
+
+def reference_key(key: str) -> bytes:
+    """pack_record_key's rule, written plainly."""
+    if re.fullmatch("[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", key):
+        return uuid.UUID(key).bytes
+    raw = key.encode()
+    return raw + b"\xff" if len(raw) == 16 else raw
+
+
+def reference_token(token: str) -> bytes:
+    """tagged_token's rule, written plainly."""
+    if re.fullmatch("[0-9a-f]{1,1024}", token):
+        return (
+            b"\x01" + bytes.fromhex("0" + token)
+            if len(token) % 2
+            else b"\x00" + bytes.fromhex(token)
+        )
+    raw = token.encode()
+    return b"\x02" + raw if raw[:1] in (b"\x00", b"\x01", b"\x02") else raw
+
+
+#: Texts at the edges of the hex rules: what ``bytes.fromhex`` takes that the rules do
+#: not (whitespace, uppercase), lengths around each bound, non-ASCII digits.
+HEXISH = [
+    DIGEST,
+    "0" * 64,
+    "9" * 64,
+    DIGEST.upper(),
+    DIGEST[:63] + "A",
+    DIGEST[:62] + " a",
+    " " + DIGEST[:63],
+    DIGEST[:31] + "\t" + DIGEST[32:],
+    DIGEST[:62] + "\n" + "0",
+    DIGEST + "00",
+    DIGEST[:62],
+    "\u0660" * 64,  # Arabic-Indic digits: str.isdigit, not hex
+    "g" * 64,
+    "",
+    "a",
+    "ab",
+    "a b",
+    "abc",
+    "0abc",
+    "ab cd",
+    "ABCD",
+    "a" * 1023,
+    "a" * 1024,
+    "a" * 1025,
+    "ab" * 513,
+    UUID,
+    UUID.upper(),
+    UUID.replace("-", ""),
+    UUID[:8] + " " + UUID[9:],
+    UUID[:35] + "-",
+    "3f2c0a8e-5b7d-4e8a-9c1f-2d6b8a4e7f1 ",
+    "3f2c0a8e-5b7d-4e8a-9c1f--d6b8a4e7f10",
+    "3f2c0a8e-5b7d-4e8a-9c1f-2d6b 8a4e7f0",
+    "\x00lead",
+    "\x01lead",
+    "\x02lead",
+    "\x03lead",
+    "é" * 8,
+    "é" * 16,
+]
+
+
+@pytest.mark.parametrize("text", HEXISH)
+def test_the_packers_follow_their_rules(text: str) -> None:
+    assert pack_digest(text) == reference_digest(text)
+    assert pack_record_key(text) == reference_key(text)
+    assert tagged_token(text) == reference_token(text)
+    assert unpack_digest(pack_digest(text)) == text
+    assert untag_token(tagged_token(text)) == text
+
+
+@pytest.mark.parametrize("i", range(len(EDGES)))
+def test_a_claims_row_read_with_what_it_sent_gives_the_stored_record(i: int) -> None:
+    """A claim reads the stored row with the row it sent: values stored as sent are
+    the claim's own texts, every other value is decoded (each edge record against a
+    plain claim, and against a claim of itself with another token)."""
+    stored = record(i, **EDGES[i])
+    row = served(row_params(stored))
+    plain = record(0, status=Status.PROCESSING, outcome=None, completed_at=None)
+    itself = record(i, **{**EDGES[i], "token": "other", "status": Status.PROCESSING})
+    for claim in (plain, itself):
+        assert row_record(row, served(row_params(claim)), claim) == stored
+
+
+def test_a_completion_binds_what_its_claim_packed_and_packs_what_it_does_not_hold() -> None:
+    """The packed key hash and token a claim sent are bound again by its renewals and
+    its completion (no server needed: the ops are built and parsed here)."""
+    store = PostgresStore("postgresql://u@127.0.0.1:1/db", auto_migrate=False)
+    r = record(1, status=Status.PROCESSING, outcome=None, completed_at=None)
+    packed = (pack_digest(r.key_hash), tagged_token(r.token))
+    inserted = (None,) * len(COLUMNS) + (True,)
+    assert store._claim(r).parse(1, inserted) == ClaimResult(True, attempts=r.attempts)
+    assert tuple(store._renew(r.key_hash, r.token, 2.0, 1.0).params[-2:]) == packed
+    # another token of the same key (a stale owner's): its own packed form
+    stale = store._fail(r.key_hash, "feed", None, False, 1.0).params[-2:]
+    assert tuple(stale) == (packed[0], tagged_token("feed"))
+    assert tuple(store._complete(r.key_hash, r.token, Outcome(b"x"), 1.0).params[-2:]) == packed
+    assert store._held == {}  # settled: a later completion packs again, the same bytes
+    assert tuple(store._complete(r.key_hash, r.token, Outcome(b"x"), 1.0).params[-2:]) == packed
+    for i in range(postgres.store._HELD + 1):  # bounded
+        claimed = record(i, status=Status.PROCESSING, outcome=None, completed_at=None)
+        store._claim(claimed).parse(1, inserted)
+        assert 0 < len(store._held) <= postgres.store._HELD
 
 
 # -- PostgreSQL --------------------------------------------------------------------------

@@ -4,8 +4,6 @@ back exactly the text it was given; docs/stores.md gives the layouts that use th
 
 from __future__ import annotations
 
-import re
-
 from retrysafe._model.record import Outcome
 
 __all__ = [
@@ -20,7 +18,8 @@ __all__ = [
     "untag_token",
 ]
 
-_HEX = re.compile("[0-9a-f]{1,1024}")
+_MAX_HEX_TOKEN = 1024
+_fromhex = bytes.fromhex
 
 
 def pack_hex(text: str) -> str | bytearray:
@@ -140,24 +139,30 @@ def unheaders(text: str | None, media: str, body: bytes) -> tuple[tuple[str, str
 
 def tagged_token(token: str) -> bytes:
     """A fencing token as Redis layout 2 and PostgreSQL schema v3 store it: lowercase
-    hex (what the engine makes) as its bytes after 0 (even length) or 1 (odd: a
-    leading 0 digit added); any other token as its UTF-8, after byte 2 if it starts
-    with byte 0, 1 or 2."""
-    if _HEX.fullmatch(token):
-        if len(token) % 2:
-            return b"\x01" + bytes.fromhex("0" + token)
-        return b"\x00" + bytes.fromhex(token)
+    hex of up to 1,024 digits (what the engine makes) as its bytes after 0 (even
+    length) or 1 (odd: a leading 0 digit added); any other token as its UTF-8, after
+    byte 2 if it starts with byte 0, 1 or 2."""
+    n = len(token)
+    if 0 < n <= _MAX_HEX_TOKEN:
+        digits = "0" + token if n & 1 else token
+        try:
+            raw = _fromhex(digits)
+        except ValueError:
+            pass
+        else:
+            if raw.hex() == digits:  # not uppercase, no whitespace
+                return (b"\x01" if n & 1 else b"\x00") + raw
     raw = token.encode()
     return b"\x02" + raw if raw[:1] in (b"\x00", b"\x01", b"\x02") else raw
 
 
 def untag_token(raw: bytes) -> str:
     """Inverse of :func:`tagged_token`."""
-    form = raw[:1]
-    if form == b"\x00":
+    form = raw[0] if raw else 3
+    if form == 0:
         return raw[1:].hex()
-    if form == b"\x01":
+    if form == 1:
         return raw[1:].hex()[1:]
-    if form == b"\x02":
+    if form == 2:
         return raw[1:].decode()
     return raw.decode()

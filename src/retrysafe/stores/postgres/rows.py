@@ -13,8 +13,6 @@ from retrysafe._model.record import STANDARD, Outcome, Record, Status
 from retrysafe.stores._base import ArchivedRecord
 from retrysafe.stores._packing import (
     pack_headers,
-    pack_hex,
-    pack_key,
     pack_scope,
     tagged_token,
     unheaders,
@@ -46,7 +44,7 @@ __all__ = [
 PROCESSING, COMPLETED, FAILED = 0, 1, 2
 #: The status of each code.
 STATUSES = _STATUSES = (Status.PROCESSING, Status.COMPLETED, Status.FAILED)
-_CODES = {s: i for i, s in enumerate(_STATUSES)}
+_CODES = {s.value: i for i, s in enumerate(_STATUSES)}  # by value: a str hashes in C
 #: NULL stands for this media type; any other is stored as its text.
 _JSON_MEDIA = "application/json"
 
@@ -105,6 +103,11 @@ V3_ORDER: tuple[str, ...] = (
 assert sorted(V3_ORDER) == sorted(COLUMNS)
 
 _blank = object.__new__
+_fromhex = bytes.fromhex
+_COMPLETED = Status.COMPLETED
+_NO_OUTCOME = (None, None, None, None)
+_NOT_SENT = (None,) * len(COLUMNS)  # equal to no stored value: row_record decodes all
+_NO_RECORD: Record = _blank(Record)
 _NAN = float("nan")
 _DIGEST = 32
 _UUID = 16
@@ -113,7 +116,7 @@ _PAD = b"\xff"  # never in UTF-8: tells a text of a packed value's length apart
 
 def status_code(status: Status | str) -> int:
     """The stored code of a status."""
-    return _CODES[Status(status)]
+    return _CODES[Status(status).value]
 
 
 def status_value(code: int) -> str:
@@ -121,26 +124,26 @@ def status_value(code: int) -> str:
     return _STATUSES[code].value
 
 
-def _packed_or_text(packed: str | bytearray, text: str, size: int) -> bytes | bytearray:
-    """``packed`` when a packer packed ``text`` (into ``size`` bytes); else the UTF-8
-    of ``text``, with 0xFF appended when that is ``size`` bytes long."""
-    if type(packed) is bytearray:
-        return packed
-    raw = text.encode()
-    return raw + _PAD if len(raw) == size else raw
-
-
 def _text(raw: bytes, size: int) -> str:
-    """Inverse of :func:`_packed_or_text` for a value that is not ``size`` bytes."""
+    """The text of a value stored as UTF-8 (0xFF appended when that is ``size`` bytes)."""
     if len(raw) == size + 1 and raw[-1] == 0xFF:
         raw = raw[:-1]
     return raw.decode()
 
 
-def pack_digest(text: str) -> bytes | bytearray:
+def pack_digest(text: str) -> bytes:
     """64 lowercase hex digits (a SHA-256) as their 32 bytes; any other text as its
     UTF-8, with 0xFF appended when that is 32 bytes long."""
-    return _packed_or_text(pack_hex(text) if len(text) == 2 * _DIGEST else text, text, _DIGEST)
+    if len(text) == 64:
+        try:
+            raw = _fromhex(text)
+        except ValueError:
+            pass
+        else:
+            if raw.hex() == text:  # not uppercase, no whitespace
+                return raw
+    raw = text.encode()
+    return raw + _PAD if len(raw) == _DIGEST else raw
 
 
 def unpack_digest(raw: bytes) -> str:
@@ -148,10 +151,20 @@ def unpack_digest(raw: bytes) -> str:
     return raw.hex() if len(raw) == _DIGEST else _text(raw, _DIGEST)
 
 
-def pack_record_key(key: str) -> bytes | bytearray:
+def pack_record_key(key: str) -> bytes:
     """A lowercase canonical UUID as its 16 bytes; any other key as its UTF-8, with
     0xFF appended when that is 16 bytes long."""
-    return _packed_or_text(pack_key(key), key, _UUID)
+    if len(key) == 36 and key[8] == key[13] == key[18] == key[23] == "-":
+        digits = key.replace("-", "")
+        try:
+            raw = _fromhex(digits)
+        except ValueError:
+            pass
+        else:
+            if len(raw) == _UUID and raw.hex() == digits:
+                return raw
+    raw = key.encode()
+    return raw + _PAD if len(raw) == _UUID else raw
 
 
 def _unpack_key(raw: bytes) -> str:
@@ -182,65 +195,85 @@ def _unpack_scope(raw: bytes) -> str:
 def outcome_params(outcome: Outcome | None) -> tuple[Any, Any, Any, Any]:
     """(response_status, response_headers, response_media_type, response_body)."""
     if outcome is None:
-        return (None, None, None, None)
+        return _NO_OUTCOME
     media = outcome.media_type
     body = outcome.body
-    headers = pack_headers(outcome.headers, media, body)
+    headers = outcome.headers
+    text = pack_headers(headers, media, body) if headers else None
     return (
         outcome.status,
-        None if headers is None else headers.encode(),
+        None if text is None else text.encode(),
         None if media == _JSON_MEDIA else media,
         body,
     )
 
 
-def _completed_at(r: Record) -> float | None:
-    """NULL when it is ``updated_at`` of a completed record (a completion sets both);
-    NaN for a completed record without one."""
-    at = r.completed_at
-    if r.status is Status.COMPLETED:
-        if at == r.updated_at:
-            return None
-        if at is None:
-            return _NAN
-    return at
-
-
 def row_params(r: Record) -> tuple[Any, ...]:
-    """A record's v3 row, in :data:`COLUMNS` order."""
+    """A record's v3 row, in :data:`COLUMNS` order.
+
+    ``completed_at`` is NULL when it is ``updated_at`` of a completed record (a
+    completion sets both), NaN for a completed record without one."""
+    status = r.status
+    at = r.completed_at
+    if status is _COMPLETED:
+        at = None if at == r.updated_at else _NAN if at is None else at
+    scope = r.scope
+    outcome = r.outcome
     retention = r.retention
     return (
         pack_digest(r.key_hash),
         pack_record_key(r.key),
-        _pack_scope(r.scope),
+        _pack_scope(scope) if scope else b"",
         r.operation,
         pack_digest(r.fingerprint),
-        _CODES[r.status],
+        _CODES[status._value_],
         tagged_token(r.token),
         r.lease_until,
         r.expires_at,
         r.created_at,
         r.updated_at,
-        _completed_at(r),
+        at,
         r.attempts,
         r.request_id,
         r.final,
-        *outcome_params(r.outcome),
+        *(_NO_OUTCOME if outcome is None else outcome_params(outcome)),
         r.request_payload,
         r.metadata_json() if r.metadata else None,
         None if retention == STANDARD else retention,
     )
 
 
-def row_record(row: Sequence[Any]) -> Record:
+def row_record(
+    row: Sequence[Any], sent: Sequence[Any] = _NOT_SENT, like: Record = _NO_RECORD
+) -> Record:
     """A :class:`Record` from a v3 row in :data:`COLUMNS` order, filled field by field
-    on a blank instance (as ``Record.copy`` is)."""
+    on a blank instance (as ``Record.copy`` is).
+
+    ``sent`` and ``like``: the row a claim sent and its record. The key hash, key,
+    scope and fingerprint stored as the claim sent them are ``like``'s texts (each
+    packed form reads back as exactly one text), not decoded again."""
     r: Record = _blank(Record)
-    r.key_hash = unpack_digest(row[0])
-    r.key = _unpack_key(row[1])
-    r.scope = _unpack_scope(row[2])
+    v = row[0]
+    if v == sent[0]:
+        r.key_hash = like.key_hash
+    else:
+        r.key_hash = v.hex() if len(v) == _DIGEST else _text(v, _DIGEST)
+    v = row[1]
+    if v == sent[1]:
+        r.key = like.key
+    else:
+        r.key = _unpack_key(v) if _UUID - 1 < len(v) < _UUID + 2 else v.decode()
+    v = row[2]
+    if v == sent[2]:
+        r.scope = like.scope
+    else:
+        r.scope = _unpack_scope(v) if v else ""
     r.operation = row[3]
-    r.fingerprint = unpack_digest(row[4])
+    v = row[4]
+    if v == sent[4]:
+        r.fingerprint = like.fingerprint
+    else:
+        r.fingerprint = v.hex() if len(v) == _DIGEST else _text(v, _DIGEST)
     status = r.status = _STATUSES[row[5]]
     r.token = untag_token(row[6])
     r.lease_until = row[7]
@@ -249,7 +282,7 @@ def row_record(row: Sequence[Any]) -> Record:
     r.updated_at = row[10]
     v = row[11]
     if v is None:
-        r.completed_at = r.updated_at if status is Status.COMPLETED else None
+        r.completed_at = r.updated_at if status is _COMPLETED else None
     else:
         r.completed_at = None if v != v else v  # NaN: completed without one
     r.attempts = row[12]

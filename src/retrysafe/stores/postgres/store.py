@@ -91,17 +91,19 @@ def _record_or_none(rowcount: int, row: Sequence[Any] | None) -> Record | None:
 
 #: Where a claim's row says whether the claim inserted the record (after the columns).
 _INSERTED = len(COLUMNS)
+#: Claims whose packed key hash and token a store keeps for their completion (beyond
+#: that many it forgets them all: a completion packs again what it does not find).
+_HELD = 1024
 #: Claim statements one claim may run before it gives up (each further one means
 #: that a concurrent writer changed the row in between).
 _MAX_CLAIM_STATEMENTS = 100
 
 
-def _takeover_params(record: Record, found: Sequence[Any]) -> list[Any]:
-    """Parameters of the takeover ``UPDATE`` that writes ``record`` over the row
-    ``found`` (its stored token and status, as read)."""
+def _takeover_params(record: Record, row: Sequence[Any], found: Sequence[Any]) -> list[Any]:
+    """Parameters of the takeover ``UPDATE`` that writes ``record`` (its packed ``row``)
+    over the row ``found`` (its stored token and status, as read)."""
     now = record.updated_at
     params: list[Any] = []
-    row = row_params(record)
     for column, value in zip(COLUMNS[1:], row[1:], strict=True):
         if column in _KEPT_WHEN_LIVE:
             params.append(now)
@@ -128,19 +130,6 @@ def _created(op: _Op, failed: _Op, exc: psycopg.Error) -> _Op:
 _P_CLAIMED = len(COLUMNS)
 #: Times a compare-and-set runs again after a takeover moved its row (see _retry_moved).
 _MAX_MOVED_RETRIES = 10
-
-
-def _pclaimed(rowcount: int, row: Sequence[Any] | None) -> ClaimResult:
-    """The partitioned claim function's answer (it took any takeover under its lock)."""
-    assert row is not None
-    if row[_P_CLAIMED]:
-        took_over = row[_P_CLAIMED + 2]
-        return ClaimResult(
-            True,
-            attempts=row[_P_CLAIMED + 1],
-            took_over=None if took_over is None else STATUSES[took_over],
-        )
-    return ClaimResult(False, record=row_record(row))
 
 
 def _no_partition(exc: psycopg.Error) -> bool:
@@ -288,6 +277,9 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
         )
         self._lock = threading.Lock()
         self._migrated = not auto_migrate
+        #: key hash -> (token, packed key hash, packed token) of the claims this
+        #: process holds: a completion, failure or renewal binds them unpacked again.
+        self._held: dict[str, tuple[str, bytes, bytes]] = {}
         #: How compare-and-set statements recover: only a partitioned table moves rows.
         self._moved = partial(_retry_moved, 0) if self.partitioned else None
         self._build_sql(_table_parts(table))
@@ -655,39 +647,78 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
     # -- operations ------------------------------------------------------------------
 
     def _claim(self, record: Record, statements: int = 1) -> _Op:
+        sent = row_params(record)
         if self.partitioned:
             return _Op(
                 self._q_pclaim,
-                row_params(record),
-                _pclaimed,
+                sent,
+                partial(self._pclaimed, record, sent),
                 partial(self._pclaim_recover, record, statements),
             )
-        row = row_params(record)
-        params = (row[0], *row)
-        return _Op(self._q_claim, params, partial(self._claimed, record, statements))
+        params = (sent[0], *sent)
+        return _Op(self._q_claim, params, partial(self._claimed, record, sent, statements))
+
+    def _hold(self, record: Record, sent: Sequence[Any]) -> None:
+        """Keep the packed key hash and token of a claim this process now holds."""
+        held = self._held
+        if len(held) >= _HELD:
+            held.clear()
+        held[record.key_hash] = (record.token, sent[0], sent[6])
+
+    def _packed(self, key_hash: str, token: str, settle: bool) -> tuple[bytes, bytes]:
+        """The packed key hash and token of a claim, as held or packed again; ``settle``:
+        the claim ends (a completion or failure) and is no longer held."""
+        held = self._held.pop(key_hash, None) if settle else self._held.get(key_hash)
+        if held is not None and held[0] == token:
+            return held[1], held[2]
+        return pack_digest(key_hash), tagged_token(token)
+
+    def _pclaimed(
+        self, record: Record, sent: Sequence[Any], rowcount: int, row: Sequence[Any] | None
+    ) -> ClaimResult:
+        """The partitioned claim function's answer (it took any takeover under its lock)."""
+        assert row is not None
+        if row[_P_CLAIMED]:
+            self._hold(record, sent)
+            took_over = row[_P_CLAIMED + 2]
+            return ClaimResult(
+                True,
+                attempts=row[_P_CLAIMED + 1],
+                took_over=None if took_over is None else STATUSES[took_over],
+            )
+        return ClaimResult(False, record=row_record(row, sent, record))
 
     def _claimed(
-        self, record: Record, statements: int, rowcount: int, row: Sequence[Any] | None
+        self,
+        record: Record,
+        sent: Sequence[Any],
+        statements: int,
+        rowcount: int,
+        row: Sequence[Any] | None,
     ) -> ClaimResult | _Op:
         """The claim statement's answer, or the statement to run next."""
         if row is None:  # a concurrent insert committed after the snapshot: look again
             return self._claim_again(record, statements)
         if row[_INSERTED]:
+            self._hold(record, sent)
             return ClaimResult(True, attempts=record.attempts)
-        found = row_record(row)
+        found = row_record(row, sent, record)
         now = record.updated_at
         if not claimable(found, record.fingerprint, now):
             return ClaimResult(False, record=found)
         self._check_statements(statements)
         took_over = found.status if found.expires_at > now else None
-        params = _takeover_params(record, row)
+        params = _takeover_params(record, sent, row)
         return _Op(
-            self._q_takeover, params, partial(self._took_over, record, statements + 1, took_over)
+            self._q_takeover,
+            params,
+            partial(self._took_over, record, sent, statements + 1, took_over),
         )
 
     def _took_over(
         self,
         record: Record,
+        sent: Sequence[Any],
         statements: int,
         took_over: Status | None,
         rowcount: int,
@@ -696,6 +727,7 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
         """The takeover's answer; when it lost a race, the claim starts over."""
         if row is None:  # a concurrent claim, completion, renewal or delete came first
             return self._claim_again(record, statements)
+        self._hold(record, sent)
         return ClaimResult(True, attempts=row[0], took_over=took_over)
 
     def _claim_again(self, record: Record, statements: int) -> _Op:
@@ -772,23 +804,17 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
             )
 
     def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
-        params = (*outcome_params(outcome), now, pack_digest(key_hash), tagged_token(token))
+        params = (*outcome_params(outcome), now, *self._packed(key_hash, token, True))
         return _Op(self._q_complete, params, _changed, self._moved)
 
     def _fail(
         self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
     ) -> _Op:
-        params = (
-            *outcome_params(outcome),
-            bool(final),
-            now,
-            pack_digest(key_hash),
-            tagged_token(token),
-        )
+        params = (*outcome_params(outcome), bool(final), now, *self._packed(key_hash, token, True))
         return _Op(self._q_fail, params, _changed, self._moved)
 
     def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
-        params = (lease_until, now, lease_until, pack_digest(key_hash), tagged_token(token))
+        params = (lease_until, now, lease_until, *self._packed(key_hash, token, False))
         return _Op(self._q_renew, params, _changed, self._moved)
 
     def _get(self, key_hash: str) -> _Op:
