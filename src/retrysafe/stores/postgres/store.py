@@ -424,6 +424,11 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
                 sql.SQL(", ").join(sql.SQL("%s::{}").format(t) for t in types),
             )
         )
+        # The hot path's statements (a claim, its completion or failure, renewals)
+        # each keep a cursor, and with it psycopg's adapters, from one run to the next.
+        self._cursor_queries = frozenset(
+            (self._q_claim, self._q_pclaim, self._q_complete, self._q_fail, self._q_renew)
+        )
         self._q_add_partition = text(sql.SQL("SELECT {}(%s)").format(pn.add_partition))
         # A change to the parent that makes every backend rebuild its partition
         # descriptor (see _refreshed); it waits 2 s at most for its lock.
