@@ -278,7 +278,7 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
         self._lock = threading.Lock()
         self._migrated = not auto_migrate
         #: key hash -> (token, packed key hash, packed token) of the claims this
-        #: process holds: a completion, failure or renewal binds them unpacked again.
+        #: process holds: its completion, failure or renewal binds them as they are.
         self._held: dict[str, tuple[str, bytes, bytes]] = {}
         #: How compare-and-set statements recover: only a partitioned table moves rows.
         self._moved = partial(_retry_moved, 0) if self.partitioned else None
