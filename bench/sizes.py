@@ -223,6 +223,11 @@ def _pg_anatomy(conn: Any, table: str, n: int, label: str) -> None:
     ANATOMY.append("\n".join(lines))
 
 
+def _way(write: Write) -> str:
+    """The way a writer writes (``engine``, ``http``), through a ``partial`` too."""
+    return str(getattr(write, "func", write).__name__).removeprefix("write_")
+
+
 def measure_postgres(url: str, anatomy: bool = False) -> Callable[[Write, int], Measure]:
     import psycopg
 
@@ -235,7 +240,7 @@ def measure_postgres(url: str, anatomy: bool = False) -> Callable[[Write, int], 
             count = conn.execute(f"SELECT count(*) FROM {table}").fetchone()
             assert count is not None and count[0] == n, (count, n)
             if anatomy:
-                _pg_anatomy(conn, table, n, f"postgres {write.__name__.removeprefix('write_')}")
+                _pg_anatomy(conn, table, n, f"postgres {_way(write)}")
             written = conn.execute(size, (table,)).fetchone()
             conn.execute(f"VACUUM {table}")
             vacuumed = conn.execute(size, (table,)).fetchone()

@@ -32,6 +32,11 @@ contender (the store and its floor, ``@idempotent`` and Powertools), one process
 each: exact, whatever else the machine runs. ``--redis-py-path`` runs the store's
 rows again with its own connections turned off (every command through redis-py's
 pool, as a URL with a TLS option does): what owning them saves.
+
+    python bench/stores.py --postgres-instructions N [--postgres-url URL]
+
+counts, with valgrind, the client instructions per call of the PostgreSQL store and
+its floor (first call, replay) over N calls: the server's work is not counted.
 """
 
 # ruff: noqa: E402  (the imports follow the sys.path guard below)
@@ -362,29 +367,33 @@ def sqlite_section(stack: contextlib.ExitStack, info: dict[str, str]) -> list[Co
     )
 
 
-def sqlite_instructions_run(name: str, workload: str, n: int) -> int:
-    """``--instructions-run NAME WORKLOAD N``: 200 calls to warm up, then ``n`` calls
-    of one SQLite contender, in this process (valgrind counts it)."""
+def instructions_run_one(
+    section: Callable[[contextlib.ExitStack], list[Contender]], name: str, workload: str, n: int
+) -> int:
+    """``--instructions-run NAME WORKLOAD N`` (and ``--postgres-instructions-run``): 200
+    calls to warm up, then ``n`` calls of one contender of ``section``, in this process
+    (valgrind counts it)."""
     with contextlib.ExitStack() as stack:
-        for c in sqlite_section(stack, {}):
+        for c in section(stack):
             if c.name == name and c.workload == workload:
                 c.prepare()
                 c.run(200)
                 c.run(n)
                 return 0
-    raise SystemExit(f"no SQLite contender {name} / {workload}")
+    raise SystemExit(f"no contender {name} / {workload}")
 
 
-def sqlite_instructions(n: int) -> list[str]:
+def sqlite_instructions(n: int, run: Sequence[str] = ("--instructions-run",)) -> list[str]:
     """Instructions per call of each SQLite contender (valgrind's callgrind): the
     difference of a run of ``n`` calls and a run of none, over ``n``. The same on every
     run, whatever the machine's load; SQLite's C code and the fsyncs' system calls
-    count, the kernel's work does not."""
+    count, the kernel's work does not. ``run`` names another section's contenders
+    (``--postgres-instructions-run URL``: the client's instructions only)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def count(name: str, workload: str, calls: int) -> int:
         script = str(Path(__file__).resolve())
-        argv = [sys.executable, script, "--instructions-run", name, workload, str(calls)]
+        argv = [sys.executable, script, run[0], name, workload, str(calls), *run[1:]]
         out = subprocess.run(
             ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *argv],
             capture_output=True,
@@ -1120,6 +1129,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="N",
         help="SQLite only: count instructions per call over N calls (valgrind), then exit",
     )
+    p.add_argument(
+        "--postgres-instructions",
+        type=int,
+        metavar="N",
+        help="PostgreSQL only: count the client's instructions per call over N calls "
+        "(valgrind), then exit",
+    )
     args = p.parse_args(argv)
     args.stores = [s.strip() for s in args.stores.split(",") if s.strip()]
     unknown = sorted(set(args.stores) - set(STORES))
@@ -1181,12 +1197,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if raw[:1] == ["--redis-instructions-run"]:
         return instructions_run(raw[1:])
     if raw[:1] == ["--instructions-run"]:
-        return sqlite_instructions_run(raw[1], raw[2], int(raw[3]))
+        return instructions_run_one(
+            lambda stack: sqlite_section(stack, {}), raw[1], raw[2], int(raw[3])
+        )
+    if raw[:1] == ["--postgres-instructions-run"]:  # against the server at raw[4]
+        return instructions_run_one(
+            lambda stack: postgres_section(raw[4], secrets.token_hex(4), False, stack, {}),
+            raw[1],
+            raw[2],
+            int(raw[3]),
+        )
     args = parse_args(argv)
     if args.redis_instructions is not None:
         return redis_instructions(args.redis_instructions, args.redis_url, args.redis_py_path)
     if args.instructions:
         print(plain(sqlite_instructions(args.instructions)))
+        return 0
+    if args.postgres_instructions:
+        with contextlib.ExitStack() as stack:
+            url = args.postgres_url or start_server("postgres", stack)
+            run = ("--postgres-instructions-run", url)
+            print(plain(sqlite_instructions(args.postgres_instructions, run)))
         return 0
     preflight(args)
     script = os.path.relpath(sys.argv[0]) if sys.argv[0] else "bench/stores.py"

@@ -72,6 +72,7 @@ from retrysafe import (
     StoreUnavailableError,
     open_store,
 )
+from retrysafe.stores._packing import tagged_token
 from retrysafe.stores.postgres import PostgresStore, SchemaModeError
 
 HOUR = 3600.0
@@ -131,6 +132,16 @@ def holding(parts: dict[str, tuple[float, float]], at: float) -> str:
     """The partition whose range holds ``at``."""
     (name,) = [n for n, (lo, hi) in parts.items() if lo <= at < hi]
     return name
+
+
+def raw(key_hash: str) -> bytes:
+    """A key hash as the table stores it (schema v3)."""
+    return bytes.fromhex(key_hash)
+
+
+def rows_of(pg: psycopg.Connection[Any], table: str, key_hash: str) -> int:
+    """The rows of one key in ``table`` (a partition, or the parent)."""
+    return count(pg, f"SELECT count(*) FROM {table} WHERE key_hash = %s", raw(key_hash))
 
 
 def count(pg: psycopg.Connection[Any], query: str, *params: Any) -> int:
@@ -259,8 +270,8 @@ def test_a_takeover_moves_the_row_and_fences_the_old_owner(
         partitions = attached(pg, table)
         after = holding(partitions, new.expires_at)
         assert after != before
-        assert count(pg, f"SELECT count(*) FROM {after} WHERE key_hash = %s", old.key_hash) == 1
-        assert count(pg, f"SELECT count(*) FROM {table} WHERE key_hash = %s", old.key_hash) == 1
+        assert rows_of(pg, after, old.key_hash) == 1
+        assert rows_of(pg, table, old.key_hash) == 1
         with pytest.raises(LeaseLostError):
             first.complete(old, Outcome(b"stale"))
 
@@ -270,8 +281,8 @@ def test_a_takeover_moves_the_row_and_fences_the_old_owner(
         answers: list[Any] = []
         with pg.transaction():
             pg.execute(
-                f"UPDATE {table} SET expires_at = %s, token = 'other' WHERE key_hash = %s",
-                (old.expires_at + 1, old.key_hash),
+                f"UPDATE {table} SET expires_at = %s, token = %s WHERE key_hash = %s",
+                (old.expires_at + 1, tagged_token("other"), raw(old.key_hash)),
             )
             late = threading.Thread(
                 target=lambda: answers.append(
@@ -380,7 +391,7 @@ def test_a_session_that_cannot_see_an_attached_partition_is_replaced(
         claim = Engine(store, ttl=600).begin("k", operation=OP)  # a partition made ahead
         assert isinstance(claim, Claim)
         assert time.monotonic() - started < 1.0  # no backoff until it gives up
-        assert count(pg, f"SELECT count(*) FROM {table} WHERE key_hash = %s", claim.key_hash) == 1
+        assert rows_of(pg, table, claim.key_hash) == 1
         deadline = time.monotonic() + 10  # a closed session's backend ends a moment later
         while pg.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (stale_pid,)).fetchall():
             assert time.monotonic() < deadline, "the stale session was not closed"
@@ -402,7 +413,7 @@ async def test_a_session_that_cannot_see_an_attached_partition_is_replaced_async
             await conn.execute("SET retrysafe_test.stale = on")
         claim = await Engine(store, ttl=600).abegin("k", operation=OP)
         assert isinstance(claim, Claim)
-        assert count(pg, f"SELECT count(*) FROM {table} WHERE key_hash = %s", claim.key_hash) == 1
+        assert rows_of(pg, table, claim.key_hash) == 1
     finally:
         await store.aclose()
 
@@ -501,7 +512,7 @@ def test_a_sweep_interrupted_after_its_detach_loses_nothing(
     half = made["financial"][:5]
     pg.execute(
         f"INSERT INTO {table}_archive SELECT *, %s FROM {name} WHERE key_hash = ANY(%s)",
-        (clock.now, half),
+        (clock.now, [raw(kh) for kh in half]),
     )
     now = clock.now + 2 * HOUR
     batch = sstore.sweep(now, 1000)
@@ -573,9 +584,9 @@ def test_killed_sweeps_lose_and_duplicate_nothing(
         pg.execute(
             f"INSERT INTO {table} (key_hash, key, scope, operation, fingerprint, status, token, "
             "lease_until, expires_at, created_at, updated_at, attempts, final, metadata, "
-            "retention) SELECT md5(%s || j), 'k', '', 'op', 'fp', 'completed', 't' || j, 0, "
-            "%s + j / 1000.0, 0, 0, 1, false, '{}', "
-            "CASE WHEN j %% 2 = 0 THEN 'financial' ELSE 'standard' END "
+            "retention) SELECT sha256(convert_to(%s || j, 'UTF8')), 'k', '', 'op', 'fp', 1, "
+            "convert_to('t' || j, 'UTF8'), 0, %s + j / 1000.0, 0, 0, 1, false, NULL, "
+            "CASE WHEN j %% 2 = 0 THEN 'financial' END "
             "FROM generate_series(1, 1500) AS j",
             (f"bulk{i}-", clock.now + HOUR),
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,15 +14,20 @@ from retrysafe._model.record import Record
 from retrysafe.stores import RecordQuery, Store, open_store
 
 
-@pytest.fixture(params=["memory", "sqlite"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store[Any]:
-    url = "memory://" if request.param == "memory" else f"sqlite:///{tmp_path}/q.db"
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store[Any]]:
+    if request.param == "postgres":
+        server = request.getfixturevalue("postgres_server")
+        url = f"{server.url}?table=q_{uuid.uuid4().hex[:12]}"
+    else:
+        url = "memory://" if request.param == "memory" else f"sqlite:///{tmp_path}/q.db"
     engine = Engine(open_store(url))
     for i in range(5):
         claim = engine.begin(f"k{i}", operation="pay" if i % 2 else "ship", fingerprint="f")
         if i < 3:
             engine.complete(claim, Outcome.json({"i": i}))
-    return engine.store
+    yield engine.store
+    engine.store.close()
 
 
 def keys(records: list[Record]) -> list[str]:

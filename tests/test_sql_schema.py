@@ -21,8 +21,10 @@ from retrysafe._cli.app import main
 from retrysafe._model.hashing import key_hash
 from retrysafe._model.record import Record
 from retrysafe.stores import postgres, sqlite
+from retrysafe.stores._packing import tagged_token
 from retrysafe.stores._sql import COLUMNS, record_params
 from retrysafe.stores.postgres import PostgresStore
+from retrysafe.stores.postgres.rows import V3_ORDER
 from retrysafe.stores.sqlite import SQLiteStore
 
 HOUR = 3600.0
@@ -303,15 +305,15 @@ def test_postgres_v1_table_upgrades_in_place(
     assert pg_columns(pg, pg_table) == list(V1_COLUMNS)
     assert pg_columns(pg, f"{pg_table}_archive") == []
 
-    store = PostgresStore(pg_url, table=pg_table)  # auto_migrate: v1 → v2 on first use
+    store = PostgresStore(pg_url, table=pg_table)  # auto_migrate: v1 → v3 on first use
     try:
         check_upgraded(store, clock, old)
     finally:
         store.close()
-    assert pg_columns(pg, pg_table) == list(COLUMNS)
-    assert pg_columns(pg, f"{pg_table}_archive") == [*COLUMNS, "archived_at"]
+    assert pg_columns(pg, pg_table) == list(V3_ORDER)
+    assert pg_columns(pg, f"{pg_table}_archive") == [*V3_ORDER, "archived_at"]
     versions = pg.execute(f"SELECT version FROM {pg_table}_schema ORDER BY version").fetchall()
-    assert [v[0] for v in versions] == [1, 2]
+    assert [v[0] for v in versions] == [1, 2, 3]
     indexes = {
         row[0]
         for row in pg.execute(
@@ -372,8 +374,8 @@ def test_postgres_sweep_skips_a_row_a_claim_holds_and_keeps_it_once_live(
         # A takeover in progress: the row is locked and about to live on.
         with pg.transaction():
             pg.execute(
-                f"UPDATE {pg_table} SET expires_at = %s, token = 'new' WHERE key_hash = %s",
-                (clock.now + HOUR, made[0]),
+                f"UPDATE {pg_table} SET expires_at = %s, token = %s WHERE key_hash = %s",
+                (clock.now + HOUR, tagged_token("new"), bytes.fromhex(made[0])),
             )
             started = time.monotonic()
             batch = store.sweep(clock.now, 10)
@@ -397,8 +399,8 @@ def test_postgres_sweep_statement_uses_the_indexes(
         pg.execute(
             f"INSERT INTO {pg_table} (key_hash, key, scope, operation, fingerprint, status, "
             "token, lease_until, expires_at, created_at, updated_at, attempts, final, metadata) "
-            "SELECT md5(i::text), 'k', '', 'op', 'fp', 'completed', 't' || i, 0, i % 100, 0, 0, "
-            "1, false, '{}' FROM generate_series(1, 20000) AS i"
+            "SELECT sha256(i::text::bytea), 'k', '', 'op', 'fp', 1, convert_to('t' || i, 'UTF8'), "
+            "0, i % 100, 0, 0, 1, false, NULL FROM generate_series(1, 20000) AS i"
         )
         pg.execute(f"ANALYZE {pg_table}")
         rows = pg.execute("EXPLAIN " + store._q_sweep, (50.0, 100, 50.0, 50.0)).fetchall()

@@ -1,4 +1,5 @@
-"""The row form of a record, shared by the SQL stores (SQLite, PostgreSQL)."""
+"""The text row form of a record, shared by the SQL stores (SQLite and PostgreSQL up to
+schema v2; their migrations read it), and the column list and listing clause of both."""
 
 from __future__ import annotations
 

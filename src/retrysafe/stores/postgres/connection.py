@@ -174,26 +174,40 @@ async def _adrive(conn: psycopg.AsyncConnection[Any], flow: _Flow) -> int:
 
 
 class _Connection(psycopg.Connection[Any]):
-    """A pooled connection that keeps one binary cursor for the store's statements."""
+    """A pooled connection that keeps binary cursors for the store's statements: one
+    for each of its hot ones (``PostgresStore._cursor_queries``), one for all others.
 
-    _store_cursor: psycopg.Cursor[Any] | None = None
+    psycopg keeps a cursor's adapters (the dumper of each parameter type, the loader
+    of each result column) while the cursor runs the same query object again; a
+    cursor shared by a claim and its completion would look them all up again for
+    every statement."""
 
-    def store_cursor(self) -> psycopg.Cursor[Any]:
-        cur = self._store_cursor
+    _store_cursors: dict[str, psycopg.Cursor[Any]] | None = None
+
+    def store_cursor(self, query: str = "") -> psycopg.Cursor[Any]:
+        """The cursor kept for ``query``; for ``""``, the shared one."""
+        cursors = self._store_cursors
+        if cursors is None:
+            cursors = self._store_cursors = {}
+        cur = cursors.get(query)
         if cur is None:
-            cur = self._store_cursor = self.cursor(binary=True)
+            cur = cursors[query] = self.cursor(binary=True)
         return cur
 
 
 class _AsyncConnection(psycopg.AsyncConnection[Any]):
     """:class:`_Connection` for the async pools."""
 
-    _store_cursor: psycopg.AsyncCursor[Any] | None = None
+    _store_cursors: dict[str, psycopg.AsyncCursor[Any]] | None = None
 
-    def store_cursor(self) -> psycopg.AsyncCursor[Any]:
-        cur = self._store_cursor
+    def store_cursor(self, query: str = "") -> psycopg.AsyncCursor[Any]:
+        """The cursor kept for ``query``; for ``""``, the shared one."""
+        cursors = self._store_cursors
+        if cursors is None:
+            cursors = self._store_cursors = {}
+        cur = cursors.get(query)
         if cur is None:
-            cur = self._store_cursor = self.cursor(binary=True)
+            cur = cursors[query] = self.cursor(binary=True)
         return cur
 
 
@@ -239,6 +253,8 @@ class PostgresConnections:
     _pool: ConnectionPool[_Connection] | None
     _apools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopPool]
     _migration: Callable[[], _Flow]
+    #: The statements each run on a cursor of their own (see :class:`_Connection`).
+    _cursor_queries: frozenset[str]
 
     def _unavailable(self, exc: BaseException) -> StoreUnavailableError:
         if isinstance(exc, StoreUnavailableError):
@@ -340,18 +356,19 @@ class PostgresConnections:
             conn: _Connection | None
             conn = self._checkout(pool)
             try:
-                cur = conn.store_cursor()
+                own = self._cursor_queries
                 while True:
-                    if op.query is _RECONNECT:
+                    query = op.query
+                    if query is _RECONNECT:
                         old, conn = conn, None
                         old.close()  # the pool replaces a closed connection
                         pool.putconn(old)
                         conn = self._checkout(pool)
-                        cur = conn.store_cursor()
                         op = op.parse(0, None)
                         continue
+                    cur = conn.store_cursor(query if query in own else "")
                     try:
-                        cur.execute(op.query, op.params)
+                        cur.execute(query, op.params)
                     except psycopg.Error as exc:
                         if op.recover is None:
                             raise
@@ -390,18 +407,19 @@ class PostgresConnections:
                         if not self._migrated:
                             await _adrive(conn, self._migration())
                             self._migrated = True
-                cur = conn.store_cursor()
+                own = self._cursor_queries
                 while True:
-                    if op.query is _RECONNECT:
+                    query = op.query
+                    if query is _RECONNECT:
                         old, conn = conn, None
                         await old.close()
                         await pool.putconn(old)
                         conn = await self._acheckout(pool)
-                        cur = conn.store_cursor()
                         op = op.parse(0, None)
                         continue
+                    cur = conn.store_cursor(query if query in own else "")
                     try:
-                        await cur.execute(op.query, op.params)
+                        await cur.execute(query, op.params)
                     except psycopg.Error as exc:
                         if op.recover is None:
                             raise

@@ -14,8 +14,18 @@ from psycopg import sql
 
 from retrysafe._model.record import Record
 from retrysafe.stores._base import ArchivedRecord, RecordQuery, StoreStats, SweepBatch
-from retrysafe.stores._sql import archived_from_row, list_clause, record_from_row, record_params
+from retrysafe.stores._sql import list_clause
 from retrysafe.stores.postgres.connection import _Connection, _Op
+from retrysafe.stores.postgres.rows import (
+    archived_record,
+    pack_digest,
+    pack_record_key,
+    row_params,
+    row_record,
+    status_code,
+    status_value,
+    unpack_digest,
+)
 from retrysafe.stores.postgres.schema import _DDL_LOCK_TIMEOUT, _Names, _PNames
 
 __all__ = ["PostgresMaintenance"]
@@ -220,9 +230,11 @@ class PostgresMaintenance:
         return int(rows), int(copied)
 
     def _list_records(self, query: RecordQuery) -> list[Record]:
-        clause, params = list_clause(query, mark="%s", alias="t")
+        clause, params = list_clause(
+            query, mark="%s", alias="t", status=status_code, key=pack_record_key
+        )
         rows = self._ops_rows(self._q_list + sql.SQL(clause), params)
-        return [record_from_row(row) for row in rows]
+        return [row_record(row) for row in rows]
 
     def stats(self, now: float) -> StoreStats:
         counts_q, expired_q, get_q, archived_q = self._q_stats
@@ -233,18 +245,18 @@ class PostgresMaintenance:
             # One snapshot for every count.
             cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             for operation, status, n, created_at, key_hash in cur.execute(counts_q, (now,)):
-                stats.counts[(operation, status)] = int(n)
+                stats.counts[(operation, status_value(status))] = int(n)
                 if key_hash is not None and (oldest is None or created_at < oldest[0]):
-                    oldest = (created_at, key_hash)
+                    oldest = (created_at, unpack_digest(key_hash))
             stats.expired = int(_scalar(cur.execute(expired_q, (now,))))
             if oldest is not None:
-                row = cur.execute(get_q, (oldest[1],)).fetchone()
-                stats.oldest_processing = None if row is None else record_from_row(row)
+                row = cur.execute(get_q, (pack_digest(oldest[1]),)).fetchone()
+                stats.oldest_processing = None if row is None else row_record(row)
             stats.archived = int(_scalar(cur.execute(archived_q)))
         return stats
 
     def archive_records(self, records: Sequence[Record], archived_at: float) -> int:
-        rows = [(*record_params(r), archived_at) for r in records]
+        rows = [(*row_params(r), archived_at) for r in records]
         if not rows:
             return 0
         with self._ops_connection() as conn, conn.transaction():
@@ -262,4 +274,4 @@ class PostgresMaintenance:
             params.append(operation)
         query += sql.SQL(" ORDER BY t.archived_at DESC LIMIT %s")
         params.append(limit)
-        return [archived_from_row(row) for row in self._ops_rows(query, params)]
+        return [archived_record(row) for row in self._ops_rows(query, params)]

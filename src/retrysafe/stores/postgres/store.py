@@ -28,14 +28,9 @@ from retrysafe._model.duration import parse_duration
 from retrysafe._model.record import ClaimResult, Outcome, Record, Status
 from retrysafe.errors import SchemaModeError, SchemaVersionError, StoreUnavailableError
 from retrysafe.stores._base import Store
+from retrysafe.stores._packing import tagged_token
 from retrysafe.stores._redact import redact, redact_in
-from retrysafe.stores._sql import (
-    ARCHIVE_COLUMNS,
-    COLUMNS,
-    outcome_params,
-    record_from_row,
-    record_params,
-)
+from retrysafe.stores._sql import ARCHIVE_COLUMNS, COLUMNS
 from retrysafe.stores.postgres.connection import (
     _DEFAULT_AHEAD,
     _DEFAULT_INTERVAL,
@@ -52,6 +47,17 @@ from retrysafe.stores.postgres.connection import (
     _to_bool,
 )
 from retrysafe.stores.postgres.maintenance import PostgresMaintenance
+from retrysafe.stores.postgres.rows import (
+    COMPLETED,
+    FAILED,
+    PROCESSING,
+    STATUSES,
+    V3_TYPES,
+    outcome_params,
+    pack_digest,
+    row_params,
+    row_record,
+)
 from retrysafe.stores.postgres.schema import (
     _CLAIMABLE,
     _KEPT_WHEN_LIVE,
@@ -59,7 +65,6 @@ from retrysafe.stores.postgres.schema import (
     _P_MIGRATIONS,
     _PARENT_INTERVAL,
     _PARTITION_COMMENT,
-    _RECORD_COLUMNS,
     _SELECT_COLUMNS,
     _STATS,
     SCHEMA_VERSION,
@@ -81,25 +86,29 @@ def _changed(rowcount: int, row: Sequence[Any] | None) -> bool:
 
 
 def _record_or_none(rowcount: int, row: Sequence[Any] | None) -> Record | None:
-    return None if row is None else record_from_row(row)
+    return None if row is None else row_record(row)
 
 
 #: Where a claim's row says whether the claim inserted the record (after the columns).
 _INSERTED = len(COLUMNS)
+#: Claims whose packed key hash and token a store keeps for their completion (beyond
+#: that many it forgets them all: a completion packs again what it does not find).
+_HELD = 1024
 #: Claim statements one claim may run before it gives up (each further one means
 #: that a concurrent writer changed the row in between).
 _MAX_CLAIM_STATEMENTS = 100
 
 
-def _takeover_params(record: Record, found: Record) -> list[Any]:
-    """Parameters of the takeover ``UPDATE`` that writes ``record`` over ``found``."""
+def _takeover_params(record: Record, row: Sequence[Any], found: Sequence[Any]) -> list[Any]:
+    """Parameters of the takeover ``UPDATE`` that writes ``record`` (its packed ``row``)
+    over the row ``found`` (its stored token and status, as read)."""
     now = record.updated_at
     params: list[Any] = []
-    for column, value in zip(COLUMNS[1:], record_params(record)[1:], strict=True):
+    for column, value in zip(COLUMNS[1:], row[1:], strict=True):
         if column in _KEPT_WHEN_LIVE:
             params.append(now)
         params.append(value)
-    params += (record.key_hash, found.token, found.status.value, now, record.fingerprint, now)
+    params += (row[0], found[6], found[5], now, row[4], now)
     return params
 
 
@@ -121,19 +130,6 @@ def _created(op: _Op, failed: _Op, exc: psycopg.Error) -> _Op:
 _P_CLAIMED = len(COLUMNS)
 #: Times a compare-and-set runs again after a takeover moved its row (see _retry_moved).
 _MAX_MOVED_RETRIES = 10
-
-
-def _pclaimed(rowcount: int, row: Sequence[Any] | None) -> ClaimResult:
-    """The partitioned claim function's answer (it took any takeover under its lock)."""
-    assert row is not None
-    if row[_P_CLAIMED]:
-        took_over = row[_P_CLAIMED + 2]
-        return ClaimResult(
-            True,
-            attempts=row[_P_CLAIMED + 1],
-            took_over=None if took_over is None else Status(took_over),
-        )
-    return ClaimResult(False, record=record_from_row(row))
 
 
 def _no_partition(exc: psycopg.Error) -> bool:
@@ -281,6 +277,9 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
         )
         self._lock = threading.Lock()
         self._migrated = not auto_migrate
+        #: key hash -> (token, packed key hash, packed token) of the claims this
+        #: process holds: its completion, failure or renewal binds them as they are.
+        self._held: dict[str, tuple[str, bytes, bytes]] = {}
         #: How compare-and-set statements recover: only a partitioned table moves rows.
         self._moved = partial(_retry_moved, 0) if self.partitioned else None
         self._build_sql(_table_parts(table))
@@ -298,7 +297,7 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
         table = names.table
         versions = sql.Identifier(*schema, f"{base}_schema")
         cols = sql.SQL(", ").join(map(sql.Identifier, COLUMNS))
-        cas = sql.SQL(" WHERE key_hash = %s AND token = %s AND status = 'processing'")
+        cas = sql.SQL(f" WHERE key_hash = %s AND token = %s AND status = {PROCESSING}")
 
         def text(query: sql.Composable) -> str:
             return query.as_string(None)
@@ -342,14 +341,14 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
             "response_body = %s"
         )
         self._q_complete = text(
-            sql.SQL(
-                "UPDATE {} SET status = 'completed', {}, completed_at = %s, updated_at = %s"
-            ).format(table, outcome)
+            sql.SQL("UPDATE {} SET status = {}, {}, completed_at = NULL, updated_at = %s").format(
+                table, sql.Literal(COMPLETED), outcome
+            )
             + cas
         )
         self._q_fail = text(
-            sql.SQL("UPDATE {} SET status = 'failed', {}, final = %s, updated_at = %s").format(
-                table, outcome
+            sql.SQL("UPDATE {} SET status = {}, {}, final = %s, updated_at = %s").format(
+                table, sql.Literal(FAILED), outcome
             )
             + cas
         )
@@ -415,7 +414,7 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
             _lock_id(parts, "ddl"),
             _lock_id(parts, "sweep"),
         )
-        types = [sql.SQL(type_) for _, type_, _ in _RECORD_COLUMNS]
+        types = [sql.SQL(V3_TYPES[c].removesuffix(" NOT NULL")) for c in COLUMNS]
         self._q_pclaim = text(
             sql.SQL("SELECT {}, r.o_claimed, r.o_attempts, r.o_took_over FROM {}({}) AS r").format(
                 sql.SQL(", ").join(
@@ -424,6 +423,11 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
                 pn.claim,
                 sql.SQL(", ").join(sql.SQL("%s::{}").format(t) for t in types),
             )
+        )
+        # The hot path's statements (a claim, its completion or failure, renewals)
+        # each keep a cursor, and with it psycopg's adapters, from one run to the next.
+        self._cursor_queries = frozenset(
+            (self._q_claim, self._q_pclaim, self._q_complete, self._q_fail, self._q_renew)
         )
         self._q_add_partition = text(sql.SQL("SELECT {}(%s)").format(pn.add_partition))
         # A change to the parent that makes every backend rebuild its partition
@@ -648,38 +652,78 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
     # -- operations ------------------------------------------------------------------
 
     def _claim(self, record: Record, statements: int = 1) -> _Op:
+        sent = row_params(record)
         if self.partitioned:
             return _Op(
                 self._q_pclaim,
-                record_params(record),
-                _pclaimed,
+                sent,
+                partial(self._pclaimed, record, sent),
                 partial(self._pclaim_recover, record, statements),
             )
-        params = (record.key_hash, *record_params(record))
-        return _Op(self._q_claim, params, partial(self._claimed, record, statements))
+        params = (sent[0], *sent)
+        return _Op(self._q_claim, params, partial(self._claimed, record, sent, statements))
+
+    def _hold(self, record: Record, sent: Sequence[Any]) -> None:
+        """Keep the packed key hash and token of a claim this process now holds."""
+        held = self._held
+        if len(held) >= _HELD:
+            held.clear()
+        held[record.key_hash] = (record.token, sent[0], sent[6])
+
+    def _packed(self, key_hash: str, token: str, settle: bool) -> tuple[bytes, bytes]:
+        """The packed key hash and token of a claim, as held or packed again; ``settle``:
+        the claim ends (a completion or failure) and is no longer held."""
+        held = self._held.pop(key_hash, None) if settle else self._held.get(key_hash)
+        if held is not None and held[0] == token:
+            return held[1], held[2]
+        return pack_digest(key_hash), tagged_token(token)
+
+    def _pclaimed(
+        self, record: Record, sent: Sequence[Any], rowcount: int, row: Sequence[Any] | None
+    ) -> ClaimResult:
+        """The partitioned claim function's answer (it took any takeover under its lock)."""
+        assert row is not None
+        if row[_P_CLAIMED]:
+            self._hold(record, sent)
+            took_over = row[_P_CLAIMED + 2]
+            return ClaimResult(
+                True,
+                attempts=row[_P_CLAIMED + 1],
+                took_over=None if took_over is None else STATUSES[took_over],
+            )
+        return ClaimResult(False, record=row_record(row, sent, record))
 
     def _claimed(
-        self, record: Record, statements: int, rowcount: int, row: Sequence[Any] | None
+        self,
+        record: Record,
+        sent: Sequence[Any],
+        statements: int,
+        rowcount: int,
+        row: Sequence[Any] | None,
     ) -> ClaimResult | _Op:
         """The claim statement's answer, or the statement to run next."""
         if row is None:  # a concurrent insert committed after the snapshot: look again
             return self._claim_again(record, statements)
         if row[_INSERTED]:
+            self._hold(record, sent)
             return ClaimResult(True, attempts=record.attempts)
-        found = record_from_row(row)
+        found = row_record(row, sent, record)
         now = record.updated_at
         if not claimable(found, record.fingerprint, now):
             return ClaimResult(False, record=found)
         self._check_statements(statements)
         took_over = found.status if found.expires_at > now else None
-        params = _takeover_params(record, found)
+        params = _takeover_params(record, sent, row)
         return _Op(
-            self._q_takeover, params, partial(self._took_over, record, statements + 1, took_over)
+            self._q_takeover,
+            params,
+            partial(self._took_over, record, sent, statements + 1, took_over),
         )
 
     def _took_over(
         self,
         record: Record,
+        sent: Sequence[Any],
         statements: int,
         took_over: Status | None,
         rowcount: int,
@@ -688,6 +732,7 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
         """The takeover's answer; when it lost a race, the claim starts over."""
         if row is None:  # a concurrent claim, completion, renewal or delete came first
             return self._claim_again(record, statements)
+        self._hold(record, sent)
         return ClaimResult(True, attempts=row[0], took_over=took_over)
 
     def _claim_again(self, record: Record, statements: int) -> _Op:
@@ -764,24 +809,24 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
             )
 
     def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
-        params = (*outcome_params(outcome), now, now, key_hash, token)
+        params = (*outcome_params(outcome), now, *self._packed(key_hash, token, True))
         return _Op(self._q_complete, params, _changed, self._moved)
 
     def _fail(
         self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
     ) -> _Op:
-        params = (*outcome_params(outcome), bool(final), now, key_hash, token)
+        params = (*outcome_params(outcome), bool(final), now, *self._packed(key_hash, token, True))
         return _Op(self._q_fail, params, _changed, self._moved)
 
     def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
-        params = (lease_until, now, lease_until, key_hash, token)
+        params = (lease_until, now, lease_until, *self._packed(key_hash, token, False))
         return _Op(self._q_renew, params, _changed, self._moved)
 
     def _get(self, key_hash: str) -> _Op:
-        return _Op(self._q_get, (key_hash,), _record_or_none)
+        return _Op(self._q_get, (pack_digest(key_hash),), _record_or_none)
 
     def _delete(self, key_hash: str) -> _Op:
-        return _Op(self._q_delete, (key_hash,), _changed, self._moved)
+        return _Op(self._q_delete, (pack_digest(key_hash),), _changed, self._moved)
 
     def _cell_read(self, key: str) -> _Op:
         return _Op(self._q_cell_read, (key,), _cell_or_none, self._cells_missing)
