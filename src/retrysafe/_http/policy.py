@@ -486,6 +486,43 @@ class HttpPolicy:
             total += len(name) + len(value) + 4
             if media is None and name == "content-type":
                 media = value
+        return self._settled(status, kept, total, media, body, size)
+
+    def recorded_text(
+        self, status: int, headers: Iterable[tuple[str, str]], body: bytes, size: int
+    ) -> tuple[bool, Outcome | None, bool]:
+        """:meth:`recorded` of (name, value) str pairs (the WSGI and Django doors):
+        ``verdict(status, outcome(status, headers, body, size))`` in one pass."""
+        if status in UNPROCESSED:
+            return True, None, False
+        unkept, only = self._unkept, self._only
+        kept: list[tuple[str, str]] = []
+        media = None
+        total = 0
+        for k, value in headers:
+            name = k.lower()
+            if unkept is not None:
+                if name in unkept:
+                    continue
+            elif only is None or name not in only:
+                continue
+            kept.append((name, value))
+            total += len(name) + len(value) + 4
+            if media is None and name == "content-type":
+                media = value
+        return self._settled(status, kept, total, media, body, size)
+
+    def _settled(
+        self,
+        status: int,
+        kept: list[tuple[str, str]],
+        total: int,
+        media: str | None,
+        body: bytes,
+        size: int,
+    ) -> tuple[bool, Outcome | None, bool]:
+        """The rest of :meth:`verdict` once the kept headers, their bytes and the media
+        type are known (the header bound, the omitted body, the failure)."""
         if total > MAX_STORED_HEADERS:
             return True, None, True
         if size > self.max_body:
