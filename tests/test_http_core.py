@@ -332,17 +332,23 @@ RAW_HEADERS = st.lists(
     st.integers(0, 4),
     st.sampled_from([{}, {"store_headers": ["x-a", "set-cookie"]}, {"final_failures": True}]),
 )
-def test_what_an_asgi_answer_records_is_its_verdict_in_one_pass(
+def test_what_an_answer_records_is_its_verdict_in_one_pass(
     headers: list[tuple[bytes, bytes]], status: int, size: int, options: dict[str, Any]
 ) -> None:
     """The middleware's one-pass ``recorded`` gives what the verdict of the answer's
-    outcome gives (the WSGI doors' way): the same headers kept, media
-    type (an empty Content-Type too), omitted body, header bound and failure."""
+    outcome gives: the same headers kept, media type (an empty Content-Type too),
+    omitted body, header bound and failure; so does the WSGI and Django doors'
+    ``recorded_text`` of the same headers as str, in any case."""
     policy = HttpPolicy("memory://", max_body=2, **options)
     body = b"abcd"[:size] if size <= 2 else b""
     decoded = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
     expected = policy.verdict(status, policy.outcome(status, decoded, body, size))
     assert policy.recorded(status, headers, body, size) == expected
+    assert policy.recorded_text(status, decoded, body, size) == expected
+    titled = [(k.title(), v) for k, v in decoded]
+    assert policy.recorded_text(status, titled, body, size) == policy.verdict(
+        status, policy.outcome(status, titled, body, size)
+    )
 
 
 @pytest.mark.parametrize("body", [b' {"a":1}', b'{"a":1} ', b'\n\t{"a":1}\r\n', b'{ "a" : 1 }'])

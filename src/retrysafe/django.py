@@ -270,9 +270,11 @@ def _answer_of(response: HttpResponseBase) -> Answer:
 
     def answer() -> tuple[int, list[tuple[str, str]]]:
         headers = list(response.items())
-        headers.extend(
-            ("Set-Cookie", morsel.output(header="").strip()) for morsel in response.cookies.values()
-        )
+        cookies = response.cookies
+        if cookies:  # (most answers set none)
+            headers.extend(
+                ("Set-Cookie", morsel.output(header="").strip()) for morsel in cookies.values()
+            )
         return response.status_code, headers
 
     return answer

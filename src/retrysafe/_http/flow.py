@@ -314,16 +314,17 @@ class Exchange:
         held, self.held = self.held, None
         return held
 
-    def outcome(self) -> tuple[int, Outcome]:
+    def recorded(self) -> tuple[bool, Outcome | None, bool]:
+        """What the answer records: (failed, what is stored, final), in one pass."""
         status, headers = self.answer()
         capture = self.capture
-        return status, self.policy.outcome(status, headers, capture.body(), capture.size)
+        return self.policy.recorded_text(status, headers, capture.body(), capture.size)
 
     def finish(self, exc: BaseException | None = None) -> None:
         """Record the answer (unless ``exc``) and leave the attempt."""
         try:
             if exc is None:
-                failed, kept, final = self.policy.verdict(*self.outcome())
+                failed, kept, final = self.recorded()
                 record(self.att, kept, failed=failed, final=final)
         finally:
             self.stack.leave(exc)  # type: ignore[union-attr]  # a sync flow holds a Held
@@ -332,7 +333,7 @@ class Exchange:
         """Async :meth:`finish`."""
         try:
             if exc is None:
-                failed, kept, final = self.policy.verdict(*self.outcome())
+                failed, kept, final = self.recorded()
                 await arecord(self.att, kept, failed=failed, final=final)
         finally:
             await self.stack.__aexit__(*_exc_info(exc))  # type: ignore[union-attr]  # async: a stack

@@ -463,25 +463,32 @@ class HttpPolicy:
         return False, outcome, False
 
     def recorded(
-        self, status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes, size: int
+        self,
+        status: int,
+        headers: Iterable[tuple[bytes, bytes]] | Iterable[tuple[str, str]],
+        body: bytes,
+        size: int,
+        raw: bool = True,
     ) -> tuple[bool, Outcome | None, bool]:
         """What an ASGI answer records, from its (name, value) byte pairs: ``verdict(status,
         outcome(status, headers, body, size))`` of the latin-1 decoded headers, in one
-        pass (the ASGI recorder calls it; the A2A door's answers define their own)."""
+        pass (the ASGI recorder calls it; the A2A door's answers define their own).
+        Not ``raw``: the pairs are str (:meth:`recorded_text`)."""
         if status in UNPROCESSED:
             return True, None, False
         unkept, only = self._unkept, self._only
         kept: list[tuple[str, str]] = []
         media = None
         total = 0  # the bytes of the kept headers, as _header_bytes counts them
-        for k, v in headers:
-            name = k.decode("latin-1").lower()
+        pairs: Iterable[tuple[Any, Any]] = headers
+        for k, v in pairs:
+            name = (k.decode("latin-1") if raw else k).lower()
             if unkept is not None:
                 if name in unkept:
                     continue
             elif only is None or name not in only:
                 continue
-            value = v.decode("latin-1")
+            value = v.decode("latin-1") if raw else v
             kept.append((name, value))
             total += len(name) + len(value) + 4
             if media is None and name == "content-type":
@@ -497,6 +504,12 @@ class HttpPolicy:
         if self.is_failure(status):
             return True, outcome, self.final_failures
         return False, outcome, False
+
+    def recorded_text(
+        self, status: int, headers: Iterable[tuple[str, str]], body: bytes, size: int
+    ) -> tuple[bool, Outcome | None, bool]:
+        """:meth:`recorded` of (name, value) str pairs (the WSGI and Django doors)."""
+        return self.recorded(status, headers, body, size, False)
 
     def outcome(
         self, status: int, headers: Iterable[tuple[str, str]], body: bytes, size: int
