@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from retrysafe._model.json_text import compact_encoder
+
 __all__ = [
     "FINANCIAL",
     "MAX_REQUEST_ID",
@@ -64,7 +66,7 @@ JSON_MEDIA_TYPE = "application/json"
 
 _blank = object.__new__
 
-_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+_JSON = compact_encoder()
 
 
 @dataclass(slots=True)
