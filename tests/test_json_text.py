@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from retrysafe._model import hashing
 from retrysafe._model.hashing import json_default, key_hash
-from retrysafe._model.json_text import compact_encoder
+from retrysafe._model.json_text import compact_encoder, json_value
 
 _values = st.recursive(
     st.none()
@@ -96,3 +96,27 @@ def test_key_hash_heads_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     for i in range(10):
         assert key_hash(f"s{i}", "op", "k") == key_hash(f"s{i}", "op", "k")
     assert len(hashing._heads) <= 3
+
+
+def _read(read: Any, data: bytes) -> tuple[Any, ...]:
+    try:
+        return ("ok", repr(read(data)))
+    except Exception as exc:
+        return (type(exc), str(exc))
+
+
+@given(_values)
+def test_json_value_reads_what_json_loads_reads(value: Any) -> None:
+    for data in (
+        compact_encoder()(value).encode(),
+        json.dumps(value).encode(),
+        json.dumps(value, indent=1).encode("utf-16"),
+    ):
+        assert _read(json_value, data) == _read(json.loads, data)
+
+
+@given(
+    st.binary(max_size=12) | st.sampled_from([b'{"a":1}x', b"[1] ", b"\xef\xbb\xbf1", b"1\x00\x00"])
+)
+def test_json_value_fails_as_json_loads_fails(data: bytes) -> None:
+    assert _read(json_value, data) == _read(json.loads, data)

@@ -1,4 +1,5 @@
-"""Compact JSON text, the way ``json.JSONEncoder.encode`` writes it, with less work per call.
+"""Compact JSON text, the way ``json.JSONEncoder.encode`` writes it, and the value of
+a stored JSON body, the way ``json.loads`` reads it, with less work per call.
 
 ``JSONEncoder.encode`` builds a new C encoder (and a Python closure) on every call,
 about a third of what encoding a small value costs. :func:`compact_encoder` builds
@@ -16,7 +17,7 @@ import json.encoder
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["compact_encoder"]
+__all__ = ["compact_encoder", "json_value"]
 
 
 def compact_encoder(
@@ -55,3 +56,26 @@ def compact_encoder(
             return checked(value)  # a cycle: the standard error (or a genuinely deep value)
 
     return encode
+
+
+_decoder = json.JSONDecoder()  # json.loads's own decoder has these (default) options
+_scan: Callable[[str, int], tuple[Any, int]] = _decoder.scan_once  # type: ignore[attr-defined]
+#: The first byte of a JSON text that is neither whitespace nor a byte-order mark.
+_STARTS = frozenset(b'{["-0123456789tfn')
+
+
+def json_value(data: bytes) -> Any:
+    """``json.loads(data)``, with less work for a text that starts with its value and
+    has nothing after it (as :func:`compact_encoder` writes). ``json.loads`` first
+    guesses the encoding, then matches whitespace around the value with a regular
+    expression twice: two thirds of reading a small value. Anything else (another
+    encoding, whitespace, extra data, an error) is read by ``json.loads`` itself."""
+    if data and data[0] in _STARTS and data[1:2] != b"\0":
+        text = data.decode("utf-8", "surrogatepass")  # the encoding json.loads finds
+        try:
+            value, end = _scan(text, 0)
+        except StopIteration:
+            end = -1
+        if end == len(text):
+            return value
+    return json.loads(data)

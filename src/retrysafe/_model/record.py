@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from retrysafe._model.json_text import compact_encoder
+from retrysafe._model.json_text import compact_encoder, json_value
 
 __all__ = [
     "FINANCIAL",
@@ -93,7 +93,7 @@ class Outcome:
     def value(self) -> Any:
         """The JSON value of a :meth:`json` outcome; the raw body otherwise."""
         if self.media_type == JSON_MEDIA_TYPE:
-            return json.loads(self.body) if self.body else None
+            return json_value(self.body) if self.body else None
         return self.body
 
     def headers_json(self) -> str:
