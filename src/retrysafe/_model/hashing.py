@@ -148,4 +148,4 @@ def canonical_json(value: Any) -> bytes:
 
 def fingerprint(*parts: Any) -> str:
     """SHA-256 (hex) of the canonical JSON of ``parts``."""
-    return hashlib.sha256(canonical_json(list(parts))).hexdigest()
+    return _sha256(canonical_json(list(parts))).hexdigest()
