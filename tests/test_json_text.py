@@ -9,24 +9,14 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from test_http_core import JSON_VALUES
 
 from retrysafe._model import hashing
 from retrysafe._model.hashing import json_default, key_hash
 from retrysafe._model.json_text import compact_encoder, json_value
 
-_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(),
-    lambda inner: (
-        st.lists(inner, max_size=4)
-        | st.dictionaries(st.text(max_size=5), inner, max_size=4)
-        | st.tuples(inner, inner)
-    ),
-    max_leaves=20,
-)
+#: JSON values with tuples in them too (the encoders write a tuple as a list).
+_values = JSON_VALUES | st.tuples(JSON_VALUES, JSON_VALUES)
 
 
 def _standard(sort_keys: bool, default: Any = None) -> Any:

@@ -94,27 +94,11 @@ def _row(r: Record) -> _Row:
     if outcome is None and metadata is None and r.request_payload is None:
         # A claim's record, the common case: _bytes's sum, with nothing else to add.
         size = _OVERHEAD + len(r.key) + len(r.scope) + len(r.operation) + len(r.fingerprint)
-        return (
-            r.key,
-            r.scope,
-            r.operation,
-            r.fingerprint,
-            _VALUES[r.status],
-            r.token,
-            r.lease_until,
-            r.expires_at,
-            r.created_at,
-            r.updated_at,
-            r.completed_at,
-            r.attempts,
-            r.request_id,
-            r.final,
-            None,
-            None,
-            None,
-            r.retention,
-            size + len(r.token) + len(r.request_id or ""),
-        )
+        size += len(r.token) + len(r.request_id or "")
+        body, answer = None, ()
+    else:
+        size = _bytes(r, metadata)
+        body, answer = None if outcome is None else outcome.body, _answer(outcome)
     return (
         r.key,
         r.scope,
@@ -130,12 +114,12 @@ def _row(r: Record) -> _Row:
         r.attempts,
         r.request_id,
         r.final,
-        None if outcome is None else outcome.body,
+        body,
         r.request_payload,
         metadata,
         r.retention,
-        _bytes(r, metadata),
-        *_answer(outcome),
+        size,
+        *answer,
     )
 
 
