@@ -50,6 +50,7 @@ __all__ = [
 log = logging.getLogger("retrysafe")
 
 _blank = object.__new__
+_perf = time.perf_counter
 
 
 class _Resends:
@@ -171,15 +172,13 @@ class Engine:
     def _finished(self, claim: Claim, ok: bool, started: float, final: bool | None = None) -> None:
         """After the store call (begun at ``started``) of a completion, or of a
         failure (``final`` given): report it, or refuse it as stale."""
-        what = "completion" if final is None else "failure"
         if not ok:
-            self._lost(claim, what)
-        call = "complete" if final is None else "fail"
+            self._lost(claim, "completion" if final is None else "failure")
         METRICS.settled(
-            call,
+            "complete" if final is None else "fail",
             claim.operation,
             claim.key_hash,
-            time.perf_counter() - started,
+            _perf() - started,
             started - claim.started,
         )
         if final is not None:
@@ -224,7 +223,7 @@ class Engine:
     def _begin(self, plan: Plan) -> Claim | Replay:
         while True:
             record = plan.record(self.clock())
-            started = time.perf_counter()
+            started = _perf()
             try:
                 result = self.store.claim(record)
             except StoreUnavailableError as exc:
@@ -242,7 +241,7 @@ class Engine:
             if error is not None:
                 self.fail(claim, final=True)
                 raise error
-        started = time.perf_counter()
+        started = _perf()
         write = self.store.complete
         try:
             ok = write(claim.key_hash, claim.token, outcome, self.clock())
@@ -255,7 +254,7 @@ class Engine:
     ) -> None:
         """Mark the attempt failed: retryable unless ``final`` (default: the engine's policy)."""
         final = self._final(final)
-        started = time.perf_counter()
+        started = _perf()
         write = self.store.fail
         try:
             ok = write(claim.key_hash, claim.token, outcome, final, self.clock())
@@ -296,7 +295,7 @@ class Engine:
         """:meth:`renew` that answers False (and logs nothing) when the lease was lost."""
         now = self.clock()
         until = self._lease_until(lease, now)
-        started = time.perf_counter()
+        started = _perf()
         if not self.store.renew(claim.key_hash, claim.token, until, now):
             return False
         METRICS.store_call("renew", time.perf_counter() - started)
@@ -314,7 +313,7 @@ class Engine:
     async def _abegin(self, plan: Plan) -> Claim | Replay:
         while True:
             record = plan.record(self.clock())
-            started = time.perf_counter()
+            started = _perf()
             try:
                 result = await self.store.aclaim(record)
             except StoreUnavailableError as exc:
@@ -332,7 +331,7 @@ class Engine:
             if error is not None:
                 await self.afail(claim, final=True)
                 raise error
-        started = time.perf_counter()
+        started = _perf()
         write = self.store.acomplete
         try:
             ok = await write(claim.key_hash, claim.token, outcome, self.clock())
@@ -345,7 +344,7 @@ class Engine:
     ) -> None:
         """Async :meth:`fail`."""
         final = self._final(final)
-        started = time.perf_counter()
+        started = _perf()
         write = self.store.afail
         try:
             ok = await write(claim.key_hash, claim.token, outcome, final, self.clock())
@@ -375,7 +374,7 @@ class Engine:
         """Async :meth:`renew`."""
         now = self.clock()
         until = self._lease_until(lease, now)
-        started = time.perf_counter()
+        started = _perf()
         if not await self.store.arenew(claim.key_hash, claim.token, until, now):
             self._lost(claim, "renewal")
         METRICS.store_call("renew", time.perf_counter() - started)

@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from retrysafe._model.json_text import compact_encoder, json_value
+
 __all__ = [
     "FINANCIAL",
     "MAX_REQUEST_ID",
@@ -64,7 +66,7 @@ JSON_MEDIA_TYPE = "application/json"
 
 _blank = object.__new__
 
-_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+_JSON = compact_encoder()
 
 
 @dataclass(slots=True)
@@ -85,13 +87,18 @@ class Outcome:
         cls, value: Any, *, status: int | None = None, headers: tuple[tuple[str, str], ...] = ()
     ) -> Outcome:
         """An outcome holding ``value`` as compact JSON (raises ``TypeError`` if not JSON)."""
-        return cls(_JSON(value).encode(), status, headers, JSON_MEDIA_TYPE)
+        body = _JSON(value).encode()
+        if cls is not Outcome:  # a subclass may construct itself its own way
+            return cls(body, status, headers, JSON_MEDIA_TYPE)
+        o = _blank(Outcome)  # each field given: a third of the dataclass construction's cost
+        o.body, o.status, o.headers, o.media_type = body, status, headers, JSON_MEDIA_TYPE
+        return o
 
     @property
     def value(self) -> Any:
         """The JSON value of a :meth:`json` outcome; the raw body otherwise."""
         if self.media_type == JSON_MEDIA_TYPE:
-            return json.loads(self.body) if self.body else None
+            return json_value(self.body) if self.body else None
         return self.body
 
     def headers_json(self) -> str:

@@ -69,9 +69,8 @@ def _bytes(record: Record, metadata: str | None) -> int:
 
 def _answer_bytes(outcome: Outcome) -> int:
     size = len(outcome.body) + len(outcome.media_type)
-    if outcome.headers:
-        size += sum(len(k) + len(v) for k, v in outcome.headers)
-    return size
+    headers = outcome.headers
+    return size + sum(len(k) + len(v) for k, v in headers) if headers else size
 
 
 def _answer(outcome: Outcome | None) -> tuple[Any, ...]:
@@ -92,6 +91,14 @@ def _row(r: Record) -> _Row:
     """``r`` as the store keeps it (its bytes counted as :func:`record_bytes` does)."""
     metadata = r.metadata_json() if r.metadata else None  # a dict would keep the row tracked
     outcome = r.outcome
+    if outcome is None and metadata is None and r.request_payload is None:
+        # A claim's record, the common case: _bytes's sum, with nothing else to add.
+        size = _OVERHEAD + len(r.key) + len(r.scope) + len(r.operation) + len(r.fingerprint)
+        size += len(r.token) + len(r.request_id or "")
+        body, answer = None, ()
+    else:
+        size = _bytes(r, metadata)
+        body, answer = None if outcome is None else outcome.body, _answer(outcome)
     return (
         r.key,
         r.scope,
@@ -107,12 +114,12 @@ def _row(r: Record) -> _Row:
         r.attempts,
         r.request_id,
         r.final,
-        None if outcome is None else outcome.body,
+        body,
         r.request_payload,
         metadata,
         r.retention,
-        _bytes(r, metadata),
-        *_answer(outcome),
+        size,
+        *answer,
     )
 
 
@@ -290,8 +297,9 @@ class MemoryStore(Store[_Op]):
     def _claim_now(self, record: Record) -> ClaimResult:
         records, key_hash = self._records, record.key_hash
         cur = records.get(key_hash)
-        if cur is None:  # the common first call
-            self._put(key_hash, _row(record), None)
+        if cur is None:  # the common first call (_put's work, inline)
+            row = records[key_hash] = _row(record)
+            self.bytes += row[_SIZE]
             if len(records) > self.max_size or self.bytes > self.max_bytes:
                 self._evict(record.updated_at)
             return _result(True, None, 1, None)
@@ -330,27 +338,33 @@ class MemoryStore(Store[_Op]):
         """Complete (``final`` None) or fail the live attempt ``token``; count the
         answer's bytes, and forget the record at once if it is over ``max_bytes`` on
         its own (rather than evict every other record for it)."""
-        cur = self._live(key_hash, token)
-        if cur is None:
+        records = self._records
+        cur = records.get(key_hash)  # _live's work, inline
+        if cur is None or cur[_TOKEN] != token or cur[_STATUS] != _PROCESSING:
             return False
-        size = cur[_SIZE] if outcome is None else cur[_SIZE] + _answer_bytes(outcome)
-        completed_at = now if final is None else cur[10]
+        records.move_to_end(key_hash)
+        old = cur[_SIZE]
+        if outcome is None:
+            size, body, answer = old, None, ()
+        else:
+            size, body, answer = old + _answer_bytes(outcome), outcome.body, _answer(outcome)
         row = (
             *cur[:4],
             status,
             token,
             *cur[6:9],
             now,
-            completed_at,
+            now if final is None else cur[10],
             cur[11],
             cur[12],
             cur[13] if final is None else final,
-            None if outcome is None else outcome.body,
+            body,
             *cur[15:18],
             size,
-            *_answer(outcome),
+            *answer,
         )
-        self._put(key_hash, row, cur)
+        records[key_hash] = row  # _put's work, inline
+        self.bytes += size - old
         if size > self.max_bytes:
             self._drop(key_hash)
             log.warning(
