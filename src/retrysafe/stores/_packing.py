@@ -4,9 +4,13 @@ back exactly the text it was given; docs/stores.md gives the layouts that use th
 
 from __future__ import annotations
 
-from retrysafe._model.record import Outcome
+from retrysafe._model.record import Outcome, Status
 
 __all__ = [
+    "COMPLETED",
+    "FAILED",
+    "PROCESSING",
+    "STATUSES",
     "pack_headers",
     "pack_hex",
     "pack_key",
@@ -17,6 +21,11 @@ __all__ = [
     "unscope",
     "untag_token",
 ]
+
+#: A record's status as the SQL stores keep it: a code (SQLite stores 0 and 1 in no
+#: bytes at all), and the status of each code.
+PROCESSING, COMPLETED, FAILED = 0, 1, 2
+STATUSES = (Status.PROCESSING, Status.COMPLETED, Status.FAILED)
 
 _MAX_HEX_TOKEN = 1024
 _fromhex = bytes.fromhex

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from retrysafe._model.record import FINANCIAL, STANDARD, Outcome, Record, Status
+from retrysafe.stores._packing import COMPLETED, FAILED, PROCESSING, STATUSES, pack_hex, pack_key
 from retrysafe.stores._packing import pack_headers as _pack_headers
-from retrysafe.stores._packing import pack_hex, pack_key
 from retrysafe.stores._packing import pack_scope as _pack_scope
 from retrysafe.stores._packing import unheaders as _unheaders
 from retrysafe.stores._packing import unkey as _unkey
@@ -39,9 +39,7 @@ __all__ = [
     "v3_record",
 ]
 
-#: Status codes (SQLite stores 0 and 1 in no bytes at all).
-PROCESSING, COMPLETED, FAILED = 0, 1, 2
-_STATUSES = (Status.PROCESSING, Status.COMPLETED, Status.FAILED)
+_STATUSES = STATUSES
 _CODES = {s: i for i, s in enumerate(_STATUSES)}
 #: Retention codes; another class would be stored as its text.
 _RETENTIONS = (STANDARD, FINANCIAL)

@@ -12,6 +12,10 @@ from typing import Any
 from retrysafe._model.record import STANDARD, Outcome, Record, Status
 from retrysafe.stores._base import ArchivedRecord
 from retrysafe.stores._packing import (
+    COMPLETED,
+    FAILED,
+    PROCESSING,
+    STATUSES,
     pack_headers,
     pack_scope,
     tagged_token,
@@ -40,10 +44,7 @@ __all__ = [
     "unpack_digest",
 ]
 
-#: Status codes.
-PROCESSING, COMPLETED, FAILED = 0, 1, 2
-#: The status of each code.
-STATUSES = _STATUSES = (Status.PROCESSING, Status.COMPLETED, Status.FAILED)
+_STATUSES = STATUSES
 _CODES = {s.value: i for i, s in enumerate(_STATUSES)}  # by value: a str hashes in C
 #: NULL stands for this media type; any other is stored as its text.
 _JSON_MEDIA = "application/json"
