@@ -99,6 +99,11 @@ _HELD = 1024
 _MAX_CLAIM_STATEMENTS = 100
 
 
+#: The first schema version whose migration rewrites the table (v2 -> v3): an older
+#: table is upgraded only by ``migrate()`` (``retrysafe migrate``), never on first use.
+_REWRITES = 3
+
+
 def _takeover_params(record: Record, row: Sequence[Any], found: Sequence[Any]) -> list[Any]:
     """Parameters of the takeover ``UPDATE`` that writes ``record`` (its packed ``row``)
     over the row ``found`` (its stored token and status, as read)."""
@@ -277,6 +282,9 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
         )
         self._lock = threading.Lock()
         self._migrated = not auto_migrate
+        #: Whether a migration that rewrites the table may run: only when asked for
+        #: (``migrate()``), never on first use, where old processes may still run.
+        self._rewrite_allowed = False
         #: key hash -> (token, packed key hash, packed token) of the claims this
         #: process holds: its completion, failure or renewal binds them as they are.
         self._held: dict[str, tuple[str, bytes, bytes]] = {}
@@ -559,6 +567,14 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
         yield self._q_create_versions, None
         version = self._check_version((yield self._q_version, None))
         self._check_mode((yield self._q_mode, (self._table_name,)))
+        if 0 < version < _REWRITES and not self._rewrite_allowed:
+            raise SchemaVersionError(
+                f"PostgreSQL store at {self._where}: the table is at schema version "
+                f"{version}; version {SCHEMA_VERSION} rewrites it, which a process of the "
+                "older retrysafe still using it cannot survive, so it is not done on first "
+                "use: stop those processes, run `retrysafe migrate --store URL`, then start "
+                "this version (docs/stores.md, 'Upgrading to schema v3')"
+            )
         if self.partitioned:
             yield from self._p_migration(version)
             return SCHEMA_VERSION
@@ -641,12 +657,12 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
 
     def migrate(self) -> int:
         """Create or upgrade the schema (under an advisory lock); return its version."""
-        self._migrated = False
+        self._migrated, self._rewrite_allowed = False, True
         return int(self._run(self._read_version))
 
     async def amigrate(self) -> int:
         """:meth:`migrate` from a coroutine."""
-        self._migrated = False
+        self._migrated, self._rewrite_allowed = False, True
         return int(await self._arun(self._read_version))
 
     # -- operations ------------------------------------------------------------------
