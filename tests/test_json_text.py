@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -86,6 +88,9 @@ def test_key_hash_heads_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     for i in range(10):
         assert key_hash(f"s{i}", "op", "k") == key_hash(f"s{i}", "op", "k")
     assert len(hashing._heads) <= 3
+    long = "s" * 600  # a head past _MAX_HEAD is made each time and never kept
+    assert key_hash(long, "op", "k") == hashlib.sha256(f"600:{long}2:op1:k".encode()).hexdigest()
+    assert (long, "op") not in hashing._heads
 
 
 def _read(read: Any, data: bytes) -> tuple[Any, ...]:
@@ -110,3 +115,28 @@ def test_json_value_reads_what_json_loads_reads(value: Any) -> None:
 )
 def test_json_value_fails_as_json_loads_fails(data: bytes) -> None:
     assert _read(json_value, data) == _read(json.loads, data)
+
+
+def test_a_cycle_under_a_raised_recursion_limit_is_refused_not_a_crash() -> None:
+    # In a child process: on the old code this ended the process (the C stack ran out
+    # before the raised limit), which would take the test run down with it.
+    code = (
+        "import sys, threading\n"
+        "from retrysafe import Outcome\n"
+        "from retrysafe._model.json_text import compact_encoder\n"
+        "sys.setrecursionlimit(100_000)\n"
+        "cycle = []\n"
+        "cycle.append(cycle)\n"
+        "def run():\n"
+        "    for encode in (compact_encoder(), Outcome.json):\n"
+        "        try:\n"
+        "            encode(cycle)\n"
+        "        except ValueError as exc:\n"
+        "            print(exc)\n"
+        "thread = threading.Thread(target=run)\n"
+        "thread.start()\n"
+        "thread.join()\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("Circular reference detected") == 2

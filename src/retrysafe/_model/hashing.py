@@ -97,6 +97,8 @@ _sha256 = _builtin_sha256()
 _heads: dict[tuple[str, str], str] = {}
 #: The most heads kept (scopes come from requests): past it, the dict starts again.
 _MAX_HEADS = 4096
+#: The longest head kept (the dict holds at most about 4096 x 2 x 512 characters).
+_MAX_HEAD = 512
 
 
 def key_hash(scope: str, operation: str, key: str) -> str:
@@ -107,9 +109,11 @@ def key_hash(scope: str, operation: str, key: str) -> str:
     """
     head = _heads.get((scope, operation))
     if head is None:
-        if len(_heads) >= _MAX_HEADS:
-            _heads.clear()
-        head = _heads[scope, operation] = f"{len(scope)}:{scope}{len(operation)}:{operation}"
+        head = f"{len(scope)}:{scope}{len(operation)}:{operation}"
+        if len(head) <= _MAX_HEAD:  # a long one is made again each time, never kept
+            if len(_heads) >= _MAX_HEADS:
+                _heads.clear()
+            _heads[scope, operation] = head
     return _sha256(f"{head}{len(key)}:{key}".encode()).hexdigest()
 
 

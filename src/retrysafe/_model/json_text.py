@@ -7,17 +7,24 @@ one C encoder once. That encoder keeps no table of the containers it is inside (
 table shared between calls would keep entries after an error), so a value that
 contains itself recurses until Python's recursion limit; it is then encoded again
 the standard way, which raises what ``encode`` raises ("Circular reference
-detected"). The text is the same, byte for byte.
+detected"). Where the limit has been raised past :data:`_SAFE_LIMIT` every value is
+encoded the standard way. The text is the same, byte for byte.
 """
 
 from __future__ import annotations
 
 import json
 import json.encoder
+import sys
 from collections.abc import Callable
 from typing import Any
 
 __all__ = ["compact_encoder", "json_value"]
+
+#: The highest recursion limit under which a value that contains itself reaches the
+#: limit before the C stack runs out; above it, the standard encoder's table of open
+#: containers finds the cycle instead (a raised limit crashed the process).
+_SAFE_LIMIT = 10_000
 
 
 def compact_encoder(
@@ -48,8 +55,11 @@ def compact_encoder(
         standard.allow_nan,
     )
     join = "".join
+    limit = sys.getrecursionlimit
 
     def encode(value: Any) -> str:
+        if limit() > _SAFE_LIMIT:  # a raised limit: a cycle could end the C stack first
+            return checked(value)
         try:
             return join(chunks(value, 0))
         except RecursionError:
