@@ -53,6 +53,9 @@ def test_plain_and_unix_urls_are_the_stores_own() -> None:
         max_connections=100,
         wait=5.0,
     )
+    assert "pw" not in repr(e) and "username='u'" in repr(
+        e
+    )  # a repr lands in logs and error reports
     e = endpoint("unix:///tmp/r.sock?db=2", OPTIONS)
     assert e is not None and (e.path, e.db, e.protocol) == ("/tmp/r.sock", 2, 2)
     # the URL's options win over the store's, as in redis-py's from_url

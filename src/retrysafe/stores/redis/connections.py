@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 from redis import exceptions as _rx
@@ -72,7 +72,7 @@ class Endpoint:
     path: str | None  # a unix socket's path
     db: int
     username: str | None
-    password: str | None
+    password: str | None = field(repr=False)  # never in a log or an error report
     protocol: int
     client_name: str | None
     socket_timeout: float | None
