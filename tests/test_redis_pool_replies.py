@@ -234,6 +234,8 @@ def test_many_short_event_loops_leave_one_pool(redis_server: Any) -> None:
         asyncio.run(one())
     assert len(store._pools) <= 1
     gc.collect()
-    assert len(os.listdir("/proc/self/fd")) <= fds
+    # A leak leaves a socket per loop (50); the slack is for files other threads of
+    # the test process open meanwhile (the whole suite shares it).
+    assert len(os.listdir("/proc/self/fd")) <= fds + 10
     store.close()
     assert not store._pools
