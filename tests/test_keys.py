@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import retrysafe
 from retrysafe import InvalidKeyError
 from retrysafe._client import keys
+from retrysafe._model.hashing import protocol_key
 from retrysafe.keys import (
     cart_hash,
     intent_hash,
@@ -304,3 +305,32 @@ def test_parse_uuid_key_checks_its_versions_argument() -> None:
     for bad in ((), (9,), ("7",), (True,)):
         with pytest.raises(ValueError, match="versions"):
             parse_uuid_key(uuid4(), versions=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("key", ["order-42", "a b", "~" * 255])
+def test_protocol_key_keeps_an_engine_key(key: str) -> None:
+    assert protocol_key(key) == key
+
+
+@pytest.mark.parametrize(
+    "key", ["commande_é_42", "k" * 256, "k" * 1024, "🔑", "a\ttab", "\ud800", "sha256:" + "0" * 64]
+)
+def test_protocol_key_hashes_any_other_string(key: str) -> None:
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    assert protocol_key(key) == "sha256:" + digest
+    assert validate_key(protocol_key(key)) == protocol_key(key)
+
+
+def test_protocol_key_cannot_alias_a_hashed_key() -> None:
+    hashed = protocol_key("commande_é_42")
+    assert protocol_key(hashed) != hashed
+
+
+@pytest.mark.parametrize(
+    ("key", "reason"),
+    [("", "empty"), ("k" * 1025, "1025 characters"), (42, "not int"), (None, "not NoneType")],
+)
+def test_protocol_key_refuses(key: object, reason: str) -> None:
+    with pytest.raises(InvalidKeyError, match=reason):
+        protocol_key(key)
+    assert protocol_key("k" * 2000, limit=2000) == protocol_key("k" * 2000, limit=4000)

@@ -19,11 +19,13 @@ from retrysafe.errors import InvalidKeyError
 
 __all__ = [
     "MAX_KEY_LENGTH",
+    "MAX_PROTOCOL_KEY_LENGTH",
     "canonical_json",
     "fingerprint",
     "is_key",
     "key_hash",
     "printable",
+    "protocol_key",
     "validate_key",
 ]
 
@@ -58,6 +60,38 @@ def validate_key(key: object) -> str:
     raise InvalidKeyError(
         f"idempotency key contains {bad!r}: only visible ASCII characters and space are allowed"
     )
+
+
+#: The longest key a protocol door (Mesh, A2A) accepts, in characters: those protocols
+#: define the key as any string, so a door bounds it rather than refusing what the
+#: spec allows.
+MAX_PROTOCOL_KEY_LENGTH = 1024
+#: The prefix of a hashed protocol key.
+HASHED_KEY_PREFIX = "sha256:"
+
+
+def protocol_key(value: object, limit: int = MAX_PROTOCOL_KEY_LENGTH) -> str:
+    """The engine key for a key a protocol defines as any string (a Mesh
+    idempotency key, an A2A messageId).
+
+    A string of 1-``limit`` characters is accepted. One that is already a valid
+    engine key (1-255 visible ASCII) is kept as it is, unless it starts with
+    ``sha256:``; any other is stored as ``sha256:`` and the SHA-256 (hex) of its
+    UTF-8 bytes, so no raw key can stand for a hashed one. Raises
+    :class:`InvalidKeyError` for anything else, with the reason.
+    """
+    if type(value) is not str:
+        raise InvalidKeyError(f"idempotency key must be a string, not {type(value).__name__}")
+    if is_key(value) and not value.startswith(HASHED_KEY_PREFIX):
+        return value
+    if not value:
+        raise InvalidKeyError("idempotency key is empty")
+    if len(value) > limit:
+        raise InvalidKeyError(
+            f"idempotency key is {len(value)} characters long; the limit is {limit}"
+        )
+    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
+    return HASHED_KEY_PREFIX + digest
 
 
 #: C0 and C1 control characters, DEL, and the invisible bidirectional controls that
