@@ -148,6 +148,8 @@ def test_default_table() -> None:
     imap = IdempotencyMap.default()
     assert list(imap.operations) == [
         "session",
+        "session_token",
+        "session_update",
         "cart_mandate",
         "intent_mandate",
         "payment",
@@ -155,6 +157,7 @@ def test_default_table() -> None:
         "webhook",
         "payment_webhook",
         "sync",
+        "user_sync",
     ]
     table = {
         op.name: (op.key, op.scope, op.ttl, op.lease, op.retention, op.final_failures)
@@ -162,6 +165,22 @@ def test_default_table() -> None:
     }
     assert table == {
         "session": ("session:{user_id}:{timestamp}:{nonce}", "user", DAY, 30, STANDARD, False),
+        "session_token": (
+            "session:{user_id}:{device_id}:{timestamp}",
+            "user",
+            DAY,
+            30,
+            STANDARD,
+            False,
+        ),
+        "session_update": (
+            "session_update:{session_id}:{operation_type}:{sequence_number}",
+            "session",
+            DAY,
+            30,
+            STANDARD,
+            False,
+        ),
         "cart_mandate": (
             "cart_mandate:{session_id}:{cart_hash}",
             "session",
@@ -197,11 +216,55 @@ def test_default_table() -> None:
             False,
         ),
         "sync": ("sync:{entity}:{entity_id}:{version}", "entity", DAY, 30, STANDARD, False),
+        "user_sync": (
+            "sync:user:{user_id}:{version}:{timestamp}",
+            "user",
+            DAY,
+            30,
+            STANDARD,
+            False,
+        ),
     }
     assert imap.routes == ()
     assert IdempotencyMap.default() is imap
     assert imap.operation("payment").fields == ("order_id", "amount", "currency", "timestamp")
-    assert "payment" in imap and "refund" not in imap and len(imap) == 8
+    assert "payment" in imap and "refund" not in imap and len(imap) == 11
+
+
+def test_the_default_map_has_every_key_format_of_the_commerce_map() -> None:
+    imap = IdempotencyMap.default()
+    # Session token generation: the device id is a field of its own.
+    key = imap.key("session_token", user_id="user_12345", device_id="dev_9", timestamp=1705420800)
+    assert key == "session:user_12345:dev_9:1705420800"
+    assert imap.operation("session_token").parse(key) == {
+        "user_id": "user_12345",
+        "device_id": "dev_9",
+        "timestamp": "1705420800",
+    }
+    key = imap.key(
+        "session_update", session_id="sess_abc", operation_type="cart_update", sequence_number=42
+    )
+    assert key == "session_update:sess_abc:cart_update:42"
+    assert imap.operation("user_sync").parse("sync:user:user_12345:3:1705420800") == {
+        "user_id": "user_12345",
+        "version": "3",
+        "timestamp": "1705420800",
+    }
+    # Product sync is the generic format, with the entity named.
+    assert imap.operation("sync").parse("sync:product:prod_456:v3")["entity"] == "product"
+    # Session creation and session tokens share a prefix and an arity, so a key alone
+    # does not tell them apart: the route's operation does, and records hash it in.
+    assert imap.key("session", user_id="u", timestamp=1, nonce="d") == imap.key(
+        "session_token", user_id="u", device_id=1, timestamp="d"
+    )
+
+
+def test_orders_are_kept_as_financial_records_on_purpose() -> None:
+    # The map places order creation among its transaction patterns, beside payments:
+    # exactly once per cart mandate, archived for audit. 24 hours would let a late retry
+    # create a second order; see docs/map.md.
+    order = IdempotencyMap.default().operation("order")
+    assert (order.ttl, order.retention) == (WEEK, FINANCIAL)
 
 
 def test_operation_engine_takes_its_settings() -> None:

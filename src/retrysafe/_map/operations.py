@@ -352,6 +352,23 @@ def default_operations() -> tuple[Operation, ...]:
             description="Session creation",
         ),
         Operation(
+            "session_token",
+            key="session:{user_id}:{device_id}:{timestamp}",
+            scope="user",
+            ttl=day,
+            description="Session token generation: one per user and device (a retry gets the "
+            "existing token, not a new session)",
+        ),
+        Operation(
+            "session_update",
+            key="session_update:{session_id}:{operation_type}:{sequence_number}",
+            scope="session",
+            ttl=day,
+            description="Session state update (cart, preferences); the sequence number "
+            "increases monotonically, and refusing an earlier one than the last processed "
+            "is the application's check",
+        ),
+        Operation(
             "cart_mandate",
             key="cart_mandate:{session_id}:{cart_hash}",
             scope="session",
@@ -404,5 +421,12 @@ def default_operations() -> tuple[Operation, ...]:
             scope="entity",
             ttl=day,
             description="Data synchronization",
+        ),
+        Operation(
+            "user_sync",
+            key="sync:user:{user_id}:{version}:{timestamp}",
+            scope="user",
+            ttl=day,
+            description="User data sync (optimistic locking by version)",
         ),
     )
