@@ -40,10 +40,11 @@ from retrysafe._http.asgi import (
 )
 from retrysafe._http.request import HttpRequest, declared_length
 from retrysafe._protocols.mesh import URN, MeshCall, loads, parse, transport_error
+from retrysafe._protocols.mesh_discovery import Discovery, MeshFunction, functions
 from retrysafe.errors import BodyTooLarge, IdempotencyError, MeshError
 from retrysafe.stores import Store
 
-__all__ = ["URN", "MeshApp", "MeshError", "MeshIdempotency"]
+__all__ = ["URN", "MeshApp", "MeshError", "MeshFunction", "MeshIdempotency"]
 
 log = logging.getLogger("retrysafe")
 
@@ -205,6 +206,12 @@ def _asynchronous(handler: Handler) -> Callable[[dict[str, Any]], Awaitable[Any]
 class MeshApp:
     """An ASGI app that serves Mesh calls: POST a request envelope, get the response.
 
+    A ``handlers`` value may be a :class:`MeshFunction`, which declares what
+    ``describe`` says of it and may opt out of the idempotency extension. The
+    app answers the protocol's ``urn:cline:mesh:fn:capabilities`` and
+    ``urn:cline:mesh:fn:describe`` itself (``service`` names it there), unless
+    a handler has that name; these reads are never recorded.
+
     ``handlers`` maps ``call.function`` to a callable taking the ``call`` object
     (plain ones run in a worker thread, async ones on the loop). Every call goes
     through :class:`MeshIdempotency` (``store`` may also be one; ``ttl``,
@@ -220,7 +227,7 @@ class MeshApp:
 
     def __init__(
         self,
-        handlers: Mapping[str, Handler],
+        handlers: Mapping[str, Handler | MeshFunction],
         store: MeshIdempotency | Store[Any] | Engine | str | None = None,
         *,
         principal: Callable[[HttpRequest], str | None] | None = None,
@@ -233,10 +240,10 @@ class MeshApp:
         ttl: float | None = None,
         lease: float | None = None,
         wait: float | None = None,
+        service: str = "mesh",
     ) -> None:
-        if not isinstance(handlers, Mapping):
-            raise TypeError("handlers must map function names to callables")
-        self.handlers = {str(name): _asynchronous(h) for name, h in handlers.items()}
+        self.functions = functions(handlers)
+        self.handlers = {name: _asynchronous(fn.handler) for name, fn in self.functions.items()}
         self.principals = Principals(
             principal=principal_option(principal, scope, native=True),
             principal_headers=principal_headers,
@@ -247,6 +254,7 @@ class MeshApp:
         if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 0:
             raise ValueError(f"max_body must be a number of bytes >= 0, not {max_body!r}")
         self.max_body = max_body
+        self.discovery = Discovery(self.functions, service=service, max_body=max_body)
         if isinstance(store, MeshIdempotency):
             self.mesh = store
         else:
@@ -289,6 +297,9 @@ class MeshApp:
         call = parse(request)
         if isinstance(call, dict):
             return 200, call, []
+        discovered = self.discovery.answer(request, call)  # discovery; opted-out functions
+        if discovered is not None:
+            return *discovered, []
         handler = self.handlers.get(call.function)
         if handler is None:
             return 200, call.not_found(), []
