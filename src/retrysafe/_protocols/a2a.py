@@ -43,9 +43,13 @@ from retrysafe.errors import (
 __all__ = [
     "SEND_METHODS",
     "STREAM_METHODS",
+    "A2AErrorInfo",
     "ErrorCode",
     "Send",
+    "error_info",
     "error_reply",
+    "failed_finally",
+    "invalid_request",
     "parse_send",
     "refusal",
     "replayed",
@@ -86,6 +90,11 @@ _CAMEL = re.compile(r"_([a-z0-9])")
 def _camel(name: str) -> str:
     """ProtoJSON accepts a field's proto name too (``message_id``): use the JSON name."""
     return _CAMEL.sub(lambda m: m.group(1).upper(), name) if "_" in name else name
+
+
+def _snake(name: str) -> str:
+    """A JSON name's proto spelling (``contextId`` is ``context_id``)."""
+    return re.sub(r"([A-Z])", lambda m: "_" + m.group(1).lower(), name)
 
 
 _ROLE_V10: dict[Any, str] = {
@@ -355,7 +364,7 @@ def _field(obj: dict[str, Any], name: str) -> Any:
     """``obj[name]``, or its proto spelling (``contextId`` or ``context_id``)."""
     value = obj.get(name)
     if value is None:
-        value = obj.get(re.sub(r"([A-Z])", lambda m: "_" + m.group(1).lower(), name))
+        value = obj.get(_snake(name))
     return value
 
 
@@ -388,17 +397,143 @@ def parse_send(request: Any, principal: str) -> Send | None:
     return Send(str(method), version, request.get("id"), key, scope, fp)
 
 
-# -- answers ------------------------------------------------------------------------
+# -- errors: one description, each binding's shape -------------------------------------
+
+#: The ``@type`` of the google.rpc details an A2A error carries (ProtoJSON ``Any``).
+ERROR_INFO_TYPE = "type.googleapis.com/google.rpc.ErrorInfo"
+RETRY_INFO_TYPE = "type.googleapis.com/google.rpc.RetryInfo"
+BAD_REQUEST_TYPE = "type.googleapis.com/google.rpc.BadRequest"
+#: The ErrorInfo domain of A2A's reasons, as the a2a-sdk gives it.
+A2A_DOMAIN = "a2a-protocol.org"
 
 
-def error_reply(request_id: Any, code: int, message: str, data: dict[str, Any]) -> dict[str, Any]:
-    """A JSON-RPC error response."""
-    error = {"code": int(code), "message": message, "data": data}
-    return {"jsonrpc": "2.0", "id": request_id, "error": error}
+@dataclass(frozen=True, slots=True)
+class A2AErrorInfo:
+    """How A2A answers one of retrysafe's refusals, in every binding.
+
+    ``code`` is the JSON-RPC code and ``reason`` the ``google.rpc.ErrorInfo``
+    reason of one a2a-sdk error class (-32603 ``INTERNAL_ERROR``, -32602
+    ``INVALID_PARAMS``, -32600 ``INVALID_REQUEST``), so that the SDK's client
+    raises that class with ``metadata`` as its ``data``; ``http_status`` is the
+    status of an HTTP+JSON answer. ``metadata`` holds strings (ErrorInfo's map
+    does): ``code`` (retrysafe's machine code), ``retryable`` (``"true"`` or
+    ``"false"``) and, where they apply, ``retryAfter`` (seconds),
+    ``originalRequestId`` and ``originalFingerprint``. The SDK's error class
+    raised with ``data=metadata`` answers with the same ErrorInfo.
+    ``violations`` are the ``(field, description)`` pairs of a
+    ``google.rpc.BadRequest``.
+    """
+
+    code: int
+    reason: str
+    http_status: int
+    message: str
+    metadata: dict[str, str]
+    retry_after: int | None = None
+    violations: tuple[tuple[str, str], ...] = ()
+
+    def details(self) -> list[dict[str, Any]]:
+        """A2A v1.0's ``error.data`` (HTTP+JSON: ``error.details``): the ErrorInfo
+        first, as clients read the first one, then RetryInfo and BadRequest."""
+        details: list[dict[str, Any]] = [
+            {
+                "@type": ERROR_INFO_TYPE,
+                "reason": self.reason,
+                "domain": A2A_DOMAIN,
+                "metadata": dict(self.metadata),
+            }
+        ]
+        if self.retry_after is not None:
+            details.append({"@type": RETRY_INFO_TYPE, "retryDelay": f"{self.retry_after}s"})
+        if self.violations:
+            violations = [{"field": f, "description": d} for f, d in self.violations]
+            details.append({"@type": BAD_REQUEST_TYPE, "fieldViolations": violations})
+        return details
+
+    def legacy_data(self) -> dict[str, Any]:
+        """A2A v0.3's ``error.data``: one object, with the keys retrysafe gave
+        before (``code``, ``retryable`` a bool, ``retry_after`` an int,
+        ``original_request_id``, ``original_fingerprint``)."""
+        data: dict[str, Any] = {}
+        for name, value in self.metadata.items():
+            if name == "retryable":
+                data[name] = value == "true"
+            elif name == "retryAfter":
+                data["retry_after"] = int(value)
+            else:
+                data[_snake(name)] = value
+        return data
+
+    def reply(self, request_id: Any, version: str = V10) -> dict[str, Any]:
+        """The JSON-RPC error response, its ``data`` in the shape of ``version``."""
+        data = self.legacy_data() if version == V03 else self.details()
+        return error_reply(request_id, self.code, self.message, data)
 
 
 def _seconds(value: float) -> int:
     return max(1, math.ceil(value))
+
+
+def error_info(exc: IdempotencyError) -> A2AErrorInfo:
+    """How A2A answers ``exc``, an error of the key, the caller or the engine.
+
+    Raises ``exc`` itself if A2A has no answer for it (a deployment error).
+    """
+    meta = {"code": exc.code, "retryable": "false"}
+    retry: int | None = None
+    if isinstance(exc, (InProgressError, StoreUnavailableError)):
+        retry = _seconds(exc.retry_after)
+        meta.update(retryable="true", retryAfter=str(retry))
+    original = getattr(exc, "original_request_id", None)
+    if original is not None:
+        meta["originalRequestId"] = str(original)
+    if isinstance(exc, InvalidKeyError):
+        field = getattr(exc, "field", "message.messageId")
+        return A2AErrorInfo(
+            -32602,
+            "INVALID_PARAMS",
+            400,
+            f"Invalid params: {exc}",
+            meta,
+            violations=((field, str(exc)),),
+        )
+    if isinstance(exc, AmbiguousCredentialsError):
+        return A2AErrorInfo(-32600, "INVALID_REQUEST", 400, str(exc), meta)
+    if isinstance(exc, PrincipalRequiredError):
+        return A2AErrorInfo(-32600, "INVALID_REQUEST", 401, str(exc), meta)
+    if isinstance(exc, InProgressError):
+        message = "a message with this messageId is still being processed; retry later"
+        return A2AErrorInfo(-32603, "INTERNAL_ERROR", 409, message, meta, retry)
+    if isinstance(exc, FingerprintMismatchError):
+        meta["originalFingerprint"] = exc.original_fingerprint
+        message = "this messageId was already used with a different message"
+        return A2AErrorInfo(-32602, "INVALID_PARAMS", 400, message, meta)
+    if isinstance(exc, StoreUnavailableError):
+        message = "the idempotency store cannot be reached; retry with the same messageId"
+        return A2AErrorInfo(-32603, "INTERNAL_ERROR", 503, message, meta, retry)
+    raise exc
+
+
+def failed_finally() -> A2AErrorInfo:
+    """The answer to a repeat of a send that failed finally (and left no error to replay)."""
+    message = "an earlier attempt with this messageId failed finally; it is not run again"
+    meta = {"code": "idempotency_failed", "retryable": "false"}
+    return A2AErrorInfo(-32603, "INTERNAL_ERROR", 500, message, meta)
+
+
+def invalid_request(code: str, message: str, http_status: int = 400) -> A2AErrorInfo:
+    """A request refused before it is read as a send (a batch, a body too large)."""
+    meta = {"code": code, "retryable": "false"}
+    return A2AErrorInfo(-32600, "INVALID_REQUEST", http_status, message, meta)
+
+
+# -- answers ------------------------------------------------------------------------
+
+
+def error_reply(request_id: Any, code: int, message: str, data: Any) -> dict[str, Any]:
+    """A JSON-RPC error response."""
+    error = {"code": int(code), "message": message, "data": data}
+    return {"jsonrpc": "2.0", "id": request_id, "error": error}
 
 
 def refusal(request_id: Any, exc: IdempotencyError, operation: str = "a2a.send") -> dict[str, Any]:
