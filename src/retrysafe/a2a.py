@@ -52,12 +52,14 @@ from retrysafe._model.record import Outcome
 from retrysafe._protocols.a2a import (
     SEND_METHODS,
     STREAM_METHODS,
+    V10,
     ErrorCode,
     Send,
-    error_reply,
+    invalid_request,
     parse_send,
     refusal,
     replayed,
+    retry_after,
     settlement,
 )
 from retrysafe.errors import BodyTooLarge, IdempotencyError, InvalidKeyError
@@ -135,7 +137,7 @@ class A2AIdempotency:
         try:
             return parse_send(request, principal)
         except InvalidKeyError as exc:
-            return refusal(request.get("id"), exc, self._plan.operation)
+            return refusal(request.get("id"), exc, self._plan.operation, _version(request))
 
     def _attempt(self, send: Send) -> Attempt:
         """The engine attempt of ``send`` (enter it with ``with`` or ``async with``)."""
@@ -183,7 +185,7 @@ class A2AIdempotency:
         except IdempotencyError as exc:
             if entered:
                 raise
-            return refusal(send.id, exc)
+            return refusal(send.id, exc, version=send.version)
 
     def _record(self, att: Attempt, send: Send, response: Any) -> None:
         """Record the response to ``send`` (None: no usable response); never raises."""
@@ -212,7 +214,7 @@ class A2AIdempotency:
         except IdempotencyError as exc:
             if entered:
                 raise
-            return refusal(send.id, exc)
+            return refusal(send.id, exc, version=send.version)
 
     async def _arecord(self, att: Attempt, send: Send, response: Any) -> None:
         """Async :meth:`_record`."""
@@ -315,30 +317,19 @@ class A2AMiddleware:
         try:
             body = await read_body(receive, at_most(self.max_request_body))
         except BodyTooLarge:
-            await _reply(
-                send,
-                error_reply(
-                    None,
-                    ErrorCode.INVALID_REQUEST,
-                    f"the request body is over {self.max_request_body} bytes",
-                    {"code": "idempotency_body_too_large"},
-                ),
-            )
+            message = f"the request body is over {self.max_request_body} bytes"
+            refused = invalid_request("idempotency_body_too_large", message, 413)
+            await _reply(send, refused.reply(None))  # the method is unknown: v1.0
             return
         if body is None:
             return  # the client left before sending its body
         downstream = replaying(body, receive)
         request = _parse(body)
         if isinstance(request, list) and any(_is_send(r) for r in request):
-            await _reply(
-                send,
-                error_reply(
-                    None,
-                    ErrorCode.INVALID_REQUEST,
-                    "A2A sends must not be batched: send each message in a request of its own",
-                    {"code": "idempotency_batch_unsupported"},
-                ),
-            )
+            message = "A2A sends must not be batched: send each message in a request of its own"
+            refused = invalid_request("idempotency_batch_unsupported", message)
+            first = next(r for r in request if _is_send(r))
+            await _reply(send, refused.reply(None, _version(first)))
             return
         if not _is_send(request):
             await self.app(scope, downstream, send)
@@ -347,7 +338,7 @@ class A2AMiddleware:
         try:
             caller = await caller_scope(scope, self.principals, core.engine.store, core.operation)
         except IdempotencyError as exc:
-            await _reply(send, refusal(request.get("id"), exc, core.operation))
+            await _reply(send, refusal(request.get("id"), exc, core.operation, _version(request)))
             return
         if caller is None:  # anonymous: the app answers it without a record
             await self.app(scope, downstream, send)
@@ -380,7 +371,7 @@ class A2AMiddleware:
         except IdempotencyError as exc:
             if entered:
                 raise
-            await _reply(send, refusal(prepared.id, exc))
+            await _reply(send, refusal(prepared.id, exc, version=prepared.version))
 
 
 #: The name this middleware had before :class:`A2AMiddleware`, kept for compatibility.
@@ -431,11 +422,15 @@ def _is_send(request: Any) -> bool:
     return isinstance(request, dict) and request.get("method") in SEND_METHODS
 
 
+def _version(request: Any) -> str:
+    """The A2A version of a send's spelling (v1.0 for anything else)."""
+    return SEND_METHODS.get(request.get("method"), V10) if _is_send(request) else V10
+
+
 async def _reply(send: ASGISend, doc: JSONRPC, *, replay: bool = False) -> None:
     """A JSON-RPC answer of retrysafe's own (HTTP 200, as A2A servers answer errors)."""
     headers = [("idempotent-replayed", "true")] if replay else []
-    error = doc.get("error")
-    data = error.get("data") if isinstance(error, dict) else None
-    if isinstance(data, dict) and "retry_after" in data:
-        headers.append(("retry-after", str(data["retry_after"])))
+    delay = retry_after(doc)
+    if delay is not None:
+        headers.append(("retry-after", delay))
     await send_json(send, 200, doc, headers)

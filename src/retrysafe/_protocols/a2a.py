@@ -54,6 +54,7 @@ __all__ = [
     "refusal",
     "replayed",
     "result_as",
+    "retry_after",
     "settlement",
 ]
 
@@ -69,17 +70,22 @@ STREAM_METHODS = frozenset({"message/stream", "SendStreamingMessage"})
 class ErrorCode(enum.IntEnum):
     """JSON-RPC error codes of retrysafe's answers.
 
-    The server-error range (-32000 to -32099) is the implementation's; A2A
-    itself uses -32001 to -32009, so these stay clear of it.
+    They are JSON-RPC's standard codes, as the a2a-sdk server gives them, so
+    that an A2A client maps each to its error class and keeps ``error.data``.
+    The server-error range is taken: JSON-RPC reserves -32000 to -32099 for
+    the implementation and A2A uses -32001 to -32099 for its own errors. The
+    situation is in ``data``'s ``code`` (``idempotency_in_flight``, ...); the
+    names below are aliases of the three codes, kept for compatibility.
     """
 
     INVALID_REQUEST = -32600
     INVALID_PARAMS = -32602
-    IN_FLIGHT = -32090
-    CONFLICT = -32091
-    STORE_UNAVAILABLE = -32092
-    FAILED = -32093
-    PRINCIPAL_REQUIRED = -32094
+    INTERNAL_ERROR = -32603
+    IN_FLIGHT = -32603
+    CONFLICT = -32602
+    STORE_UNAVAILABLE = -32603
+    FAILED = -32603
+    PRINCIPAL_REQUIRED = -32600
 
 
 # -- the two spellings ---------------------------------------------------------------
@@ -536,58 +542,33 @@ def error_reply(request_id: Any, code: int, message: str, data: Any) -> dict[str
     return {"jsonrpc": "2.0", "id": request_id, "error": error}
 
 
-def refusal(request_id: Any, exc: IdempotencyError, operation: str = "a2a.send") -> dict[str, Any]:
-    """The JSON-RPC error answering an error of the key or the engine."""
+def refusal(
+    request_id: Any, exc: IdempotencyError, operation: str = "a2a.send", version: str = V10
+) -> dict[str, Any]:
+    """The JSON-RPC error answering an error of the key, the caller or the engine,
+    in the shape of ``version``; raises ``exc`` if A2A has no answer for it."""
     METRICS.refused(operation, exc)  # once: the engine's errors are counted there
-    original = getattr(exc, "original_request_id", None)
-    extra = {} if original is None else {"original_request_id": original}
-    if isinstance(exc, InvalidKeyError):
-        return error_reply(
-            request_id, ErrorCode.INVALID_PARAMS, f"Invalid params: {exc}", {"code": exc.code}
+    return error_info(exc).reply(request_id, version)
+
+
+def retry_after(reply: dict[str, Any]) -> str | None:
+    """The ``Retry-After`` header of a JSON-RPC error answer: its delay, in
+    either shape of ``data``; None without one."""
+    error = reply.get("error")
+    data = error.get("data") if isinstance(error, dict) else None
+    value: Any = None
+    if isinstance(data, dict):
+        value = data.get("retry_after")
+    elif isinstance(data, list):
+        info = next(
+            (d for d in data if isinstance(d, dict) and d.get("@type") == ERROR_INFO_TYPE), None
         )
-    if isinstance(exc, AmbiguousCredentialsError):
-        return error_reply(
-            request_id, ErrorCode.INVALID_REQUEST, str(exc), {"code": exc.code, "retryable": False}
-        )
-    if isinstance(exc, PrincipalRequiredError):
-        return error_reply(
-            request_id,
-            ErrorCode.PRINCIPAL_REQUIRED,
-            str(exc),
-            {"code": exc.code, "retryable": False},
-        )
-    if isinstance(exc, InProgressError):
-        return error_reply(
-            request_id,
-            ErrorCode.IN_FLIGHT,
-            "a message with this messageId is still being processed; retry later",
-            {
-                "code": exc.code,
-                "retryable": True,
-                "retry_after": _seconds(exc.retry_after),
-                **extra,
-            },
-        )
-    if isinstance(exc, FingerprintMismatchError):
-        return error_reply(
-            request_id,
-            ErrorCode.CONFLICT,
-            "this messageId was already used with a different message",
-            {
-                "code": exc.code,
-                "retryable": False,
-                "original_fingerprint": exc.original_fingerprint,
-                **extra,
-            },
-        )
-    if isinstance(exc, StoreUnavailableError):
-        return error_reply(
-            request_id,
-            ErrorCode.STORE_UNAVAILABLE,
-            "the idempotency store cannot be reached; retry with the same messageId",
-            {"code": exc.code, "retryable": True, "retry_after": _seconds(exc.retry_after)},
-        )
-    raise exc
+        meta = info.get("metadata") if info is not None else None
+        value = meta.get("retryAfter") if isinstance(meta, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        return None
+    text = str(value)
+    return text if text.isascii() and text.isdigit() else None
 
 
 def replayed(send: Send, outcome: Outcome | None) -> dict[str, Any]:
@@ -600,12 +581,7 @@ def replayed(send: Send, outcome: Outcome | None) -> dict[str, Any]:
         return {"jsonrpc": "2.0", "id": send.id, "result": result}
     if isinstance(stored, dict) and isinstance(stored.get("error"), dict):
         return {"jsonrpc": "2.0", "id": send.id, "error": stored["error"]}
-    return error_reply(
-        send.id,
-        ErrorCode.FAILED,
-        "an earlier attempt with this messageId failed finally; it is not run again",
-        {"code": "idempotency_failed", "retryable": False},
-    )
+    return failed_finally().reply(send.id, send.version)
 
 
 def settlement(send: Send, response: Any) -> tuple[bool, Outcome | None]:

@@ -1,0 +1,167 @@
+"""retrysafe.a2a as the official a2a-sdk client sees it.
+
+The a2a-sdk agent of ``_a2a_app.py`` runs behind ``A2AMiddleware`` on a real
+uvicorn; the official client (``a2a.client.create_client``, non-streaming
+sends over JSON-RPC v1.0) talks to it. A refusal must reach the caller as the
+SDK's own error class with retrysafe's metadata in ``exc.data``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from _a2a_app import Counter, make_app
+from _http_servers import ThreadServer, free_port
+from a2a.client import A2ACardResolver, Client, ClientConfig, create_client
+from a2a.types import Message, Part, Role, SendMessageRequest, Task
+from a2a.utils.errors import InternalError, InvalidParamsError
+
+#: A2A's own error codes (A2A v1.0 §9.5): retrysafe's answers stay out of them.
+A2A_RESERVED = range(-32099, -32000)
+
+
+class Caller:
+    """One test's official client (its test id and credentials) and the agent's counter."""
+
+    def __init__(self, url: str, counter: Counter, auth: str = "Bearer sdk-caller") -> None:
+        self.url, self.counter = url, counter
+        self.tid = uuid.uuid4().hex
+        self.http = httpx.AsyncClient(
+            headers={"authorization": auth, "x-test-id": self.tid}, timeout=30
+        )
+
+    async def client(self, *, streaming: bool = False) -> Client:
+        card = await A2ACardResolver(self.http, self.url).get_agent_card()
+        for interface in card.supported_interfaces:  # the card names a placeholder URL
+            interface.url = self.url + "/"
+        config = ClientConfig(httpx_client=self.http, streaming=streaming)
+        return await create_client(card, config)
+
+    async def send(self, message_id: str, text: str = "hello", **options: Any) -> Task:
+        """Send one message with the official client; the Task it answers."""
+        client = await self.client(**options)
+        message = Message(message_id=message_id, role=Role.ROLE_USER, parts=[Part(text=text)])
+        events = [e async for e in client.send_message(SendMessageRequest(message=message))]
+        assert events[0].HasField("task"), events
+        return events[0].task
+
+    @property
+    def tasks(self) -> int:
+        return self.counter.count(self.tid)
+
+    async def started(self, n: int = 1) -> None:
+        """Until the agent has started ``n`` executions for this test."""
+        for _ in range(3000):
+            if self.tasks >= n:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"the agent did not start {n} executions in 30 s")
+
+    def open_gate(self) -> None:
+        self.counter.gate(self.tid).touch()
+
+
+@pytest.fixture(scope="module")
+def counters(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("a2a-sdk-counters")
+
+
+@pytest.fixture(scope="module")
+def agent(counters: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    db = tmp_path_factory.mktemp("a2a-sdk-store") / "a2a.db"
+    with ThreadServer(make_app(counters, f"sqlite:///{db}"), "asgi") as server:
+        yield server.url
+
+
+@pytest.fixture
+async def caller(agent: str, counters: Path) -> AsyncIterator[Caller]:
+    c = Caller(agent, Counter(counters))
+    yield c
+    c.open_gate()  # never leave an execution waiting
+    await c.http.aclose()
+
+
+def mid() -> str:
+    return str(uuid.uuid4())
+
+
+# -- item: errors the client keeps ------------------------------------------------------
+
+
+async def test_a_duplicate_in_flight_is_an_internal_error_with_retry_guidance(
+    caller: Caller,
+) -> None:
+    m = mid()
+    first = asyncio.create_task(caller.send(m, "gate"))
+    await caller.started()
+    with pytest.raises(InternalError) as raised:
+        await caller.send(m, "gate")
+    assert not first.done()
+    data = raised.value.data
+    assert data is not None
+    assert data["code"] == "idempotency_in_flight"
+    assert data["retryable"] == "true"
+    assert int(data["retryAfter"]) >= 1
+    assert data["originalRequestId"]
+    caller.open_gate()
+    task = await first
+    assert (await caller.send(m, "gate")).id == task.id
+    assert caller.tasks == 1
+
+
+async def test_other_content_under_one_message_id_is_invalid_params(caller: Caller) -> None:
+    m = mid()
+    task = await caller.send(m, "one thing")
+    with pytest.raises(InvalidParamsError) as raised:
+        await caller.send(m, "another thing")
+    data = raised.value.data
+    assert data is not None
+    assert (data["code"], data["retryable"]) == ("idempotency_conflict", "false")
+    assert len(data["originalFingerprint"]) == 64
+    assert (await caller.send(m, "one thing")).id == task.id
+    assert caller.tasks == 1
+
+
+async def test_an_unreachable_store_is_an_internal_error_with_retry_guidance(
+    counters: Path,
+) -> None:
+    app = make_app(counters, f"redis://127.0.0.1:{free_port()}/0")
+    with ThreadServer(app, "asgi") as server:
+        caller = Caller(server.url, Counter(counters))
+        try:
+            with pytest.raises(InternalError) as raised:
+                await caller.send(mid())
+        finally:
+            await caller.http.aclose()
+    data = raised.value.data
+    assert data is not None
+    assert (data["code"], data["retryable"]) == ("idempotency_store_unavailable", "true")
+    assert int(data["retryAfter"]) >= 1
+    assert caller.tasks == 0
+
+
+async def test_the_v10_error_data_is_a_list_of_typed_details(caller: Caller) -> None:
+    """As A2A v1.0 §9.5 asks, with codes clear of A2A's own range (raw JSON-RPC)."""
+    m = mid()
+    await caller.send(m, "one thing")
+    body = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "SendMessage",
+        "params": {"message": {"messageId": m, "role": "ROLE_USER", "parts": [{"text": "x"}]}},
+    }
+    response = await caller.http.post(caller.url + "/", json=body, headers={"a2a-version": "1.0"})
+    error = response.json()["error"]
+    assert error["code"] == -32602
+    assert error["code"] not in A2A_RESERVED
+    assert isinstance(error["data"], list)
+    assert all("@type" in detail for detail in error["data"])
+    assert error["data"][0]["@type"] == "type.googleapis.com/google.rpc.ErrorInfo"
+    assert error["data"][0]["reason"] == "INVALID_PARAMS"
+    assert error["data"][0]["metadata"]["code"] == "idempotency_conflict"
