@@ -241,7 +241,7 @@ def test_principals_and_contexts_never_share_a_message(client: Client) -> None:
     assert client.tasks == 4
 
 
-@pytest.mark.parametrize("message_id", [None, "", "é" * 3, "x" * 256, 42])
+@pytest.mark.parametrize("message_id", [None, "", "x" * 1025, 42, ["m"]])
 def test_a_send_without_a_usable_message_id_is_invalid_params(
     client: Client, message_id: Any
 ) -> None:
@@ -253,6 +253,14 @@ def test_a_send_without_a_usable_message_id_is_invalid_params(
     error = client.call(body)["error"]
     assert error["code"] == -32602
     assert error["data"]["code"] == "idempotency_key_invalid"
+    assert client.tasks == 0
+    # v1.0: a field violation names the messageId.
+    body = v10("placeholder")
+    body["params"]["message"]["messageId"] = message_id
+    error = client.call(body)["error"]
+    assert error["code"] == -32602
+    assert error["data"][1]["@type"] == "type.googleapis.com/google.rpc.BadRequest"
+    assert error["data"][1]["fieldViolations"][0]["field"] == "message.messageId"
     assert client.tasks == 0
 
 

@@ -27,11 +27,12 @@ A2A_RESERVED = range(-32099, -32000)
 
 
 class Caller:
-    """One test's official client (its test id and credentials) and the agent's counter."""
+    """One test's official client (its test id and principal) and the agent's counter."""
 
-    def __init__(self, url: str, counter: Counter, auth: str = "Bearer sdk-caller") -> None:
+    def __init__(self, url: str, counter: Counter) -> None:
         self.url, self.counter = url, counter
         self.tid = uuid.uuid4().hex
+        auth = f"Bearer caller-{self.tid}"  # a principal of its own: fixed ids never meet
         self.http = httpx.AsyncClient(
             headers={"authorization": auth, "x-test-id": self.tid}, timeout=30
         )
@@ -165,3 +166,40 @@ async def test_the_v10_error_data_is_a_list_of_typed_details(caller: Caller) -> 
     assert error["data"][0]["@type"] == "type.googleapis.com/google.rpc.ErrorInfo"
     assert error["data"][0]["reason"] == "INVALID_PARAMS"
     assert error["data"][0]["metadata"]["code"] == "idempotency_conflict"
+
+
+# -- item: any messageId A2A allows -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "message_id", ["msg-é-42", "m" * 300, "🙂", "sha256:" + "0" * 64, "x" * 1024, " spaced "]
+)
+async def test_any_message_id_a2a_allows_runs_once(caller: Caller, message_id: str) -> None:
+    """A2A's messageId is any string: each one is deduplicated, none is refused."""
+    first = await caller.send(message_id)
+    assert (await caller.send(message_id)).id == first.id
+    assert caller.tasks == 1
+    with pytest.raises(InvalidParamsError) as raised:  # still a key: a conflict
+        await caller.send(message_id, "other")
+    assert raised.value.data is not None
+    assert raised.value.data["code"] == "idempotency_conflict"
+
+
+async def test_a_hashed_message_id_never_stands_for_another(caller: Caller) -> None:
+    """A long or non-ASCII id is stored as its SHA-256: sending that hash as an id
+    is another message."""
+    from retrysafe._model.hashing import protocol_key
+
+    first = await caller.send("🙂")
+    other = await caller.send(protocol_key("🙂"))
+    assert other.id != first.id
+    assert caller.tasks == 2
+
+
+@pytest.mark.parametrize("message_id", ["", "x" * 1025])
+async def test_an_unusable_message_id_is_invalid_params(caller: Caller, message_id: str) -> None:
+    with pytest.raises(InvalidParamsError) as raised:
+        await caller.send(message_id)
+    assert raised.value.data is not None
+    assert raised.value.data["code"] == "idempotency_key_invalid"
+    assert caller.tasks == 0
