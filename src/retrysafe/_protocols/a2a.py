@@ -45,7 +45,6 @@ __all__ = [
     "STREAM_METHODS",
     "A2AErrorInfo",
     "ErrorCode",
-    "InvalidMessageError",
     "Send",
     "error_info",
     "error_reply",
@@ -375,7 +374,7 @@ def _field(obj: dict[str, Any], name: str) -> Any:
     return value
 
 
-class InvalidMessageError(InvalidKeyError):
+class _InvalidMessageError(InvalidKeyError):
     """A send's message has no usable messageId, or cannot be fingerprinted.
 
     ``field`` is the field at fault, as A2A's ``google.rpc.BadRequest`` names it.
@@ -388,7 +387,8 @@ class InvalidMessageError(InvalidKeyError):
 
 def parse_send(request: Any, principal: str) -> Send | None:
     """The send in ``request`` (one JSON-RPC request object), or None for any
-    other request. :class:`InvalidMessageError` if a send has no usable messageId.
+    other request. :class:`InvalidKeyError` if a send has no usable messageId
+    (with ``field``, the field at fault).
 
     The messageId is any non-empty string of up to 1024 characters (A2A defines
     it as a string); one that is not an engine key is stored as its SHA-256.
@@ -402,14 +402,14 @@ def parse_send(request: Any, principal: str) -> Send | None:
     params = request.get("params")
     message = params.get("message") if isinstance(params, dict) else None
     if not isinstance(params, dict) or not isinstance(message, dict):
-        raise InvalidMessageError("a send needs params.message with a messageId", "message")
+        raise _InvalidMessageError("a send needs params.message with a messageId", "message")
     key = _field(message, "messageId")
     if key is None:
-        raise InvalidMessageError("params.message.messageId is required")
+        raise _InvalidMessageError("params.message.messageId is required")
     try:
         key = protocol_key(key)  # any string A2A allows, up to 1024 characters
     except InvalidKeyError as exc:
-        raise InvalidMessageError(f"messageId: {exc}") from None
+        raise _InvalidMessageError(f"messageId: {exc}") from None
     tenant = _field(params, "tenant")  # v1.0 only
     context = _field(message, "contextId")
     metadata = params.get("metadata")
@@ -418,7 +418,7 @@ def parse_send(request: Any, principal: str) -> Send | None:
         scope = canonical_json([principal, tenant or "", context or ""]).decode()
         fp = fingerprint(normal_message(message), _numbers(metadata) or None)
     except (TypeError, ValueError, RecursionError) as exc:
-        raise InvalidMessageError(
+        raise _InvalidMessageError(
             f"the message cannot be fingerprinted: {exc}", "message"
         ) from None
     return Send(str(method), version, request.get("id"), key, scope, fp)
@@ -515,7 +515,7 @@ def error_info(exc: IdempotencyError) -> A2AErrorInfo:
     if original is not None:
         meta["originalRequestId"] = str(original)
     if isinstance(exc, InvalidKeyError):
-        field = exc.field if isinstance(exc, InvalidMessageError) else "message.messageId"
+        field = exc.field if isinstance(exc, _InvalidMessageError) else "message.messageId"
         return A2AErrorInfo(
             -32602,
             "INVALID_PARAMS",
