@@ -27,7 +27,6 @@ from _a2a_app import Counter, make_app
 from _http_servers import Process, ThreadServer, free_port, uvicorn_argv
 from conftest import StoreSpec
 
-import retrysafe.a2a as a2a_module
 from retrysafe import Engine, Store, StoreUnavailableError
 from retrysafe._core.principal import Principals
 from retrysafe._http.asgi import caller
@@ -37,7 +36,6 @@ from retrysafe.a2a import (
     A2AIdempotency,
     A2AMiddleware,
     ErrorCode,
-    IdempotencyMiddleware,
 )
 
 _ids = itertools.count(1)
@@ -787,9 +785,3 @@ def test_options_are_checked() -> None:
         A2AMiddleware(lambda *a: None, store="memory://", scope="nope")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         A2AIdempotency("memory://", ttl=-1)
-
-
-def test_the_middleware_keeps_its_old_name() -> None:
-    """``retrysafe.a2a.IdempotencyMiddleware`` is :class:`A2AMiddleware`, kept for compatibility."""
-    assert IdempotencyMiddleware is A2AMiddleware
-    assert "A2AMiddleware" in a2a_module.__all__

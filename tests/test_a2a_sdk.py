@@ -17,10 +17,25 @@ from typing import Any
 import httpx
 import pytest
 from _a2a_app import Counter, make_app
+from _a2a_cards import card, card_app
 from _http_servers import ThreadServer, free_port
 from a2a.client import A2ACardResolver, Client, ClientConfig, create_client
-from a2a.types import Message, Part, Role, SendMessageRequest, Task
+from a2a.types import (
+    AgentCard,
+    AgentCardSignature,
+    AgentExtension,
+    GetExtendedAgentCardRequest,
+    Message,
+    Part,
+    Role,
+    SendMessageRequest,
+    Task,
+)
 from a2a.utils.errors import InternalError, InvalidParamsError
+from google.protobuf.json_format import MessageToDict
+
+import retrysafe.a2a
+from retrysafe.a2a import EXTENSION_URI, A2AMiddleware, agent_extension
 
 #: A2A's own error codes (A2A v1.0 §9.5): retrysafe's answers stay out of them.
 A2A_RESERVED = range(-32099, -32000)
@@ -203,3 +218,78 @@ async def test_an_unusable_message_id_is_invalid_params(caller: Caller, message_
     assert raised.value.data is not None
     assert raised.value.data["code"] == "idempotency_key_invalid"
     assert caller.tasks == 0
+
+
+# -- item: the agent card ---------------------------------------------------------------
+
+
+def declared(card: AgentCard) -> list[Any]:
+    return [e for e in card.capabilities.extensions if e.uri == EXTENSION_URI]
+
+
+async def test_the_agent_card_advertises_deduplication(caller: Caller) -> None:
+    """The official card resolver reads the extension; the client still works."""
+    card = await A2ACardResolver(caller.http, caller.url).get_agent_card()
+    [extension] = declared(card)
+    assert extension.required is False
+    params = MessageToDict(extension.params)
+    assert params["key"] == "message.messageId"
+    assert params["ttlSeconds"] == 86400
+    assert params["streaming"] is False
+    assert extension == AgentExtension(**agent_extension())
+    task = await caller.send(m := mid())
+    assert (await caller.send(m)).id == task.id
+
+
+async def test_the_extended_card_advertises_it_in_both_spellings(counters: Path) -> None:
+    app = A2AMiddleware(card_app(counters, card()), store="memory://", ttl=60)
+    with ThreadServer(app, "asgi") as server:
+        caller = Caller(server.url, Counter(counters))
+        try:
+            client = await caller.client()
+            extended = await client.get_extended_agent_card(GetExtendedAgentCardRequest())
+            legacy = await caller.http.post(
+                server.url + "/",
+                json={"jsonrpc": "2.0", "id": 1, "method": "agent/getAuthenticatedExtendedCard"},
+                headers={"a2a-version": "0.3"},
+            )
+        finally:
+            await caller.http.aclose()
+    [extension] = declared(extended)
+    assert MessageToDict(extension.params)["ttlSeconds"] == 60
+    extensions = legacy.json()["result"]["capabilities"]["extensions"]
+    assert [e["uri"] for e in extensions] == [EXTENSION_URI]
+    assert legacy.headers["content-length"] == str(len(legacy.content))
+
+
+@pytest.mark.parametrize(
+    ("served", "options"),
+    [
+        (card(signatures=[AgentCardSignature(protected="e30", signature="c2ln")]), {}),
+        (card(AgentExtension(**agent_extension(ttl=5))), {}),
+        (card(), {"advertise": False}),
+    ],
+    ids=["signed", "declared", "advertise=False"],
+)
+def test_a_card_is_left_as_it_is(
+    counters: Path, served: AgentCard, options: dict[str, Any]
+) -> None:
+    """A signed card (a change would break its signatures), a card that declares
+    the extension itself, and advertise=False: the app's own bytes."""
+    plain = card_app(counters, served)
+    with (
+        ThreadServer(plain, "asgi") as bare,
+        ThreadServer(A2AMiddleware(plain, store="memory://", **options), "asgi") as wrapped,
+    ):
+        path = "/.well-known/agent-card.json"
+        assert httpx.get(wrapped.url + path).content == httpx.get(bare.url + path).content
+
+
+def test_the_former_name_is_deprecated() -> None:
+    with pytest.warns(DeprecationWarning, match="A2AMiddleware"):
+        from retrysafe.a2a import IdempotencyMiddleware
+    assert IdempotencyMiddleware is A2AMiddleware
+    assert "IdempotencyMiddleware" not in retrysafe.a2a.__all__
+    assert {"A2AMiddleware", "EXTENSION_URI", "agent_extension"} <= set(retrysafe.a2a.__all__)
+    with pytest.raises(AttributeError):
+        retrysafe.a2a.NoSuchName  # noqa: B018

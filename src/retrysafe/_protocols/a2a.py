@@ -23,7 +23,7 @@ import binascii
 import enum
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +41,16 @@ from retrysafe.errors import (
 )
 
 __all__ = [
+    "CARD_METHODS",
+    "CARD_PATH",
+    "EXTENSION_URI",
     "SEND_METHODS",
     "STREAM_METHODS",
     "A2AErrorInfo",
     "ErrorCode",
     "Send",
+    "advertised",
+    "agent_extension",
     "error_info",
     "error_reply",
     "failed_finally",
@@ -65,6 +70,12 @@ V10 = "1.0"
 SEND_METHODS: dict[str, str] = {"message/send": V03, "SendMessage": V10}
 #: Streaming sends: passed through, not deduplicated.
 STREAM_METHODS = frozenset({"message/stream", "SendStreamingMessage"})
+#: The JSON-RPC methods that answer the extended agent card (v1.0, v0.3).
+CARD_METHODS = frozenset({"GetExtendedAgentCard", "agent/getAuthenticatedExtendedCard"})
+#: Where an A2A server serves its public agent card.
+CARD_PATH = "/.well-known/agent-card.json"
+#: The URI of retrysafe's AgentCard extension: sends deduplicated by messageId.
+EXTENSION_URI = "urn:retrysafe:a2a:ext:idempotency:v1"
 
 
 class ErrorCode(enum.IntEnum):
@@ -422,6 +433,49 @@ def parse_send(request: Any, principal: str) -> Send | None:
             f"the message cannot be fingerprinted: {exc}", "message"
         ) from None
     return Send(str(method), version, request.get("id"), key, scope, fp)
+
+
+# -- the agent card ---------------------------------------------------------------------
+
+
+def agent_extension(
+    *, ttl: float = 86400, streaming: bool = False, bindings: Iterable[str] = ("JSONRPC",)
+) -> dict[str, Any]:
+    """The AgentCard extension (A2A ``AgentExtension``, as JSON) that says sends
+    are deduplicated: ``required`` is false, since a client needs nothing to
+    use it. ``ttl`` is how long a send is remembered, in seconds; ``streaming``
+    whether streaming sends are covered; ``bindings`` the protocol bindings
+    that are."""
+    return {
+        "uri": EXTENSION_URI,
+        "description": (
+            "Sends are deduplicated by messageId: a resend of a message gets the "
+            "stored Task or Message and starts nothing."
+        ),
+        "required": False,
+        "params": {
+            "key": "message.messageId",
+            "scope": ["principal", "tenant", "contextId"],
+            "ttlSeconds": math.ceil(ttl),
+            "streaming": streaming,
+            "bindings": list(bindings),
+        },
+    }
+
+
+def advertised(card: Any, extension: dict[str, Any]) -> dict[str, Any] | None:
+    """``card`` (an AgentCard as JSON) with ``extension`` added to its
+    ``capabilities.extensions``; None to leave it as it is: not a card, signed
+    (a change would break its signatures), or declaring the extension already."""
+    if not isinstance(card, dict) or card.get("signatures"):
+        return None
+    capabilities = card.get("capabilities", {})
+    extensions = capabilities.get("extensions", []) if isinstance(capabilities, dict) else None
+    if not isinstance(extensions, list) or any(
+        isinstance(e, dict) and e.get("uri") == extension["uri"] for e in extensions
+    ):
+        return None
+    return {**card, "capabilities": {**capabilities, "extensions": [*extensions, extension]}}
 
 
 # -- errors: one description, each binding's shape -------------------------------------
