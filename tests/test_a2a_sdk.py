@@ -84,20 +84,17 @@ class Caller:
 
 
 @pytest.fixture(scope="module")
-def counters(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("a2a-sdk-counters")
-
-
-@pytest.fixture(scope="module")
-def agent(counters: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    db = tmp_path_factory.mktemp("a2a-sdk-store") / "a2a.db"
-    with ThreadServer(make_app(counters, f"sqlite:///{db}"), "asgi") as server:
-        yield server.url
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Counter]]:
+    """The agent behind the middleware on SQLite, and its counter."""
+    root = tmp_path_factory.mktemp("a2a-sdk")
+    counter = Counter(root / "counters")
+    with ThreadServer(make_app(counter.root, f"sqlite:///{root / 'a2a.db'}"), "asgi") as server:
+        yield server.url, counter
 
 
 @pytest.fixture
-async def caller(agent: str, counters: Path) -> AsyncIterator[Caller]:
-    c = Caller(agent, Counter(counters))
+async def caller(agent: tuple[str, Counter]) -> AsyncIterator[Caller]:
+    c = Caller(*agent)
     yield c
     c.open_gate()  # never leave an execution waiting
     await c.http.aclose()
@@ -145,11 +142,11 @@ async def test_other_content_under_one_message_id_is_invalid_params(caller: Call
 
 
 async def test_an_unreachable_store_is_an_internal_error_with_retry_guidance(
-    counters: Path,
+    tmp_path: Path,
 ) -> None:
-    app = make_app(counters, f"redis://127.0.0.1:{free_port()}/0")
+    app = make_app(tmp_path, f"redis://127.0.0.1:{free_port()}/0")
     with ThreadServer(app, "asgi") as server:
-        caller = Caller(server.url, Counter(counters))
+        caller = Caller(server.url, Counter(tmp_path))
         try:
             with pytest.raises(InternalError) as raised:
                 await caller.send(mid())
@@ -241,10 +238,10 @@ async def test_the_agent_card_advertises_deduplication(caller: Caller) -> None:
     assert (await caller.send(m)).id == task.id
 
 
-async def test_the_extended_card_advertises_it_in_both_spellings(counters: Path) -> None:
-    app = A2AMiddleware(card_app(counters, card()), store="memory://", ttl=60)
+async def test_the_extended_card_advertises_it_in_both_spellings(tmp_path: Path) -> None:
+    app = A2AMiddleware(card_app(tmp_path, card()), store="memory://", ttl=60)
     with ThreadServer(app, "asgi") as server:
-        caller = Caller(server.url, Counter(counters))
+        caller = Caller(server.url, Counter(tmp_path))
         try:
             client = await caller.client()
             extended = await client.get_extended_agent_card(GetExtendedAgentCardRequest())
@@ -272,11 +269,11 @@ async def test_the_extended_card_advertises_it_in_both_spellings(counters: Path)
     ids=["signed", "declared", "advertise=False"],
 )
 def test_a_card_is_left_as_it_is(
-    counters: Path, served: AgentCard, options: dict[str, Any]
+    tmp_path: Path, served: AgentCard, options: dict[str, Any]
 ) -> None:
     """A signed card (a change would break its signatures), a card that declares
     the extension itself, and advertise=False: the app's own bytes."""
-    plain = card_app(counters, served)
+    plain = card_app(tmp_path, served)
     with (
         ThreadServer(plain, "asgi") as bare,
         ThreadServer(A2AMiddleware(plain, store="memory://", **options), "asgi") as wrapped,
