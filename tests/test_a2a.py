@@ -27,7 +27,6 @@ from _a2a_app import Counter, make_app
 from _http_servers import Process, ThreadServer, free_port, uvicorn_argv
 from conftest import StoreSpec
 
-import retrysafe.a2a as a2a_module
 from retrysafe import Engine, Store, StoreUnavailableError
 from retrysafe._core.principal import Principals
 from retrysafe._http.asgi import caller
@@ -37,7 +36,6 @@ from retrysafe.a2a import (
     A2AIdempotency,
     A2AMiddleware,
     ErrorCode,
-    IdempotencyMiddleware,
 )
 
 _ids = itertools.count(1)
@@ -136,6 +134,16 @@ def mid() -> str:
     return str(uuid.uuid4())
 
 
+def data_of(error: dict[str, Any]) -> dict[str, Any]:
+    """What an error says, in either shape: the ErrorInfo metadata of v1.0's data
+    list (strings), or v0.3's data object."""
+    data = error["data"]
+    if isinstance(data, dict):
+        return data
+    assert data[0]["@type"] == "type.googleapis.com/google.rpc.ErrorInfo"
+    return data[0]["metadata"]  # type: ignore[no-any-return]
+
+
 def task_of(doc: dict[str, Any]) -> dict[str, Any]:
     """The Task of a send's answer, in either spelling."""
     result = doc["result"]
@@ -201,11 +209,17 @@ def test_other_content_under_the_same_message_id_is_a_conflict(client: Client) -
     first = client.call(v03(m, "one thing"))
     for body in (v03(m, "another thing"), v10(m, "another thing"), v10(m, "one thing", taskId="t")):
         error = client.call(body)["error"]
-        assert error["code"] == ErrorCode.CONFLICT == -32091
-        assert error["data"]["code"] == "idempotency_conflict"
-        assert error["data"]["retryable"] is False
-        assert error["data"]["original_request_id"] == str(first["id"])
-        assert len(error["data"]["original_fingerprint"]) == 64
+        assert error["code"] == ErrorCode.CONFLICT == -32602
+        data = data_of(error)
+        assert data["code"] == "idempotency_conflict"
+        if body["method"] == "message/send":  # v0.3: the keys of before
+            assert data["retryable"] is False
+            assert data["original_request_id"] == str(first["id"])
+            assert len(data["original_fingerprint"]) == 64
+        else:
+            assert data["retryable"] == "false"
+            assert data["originalRequestId"] == str(first["id"])
+            assert len(data["originalFingerprint"]) == 64
     assert client.tasks == 1
 
 
@@ -225,7 +239,7 @@ def test_principals_and_contexts_never_share_a_message(client: Client) -> None:
     assert client.tasks == 4
 
 
-@pytest.mark.parametrize("message_id", [None, "", "é" * 3, "x" * 256, 42])
+@pytest.mark.parametrize("message_id", [None, "", "x" * 1025, 42, ["m"]])
 def test_a_send_without_a_usable_message_id_is_invalid_params(
     client: Client, message_id: Any
 ) -> None:
@@ -237,6 +251,14 @@ def test_a_send_without_a_usable_message_id_is_invalid_params(
     error = client.call(body)["error"]
     assert error["code"] == -32602
     assert error["data"]["code"] == "idempotency_key_invalid"
+    assert client.tasks == 0
+    # v1.0: a field violation names the messageId.
+    body = v10("placeholder")
+    body["params"]["message"]["messageId"] = message_id
+    error = client.call(body)["error"]
+    assert error["code"] == -32602
+    assert error["data"][1]["@type"] == "type.googleapis.com/google.rpc.BadRequest"
+    assert error["data"][1]["fieldViolations"][0]["field"] == "message.messageId"
     assert client.tasks == 0
 
 
@@ -251,11 +273,16 @@ def test_a_duplicate_in_flight_gets_an_in_flight_error(client: Client) -> None:
             time.sleep(0.005)
         response = client.post(v10(m, "gate"))
         error = response.json()["error"]
-        assert error["code"] == ErrorCode.IN_FLIGHT == -32090
-        assert error["data"]["code"] == "idempotency_in_flight"
-        assert error["data"]["retryable"] is True
-        assert error["data"]["retry_after"] >= 1
-        assert response.headers["retry-after"] == str(error["data"]["retry_after"])
+        assert error["code"] == ErrorCode.IN_FLIGHT == -32603
+        data = data_of(error)
+        assert data["code"] == "idempotency_in_flight"
+        assert data["retryable"] == "true"
+        assert int(data["retryAfter"]) >= 1
+        assert response.headers["retry-after"] == data["retryAfter"]
+        legacy = client.post(v03(m, "gate"))
+        data = legacy.json()["error"]["data"]
+        assert (data["code"], data["retryable"]) == ("idempotency_in_flight", True)
+        assert legacy.headers["retry-after"] == str(data["retry_after"])
         client.open_gate()
         task = first.result()["result"]
     assert client.call(v03(m, "gate"))["result"] == task
@@ -286,7 +313,7 @@ def test_a_client_that_leaves_still_gets_its_answer_recorded(client: Client) -> 
     client.open_gate()
     deadline = time.monotonic() + 30
     while "error" in (doc := client.call(v03(m, "gate"))):  # until the first send completes
-        assert doc["error"]["data"]["code"] == "idempotency_in_flight"
+        assert data_of(doc["error"])["code"] == "idempotency_in_flight"
         assert time.monotonic() < deadline, "the first send was still in flight after 30 s"
         time.sleep(0.01)
     assert doc["result"]["status"]["state"] == "completed"
@@ -319,7 +346,7 @@ def test_a_batched_send_is_refused(client: Client) -> None:
     doc = client.post([v03(mid()), rpc("tasks/get", {"id": "x"})]).json()
     assert doc["id"] is None
     assert doc["error"]["code"] == -32600
-    assert doc["error"]["data"]["code"] == "idempotency_batch_unsupported"
+    assert data_of(doc["error"])["code"] == "idempotency_batch_unsupported"
     assert client.tasks == 0
 
 
@@ -329,9 +356,9 @@ def test_an_unreachable_store_fails_closed(counters: Path) -> None:
         client = Client(server.url, uuid.uuid4().hex, Counter(counters))
         response = client.post(v10(mid()))
         error = response.json()["error"]
-        assert error["code"] == ErrorCode.STORE_UNAVAILABLE == -32092
-        assert error["data"]["code"] == "idempotency_store_unavailable"
-        assert response.headers["retry-after"] == str(error["data"]["retry_after"])
+        assert error["code"] == ErrorCode.STORE_UNAVAILABLE == -32603
+        assert data_of(error)["code"] == "idempotency_store_unavailable"
+        assert response.headers["retry-after"] == data_of(error)["retryAfter"]
         assert client.tasks == 0
         # Task reads do not need the store.
         assert client.call(rpc("GetTask", {"id": "nope"}))["error"]["code"] == -32001
@@ -344,12 +371,12 @@ def test_limits(counters: Path) -> None:
     with ThreadServer(app, "asgi") as server:
         client = Client(server.url, uuid.uuid4().hex, Counter(counters))
         error = client.post(v03(mid(), "x" * 300)).json()["error"]
-        assert error["data"]["code"] == "idempotency_body_too_large"
+        assert (error["code"], data_of(error)["code"]) == (-32600, "idempotency_body_too_large")
         assert client.tasks == 0
         m = mid()
         assert client.call(v03(m))["result"]["status"]["state"] == "completed"  # 500+ bytes
         error = client.call(v10(m))["error"]
-        assert (error["code"], error["data"]["code"]) == (-32093, "idempotency_failed")
+        assert (error["code"], data_of(error)["code"]) == (-32603, "idempotency_failed")
         assert client.tasks == 1
         client.http.close()
 
@@ -581,7 +608,7 @@ def test_the_wrapper_refuses_a_send_without_message_id(memory: Store[Any]) -> No
     agent = Agent()
     body = rpc("SendMessage", {"message": {"role": "ROLE_USER", "parts": [{"text": "x"}]}})
     error = A2AIdempotency(memory).handle(body, agent)["error"]
-    assert (error["code"], error["data"]["code"]) == (-32602, "idempotency_key_invalid")
+    assert (error["code"], data_of(error)["code"]) == (-32602, "idempotency_key_invalid")
     assert agent.runs == 0
 
 
@@ -716,7 +743,7 @@ async def test_a_cancelled_request_runs_its_send_once(memory: Store[Any]) -> Non
             await first
         retry = await asyncio.wait_for(post(v10(m)), 5)
         assert len(runs) == 1, "the retry ran the agent again, alongside the first run"
-        assert retry["error"]["data"]["code"] == "idempotency_in_flight"
+        assert data_of(retry["error"])["code"] == "idempotency_in_flight"
     finally:
         agent.release.set()
     deadline = time.monotonic() + 10
@@ -758,9 +785,3 @@ def test_options_are_checked() -> None:
         A2AMiddleware(lambda *a: None, store="memory://", scope="nope")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         A2AIdempotency("memory://", ttl=-1)
-
-
-def test_the_middleware_keeps_its_old_name() -> None:
-    """``retrysafe.a2a.IdempotencyMiddleware`` is :class:`A2AMiddleware`, kept for compatibility."""
-    assert IdempotencyMiddleware is A2AMiddleware
-    assert "A2AMiddleware" in a2a_module.__all__

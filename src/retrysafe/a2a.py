@@ -12,7 +12,8 @@
 A send (``message/send`` of A2A v0.3 or ``SendMessage`` of v1.0) runs once per
 ``messageId``, principal and context; a repeated one gets the stored Task or
 Message, in the spelling it asks in, and starts nothing. Every other request
-(task reads, cancels, streaming sends, the agent card) passes through.
+(task reads, cancels, streaming sends) passes through; the middleware adds
+:func:`agent_extension` to the agent card it serves.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Awaitable, Callable, Collection, Iterable
+import warnings
+from collections.abc import Awaitable, Callable, Collection, Iterable, MutableMapping
 from typing import Any
 
 from retrysafe._core.engine import Attempt, Engine, Plan, engine_for
@@ -50,26 +52,34 @@ from retrysafe._http.policy import DEFAULT_MAX_REQUEST_BODY
 from retrysafe._http.request import HttpRequest
 from retrysafe._model.record import Outcome
 from retrysafe._protocols.a2a import (
+    CARD_METHODS,
+    CARD_PATH,
+    EXTENSION_URI,
     SEND_METHODS,
     STREAM_METHODS,
+    V10,
     ErrorCode,
     Send,
-    error_reply,
+    advertised,
+    agent_extension,
+    invalid_request,
     parse_send,
     refusal,
     replayed,
+    retry_after,
     settlement,
 )
 from retrysafe.errors import BodyTooLarge, IdempotencyError, InvalidKeyError
 from retrysafe.stores import Store
 
 __all__ = [
+    "EXTENSION_URI",
     "SEND_METHODS",
     "STREAM_METHODS",
     "A2AIdempotency",
     "A2AMiddleware",
     "ErrorCode",
-    "IdempotencyMiddleware",
+    "agent_extension",
 ]
 
 log = logging.getLogger("retrysafe.a2a")
@@ -135,7 +145,7 @@ class A2AIdempotency:
         try:
             return parse_send(request, principal)
         except InvalidKeyError as exc:
-            return refusal(request.get("id"), exc, self._plan.operation)
+            return refusal(request.get("id"), exc, self._plan.operation, _version(request))
 
     def _attempt(self, send: Send) -> Attempt:
         """The engine attempt of ``send`` (enter it with ``with`` or ``async with``)."""
@@ -183,7 +193,7 @@ class A2AIdempotency:
         except IdempotencyError as exc:
             if entered:
                 raise
-            return refusal(send.id, exc)
+            return refusal(send.id, exc, version=send.version)
 
     def _record(self, att: Attempt, send: Send, response: Any) -> None:
         """Record the response to ``send`` (None: no usable response); never raises."""
@@ -212,7 +222,7 @@ class A2AIdempotency:
         except IdempotencyError as exc:
             if entered:
                 raise
-            return refusal(send.id, exc)
+            return refusal(send.id, exc, version=send.version)
 
     async def _arecord(self, att: Attempt, send: Send, response: Any) -> None:
         """Async :meth:`_record`."""
@@ -270,6 +280,10 @@ class A2AMiddleware:
     - ``path``: only POSTs to this path are inspected (default: every POST).
     - ``max_request_body``: the largest POST body buffered (10 MiB); a larger
       one gets a JSON-RPC error.
+    - ``advertise``: add :attr:`extension` (see :func:`agent_extension`) to the
+      agent card the app serves (``GET …/.well-known/agent-card.json`` and the
+      extended card's JSON-RPC methods), unless the card declares it already or
+      is signed (a change would break its signatures). Default True.
     """
 
     def __init__(
@@ -285,6 +299,7 @@ class A2AMiddleware:
         scope: Callable[[Scope], str | None] | None = None,
         path: str | None = None,
         max_request_body: int = DEFAULT_MAX_REQUEST_BODY,
+        advertise: bool = True,
         **options: Any,
     ) -> None:
         if int(max_request_body) < 0:
@@ -301,6 +316,10 @@ class A2AMiddleware:
         check_secret(self.core.engine.store)
         self.path = path
         self.max_request_body = int(max_request_body)
+        self.advertise = bool(advertise)
+        #: The AgentCard extension this middleware advertises.
+        self.extension = agent_extension(ttl=self.core._plan.ttl)
+        self._signed_logged = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: ASGISend) -> None:
         if (
@@ -310,44 +329,46 @@ class A2AMiddleware:
         ):
             if scope["type"] == "lifespan":
                 send = closing(send, self.core.aclose)
+            elif (
+                self.advertise
+                and scope["type"] == "http"
+                and scope["method"] == "GET"
+                and scope["path"].endswith(CARD_PATH)
+            ):
+                send = _rewriting(send, self._card)
             await self.app(scope, receive, send)
             return
         try:
             body = await read_body(receive, at_most(self.max_request_body))
         except BodyTooLarge:
-            await _reply(
-                send,
-                error_reply(
-                    None,
-                    ErrorCode.INVALID_REQUEST,
-                    f"the request body is over {self.max_request_body} bytes",
-                    {"code": "idempotency_body_too_large"},
-                ),
-            )
+            message = f"the request body is over {self.max_request_body} bytes"
+            refused = invalid_request("idempotency_body_too_large", message, 413)
+            await _reply(send, refused.reply(None))  # the method is unknown: v1.0
             return
         if body is None:
             return  # the client left before sending its body
         downstream = replaying(body, receive)
         request = _parse(body)
         if isinstance(request, list) and any(_is_send(r) for r in request):
-            await _reply(
-                send,
-                error_reply(
-                    None,
-                    ErrorCode.INVALID_REQUEST,
-                    "A2A sends must not be batched: send each message in a request of its own",
-                    {"code": "idempotency_batch_unsupported"},
-                ),
-            )
+            message = "A2A sends must not be batched: send each message in a request of its own"
+            refused = invalid_request("idempotency_batch_unsupported", message)
+            first = next(r for r in request if _is_send(r))
+            await _reply(send, refused.reply(None, _version(first)))
             return
         if not _is_send(request):
+            if (
+                self.advertise
+                and isinstance(request, dict)
+                and request.get("method") in CARD_METHODS
+            ):
+                send = _rewriting(send, self._card_result)
             await self.app(scope, downstream, send)
             return
         core = self.core
         try:
             caller = await caller_scope(scope, self.principals, core.engine.store, core.operation)
         except IdempotencyError as exc:
-            await _reply(send, refusal(request.get("id"), exc, core.operation))
+            await _reply(send, refusal(request.get("id"), exc, core.operation, _version(request)))
             return
         if caller is None:  # anonymous: the app answers it without a record
             await self.app(scope, downstream, send)
@@ -380,11 +401,34 @@ class A2AMiddleware:
         except IdempotencyError as exc:
             if entered:
                 raise
-            await _reply(send, refusal(prepared.id, exc))
+            await _reply(send, refusal(prepared.id, exc, version=prepared.version))
+
+    def _card(self, card: Any) -> Any:
+        """The agent card with :attr:`extension`; None to leave it as it is."""
+        if isinstance(card, dict) and card.get("signatures") and not self._signed_logged:
+            self._signed_logged = True
+            log.info("retrysafe: the agent card is signed; its extensions are left as they are")
+        return advertised(card, self.extension)
+
+    def _card_result(self, response: Any) -> Any:
+        """A JSON-RPC answer holding the extended card, with :attr:`extension`."""
+        if not isinstance(response, dict):
+            return None
+        card = self._card(response.get("result"))
+        return None if card is None else {**response, "result": card}
 
 
-#: The name this middleware had before :class:`A2AMiddleware`, kept for compatibility.
-IdempotencyMiddleware = A2AMiddleware
+def __getattr__(name: str) -> Any:
+    """The former name of :class:`A2AMiddleware`, deprecated."""
+    if name == "IdempotencyMiddleware":
+        warnings.warn(
+            "retrysafe.a2a.IdempotencyMiddleware is A2AMiddleware: use that name (its "
+            "contract is not that of the HTTP front doors' IdempotencyMiddleware)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return A2AMiddleware
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _Answer:
@@ -406,13 +450,50 @@ class _Answer:
     ) -> tuple[bool, Outcome | None, bool | None]:
         """(failed, what is stored, final) of the answer's JSON-RPC response; only a
         200 JSON answer can hold one."""
-        ctype = next((v for k, v in headers if k.lower() == b"content-type"), b"")
-        media = ctype.decode("latin-1").split(";")[0].strip().lower()
         response: Any = None
-        if status == 200 and (media == "application/json" or media.endswith("+json")):
+        if status == 200 and _is_json(headers):
             response = _parse(body) if size <= self.max_body else _UNKEPT
         ok, outcome, final = self.core._verdict(self.send, response)
         return not ok, outcome, final
+
+
+def _is_json(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Whether the answer's content type is JSON."""
+    ctype = next((v for k, v in headers if k.lower() == b"content-type"), b"")
+    media = ctype.decode("latin-1").split(";")[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+def _rewriting(send: ASGISend, edit: Callable[[Any], Any]) -> ASGISend:
+    """``send``, with a 200 JSON answer read whole and replaced by ``edit`` of its
+    JSON (unless ``edit`` gives None); any other answer passes as it is."""
+    start: MutableMapping[str, Any] | None = None
+    chunks: list[bytes] = []
+
+    async def rewritten(message: MutableMapping[str, Any]) -> None:
+        nonlocal start
+        if message["type"] == "http.response.start":
+            if message["status"] == 200 and _is_json(message.get("headers", ())):
+                start = message
+                return
+        elif message["type"] == "http.response.body" and start is not None:
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            body = b"".join(chunks)
+            doc = edit(_parse(body))
+            if doc is not None:
+                body = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+            headers = [
+                (k, v) for k, v in start.get("headers", ()) if k.lower() != b"content-length"
+            ]
+            headers.append((b"content-length", str(len(body)).encode()))
+            await send({**start, "headers": headers})
+            start = None
+            message = {"type": "http.response.body", "body": body}
+        await send(message)
+
+    return rewritten
 
 
 def _answer_to(send: Send) -> str:
@@ -431,11 +512,15 @@ def _is_send(request: Any) -> bool:
     return isinstance(request, dict) and request.get("method") in SEND_METHODS
 
 
+def _version(request: Any) -> str:
+    """The A2A version of a send's spelling (v1.0 for anything else)."""
+    return SEND_METHODS.get(request.get("method"), V10) if _is_send(request) else V10
+
+
 async def _reply(send: ASGISend, doc: JSONRPC, *, replay: bool = False) -> None:
     """A JSON-RPC answer of retrysafe's own (HTTP 200, as A2A servers answer errors)."""
     headers = [("idempotent-replayed", "true")] if replay else []
-    error = doc.get("error")
-    data = error.get("data") if isinstance(error, dict) else None
-    if isinstance(data, dict) and "retry_after" in data:
-        headers.append(("retry-after", str(data["retry_after"])))
+    delay = retry_after(doc)
+    if delay is not None:
+        headers.append(("retry-after", delay))
     await send_json(send, 200, doc, headers)

@@ -23,12 +23,12 @@ import binascii
 import enum
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from retrysafe._core.metrics import METRICS
-from retrysafe._model.hashing import canonical_json, fingerprint, validate_key
+from retrysafe._model.hashing import canonical_json, fingerprint, protocol_key
 from retrysafe._model.record import Outcome
 from retrysafe.errors import (
     AmbiguousCredentialsError,
@@ -41,15 +41,25 @@ from retrysafe.errors import (
 )
 
 __all__ = [
+    "CARD_METHODS",
+    "CARD_PATH",
+    "EXTENSION_URI",
     "SEND_METHODS",
     "STREAM_METHODS",
+    "A2AErrorInfo",
     "ErrorCode",
     "Send",
+    "advertised",
+    "agent_extension",
+    "error_info",
     "error_reply",
+    "failed_finally",
+    "invalid_request",
     "parse_send",
     "refusal",
     "replayed",
     "result_as",
+    "retry_after",
     "settlement",
 ]
 
@@ -60,22 +70,33 @@ V10 = "1.0"
 SEND_METHODS: dict[str, str] = {"message/send": V03, "SendMessage": V10}
 #: Streaming sends: passed through, not deduplicated.
 STREAM_METHODS = frozenset({"message/stream", "SendStreamingMessage"})
+#: The JSON-RPC methods that answer the extended agent card (v1.0, v0.3).
+CARD_METHODS = frozenset({"GetExtendedAgentCard", "agent/getAuthenticatedExtendedCard"})
+#: Where an A2A server serves its public agent card.
+CARD_PATH = "/.well-known/agent-card.json"
+#: The URI of retrysafe's AgentCard extension: sends deduplicated by messageId.
+EXTENSION_URI = "urn:retrysafe:a2a:ext:idempotency:v1"
 
 
 class ErrorCode(enum.IntEnum):
     """JSON-RPC error codes of retrysafe's answers.
 
-    The server-error range (-32000 to -32099) is the implementation's; A2A
-    itself uses -32001 to -32009, so these stay clear of it.
+    They are JSON-RPC's standard codes, as the a2a-sdk server gives them, so
+    that an A2A client maps each to its error class and keeps ``error.data``.
+    The server-error range is taken: JSON-RPC reserves -32000 to -32099 for
+    the implementation and A2A uses -32001 to -32099 for its own errors. The
+    situation is in ``data``'s ``code`` (``idempotency_in_flight``, ...); the
+    names below are aliases of the three codes, kept for compatibility.
     """
 
     INVALID_REQUEST = -32600
     INVALID_PARAMS = -32602
-    IN_FLIGHT = -32090
-    CONFLICT = -32091
-    STORE_UNAVAILABLE = -32092
-    FAILED = -32093
-    PRINCIPAL_REQUIRED = -32094
+    INTERNAL_ERROR = -32603
+    IN_FLIGHT = -32603
+    CONFLICT = -32602
+    STORE_UNAVAILABLE = -32603
+    FAILED = -32603
+    PRINCIPAL_REQUIRED = -32600
 
 
 # -- the two spellings ---------------------------------------------------------------
@@ -86,6 +107,11 @@ _CAMEL = re.compile(r"_([a-z0-9])")
 def _camel(name: str) -> str:
     """ProtoJSON accepts a field's proto name too (``message_id``): use the JSON name."""
     return _CAMEL.sub(lambda m: m.group(1).upper(), name) if "_" in name else name
+
+
+def _snake(name: str) -> str:
+    """A JSON name's proto spelling (``contextId`` is ``context_id``)."""
+    return re.sub(r"([A-Z])", lambda m: "_" + m.group(1).lower(), name)
 
 
 _ROLE_V10: dict[Any, str] = {
@@ -355,13 +381,29 @@ def _field(obj: dict[str, Any], name: str) -> Any:
     """``obj[name]``, or its proto spelling (``contextId`` or ``context_id``)."""
     value = obj.get(name)
     if value is None:
-        value = obj.get(re.sub(r"([A-Z])", lambda m: "_" + m.group(1).lower(), name))
+        value = obj.get(_snake(name))
     return value
+
+
+class _InvalidMessageError(InvalidKeyError):
+    """A send's message has no usable messageId, or cannot be fingerprinted.
+
+    ``field`` is the field at fault, as A2A's ``google.rpc.BadRequest`` names it.
+    """
+
+    def __init__(self, message: str, field: str = "message.messageId") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def parse_send(request: Any, principal: str) -> Send | None:
     """The send in ``request`` (one JSON-RPC request object), or None for any
-    other request. :class:`InvalidKeyError` if a send has no usable messageId."""
+    other request. :class:`InvalidKeyError` if a send has no usable messageId
+    (with ``field``, the field at fault).
+
+    The messageId is any non-empty string of up to 1024 characters (A2A defines
+    it as a string); one that is not an engine key is stored as its SHA-256.
+    """
     if not isinstance(request, dict):
         return None
     method = request.get("method")
@@ -371,11 +413,14 @@ def parse_send(request: Any, principal: str) -> Send | None:
     params = request.get("params")
     message = params.get("message") if isinstance(params, dict) else None
     if not isinstance(params, dict) or not isinstance(message, dict):
-        raise InvalidKeyError("a send needs params.message with a messageId")
+        raise _InvalidMessageError("a send needs params.message with a messageId", "message")
     key = _field(message, "messageId")
     if key is None:
-        raise InvalidKeyError("params.message.messageId is required")
-    validate_key(key)
+        raise _InvalidMessageError("params.message.messageId is required")
+    try:
+        key = protocol_key(key)  # any string A2A allows, up to 1024 characters
+    except InvalidKeyError as exc:
+        raise _InvalidMessageError(f"messageId: {exc}") from None
     tenant = _field(params, "tenant")  # v1.0 only
     context = _field(message, "contextId")
     metadata = params.get("metadata")
@@ -384,75 +429,221 @@ def parse_send(request: Any, principal: str) -> Send | None:
         scope = canonical_json([principal, tenant or "", context or ""]).decode()
         fp = fingerprint(normal_message(message), _numbers(metadata) or None)
     except (TypeError, ValueError, RecursionError) as exc:
-        raise InvalidKeyError(f"the message cannot be fingerprinted: {exc}") from None
+        raise _InvalidMessageError(
+            f"the message cannot be fingerprinted: {exc}", "message"
+        ) from None
     return Send(str(method), version, request.get("id"), key, scope, fp)
 
 
-# -- answers ------------------------------------------------------------------------
+# -- the agent card ---------------------------------------------------------------------
 
 
-def error_reply(request_id: Any, code: int, message: str, data: dict[str, Any]) -> dict[str, Any]:
-    """A JSON-RPC error response."""
-    error = {"code": int(code), "message": message, "data": data}
-    return {"jsonrpc": "2.0", "id": request_id, "error": error}
+def agent_extension(
+    *, ttl: float = 86400, streaming: bool = False, bindings: Iterable[str] = ("JSONRPC",)
+) -> dict[str, Any]:
+    """The AgentCard extension (A2A ``AgentExtension``, as JSON) that says sends
+    are deduplicated: ``required`` is false, since a client needs nothing to
+    use it. ``ttl`` is how long a send is remembered, in seconds; ``streaming``
+    whether streaming sends are covered; ``bindings`` the protocol bindings
+    that are."""
+    return {
+        "uri": EXTENSION_URI,
+        "description": (
+            "Sends are deduplicated by messageId: a resend of a message gets the "
+            "stored Task or Message and starts nothing."
+        ),
+        "required": False,
+        "params": {
+            "key": "message.messageId",
+            "scope": ["principal", "tenant", "contextId"],
+            "ttlSeconds": math.ceil(ttl),
+            "streaming": streaming,
+            "bindings": list(bindings),
+        },
+    }
+
+
+def advertised(card: Any, extension: dict[str, Any]) -> dict[str, Any] | None:
+    """``card`` (an AgentCard as JSON) with ``extension`` added to its
+    ``capabilities.extensions``; None to leave it as it is: not a card, signed
+    (a change would break its signatures), or declaring the extension already."""
+    if not isinstance(card, dict) or card.get("signatures"):
+        return None
+    capabilities = card.get("capabilities", {})
+    extensions = capabilities.get("extensions", []) if isinstance(capabilities, dict) else None
+    if not isinstance(extensions, list) or any(
+        isinstance(e, dict) and e.get("uri") == extension["uri"] for e in extensions
+    ):
+        return None
+    return {**card, "capabilities": {**capabilities, "extensions": [*extensions, extension]}}
+
+
+# -- errors: one description, each binding's shape -------------------------------------
+
+#: The ``@type`` of the google.rpc details an A2A error carries (ProtoJSON ``Any``).
+ERROR_INFO_TYPE = "type.googleapis.com/google.rpc.ErrorInfo"
+RETRY_INFO_TYPE = "type.googleapis.com/google.rpc.RetryInfo"
+BAD_REQUEST_TYPE = "type.googleapis.com/google.rpc.BadRequest"
+#: The ErrorInfo domain of A2A's reasons, as the a2a-sdk gives it.
+A2A_DOMAIN = "a2a-protocol.org"
+
+
+@dataclass(frozen=True, slots=True)
+class A2AErrorInfo:
+    """How A2A answers one of retrysafe's refusals, in every binding.
+
+    ``code`` is the JSON-RPC code and ``reason`` the ``google.rpc.ErrorInfo``
+    reason of one a2a-sdk error class (-32603 ``INTERNAL_ERROR``, -32602
+    ``INVALID_PARAMS``, -32600 ``INVALID_REQUEST``), so that the SDK's client
+    raises that class with ``metadata`` as its ``data``; ``http_status`` is the
+    status of an HTTP+JSON answer. ``metadata`` holds strings (ErrorInfo's map
+    does): ``code`` (retrysafe's machine code), ``retryable`` (``"true"`` or
+    ``"false"``) and, where they apply, ``retryAfter`` (seconds),
+    ``originalRequestId`` and ``originalFingerprint``. The SDK's error class
+    raised with ``data=metadata`` answers with the same ErrorInfo.
+    ``violations`` are the ``(field, description)`` pairs of a
+    ``google.rpc.BadRequest``.
+    """
+
+    code: int
+    reason: str
+    http_status: int
+    message: str
+    metadata: dict[str, str]
+    retry_after: int | None = None
+    violations: tuple[tuple[str, str], ...] = ()
+
+    def details(self) -> list[dict[str, Any]]:
+        """A2A v1.0's ``error.data`` (HTTP+JSON: ``error.details``): the ErrorInfo
+        first, as clients read the first one, then RetryInfo and BadRequest."""
+        details: list[dict[str, Any]] = [
+            {
+                "@type": ERROR_INFO_TYPE,
+                "reason": self.reason,
+                "domain": A2A_DOMAIN,
+                "metadata": dict(self.metadata),
+            }
+        ]
+        if self.retry_after is not None:
+            details.append({"@type": RETRY_INFO_TYPE, "retryDelay": f"{self.retry_after}s"})
+        if self.violations:
+            violations = [{"field": f, "description": d} for f, d in self.violations]
+            details.append({"@type": BAD_REQUEST_TYPE, "fieldViolations": violations})
+        return details
+
+    def legacy_data(self) -> dict[str, Any]:
+        """A2A v0.3's ``error.data``: one object, with the keys retrysafe gave
+        before (``code``, ``retryable`` a bool, ``retry_after`` an int,
+        ``original_request_id``, ``original_fingerprint``)."""
+        data: dict[str, Any] = {}
+        for name, value in self.metadata.items():
+            if name == "retryable":
+                data[name] = value == "true"
+            elif name == "retryAfter":
+                data["retry_after"] = int(value)
+            else:
+                data[_snake(name)] = value
+        return data
+
+    def reply(self, request_id: Any, version: str = V10) -> dict[str, Any]:
+        """The JSON-RPC error response, its ``data`` in the shape of ``version``."""
+        data = self.legacy_data() if version == V03 else self.details()
+        return error_reply(request_id, self.code, self.message, data)
 
 
 def _seconds(value: float) -> int:
     return max(1, math.ceil(value))
 
 
-def refusal(request_id: Any, exc: IdempotencyError, operation: str = "a2a.send") -> dict[str, Any]:
-    """The JSON-RPC error answering an error of the key or the engine."""
-    METRICS.refused(operation, exc)  # once: the engine's errors are counted there
+def error_info(exc: IdempotencyError) -> A2AErrorInfo:
+    """How A2A answers ``exc``, an error of the key, the caller or the engine.
+
+    Raises ``exc`` itself if A2A has no answer for it (a deployment error).
+    """
+    meta = {"code": exc.code, "retryable": "false"}
+    retry: int | None = None
+    if isinstance(exc, (InProgressError, StoreUnavailableError)):
+        retry = _seconds(exc.retry_after)
+        meta.update(retryable="true", retryAfter=str(retry))
     original = getattr(exc, "original_request_id", None)
-    extra = {} if original is None else {"original_request_id": original}
+    if original is not None:
+        meta["originalRequestId"] = str(original)
     if isinstance(exc, InvalidKeyError):
-        return error_reply(
-            request_id, ErrorCode.INVALID_PARAMS, f"Invalid params: {exc}", {"code": exc.code}
+        field = exc.field if isinstance(exc, _InvalidMessageError) else "message.messageId"
+        return A2AErrorInfo(
+            -32602,
+            "INVALID_PARAMS",
+            400,
+            f"Invalid params: {exc}",
+            meta,
+            violations=((field, str(exc)),),
         )
     if isinstance(exc, AmbiguousCredentialsError):
-        return error_reply(
-            request_id, ErrorCode.INVALID_REQUEST, str(exc), {"code": exc.code, "retryable": False}
-        )
+        return A2AErrorInfo(-32600, "INVALID_REQUEST", 400, str(exc), meta)
     if isinstance(exc, PrincipalRequiredError):
-        return error_reply(
-            request_id,
-            ErrorCode.PRINCIPAL_REQUIRED,
-            str(exc),
-            {"code": exc.code, "retryable": False},
-        )
+        return A2AErrorInfo(-32600, "INVALID_REQUEST", 401, str(exc), meta)
     if isinstance(exc, InProgressError):
-        return error_reply(
-            request_id,
-            ErrorCode.IN_FLIGHT,
-            "a message with this messageId is still being processed; retry later",
-            {
-                "code": exc.code,
-                "retryable": True,
-                "retry_after": _seconds(exc.retry_after),
-                **extra,
-            },
-        )
+        message = "a message with this messageId is still being processed; retry later"
+        return A2AErrorInfo(-32603, "INTERNAL_ERROR", 409, message, meta, retry)
     if isinstance(exc, FingerprintMismatchError):
-        return error_reply(
-            request_id,
-            ErrorCode.CONFLICT,
-            "this messageId was already used with a different message",
-            {
-                "code": exc.code,
-                "retryable": False,
-                "original_fingerprint": exc.original_fingerprint,
-                **extra,
-            },
-        )
+        meta["originalFingerprint"] = exc.original_fingerprint
+        message = "this messageId was already used with a different message"
+        return A2AErrorInfo(-32602, "INVALID_PARAMS", 400, message, meta)
     if isinstance(exc, StoreUnavailableError):
-        return error_reply(
-            request_id,
-            ErrorCode.STORE_UNAVAILABLE,
-            "the idempotency store cannot be reached; retry with the same messageId",
-            {"code": exc.code, "retryable": True, "retry_after": _seconds(exc.retry_after)},
-        )
+        message = "the idempotency store cannot be reached; retry with the same messageId"
+        return A2AErrorInfo(-32603, "INTERNAL_ERROR", 503, message, meta, retry)
     raise exc
+
+
+def failed_finally() -> A2AErrorInfo:
+    """The answer to a repeat of a send that failed finally (and left no error to replay)."""
+    message = "an earlier attempt with this messageId failed finally; it is not run again"
+    meta = {"code": "idempotency_failed", "retryable": "false"}
+    return A2AErrorInfo(-32603, "INTERNAL_ERROR", 500, message, meta)
+
+
+def invalid_request(code: str, message: str, http_status: int = 400) -> A2AErrorInfo:
+    """A request refused before it is read as a send (a batch, a body too large)."""
+    meta = {"code": code, "retryable": "false"}
+    return A2AErrorInfo(-32600, "INVALID_REQUEST", http_status, message, meta)
+
+
+# -- answers ------------------------------------------------------------------------
+
+
+def error_reply(request_id: Any, code: int, message: str, data: Any) -> dict[str, Any]:
+    """A JSON-RPC error response."""
+    error = {"code": int(code), "message": message, "data": data}
+    return {"jsonrpc": "2.0", "id": request_id, "error": error}
+
+
+def refusal(
+    request_id: Any, exc: IdempotencyError, operation: str = "a2a.send", version: str = V10
+) -> dict[str, Any]:
+    """The JSON-RPC error answering an error of the key, the caller or the engine,
+    in the shape of ``version``; raises ``exc`` if A2A has no answer for it."""
+    METRICS.refused(operation, exc)  # once: the engine's errors are counted there
+    return error_info(exc).reply(request_id, version)
+
+
+def retry_after(reply: dict[str, Any]) -> str | None:
+    """The ``Retry-After`` header of a JSON-RPC error answer: its delay, in
+    either shape of ``data``; None without one."""
+    error = reply.get("error")
+    data = error.get("data") if isinstance(error, dict) else None
+    value: Any = None
+    if isinstance(data, dict):
+        value = data.get("retry_after")
+    elif isinstance(data, list):
+        info = next(
+            (d for d in data if isinstance(d, dict) and d.get("@type") == ERROR_INFO_TYPE), None
+        )
+        meta = info.get("metadata") if info is not None else None
+        value = meta.get("retryAfter") if isinstance(meta, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        return None
+    text = str(value)
+    return text if text.isascii() and text.isdigit() else None
 
 
 def replayed(send: Send, outcome: Outcome | None) -> dict[str, Any]:
@@ -465,12 +656,7 @@ def replayed(send: Send, outcome: Outcome | None) -> dict[str, Any]:
         return {"jsonrpc": "2.0", "id": send.id, "result": result}
     if isinstance(stored, dict) and isinstance(stored.get("error"), dict):
         return {"jsonrpc": "2.0", "id": send.id, "error": stored["error"]}
-    return error_reply(
-        send.id,
-        ErrorCode.FAILED,
-        "an earlier attempt with this messageId failed finally; it is not run again",
-        {"code": "idempotency_failed", "retryable": False},
-    )
+    return failed_finally().reply(send.id, send.version)
 
 
 def settlement(send: Send, response: Any) -> tuple[bool, Outcome | None]:
