@@ -35,7 +35,7 @@ from a2a.utils.errors import InternalError, InvalidParamsError
 from google.protobuf.json_format import MessageToDict
 
 import retrysafe.a2a
-from retrysafe.a2a import EXTENSION_URI, A2AMiddleware, agent_extension
+from retrysafe.a2a import EXTENSION_URI, MAX_CARD_BYTES, A2AMiddleware, agent_extension
 
 #: A2A's own error codes (A2A v1.0 §9.5): retrysafe's answers stay out of them.
 A2A_RESERVED = range(-32099, -32000)
@@ -265,14 +265,16 @@ async def test_the_extended_card_advertises_it_in_both_spellings(tmp_path: Path)
         (card(signatures=[AgentCardSignature(protected="e30", signature="c2ln")]), {}),
         (card(AgentExtension(**agent_extension(ttl=5))), {}),
         (card(), {"advertise": False}),
+        (card(documentation_url="https://docs.example/" + "d" * MAX_CARD_BYTES), {}),
     ],
-    ids=["signed", "declared", "advertise=False"],
+    ids=["signed", "declared", "advertise=False", "over MAX_CARD_BYTES"],
 )
 def test_a_card_is_left_as_it_is(
     tmp_path: Path, served: AgentCard, options: dict[str, Any]
 ) -> None:
     """A signed card (a change would break its signatures), a card that declares
-    the extension itself, and advertise=False: the app's own bytes."""
+    the extension itself, advertise=False, and a card too large to read whole:
+    the app's own bytes."""
     plain = card_app(tmp_path, served)
     with (
         ThreadServer(plain, "asgi") as bare,

@@ -74,6 +74,7 @@ from retrysafe.stores import Store
 
 __all__ = [
     "EXTENSION_URI",
+    "MAX_CARD_BYTES",
     "SEND_METHODS",
     "STREAM_METHODS",
     "A2AIdempotency",
@@ -464,20 +465,36 @@ def _is_json(headers: Iterable[tuple[bytes, bytes]]) -> bool:
     return media == "application/json" or media.endswith("+json")
 
 
+#: The largest agent card answer read to add the extension; a larger one passes as it is.
+MAX_CARD_BYTES = 1 << 20
+
+
 def _rewriting(send: ASGISend, edit: Callable[[Any], Any]) -> ASGISend:
-    """``send``, with a 200 JSON answer read whole and replaced by ``edit`` of its
-    JSON (unless ``edit`` gives None); any other answer passes as it is."""
+    """``send``, with a 200 JSON answer of at most :data:`MAX_CARD_BYTES` read whole
+    and replaced by ``edit`` of its JSON (unless ``edit`` gives None); any other
+    answer passes as it is."""
     start: MutableMapping[str, Any] | None = None
     chunks: list[bytes] = []
+    size = 0
 
     async def rewritten(message: MutableMapping[str, Any]) -> None:
-        nonlocal start
+        nonlocal start, size
         if message["type"] == "http.response.start":
             if message["status"] == 200 and _is_json(message.get("headers", ())):
                 start = message
                 return
         elif message["type"] == "http.response.body" and start is not None:
-            chunks.append(message.get("body", b""))
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > MAX_CARD_BYTES:  # too large to edit: send it on unchanged
+                await send(start)
+                start = None
+                for held in chunks:
+                    await send({"type": "http.response.body", "body": held, "more_body": True})
+                chunks.clear()
+                await send(message)
+                return
+            chunks.append(chunk)
             if message.get("more_body", False):
                 return
             body = b"".join(chunks)
