@@ -21,7 +21,7 @@ import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable, Collection, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from retrysafe._core.engine import Attempt, Engine, Plan, engine_for
 from retrysafe._core.heartbeat import renewing
@@ -60,8 +60,11 @@ from retrysafe._protocols.a2a import (
     replayed,
     settlement,
 )
-from retrysafe.errors import BodyTooLarge, IdempotencyError, InvalidKeyError
+from retrysafe.errors import BodyTooLarge, IdempotencyError, InvalidKeyError, MissingExtraError
 from retrysafe.stores import Store
+
+if TYPE_CHECKING:
+    from retrysafe._protocols.a2a_handler import IdempotentRequestHandler
 
 __all__ = [
     "SEND_METHODS",
@@ -70,6 +73,7 @@ __all__ = [
     "A2AMiddleware",
     "ErrorCode",
     "IdempotencyMiddleware",
+    "IdempotentRequestHandler",
 ]
 
 log = logging.getLogger("retrysafe.a2a")
@@ -439,3 +443,18 @@ async def _reply(send: ASGISend, doc: JSONRPC, *, replay: bool = False) -> None:
     if isinstance(data, dict) and "retry_after" in data:
         headers.append(("retry-after", str(data["retry_after"])))
     await send_json(send, 200, doc, headers)
+
+
+def __getattr__(name: str) -> Any:
+    """:class:`IdempotentRequestHandler`, imported on first use (it needs ``a2a-sdk``)."""
+    if name == "IdempotentRequestHandler":
+        try:
+            from retrysafe._protocols.a2a_handler import IdempotentRequestHandler
+        except ImportError as exc:
+            if exc.name is None or not exc.name.startswith(("a2a", "google")):
+                raise
+            raise MissingExtraError(
+                "a2a", "retrysafe.a2a.IdempotentRequestHandler", name=exc.name
+            ) from exc
+        return IdempotentRequestHandler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
