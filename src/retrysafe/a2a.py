@@ -13,6 +13,12 @@ A send (``message/send`` of A2A v0.3 or ``SendMessage`` of v1.0) runs once per
 ``messageId``, principal and context; a repeated one gets the stored Task or
 Message, in the spelling it asks in, and starts nothing. Every other request
 (task reads, cancels, streaming sends, the agent card) passes through.
+
+On an a2a-sdk server, :class:`IdempotentRequestHandler` wraps its request
+handler instead and covers every binding the SDK serves, streaming sends
+included (it needs the ``a2a`` extra)::
+
+    handler = IdempotentRequestHandler(DefaultRequestHandler(...), store=...)
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import logging
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
-from retrysafe._core.engine import Attempt, Engine, Plan, engine_for
+from retrysafe._core.engine import Attempt, Engine
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.principal import Anonymous, Principals, principal_option
 from retrysafe._core.recording import arecord, record
@@ -58,6 +64,7 @@ from retrysafe._protocols.a2a import (
     parse_send,
     refusal,
     replayed,
+    send_engine,
     settlement,
 )
 from retrysafe.errors import BodyTooLarge, IdempotencyError, InvalidKeyError, MissingExtraError
@@ -112,21 +119,17 @@ class A2AIdempotency:
         retention: str | None = None,
         max_body: int | None = None,
     ) -> None:
-        self.engine = engine_for(
-            store, share=True, ttl=ttl, lease=lease, retention=retention, max_body=max_body
-        )
-        self.final_failures = final_failures
-        self.operation = operation
-        # The engine options every send shares, validated once.
-        self._plan = Plan(
-            self.engine,
-            "-",
+        self.engine, self._plan = send_engine(
+            store,
             operation=operation,
             ttl=ttl,
             lease=lease,
             wait=wait,
             retention=retention,
+            max_body=max_body,
         )
+        self.final_failures = final_failures
+        self.operation = operation
 
     def __repr__(self) -> str:
         return f"<A2AIdempotency operation={self._plan.operation!r} engine={self.engine!r}>"

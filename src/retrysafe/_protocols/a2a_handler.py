@@ -33,7 +33,7 @@ from collections.abc import (
     Mapping,
 )
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 from a2a.server.context import ServerCallContext
 from a2a.server.request_handlers import RequestHandler
@@ -65,7 +65,7 @@ from a2a.utils.errors import (
 )
 from google.protobuf.json_format import MessageToDict, ParseDict  # type: ignore[import-untyped]
 
-from retrysafe._core.engine import Attempt, Engine, Plan, engine_for
+from retrysafe._core.engine import Attempt, Engine
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.metrics import METRICS
 from retrysafe._core.principal import Anonymous, Principal, PrincipalFn, Principals, unscoped
@@ -73,7 +73,14 @@ from retrysafe._core.recording import arecord
 from retrysafe._core.secret import asecret_of, check_secret
 from retrysafe._model.hashing import protocol_key
 from retrysafe._model.record import Outcome
-from retrysafe._protocols.a2a import V10, Send, parse_send, result_as
+from retrysafe._protocols.a2a import (
+    V10,
+    Send,
+    SendOptions,
+    parse_send,
+    result_as,
+    send_engine,
+)
 from retrysafe.errors import (
     AmbiguousCredentialsError,
     FingerprintMismatchError,
@@ -228,13 +235,8 @@ class IdempotentRequestHandler(RequestHandler):
         principal_headers: Collection[str] | None = None,
         principal_cookies: Collection[str] | None = None,
         anonymous: Anonymous | None = None,
-        ttl: float | None = None,
-        lease: float | None = None,
-        wait: float | None = None,
         final_failures: bool | None = None,
-        operation: str = "a2a.send",
-        retention: str | None = None,
-        max_body: int | None = None,
+        **options: Unpack[SendOptions],
     ) -> None:
         self.inner = inner
         self.principals = Principals(
@@ -243,21 +245,10 @@ class IdempotentRequestHandler(RequestHandler):
             principal_cookies=principal_cookies,
             anonymous=anonymous,
         )
-        self.engine = engine_for(
-            store, share=True, ttl=ttl, lease=lease, retention=retention, max_body=max_body
-        )
+        self.engine, self._plan = send_engine(store, **options)
         check_secret(self.engine.store)
         self.final_failures = final_failures
-        self.operation = operation
-        self._plan = Plan(
-            self.engine,
-            "-",
-            operation=operation,
-            ttl=ttl,
-            lease=lease,
-            wait=wait,
-            retention=retention,
-        )
+        self.operation = self._plan.operation
         self._runs: dict[tuple[str, str], _Run] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
