@@ -7,6 +7,7 @@ plain objects the tests read and open. Per test id (the ``X-Test-Id`` header):
 - ``gate``: the agent emits its Task (working), then waits until the test
   opens the gate, then adds an artifact and completes;
 - ``message``: the agent answers with a Message;
+- ``fail-once``: the first execution raises an A2A error;
 - anything else: a completed Task with one artifact echoing the text.
 """
 
@@ -59,6 +60,8 @@ class GatedAgent(AgentExecutor):
         tid = context.call_context.state["headers"].get("x-test-id", "default")
         n = self.runs.hit(tid)
         text = get_message_text(context.message)
+        if text == "fail-once" and n == 1:
+            raise InternalError(message="the agent failed")
         if text == "message":
             await event_queue.enqueue_event(
                 new_text_message(f"reply {n}", context_id=context.context_id)

@@ -21,7 +21,7 @@ from _http_servers import ThreadServer
 from a2a.client import ClientConfig, create_client
 from a2a.client.client import Client
 from a2a.types import Message, Part, Role, SendMessageRequest, StreamResponse, Task, TaskState
-from a2a.utils.errors import InternalError, InvalidParamsError
+from a2a.utils.errors import InternalError, InvalidParamsError, InvalidRequestError
 from conftest import StoreSpec
 
 import retrysafe.a2a as a2a_module
@@ -168,6 +168,51 @@ async def test_the_same_message_id_with_another_message_is_refused(
     with pytest.raises(InvalidParamsError):
         await send(plain, mid, "something else")
     assert agent.runs.counts[tid] == 1
+
+
+async def test_a_plain_resend_while_the_stream_runs_waits_for_its_task(
+    agent: Agent, tid: str
+) -> None:
+    mid = str(uuid.uuid4())
+    stream = aiter((await connect(agent, tid)).send_message(request(mid, "gate")))
+    head = await anext(stream)
+    plain = asyncio.ensure_future(send(await connect(agent, tid, streaming=False), mid, "gate"))
+    agent.runs.gate(tid).set()
+    assert final_state([head, *[e async for e in stream]]) == COMPLETED
+    task = stored_task(await plain)
+    assert task.id == head.task.id and task.status.state == COMPLETED
+    assert agent.runs.counts[tid] == 1
+
+
+async def test_a_failed_send_runs_again(agent: Agent, tid: str) -> None:
+    mid = str(uuid.uuid4())
+    client = await connect(agent, tid)
+    with pytest.raises(InternalError, match="the agent failed"):
+        await send(client, mid, "fail-once")
+    second = await send(client, mid, "fail-once")
+    assert final_state(second) == COMPLETED
+    assert stored_task(await send(client, mid, "fail-once")).id == task_id(second)
+    assert agent.runs.counts[tid] == 2
+
+
+async def test_callers_without_credentials(tmp_path: Path, agent: Agent, tid: str) -> None:
+    # By default they run without a record (as on every door: anonymous="run").
+    mid = str(uuid.uuid4())
+    anonymous = await connect(agent, tid, auth=None)
+    await send(anonymous, mid)
+    await send(anonymous, mid)
+    assert agent.runs.counts[tid] == 2
+    with serve(f"sqlite:///{tmp_path}/refuse.db", anonymous="refuse") as strict:
+        with pytest.raises(InvalidRequestError) as caught:
+            await send(await connect(strict, tid, auth=None), mid)
+        assert caught.value.data is not None
+        assert caught.value.data["code"] == "idempotency_principal_required"
+        assert strict.runs.counts[tid] == 0
+
+
+def test_an_unknown_option_is_refused() -> None:
+    with pytest.raises(TypeError, match="tll"):
+        IdempotentRequestHandler(None, "memory://", tll=3)  # type: ignore[arg-type,call-arg]
 
 
 async def test_a_changed_message_is_refused_while_the_first_runs(agent: Agent, tid: str) -> None:
