@@ -170,6 +170,20 @@ async def test_the_same_message_id_with_another_message_is_refused(
     assert agent.runs.counts[tid] == 1
 
 
+async def test_a_client_that_leaves_mid_stream_leaves_no_second_run(agent: Agent, tid: str) -> None:
+    mid = str(uuid.uuid4())
+    leaving = await connect(agent, tid)
+    stream = aiter(leaving.send_message(request(mid, "gate")))
+    head = await anext(stream)
+    await stream.aclose()  # type: ignore[attr-defined]
+    await leaving.close()
+    agent.runs.gate(tid).set()
+    # The run went on without its client: the retry joins it or gets its stored Task.
+    again = await send(await connect(agent, tid), mid, "gate")
+    assert task_id(again) == head.task.id and final_state(again) == COMPLETED
+    assert agent.runs.counts[tid] == 1
+
+
 async def test_a_plain_resend_while_the_stream_runs_waits_for_its_task(
     agent: Agent, tid: str
 ) -> None:

@@ -418,7 +418,8 @@ class IdempotentRequestHandler(RequestHandler):
         for _ in range(_ROUNDS):
             joined = self._joinable(send)
             if joined is not None:
-                task_id = await joined.task_id
+                # Shielded: a repeat that leaves must not cancel what the others await.
+                task_id = await asyncio.shield(joined.task_id)
                 if task_id is not None:
                     async for event in self._resubscribe(task_id, params, context):
                         yield event
