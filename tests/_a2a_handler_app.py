@@ -28,6 +28,10 @@ from a2a.server.tasks import InMemoryTaskStore, TaskUpdater
 from a2a.types import AgentCapabilities, AgentCard, AgentInterface, AgentSkill, TaskState
 from a2a.utils.errors import InternalError
 from starlette.applications import Starlette
+from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import HTTPConnection
 
 from retrysafe.a2a import A2AMiddleware, IdempotentRequestHandler
 
@@ -100,13 +104,22 @@ def card(url: str, jsonrpc: str = "/") -> AgentCard:
     )
 
 
+class HeaderUsers(AuthenticationBackend):
+    """Authenticates the user named by ``X-User`` (none without it)."""
+
+    async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, SimpleUser] | None:
+        name = conn.headers.get("x-user")
+        return None if name is None else (AuthCredentials(["authenticated"]), SimpleUser(name))
+
+
 def handler_app(
-    runs: Runs, store: Any, *, middleware: bool = False, **options: Any
+    runs: Runs, store: Any, *, middleware: bool = False, users: bool = False, **options: Any
 ) -> tuple[Any, IdempotentRequestHandler]:
     """The server, and the retrysafe handler it calls.
 
     ``middleware``: JSON-RPC at ``/mw`` too, served by the bare SDK handler behind
-    :class:`~retrysafe.a2a.A2AMiddleware` on the same store.
+    :class:`~retrysafe.a2a.A2AMiddleware` on the same store. ``users``: Starlette's
+    authentication, the user named by ``X-User``.
     """
     agent_card = card("http://127.0.0.1/")
     inner = DefaultRequestHandler(
@@ -118,6 +131,9 @@ def handler_app(
         *create_jsonrpc_routes(handler, "/", enable_v0_3_compat=True),
         *create_rest_routes(handler, path_prefix="/rest"),
     ]
+    if users:
+        auth = [Middleware(AuthenticationMiddleware, backend=HeaderUsers())]
+        return Starlette(routes=routes, middleware=auth), handler
     if not middleware:
         return Starlette(routes=routes), handler
     routes += create_jsonrpc_routes(inner, "/mw", enable_v0_3_compat=True)

@@ -39,9 +39,9 @@ class Agent:
 
 
 @contextlib.contextmanager
-def serve(store: Any, *, middleware: bool = False, **options: Any) -> Iterator[Agent]:
+def serve(store: Any, **options: Any) -> Iterator[Agent]:
     runs = Runs()
-    app, handler = handler_app(runs, store, middleware=middleware, **options)
+    app, handler = handler_app(runs, store, **options)
     with ThreadServer(app, "asgi") as server:
         try:
             yield Agent(server.url, runs, handler)
@@ -70,11 +70,16 @@ async def connect(
     binding: str = "JSONRPC",
     auth: str | None = CALLER,
     jsonrpc: str = "/",
+    user: str | None = None,
+    extra: dict[str, str] | None = None,
 ) -> Client:
     """An official client of ``agent`` for test ``tid`` (JSON-RPC at path ``jsonrpc``)."""
     headers = {"x-test-id": tid}
     if auth is not None:
         headers["authorization"] = auth
+    if user is not None:
+        headers["x-user"] = user
+    headers.update(extra or {})
     config = ClientConfig(
         httpx_client=httpx.AsyncClient(headers=headers, timeout=60),
         streaming=streaming,
@@ -222,6 +227,33 @@ async def test_callers_without_credentials(tmp_path: Path, agent: Agent, tid: st
         assert caught.value.data is not None
         assert caught.value.data["code"] == "idempotency_principal_required"
         assert strict.runs.counts[tid] == 0
+
+
+async def test_an_authenticated_user_is_the_caller(tmp_path: Path, tid: str) -> None:
+    with serve(f"sqlite:///{tmp_path}/users.db", users=True) as agent:
+        mid = str(uuid.uuid4())
+        # A refreshed token is the same user: the retry gets the stored Task.
+        first = await send(await connect(agent, tid, user="ada", auth="Bearer t1"), mid)
+        again = await send(await connect(agent, tid, user="ada", auth="Bearer t2"), mid)
+        assert stored_task(again).id == task_id(first)
+        other = await send(await connect(agent, tid, user="bob", auth="Bearer t1"), mid)
+        assert task_id(other) != task_id(first)
+        assert agent.runs.counts[tid] == 2
+
+
+async def test_principal_names_the_caller_from_the_call_context(tmp_path: Path, tid: str) -> None:
+    def tenant(context: Any) -> str | None:
+        return context.state["headers"].get("x-tenant")
+
+    with serve(f"sqlite:///{tmp_path}/tenants.db", principal=tenant) as agent:
+        mid = str(uuid.uuid4())
+        acme = {"x-tenant": "acme"}
+        first = await send(await connect(agent, tid, auth="Bearer t1", extra=acme), mid)
+        again = await send(await connect(agent, tid, auth="Bearer t2", extra=acme), mid)
+        assert stored_task(again).id == task_id(first)
+        other = {"x-tenant": "other"}
+        assert task_id(await send(await connect(agent, tid, extra=other), mid)) != task_id(first)
+        assert agent.runs.counts[tid] == 2
 
 
 def test_an_unknown_option_is_refused() -> None:
