@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from _a2a_handler_app import Runs, card, handler_app
-from _http_servers import ThreadServer
+from _http_servers import ThreadServer, free_port
 from a2a.client import ClientConfig, create_client
 from a2a.client.client import Client
 from a2a.types import Message, Part, Role, SendMessageRequest, StreamResponse, Task, TaskState
@@ -254,6 +254,16 @@ async def test_principal_names_the_caller_from_the_call_context(tmp_path: Path, 
         other = {"x-tenant": "other"}
         assert task_id(await send(await connect(agent, tid, extra=other), mid)) != task_id(first)
         assert agent.runs.counts[tid] == 2
+
+
+async def test_a_store_down_refuses_the_send_and_runs_nothing(tid: str) -> None:
+    with serve(f"redis://127.0.0.1:{free_port()}/0") as agent:
+        with pytest.raises(InternalError) as caught:
+            await send(await connect(agent, tid), str(uuid.uuid4()))
+        data = caught.value.data
+        assert data is not None and data["code"] == "idempotency_store_unavailable"
+        assert data["retryable"] == "true" and int(data["retryAfter"]) >= 1
+        assert agent.runs.counts[tid] == 0
 
 
 def test_an_unknown_option_is_refused() -> None:

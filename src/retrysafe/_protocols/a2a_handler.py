@@ -88,6 +88,7 @@ from retrysafe.errors import (
     InProgressError,
     InvalidKeyError,
     PrincipalRequiredError,
+    StoreUnavailableError,
 )
 from retrysafe.stores import Store
 
@@ -130,8 +131,10 @@ def _sdk_error(exc: IdempotencyError) -> A2AError:
         return InvalidRequestError(str(exc), data=data)
     if isinstance(exc, InProgressError):
         message = "a message with this messageId is still being processed; retry later"
-    else:
+    elif isinstance(exc, StoreUnavailableError):
         message = "the idempotency store cannot be reached; retry with the same messageId"
+    else:
+        message = str(exc)
     data["retryable"] = "true" if retry_after is not None else "false"
     if retry_after is not None:
         data["retryAfter"] = str(max(1, math.ceil(retry_after)))
