@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The packages of the extras that the core must not need.
-OPTIONAL = ("uvicorn", "typer", "rich", "prometheus_client", "httpx", "opentelemetry")
+OPTIONAL = ("uvicorn", "typer", "rich", "prometheus_client", "httpx", "opentelemetry", "a2a")
 
 #: A ``sitecustomize`` module: it blocks the packages named (``{blocked}``) in every
 #: interpreter started with its folder on ``PYTHONPATH``.
@@ -190,6 +190,21 @@ def test_a_missing_extra_is_named(tmp_path: Path, module: str, extra: str) -> No
     done = _run(tmp_path, "-c", code, blocked=True)
     assert done.returncode == 0, done.stderr + done.stdout
     assert f"pip install 'retrysafe[{extra}]'" in done.stdout
+
+
+def test_the_a2a_request_handler_without_the_sdk_names_the_extra(tmp_path: Path) -> None:
+    code = textwrap.dedent("""
+        import retrysafe.a2a
+        from retrysafe.errors import MissingExtraError
+        try:
+            retrysafe.a2a.IdempotentRequestHandler
+        except MissingExtraError as exc:
+            assert exc.extra == "a2a", exc.extra
+            print(exc)
+    """)
+    done = _run(tmp_path, "-c", code, blocked=True)
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'retrysafe[a2a]'" in done.stdout
 
 
 def test_metrics_count_without_prometheus_and_serving_them_names_the_extra(

@@ -14,6 +14,12 @@ A send (``message/send`` of A2A v0.3 or ``SendMessage`` of v1.0) runs once per
 Message, in the spelling it asks in, and starts nothing. Every other request
 (task reads, cancels, streaming sends) passes through; the middleware adds
 :func:`agent_extension` to the agent card it serves.
+
+On an a2a-sdk server, :class:`IdempotentRequestHandler` wraps its request
+handler instead and covers every binding the SDK serves, streaming sends
+included (it needs the ``a2a`` extra)::
+
+    handler = IdempotentRequestHandler(DefaultRequestHandler(...), store=...)
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ import json
 import logging
 import warnings
 from collections.abc import Awaitable, Callable, Collection, Iterable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from retrysafe._core.engine import Attempt, Engine, Plan, engine_for
+from retrysafe._core.engine import Attempt, Engine
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.principal import Anonymous, Principals, principal_option
 from retrysafe._core.recording import arecord, record
@@ -67,10 +73,14 @@ from retrysafe._protocols.a2a import (
     refusal,
     replayed,
     retry_after,
+    send_engine,
     settlement,
 )
-from retrysafe.errors import BodyTooLarge, IdempotencyError, InvalidKeyError
+from retrysafe.errors import BodyTooLarge, IdempotencyError, InvalidKeyError, MissingExtraError
 from retrysafe.stores import Store
+
+if TYPE_CHECKING:
+    from retrysafe._protocols.a2a_handler import IdempotentRequestHandler
 
 __all__ = [
     "EXTENSION_URI",
@@ -80,6 +90,7 @@ __all__ = [
     "A2AIdempotency",
     "A2AMiddleware",
     "ErrorCode",
+    "IdempotentRequestHandler",
     "agent_extension",
 ]
 
@@ -119,21 +130,17 @@ class A2AIdempotency:
         retention: str | None = None,
         max_body: int | None = None,
     ) -> None:
-        self.engine = engine_for(
-            store, share=True, ttl=ttl, lease=lease, retention=retention, max_body=max_body
-        )
-        self.final_failures = final_failures
-        self.operation = operation
-        # The engine options every send shares, validated once.
-        self._plan = Plan(
-            self.engine,
-            "-",
+        self.engine, self._plan = send_engine(
+            store,
             operation=operation,
             ttl=ttl,
             lease=lease,
             wait=wait,
             retention=retention,
+            max_body=max_body,
         )
+        self.final_failures = final_failures
+        self.operation = operation
 
     def __repr__(self) -> str:
         return f"<A2AIdempotency operation={self._plan.operation!r} engine={self.engine!r}>"
@@ -419,19 +426,6 @@ class A2AMiddleware:
         return None if card is None else {**response, "result": card}
 
 
-def __getattr__(name: str) -> Any:
-    """The former name of :class:`A2AMiddleware`, deprecated."""
-    if name == "IdempotencyMiddleware":
-        warnings.warn(
-            "retrysafe.a2a.IdempotencyMiddleware is A2AMiddleware: use that name (its "
-            "contract is not that of the HTTP front doors' IdempotencyMiddleware)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return A2AMiddleware
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class _Answer:
     """The app's answer to one send, as :mod:`retrysafe.asgi`'s recorder records it.
 
@@ -541,3 +535,27 @@ async def _reply(send: ASGISend, doc: JSONRPC, *, replay: bool = False) -> None:
     if delay is not None:
         headers.append(("retry-after", delay))
     await send_json(send, 200, doc, headers)
+
+
+def __getattr__(name: str) -> Any:
+    """:class:`IdempotentRequestHandler`, imported on first use (it needs ``a2a-sdk``),
+    and the deprecated former name of :class:`A2AMiddleware`."""
+    if name == "IdempotentRequestHandler":
+        try:
+            from retrysafe._protocols.a2a_handler import IdempotentRequestHandler
+        except ImportError as exc:
+            if exc.name is None or not exc.name.startswith(("a2a", "google")):
+                raise
+            raise MissingExtraError(
+                "a2a", "retrysafe.a2a.IdempotentRequestHandler", name=exc.name
+            ) from exc
+        return IdempotentRequestHandler
+    if name == "IdempotencyMiddleware":
+        warnings.warn(
+            "retrysafe.a2a.IdempotencyMiddleware is A2AMiddleware: use that name (its "
+            "contract is not that of the HTTP front doors' IdempotencyMiddleware)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return A2AMiddleware
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
