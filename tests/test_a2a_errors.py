@@ -38,11 +38,10 @@ from retrysafe.errors import (
 
 SDK_CLASS = {-32603: InternalError, -32602: InvalidParamsError, -32600: InvalidRequestError}
 
-REFUSALS: list[tuple[IdempotencyError, int, int, dict[str, str]]] = [
+REFUSALS: list[tuple[IdempotencyError, int, dict[str, str]]] = [
     (
         InProgressError("busy", retry_after=2.2, original_request_id="7"),
         -32603,
-        409,
         {
             "code": "idempotency_in_flight",
             "retryable": "true",
@@ -53,7 +52,6 @@ REFUSALS: list[tuple[IdempotencyError, int, int, dict[str, str]]] = [
     (
         FingerprintMismatchError("other", original_fingerprint="ab" * 32, original_request_id="7"),
         -32602,
-        400,
         {
             "code": "idempotency_conflict",
             "retryable": "false",
@@ -64,25 +62,21 @@ REFUSALS: list[tuple[IdempotencyError, int, int, dict[str, str]]] = [
     (
         StoreUnavailableError("down", retry_after=0.1),
         -32603,
-        503,
         {"code": "idempotency_store_unavailable", "retryable": "true", "retryAfter": "1"},
     ),
     (
         InvalidKeyError("params.message.messageId is required"),
         -32602,
-        400,
         {"code": "idempotency_key_invalid", "retryable": "false"},
     ),
     (
         PrincipalRequiredError("no credential"),
         -32600,
-        401,
         {"code": "idempotency_principal_required", "retryable": "false"},
     ),
     (
         AmbiguousCredentialsError("two Authorization lines"),
         -32600,
-        400,
         {"code": "idempotency_credentials_ambiguous", "retryable": "false"},
     ),
 ]
@@ -96,12 +90,12 @@ def infos() -> list[A2AErrorInfo]:
     ]
 
 
-@pytest.mark.parametrize(("exc", "code", "status", "metadata"), REFUSALS)
+@pytest.mark.parametrize(("exc", "code", "metadata"), REFUSALS)
 def test_each_refusal_has_one_description(
-    exc: IdempotencyError, code: int, status: int, metadata: dict[str, str]
+    exc: IdempotencyError, code: int, metadata: dict[str, str]
 ) -> None:
     info = error_info(exc)
-    assert (info.code, info.http_status, info.metadata) == (code, status, metadata)
+    assert (info.code, info.metadata) == (code, metadata)
     assert info.reason == A2A_ERROR_REASONS[SDK_CLASS[code]]
     assert JSON_RPC_ERROR_CODE_MAP[SDK_CLASS[code]] == code
 

@@ -350,7 +350,7 @@ class A2AMiddleware:
             body = await read_body(receive, at_most(self.max_request_body))
         except BodyTooLarge:
             message = f"the request body is over {self.max_request_body} bytes"
-            refused = invalid_request("idempotency_body_too_large", message, 413)
+            refused = invalid_request("idempotency_body_too_large", message)
             await _reply(send, refused.reply(None))  # the method is unknown: v1.0
             return
         if body is None:

@@ -498,8 +498,8 @@ class A2AErrorInfo:
     ``code`` is the JSON-RPC code and ``reason`` the ``google.rpc.ErrorInfo``
     reason of one a2a-sdk error class (-32603 ``INTERNAL_ERROR``, -32602
     ``INVALID_PARAMS``, -32600 ``INVALID_REQUEST``), so that the SDK's client
-    raises that class with ``metadata`` as its ``data``; ``http_status`` is the
-    status of an HTTP+JSON answer. ``metadata`` holds strings (ErrorInfo's map
+    raises that class with ``metadata`` as its ``data`` (and, over HTTP+JSON, the
+    SDK gives the class's own status). ``metadata`` holds strings (ErrorInfo's map
     does): ``code`` (retrysafe's machine code), ``retryable`` (``"true"`` or
     ``"false"``) and, where they apply, ``retryAfter`` (seconds),
     ``originalRequestId`` and ``originalFingerprint``. The SDK's error class
@@ -510,7 +510,6 @@ class A2AErrorInfo:
 
     code: int
     reason: str
-    http_status: int
     message: str
     metadata: dict[str, str]
     retry_after: int | None = None
@@ -576,25 +575,24 @@ def error_info(exc: IdempotencyError) -> A2AErrorInfo:
         return A2AErrorInfo(
             -32602,
             "INVALID_PARAMS",
-            400,
             f"Invalid params: {exc}",
             meta,
             violations=((field, str(exc)),),
         )
     if isinstance(exc, AmbiguousCredentialsError):
-        return A2AErrorInfo(-32600, "INVALID_REQUEST", 400, str(exc), meta)
+        return A2AErrorInfo(-32600, "INVALID_REQUEST", str(exc), meta)
     if isinstance(exc, PrincipalRequiredError):
-        return A2AErrorInfo(-32600, "INVALID_REQUEST", 401, str(exc), meta)
+        return A2AErrorInfo(-32600, "INVALID_REQUEST", str(exc), meta)
     if isinstance(exc, InProgressError):
         message = "a message with this messageId is still being processed; retry later"
-        return A2AErrorInfo(-32603, "INTERNAL_ERROR", 409, message, meta, retry)
+        return A2AErrorInfo(-32603, "INTERNAL_ERROR", message, meta, retry)
     if isinstance(exc, FingerprintMismatchError):
         meta["originalFingerprint"] = exc.original_fingerprint
         message = "this messageId was already used with a different message"
-        return A2AErrorInfo(-32602, "INVALID_PARAMS", 400, message, meta)
+        return A2AErrorInfo(-32602, "INVALID_PARAMS", message, meta)
     if isinstance(exc, StoreUnavailableError):
         message = "the idempotency store cannot be reached; retry with the same messageId"
-        return A2AErrorInfo(-32603, "INTERNAL_ERROR", 503, message, meta, retry)
+        return A2AErrorInfo(-32603, "INTERNAL_ERROR", message, meta, retry)
     raise exc
 
 
@@ -602,13 +600,13 @@ def failed_finally() -> A2AErrorInfo:
     """The answer to a repeat of a send that failed finally (and left no error to replay)."""
     message = "an earlier attempt with this messageId failed finally; it is not run again"
     meta = {"code": "idempotency_failed", "retryable": "false"}
-    return A2AErrorInfo(-32603, "INTERNAL_ERROR", 500, message, meta)
+    return A2AErrorInfo(-32603, "INTERNAL_ERROR", message, meta)
 
 
-def invalid_request(code: str, message: str, http_status: int = 400) -> A2AErrorInfo:
+def invalid_request(code: str, message: str) -> A2AErrorInfo:
     """A request refused before it is read as a send (a batch, a body too large)."""
     meta = {"code": code, "retryable": "false"}
-    return A2AErrorInfo(-32600, "INVALID_REQUEST", http_status, message, meta)
+    return A2AErrorInfo(-32600, "INVALID_REQUEST", message, meta)
 
 
 # -- answers ------------------------------------------------------------------------
