@@ -88,14 +88,16 @@ def envelope(
     errors: list[dict[str, Any]] | None = None,
     entry: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A response envelope: always the same five keys."""
-    return {
-        "protocol": protocol,
-        "id": request_id,
-        "result": result,
-        "errors": errors or [],
-        "extensions": [] if entry is None else [entry],
-    }
+    """A response envelope: ``result`` on success; ``result: null`` and ``errors``
+    on failure (never both: protocol.md, "Error Fields"); ``extensions`` when an
+    extension has something to say."""
+    answer: dict[str, Any] = {"protocol": protocol, "id": request_id, "result": result}
+    if errors:
+        answer["result"] = None
+        answer["errors"] = errors
+    if entry is not None:
+        answer["extensions"] = [entry]
+    return answer
 
 
 def _iso(seconds: float) -> str:
