@@ -885,8 +885,7 @@ def mesh_envelopes(draw: st.DrawFn) -> dict[str, Any]:
 
 MESH_REFUSALS = {
     "INVALID_REQUEST",
-    "IDEMPOTENCY_KEY_REQUIRED",
-    "IDEMPOTENCY_KEY_INVALID",
+    "INVALID_ARGUMENTS",
     "FUNCTION_NOT_FOUND",
     "PARSE_ERROR",
 }

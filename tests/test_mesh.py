@@ -483,7 +483,7 @@ def test_store_down_is_a_retryable_error(mode: str) -> None:
         "result": None,
         "errors": [
             {
-                "code": "IDEMPOTENCY_STORE_UNAVAILABLE",
+                "code": "UNAVAILABLE",
                 "message": "the idempotency store cannot be reached; retry with the same key",
                 "retryable": True,
                 "details": {"key": KEY, "retry_after": {"value": 1, "unit": "second"}},
@@ -619,13 +619,13 @@ MALFORMED = [
         "INVALID_REQUEST",
         "/extensions/0/options",
     ),
-    (_with("extensions/0/options", {}), "IDEMPOTENCY_KEY_REQUIRED", _KEY_AT),
-    (_without("extensions/0/options"), "IDEMPOTENCY_KEY_REQUIRED", _KEY_AT),
-    (_with(_KEY_AT[1:], 456), "IDEMPOTENCY_KEY_INVALID", _KEY_AT),
-    (_with(_KEY_AT[1:], ""), "IDEMPOTENCY_KEY_INVALID", _KEY_AT),
-    (_with(_KEY_AT[1:], "x" * 256), "IDEMPOTENCY_KEY_INVALID", _KEY_AT),
-    (_with(_KEY_AT[1:], "clé"), "IDEMPOTENCY_KEY_INVALID", _KEY_AT),
-    (_with(_KEY_AT[1:], "a\nb"), "IDEMPOTENCY_KEY_INVALID", _KEY_AT),
+    (_with("extensions/0/options", {}), "INVALID_ARGUMENTS", _KEY_AT),
+    (_without("extensions/0/options"), "INVALID_ARGUMENTS", _KEY_AT),
+    (_with(_KEY_AT[1:], 456), "INVALID_ARGUMENTS", _KEY_AT),
+    (_with(_KEY_AT[1:], ""), "INVALID_ARGUMENTS", _KEY_AT),
+    (_with(_KEY_AT[1:], "x" * 256), "INVALID_ARGUMENTS", _KEY_AT),
+    (_with(_KEY_AT[1:], "clé"), "INVALID_ARGUMENTS", _KEY_AT),
+    (_with(_KEY_AT[1:], "a\nb"), "INVALID_ARGUMENTS", _KEY_AT),
     (_with(_TTL_AT[1:], "24h"), "INVALID_REQUEST", _TTL_AT),
     (_with(_TTL_AT[1:], 3600), "INVALID_REQUEST", _TTL_AT),
     (_with(_TTL_AT[1:], {"value": 0, "unit": "hour"}), "INVALID_REQUEST", _TTL_AT + "/value"),
@@ -751,11 +751,7 @@ def test_property_malformed_requests_get_an_error_envelope(envelope: Any) -> Non
     answer = mesh.handle(envelope, charge)
     assert set(answer) == {"protocol", "id", "result", "errors"}
     [error] = answer["errors"]
-    assert error["code"] in {
-        "INVALID_REQUEST",
-        "IDEMPOTENCY_KEY_REQUIRED",
-        "IDEMPOTENCY_KEY_INVALID",
-    }
+    assert error["code"] in {"INVALID_REQUEST", "INVALID_ARGUMENTS"}
     assert error["retryable"] is False and isinstance(error["message"], str)
     assert answer["result"] is None
     json.dumps(answer, allow_nan=False)
@@ -1032,7 +1028,7 @@ def test_http_custom_principal_and_store_down() -> None:
         answer = httpx.post(server.url, json=request())
     assert answer.status_code == 200
     [error] = answer.json()["errors"]
-    assert error["code"] == "IDEMPOTENCY_STORE_UNAVAILABLE" and error["retryable"] is True
+    assert error["code"] == "UNAVAILABLE" and error["retryable"] is True
     assert runs == []
 
 

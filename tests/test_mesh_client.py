@@ -201,11 +201,7 @@ def test_processing_is_retried_after_its_retry_after_with_the_same_key_and_new_i
         (
             answer(
                 None,
-                [
-                    error(
-                        "IDEMPOTENCY_STORE_UNAVAILABLE", True, retry_after={"value": 3, "unit": "s"}
-                    )
-                ],
+                [error("UNAVAILABLE", True, retry_after={"value": 3, "unit": "s"})],
             ),
             3,
         ),
@@ -229,7 +225,7 @@ def test_other_retryable_answers(
     "final",
     [
         CONFLICT,
-        answer(None, [error("IDEMPOTENCY_KEY_INVALID", False)]),
+        answer(None, [error("INVALID_ARGUMENTS", False)]),
         answer(None, [{"code": "FUNCTION_NOT_FOUND", "message": "no", "retryable": False}]),
         answer(None, [error("CARD_DECLINED", False)], status="processed"),
         answer(None, [error("IDEMPOTENCY_PROCESSING", True), error("OTHER", False)]),

@@ -8,6 +8,7 @@ The HTTP tests serve a real :class:`MeshApp` on uvicorn over a SQLite file.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from _hangup import CALLER
 from _http_servers import ThreadServer
 
 from retrysafe import Store, open_store
+from retrysafe._ops.monitor import read_sample
 from retrysafe.mesh import URN, MeshApp, MeshError, MeshIdempotency
 
 KEY = "charge_order456_v1"
@@ -136,3 +138,64 @@ def test_error_envelopes_carry_a_null_result_and_errors(served: Served) -> None:
     for answer in answers:
         assert answer["result"] is None and len(answer["errors"]) >= 1, answer
     assert data(answers[1])["status"] == "cached"
+
+
+# -- 3. the protocol's standard codes (errors.md), as the reference implementation uses them ----
+
+KEY_AT = "/extensions/0/options/key"
+OLD_CODES = ("IDEMPOTENCY_KEY_REQUIRED", "IDEMPOTENCY_KEY_INVALID", "IDEMPOTENCY_STORE_UNAVAILABLE")
+
+
+def invalid_keys() -> float:
+    return read_sample().totals["invalid_key"].get("(none)", 0.0)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"key": None}, {"key": 42}, {"key": ""}, {"key": ["k"]}], ids=repr
+)
+def test_a_missing_or_invalid_key_is_invalid_arguments(
+    options: dict[str, Any], mode: str, memory: Store[Any]
+) -> None:
+    envelope = request()
+    envelope["extensions"][0]["options"] = options
+    mesh = MeshIdempotency(memory)
+    runs: list[Any] = []
+    before = invalid_keys()
+    if mode == "sync":
+        answer = mesh.handle(envelope, runs.append)
+    else:
+        answer = asyncio.run(mesh.ahandle(envelope, runs.append))
+    [error] = answer["errors"]
+    assert error["code"] == "INVALID_ARGUMENTS" and error["retryable"] is False
+    assert error["source"] == {"pointer": KEY_AT} and error["message"]
+    assert answer["result"] is None and runs == [] and memory.records() == []
+    assert invalid_keys() == before + 1  # the metric still counts invalid keys
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_unreachable_store_is_unavailable(mode: str) -> None:
+    mesh = MeshIdempotency("redis://127.0.0.1:1")
+    runs: list[Any] = []
+    if mode == "sync":
+        answer = mesh.handle(request(), runs.append)
+    else:
+        answer = asyncio.run(mesh.ahandle(request(), runs.append))
+    [error] = answer["errors"]
+    assert error["code"] == "UNAVAILABLE" and error["retryable"] is True
+    assert error["details"] == {"key": KEY, "retry_after": {"value": 1, "unit": "second"}}
+    assert runs == []
+
+
+def test_no_answer_uses_a_code_outside_the_spec(served: Served) -> None:
+    client, _, _ = served
+    bodies = [
+        request(key=None),
+        {**request(), "extensions": [{"urn": URN}]},
+        request(key=7),
+        request(key=""),
+        request(function="payments.nope"),
+        request(function="payments.declined"),
+    ]
+    for body in bodies:
+        text = client.post("/", json=body).text
+        assert not any(code in text for code in OLD_CODES), text

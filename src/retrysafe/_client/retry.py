@@ -153,7 +153,7 @@ def mesh_retryable(outcome: httpx.Response | BaseException) -> bool:
     """:func:`retryable`, or a Mesh answer whose ``errors`` are all ``"retryable": true``.
 
     Those are ``IDEMPOTENCY_PROCESSING`` (the first attempt still runs),
-    ``IDEMPOTENCY_STORE_UNAVAILABLE``, a crashed handler's ``INTERNAL_ERROR`` and
+    ``UNAVAILABLE``, a crashed handler's ``INTERNAL_ERROR`` and
     any retryable error of the function's own; never ``IDEMPOTENCY_CONFLICT``
     or another error that is not retryable. Mesh servers answer errors with 200.
     """

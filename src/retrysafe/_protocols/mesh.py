@@ -46,18 +46,19 @@ __all__ = [
 URN = "urn:mesh:ext:idempotency"
 PROTOCOL = {"name": "mesh", "version": "0.1.0"}
 
-# The protocol's own codes, then the Mesh idempotency extension's and retrysafe's.
+# The protocol's standard codes (errors.md), then the Mesh idempotency extension's own
+# two. A missing or invalid key is INVALID_ARGUMENTS, as the reference implementation
+# answers it; an unreachable store is UNAVAILABLE.
 PARSE_ERROR = "PARSE_ERROR"
 INVALID_REQUEST = "INVALID_REQUEST"
+INVALID_ARGUMENTS = "INVALID_ARGUMENTS"
 FUNCTION_NOT_FOUND = "FUNCTION_NOT_FOUND"
 INTERNAL_ERROR = "INTERNAL_ERROR"
-IDEMPOTENCY_PROCESSING = "IDEMPOTENCY_PROCESSING"
-IDEMPOTENCY_CONFLICT = "IDEMPOTENCY_CONFLICT"
-IDEMPOTENCY_KEY_REQUIRED = "IDEMPOTENCY_KEY_REQUIRED"
-IDEMPOTENCY_KEY_INVALID = "IDEMPOTENCY_KEY_INVALID"
-IDEMPOTENCY_STORE_UNAVAILABLE = "IDEMPOTENCY_STORE_UNAVAILABLE"
+UNAVAILABLE = "UNAVAILABLE"
 #: A keyed call without credentials, where anonymous calls are refused.
 UNAUTHORIZED = "UNAUTHORIZED"
+IDEMPOTENCY_PROCESSING = "IDEMPOTENCY_PROCESSING"
+IDEMPOTENCY_CONFLICT = "IDEMPOTENCY_CONFLICT"
 
 _SECONDS = {"millisecond": 0.001, "second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0}
 #: Seconds per ``ttl`` unit: the protocol's duration units, singular or plural.
@@ -113,10 +114,21 @@ def _whole_seconds(seconds: float) -> dict[str, Any]:
 
 
 class _Invalid(Exception):
-    """A request that is not one: its Mesh error, and where in the request it is."""
+    """A request that is not one: its Mesh error, and where in the request it is.
 
-    def __init__(self, code: str, message: str, pointer: str = "", position: int | None = None):
+    ``key_error``: the idempotency key is missing or invalid (counted as ``invalid_key``).
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        pointer: str = "",
+        position: int | None = None,
+        key_error: bool = False,
+    ):
         super().__init__(message)
+        self.key_error = key_error
         self.error = _error(
             code,
             message,
@@ -198,7 +210,7 @@ def parse(request: Any) -> MeshCall | dict[str, Any]:
     try:
         return _parse(request)
     except _Invalid as bad:
-        if bad.error["code"] in (IDEMPOTENCY_KEY_REQUIRED, IDEMPOTENCY_KEY_INVALID):
+        if bad.key_error:
             METRICS.count("invalid_key", "")
         return error_envelope(request, bad.error)
 
@@ -268,14 +280,14 @@ def _options(extensions: Any) -> tuple[str | None, float | None]:
     key = options.get("key")
     if key is None:
         raise _Invalid(
-            IDEMPOTENCY_KEY_REQUIRED, "the idempotency extension needs a key", at + "/key"
+            INVALID_ARGUMENTS, "the idempotency extension needs a key", at + "/key", key_error=True
         )
     try:
         if type(key) is not str:
             raise InvalidKeyError(f"idempotency key must be a string, not {_json_type(key)}")
         validate_key(key)
     except InvalidKeyError as exc:
-        raise _Invalid(IDEMPOTENCY_KEY_INVALID, str(exc), at + "/key") from None
+        raise _Invalid(INVALID_ARGUMENTS, str(exc), at + "/key", key_error=True) from None
     ttl = options.get("ttl")
     return key, None if ttl is None else _ttl(ttl, at + "/ttl")
 
@@ -465,7 +477,7 @@ class MeshCall:
             entry = None
         elif isinstance(exc, StoreUnavailableError):
             error = _error(
-                IDEMPOTENCY_STORE_UNAVAILABLE,
+                UNAVAILABLE,
                 "the idempotency store cannot be reached; retry with the same key",
                 True,
                 {"key": self.key, "retry_after": _whole_seconds(exc.retry_after)},
