@@ -623,9 +623,7 @@ MALFORMED = [
     (_without("extensions/0/options"), "INVALID_ARGUMENTS", _KEY_AT),
     (_with(_KEY_AT[1:], 456), "INVALID_ARGUMENTS", _KEY_AT),
     (_with(_KEY_AT[1:], ""), "INVALID_ARGUMENTS", _KEY_AT),
-    (_with(_KEY_AT[1:], "x" * 256), "INVALID_ARGUMENTS", _KEY_AT),
-    (_with(_KEY_AT[1:], "clé"), "INVALID_ARGUMENTS", _KEY_AT),
-    (_with(_KEY_AT[1:], "a\nb"), "INVALID_ARGUMENTS", _KEY_AT),
+    (_with(_KEY_AT[1:], "x" * 1025), "INVALID_ARGUMENTS", _KEY_AT),
     (_with(_TTL_AT[1:], "24h"), "INVALID_REQUEST", _TTL_AT),
     (_with(_TTL_AT[1:], 3600), "INVALID_REQUEST", _TTL_AT),
     (_with(_TTL_AT[1:], {"value": 0, "unit": "hour"}), "INVALID_REQUEST", _TTL_AT + "/value"),
@@ -687,11 +685,7 @@ json_values = st.recursive(
 )
 _not_object = json_values.filter(lambda v: not isinstance(v, dict))
 _not_text = json_values.filter(lambda v: not isinstance(v, str))
-_bad_key = (
-    _not_text.filter(lambda v: v is not None)
-    | st.text(min_size=256)
-    | st.text().filter(lambda s: not s or any(not " " <= c <= "~" for c in s))
-)
+_bad_key = _not_text.filter(lambda v: v is not None) | st.just("") | st.text(min_size=1025)
 _bad_ttl = st.one_of(
     _not_object.filter(lambda v: v is not None),
     st.fixed_dictionaries(

@@ -157,7 +157,8 @@ def test_a_new_key_per_call_without_version_or_ttl(mode: str) -> None:
     ("function", "arguments", "options", "error"),
     [
         ("f", {}, {"key": ""}, InvalidKeyError),
-        ("f", {}, {"key": "caf\u00e9"}, InvalidKeyError),
+        ("f", {}, {"key": "k" * 1025}, InvalidKeyError),
+        ("f", {}, {"key": 42}, InvalidKeyError),
         ("f", {}, {"extensions": [{"urn": URN, "options": {"key": "k"}}]}, ValueError),
         ("f", {}, {"version": ""}, ValueError),
         ("f", {}, {"ttl": 0}, ValueError),

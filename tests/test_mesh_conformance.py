@@ -18,9 +18,11 @@ import pytest
 from _hangup import CALLER
 from _http_servers import ThreadServer
 
-from retrysafe import Store, open_store
+from retrysafe import InvalidKeyError, Store, open_store
+from retrysafe._model.hashing import protocol_key
 from retrysafe._ops.monitor import read_sample
-from retrysafe.mesh import URN, MeshApp, MeshError, MeshIdempotency
+from retrysafe.client import MeshClient
+from retrysafe.mesh import MAX_KEY_LENGTH, URN, MeshApp, MeshError, MeshIdempotency
 
 KEY = "charge_order456_v1"
 ARGUMENTS = {"amount": 100, "currency": "USD", "customer_id": "cust_123"}
@@ -199,3 +201,80 @@ def test_no_answer_uses_a_code_outside_the_spec(served: Served) -> None:
     for body in bodies:
         text = client.post("/", json=body).text
         assert not any(code in text for code in OLD_CODES), text
+
+
+# -- 2. a key is any string (idempotency.md, "Options"), of at most 1024 characters ------------
+
+KEYS = [
+    "commande_é_42",
+    "k" * 256,
+    "k" * MAX_KEY_LENGTH,
+    "🔑",
+    "a\ttab",
+    "line\nbreak",
+    "\ud800",  # a lone surrogate, as json.loads gives for "\\ud800"
+    "sha256:" + "0" * 64,  # looks like a hashed key: hashed too, never taken for one
+    " ",
+]
+
+
+@pytest.mark.parametrize("key", KEYS, ids=lambda k: repr(k)[:24])
+def test_every_string_is_a_key_and_is_echoed_as_sent(
+    key: str, mode: str, memory: Store[Any]
+) -> None:
+    mesh = MeshIdempotency(memory)
+    runs: list[Any] = []
+
+    def charge(call: dict[str, Any]) -> Any:
+        runs.append(call)
+        return RESULT
+
+    def handle(envelope: dict[str, Any]) -> dict[str, Any]:
+        if mode == "sync":
+            return mesh.handle(envelope, charge)
+        return asyncio.run(mesh.ahandle(envelope, charge))
+
+    first = handle(request(key=key))
+    again = handle(request("req_002", key=key))
+    conflict = handle(request("req_003", key=key, arguments={"amount": 1}))
+    assert (data(first)["key"], data(first)["status"]) == (key, "processed")
+    assert (data(again)["key"], data(again)["status"]) == (key, "cached")
+    assert again["result"] == RESULT and len(runs) == 1
+    assert conflict["errors"][0]["details"]["key"] == key
+    assert data(conflict)["key"] == key
+    [record] = memory.records()
+    assert record.key == protocol_key(key)
+
+
+def test_a_raw_key_never_stands_for_a_hashed_one(memory: Store[Any]) -> None:
+    mesh = MeshIdempotency(memory)
+    hashed = protocol_key("commande_é_42")
+    assert hashed.startswith("sha256:")
+    mesh.handle(request(key="commande_é_42"), lambda call: 1)
+    answer = mesh.handle(request(key=hashed), lambda call: 2)
+    assert answer["result"] == 2 and data(answer)["status"] == "processed"
+    assert len(memory.records()) == 2
+
+
+@pytest.mark.parametrize("key", ["", "k" * (MAX_KEY_LENGTH + 1)], ids=["empty", "too long"])
+def test_an_empty_or_overlong_key_is_refused(key: str, memory: Store[Any]) -> None:
+    runs: list[Any] = []
+    answer = MeshIdempotency(memory).handle(request(key=key), runs.append)
+    [error] = answer["errors"]
+    assert error["code"] == "INVALID_ARGUMENTS" and error["source"] == {"pointer": KEY_AT}
+    assert ("1024" in error["message"]) == bool(key)
+    assert runs == [] and memory.records() == []
+
+
+def test_over_http_and_through_the_client(served: Served) -> None:
+    client, functions, _ = served
+    answer = client.post("/", json=request(key="commande_é_42")).json()
+    assert data(answer)["key"] == "commande_é_42"
+    with MeshClient(base_url=str(client.base_url), headers=CALLER) as mesh:
+        again = mesh.call("/", "payments.charge", ARGUMENTS, version="1", key="commande_é_42")
+        assert data(again)["status"] == "cached" and data(again)["key"] == "commande_é_42"
+        long = mesh.call("/", "payments.charge", ARGUMENTS, version="1", key="k" * 1024)
+        assert data(long)["status"] == "processed"
+        with pytest.raises(InvalidKeyError, match="1024"):
+            mesh.call("/", "payments.charge", ARGUMENTS, key="k" * 1025)
+    assert functions.runs == ["charge", "charge"]

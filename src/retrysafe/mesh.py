@@ -39,13 +39,18 @@ from retrysafe._http.asgi import (
     to_the_end,
 )
 from retrysafe._http.request import HttpRequest, declared_length
+from retrysafe._model.hashing import MAX_PROTOCOL_KEY_LENGTH
 from retrysafe._protocols.mesh import URN, MeshCall, loads, parse, transport_error
 from retrysafe.errors import BodyTooLarge, IdempotencyError, MeshError
 from retrysafe.stores import Store
 
-__all__ = ["URN", "MeshApp", "MeshError", "MeshIdempotency"]
+__all__ = ["MAX_KEY_LENGTH", "URN", "MeshApp", "MeshError", "MeshIdempotency"]
 
 log = logging.getLogger("retrysafe")
+
+#: The longest idempotency key accepted, in characters (the extension defines a key as
+#: any string). A key that is not 1-255 visible ASCII is stored as its SHA-256.
+MAX_KEY_LENGTH = MAX_PROTOCOL_KEY_LENGTH
 
 Handler = Callable[[dict[str, Any]], Any]
 

@@ -26,7 +26,7 @@ import httpx
 from retrysafe._client.clients import AsyncClient, Client, _Retrying
 from retrysafe._client.keys import new_key
 from retrysafe._client.retry import mesh_retryable
-from retrysafe._model.hashing import validate_key
+from retrysafe._model.hashing import protocol_key
 from retrysafe._protocols.mesh import PROTOCOL, URN
 
 __all__ = ["AsyncMeshClient", "MeshClient"]
@@ -129,7 +129,10 @@ class _MeshCalls(_Retrying):
         extensions: Iterable[Mapping[str, Any]] | None,
     ) -> httpx.Request:
         """The request that ``send`` turns into one request per attempt (its own ``id``)."""
-        key = new_key(self.retry.key_version) if key is None else validate_key(key)
+        if key is None:
+            key = new_key(self.retry.key_version)
+        else:
+            protocol_key(key)  # any string of 1-1024 characters, as the server takes it
         envelope = _envelope(function, arguments, version, key, ttl, extensions)
         headers = {"content-type": "application/json", "accept": "application/json"}
         return self.build_request(
@@ -187,7 +190,8 @@ class MeshClient(_MeshCalls, Client):
     ) -> dict[str, Any]:
         """POST a Mesh call of ``function`` and return the response envelope.
 
-        ``key`` is the idempotency key (a new UUID by default), the same on
+        ``key`` is the idempotency key (a new UUID by default; any string of
+        1-1024 characters, else :class:`~retrysafe.InvalidKeyError`), the same on
         every attempt; ``ttl`` how long the server should keep the answer
         (seconds, or a ``{"value", "unit"}`` duration); ``extensions`` other
         extension objects to send. The answer is the last envelope, a

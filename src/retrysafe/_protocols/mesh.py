@@ -18,7 +18,7 @@ from typing import Any
 
 from retrysafe._core.engine import Claim, Replay
 from retrysafe._core.metrics import METRICS
-from retrysafe._model.hashing import canonical_json, validate_key
+from retrysafe._model.hashing import canonical_json, protocol_key
 from retrysafe._model.record import Outcome
 from retrysafe.errors import (
     AmbiguousCredentialsError,
@@ -247,15 +247,16 @@ def _parse(request: Any) -> MeshCall:
     context = request.get("context")
     if context is not None and not isinstance(context, dict):
         raise _Invalid(INVALID_REQUEST, "context must be an object", "/context")
-    key, ttl = _options(request.get("extensions"))
+    key, engine_key, ttl = _options(request.get("extensions"))
     fp = "" if key is None else _fingerprint(arguments)
-    return MeshCall(protocol, rid, call, function, version, key, ttl, fp)
+    return MeshCall(protocol, rid, call, function, version, engine_key, ttl, fp, key)
 
 
-def _options(extensions: Any) -> tuple[str | None, float | None]:
-    """(key, ttl in seconds or None) of the idempotency extension; (None, None) without it."""
+def _options(extensions: Any) -> tuple[str | None, str | None, float | None]:
+    """(the key as sent, the engine's key, ttl in seconds or None) of the idempotency
+    extension; (None, None, None) without it."""
     if extensions is None:
-        return None, None
+        return None, None, None
     if not isinstance(extensions, list):
         raise _Invalid(INVALID_REQUEST, "extensions must be an array", "/extensions")
     found = None
@@ -270,7 +271,7 @@ def _options(extensions: Any) -> tuple[str | None, float | None]:
                 raise _Invalid(INVALID_REQUEST, f"{URN} is declared twice", f"/extensions/{i}")
             found = i
     if found is None:
-        return None, None
+        return None, None, None
     at = f"/extensions/{found}/options"
     options = extensions[found].get("options")
     if options is None:
@@ -285,11 +286,11 @@ def _options(extensions: Any) -> tuple[str | None, float | None]:
     try:
         if type(key) is not str:
             raise InvalidKeyError(f"idempotency key must be a string, not {_json_type(key)}")
-        validate_key(key)
+        engine_key = protocol_key(key)
     except InvalidKeyError as exc:
         raise _Invalid(INVALID_ARGUMENTS, str(exc), at + "/key", key_error=True) from None
     ttl = options.get("ttl")
-    return key, None if ttl is None else _ttl(ttl, at + "/ttl")
+    return key, engine_key, None if ttl is None else _ttl(ttl, at + "/ttl")
 
 
 def _ttl(ttl: Any, at: str) -> float:
@@ -367,7 +368,12 @@ class Step:
 
 @dataclass(slots=True)
 class MeshCall:
-    """A valid request envelope: the call, and the idempotency options (``key`` None: none)."""
+    """A valid request envelope: the call, and the idempotency options (``key`` None: none).
+
+    ``key`` is the engine's key (:func:`~retrysafe._model.hashing.protocol_key`: the key
+    as sent, or its ``sha256:`` hash); ``sent_key`` the key as the request gave it, which
+    every answer echoes.
+    """
 
     protocol: Any
     id: str
@@ -377,6 +383,7 @@ class MeshCall:
     key: str | None
     ttl: float | None
     fingerprint: str
+    sent_key: str | None = None
 
     @property
     def operation(self) -> str:
@@ -385,7 +392,11 @@ class MeshCall:
     def _entry(self, status: str, original: str | None, **times: float) -> dict[str, Any] | None:
         if self.key is None:
             return None
-        data: dict[str, Any] = {"key": self.key, "status": status, "original_request_id": original}
+        data: dict[str, Any] = {
+            "key": self.sent_key,
+            "status": status,
+            "original_request_id": original,
+        }
         for name, seconds in times.items():
             data[name] = _iso(seconds)
         return {"urn": URN, "data": data}
@@ -457,7 +468,7 @@ class MeshCall:
                 IDEMPOTENCY_PROCESSING,
                 "Previous request with this key is still processing",
                 True,
-                {"key": self.key, "retry_after": _whole_seconds(exc.retry_after)},
+                {"key": self.sent_key, "retry_after": _whole_seconds(exc.retry_after)},
             )
             entry = self._entry("processing", exc.original_request_id)
         elif isinstance(exc, FingerprintMismatchError):
@@ -466,7 +477,7 @@ class MeshCall:
                 IDEMPOTENCY_CONFLICT,
                 "Idempotency key already used with different arguments",
                 False,
-                {"key": self.key, "original_arguments_hash": original},
+                {"key": self.sent_key, "original_arguments_hash": original},
             )
             entry = self._entry("conflict", exc.original_request_id)
         elif isinstance(exc, PrincipalRequiredError):
@@ -480,7 +491,7 @@ class MeshCall:
                 UNAVAILABLE,
                 "the idempotency store cannot be reached; retry with the same key",
                 True,
-                {"key": self.key, "retry_after": _whole_seconds(exc.retry_after)},
+                {"key": self.sent_key, "retry_after": _whole_seconds(exc.retry_after)},
             )
             entry = None
         else:
