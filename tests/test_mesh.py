@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from retrysafe import Engine, Store, StoreUnavailableError, key_hash, open_store
-from retrysafe.mesh import URN, MeshApp, MeshError, MeshIdempotency
+from retrysafe.mesh import URN, MeshApp, MeshError, MeshIdempotency, status_of
 
 KEY = "charge_order456_v1"
 ARGUMENTS = {"amount": 100, "currency": "USD", "customer_id": "cust_123"}
@@ -940,7 +940,7 @@ def test_http_scope_is_the_caller(served: tuple[httpx.Client, Functions, Store[A
 def test_http_unknown_function(served: tuple[httpx.Client, Functions, Store[Any]]) -> None:
     client, _, store = served
     answer = client.post("/mesh", json=request(function="payments.nope"))
-    assert answer.status_code == 200
+    assert answer.status_code == 404
     assert answer.json() == {
         "protocol": PROTOCOL,
         "id": "req_001",
@@ -963,7 +963,7 @@ def test_http_handler_crash(
     client, functions, _ = served
     with caplog.at_level(logging.ERROR, logger="retrysafe"):
         answer = client.post("/mesh", json=request(function="payments.crash"))
-    assert answer.status_code == 200
+    assert answer.status_code == 500
     [error] = answer.json()["errors"]
     assert error["code"] == "INTERNAL_ERROR" and error["retryable"] is True
     assert "secret" not in answer.text
@@ -1002,7 +1002,7 @@ def test_http_method_and_size(served: tuple[httpx.Client, Functions, Store[Any]]
 
     assert client.post("/mesh", content=chunks()).status_code == 413
     invalid = client.post("/mesh", json={"id": "req_001"})
-    assert invalid.status_code == 200 and invalid.json()["errors"][0]["code"] == "INVALID_REQUEST"
+    assert invalid.status_code == 400 and invalid.json()["errors"][0]["code"] == "INVALID_REQUEST"
     assert functions.runs == [] and store.records() == []
 
 
@@ -1020,7 +1020,7 @@ def test_http_custom_principal_and_store_down() -> None:
     )
     with ThreadServer(app, "asgi") as server:
         answer = httpx.post(server.url, json=request())
-    assert answer.status_code == 200
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
     [error] = answer.json()["errors"]
     assert error["code"] == "UNAVAILABLE" and error["retryable"] is True
     assert runs == []
@@ -1074,8 +1074,9 @@ async def call_app(app: MeshApp, envelope: dict[str, Any]) -> dict[str, Any]:
 
     caller = [(b"authorization", CALLER["authorization"].encode())]
     await app({"type": "http", "method": "POST", "headers": caller}, receive, send)
-    assert sent[0]["status"] == 200
-    return json.loads(sent[1]["body"])  # type: ignore[no-any-return]
+    answer: dict[str, Any] = json.loads(sent[1]["body"])
+    assert sent[0]["status"] == status_of(answer)
+    return answer
 
 
 async def test_app_cancelled_request_runs_its_handler_once(memory: Store[Any]) -> None:

@@ -9,7 +9,9 @@ The HTTP tests serve a real :class:`MeshApp` on uvicorn over a SQLite file.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from retrysafe import InvalidKeyError, Store, open_store
 from retrysafe._model.hashing import protocol_key
 from retrysafe._ops.monitor import read_sample
 from retrysafe.client import MeshClient
-from retrysafe.mesh import MAX_KEY_LENGTH, URN, MeshApp, MeshError, MeshIdempotency
+from retrysafe.mesh import MAX_KEY_LENGTH, URN, MeshApp, MeshError, MeshIdempotency, status_of
 
 KEY = "charge_order456_v1"
 ARGUMENTS = {"amount": 100, "currency": "USD", "customer_id": "cust_123"}
@@ -278,3 +280,137 @@ def test_over_http_and_through_the_client(served: Served) -> None:
         with pytest.raises(InvalidKeyError, match="1024"):
             mesh.call("/", "payments.charge", ARGUMENTS, key="k" * 1025)
     assert functions.runs == ["charge", "charge"]
+
+
+# -- 4. HTTP statuses reflect the error (protocol.md "Transport Conventions", transport.md
+#       "Status Codes", errors.md's HTTP column); always_200 is the other binding ----------------
+
+
+class Blocking:
+    """A handler whose first run blocks until released (for IDEMPOTENCY_PROCESSING)."""
+
+    def __init__(self) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, call: dict[str, Any]) -> Any:
+        self.started.set()
+        assert self.release.wait(30), "never released"
+        return RESULT
+
+
+def statuses(tmp_path: Path, http_status: str) -> dict[str, tuple[int, str, str | None]]:
+    """(status, first error code or "", Retry-After) of every kind of answer of one app."""
+    blocking = Blocking()
+    functions = Functions()
+    store = open_store(f"sqlite:///{tmp_path}/{http_status}.db")
+    handlers = {**functions.handlers(), "payments.slow": blocking}
+    options: dict[str, Any] = {} if http_status == "default" else {"http_status": http_status}
+    app = MeshApp(handlers, store, max_body=4096, anonymous="refuse", **options)
+    seen: dict[str, tuple[int, str, str | None]] = {}
+
+    def keep(name: str, answer: httpx.Response) -> None:
+        doc = answer.json()
+        assert doc["id"] in ("req_001", "req_002", None) and "result" in doc  # an envelope
+        code = doc["errors"][0]["code"] if "errors" in doc else ""
+        seen[name] = (answer.status_code, code, answer.headers.get("retry-after"))
+
+    with (
+        ThreadServer(app, "asgi") as server,
+        httpx.Client(base_url=server.url, headers=CALLER, timeout=30) as client,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        keep("processed", client.post("/", json=request()))
+        keep("cached", client.post("/", json=request("req_002")))
+        keep("conflict", client.post("/", json=request(arguments={"amount": 1})))
+        keep("no key", client.post("/", json={**request(), "extensions": [{"urn": URN}]}))
+        keep("bad key", client.post("/", json=request(key="")))
+        keep("invalid request", client.post("/", json={"id": "req_001"}))
+        keep("parse error", client.post("/", content=b'{"id": '))
+        keep("not found", client.post("/", json=request(function="payments.nope")))
+        keep("declined", client.post("/", json=request(function="payments.declined")))
+        keep(
+            "declined again",
+            client.post("/", json=request("req_002", function="payments.declined")),
+        )
+        keep("flaky", client.post("/", json=request(function="payments.flaky")))
+        keep("crash", client.post("/", json=request(function="payments.crash")))
+        keep("anonymous", httpx.post(server.url, json=request()))
+        first = pool.submit(client.post, "/", json=request(function="payments.slow"))
+        try:
+            assert blocking.started.wait(30), "the slow handler never started"
+            keep("processing", client.post("/", json=request("req_002", function="payments.slow")))
+        finally:
+            blocking.release.set()
+        keep("slow", first.result())
+    store.close()
+    down = MeshApp(handlers, "redis://127.0.0.1:1", principal=lambda r: "t", **options)
+    with ThreadServer(down, "asgi") as server:
+        keep("store down", httpx.post(server.url, json=request()))
+    return seen
+
+
+def test_semantic_statuses_by_default(tmp_path: Path) -> None:
+    assert statuses(tmp_path, "default") == {
+        "processed": (200, "", None),
+        "cached": (200, "", None),
+        "slow": (200, "", None),
+        "conflict": (409, "IDEMPOTENCY_CONFLICT", None),
+        "processing": (409, "IDEMPOTENCY_PROCESSING", "1"),
+        "no key": (400, "INVALID_ARGUMENTS", None),
+        "bad key": (400, "INVALID_ARGUMENTS", None),
+        "invalid request": (400, "INVALID_REQUEST", None),
+        "parse error": (400, "PARSE_ERROR", None),
+        "not found": (404, "FUNCTION_NOT_FOUND", None),
+        "declined": (400, "PAYMENTS_CARD_DECLINED", None),
+        "declined again": (400, "PAYMENTS_CARD_DECLINED", None),  # a replay: the same status
+        "flaky": (500, "PAYMENTS_GATEWAY_BUSY", None),
+        "crash": (500, "INTERNAL_ERROR", None),
+        "anonymous": (401, "UNAUTHORIZED", None),
+        "store down": (503, "UNAVAILABLE", "1"),
+    }
+
+
+def test_always_200_is_the_other_binding_applied_throughout(tmp_path: Path) -> None:
+    seen = statuses(tmp_path, "always_200")
+    assert {name: status for name, (status, _, _) in seen.items()} == dict.fromkeys(seen, 200)
+    assert not any(after for _, _, after in seen.values())
+    assert seen["parse error"][1] == "PARSE_ERROR" and seen["processing"][1] == (
+        "IDEMPOTENCY_PROCESSING"
+    )
+
+
+def test_the_binding_is_checked() -> None:
+    with pytest.raises(ValueError, match="http_status"):
+        MeshApp({}, "memory://", http_status="200")
+
+
+@pytest.mark.parametrize(
+    ("errors", "status"),
+    [
+        (None, 200),
+        ([{"code": "IDEMPOTENCY_CONFLICT"}], 409),
+        ([{"code": "DEADLINE_EXCEEDED"}], 408),
+        ([{"code": "RATE_LIMITED"}], 429),
+        ([{"code": "DEPENDENCY_ERROR"}], 502),
+        ([{"code": "NOT_FOUND"}, {"code": "CONFLICT"}], 400),  # transport.md, Multiple Errors
+        ([{"code": "APP_THING", "retryable": False}], 400),
+        ([{"code": "APP_THING", "retryable": True}], 500),
+        ([{"code": ["odd"]}], 400),
+    ],
+)
+def test_status_of_is_public_for_other_http_layers(
+    errors: list[dict[str, Any]] | None, status: int
+) -> None:
+    response: dict[str, Any] = {"protocol": PROTOCOL, "id": "r", "result": None}
+    if errors is not None:
+        response["errors"] = errors
+    assert status_of(response) == status
+
+
+def test_status_of_a_handled_answer(memory: Store[Any]) -> None:
+    """A server with its own HTTP layer applies the same binding to handle()'s answers."""
+    mesh = MeshIdempotency(memory)
+    mesh.handle(request(), lambda call: RESULT)
+    conflict = mesh.handle(request("req_002", arguments={"amount": 1}), lambda call: RESULT)
+    assert status_of(conflict) == 409
+    assert status_of(mesh.handle(request("req_003"), lambda call: RESULT)) == 200

@@ -40,6 +40,8 @@ __all__ = [
     "loads",
     "operation",
     "parse",
+    "retry_after_of",
+    "status_of",
     "transport_error",
 ]
 
@@ -65,6 +67,85 @@ _SECONDS = {"millisecond": 0.001, "second": 1.0, "minute": 60.0, "hour": 3600.0,
 UNITS = {**_SECONDS, **{unit + "s": seconds for unit, seconds in _SECONDS.items()}}
 
 _PROTOCOL_TEXT = re.compile(r"mesh/[0-9]+\.[0-9]+")
+
+#: The HTTP status of each standard code: errors.md ("Standard Error Codes", its HTTP
+#: column), which transport.md ("Status Codes") and protocol.md ("Transport
+#: Conventions") make binding: "HTTP status codes MUST reflect the Forrst error".
+STATUSES = {
+    PARSE_ERROR: 400,
+    INVALID_REQUEST: 400,
+    "INVALID_PROTOCOL_VERSION": 400,
+    FUNCTION_NOT_FOUND: 404,
+    "VERSION_NOT_FOUND": 404,
+    "FUNCTION_DISABLED": 503,
+    INVALID_ARGUMENTS: 400,
+    "SCHEMA_VALIDATION_FAILED": 422,
+    "EXTENSION_NOT_SUPPORTED": 400,
+    "EXTENSION_NOT_APPLICABLE": 400,
+    UNAUTHORIZED: 401,
+    "FORBIDDEN": 403,
+    "NOT_FOUND": 404,
+    "CONFLICT": 409,
+    "GONE": 410,
+    "DEADLINE_EXCEEDED": 408,
+    "RATE_LIMITED": 429,
+    INTERNAL_ERROR: 500,
+    UNAVAILABLE: 503,
+    "DEPENDENCY_ERROR": 502,
+    IDEMPOTENCY_CONFLICT: 409,
+    IDEMPOTENCY_PROCESSING: 409,
+    "ASYNC_OPERATION_NOT_FOUND": 404,
+    "ASYNC_OPERATION_FAILED": 500,
+    "ASYNC_CANNOT_CANCEL": 400,
+    "BATCH_FAILED": 400,
+    "BATCH_TOO_LARGE": 400,
+    "BATCH_TIMEOUT": 504,
+    "SERVER_MAINTENANCE": 503,
+    "FUNCTION_MAINTENANCE": 503,
+    "REPLAY_NOT_FOUND": 404,
+    "REPLAY_EXPIRED": 410,
+    "REPLAY_ALREADY_COMPLETE": 409,
+    "REPLAY_CANCELLED": 410,
+}
+
+
+def status_of(response: dict[str, Any]) -> int:
+    """The HTTP status of a response envelope, as transport.md binds it.
+
+    200 without errors; 400 for several (transport.md, "Multiple Errors"); for
+    one, its code's status in :data:`STATUSES`. A code of the application's own
+    is 400, or 500 when the error says ``"retryable": true`` (the caller did
+    nothing wrong).
+    """
+    errors = response.get("errors")
+    if not errors:
+        return 200
+    if not isinstance(errors, list) or len(errors) != 1 or not isinstance(errors[0], dict):
+        return 400
+    error = errors[0]
+    code = error.get("code")
+    status = STATUSES.get(code) if type(code) is str else None
+    if status is not None:
+        return status
+    return 500 if error.get("retryable") is True else 400
+
+
+def retry_after_of(response: dict[str, Any]) -> int | None:
+    """Whole seconds of the ``details.retry_after`` of a response's one error (for a
+    ``Retry-After`` header), or None."""
+    errors = response.get("errors")
+    if not isinstance(errors, list) or len(errors) != 1 or not isinstance(errors[0], dict):
+        return None
+    details = errors[0].get("details")
+    after = details.get("retry_after") if isinstance(details, dict) else None
+    if not isinstance(after, dict):
+        return None
+    value, unit = after.get("value"), after.get("unit")
+    per = UNITS.get(unit) if type(unit) is str else None
+    if per is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    seconds = value * per
+    return max(0, math.ceil(seconds)) if math.isfinite(seconds) else None
 
 
 def _error(
