@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 from _hangup import CALLER
-from _http_servers import Process, free_port, uvicorn_argv
+from _http_servers import Process, ThreadServer, free_port, uvicorn_argv
 from test_client import FakeTime, expected_delays, policy
 from test_client import scripted as scripted_once
 
@@ -283,6 +283,125 @@ def test_an_answer_that_is_no_envelope(mode: str) -> None:
     }
     handler, seen = scripted([httpx.Response(400, json=refused)])
     assert mesh_call(mode, handler, policy(fake)) == refused and len(seen) == 1
+
+
+# -- retried by code, whatever the HTTP status (the extension's error table, errors.md) ----
+
+
+def envelope_answer(
+    status: int, *errors: dict[str, Any], headers: dict[str, str] | None = None
+) -> httpx.Response:
+    """A Mesh error envelope without extensions, with the given HTTP status."""
+    doc = {"protocol": PROTOCOL, "id": "req_x", "result": None, "errors": list(errors)}
+    return httpx.Response(status, json=doc, headers=headers)
+
+
+#: The extension's "Processing Error" example as the protocol's page has it: no
+#: "retryable" field (the protocol's error object has none).
+PROCESSING_WITHOUT_FLAG = {
+    "code": "IDEMPOTENCY_PROCESSING",
+    "message": "Previous request with this key is still processing",
+    "details": {"key": "k", "retry_after": {"value": 1, "unit": "second"}},
+}
+
+
+@pytest.mark.parametrize("status", [409, 200])
+def test_processing_is_retried_by_its_code(mode: str, status: int) -> None:
+    fake = FakeTime()
+    handler, seen = scripted([envelope_answer(status, PROCESSING_WITHOUT_FLAG), CACHED])
+    doc = mesh_call(mode, handler, policy(fake))
+    assert doc["result"] == RESULT and len(seen) == 2 and fake.sleeps == [1]
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        envelope_answer(503, {"code": "UNAVAILABLE", "message": "down"}),
+        envelope_answer(200, {"code": "RATE_LIMITED", "message": "slow down"}),
+        envelope_answer(429, {"code": "RATE_LIMITED", "message": "slow down"}),
+        envelope_answer(502, {"code": "DEPENDENCY_ERROR", "message": "upstream"}),
+        envelope_answer(
+            409, {"code": "IDEMPOTENCY_PROCESSING", "message": "x", "retryable": False}
+        ),
+    ],
+    ids=["503 unavailable", "200 rate limited", "429", "502 dependency", "processing, flag false"],
+)
+def test_retryable_codes_are_retried_without_a_flag(mode: str, first: httpx.Response) -> None:
+    fake = FakeTime()
+    handler, seen = scripted([first, CACHED])
+    assert mesh_call(mode, handler, policy(fake))["result"] == RESULT and len(seen) == 2
+
+
+@pytest.mark.parametrize(
+    "final",
+    [
+        envelope_answer(409, {"code": "IDEMPOTENCY_CONFLICT", "message": "x"}),
+        envelope_answer(
+            409,
+            {"code": "IDEMPOTENCY_CONFLICT", "message": "x", "retryable": True},
+            headers={"retry-after": "1"},
+        ),
+        envelope_answer(
+            500, {"code": "INTERNAL_ERROR", "message": "unstorable", "retryable": False}
+        ),
+        envelope_answer(503, {"code": "UNAVAILABLE", "message": "x", "retryable": False}),
+        envelope_answer(400, {"code": "INVALID_ARGUMENTS", "message": "x"}),
+        envelope_answer(500, {"code": "APP_BROKEN", "message": "no flag, not a standard code"}),
+    ],
+    ids=[
+        "conflict",
+        "conflict with retry-after",
+        "500 not retryable",
+        "503 flag false",
+        "400",
+        "500 custom",
+    ],
+)
+def test_never_retried_whatever_the_status(mode: str, final: httpx.Response) -> None:
+    fake = FakeTime()
+    handler, seen = scripted([final, CACHED])
+    assert mesh_call(mode, handler, policy(fake)) == final.json()
+    assert len(seen) == 1 and fake.sleeps == []
+
+
+def test_against_a_real_server_processing_is_409_and_retried(tmp_path: Path) -> None:
+    """MeshApp's semantic 409 for a call in flight: the client waits and gets it cached."""
+    started, release = threading.Event(), threading.Event()
+    runs: list[int] = []
+
+    def slow(call: dict[str, Any]) -> Any:
+        runs.append(1)
+        started.set()
+        assert release.wait(30)
+        return RESULT
+
+    seen: list[tuple[int, str]] = []
+
+    def record(response: httpx.Response) -> None:
+        response.read()
+        errors = response.json().get("errors") or [{"code": ""}]
+        seen.append((response.status_code, errors[0]["code"]))
+        if errors[0]["code"] == "IDEMPOTENCY_PROCESSING":
+            release.set()  # the retry's wait then ends with the answer stored
+
+    store = f"sqlite:///{tmp_path}/mesh.db"
+    with (
+        ThreadServer(MeshApp({"payments.charge": slow}, store), "asgi") as server,
+        MeshClient(
+            base_url=server.url,
+            headers=CALLER,
+            retry=RetryPolicy(base=0.01, max_attempts=10, max_time=60),
+            event_hooks={"response": [record]},
+            timeout=60,
+        ) as client,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        first = pool.submit(client.call, "/", "payments.charge", ARGUMENTS, key="order-9")
+        assert started.wait(30)
+        doc = client.call("/", "payments.charge", ARGUMENTS, key="order-9")
+        assert first.result()["result"] == RESULT
+    assert doc["result"] == RESULT and runs == [1]
+    assert (409, "IDEMPOTENCY_PROCESSING") in seen
 
 
 # -- the shared decision ------------------------------------------------------------------

@@ -9,6 +9,8 @@ The HTTP tests serve a real :class:`MeshApp` on uvicorn over a SQLite file.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -414,3 +416,27 @@ def test_status_of_a_handled_answer(memory: Store[Any]) -> None:
     conflict = mesh.handle(request("req_002", arguments={"amount": 1}), lambda call: RESULT)
     assert status_of(conflict) == 409
     assert status_of(mesh.handle(request("req_003"), lambda call: RESULT)) == 200
+
+
+# -- 7. the arguments hash: the documented canonical form, and the reference's -----------------
+
+#: docs/mesh.md's test vector: arguments {"b": 1, "a": "é/x"}.
+OURS = "sha256:d4736d06f285b021fc04ccea526f4a9706cefb7a8dc663fd8ebf15d7b11fb17c"
+#: The reference implementation's hashArguments of the same arguments: PHP's
+#: json_encode keeps the key order and escapes "/" and non-ASCII.
+REFERENCE = "sha256:5d9d00e427e1605155cf3936bda330a6880024f644275bfd204fd2bae7553202"
+
+
+def test_the_arguments_hash_is_the_documented_canonical_form(memory: Store[Any]) -> None:
+    arguments = {"b": 1, "a": "é/x"}
+    mesh = MeshIdempotency(memory)
+    mesh.handle(request(arguments=arguments), lambda call: RESULT)
+    conflict = mesh.handle(request("req_002", arguments={"b": 2}), lambda call: RESULT)
+    [error] = conflict["errors"]
+    assert error["details"]["original_arguments_hash"] == OURS
+    text = json.dumps(
+        arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
+    assert "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest() == OURS
+    php = '{"b":1,"a":"\\u00e9\\/x"}'
+    assert REFERENCE == "sha256:" + hashlib.sha256(php.encode()).hexdigest() != OURS

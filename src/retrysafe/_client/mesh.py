@@ -2,10 +2,11 @@
 
 ``call()`` builds the request envelope with one key for the whole call and a new
 ``id`` per attempt (the extension: the id is per attempt, the key per operation), and
-the send loop of :class:`~retrysafe.client.Client` retries it. Besides what the
-base client retries (transport errors, 5xx), an answer to ``call()`` whose Mesh
-errors are all ``"retryable": true`` is retried after its ``details.retry_after``;
-see :func:`retrysafe._client.retry.mesh_retryable`. No ``Idempotency-Key`` header is
+the send loop of :class:`~retrysafe.client.Client` retries it. An answer that is
+a Mesh envelope is retried by its error codes, whatever its HTTP status
+(``IDEMPOTENCY_PROCESSING`` always, ``IDEMPOTENCY_CONFLICT`` never), after its
+``details.retry_after``; any other answer as the base client retries it (transport
+errors, 5xx); see :func:`retrysafe._client.retry.mesh_retryable`. No ``Idempotency-Key`` header is
 sent: the key lives in the envelope, and a header would let an HTTP idempotency
 layer in front of the Mesh server (the retrysafe gateway or middleware) compare
 the per-attempt bodies, which differ in their ``id``, and refuse every retry as a

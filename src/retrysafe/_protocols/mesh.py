@@ -32,6 +32,7 @@ from retrysafe.errors import (
 )
 
 __all__ = [
+    "RETRYABLE_CODES",
     "URN",
     "MeshCall",
     "Step",
@@ -107,6 +108,26 @@ STATUSES = {
     "REPLAY_ALREADY_COMPLETE": 409,
     "REPLAY_CANCELLED": 410,
 }
+
+
+#: The codes a client retries (the "Retryable: Yes" rows of errors.md, and of the
+#: atomic-lock extension's table): ``IDEMPOTENCY_PROCESSING`` among them.
+RETRYABLE_CODES = frozenset(
+    {
+        "FUNCTION_DISABLED",
+        "DEADLINE_EXCEEDED",
+        "RATE_LIMITED",
+        INTERNAL_ERROR,
+        UNAVAILABLE,
+        "DEPENDENCY_ERROR",
+        IDEMPOTENCY_PROCESSING,
+        "BATCH_TIMEOUT",
+        "SERVER_MAINTENANCE",
+        "FUNCTION_MAINTENANCE",
+        "LOCK_ACQUISITION_FAILED",
+        "LOCK_TIMEOUT",
+    }
+)
 
 
 def status_of(response: dict[str, Any]) -> int:
