@@ -357,12 +357,14 @@ def test_request_without_the_extension_passes_through(run: Mesh, store: Store[An
     plain = request(key=None)
     other = request(key=None)
     other["extensions"] = [{"urn": "urn:mesh:ext:tracing", "options": {"trace_id": "t1"}}]
-    for envelope in (plain, plain, other):
-        assert run(envelope, charge) == {
-            "protocol": PROTOCOL,
-            "id": "req_001",
-            "result": RESULT,
-        }
+    for envelope in (plain, plain):
+        assert run(envelope, charge) == {"protocol": PROTOCOL, "id": "req_001", "result": RESULT}
+    assert run(other, charge) == {
+        "protocol": PROTOCOL,
+        "id": "req_001",
+        "result": RESULT,
+        "extensions": [{"urn": "urn:mesh:ext:tracing"}],  # echoed by its URN
+    }
     assert charge.calls == [plain["call"], plain["call"], other["call"]]
     assert store.records() == []
 

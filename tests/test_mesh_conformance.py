@@ -440,3 +440,61 @@ def test_the_arguments_hash_is_the_documented_canonical_form(memory: Store[Any])
     assert "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest() == OURS
     php = '{"b":1,"a":"\\u00e9\\/x"}'
     assert REFERENCE == "sha256:" + hashlib.sha256(php.encode()).hexdigest() != OURS
+
+
+# -- 5 (last sentence). other extensions are echoed by URN (extensions/index.md, "Server
+#    Handling": "Return response with same extensions (by URN)") --------------------------------
+
+DEADLINE = "urn:mesh:ext:deadline"
+
+
+def urns(response: dict[str, Any]) -> list[str]:
+    return [entry["urn"] for entry in response.get("extensions", [])]
+
+
+def test_other_extensions_are_echoed_in_request_order(served: Served) -> None:
+    client, functions, _ = served
+    tracing = {"urn": TRACING, "options": {"trace_id": "tr_1"}}
+    deadline = {"urn": DEADLINE, "options": {"value": 5, "unit": "second"}}
+    first = client.post("/", json=request(extensions=[tracing, deadline])).json()
+    # The idempotency extension comes last in these requests: its entry is echoed last.
+    assert urns(first) == [TRACING, DEADLINE, URN]
+    assert first["extensions"][:2] == [{"urn": TRACING}, {"urn": DEADLINE}]
+    assert data(first)["status"] == "processed"
+    # A cached replay echoes the retry's own extensions, not the first request's.
+    retry = request("req_002", extensions=[deadline])
+    retry["extensions"].reverse()  # the idempotency extension first this time
+    cached = client.post("/", json=retry).json()
+    assert urns(cached) == [URN, DEADLINE] and data(cached)["status"] == "cached"
+    again = client.post("/", json=request("req_003")).json()
+    assert urns(again) == [URN]
+    assert functions.runs == ["charge"]
+
+
+def test_echo_on_errors_and_without_the_idempotency_extension(served: Served) -> None:
+    client, _, _ = served
+    tracing = {"urn": TRACING}
+    plain = client.post("/", json=request(key=None, extensions=[tracing, tracing])).json()
+    assert plain == {
+        "protocol": PROTOCOL,
+        "id": "req_001",
+        "result": RESULT,
+        "extensions": [{"urn": TRACING}],  # once per URN
+    }
+    client.post("/", json=request())
+    conflict = client.post("/", json=request(arguments={"a": 1}, extensions=[tracing])).json()
+    assert urns(conflict) == [TRACING, URN] and data(conflict)["status"] == "conflict"
+    missing = client.post("/", json=request(function="payments.nope", extensions=[tracing]))
+    assert urns(missing.json()) == [TRACING]  # no idempotency data: the function is unknown
+    invalid = client.post("/", json=request(key="", extensions=[tracing])).json()
+    assert "extensions" not in invalid  # a malformed request: nothing is echoed
+
+
+def test_echo_through_handle(mode: str, memory: Store[Any]) -> None:
+    mesh = MeshIdempotency(memory)
+    envelope = request(extensions=[{"urn": TRACING, "options": {}}])
+    if mode == "sync":
+        answer = mesh.handle(envelope, lambda call: RESULT)
+    else:
+        answer = asyncio.run(mesh.ahandle(envelope, lambda call: RESULT))
+    assert urns(answer) == [TRACING, URN]

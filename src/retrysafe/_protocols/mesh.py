@@ -349,9 +349,11 @@ def _parse(request: Any) -> MeshCall:
     context = request.get("context")
     if context is not None and not isinstance(context, dict):
         raise _Invalid(INVALID_REQUEST, "context must be an object", "/context")
-    key, engine_key, ttl = _options(request.get("extensions"))
+    extensions = request.get("extensions")
+    key, engine_key, ttl = _options(extensions)
     fp = "" if key is None else _fingerprint(arguments)
-    return MeshCall(protocol, rid, call, function, version, engine_key, ttl, fp, key)
+    urns = tuple(dict.fromkeys(ext["urn"] for ext in extensions or ()))  # checked by _options
+    return MeshCall(protocol, rid, call, function, version, engine_key, ttl, fp, key, urns)
 
 
 def _options(extensions: Any) -> tuple[str | None, str | None, float | None]:
@@ -474,7 +476,7 @@ class MeshCall:
 
     ``key`` is the engine's key (:func:`~retrysafe._model.hashing.protocol_key`: the key
     as sent, or its ``sha256:`` hash); ``sent_key`` the key as the request gave it, which
-    every answer echoes.
+    every answer echoes. ``urns``: the request's extensions, in its order, each once.
     """
 
     protocol: Any
@@ -486,6 +488,7 @@ class MeshCall:
     ttl: float | None
     fingerprint: str
     sent_key: str | None = None
+    urns: tuple[str, ...] = ()
 
     @property
     def operation(self) -> str:
@@ -503,9 +506,29 @@ class MeshCall:
             data[name] = _iso(seconds)
         return {"urn": URN, "data": data}
 
+    def _envelope(
+        self,
+        result: Any,
+        errors: list[dict[str, Any]] | None = None,
+        entry: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """An envelope answering this call: every extension of the request is echoed by
+        its URN, in the request's order (extensions/index.md, "Server Handling": "Return
+        response with same extensions"); the idempotency one as ``entry``, and only
+        when there is one."""
+        answer = envelope(self.protocol, self.id, result, errors)
+        echoed = [
+            entry if urn == URN else {"urn": urn}
+            for urn in self.urns
+            if urn != URN or entry is not None
+        ]
+        if echoed:
+            answer["extensions"] = echoed
+        return answer
+
     def error(self, error: dict[str, Any]) -> dict[str, Any]:
-        """An error envelope answering this call, without extension data."""
-        return envelope(self.protocol, self.id, errors=[error])
+        """An error envelope answering this call, without idempotency data."""
+        return self._envelope(None, [error])
 
     def not_found(self) -> dict[str, Any]:
         where = {"pointer": "/call/function"}
@@ -524,7 +547,7 @@ class MeshCall:
     ) -> dict[str, Any]:
         times = {"expires_at": claim.expires_at} if kept and claim is not None else {}
         entry = self._entry("processed", self.id, **times)
-        return envelope(self.protocol, self.id, result, errors, entry)
+        return self._envelope(result, errors, entry)
 
     def finish(self, result: Any, claim: Claim | None, max_body: float = math.inf) -> Step:
         """The answer to the handler's ``result`` (or the :class:`MeshError` it raised).
@@ -551,7 +574,7 @@ class MeshCall:
         )
         value = None if record.outcome is None else record.outcome.value
         if not replay.failed:
-            return envelope(self.protocol, self.id, value, None, entry)
+            return self._envelope(value, None, entry)
         if not isinstance(value, list):  # a final failure with no stored errors
             value = [
                 _error(
@@ -561,7 +584,7 @@ class MeshCall:
                     False,
                 )
             ]
-        return envelope(self.protocol, self.id, None, value, entry)
+        return self._envelope(None, value, entry)
 
     def refused(self, exc: IdempotencyError) -> dict[str, Any]:
         """The answer when the engine would not start the call."""
@@ -598,4 +621,4 @@ class MeshCall:
             entry = None
         else:
             raise exc
-        return envelope(self.protocol, self.id, None, [error], entry)
+        return self._envelope(None, [error], entry)
