@@ -498,3 +498,14 @@ def test_echo_through_handle(mode: str, memory: Store[Any]) -> None:
     else:
         answer = asyncio.run(mesh.ahandle(envelope, lambda call: RESULT))
     assert urns(answer) == [TRACING, URN]
+
+
+def test_a_lone_surrogate_key_and_id_are_echoed_over_http(served: Served) -> None:
+    """JSON may carry "\\ud800", which UTF-8 cannot: the answer escapes it as it came."""
+    client, functions, _ = served
+    body = json.dumps(request("\ud800", key="\ud800"))  # ensure_ascii: "\\ud800" escapes
+    for _ in range(2):
+        answer = client.post("/", content=body, headers={"content-type": "application/json"})
+        assert answer.status_code == 200 and answer.json()["id"] == "\ud800"
+        assert data(answer.json())["key"] == "\ud800" and "\\ud800" in answer.text
+    assert data(answer.json())["status"] == "cached" and functions.runs == ["charge"]
