@@ -178,6 +178,14 @@ def test_bad_input_is_refused_before_sending(
     assert seen == []
 
 
+def test_any_key_the_server_takes(mode: str) -> None:
+    """Any string of 1-1024 characters, a lone surrogate included (JSON escapes it)."""
+    for key in ("commande_é_42", "k" * 1024, "\ud800"):
+        handler, seen = scripted([CACHED])
+        mesh_call(mode, handler, RetryPolicy(), key=key)
+        assert key_of(sent(seen[0])) == key
+
+
 # -- retries -------------------------------------------------------------------------------
 
 

@@ -35,6 +35,7 @@ __all__ = ["AsyncMeshClient", "MeshClient"]
 #: The ``httpx.Request.extensions`` entry that marks a Mesh call made by ``call()``.
 _CALL = "retrysafe.mesh_call"
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+_ASCII_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +153,11 @@ class _MeshCalls(_Retrying):
         call = _mesh_call(request)
         if call is None:
             return request
-        body = _JSON({**call.envelope, "id": new_request_id()}).encode()
+        envelope = {**call.envelope, "id": new_request_id()}
+        try:
+            body = _JSON(envelope).encode()
+        except UnicodeEncodeError:  # a lone surrogate (a key may be any string): \u escapes
+            body = _ASCII_JSON(envelope).encode()
         headers = request.headers.copy()
         headers.pop("content-length", None)
         return httpx.Request(
