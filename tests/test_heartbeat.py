@@ -99,7 +99,7 @@ def mesh(engine: Engine, slow: Slow) -> Iterator[Callable[[], Any]]:
 
     def call() -> Any:
         answer = door.handle(envelope, lambda call: {"run": slow.run()})
-        if answer["errors"]:
+        if "errors" in answer:
             assert answer["errors"][0]["code"] == "IDEMPOTENCY_PROCESSING"
             return "in flight"
         return answer["result"]["run"]
@@ -238,7 +238,7 @@ def test_a_request_ttl_shorter_than_the_handler_keeps_the_key() -> None:
 
     def call() -> Any:
         answer = door.handle(envelope, lambda call: slow.run())
-        return "in flight" if answer["errors"] else answer["result"]
+        return "in flight" if "errors" in answer else answer["result"]
 
     assert set(_hold_and_probe(call, slow, leases=3)) == {"in flight"}
     assert call() == 1 and slow.runs == 1

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 from _hangup import CALLER
-from _http_servers import Process, free_port, uvicorn_argv
+from _http_servers import Process, ThreadServer, free_port, uvicorn_argv
 from test_client import FakeTime, expected_delays, policy
 from test_client import scripted as scripted_once
 
@@ -43,13 +43,10 @@ def answer(
 ) -> httpx.Response:
     """A Mesh answer, as MeshApp sends it: 200, JSON, the error (if any) in ``errors``."""
     entry = {"urn": URN, "data": {"key": "k", "status": status, "original_request_id": "req_0"}}
-    doc = {
-        "protocol": PROTOCOL,
-        "id": "req_x",
-        "result": result,
-        "errors": errors or [],
-        "extensions": [entry],
-    }
+    doc: dict[str, Any] = {"protocol": PROTOCOL, "id": "req_x", "result": result}
+    if errors:
+        doc["errors"] = errors
+    doc["extensions"] = [entry]
     return httpx.Response(200, json=doc)
 
 
@@ -160,7 +157,8 @@ def test_a_new_key_per_call_without_version_or_ttl(mode: str) -> None:
     ("function", "arguments", "options", "error"),
     [
         ("f", {}, {"key": ""}, InvalidKeyError),
-        ("f", {}, {"key": "caf\u00e9"}, InvalidKeyError),
+        ("f", {}, {"key": "k" * 1025}, InvalidKeyError),
+        ("f", {}, {"key": 42}, InvalidKeyError),
         ("f", {}, {"extensions": [{"urn": URN, "options": {"key": "k"}}]}, ValueError),
         ("f", {}, {"version": ""}, ValueError),
         ("f", {}, {"ttl": 0}, ValueError),
@@ -180,6 +178,14 @@ def test_bad_input_is_refused_before_sending(
     assert seen == []
 
 
+def test_any_key_the_server_takes(mode: str) -> None:
+    """Any string of 1-1024 characters, a lone surrogate included (JSON escapes it)."""
+    for key in ("commande_é_42", "k" * 1024, "\ud800"):
+        handler, seen = scripted([CACHED])
+        mesh_call(mode, handler, RetryPolicy(), key=key)
+        assert key_of(sent(seen[0])) == key
+
+
 # -- retries -------------------------------------------------------------------------------
 
 
@@ -189,7 +195,7 @@ def test_processing_is_retried_after_its_retry_after_with_the_same_key_and_new_i
     fake = FakeTime()
     handler, seen = scripted([processing(1500, "millisecond"), processing(2, "seconds"), CACHED])
     doc = mesh_call(mode, handler, policy(fake), key="order-1")
-    assert doc["result"] == RESULT and doc["errors"] == []
+    assert doc["result"] == RESULT and "errors" not in doc
     assert fake.sleeps == [1.5, 2]
     envelopes = [sent(r) for r in seen]
     assert [key_of(e) for e in envelopes] == ["order-1"] * 3
@@ -204,11 +210,7 @@ def test_processing_is_retried_after_its_retry_after_with_the_same_key_and_new_i
         (
             answer(
                 None,
-                [
-                    error(
-                        "IDEMPOTENCY_STORE_UNAVAILABLE", True, retry_after={"value": 3, "unit": "s"}
-                    )
-                ],
+                [error("UNAVAILABLE", True, retry_after={"value": 3, "unit": "s"})],
             ),
             3,
         ),
@@ -232,7 +234,7 @@ def test_other_retryable_answers(
     "final",
     [
         CONFLICT,
-        answer(None, [error("IDEMPOTENCY_KEY_INVALID", False)]),
+        answer(None, [error("INVALID_ARGUMENTS", False)]),
         answer(None, [{"code": "FUNCTION_NOT_FOUND", "message": "no", "retryable": False}]),
         answer(None, [error("CARD_DECLINED", False)], status="processed"),
         answer(None, [error("IDEMPOTENCY_PROCESSING", True), error("OTHER", False)]),
@@ -286,10 +288,128 @@ def test_an_answer_that_is_no_envelope(mode: str) -> None:
         "id": None,
         "result": None,
         "errors": [parse_error],
-        "extensions": [],
     }
     handler, seen = scripted([httpx.Response(400, json=refused)])
     assert mesh_call(mode, handler, policy(fake)) == refused and len(seen) == 1
+
+
+# -- retried by code, whatever the HTTP status (the extension's error table, errors.md) ----
+
+
+def envelope_answer(
+    status: int, *errors: dict[str, Any], headers: dict[str, str] | None = None
+) -> httpx.Response:
+    """A Mesh error envelope without extensions, with the given HTTP status."""
+    doc = {"protocol": PROTOCOL, "id": "req_x", "result": None, "errors": list(errors)}
+    return httpx.Response(status, json=doc, headers=headers)
+
+
+#: The extension's "Processing Error" example as the protocol's page has it: no
+#: "retryable" field (the protocol's error object has none).
+PROCESSING_WITHOUT_FLAG = {
+    "code": "IDEMPOTENCY_PROCESSING",
+    "message": "Previous request with this key is still processing",
+    "details": {"key": "k", "retry_after": {"value": 1, "unit": "second"}},
+}
+
+
+@pytest.mark.parametrize("status", [409, 200])
+def test_processing_is_retried_by_its_code(mode: str, status: int) -> None:
+    fake = FakeTime()
+    handler, seen = scripted([envelope_answer(status, PROCESSING_WITHOUT_FLAG), CACHED])
+    doc = mesh_call(mode, handler, policy(fake))
+    assert doc["result"] == RESULT and len(seen) == 2 and fake.sleeps == [1]
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        envelope_answer(503, {"code": "UNAVAILABLE", "message": "down"}),
+        envelope_answer(200, {"code": "RATE_LIMITED", "message": "slow down"}),
+        envelope_answer(429, {"code": "RATE_LIMITED", "message": "slow down"}),
+        envelope_answer(502, {"code": "DEPENDENCY_ERROR", "message": "upstream"}),
+        envelope_answer(
+            409, {"code": "IDEMPOTENCY_PROCESSING", "message": "x", "retryable": False}
+        ),
+    ],
+    ids=["503 unavailable", "200 rate limited", "429", "502 dependency", "processing, flag false"],
+)
+def test_retryable_codes_are_retried_without_a_flag(mode: str, first: httpx.Response) -> None:
+    fake = FakeTime()
+    handler, seen = scripted([first, CACHED])
+    assert mesh_call(mode, handler, policy(fake))["result"] == RESULT and len(seen) == 2
+
+
+@pytest.mark.parametrize(
+    "final",
+    [
+        envelope_answer(409, {"code": "IDEMPOTENCY_CONFLICT", "message": "x"}),
+        envelope_answer(
+            409,
+            {"code": "IDEMPOTENCY_CONFLICT", "message": "x", "retryable": True},
+            headers={"retry-after": "1"},
+        ),
+        envelope_answer(
+            500, {"code": "INTERNAL_ERROR", "message": "unstorable", "retryable": False}
+        ),
+        envelope_answer(503, {"code": "UNAVAILABLE", "message": "x", "retryable": False}),
+        envelope_answer(400, {"code": "INVALID_ARGUMENTS", "message": "x"}),
+        envelope_answer(500, {"code": "APP_BROKEN", "message": "no flag, not a standard code"}),
+    ],
+    ids=[
+        "conflict",
+        "conflict with retry-after",
+        "500 not retryable",
+        "503 flag false",
+        "400",
+        "500 custom",
+    ],
+)
+def test_never_retried_whatever_the_status(mode: str, final: httpx.Response) -> None:
+    fake = FakeTime()
+    handler, seen = scripted([final, CACHED])
+    assert mesh_call(mode, handler, policy(fake)) == final.json()
+    assert len(seen) == 1 and fake.sleeps == []
+
+
+def test_against_a_real_server_processing_is_409_and_retried(tmp_path: Path) -> None:
+    """MeshApp's semantic 409 for a call in flight: the client waits and gets it cached."""
+    started, release = threading.Event(), threading.Event()
+    runs: list[int] = []
+
+    def slow(call: dict[str, Any]) -> Any:
+        runs.append(1)
+        started.set()
+        assert release.wait(30)
+        return RESULT
+
+    seen: list[tuple[int, str]] = []
+
+    def record(response: httpx.Response) -> None:
+        response.read()
+        errors = response.json().get("errors") or [{"code": ""}]
+        seen.append((response.status_code, errors[0]["code"]))
+        if errors[0]["code"] == "IDEMPOTENCY_PROCESSING":
+            release.set()  # the retry's wait then ends with the answer stored
+
+    store = f"sqlite:///{tmp_path}/mesh.db"
+    with (
+        ThreadServer(MeshApp({"payments.charge": slow}, store), "asgi") as server,
+        MeshClient(
+            base_url=server.url,
+            headers=CALLER,
+            retry=RetryPolicy(base=0.01, max_attempts=10, max_time=60),
+            event_hooks={"response": [record]},
+            timeout=60,
+        ) as client,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        first = pool.submit(client.call, "/", "payments.charge", ARGUMENTS, key="order-9")
+        assert started.wait(30)
+        doc = client.call("/", "payments.charge", ARGUMENTS, key="order-9")
+        assert first.result()["result"] == RESULT
+    assert doc["result"] == RESULT and runs == [1]
+    assert (409, "IDEMPOTENCY_PROCESSING") in seen
 
 
 # -- the shared decision ------------------------------------------------------------------
@@ -449,7 +569,7 @@ def status_of(envelope: dict[str, Any]) -> str:
 def check_once(answers: list[dict[str, Any]], seen: Seen, runs: Path, order: str) -> None:
     """One run; every caller the same result; the others were told PROCESSING and retried."""
     assert runs_of(runs, order) == 1
-    assert all(a["errors"] == [] for a in answers), answers
+    assert all("errors" not in a for a in answers), answers
     assert {json.dumps(a["result"]) for a in answers} == {json.dumps(answers[0]["result"])}
     assert answers[0]["result"]["order"] == order
     statuses = sorted(status_of(a) for a in answers)
@@ -521,7 +641,7 @@ def test_real_server_lost_answer_is_replayed(mode: str, server: tuple[str, Path]
             return await c.call(url, "payments.charge", {"order": order})
 
     doc = sync() if mode == "sync" else asyncio.run(asynchronous())
-    assert doc["errors"] == [] and doc["result"]["order"] == order
+    assert "errors" not in doc and doc["result"]["order"] == order
     assert status_of(doc) == "cached"
     assert seen[0][1] == "ReadTimeout"
     assert doc["extensions"][0]["data"]["original_request_id"] == seen[0][0]  # the lost attempt

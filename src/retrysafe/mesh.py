@@ -39,16 +39,40 @@ from retrysafe._http.asgi import (
     to_the_end,
 )
 from retrysafe._http.request import HttpRequest, declared_length
-from retrysafe._protocols.mesh import URN, MeshCall, loads, parse, transport_error
+from retrysafe._model.hashing import MAX_PROTOCOL_KEY_LENGTH
+from retrysafe._protocols.mesh import (
+    URN,
+    MeshCall,
+    loads,
+    parse,
+    retry_after_of,
+    status_of,
+    transport_error,
+)
 from retrysafe._protocols.mesh_discovery import Discovery, MeshFunction, functions
 from retrysafe.errors import BodyTooLarge, IdempotencyError, MeshError
 from retrysafe.stores import Store
 
-__all__ = ["URN", "MeshApp", "MeshError", "MeshFunction", "MeshIdempotency"]
+__all__ = [
+    "MAX_KEY_LENGTH",
+    "URN",
+    "MeshApp",
+    "MeshError",
+    "MeshFunction",
+    "MeshIdempotency",
+    "status_of",
+]
 
 log = logging.getLogger("retrysafe")
 
+#: The longest idempotency key accepted, in characters (the extension defines a key as
+#: any string). A key that is not 1-255 visible ASCII is stored as its SHA-256.
+MAX_KEY_LENGTH = MAX_PROTOCOL_KEY_LENGTH
+
 Handler = Callable[[dict[str, Any]], Any]
+Answer = tuple[int, dict[str, Any], list[tuple[str, str]]]
+#: ``MeshApp(http_status=...)``: the protocol's semantic statuses, or 200 for every answer.
+HTTP_STATUSES = ("semantic", "always_200")
 
 
 class MeshIdempotency:
@@ -220,9 +244,15 @@ class MeshApp:
     ``principal_cookies``, ``principal_query``, ``anonymous``; see
     :class:`retrysafe.asgi.IdempotencyMiddleware` and docs/principals.md): an
     authenticated ``scope["user"]``, else the request's credentials; a call
-    without any runs without a record (``anonymous="run"``). Mesh answers,
-    errors included, are 200; a body that is not JSON is 400, one over
-    ``max_body`` bytes 413, a method other than POST 405.
+    without any runs without a record (``anonymous="run"``).
+
+    ``http_status="semantic"`` (the default) answers each Mesh answer with the
+    status of its error code (:func:`status_of`: 200 on success, 409 for
+    ``IDEMPOTENCY_CONFLICT`` and ``IDEMPOTENCY_PROCESSING``, 503 ``UNAVAILABLE``,
+    ...), as the protocol's HTTP binding asks, with ``Retry-After`` when the
+    error has a ``retry_after``; ``"always_200"`` answers every Mesh answer,
+    ``PARSE_ERROR`` included, with 200. Either way a body over ``max_body``
+    bytes is 413 and a method other than POST 405.
     """
 
     def __init__(
@@ -241,7 +271,11 @@ class MeshApp:
         lease: float | None = None,
         wait: float | None = None,
         service: str = "mesh",
+        http_status: str = "semantic",
     ) -> None:
+        if http_status not in HTTP_STATUSES:
+            raise ValueError(f"http_status must be 'semantic' or 'always_200', not {http_status!r}")
+        self.http_status = http_status
         self.functions = functions(handlers)
         self.handlers = {name: _asynchronous(fn.handler) for name, fn in self.functions.items()}
         self.principals = Principals(
@@ -276,9 +310,14 @@ class MeshApp:
             return ""  # no idempotency asked: nothing is recorded
         return await caller_scope(scope, self.principals, self.mesh.engine.store, call.operation)
 
-    async def _answer(
-        self, scope: Scope, receive: Receive
-    ) -> tuple[int, dict[str, Any], list[tuple[str, str]]] | None:
+    def _http(self, response: dict[str, Any]) -> Answer:
+        """A Mesh answer with its HTTP status and headers, in the app's binding."""
+        if self.http_status == "always_200":
+            return 200, response, []
+        after = retry_after_of(response)
+        return status_of(response), response, [] if after is None else [("retry-after", str(after))]
+
+    async def _answer(self, scope: Scope, receive: Receive) -> Answer | None:
         """(HTTP status, response envelope, headers); None if the client left."""
         if scope["method"] != "POST":
             return 405, transport_error("send Mesh requests with POST"), [("allow", "POST")]
@@ -293,23 +332,23 @@ class MeshApp:
             return None
         request, refusal = loads(body)
         if refusal is not None:
-            return 400, refusal, []
+            return self._http(refusal)
         call = parse(request)
         if isinstance(call, dict):
-            return 200, call, []
+            return self._http(call)
         discovered = self.discovery.answer(request, call)  # discovery; opted-out functions
         if discovered is not None:
-            return *discovered, []
+            return self._http(discovered)
         handler = self.handlers.get(call.function)
         if handler is None:
-            return 200, call.not_found(), []
+            return self._http(call.not_found())
         try:
             caller = await self._caller(scope, call)
         except IdempotencyError as exc:
             METRICS.refused(call.operation, exc)
-            return 200, call.refused(exc), []
+            return self._http(call.refused(exc))
         try:
-            return 200, await to_the_end(self.mesh._ahandle(call, handler, caller)), []
+            return self._http(await to_the_end(self.mesh._ahandle(call, handler, caller)))
         except Exception:
             log.exception("retrysafe: mesh function %r failed", call.function)
-            return 200, call.crashed(), []
+            return self._http(call.crashed())

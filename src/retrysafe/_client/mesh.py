@@ -2,10 +2,11 @@
 
 ``call()`` builds the request envelope with one key for the whole call and a new
 ``id`` per attempt (the extension: the id is per attempt, the key per operation), and
-the send loop of :class:`~retrysafe.client.Client` retries it. Besides what the
-base client retries (transport errors, 5xx), an answer to ``call()`` whose Mesh
-errors are all ``"retryable": true`` is retried after its ``details.retry_after``;
-see :func:`retrysafe._client.retry.mesh_retryable`. No ``Idempotency-Key`` header is
+the send loop of :class:`~retrysafe.client.Client` retries it. An answer that is
+a Mesh envelope is retried by its error codes, whatever its HTTP status
+(``IDEMPOTENCY_PROCESSING`` always, ``IDEMPOTENCY_CONFLICT`` never), after its
+``details.retry_after``; any other answer as the base client retries it (transport
+errors, 5xx); see :func:`retrysafe._client.retry.mesh_retryable`. No ``Idempotency-Key`` header is
 sent: the key lives in the envelope, and a header would let an HTTP idempotency
 layer in front of the Mesh server (the retrysafe gateway or middleware) compare
 the per-attempt bodies, which differ in their ``id``, and refuse every retry as a
@@ -26,7 +27,7 @@ import httpx
 from retrysafe._client.clients import AsyncClient, Client, _Retrying
 from retrysafe._client.keys import new_key
 from retrysafe._client.retry import mesh_retryable
-from retrysafe._model.hashing import validate_key
+from retrysafe._model.hashing import protocol_key
 from retrysafe._protocols.mesh import PROTOCOL, URN
 
 __all__ = ["AsyncMeshClient", "MeshClient"]
@@ -34,6 +35,7 @@ __all__ = ["AsyncMeshClient", "MeshClient"]
 #: The ``httpx.Request.extensions`` entry that marks a Mesh call made by ``call()``.
 _CALL = "retrysafe.mesh_call"
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+_ASCII_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +131,10 @@ class _MeshCalls(_Retrying):
         extensions: Iterable[Mapping[str, Any]] | None,
     ) -> httpx.Request:
         """The request that ``send`` turns into one request per attempt (its own ``id``)."""
-        key = new_key(self.retry.key_version) if key is None else validate_key(key)
+        if key is None:
+            key = new_key(self.retry.key_version)
+        else:
+            protocol_key(key)  # any string of 1-1024 characters, as the server takes it
         envelope = _envelope(function, arguments, version, key, ttl, extensions)
         headers = {"content-type": "application/json", "accept": "application/json"}
         return self.build_request(
@@ -148,7 +153,11 @@ class _MeshCalls(_Retrying):
         call = _mesh_call(request)
         if call is None:
             return request
-        body = _JSON({**call.envelope, "id": new_request_id()}).encode()
+        envelope = {**call.envelope, "id": new_request_id()}
+        try:
+            body = _JSON(envelope).encode()
+        except UnicodeEncodeError:  # a lone surrogate (a key may be any string): \u escapes
+            body = _ASCII_JSON(envelope).encode()
         headers = request.headers.copy()
         headers.pop("content-length", None)
         return httpx.Request(
@@ -187,7 +196,8 @@ class MeshClient(_MeshCalls, Client):
     ) -> dict[str, Any]:
         """POST a Mesh call of ``function`` and return the response envelope.
 
-        ``key`` is the idempotency key (a new UUID by default), the same on
+        ``key`` is the idempotency key (a new UUID by default; any string of
+        1-1024 characters, else :class:`~retrysafe.InvalidKeyError`), the same on
         every attempt; ``ttl`` how long the server should keep the answer
         (seconds, or a ``{"value", "unit"}`` duration); ``extensions`` other
         extension objects to send. The answer is the last envelope, a

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from retrysafe._protocols.mesh import IDEMPOTENCY_CONFLICT, IDEMPOTENCY_PROCESSING, RETRYABLE_CODES
 from retrysafe._protocols.mesh import UNITS as MESH_UNITS
 
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
@@ -150,21 +151,39 @@ def retryable(outcome: httpx.Response | BaseException) -> bool:
 
 
 def mesh_retryable(outcome: httpx.Response | BaseException) -> bool:
-    """:func:`retryable`, or a Mesh answer whose ``errors`` are all ``"retryable": true``.
+    """Whether a Mesh call's answer may be retried: by the envelope's error codes.
 
-    Those are ``IDEMPOTENCY_PROCESSING`` (the first attempt still runs),
-    ``IDEMPOTENCY_STORE_UNAVAILABLE``, a crashed handler's ``INTERNAL_ERROR`` and
-    any retryable error of the function's own; never ``IDEMPOTENCY_CONFLICT``
-    or another error that is not retryable. Mesh servers answer errors with 200.
+    An answer that is a Mesh envelope is judged by its ``errors`` alone, whatever
+    its HTTP status (a server may answer 409, 503 or 200): it is retried when
+    every error is retryable. ``IDEMPOTENCY_PROCESSING`` always is and
+    ``IDEMPOTENCY_CONFLICT`` never is (the extension's error table); any other
+    error is as its ``"retryable"`` says, or, without one (the protocol's error
+    object has no such field), as its code's row in errors.md says
+    (:data:`~retrysafe._protocols.mesh.RETRYABLE_CODES`). An answer that is no
+    envelope (a proxy's 502 page) and a transport error: :func:`retryable`.
     """
-    if retryable(outcome):
-        return True
     if isinstance(outcome, BaseException):
+        return retryable(outcome)
+    doc = _json(outcome)
+    if not (isinstance(doc, dict) and ("result" in doc or "errors" in doc)):
+        return retryable(outcome)
+    errors = _mesh_errors(doc)
+    return bool(errors) and all(_retryable_error(e) for e in errors or ())
+
+
+def _retryable_error(error: object) -> bool:
+    """Whether one Mesh error object is retryable (see :func:`mesh_retryable`)."""
+    if not isinstance(error, dict):
         return False
-    errors = _mesh_errors(_json(outcome))
-    if not errors:
+    code = error.get("code")
+    if code == IDEMPOTENCY_PROCESSING:
+        return True
+    if code == IDEMPOTENCY_CONFLICT:
         return False
-    return all(isinstance(e, dict) and e.get("retryable") is True for e in errors)
+    flag = error.get("retryable")
+    if isinstance(flag, bool):
+        return flag
+    return type(code) is str and code in RETRYABLE_CODES
 
 
 def decide(

@@ -238,6 +238,7 @@ async def read_body(
 
 
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+_ASCII_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
 
 async def send_json(
@@ -247,8 +248,15 @@ async def send_json(
     headers: Iterable[tuple[str, str]] = (),
     media_type: str = "application/json",
 ) -> None:
-    """Send ``value`` as a compact UTF-8 JSON response."""
-    body = _JSON(value).encode()
+    """Send ``value`` as a compact UTF-8 JSON response.
+
+    Text that UTF-8 cannot carry (a lone surrogate a request sent as ``"\\ud800"``,
+    echoed back) is written with JSON's ``\\u`` escapes instead, as it came.
+    """
+    try:
+        body = _JSON(value).encode()
+    except UnicodeEncodeError:
+        body = _ASCII_JSON(value).encode()
     await send_answer(send, Response.sized(status, [("content-type", media_type), *headers], body))
 
 

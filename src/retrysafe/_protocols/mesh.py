@@ -18,7 +18,7 @@ from typing import Any
 
 from retrysafe._core.engine import Claim, Replay
 from retrysafe._core.metrics import METRICS
-from retrysafe._model.hashing import canonical_json, validate_key
+from retrysafe._model.hashing import canonical_json, protocol_key
 from retrysafe._model.record import Outcome
 from retrysafe.errors import (
     AmbiguousCredentialsError,
@@ -32,6 +32,7 @@ from retrysafe.errors import (
 )
 
 __all__ = [
+    "RETRYABLE_CODES",
     "URN",
     "MeshCall",
     "Step",
@@ -40,30 +41,132 @@ __all__ = [
     "loads",
     "operation",
     "parse",
+    "retry_after_of",
+    "status_of",
     "transport_error",
 ]
 
 URN = "urn:mesh:ext:idempotency"
 PROTOCOL = {"name": "mesh", "version": "0.1.0"}
 
-# The protocol's own codes, then the Mesh idempotency extension's and retrysafe's.
+# The protocol's standard codes (errors.md), then the Mesh idempotency extension's own
+# two. A missing or invalid key is INVALID_ARGUMENTS, as the reference implementation
+# answers it; an unreachable store is UNAVAILABLE.
 PARSE_ERROR = "PARSE_ERROR"
 INVALID_REQUEST = "INVALID_REQUEST"
+INVALID_ARGUMENTS = "INVALID_ARGUMENTS"
 FUNCTION_NOT_FOUND = "FUNCTION_NOT_FOUND"
 INTERNAL_ERROR = "INTERNAL_ERROR"
-IDEMPOTENCY_PROCESSING = "IDEMPOTENCY_PROCESSING"
-IDEMPOTENCY_CONFLICT = "IDEMPOTENCY_CONFLICT"
-IDEMPOTENCY_KEY_REQUIRED = "IDEMPOTENCY_KEY_REQUIRED"
-IDEMPOTENCY_KEY_INVALID = "IDEMPOTENCY_KEY_INVALID"
-IDEMPOTENCY_STORE_UNAVAILABLE = "IDEMPOTENCY_STORE_UNAVAILABLE"
+UNAVAILABLE = "UNAVAILABLE"
 #: A keyed call without credentials, where anonymous calls are refused.
 UNAUTHORIZED = "UNAUTHORIZED"
+IDEMPOTENCY_PROCESSING = "IDEMPOTENCY_PROCESSING"
+IDEMPOTENCY_CONFLICT = "IDEMPOTENCY_CONFLICT"
 
 _SECONDS = {"millisecond": 0.001, "second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0}
 #: Seconds per ``ttl`` unit: the protocol's duration units, singular or plural.
 UNITS = {**_SECONDS, **{unit + "s": seconds for unit, seconds in _SECONDS.items()}}
 
 _PROTOCOL_TEXT = re.compile(r"mesh/[0-9]+\.[0-9]+")
+
+#: The HTTP status of each standard code: errors.md ("Standard Error Codes", its HTTP
+#: column), which transport.md ("Status Codes") and protocol.md ("Transport
+#: Conventions") make binding: "HTTP status codes MUST reflect the Forrst error".
+STATUSES = {
+    PARSE_ERROR: 400,
+    INVALID_REQUEST: 400,
+    "INVALID_PROTOCOL_VERSION": 400,
+    FUNCTION_NOT_FOUND: 404,
+    "VERSION_NOT_FOUND": 404,
+    "FUNCTION_DISABLED": 503,
+    INVALID_ARGUMENTS: 400,
+    "SCHEMA_VALIDATION_FAILED": 422,
+    "EXTENSION_NOT_SUPPORTED": 400,
+    "EXTENSION_NOT_APPLICABLE": 400,
+    UNAUTHORIZED: 401,
+    "FORBIDDEN": 403,
+    "NOT_FOUND": 404,
+    "CONFLICT": 409,
+    "GONE": 410,
+    "DEADLINE_EXCEEDED": 408,
+    "RATE_LIMITED": 429,
+    INTERNAL_ERROR: 500,
+    UNAVAILABLE: 503,
+    "DEPENDENCY_ERROR": 502,
+    IDEMPOTENCY_CONFLICT: 409,
+    IDEMPOTENCY_PROCESSING: 409,
+    "ASYNC_OPERATION_NOT_FOUND": 404,
+    "ASYNC_OPERATION_FAILED": 500,
+    "ASYNC_CANNOT_CANCEL": 400,
+    "BATCH_FAILED": 400,
+    "BATCH_TOO_LARGE": 400,
+    "BATCH_TIMEOUT": 504,
+    "SERVER_MAINTENANCE": 503,
+    "FUNCTION_MAINTENANCE": 503,
+    "REPLAY_NOT_FOUND": 404,
+    "REPLAY_EXPIRED": 410,
+    "REPLAY_ALREADY_COMPLETE": 409,
+    "REPLAY_CANCELLED": 410,
+}
+
+
+#: The codes a client retries (the "Retryable: Yes" rows of errors.md, and of the
+#: atomic-lock extension's table): ``IDEMPOTENCY_PROCESSING`` among them.
+RETRYABLE_CODES = frozenset(
+    {
+        "FUNCTION_DISABLED",
+        "DEADLINE_EXCEEDED",
+        "RATE_LIMITED",
+        INTERNAL_ERROR,
+        UNAVAILABLE,
+        "DEPENDENCY_ERROR",
+        IDEMPOTENCY_PROCESSING,
+        "BATCH_TIMEOUT",
+        "SERVER_MAINTENANCE",
+        "FUNCTION_MAINTENANCE",
+        "LOCK_ACQUISITION_FAILED",
+        "LOCK_TIMEOUT",
+    }
+)
+
+
+def status_of(response: dict[str, Any]) -> int:
+    """The HTTP status of a response envelope, as transport.md binds it.
+
+    200 without errors; 400 for several (transport.md, "Multiple Errors"); for
+    one, its code's status in :data:`STATUSES`. A code of the application's own
+    is 400, or 500 when the error says ``"retryable": true`` (the caller did
+    nothing wrong).
+    """
+    errors = response.get("errors")
+    if not errors:
+        return 200
+    if not isinstance(errors, list) or len(errors) != 1 or not isinstance(errors[0], dict):
+        return 400
+    error = errors[0]
+    code = error.get("code")
+    status = STATUSES.get(code) if type(code) is str else None
+    if status is not None:
+        return status
+    return 500 if error.get("retryable") is True else 400
+
+
+def retry_after_of(response: dict[str, Any]) -> int | None:
+    """Whole seconds of the ``details.retry_after`` of a response's one error (for a
+    ``Retry-After`` header), or None."""
+    errors = response.get("errors")
+    if not isinstance(errors, list) or len(errors) != 1 or not isinstance(errors[0], dict):
+        return None
+    details = errors[0].get("details")
+    after = details.get("retry_after") if isinstance(details, dict) else None
+    if not isinstance(after, dict):
+        return None
+    value, unit = after.get("value"), after.get("unit")
+    per = UNITS.get(unit) if type(unit) is str else None
+    if per is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    seconds = value * per
+    return max(0, math.ceil(seconds)) if math.isfinite(seconds) else None
 
 
 def _error(
@@ -88,14 +191,16 @@ def envelope(
     errors: list[dict[str, Any]] | None = None,
     entry: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A response envelope: always the same five keys."""
-    return {
-        "protocol": protocol,
-        "id": request_id,
-        "result": result,
-        "errors": errors or [],
-        "extensions": [] if entry is None else [entry],
-    }
+    """A response envelope: ``result`` on success; ``result: null`` and ``errors``
+    on failure (never both: protocol.md, "Error Fields"); ``extensions`` when an
+    extension has something to say."""
+    answer: dict[str, Any] = {"protocol": protocol, "id": request_id, "result": result}
+    if errors:
+        answer["result"] = None
+        answer["errors"] = errors
+    if entry is not None:
+        answer["extensions"] = [entry]
+    return answer
 
 
 def _iso(seconds: float) -> str:
@@ -111,10 +216,21 @@ def _whole_seconds(seconds: float) -> dict[str, Any]:
 
 
 class _Invalid(Exception):
-    """A request that is not one: its Mesh error, and where in the request it is."""
+    """A request that is not one: its Mesh error, and where in the request it is.
 
-    def __init__(self, code: str, message: str, pointer: str = "", position: int | None = None):
+    ``key_error``: the idempotency key is missing or invalid (counted as ``invalid_key``).
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        pointer: str = "",
+        position: int | None = None,
+        key_error: bool = False,
+    ):
         super().__init__(message)
+        self.key_error = key_error
         self.error = _error(
             code,
             message,
@@ -196,7 +312,7 @@ def parse(request: Any) -> MeshCall | dict[str, Any]:
     try:
         return _parse(request)
     except _Invalid as bad:
-        if bad.error["code"] in (IDEMPOTENCY_KEY_REQUIRED, IDEMPOTENCY_KEY_INVALID):
+        if bad.key_error:
             METRICS.count("invalid_key", "")
         return error_envelope(request, bad.error)
 
@@ -233,15 +349,18 @@ def _parse(request: Any) -> MeshCall:
     context = request.get("context")
     if context is not None and not isinstance(context, dict):
         raise _Invalid(INVALID_REQUEST, "context must be an object", "/context")
-    key, ttl = _options(request.get("extensions"))
+    extensions = request.get("extensions")
+    key, engine_key, ttl = _options(extensions)
     fp = "" if key is None else _fingerprint(arguments)
-    return MeshCall(protocol, rid, call, function, version, key, ttl, fp)
+    urns = tuple(dict.fromkeys(ext["urn"] for ext in extensions or ()))  # checked by _options
+    return MeshCall(protocol, rid, call, function, version, engine_key, ttl, fp, key, urns)
 
 
-def _options(extensions: Any) -> tuple[str | None, float | None]:
-    """(key, ttl in seconds or None) of the idempotency extension; (None, None) without it."""
+def _options(extensions: Any) -> tuple[str | None, str | None, float | None]:
+    """(the key as sent, the engine's key, ttl in seconds or None) of the idempotency
+    extension; (None, None, None) without it."""
     if extensions is None:
-        return None, None
+        return None, None, None
     if not isinstance(extensions, list):
         raise _Invalid(INVALID_REQUEST, "extensions must be an array", "/extensions")
     found = None
@@ -256,7 +375,7 @@ def _options(extensions: Any) -> tuple[str | None, float | None]:
                 raise _Invalid(INVALID_REQUEST, f"{URN} is declared twice", f"/extensions/{i}")
             found = i
     if found is None:
-        return None, None
+        return None, None, None
     at = f"/extensions/{found}/options"
     options = extensions[found].get("options")
     if options is None:
@@ -266,16 +385,16 @@ def _options(extensions: Any) -> tuple[str | None, float | None]:
     key = options.get("key")
     if key is None:
         raise _Invalid(
-            IDEMPOTENCY_KEY_REQUIRED, "the idempotency extension needs a key", at + "/key"
+            INVALID_ARGUMENTS, "the idempotency extension needs a key", at + "/key", key_error=True
         )
     try:
         if type(key) is not str:
             raise InvalidKeyError(f"idempotency key must be a string, not {_json_type(key)}")
-        validate_key(key)
+        engine_key = protocol_key(key)
     except InvalidKeyError as exc:
-        raise _Invalid(IDEMPOTENCY_KEY_INVALID, str(exc), at + "/key") from None
+        raise _Invalid(INVALID_ARGUMENTS, str(exc), at + "/key", key_error=True) from None
     ttl = options.get("ttl")
-    return key, None if ttl is None else _ttl(ttl, at + "/ttl")
+    return key, engine_key, None if ttl is None else _ttl(ttl, at + "/ttl")
 
 
 def _ttl(ttl: Any, at: str) -> float:
@@ -353,7 +472,12 @@ class Step:
 
 @dataclass(slots=True)
 class MeshCall:
-    """A valid request envelope: the call, and the idempotency options (``key`` None: none)."""
+    """A valid request envelope: the call, and the idempotency options (``key`` None: none).
+
+    ``key`` is the engine's key (:func:`~retrysafe._model.hashing.protocol_key`: the key
+    as sent, or its ``sha256:`` hash); ``sent_key`` the key as the request gave it, which
+    every answer echoes. ``urns``: the request's extensions, in its order, each once.
+    """
 
     protocol: Any
     id: str
@@ -363,6 +487,8 @@ class MeshCall:
     key: str | None
     ttl: float | None
     fingerprint: str
+    sent_key: str | None = None
+    urns: tuple[str, ...] = ()
 
     @property
     def operation(self) -> str:
@@ -371,14 +497,38 @@ class MeshCall:
     def _entry(self, status: str, original: str | None, **times: float) -> dict[str, Any] | None:
         if self.key is None:
             return None
-        data: dict[str, Any] = {"key": self.key, "status": status, "original_request_id": original}
+        data: dict[str, Any] = {
+            "key": self.sent_key,
+            "status": status,
+            "original_request_id": original,
+        }
         for name, seconds in times.items():
             data[name] = _iso(seconds)
         return {"urn": URN, "data": data}
 
+    def _envelope(
+        self,
+        result: Any,
+        errors: list[dict[str, Any]] | None = None,
+        entry: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """An envelope answering this call: every extension of the request is echoed by
+        its URN, in the request's order (extensions/index.md, "Server Handling": "Return
+        response with same extensions"); the idempotency one as ``entry``, and only
+        when there is one."""
+        answer = envelope(self.protocol, self.id, result, errors)
+        echoed = [
+            entry if urn == URN else {"urn": urn}
+            for urn in self.urns
+            if urn != URN or entry is not None
+        ]
+        if echoed:
+            answer["extensions"] = echoed
+        return answer
+
     def error(self, error: dict[str, Any]) -> dict[str, Any]:
-        """An error envelope answering this call, without extension data."""
-        return envelope(self.protocol, self.id, errors=[error])
+        """An error envelope answering this call, without idempotency data."""
+        return self._envelope(None, [error])
 
     def not_found(self) -> dict[str, Any]:
         where = {"pointer": "/call/function"}
@@ -397,7 +547,7 @@ class MeshCall:
     ) -> dict[str, Any]:
         times = {"expires_at": claim.expires_at} if kept and claim is not None else {}
         entry = self._entry("processed", self.id, **times)
-        return envelope(self.protocol, self.id, result, errors, entry)
+        return self._envelope(result, errors, entry)
 
     def finish(self, result: Any, claim: Claim | None, max_body: float = math.inf) -> Step:
         """The answer to the handler's ``result`` (or the :class:`MeshError` it raised).
@@ -424,7 +574,7 @@ class MeshCall:
         )
         value = None if record.outcome is None else record.outcome.value
         if not replay.failed:
-            return envelope(self.protocol, self.id, value, None, entry)
+            return self._envelope(value, None, entry)
         if not isinstance(value, list):  # a final failure with no stored errors
             value = [
                 _error(
@@ -434,7 +584,7 @@ class MeshCall:
                     False,
                 )
             ]
-        return envelope(self.protocol, self.id, None, value, entry)
+        return self._envelope(None, value, entry)
 
     def refused(self, exc: IdempotencyError) -> dict[str, Any]:
         """The answer when the engine would not start the call."""
@@ -443,7 +593,7 @@ class MeshCall:
                 IDEMPOTENCY_PROCESSING,
                 "Previous request with this key is still processing",
                 True,
-                {"key": self.key, "retry_after": _whole_seconds(exc.retry_after)},
+                {"key": self.sent_key, "retry_after": _whole_seconds(exc.retry_after)},
             )
             entry = self._entry("processing", exc.original_request_id)
         elif isinstance(exc, FingerprintMismatchError):
@@ -452,7 +602,7 @@ class MeshCall:
                 IDEMPOTENCY_CONFLICT,
                 "Idempotency key already used with different arguments",
                 False,
-                {"key": self.key, "original_arguments_hash": original},
+                {"key": self.sent_key, "original_arguments_hash": original},
             )
             entry = self._entry("conflict", exc.original_request_id)
         elif isinstance(exc, PrincipalRequiredError):
@@ -463,12 +613,12 @@ class MeshCall:
             entry = None
         elif isinstance(exc, StoreUnavailableError):
             error = _error(
-                IDEMPOTENCY_STORE_UNAVAILABLE,
+                UNAVAILABLE,
                 "the idempotency store cannot be reached; retry with the same key",
                 True,
-                {"key": self.key, "retry_after": _whole_seconds(exc.retry_after)},
+                {"key": self.sent_key, "retry_after": _whole_seconds(exc.retry_after)},
             )
             entry = None
         else:
             raise exc
-        return envelope(self.protocol, self.id, None, [error], entry)
+        return self._envelope(None, [error], entry)

@@ -39,15 +39,6 @@ INVALID_ARGUMENTS = "INVALID_ARGUMENTS"
 FUNCTION_NOT_FOUND = "FUNCTION_NOT_FOUND"
 VERSION_NOT_FOUND = "VERSION_NOT_FOUND"
 EXTENSION_NOT_APPLICABLE = "EXTENSION_NOT_APPLICABLE"
-#: The HTTP status of each error discovery answers with (the protocol's transport binding).
-STATUS = {
-    INVALID_ARGUMENTS: 400,
-    EXTENSION_NOT_APPLICABLE: 400,
-    FUNCTION_NOT_FOUND: 404,
-    VERSION_NOT_FOUND: 404,
-}
-
-
 def _texts(value: Iterable[str] | None, name: str, *, empty: bool) -> tuple[str, ...] | None:
     """``value`` as a tuple of distinct non-empty strings (TypeError, ValueError)."""
     if value is None:
@@ -185,8 +176,8 @@ class Discovery:
         self.functions = dict(functions)
         self.service, self.max_body = service, max_body
 
-    def answer(self, request: dict[str, Any], call: MeshCall) -> tuple[int, dict[str, Any]] | None:
-        """(HTTP status, response) when discovery answers ``call``; None: its handler does.
+    def answer(self, request: dict[str, Any], call: MeshCall) -> dict[str, Any] | None:
+        """The response when discovery answers ``call``; None: its handler does.
 
         ``request`` is the envelope ``call`` was parsed from.
         """
@@ -203,10 +194,10 @@ class Discovery:
             result = self.capabilities() if system == CAPABILITIES else self.describe(arguments)
         except _Refused as refused:
             return self._refuse(call, refused.error)
-        return 200, call.finish(result, None).response  # a read: never recorded
+        return call.finish(result, None).response  # a read: never recorded
 
-    def _refuse(self, call: MeshCall, error: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        return STATUS[error["code"]], call.error(error)
+    def _refuse(self, call: MeshCall, error: dict[str, Any]) -> dict[str, Any]:
+        return call.error(error)
 
     def capabilities(self) -> dict[str, Any]:
         """The ``capabilities`` result."""
