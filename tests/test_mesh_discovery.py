@@ -12,6 +12,7 @@ from _hangup import CALLER
 from _http_servers import ThreadServer
 
 from retrysafe import Store, open_store
+from retrysafe.client import MeshClient
 from retrysafe.mesh import URN, MeshApp, MeshFunction
 
 PROTOCOL = {"name": "mesh", "version": "0.1.0"}
@@ -245,6 +246,18 @@ def test_a_keyed_call_to_an_opted_out_function_is_not_applicable(served: Served)
         plain = client.post("/mesh", json=request("payments.lookup", {"charge": "ch_1"}))
         assert plain.status_code == 200 and plain.json()["result"] == {"status": "succeeded"}
     assert orders.runs == ["lookup", "lookup"] and store.records() == []
+
+
+def test_mesh_client_calls_an_opted_out_function_without_the_extension(served: Served) -> None:
+    client, orders, store = served
+    with MeshClient(base_url=str(client.base_url), headers=CALLER) as mesh:
+        answer = mesh.call("/mesh", "payments.lookup", {"charge": "ch_1"}, idempotent=False)
+        assert answer["result"] == {"status": "succeeded"} and "extensions" not in answer
+        keyed = mesh.call("/mesh", "payments.lookup", {"charge": "ch_1"})
+        assert keyed["errors"][0]["code"] == "EXTENSION_NOT_APPLICABLE"
+        with pytest.raises(ValueError, match="idempotent=False"):
+            mesh.call("/mesh", "payments.lookup", {}, key="k1", idempotent=False)
+    assert orders.runs == ["lookup"] and store.records() == []
 
 
 def test_other_functions_keep_the_extension(served: Served) -> None:

@@ -40,10 +40,11 @@ _ASCII_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
 @dataclass(frozen=True, slots=True)
 class _Call:
-    """A Mesh call's envelope without its ``id``, and its idempotency key."""
+    """A Mesh call's envelope without its ``id``, and its idempotency key (None:
+    sent without the extension, and not retried)."""
 
     envelope: dict[str, Any]
-    key: str
+    key: str | None
 
 
 def _mesh_call(request: httpx.Request) -> _Call | None:
@@ -72,11 +73,12 @@ def _envelope(
     function: str,
     arguments: Mapping[str, Any],
     version: str | None,
-    key: str,
+    key: str | None,
     ttl: float | Mapping[str, Any] | None,
     extensions: Iterable[Mapping[str, Any]] | None,
 ) -> dict[str, Any]:
-    """The request envelope without its ``id``; raises TypeError or ValueError for bad input."""
+    """The request envelope without its ``id`` (without the idempotency extension if
+    ``key`` is None); raises TypeError or ValueError for bad input."""
     if type(function) is not str or not function:
         raise ValueError(f"function must be a non-empty str, not {function!r}")
     if version is not None and (type(version) is not str or not version):
@@ -87,17 +89,15 @@ def _envelope(
     if version is not None:
         call["version"] = version
     call["arguments"] = dict(arguments)
-    options: dict[str, Any] = {"key": key}
-    if ttl is not None:
-        options["ttl"] = _ttl(ttl)
     others = [dict(ext) for ext in extensions or ()]
     if any(ext.get("urn") == URN for ext in others):
         raise ValueError(f"pass the idempotency options as key= and ttl=, not as {URN}")
-    envelope = {
-        "protocol": dict(PROTOCOL),
-        "call": call,
-        "extensions": [*others, {"urn": URN, "options": options}],
-    }
+    if key is not None:
+        options: dict[str, Any] = {"key": key}
+        if ttl is not None:
+            options["ttl"] = _ttl(ttl)
+        others.append({"urn": URN, "options": options})
+    envelope = {"protocol": dict(PROTOCOL), "call": call, "extensions": others}
     # A copy as JSON has it: not JSON fails now (TypeError, ValueError), before anything is
     # sent, and every attempt sends these arguments even if the caller changes them.
     return json.loads(_JSON(envelope))
@@ -129,9 +129,15 @@ class _MeshCalls(_Retrying):
         key: str | None,
         ttl: float | Mapping[str, Any] | None,
         extensions: Iterable[Mapping[str, Any]] | None,
+        idempotent: bool = True,
     ) -> httpx.Request:
         """The request that ``send`` turns into one request per attempt (its own ``id``)."""
-        if key is None:
+        if not idempotent:
+            if key is not None or ttl is not None:
+                raise ValueError(
+                    "key= and ttl= are the idempotency extension's: not with idempotent=False"
+                )
+        elif key is None:
             key = new_key(self.retry.key_version)
         else:
             protocol_key(key)  # any string of 1-1024 characters, as the server takes it
@@ -146,7 +152,7 @@ class _MeshCalls(_Retrying):
         call = _mesh_call(request)
         if call is None:
             return super()._prepare(request)
-        return call.key, True
+        return call.key, call.key is not None
 
     def _for_attempt(self, request: httpx.Request, attempt: int) -> httpx.Request:
         """A Mesh call's attempt: the envelope with a new ``id``."""
@@ -193,6 +199,7 @@ class MeshClient(_MeshCalls, Client):
         key: str | None = None,
         ttl: float | Mapping[str, Any] | None = None,
         extensions: Iterable[Mapping[str, Any]] | None = None,
+        idempotent: bool = True,
     ) -> dict[str, Any]:
         """POST a Mesh call of ``function`` and return the response envelope.
 
@@ -200,12 +207,17 @@ class MeshClient(_MeshCalls, Client):
         1-1024 characters, else :class:`~retrysafe.InvalidKeyError`), the same on
         every attempt; ``ttl`` how long the server should keep the answer
         (seconds, or a ``{"value", "unit"}`` duration); ``extensions`` other
-        extension objects to send. The answer is the last envelope, a
+        extension objects to send. ``idempotent=False`` sends the call without
+        the idempotency extension (a function that opted out of it, see
+        :class:`retrysafe.mesh.MeshFunction`), once: it is never retried. The
+        answer is the last envelope, a
         retryable error included once the policy is spent; a transport error
         is raised, as is ``httpx.HTTPStatusError`` for a non-2xx answer that is
         not a Mesh envelope.
         """
-        request = self._mesh_request(url, function, arguments, version, key, ttl, extensions)
+        request = self._mesh_request(
+            url, function, arguments, version, key, ttl, extensions, idempotent
+        )
         return _answer(self.send(request))
 
 
@@ -222,7 +234,10 @@ class AsyncMeshClient(_MeshCalls, AsyncClient):
         key: str | None = None,
         ttl: float | Mapping[str, Any] | None = None,
         extensions: Iterable[Mapping[str, Any]] | None = None,
+        idempotent: bool = True,
     ) -> dict[str, Any]:
         """:meth:`MeshClient.call`, awaited."""
-        request = self._mesh_request(url, function, arguments, version, key, ttl, extensions)
+        request = self._mesh_request(
+            url, function, arguments, version, key, ttl, extensions, idempotent
+        )
         return _answer(await self.send(request))

@@ -39,6 +39,8 @@ INVALID_ARGUMENTS = "INVALID_ARGUMENTS"
 FUNCTION_NOT_FOUND = "FUNCTION_NOT_FOUND"
 VERSION_NOT_FOUND = "VERSION_NOT_FOUND"
 EXTENSION_NOT_APPLICABLE = "EXTENSION_NOT_APPLICABLE"
+
+
 def _texts(value: Iterable[str] | None, name: str, *, empty: bool) -> tuple[str, ...] | None:
     """``value`` as a tuple of distinct non-empty strings (TypeError, ValueError)."""
     if value is None:
