@@ -885,6 +885,7 @@ def mesh_envelopes(draw: st.DrawFn) -> dict[str, Any]:
 
 MESH_REFUSALS = {
     "INVALID_REQUEST",
+    "INVALID_ARGUMENTS",  # a ttl over the maximum
     "IDEMPOTENCY_KEY_REQUIRED",
     "IDEMPOTENCY_KEY_INVALID",
     "FUNCTION_NOT_FOUND",

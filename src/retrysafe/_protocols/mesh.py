@@ -32,6 +32,7 @@ from retrysafe.errors import (
 )
 
 __all__ = [
+    "MAX_TTL",
     "URN",
     "MeshCall",
     "Step",
@@ -49,6 +50,7 @@ PROTOCOL = {"name": "mesh", "version": "0.1.0"}
 # The protocol's own codes, then the Mesh idempotency extension's and retrysafe's.
 PARSE_ERROR = "PARSE_ERROR"
 INVALID_REQUEST = "INVALID_REQUEST"
+INVALID_ARGUMENTS = "INVALID_ARGUMENTS"
 FUNCTION_NOT_FOUND = "FUNCTION_NOT_FOUND"
 INTERNAL_ERROR = "INTERNAL_ERROR"
 IDEMPOTENCY_PROCESSING = "IDEMPOTENCY_PROCESSING"
@@ -58,6 +60,10 @@ IDEMPOTENCY_KEY_INVALID = "IDEMPOTENCY_KEY_INVALID"
 IDEMPOTENCY_STORE_UNAVAILABLE = "IDEMPOTENCY_STORE_UNAVAILABLE"
 #: A keyed call without credentials, where anonymous calls are refused.
 UNAUTHORIZED = "UNAUTHORIZED"
+
+#: The longest ``ttl`` a request may ask for by default: the reference implementation's
+#: ``MAX_TTL_SECONDS`` (30 days), which refuses longer ones.
+MAX_TTL = 30 * 86400.0
 
 _SECONDS = {"millisecond": 0.001, "second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0}
 #: Seconds per ``ttl`` unit: the protocol's duration units, singular or plural.
@@ -113,13 +119,21 @@ def _whole_seconds(seconds: float) -> dict[str, Any]:
 class _Invalid(Exception):
     """A request that is not one: its Mesh error, and where in the request it is."""
 
-    def __init__(self, code: str, message: str, pointer: str = "", position: int | None = None):
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        pointer: str = "",
+        position: int | None = None,
+        details: dict[str, Any] | None = None,
+    ):
         super().__init__(message)
         self.error = _error(
             code,
             message,
             False,
-            source={"pointer": pointer} if position is None else {"position": position},
+            details,
+            {"pointer": pointer} if position is None else {"position": position},
         )
 
 
@@ -186,22 +200,23 @@ def operation(function: str, version: str | None) -> str:
     return name if version is None else f"{name}@{version}"
 
 
-def parse(request: Any) -> MeshCall | dict[str, Any]:
+def parse(request: Any, max_ttl: float = MAX_TTL) -> MeshCall | dict[str, Any]:
     """The call in a request envelope, or the error envelope that answers it.
 
     Checks the envelope (protocol, id, call, extensions) and the idempotency
-    extension's options. A request without the extension parses with
+    extension's options; a ``ttl`` over ``max_ttl`` seconds is refused with
+    ``INVALID_ARGUMENTS``. A request without the extension parses with
     ``key=None``. Nothing here touches a store.
     """
     try:
-        return _parse(request)
+        return _parse(request, max_ttl)
     except _Invalid as bad:
         if bad.error["code"] in (IDEMPOTENCY_KEY_REQUIRED, IDEMPOTENCY_KEY_INVALID):
             METRICS.count("invalid_key", "")
         return error_envelope(request, bad.error)
 
 
-def _parse(request: Any) -> MeshCall:
+def _parse(request: Any, max_ttl: float) -> MeshCall:
     if not isinstance(request, dict):
         raise _Invalid(INVALID_REQUEST, "a Mesh request must be a JSON object")
     protocol = _protocol_of(request)
@@ -233,12 +248,12 @@ def _parse(request: Any) -> MeshCall:
     context = request.get("context")
     if context is not None and not isinstance(context, dict):
         raise _Invalid(INVALID_REQUEST, "context must be an object", "/context")
-    key, ttl = _options(request.get("extensions"))
+    key, ttl = _options(request.get("extensions"), max_ttl)
     fp = "" if key is None else _fingerprint(arguments)
     return MeshCall(protocol, rid, call, function, version, key, ttl, fp)
 
 
-def _options(extensions: Any) -> tuple[str | None, float | None]:
+def _options(extensions: Any, max_ttl: float) -> tuple[str | None, float | None]:
     """(key, ttl in seconds or None) of the idempotency extension; (None, None) without it."""
     if extensions is None:
         return None, None
@@ -275,11 +290,11 @@ def _options(extensions: Any) -> tuple[str | None, float | None]:
     except InvalidKeyError as exc:
         raise _Invalid(IDEMPOTENCY_KEY_INVALID, str(exc), at + "/key") from None
     ttl = options.get("ttl")
-    return key, None if ttl is None else _ttl(ttl, at + "/ttl")
+    return key, None if ttl is None else _ttl(ttl, at + "/ttl", max_ttl)
 
 
-def _ttl(ttl: Any, at: str) -> float:
-    """Seconds in a ``{"value": n, "unit": "hour"}`` duration (may be inf: capped later)."""
+def _ttl(ttl: Any, at: str, max_ttl: float) -> float:
+    """Seconds in a ``{"value": n, "unit": "hour"}`` duration of at most ``max_ttl``."""
     if not isinstance(ttl, dict):
         raise _Invalid(INVALID_REQUEST, 'ttl must be {"value": <number>, "unit": "<unit>"}', at)
     value, unit = ttl.get("value"), ttl.get("unit")
@@ -296,10 +311,18 @@ def _ttl(ttl: Any, at: str) -> float:
         raise _Invalid(INVALID_REQUEST, f"ttl.unit must be one of {units}", at + "/unit")
     try:
         seconds = float(value) * per
-    except OverflowError:  # an integer past float range: the longest ttl there is
-        return math.inf
+    except OverflowError:  # an integer past float range: longer than any maximum
+        seconds = math.inf
     if not seconds > 0:
         raise _Invalid(INVALID_REQUEST, "ttl is shorter than a millisecond", at + "/value")
+    if seconds > max_ttl:
+        longest = int(max_ttl) if max_ttl == int(max_ttl) else max_ttl
+        raise _Invalid(
+            INVALID_ARGUMENTS,
+            f"ttl cannot exceed {longest} seconds",
+            at,
+            details={"max_ttl": {"value": longest, "unit": "second"}},
+        )
     return seconds
 
 
