@@ -5,6 +5,8 @@ the engine's clock moved by hand."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ from conftest import Api, Clock, StoreSpec, make_spec
 from test_conformance import claim, replay
 
 from retrysafe import Engine, LeaseLostError, Outcome, Status, Store, key_hash
+from retrysafe.mesh import URN, MeshIdempotency
 from retrysafe.stores.memory import MemoryStore
 
 OP = "reports.build"
@@ -171,6 +174,74 @@ def test_a_transactional_completion_moves_it_too(
     record = store.get(key_hash("", OP, "k"))
     assert record is not None and record.status is Status.COMPLETED
     assert record.expires_at == clock.now + TTL
+
+
+# -- the Mesh door ------------------------------------------------------------------------
+
+
+def _request(rid: str, ttl: dict[str, Any] | None = None) -> dict[str, Any]:
+    options: dict[str, Any] = {"key": "report-42"}
+    if ttl is not None:
+        options["ttl"] = ttl
+    return {
+        "protocol": {"name": "mesh", "version": "0.1.0"},
+        "id": rid,
+        "call": {"function": "reports.build", "arguments": {"month": "2026-10"}},
+        "extensions": [{"urn": URN, "options": options}],
+    }
+
+
+def _iso(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+def _data(answer: dict[str, Any]) -> dict[str, Any]:
+    [entry] = [e for e in answer["extensions"] if e["urn"] == URN]
+    return entry["data"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("ttl", [{"value": 1, "unit": "hour"}, None])
+def test_mesh_counts_the_ttl_from_when_the_answer_is_stored(
+    store: Store[Any], clock: Clock, mode: str, ttl: dict[str, Any] | None
+) -> None:
+    """A 10-minute handler with ``ttl`` 1 h keeps its answer 1 h after it is stored,
+    and its ``expires_at`` says so (so does the policy's default ``ttl``)."""
+    mesh = MeshIdempotency(Engine(store, clock=clock, lease=2 * RUN, ttl=30 * 86400), ttl=TTL)
+    runs: list[float] = []
+
+    def build(call: dict[str, Any]) -> Any:
+        runs.append(clock.now)
+        clock.advance(RUN)  # the work takes ten minutes
+        return {"rows": 12}
+
+    async def abuild(call: dict[str, Any]) -> Any:
+        await asyncio.sleep(0)
+        return build(call)
+
+    loop = asyncio.new_event_loop()
+
+    def handle(envelope: dict[str, Any]) -> dict[str, Any]:
+        if mode == "sync":
+            return mesh.handle(envelope, build)
+        return loop.run_until_complete(mesh.ahandle(envelope, abuild))
+
+    try:
+        start = clock.now
+        first = handle(_request("req_1", ttl))
+        stored = start + RUN
+        assert _data(first)["status"] == "processed"
+        assert _data(first)["expires_at"] == _iso(stored + TTL)
+        clock.advance(TTL - RUN + 1)  # past claim + ttl, the expiry before
+        again = handle(_request("req_2", ttl))
+        assert _data(again)["status"] == "cached" and again["result"] == {"rows": 12}
+        assert _data(again)["expires_at"] == _iso(stored + TTL)
+        assert _data(again)["cached_at"] == _iso(stored) and len(runs) == 1
+        clock.advance(RUN)  # past stored + ttl
+        assert _data(handle(_request("req_3", ttl)))["status"] == "processed"
+        assert len(runs) == 2
+    finally:
+        loop.run_until_complete(mesh.aclose())
+        loop.close()
 
 
 def test_an_expiry_past_every_partition_made_ahead(

@@ -56,14 +56,14 @@ class MeshIdempotency:
 
     ``store`` is a :class:`~retrysafe.stores.Store`, a store URL or an
     :class:`~retrysafe.Engine` (default: ``$RETRYSAFE_STORE`` or the embedded
-    SQLite file). ``ttl`` is how long an answer is kept when the request's
-    ``ttl`` option gives none (default 24 h or ``max_ttl`` if shorter, or the
-    given engine's); ``max_ttl`` is the longest a request may ask for (default
-    30 days as the reference implementation's, or ``ttl`` if longer; with an
-    engine, the engine's ``ttl``): a longer one is refused with
-    ``INVALID_ARGUMENTS``. ``lease`` and ``wait``
-    are the engine's (how long an attempt owns a key; how long a duplicate waits
-    for it before it gets ``IDEMPOTENCY_PROCESSING``).
+    SQLite file). ``ttl`` is how long an answer is kept, from when it is stored,
+    when the request's ``ttl`` option gives none (default 24 h, or ``max_ttl`` if
+    shorter; with an engine, the engine's). ``max_ttl`` is the longest ``ttl`` a
+    request may ask for (default 30 days, the reference implementation's, or
+    ``ttl`` if longer; with an engine, the engine's ``ttl``): a longer one is
+    refused with ``INVALID_ARGUMENTS``. ``lease`` and ``wait`` are the engine's
+    (how long an attempt owns a key; how long a duplicate waits for it before it
+    gets ``IDEMPOTENCY_PROCESSING``).
     """
 
     def __init__(
@@ -119,6 +119,7 @@ class MeshIdempotency:
             ttl=ttl,
             lease=self.lease,
             wait=self.wait,
+            ttl_from="completion",  # a cache duration: counted from when the answer is stored
         )
 
     # -- sync -------------------------------------------------------------------
@@ -151,7 +152,7 @@ class MeshIdempotency:
                     result = _run(handler, call.call)
                 step = call.finish(result, att.claim, self.engine.max_body)
                 record(att, step.outcome, failed=step.failed, final=step.final)
-                return step.response
+                return call.stored(step.response, att.claim)
         except IdempotencyError as exc:
             if entered:
                 raise
@@ -184,7 +185,7 @@ class MeshIdempotency:
                     result = await _arun(handler, call.call)
                 step = call.finish(result, att.claim, self.engine.max_body)
                 await arecord(att, step.outcome, failed=step.failed, final=step.final)
-                return step.response
+                return call.stored(step.response, att.claim)
         except IdempotencyError as exc:
             if entered:
                 raise

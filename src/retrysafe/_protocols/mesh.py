@@ -438,6 +438,16 @@ class MeshCall:
             errors = [_error(INTERNAL_ERROR, f"the function ran but {problem}", False)]
         return Step(self._processed(None, errors, claim, True), Outcome.json(errors), True, True)
 
+    def stored(self, response: dict[str, Any], claim: Claim | None) -> dict[str, Any]:
+        """``response`` (from :meth:`finish`) once its answer is recorded: its
+        ``expires_at`` is the record's, counted from when the answer was stored."""
+        if claim is not None:
+            for entry in response.get("extensions") or ():
+                data = entry.get("data") if entry.get("urn") == URN else None
+                if data is not None and "expires_at" in data:
+                    data["expires_at"] = _iso(claim.expires_at)
+        return response
+
     def replayed(self, replay: Replay) -> dict[str, Any]:
         """The stored answer of the first request, with ``status: cached``."""
         record = replay.record
