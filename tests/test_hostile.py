@@ -885,7 +885,7 @@ def mesh_envelopes(draw: st.DrawFn) -> dict[str, Any]:
 
 MESH_REFUSALS = {
     "INVALID_REQUEST",
-    "INVALID_ARGUMENTS",
+    "INVALID_ARGUMENTS",  # a key, or a ttl over the maximum
     "FUNCTION_NOT_FOUND",
     "PARSE_ERROR",
 }

@@ -22,6 +22,7 @@ from typing import Any
 from retrysafe._core.engine import DEFAULT_MAX_BODY, Attempt, Engine, engine_for
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.metrics import METRICS
+from retrysafe._core.options import DEFAULT_TTL, Options, positive
 from retrysafe._core.principal import Anonymous, Principals, principal_option
 from retrysafe._core.recording import arecord, record
 from retrysafe._core.secret import check_secret
@@ -41,6 +42,7 @@ from retrysafe._http.asgi import (
 from retrysafe._http.request import HttpRequest, declared_length
 from retrysafe._model.hashing import MAX_PROTOCOL_KEY_LENGTH
 from retrysafe._protocols.mesh import (
+    MAX_TTL,
     URN,
     MeshCall,
     loads,
@@ -80,10 +82,14 @@ class MeshIdempotency:
 
     ``store`` is a :class:`~retrysafe.stores.Store`, a store URL or an
     :class:`~retrysafe.Engine` (default: ``$RETRYSAFE_STORE`` or the embedded
-    SQLite file). ``ttl`` is how long an answer is kept (default 24 h, or the
-    given engine's): a request's ``ttl`` option may only shorten it. ``lease``
-    and ``wait`` are the engine's (how long an attempt owns a key; how long a
-    duplicate waits for it before it gets ``IDEMPOTENCY_PROCESSING``).
+    SQLite file). ``ttl`` is how long an answer is kept, from when it is stored,
+    when the request's ``ttl`` option gives none (default 24 h, or ``max_ttl`` if
+    shorter; with an engine, the engine's). ``max_ttl`` is the longest ``ttl`` a
+    request may ask for (default 30 days, the reference implementation's, or
+    ``ttl`` if longer; with an engine, the engine's ``ttl``): a longer one is
+    refused with ``INVALID_ARGUMENTS``. ``lease`` and ``wait`` are the engine's
+    (how long an attempt owns a key; how long a duplicate waits for it before it
+    gets ``IDEMPOTENCY_PROCESSING``).
     """
 
     def __init__(
@@ -91,25 +97,45 @@ class MeshIdempotency:
         store: Store[Any] | Engine | str | None = None,
         *,
         ttl: float | None = None,
+        max_ttl: float | None = None,
         lease: float | None = None,
         wait: float | None = None,
     ) -> None:
-        self.engine = engine_for(store, ttl=ttl, lease=lease, wait=wait)
         # Checks the options as every call will use them (TypeError, ValueError); no I/O.
-        self.engine.attempt("-", ttl=ttl, lease=lease, wait=wait)
-        self.ttl = self.engine.ttl if ttl is None else min(float(ttl), self.engine.ttl)
+        given = Options(ttl=ttl, lease=lease, wait=wait).ttl
+        longest = None if max_ttl is None else positive("max_ttl", max_ttl)
+        if isinstance(store, Engine):
+            default = store.ttl if given is None else min(given, store.ttl)
+            longest = store.ttl if longest is None else longest
+            if longest > store.ttl:
+                raise ValueError(f"max_ttl={longest:g} is over the engine's ttl={store.ttl:g}")
+        elif given is None:
+            longest = MAX_TTL if longest is None else longest
+            default = min(DEFAULT_TTL, longest)
+        else:
+            default = given
+            longest = max(MAX_TTL, default) if longest is None else longest
+        if default > longest:
+            raise ValueError(f"ttl={default:g} is over max_ttl={longest:g}")
+        # The engine's ttl is the ceiling of every call's: the longest a request may ask.
+        self.engine = engine_for(store, ttl=longest, lease=lease, wait=wait)
+        self.engine.attempt("-", ttl=default, lease=lease, wait=wait)
+        self.ttl, self.max_ttl = default, longest
         self.lease, self.wait = lease, wait
 
     def __repr__(self) -> str:
-        return f"<MeshIdempotency engine={self.engine!r} ttl={self.ttl:g}s>"
+        return (
+            f"<MeshIdempotency engine={self.engine!r} ttl={self.ttl:g}s max_ttl={self.max_ttl:g}s>"
+        )
 
     def _parse(self, envelope: Any, scope: str) -> MeshCall | dict[str, Any]:
         if type(scope) is not str:
             raise TypeError(f"scope must be a str, not {type(scope).__name__}")
-        return parse(envelope)
+        return parse(envelope, self.max_ttl)
 
     def _attempt(self, call: MeshCall, scope: str) -> Attempt:
-        ttl = self.ttl if call.ttl is None else min(call.ttl, self.ttl)
+        # A longer ttl was refused by parse; a call parsed elsewhere is held to it too.
+        ttl = self.ttl if call.ttl is None else min(call.ttl, self.max_ttl)
         return self.engine.attempt(
             call.key,  # type: ignore[arg-type]  # only keyed calls get here
             operation=call.operation,
@@ -119,6 +145,7 @@ class MeshIdempotency:
             ttl=ttl,
             lease=self.lease,
             wait=self.wait,
+            ttl_from="completion",  # a cache duration: counted from when the answer is stored
         )
 
     # -- sync -------------------------------------------------------------------
@@ -151,7 +178,7 @@ class MeshIdempotency:
                     result = _run(handler, call.call)
                 step = call.finish(result, att.claim, self.engine.max_body)
                 record(att, step.outcome, failed=step.failed, final=step.final)
-                return step.response
+                return call.stored(step.response, att.claim)
         except IdempotencyError as exc:
             if entered:
                 raise
@@ -184,7 +211,7 @@ class MeshIdempotency:
                     result = await _arun(handler, call.call)
                 step = call.finish(result, att.claim, self.engine.max_body)
                 await arecord(att, step.outcome, failed=step.failed, final=step.final)
-                return step.response
+                return call.stored(step.response, att.claim)
         except IdempotencyError as exc:
             if entered:
                 raise
@@ -239,7 +266,7 @@ class MeshApp:
     ``handlers`` maps ``call.function`` to a callable taking the ``call`` object
     (plain ones run in a worker thread, async ones on the loop). Every call goes
     through :class:`MeshIdempotency` (``store`` may also be one; ``ttl``,
-    ``lease`` and ``wait`` go to it). Who the caller is comes from the options
+    ``max_ttl``, ``lease`` and ``wait`` go to it). Who the caller is comes from the options
     every HTTP front door shares (``principal``, ``principal_headers``,
     ``principal_cookies``, ``principal_query``, ``anonymous``; see
     :class:`retrysafe.asgi.IdempotencyMiddleware` and docs/principals.md): an
@@ -268,6 +295,7 @@ class MeshApp:
         scope: Callable[[Scope], str | None] | None = None,
         max_body: int = DEFAULT_MAX_BODY,
         ttl: float | None = None,
+        max_ttl: float | None = None,
         lease: float | None = None,
         wait: float | None = None,
         service: str = "mesh",
@@ -292,7 +320,7 @@ class MeshApp:
         if isinstance(store, MeshIdempotency):
             self.mesh = store
         else:
-            self.mesh = MeshIdempotency(store, ttl=ttl, lease=lease, wait=wait)
+            self.mesh = MeshIdempotency(store, ttl=ttl, max_ttl=max_ttl, lease=lease, wait=wait)
         check_secret(self.mesh.engine.store)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -333,7 +361,7 @@ class MeshApp:
         request, refusal = loads(body)
         if refusal is not None:
             return self._http(refusal)
-        call = parse(request)
+        call = parse(request, self.mesh.max_ttl)
         if isinstance(call, dict):
             return self._http(call)
         discovered = self.discovery.answer(request, call)  # discovery; opted-out functions

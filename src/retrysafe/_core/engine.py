@@ -212,7 +212,10 @@ class Engine:
 
         Options (all keyword): ``operation``, ``scope``, ``fingerprint``,
         ``request_id``, ``ttl`` (may only narrow the engine's), ``lease``,
-        ``wait``, ``metadata``, ``request_payload``. Raises
+        ``wait``, ``metadata``, ``request_payload``, ``ttl_from`` (``"claim"``,
+        the default: the record expires ``ttl`` after the claim; ``"completion"``:
+        ``ttl`` after the answer is stored, on a store that can say so, see
+        :attr:`Store.settle_expiry`). Raises
         :class:`InvalidKeyError` (nothing written), :class:`InProgressError`,
         :class:`FingerprintMismatchError` or :class:`StoreUnavailableError`.
         """
@@ -244,7 +247,10 @@ class Engine:
         started = _perf()
         write = self.store.complete
         try:
-            ok = write(claim.key_hash, claim.token, outcome, self.clock())
+            if claim.keep is None:
+                ok = write(claim.key_hash, claim.token, outcome, self.clock())
+            else:
+                ok = _settle(write, claim, self.clock(), outcome)
         except StoreUnavailableError as exc:
             ok = self._resend(claim, "completion", exc, write, outcome)
         self._finished(claim, ok, started)
@@ -257,7 +263,7 @@ class Engine:
         started = _perf()
         write = self.store.fail
         try:
-            ok = write(claim.key_hash, claim.token, outcome, final, self.clock())
+            ok = _settle(write, claim, self.clock(), outcome, final)
         except StoreUnavailableError as exc:
             ok = self._resend(claim, "failure", exc, write, outcome, final)
         self._finished(claim, ok, started, final)
@@ -277,7 +283,7 @@ class Engine:
         while True:
             time.sleep(resends.delay(exc))
             try:
-                ok = write(claim.key_hash, claim.token, *args, self.clock())
+                ok = _settle(write, claim, self.clock(), *args)
                 return ok or resends.applied(self.store.get(claim.key_hash))
             except StoreUnavailableError as again:
                 exc = again
@@ -334,7 +340,10 @@ class Engine:
         started = _perf()
         write = self.store.acomplete
         try:
-            ok = await write(claim.key_hash, claim.token, outcome, self.clock())
+            if claim.keep is None:
+                ok = await write(claim.key_hash, claim.token, outcome, self.clock())
+            else:
+                ok = await _settle(write, claim, self.clock(), outcome)
         except StoreUnavailableError as exc:
             ok = await self._aresend(claim, "completion", exc, write, outcome)
         self._finished(claim, ok, started)
@@ -347,7 +356,7 @@ class Engine:
         started = _perf()
         write = self.store.afail
         try:
-            ok = await write(claim.key_hash, claim.token, outcome, final, self.clock())
+            ok = await _settle(write, claim, self.clock(), outcome, final)
         except StoreUnavailableError as exc:
             ok = await self._aresend(claim, "failure", exc, write, outcome, final)
         self._finished(claim, ok, started, final)
@@ -365,7 +374,7 @@ class Engine:
         while True:
             await asyncio.sleep(resends.delay(exc))
             try:
-                ok = await write(claim.key_hash, claim.token, *args, self.clock())
+                ok = await _settle(write, claim, self.clock(), *args)
                 return ok or resends.applied(await self.store.aget(claim.key_hash))
             except StoreUnavailableError as again:
                 exc = again
@@ -403,6 +412,15 @@ class Engine:
 
     async def aclose(self) -> None:
         await self.store.aclose()
+
+
+def _settle(write: Callable[..., Any], claim: Claim, now: float, *args: Any) -> Any:
+    """``write(key_hash, token, *args, now)``: a completion or failure at ``now``, with
+    the record's new expiry when the claim keeps its answer ``ttl`` from then."""
+    expires_at = claim.expiry(now)
+    if expires_at is None:
+        return write(claim.key_hash, claim.token, *args, now)
+    return write(claim.key_hash, claim.token, *args, now, expires_at)
 
 
 _stores: dict[str, Store[Any]] = {}

@@ -9,7 +9,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack
 
 from retrysafe._core.metrics import METRICS
 from retrysafe._core.options import Options
@@ -46,6 +46,7 @@ class BeginOptions(TypedDict, total=False):
     metadata: dict[str, Any] | None
     request_payload: bytes | None
     retention: str | None
+    ttl_from: Literal["claim", "completion"]
 
 
 @dataclass(slots=True)
@@ -64,6 +65,17 @@ class Claim:
     took_over: Status | None
     request_id: str | None
     started: float = 0.0  # time.perf_counter() when the claim was granted
+    #: Seconds the answer is kept from when it is stored (``ttl_from="completion"``);
+    #: None: the record keeps the expiry its claim set.
+    keep: float | None = None
+
+    def expiry(self, now: float) -> float | None:
+        """The record's expiry for a completion or failure stored at ``now`` (None:
+        the claim's stays); :attr:`expires_at` follows it."""
+        if self.keep is None:
+            return None
+        self.expires_at = now + self.keep
+        return self.expires_at
 
 
 @dataclass(slots=True)
@@ -122,6 +134,7 @@ class Plan:
         "deadline",
         "delay",
         "fingerprint",
+        "keep",
         "key",
         "key_hash",
         "lease",
@@ -154,8 +167,14 @@ class Plan:
         metadata: dict[str, Any] | None = None,
         request_payload: bytes | None = None,
         retention: str | None = None,
+        ttl_from: Literal["claim", "completion"] = "claim",
     ) -> None:
-        """Validate one call's inputs and take them (``__init__`` on a blank plan)."""
+        """Validate one call's inputs and take them (``__init__`` on a blank plan).
+
+        ``ttl_from="completion"`` keeps the answer ``ttl`` from when it is stored
+        instead of from the claim, on a store that can move a record's expiry as it
+        settles it (:attr:`Store.settle_expiry`; another keeps the claim's).
+        """
         if not is_key(key):
             try:
                 validate_key(key)  # raises with the reason
@@ -171,6 +190,12 @@ class Plan:
             self.wait, self.retention = engine.wait, engine.retention
         else:
             self._take(engine, Options(ttl=ttl, lease=lease, wait=wait, retention=retention))
+        if ttl_from == "claim":
+            self.keep = None
+        elif ttl_from == "completion":
+            self.keep = self.ttl if engine.store.settle_expiry else None
+        else:
+            raise ValueError(f'ttl_from must be "claim" or "completion", not {ttl_from!r}')
         self.key, self.operation, self.scope, self.fingerprint = key, operation, scope, fingerprint
         self.key_hash = key_hash(scope, operation, key)
         if request_id is None:
@@ -228,6 +253,7 @@ class Plan:
         plan.key, plan.scope, plan.fingerprint = key, scope, fingerprint
         plan.request_id = None if request_id is None else stored_request_id(request_id)
         plan.retention = self.retention
+        plan.keep = self.keep
         plan.step = self.step
         plan.key_hash = key_hash(scope, plan.operation, key)
         plan.deadline = None
@@ -292,6 +318,7 @@ class Plan:
             c.took_over = result.took_over
             c.request_id = self.request_id
             c.started = now_perf
+            c.keep = self.keep
             return c
         found = result.record
         assert found is not None

@@ -64,7 +64,8 @@ def _completion(att: Attempt, claim: Claim) -> tuple[Any, float]:
         att.final = True  # the business writes roll back, but the handler did run
         raise error
     engine = att._engine
-    op = engine.store._complete(claim.key_hash, claim.token, outcome, engine.clock())
+    now = engine.clock()
+    op = engine.store._completion(claim.key_hash, claim.token, outcome, now, claim.expiry(now))
     return op, time.perf_counter()
 
 

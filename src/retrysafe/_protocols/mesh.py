@@ -32,6 +32,7 @@ from retrysafe.errors import (
 )
 
 __all__ = [
+    "MAX_TTL",
     "RETRYABLE_CODES",
     "URN",
     "MeshCall",
@@ -62,6 +63,10 @@ UNAVAILABLE = "UNAVAILABLE"
 UNAUTHORIZED = "UNAUTHORIZED"
 IDEMPOTENCY_PROCESSING = "IDEMPOTENCY_PROCESSING"
 IDEMPOTENCY_CONFLICT = "IDEMPOTENCY_CONFLICT"
+
+#: The longest ``ttl`` a request may ask for by default: the reference implementation's
+#: ``MAX_TTL_SECONDS`` (30 days), which refuses longer ones.
+MAX_TTL = 30 * 86400.0
 
 _SECONDS = {"millisecond": 0.001, "second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0}
 #: Seconds per ``ttl`` unit: the protocol's duration units, singular or plural.
@@ -228,6 +233,7 @@ class _Invalid(Exception):
         pointer: str = "",
         position: int | None = None,
         key_error: bool = False,
+        details: dict[str, Any] | None = None,
     ):
         super().__init__(message)
         self.key_error = key_error
@@ -235,7 +241,8 @@ class _Invalid(Exception):
             code,
             message,
             False,
-            source={"pointer": pointer} if position is None else {"position": position},
+            details,
+            {"pointer": pointer} if position is None else {"position": position},
         )
 
 
@@ -302,22 +309,23 @@ def operation(function: str, version: str | None) -> str:
     return name if version is None else f"{name}@{version}"
 
 
-def parse(request: Any) -> MeshCall | dict[str, Any]:
+def parse(request: Any, max_ttl: float = MAX_TTL) -> MeshCall | dict[str, Any]:
     """The call in a request envelope, or the error envelope that answers it.
 
     Checks the envelope (protocol, id, call, extensions) and the idempotency
-    extension's options. A request without the extension parses with
+    extension's options; a ``ttl`` over ``max_ttl`` seconds is refused with
+    ``INVALID_ARGUMENTS``. A request without the extension parses with
     ``key=None``. Nothing here touches a store.
     """
     try:
-        return _parse(request)
+        return _parse(request, max_ttl)
     except _Invalid as bad:
         if bad.key_error:
             METRICS.count("invalid_key", "")
         return error_envelope(request, bad.error)
 
 
-def _parse(request: Any) -> MeshCall:
+def _parse(request: Any, max_ttl: float) -> MeshCall:
     if not isinstance(request, dict):
         raise _Invalid(INVALID_REQUEST, "a Mesh request must be a JSON object")
     protocol = _protocol_of(request)
@@ -350,13 +358,13 @@ def _parse(request: Any) -> MeshCall:
     if context is not None and not isinstance(context, dict):
         raise _Invalid(INVALID_REQUEST, "context must be an object", "/context")
     extensions = request.get("extensions")
-    key, engine_key, ttl = _options(extensions)
+    key, engine_key, ttl = _options(extensions, max_ttl)
     fp = "" if key is None else _fingerprint(arguments)
     urns = tuple(dict.fromkeys(ext["urn"] for ext in extensions or ()))  # checked by _options
     return MeshCall(protocol, rid, call, function, version, engine_key, ttl, fp, key, urns)
 
 
-def _options(extensions: Any) -> tuple[str | None, str | None, float | None]:
+def _options(extensions: Any, max_ttl: float) -> tuple[str | None, str | None, float | None]:
     """(the key as sent, the engine's key, ttl in seconds or None) of the idempotency
     extension; (None, None, None) without it."""
     if extensions is None:
@@ -394,11 +402,11 @@ def _options(extensions: Any) -> tuple[str | None, str | None, float | None]:
     except InvalidKeyError as exc:
         raise _Invalid(INVALID_ARGUMENTS, str(exc), at + "/key", key_error=True) from None
     ttl = options.get("ttl")
-    return key, engine_key, None if ttl is None else _ttl(ttl, at + "/ttl")
+    return key, engine_key, None if ttl is None else _ttl(ttl, at + "/ttl", max_ttl)
 
 
-def _ttl(ttl: Any, at: str) -> float:
-    """Seconds in a ``{"value": n, "unit": "hour"}`` duration (may be inf: capped later)."""
+def _ttl(ttl: Any, at: str, max_ttl: float) -> float:
+    """Seconds in a ``{"value": n, "unit": "hour"}`` duration of at most ``max_ttl``."""
     if not isinstance(ttl, dict):
         raise _Invalid(INVALID_REQUEST, 'ttl must be {"value": <number>, "unit": "<unit>"}', at)
     value, unit = ttl.get("value"), ttl.get("unit")
@@ -415,10 +423,18 @@ def _ttl(ttl: Any, at: str) -> float:
         raise _Invalid(INVALID_REQUEST, f"ttl.unit must be one of {units}", at + "/unit")
     try:
         seconds = float(value) * per
-    except OverflowError:  # an integer past float range: the longest ttl there is
-        return math.inf
+    except OverflowError:  # an integer past float range: longer than any maximum
+        seconds = math.inf
     if not seconds > 0:
         raise _Invalid(INVALID_REQUEST, "ttl is shorter than a millisecond", at + "/value")
+    if seconds > max_ttl:
+        longest = int(max_ttl) if max_ttl == int(max_ttl) else max_ttl
+        raise _Invalid(
+            INVALID_ARGUMENTS,
+            f"ttl cannot exceed {longest} seconds",
+            at,
+            details={"max_ttl": {"value": longest, "unit": "second"}},
+        )
     return seconds
 
 
@@ -564,6 +580,16 @@ class MeshCall:
                 return Step(self._processed(result, None, claim, True), outcome)
             errors = [_error(INTERNAL_ERROR, f"the function ran but {problem}", False)]
         return Step(self._processed(None, errors, claim, True), Outcome.json(errors), True, True)
+
+    def stored(self, response: dict[str, Any], claim: Claim | None) -> dict[str, Any]:
+        """``response`` (from :meth:`finish`) once its answer is recorded: its
+        ``expires_at`` is the record's, counted from when the answer was stored."""
+        if claim is not None:
+            for entry in response.get("extensions") or ():
+                data = entry.get("data") if entry.get("urn") == URN else None
+                if data is not None and "expires_at" in data:
+                    data["expires_at"] = _iso(claim.expires_at)
+        return response
 
     def replayed(self, replay: Replay) -> dict[str, Any]:
         """The stored answer of the first request, with ``status: cached``."""

@@ -127,6 +127,9 @@ class Store(abc.ABC, Generic[OpT]):
       token of a processing record; ``False`` when the token no longer owns it.
       ``renew`` past the record's ``expires_at`` moves ``expires_at`` to the new
       ``lease_until``: a live attempt never expires under its owner.
+      ``complete`` and ``fail`` keep the record's ``expires_at``, or, given
+      ``expires_at``, set it in the same write (a store that can declares
+      :attr:`settle_expiry`; the engine gives it only to such a store).
     * ``get`` / ``delete``: read or remove one record by key hash.
 
     Errors reaching the server raise :class:`~retrysafe.StoreUnavailableError`
@@ -139,6 +142,11 @@ class Store(abc.ABC, Generic[OpT]):
     #: task per call): they enter no timeout, cancel scope or context variable that
     #: outlives that step (a thread hop, or no I/O at all). False for any other store.
     drive_inline: ClassVar[bool] = False
+    #: True when ``_complete`` and ``_fail`` take ``expires_at`` (the record's new
+    #: expiry, set by the same write): the engine then keeps an answer ``ttl`` from
+    #: when it is stored if a call asks (``ttl_from="completion"``). A store that
+    #: does not say so keeps the expiry of the claim.
+    settle_expiry: ClassVar[bool] = False
 
     # -- what each store defines -------------------------------------------------
 
@@ -146,11 +154,24 @@ class Store(abc.ABC, Generic[OpT]):
     def _claim(self, record: Record) -> OpT: ...
 
     @abc.abstractmethod
-    def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> OpT: ...
+    def _complete(
+        self,
+        key_hash: str,
+        token: str,
+        outcome: Outcome,
+        now: float,
+        expires_at: float | None = None,
+    ) -> OpT: ...
 
     @abc.abstractmethod
     def _fail(
-        self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
+        self,
+        key_hash: str,
+        token: str,
+        outcome: Outcome | None,
+        final: bool,
+        now: float,
+        expires_at: float | None = None,
     ) -> OpT: ...
 
     @abc.abstractmethod
@@ -199,21 +220,70 @@ class Store(abc.ABC, Generic[OpT]):
     async def aclaim(self, record: Record) -> ClaimResult:
         return await self._arun(self._claim(record))
 
-    def complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> bool:
-        return self._run(self._complete(key_hash, token, outcome, now))
+    def complete(
+        self,
+        key_hash: str,
+        token: str,
+        outcome: Outcome,
+        now: float,
+        expires_at: float | None = None,
+    ) -> bool:
+        return self._run(self._completion(key_hash, token, outcome, now, expires_at))
 
-    async def acomplete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> bool:
-        return await self._arun(self._complete(key_hash, token, outcome, now))
+    async def acomplete(
+        self,
+        key_hash: str,
+        token: str,
+        outcome: Outcome,
+        now: float,
+        expires_at: float | None = None,
+    ) -> bool:
+        return await self._arun(self._completion(key_hash, token, outcome, now, expires_at))
 
     def fail(
-        self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
+        self,
+        key_hash: str,
+        token: str,
+        outcome: Outcome | None,
+        final: bool,
+        now: float,
+        expires_at: float | None = None,
     ) -> bool:
-        return self._run(self._fail(key_hash, token, outcome, final, now))
+        return self._run(self._failure(key_hash, token, outcome, final, now, expires_at))
 
     async def afail(
-        self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
+        self,
+        key_hash: str,
+        token: str,
+        outcome: Outcome | None,
+        final: bool,
+        now: float,
+        expires_at: float | None = None,
     ) -> bool:
-        return await self._arun(self._fail(key_hash, token, outcome, final, now))
+        return await self._arun(self._failure(key_hash, token, outcome, final, now, expires_at))
+
+    # ``expires_at`` reaches ``_complete``/``_fail`` only when given: a store written
+    # before it existed (four and five arguments) still works without it.
+
+    def _completion(
+        self, key_hash: str, token: str, outcome: Outcome, now: float, expires_at: float | None
+    ) -> OpT:
+        if expires_at is None:
+            return self._complete(key_hash, token, outcome, now)
+        return self._complete(key_hash, token, outcome, now, expires_at)
+
+    def _failure(
+        self,
+        key_hash: str,
+        token: str,
+        outcome: Outcome | None,
+        final: bool,
+        now: float,
+        expires_at: float | None,
+    ) -> OpT:
+        if expires_at is None:
+            return self._fail(key_hash, token, outcome, final, now)
+        return self._fail(key_hash, token, outcome, final, now, expires_at)
 
     def renew(self, key_hash: str, token: str, lease_until: float, now: float) -> bool:
         return self._run(self._renew(key_hash, token, lease_until, now))

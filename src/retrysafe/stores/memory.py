@@ -203,6 +203,7 @@ class MemoryStore(Store[_Op]):
     """
 
     drive_inline = True  # no I/O at all
+    settle_expiry = True
 
     def __init__(
         self,
@@ -247,13 +248,27 @@ class MemoryStore(Store[_Op]):
         with self._lock:
             return self._claim_now(record)
 
-    def complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> bool:
+    def complete(
+        self,
+        key_hash: str,
+        token: str,
+        outcome: Outcome,
+        now: float,
+        expires_at: float | None = None,
+    ) -> bool:
         with self._lock:
-            return self._settle_now(key_hash, token, _COMPLETED, outcome, None, now)
+            return self._settle_now(key_hash, token, _COMPLETED, outcome, None, now, expires_at)
 
-    async def acomplete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> bool:
+    async def acomplete(
+        self,
+        key_hash: str,
+        token: str,
+        outcome: Outcome,
+        now: float,
+        expires_at: float | None = None,
+    ) -> bool:
         with self._lock:
-            return self._settle_now(key_hash, token, _COMPLETED, outcome, None, now)
+            return self._settle_now(key_hash, token, _COMPLETED, outcome, None, now, expires_at)
 
     # Rows and the byte count change together, under the lock, only through these.
 
@@ -318,13 +333,30 @@ class MemoryStore(Store[_Op]):
             self._evict(now)
         return _result(True, None, record.attempts, took_over)
 
-    def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
-        return functools.partial(self._settle_now, key_hash, token, _COMPLETED, outcome, None, now)
+    def _complete(
+        self,
+        key_hash: str,
+        token: str,
+        outcome: Outcome,
+        now: float,
+        expires_at: float | None = None,
+    ) -> _Op:
+        return functools.partial(
+            self._settle_now, key_hash, token, _COMPLETED, outcome, None, now, expires_at
+        )
 
     def _fail(
-        self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
+        self,
+        key_hash: str,
+        token: str,
+        outcome: Outcome | None,
+        final: bool,
+        now: float,
+        expires_at: float | None = None,
     ) -> _Op:
-        return functools.partial(self._settle_now, key_hash, token, _FAILED, outcome, final, now)
+        return functools.partial(
+            self._settle_now, key_hash, token, _FAILED, outcome, final, now, expires_at
+        )
 
     def _settle_now(
         self,
@@ -334,10 +366,12 @@ class MemoryStore(Store[_Op]):
         outcome: Outcome | None,
         final: bool | None,
         now: float,
+        expires_at: float | None = None,
     ) -> bool:
-        """Complete (``final`` None) or fail the live attempt ``token``; count the
-        answer's bytes, and forget the record at once if it is over ``max_bytes`` on
-        its own (rather than evict every other record for it)."""
+        """Complete (``final`` None) or fail the live attempt ``token`` (and move its
+        expiry to ``expires_at`` if given); count the answer's bytes, and forget the
+        record at once if it is over ``max_bytes`` on its own (rather than evict every
+        other record for it)."""
         records = self._records
         cur = records.get(key_hash)  # _live's work, inline
         if cur is None or cur[_TOKEN] != token or cur[_STATUS] != _PROCESSING:
@@ -352,7 +386,9 @@ class MemoryStore(Store[_Op]):
             *cur[:4],
             status,
             token,
-            *cur[6:9],
+            cur[6],
+            cur[7] if expires_at is None else expires_at,
+            cur[8],
             now,
             now if final is None else cur[10],
             cur[11],

@@ -264,6 +264,17 @@ _TAKEOVER = (
 # completed_at NULL: the completion's updated_at (see _sqlite_rows).
 _COMPLETE = f"status = {COMPLETED}, completed_at = NULL, updated_at = ?"
 _FAIL = f"status = {FAILED}, final = ?, updated_at = ?"
+_SETTLE_UNTIL = {s: s + ", expires_at = ?" for s in (_COMPLETE, _FAIL)}
+
+
+def _settle(sets: str, now: float, expires_at: float | None) -> tuple[str, tuple[float, ...]]:
+    """A completion's or failure's SET clause and its times: with ``expires_at``, the
+    record's expiry moves too (a call that keeps its answer ``ttl`` from now)."""
+    if expires_at is None:
+        return sets, (now,)
+    return _SETTLE_UNTIL[sets], (now, expires_at)
+
+
 # A renewal past the record's expiry pushes the expiry to the new lease's end: a
 # live attempt never expires under its owner (the claim would be free to take).
 _RENEW = (
@@ -402,6 +413,7 @@ class SQLiteStore(Store[_Op]):
     """
 
     drive_inline = True  # its async calls are a thread hop (asyncio.to_thread)
+    settle_expiry = True
 
     def __init__(self, url: str, *, timeout: float | None = None, synchronous: str | None = None):
         path, options = _path_from_url(url)
@@ -603,18 +615,32 @@ class SQLiteStore(Store[_Op]):
     def _write(sql: str, params: tuple[Any, ...]) -> _Op:
         return lambda conn: conn.execute(sql, params).rowcount == 1
 
-    def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
-        sql, values = _finish(_COMPLETE, outcome_params(outcome))
+    def _complete(
+        self,
+        key_hash: str,
+        token: str,
+        outcome: Outcome,
+        now: float,
+        expires_at: float | None = None,
+    ) -> _Op:
+        sets, times = _settle(_COMPLETE, now, expires_at)
+        sql, values = _finish(sets, outcome_params(outcome))
         key = pack_hex(key_hash)
-        return self._write(sql, (*values, now, key, key, pack_token(token)))
+        return self._write(sql, (*values, *times, key, key, pack_token(token)))
 
     def _fail(
-        self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
+        self,
+        key_hash: str,
+        token: str,
+        outcome: Outcome | None,
+        final: bool,
+        now: float,
+        expires_at: float | None = None,
     ) -> _Op:
-        sql, values = _finish(_FAIL, outcome_params(outcome))
-        flag = 1 if final else 0
+        sets, times = _settle(_FAIL, now, expires_at)
+        sql, values = _finish(sets, outcome_params(outcome))
         key = pack_hex(key_hash)
-        return self._write(sql, (*values, flag, now, key, key, pack_token(token)))
+        return self._write(sql, (*values, 1 if final else 0, *times, key, key, pack_token(token)))
 
     def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
         key = pack_hex(key_hash)

@@ -176,6 +176,8 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
     other mode raises :class:`SchemaModeError`.
     """
 
+    settle_expiry = True
+
     def __init__(
         self,
         url: str,
@@ -348,18 +350,19 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
             "response_status = %s, response_headers = %s, response_media_type = %s, "
             "response_body = %s"
         )
-        self._q_complete = text(
-            sql.SQL("UPDATE {} SET status = {}, {}, completed_at = NULL, updated_at = %s").format(
-                table, sql.Literal(COMPLETED), outcome
-            )
-            + cas
+        complete = sql.SQL(
+            "UPDATE {} SET status = {}, {}, completed_at = NULL, updated_at = %s"
+        ).format(table, sql.Literal(COMPLETED), outcome)
+        fail = sql.SQL("UPDATE {} SET status = {}, {}, final = %s, updated_at = %s").format(
+            table, sql.Literal(FAILED), outcome
         )
-        self._q_fail = text(
-            sql.SQL("UPDATE {} SET status = {}, {}, final = %s, updated_at = %s").format(
-                table, sql.Literal(FAILED), outcome
-            )
-            + cas
-        )
+        until = sql.SQL(", expires_at = %s")
+        self._q_complete = text(complete + cas)
+        self._q_fail = text(fail + cas)
+        # The same, moving the record's expiry too (a call that keeps its answer ttl
+        # from when it is stored).
+        self._q_complete_until = text(complete + until + cas)
+        self._q_fail_until = text(fail + until + cas)
         self._q_renew = text(
             sql.SQL(
                 "UPDATE {} SET lease_until = %s, updated_at = %s, "
@@ -435,7 +438,15 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
         # The hot path's statements (a claim, its completion or failure, renewals)
         # each keep a cursor, and with it psycopg's adapters, from one run to the next.
         self._cursor_queries = frozenset(
-            (self._q_claim, self._q_pclaim, self._q_complete, self._q_fail, self._q_renew)
+            (
+                self._q_claim,
+                self._q_pclaim,
+                self._q_complete,
+                self._q_fail,
+                self._q_renew,
+                self._q_complete_until,
+                self._q_fail_until,
+            )
         )
         self._q_add_partition = text(sql.SQL("SELECT {}(%s)").format(pn.add_partition))
         # A change to the parent that makes every backend rebuild its partition
@@ -824,15 +835,63 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
                 retry_after=1.0,
             )
 
-    def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
-        params = (*outcome_params(outcome), now, *self._packed(key_hash, token, True))
-        return _Op(self._q_complete, params, _changed, self._moved)
+    def _complete(
+        self,
+        key_hash: str,
+        token: str,
+        outcome: Outcome,
+        now: float,
+        expires_at: float | None = None,
+    ) -> _Op:
+        if expires_at is None:
+            params = (*outcome_params(outcome), now, *self._packed(key_hash, token, True))
+            return _Op(self._q_complete, params, _changed, self._moved)
+        values = (*outcome_params(outcome), now)
+        return self._settle_until(self._q_complete_until, values, expires_at, key_hash, token)
 
     def _fail(
-        self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
+        self,
+        key_hash: str,
+        token: str,
+        outcome: Outcome | None,
+        final: bool,
+        now: float,
+        expires_at: float | None = None,
     ) -> _Op:
-        params = (*outcome_params(outcome), bool(final), now, *self._packed(key_hash, token, True))
-        return _Op(self._q_fail, params, _changed, self._moved)
+        values = (*outcome_params(outcome), bool(final), now)
+        if expires_at is None:
+            return _Op(
+                self._q_fail, (*values, *self._packed(key_hash, token, True)), _changed, self._moved
+            )
+        return self._settle_until(self._q_fail_until, values, expires_at, key_hash, token)
+
+    def _settle_until(
+        self, query: str, values: tuple[Any, ...], expires_at: float, key_hash: str, token: str
+    ) -> _Op:
+        """A completion or failure that moves the record's expiry to ``expires_at``."""
+        params = (*values, expires_at, *self._packed(key_hash, token, True))
+        recover = partial(self._settle_recover, expires_at, 0) if self.partitioned else None
+        return _Op(query, params, _changed, recover)
+
+    def _settle_recover(self, expires_at: float, tries: int, op: _Op, exc: psycopg.Error) -> _Op:
+        """A completion or failure on a partitioned table that moves its row to an
+        expiry with no partition yet: add it (as a claim does), then write again. A
+        moved row (a serialization failure) only means: write again (see
+        _retry_moved). The partition found attached already, and still missed, is
+        a stale descriptor (see _pclaim_recover): write again on another connection.
+        """
+        if not (_no_partition(exc) or exc.sqlstate == "40001") or tries >= _MAX_MOVED_RETRIES:
+            raise exc
+        again = op._replace(recover=partial(self._settle_recover, expires_at, tries + 1))
+        if exc.sqlstate == "40001":
+            return again
+
+        def added(rowcount: int, row: Sequence[Any] | None) -> _Op:
+            if row is not None and row[0] is None:  # attached already
+                return _Op(_RECONNECT, (), lambda rowcount, row: again)
+            return self._refreshed(again)
+
+        return _Op(self._q_add_partition, (expires_at,), added)
 
     def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
         params = (lease_until, now, lease_until, *self._packed(key_hash, token, False))

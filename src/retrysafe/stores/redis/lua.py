@@ -100,27 +100,42 @@ if n ~= #ARGV[1] or string.sub(v, at, at + n - 1) ~= ARGV[1] then
 end
 """
 
+# Writes a completion's or failure's record ``new``: it keeps the record's expiry and
+# TTL, or, given ARGV[at] (a new expires_at, 8 bytes) and ARGV[at + 1] (its PX ms from
+# now), moves both (a record without a TTL, a financial one, gets none).
+_SETTLE = """
+local function settle(new, at)
+  if ARGV[at] then
+    new = string.sub(new, 1, 13) .. ARGV[at] .. string.sub(new, 22)
+    if redis.call('PTTL', KEYS[1]) > 0 then
+      redis.call('SET', KEYS[1], new, 'PX', ARGV[at + 1])
+      return 1
+    end
+  end
+  redis.call('SET', KEYS[1], new, 'KEEPTTL')
+  return 1
+end
+"""
+
 # ARGV[2] bytes 31-40 (status c, has completed_at 2: the same as updated_at, updated_at),
-# ARGV[3] the outcome blob. A record of version 1 or 2 keeps its layout: completed_at
-# written out (has completed_at 1).
-_COMPLETE = f"""{_CAS}
+# ARGV[3] the outcome blob, ARGV[4] and ARGV[5] a new expiry (optional, see _SETTLE).
+# A record of version 1 or 2 keeps its layout: completed_at written out (has
+# completed_at 1).
+_COMPLETE = f"""{_CAS}{_SETTLE}
 local head = ARGV[2]
 if string.byte(v, 1) ~= 51 then
   local now = string.sub(head, 3, 10)
   head = string.sub(head, 1, 1) .. '\\1' .. now .. now
 end
-local new = string.sub(v, 1, 30) .. head .. string.sub(v, lengths, e) .. ARGV[3]
-redis.call('SET', KEYS[1], new, 'KEEPTTL')
-return 1
+return settle(string.sub(v, 1, 30) .. head .. string.sub(v, lengths, e) .. ARGV[3], 4)
 """
 
 # ARGV[2] bytes 30-31 (final, status f), ARGV[3] updated_at, ARGV[4] the outcome
-# blob (absent: no outcome).
-_FAIL = f"""{_CAS}
-local new = string.sub(v, 1, 29) .. ARGV[2] .. string.sub(v, 32, 32) .. ARGV[3]
-  .. string.sub(v, 41, e) .. (ARGV[4] or '')
-redis.call('SET', KEYS[1], new, 'KEEPTTL')
-return 1
+# blob (absent or empty: no outcome), ARGV[5] and ARGV[6] a new expiry (optional, see
+# _SETTLE).
+_FAIL = f"""{_CAS}{_SETTLE}
+return settle(string.sub(v, 1, 29) .. ARGV[2] .. string.sub(v, 32, 32) .. ARGV[3]
+  .. string.sub(v, 41, e) .. (ARGV[4] or ''), 5)
 """
 
 # ARGV[2] lease_until, ARGV[3] updated_at, ARGV[4] the lease's PX ms from now. A

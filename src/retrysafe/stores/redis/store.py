@@ -118,6 +118,12 @@ def _parse_get(reply: Any, op: _Op) -> Record | None:
     return record_from_value(reply, op.key)
 
 
+def _until(expires_at: float, now: float) -> tuple[bytes, int]:
+    """A completion's or failure's new expiry and its PX ms, as the scripts take them
+    (see lua._SETTLE)."""
+    return _DOUBLE.pack(expires_at), _ttl_ms(expires_at, now) or 1
+
+
 def _parse_bool(reply: Any, op: _Op) -> bool:
     return bool(reply)
 
@@ -262,6 +268,8 @@ class RedisStore(RedisClients, Store[_Op]):
     rather than its hex; read docs/stores.md ("Redis keys") before turning it on.
     """
 
+    settle_expiry = True
+
     def __init__(
         self,
         url: str = DEFAULT_URL,
@@ -360,8 +368,15 @@ class RedisStore(RedisClients, Store[_Op]):
             args = ("SET", key, value, "NX", "GET")
         return _Op(args, _parse_set_claim, kh, record, _SET_GET)
 
-    def _complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> _Op:
-        args = (
+    def _complete(
+        self,
+        key_hash: str,
+        token: str,
+        outcome: Outcome,
+        now: float,
+        expires_at: float | None = None,
+    ) -> _Op:
+        args: tuple[Any, ...] = (
             "EVALSHA",
             _COMPLETE_SHA,
             1,
@@ -370,10 +385,18 @@ class RedisStore(RedisClients, Store[_Op]):
             _DONE.pack(b"c", _SAME, now),
             _outcome_blob(outcome),
         )
+        if expires_at is not None:
+            args = (*args, *_until(expires_at, now))
         return _Op(args, _parse_bool, key_hash)
 
     def _fail(
-        self, key_hash: str, token: str, outcome: Outcome | None, final: bool, now: float
+        self,
+        key_hash: str,
+        token: str,
+        outcome: Outcome | None,
+        final: bool,
+        now: float,
+        expires_at: float | None = None,
     ) -> _Op:
         args: list[Any] = [
             "EVALSHA",
@@ -386,6 +409,10 @@ class RedisStore(RedisClients, Store[_Op]):
         ]
         if outcome is not None:
             args.append(_outcome_blob(outcome))
+        if expires_at is not None:
+            if outcome is None:
+                args.append(b"")
+            args.extend(_until(expires_at, now))
         return _Op(args, _parse_bool, key_hash)
 
     def _renew(self, key_hash: str, token: str, lease_until: float, now: float) -> _Op:
