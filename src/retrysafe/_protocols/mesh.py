@@ -406,9 +406,10 @@ def _options(extensions: Any, max_ttl: float) -> tuple[str | None, str | None, f
 
 
 def _ttl(ttl: Any, at: str, max_ttl: float) -> float:
-    """Seconds in a ``{"value": n, "unit": "hour"}`` duration of at most ``max_ttl``."""
+    """Seconds in a ``{"value": n, "unit": "hour"}`` duration of at most ``max_ttl``;
+    any other value is ``INVALID_ARGUMENTS``, as a bad key is."""
     if not isinstance(ttl, dict):
-        raise _Invalid(INVALID_REQUEST, 'ttl must be {"value": <number>, "unit": "<unit>"}', at)
+        raise _Invalid(INVALID_ARGUMENTS, 'ttl must be {"value": <number>, "unit": "<unit>"}', at)
     value, unit = ttl.get("value"), ttl.get("unit")
     if (
         isinstance(value, bool)
@@ -416,17 +417,17 @@ def _ttl(ttl: Any, at: str, max_ttl: float) -> float:
         or (isinstance(value, float) and not math.isfinite(value))
         or not value > 0
     ):
-        raise _Invalid(INVALID_REQUEST, "ttl.value must be a positive number", at + "/value")
+        raise _Invalid(INVALID_ARGUMENTS, "ttl.value must be a positive number", at + "/value")
     per = UNITS.get(unit) if type(unit) is str else None
     if per is None:
         units = ", ".join(_SECONDS)
-        raise _Invalid(INVALID_REQUEST, f"ttl.unit must be one of {units}", at + "/unit")
+        raise _Invalid(INVALID_ARGUMENTS, f"ttl.unit must be one of {units}", at + "/unit")
     try:
         seconds = float(value) * per
     except OverflowError:  # an integer past float range: longer than any maximum
         seconds = math.inf
     if not seconds > 0:
-        raise _Invalid(INVALID_REQUEST, "ttl is shorter than a millisecond", at + "/value")
+        raise _Invalid(INVALID_ARGUMENTS, "ttl is shorter than a millisecond", at + "/value")
     if seconds > max_ttl:
         longest = int(max_ttl) if max_ttl == int(max_ttl) else max_ttl
         raise _Invalid(
