@@ -305,18 +305,22 @@ def test_function_and_version_never_collide(run: Mesh) -> None:
 # -- ttl -------------------------------------------------------------------------------
 
 
-def test_ttl_narrows_and_lengthens_to_the_maximum(make: Callable[..., Mesh], clock: Clock) -> None:
-    run = make(ttl=3600, max_ttl=7200)
+def test_ttl_narrows_and_is_refused_over_the_policy(
+    make: Callable[..., Mesh], clock: Clock
+) -> None:
+    run = make(ttl=3600)
     charge = Charges()
     start = clock.now
     short = run(request(key="short", ttl={"value": 10, "unit": "minute"}), charge)
     assert data(short)["expires_at"] == iso(start + 600)
-    long = run(request(key="long", ttl={"value": 2, "unit": "hours"}), charge)
-    assert data(long)["expires_at"] == iso(start + 7200)  # over the default: honoured
-    over = run(request(key="over", ttl={"value": 2, "unit": "days"}), charge)
-    assert over["errors"][0]["code"] == "INVALID_ARGUMENTS"  # over the maximum: refused
+    over = run(request(key="over", ttl={"value": 2, "unit": "hours"}), charge)
+    assert over["errors"][0]["code"] == "INVALID_ARGUMENTS"  # over the policy: refused
+    assert over["errors"][0]["details"] == {"max_ttl": {"value": 3600, "unit": "second"}}
     plain = run(request(key="plain"), charge)
     assert data(plain)["expires_at"] == iso(start + 3600)
+    longer = make(ttl=3600, max_ttl=7200)  # a maximum over the default lets a call lengthen it
+    long = longer(request(key="long", ttl={"value": 2, "unit": "hours"}), charge)
+    assert data(long)["expires_at"] == iso(start + 7200)
     clock.advance(601)
     assert data(run(request("r2", key="short"), charge))["status"] == "processed"
     assert data(run(request("r3", key="long"), charge))["status"] == "cached"
@@ -537,7 +541,7 @@ def test_constructor_options(memory: Store[Any]) -> None:
     assert MeshIdempotency(engine).ttl == 600
     assert MeshIdempotency(engine, ttl=60).ttl == 60
     assert MeshIdempotency(engine, ttl=6000).ttl == 600  # an engine's ttl is the ceiling
-    assert MeshIdempotency(memory, ttl=7200).engine.ttl == 30 * 86400  # the longest asked
+    assert MeshIdempotency(memory, ttl=7200).engine.ttl == 7200  # the policy's, the longest
     for bad in ({"ttl": 0}, {"ttl": -1}, {"lease": 0}, {"wait": -1}, {"ttl": float("inf")}):
         with pytest.raises(ValueError):
             MeshIdempotency(memory, **bad)

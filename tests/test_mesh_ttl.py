@@ -11,7 +11,7 @@ import pytest
 from conftest import Clock
 
 from retrysafe import Engine, Store, key_hash
-from retrysafe.mesh import URN, MeshApp, MeshIdempotency
+from retrysafe.mesh import MAX_TTL, URN, MeshApp, MeshIdempotency
 
 KEY = "charge_order456_v1"
 OPERATION = "payments.charge@1"
@@ -41,7 +41,7 @@ class Charges:
 
 
 def test_a_ttl_over_the_maximum_is_refused(memory: Store[Any], clock: Clock) -> None:
-    mesh = MeshIdempotency(memory)  # ttl 24 h, max_ttl 30 days (the reference's)
+    mesh = MeshIdempotency(memory, max_ttl=MAX_TTL)  # ttl 24 h, max_ttl 30 days (the reference's)
     mesh.engine.clock = clock
     charge = Charges()
     for ttl in ({"value": 31, "unit": "day"}, {"value": 2592001, "unit": "second"}):
@@ -65,7 +65,7 @@ def test_a_ttl_past_float_range_is_refused(memory: Store[Any]) -> None:
 
 
 def test_a_ttl_up_to_the_maximum_is_honoured(memory: Store[Any], clock: Clock) -> None:
-    mesh = MeshIdempotency(Engine(memory, clock=clock, ttl=30 * DAY), ttl=DAY)
+    mesh = MeshIdempotency(Engine(memory, clock=clock, ttl=30 * DAY), ttl=DAY, max_ttl=30 * DAY)
     charge = Charges()
     start = clock.now
     for key, ttl, seconds in [
@@ -97,12 +97,20 @@ def test_the_maximum_is_an_option(memory: Store[Any]) -> None:
 
 def test_the_defaults() -> None:
     memory = Engine("memory://").store
-    mesh = MeshIdempotency(memory)
-    assert (mesh.ttl, mesh.max_ttl, mesh.engine.ttl) == (DAY, 30 * DAY, 30 * DAY)
-    longer = MeshIdempotency(memory, ttl=40 * DAY)  # a default over 30 days raises the maximum
-    assert (longer.ttl, longer.max_ttl) == (40 * DAY, 40 * DAY)
+    mesh = MeshIdempotency(memory)  # a request may shorten the policy's ttl, not lengthen it
+    assert (mesh.ttl, mesh.max_ttl, mesh.engine.ttl) == (DAY, DAY, DAY)
+    answer = mesh.handle(request(ttl={"value": 25, "unit": "hour"}), Charges())
+    assert answer["errors"][0]["details"] == {"max_ttl": {"value": DAY, "unit": "second"}}
+    assert MeshIdempotency(memory, ttl=600).max_ttl == 600
+    assert MeshIdempotency(memory, max_ttl=600).ttl == 600  # the default fits the maximum
+    reference = MeshIdempotency(memory, max_ttl=MAX_TTL)  # the reference implementation's
+    assert (reference.ttl, reference.max_ttl, reference.engine.ttl) == (DAY, 30 * DAY, 30 * DAY)
     engine = Engine(memory, ttl=7200)  # an engine's ttl is the maximum
     assert (MeshIdempotency(engine).ttl, MeshIdempotency(engine).max_ttl) == (7200, 7200)
+    assert (MeshIdempotency(engine, ttl=60).ttl, MeshIdempotency(engine, ttl=60).max_ttl) == (
+        60,
+        60,
+    )
     assert MeshIdempotency(engine, ttl=60, max_ttl=600).max_ttl == 600
 
 

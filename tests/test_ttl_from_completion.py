@@ -90,6 +90,34 @@ def test_by_default_the_expiry_stays_the_claims(
         start = clock.now - RUN
 
 
+def test_a_retryable_failure_moves_nothing(make_api: Any, clock: Clock, store: Store[Any]) -> None:
+    """Nothing is kept from a retryable failure, so its record keeps the claim's expiry."""
+    api: Api = make_api(ttl=TTL, lease=2 * RUN)
+    c = claim(api.begin("k", operation=OP, ttl_from="completion"))
+    claimed = c.expires_at
+    clock.advance(RUN)
+    api.fail(c, final=False)
+    record = store.get(c.key_hash)
+    assert record is not None and record.expires_at == claimed == c.expires_at
+
+
+def test_a_short_answer_ttl_does_not_shorten_the_lease(
+    make_api: Any, clock: Clock, store: Store[Any]
+) -> None:
+    """The answer's ttl is a cache duration: a running attempt keeps its whole lease
+    (else a 1 ms ttl would be a 1 ms lease, renewed without end, and lost)."""
+    api: Api = make_api(ttl=TTL, lease=30)
+    start = clock.now
+    c = claim(api.begin("k", operation=OP, ttl=0.001, ttl_from="completion"))
+    assert c.lease_until == start + 30 and c.expires_at >= c.lease_until
+    clock.advance(10)
+    api.complete(c, Outcome.json("done"))
+    record = store.get(c.key_hash)
+    assert record is not None and record.expires_at == clock.now + 0.001 == c.expires_at
+    capped = claim(api.begin("n", operation=OP, ttl=0.001))  # from the claim: capped, as before
+    assert capped.lease_until == clock.now + 0.001
+
+
 def test_a_stale_attempt_moves_nothing(make_api: Any, clock: Clock, store: Store[Any]) -> None:
     """Fencing is unchanged: a completion that lost its lease writes nothing."""
     api: Api = make_api(ttl=TTL, lease=5)
@@ -153,12 +181,41 @@ def test_a_store_that_cannot_move_the_expiry_keeps_the_claims(clock: Clock) -> N
             return super().complete(key_hash, token, outcome, now)
 
     store = Older()
+    assert not Engine(store).settles_expiry
     engine = Engine(store, clock=clock, ttl=TTL)
     c = claim(engine.begin("k", operation=OP, ttl_from="completion"))
     clock.advance(RUN)
     engine.complete(c, Outcome.json("done"))
     record = store.get(c.key_hash)
     assert record is not None and record.expires_at == c.expires_at == clock.now - RUN + TTL
+
+
+def test_a_subclass_with_the_old_signature_keeps_the_claims_expiry(clock: Clock) -> None:
+    """A built-in store's subclass that overrides a settling method without
+    ``expires_at`` inherits ``settle_expiry``: the engine sees the override and keeps
+    the claim's expiry, instead of failing the completion after the handler ran."""
+
+    class Audited(MemoryStore):
+        def complete(self, key_hash: str, token: str, outcome: Outcome, now: float) -> bool:  # type: ignore[override]
+            return super().complete(key_hash, token, outcome, now)
+
+    class Async(MemoryStore):
+        async def afail(
+            self, key_hash: str, token: str, outcome: Any, final: bool, now: float
+        ) -> bool:  # type: ignore[override]
+            return await super().afail(key_hash, token, outcome, final, now)
+
+    assert Engine(MemoryStore()).settles_expiry
+    assert not Engine(Async()).settles_expiry
+    store = Audited()
+    engine = Engine(store, clock=clock, ttl=TTL)
+    assert not engine.settles_expiry
+    c = claim(engine.begin("k", operation=OP, ttl_from="completion"))
+    clock.advance(RUN)
+    engine.complete(c, Outcome.json("done"))
+    record = store.get(c.key_hash)
+    assert record is not None and record.status is Status.COMPLETED
+    assert record.expires_at == c.expires_at == clock.now - RUN + TTL
 
 
 def test_a_transactional_completion_moves_it_too(

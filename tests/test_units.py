@@ -477,7 +477,7 @@ def test_the_plans_record_and_claim_set_every_field() -> None:
         "took_over": Status.FAILED,
         "request_id": "r",
         "started": 0.0,
-        "keep": None,
+        "answer_ttl": None,
     }
     done = dataclasses.replace(record, status=Status.COMPLETED, outcome=Outcome.json(1))
     replay = plan.answer(ClaimResult(False, record=done), record, 0.0)

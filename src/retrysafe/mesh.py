@@ -57,6 +57,7 @@ from retrysafe.stores import Store
 
 __all__ = [
     "MAX_KEY_LENGTH",
+    "MAX_TTL",
     "URN",
     "MeshApp",
     "MeshError",
@@ -85,9 +86,10 @@ class MeshIdempotency:
     SQLite file). ``ttl`` is how long an answer is kept, from when it is stored,
     when the request's ``ttl`` option gives none (default 24 h, or ``max_ttl`` if
     shorter; with an engine, the engine's). ``max_ttl`` is the longest ``ttl`` a
-    request may ask for (default 30 days, the reference implementation's, or
-    ``ttl`` if longer; with an engine, the engine's ``ttl``): a longer one is
-    refused with ``INVALID_ARGUMENTS``. ``lease`` and ``wait`` are the engine's
+    request may ask for (default: ``ttl``, so a caller cannot make its records
+    outlive the policy; the reference implementation allows 30 days,
+    ``max_ttl=MAX_TTL``; with an engine, at most the engine's ``ttl``): a longer
+    one is refused with ``INVALID_ARGUMENTS``. ``lease`` and ``wait`` are the engine's
     (how long an attempt owns a key; how long a duplicate waits for it before it
     gets ``IDEMPOTENCY_PROCESSING``).
     """
@@ -104,17 +106,15 @@ class MeshIdempotency:
         # Checks the options as every call will use them (TypeError, ValueError); no I/O.
         given = Options(ttl=ttl, lease=lease, wait=wait).ttl
         longest = None if max_ttl is None else positive("max_ttl", max_ttl)
-        if isinstance(store, Engine):
-            default = store.ttl if given is None else min(given, store.ttl)
-            longest = store.ttl if longest is None else longest
-            if longest > store.ttl:
-                raise ValueError(f"max_ttl={longest:g} is over the engine's ttl={store.ttl:g}")
-        elif given is None:
-            longest = MAX_TTL if longest is None else longest
-            default = min(DEFAULT_TTL, longest)
+        ceiling = store.ttl if isinstance(store, Engine) else None
+        if given is None:
+            default = DEFAULT_TTL if ceiling is None else ceiling
+            default = default if longest is None else min(default, longest)
         else:
-            default = given
-            longest = max(MAX_TTL, default) if longest is None else longest
+            default = given if ceiling is None else min(given, ceiling)
+        longest = default if longest is None else longest
+        if ceiling is not None and longest > ceiling:
+            raise ValueError(f"max_ttl={longest:g} is over the engine's ttl={ceiling:g}")
         if default > longest:
             raise ValueError(f"ttl={default:g} is over max_ttl={longest:g}")
         # The engine's ttl is the ceiling of every call's: the longest a request may ask.

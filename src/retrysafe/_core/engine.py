@@ -29,7 +29,7 @@ from retrysafe._core.options import (
 from retrysafe._core.plan import BeginOptions, Claim, Plan, Replay, Wait
 from retrysafe._model.record import STANDARD, Outcome, Record, Status
 from retrysafe.errors import LeaseLostError, StoreUnavailableError
-from retrysafe.stores import DEFAULT_STORE_URL, Store, open_store
+from retrysafe.stores import DEFAULT_STORE_URL, Store, open_store, settles_expiry
 
 __all__ = [
     "DEFAULT_LEASE",
@@ -60,7 +60,7 @@ class _Resends:
     send failed has run out (measured on the monotonic clock, so a frozen or stepped
     engine clock cannot stretch it), or ``settle_retry``, whichever is first.
     Only the token-checked writes are resent: one that had applied is refused, and
-    :meth:`applied` then reads whether the record holds this attempt's outcome. An
+    :meth:`settled` then reads whether the record holds this attempt's outcome. An
     error that is not ``transient`` (sending again cannot help) is raised at once.
     """
 
@@ -84,12 +84,13 @@ class _Resends:
         self.tries += 1
         return delay
 
-    def applied(self, record: Record | None) -> bool:
-        """Whether an earlier send had applied: the record holds this attempt's token
-        and the status this write sets (a later attempt's token would differ)."""
-        return (
-            record is not None and record.token == self.claim.token and record.status is self.status
-        )
+    def settled(self, record: Record | None, expires_at: float | None) -> tuple[bool, float | None]:
+        """After a refused resend: whether an earlier send had applied (the record
+        holds this attempt's token and the status this write sets; a later attempt's
+        token would differ), and then the expiry that send gave the record."""
+        if record is None or record.token != self.claim.token or record.status is not self.status:
+            return False, expires_at
+        return True, None if expires_at is None else record.expires_at
 
 
 class Engine:
@@ -139,9 +140,20 @@ class Engine:
         self.retention = STANDARD if options.retention is None else options.retention
         self.clock = clock
         self.settle_retry = options.settle_retry
+        self._expiry_store: Store[Any] | None = None
+        self._settles = False
 
     def __repr__(self) -> str:
         return f"<Engine store={self.store!r} ttl={self.ttl:g}s lease={self.lease:g}s>"
+
+    @property
+    def settles_expiry(self) -> bool:
+        """Whether the store can move a record's expiry as it settles it (see
+        :func:`~retrysafe.stores.settles_expiry`), worked out once per store."""
+        store = self.store
+        if self._expiry_store is not store:
+            self._settles, self._expiry_store = settles_expiry(store), store
+        return self._settles
 
     # -- shared, I/O-free pieces -----------------------------------------------
 
@@ -169,11 +181,21 @@ class Engine:
     def _lease_until(self, lease: float | None, now: float) -> float:
         return now + (self.lease if lease is None else positive("lease", lease))
 
-    def _finished(self, claim: Claim, ok: bool, started: float, final: bool | None = None) -> None:
+    def _finished(
+        self,
+        claim: Claim,
+        ok: bool,
+        started: float,
+        final: bool | None = None,
+        expires_at: float | None = None,
+    ) -> None:
         """After the store call (begun at ``started``) of a completion, or of a
-        failure (``final`` given): report it, or refuse it as stale."""
+        failure (``final`` given), which gave the record ``expires_at`` if not None:
+        report it, or refuse it as stale."""
         if not ok:
             self._lost(claim, "completion" if final is None else "failure")
+        if expires_at is not None:
+            claim.expires_at = expires_at
         METRICS.settled(
             "complete" if final is None else "fail",
             claim.operation,
@@ -246,14 +268,17 @@ class Engine:
                 raise error
         started = _perf()
         write = self.store.complete
+        expires_at = None
         try:
-            if claim.keep is None:
+            if claim.answer_ttl is None:
                 ok = write(claim.key_hash, claim.token, outcome, self.clock())
             else:
-                ok = _settle(write, claim, self.clock(), outcome)
+                now = self.clock()
+                expires_at = claim.settled_expiry(now)
+                ok = _settle(write, claim, now, expires_at, outcome)
         except StoreUnavailableError as exc:
-            ok = self._resend(claim, "completion", exc, write, outcome)
-        self._finished(claim, ok, started)
+            ok, expires_at = self._resend(claim, "completion", exc, write, True, outcome)
+        self._finished(claim, ok, started, expires_at=expires_at)
 
     def fail(
         self, claim: Claim, outcome: Outcome | None = None, *, final: bool | None = None
@@ -262,11 +287,13 @@ class Engine:
         final = self._final(final)
         started = _perf()
         write = self.store.fail
+        now = self.clock()
+        expires_at = claim.settled_expiry(now) if final else None  # nothing kept otherwise
         try:
-            ok = _settle(write, claim, self.clock(), outcome, final)
+            ok = _settle(write, claim, now, expires_at, outcome, final)
         except StoreUnavailableError as exc:
-            ok = self._resend(claim, "failure", exc, write, outcome, final)
-        self._finished(claim, ok, started, final)
+            ok, expires_at = self._resend(claim, "failure", exc, write, final, outcome, final)
+        self._finished(claim, ok, started, final, expires_at)
 
     def _resend(
         self,
@@ -274,17 +301,22 @@ class Engine:
         what: str,
         exc: StoreUnavailableError,
         write: Callable[..., bool],
+        keeps: bool,
         *args: Any,
-    ) -> bool:
+    ) -> tuple[bool, float | None]:
         """After ``exc`` on the first send: ``write(key_hash, token, *args, now)`` (a
         completion or failure) again while the store is unreachable (see
-        :class:`_Resends`)."""
+        :class:`_Resends`); ``(ok, the record's new expiry or None)``. ``keeps``: the
+        write may move the expiry (a completion or a final failure)."""
         resends = _Resends(self, claim, what)
         while True:
             time.sleep(resends.delay(exc))
             try:
-                ok = _settle(write, claim, self.clock(), *args)
-                return ok or resends.applied(self.store.get(claim.key_hash))
+                now = self.clock()
+                expires_at = claim.settled_expiry(now) if keeps else None
+                if _settle(write, claim, now, expires_at, *args):
+                    return True, expires_at
+                return resends.settled(self.store.get(claim.key_hash), expires_at)
             except StoreUnavailableError as again:
                 exc = again
 
@@ -339,14 +371,17 @@ class Engine:
                 raise error
         started = _perf()
         write = self.store.acomplete
+        expires_at = None
         try:
-            if claim.keep is None:
+            if claim.answer_ttl is None:
                 ok = await write(claim.key_hash, claim.token, outcome, self.clock())
             else:
-                ok = await _settle(write, claim, self.clock(), outcome)
+                now = self.clock()
+                expires_at = claim.settled_expiry(now)
+                ok = await _settle(write, claim, now, expires_at, outcome)
         except StoreUnavailableError as exc:
-            ok = await self._aresend(claim, "completion", exc, write, outcome)
-        self._finished(claim, ok, started)
+            ok, expires_at = await self._aresend(claim, "completion", exc, write, True, outcome)
+        self._finished(claim, ok, started, expires_at=expires_at)
 
     async def afail(
         self, claim: Claim, outcome: Outcome | None = None, *, final: bool | None = None
@@ -355,11 +390,15 @@ class Engine:
         final = self._final(final)
         started = _perf()
         write = self.store.afail
+        now = self.clock()
+        expires_at = claim.settled_expiry(now) if final else None  # nothing kept otherwise
         try:
-            ok = await _settle(write, claim, self.clock(), outcome, final)
+            ok = await _settle(write, claim, now, expires_at, outcome, final)
         except StoreUnavailableError as exc:
-            ok = await self._aresend(claim, "failure", exc, write, outcome, final)
-        self._finished(claim, ok, started, final)
+            ok, expires_at = await self._aresend(
+                claim, "failure", exc, write, final, outcome, final
+            )
+        self._finished(claim, ok, started, final, expires_at)
 
     async def _aresend(
         self,
@@ -367,15 +406,19 @@ class Engine:
         what: str,
         exc: StoreUnavailableError,
         write: Callable[..., Coroutine[Any, Any, bool]],
+        keeps: bool,
         *args: Any,
-    ) -> bool:
+    ) -> tuple[bool, float | None]:
         """Async :meth:`_resend`."""
         resends = _Resends(self, claim, what)
         while True:
             await asyncio.sleep(resends.delay(exc))
             try:
-                ok = await _settle(write, claim, self.clock(), *args)
-                return ok or resends.applied(await self.store.aget(claim.key_hash))
+                now = self.clock()
+                expires_at = claim.settled_expiry(now) if keeps else None
+                if await _settle(write, claim, now, expires_at, *args):
+                    return True, expires_at
+                return resends.settled(await self.store.aget(claim.key_hash), expires_at)
             except StoreUnavailableError as again:
                 exc = again
 
@@ -414,10 +457,11 @@ class Engine:
         await self.store.aclose()
 
 
-def _settle(write: Callable[..., Any], claim: Claim, now: float, *args: Any) -> Any:
+def _settle(
+    write: Callable[..., Any], claim: Claim, now: float, expires_at: float | None, *args: Any
+) -> Any:
     """``write(key_hash, token, *args, now)``: a completion or failure at ``now``, with
-    the record's new expiry when the claim keeps its answer ``ttl`` from then."""
-    expires_at = claim.expiry(now)
+    the record's new expiry ``expires_at`` if one is given."""
     if expires_at is None:
         return write(claim.key_hash, claim.token, *args, now)
     return write(claim.key_hash, claim.token, *args, now, expires_at)

@@ -67,15 +67,12 @@ class Claim:
     started: float = 0.0  # time.perf_counter() when the claim was granted
     #: Seconds the answer is kept from when it is stored (``ttl_from="completion"``);
     #: None: the record keeps the expiry its claim set.
-    keep: float | None = None
+    answer_ttl: float | None = None
 
-    def expiry(self, now: float) -> float | None:
-        """The record's expiry for a completion or failure stored at ``now`` (None:
-        the claim's stays); :attr:`expires_at` follows it."""
-        if self.keep is None:
-            return None
-        self.expires_at = now + self.keep
-        return self.expires_at
+    def settled_expiry(self, now: float) -> float | None:
+        """The record's expiry if its answer is stored at ``now`` (None: the claim's
+        stays). :attr:`expires_at` takes it once the store has written it."""
+        return None if self.answer_ttl is None else now + self.answer_ttl
 
 
 @dataclass(slots=True)
@@ -131,10 +128,10 @@ class Plan:
     """One ``begin``: its validated inputs, and what a claim's result means."""
 
     __slots__ = (
+        "answer_ttl",
         "deadline",
         "delay",
         "fingerprint",
-        "keep",
         "key",
         "key_hash",
         "lease",
@@ -173,7 +170,8 @@ class Plan:
 
         ``ttl_from="completion"`` keeps the answer ``ttl`` from when it is stored
         instead of from the claim, on a store that can move a record's expiry as it
-        settles it (:attr:`Store.settle_expiry`; another keeps the claim's).
+        settles it (see :func:`~retrysafe.stores.settles_expiry`; another keeps the
+        claim's).
         """
         if not is_key(key):
             try:
@@ -190,11 +188,11 @@ class Plan:
             self.wait, self.retention = engine.wait, engine.retention
         else:
             self._take(engine, Options(ttl=ttl, lease=lease, wait=wait, retention=retention))
-        if ttl_from == "claim":
-            self.keep = None
-        elif ttl_from == "completion":
-            self.keep = self.ttl if engine.store.settle_expiry else None
-        else:
+        self.answer_ttl: float | None = None
+        if ttl_from == "completion":
+            if engine.settles_expiry:
+                self._answer_ttl(engine, lease)
+        elif ttl_from != "claim":
             raise ValueError(f'ttl_from must be "claim" or "completion", not {ttl_from!r}')
         self.key, self.operation, self.scope, self.fingerprint = key, operation, scope, fingerprint
         self.key_hash = key_hash(scope, operation, key)
@@ -241,6 +239,17 @@ class Plan:
         self.wait = engine.wait if options.wait is None else options.wait
         self.retention = engine.retention if options.retention is None else options.retention
 
+    def _answer_ttl(self, engine: Engine, lease: float | None) -> None:
+        """Keep the answer ``ttl`` from when it is stored. That ``ttl`` is a cache
+        duration, so it no longer caps the lease: the running attempt keeps its full
+        lease (within the engine's ttl), and its record lives at least as long."""
+        self.answer_ttl = self.ttl
+        wanted = engine.lease if lease is None else float(lease)
+        wanted = min(wanted, engine.ttl)
+        if wanted > self.lease:
+            self.lease = wanted
+            self.ttl = max(self.ttl, wanted)
+
     def derive(self, key: str, scope: str, fingerprint: str, request_id: str | None = None) -> Plan:
         """This plan's validated options for another call (``key`` must be valid).
 
@@ -253,7 +262,7 @@ class Plan:
         plan.key, plan.scope, plan.fingerprint = key, scope, fingerprint
         plan.request_id = None if request_id is None else stored_request_id(request_id)
         plan.retention = self.retention
-        plan.keep = self.keep
+        plan.answer_ttl = self.answer_ttl
         plan.step = self.step
         plan.key_hash = key_hash(scope, plan.operation, key)
         plan.deadline = None
@@ -318,7 +327,7 @@ class Plan:
             c.took_over = result.took_over
             c.request_id = self.request_id
             c.started = now_perf
-            c.keep = self.keep
+            c.answer_ttl = self.answer_ttl
             return c
         found = result.record
         assert found is not None

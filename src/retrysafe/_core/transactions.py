@@ -53,7 +53,7 @@ def _owned(att: Attempt) -> Claim:
     return att.claim
 
 
-def _completion(att: Attempt, claim: Claim) -> tuple[Any, float]:
+def _completion(att: Attempt, claim: Claim) -> tuple[Any, float, float | None]:
     """The store's completion op for the block's outcome, checked as :meth:`Engine.complete`
     checks it."""
     outcome = att.outcome
@@ -65,8 +65,9 @@ def _completion(att: Attempt, claim: Claim) -> tuple[Any, float]:
         raise error
     engine = att._engine
     now = engine.clock()
-    op = engine.store._completion(claim.key_hash, claim.token, outcome, now, claim.expiry(now))
-    return op, time.perf_counter()
+    expires_at = claim.settled_expiry(now)
+    op = engine.store._completion(claim.key_hash, claim.token, outcome, now, expires_at)
+    return op, time.perf_counter(), expires_at
 
 
 def _same_sqlite_file(store: Any, conn: sqlite3.Connection) -> None:
@@ -113,17 +114,18 @@ def transaction(att: Attempt, connection: Any = None) -> Iterator[Any]:
     if _kind(store) == "sqlite":
         with _sqlite(store, connection) as conn:
             yield conn
-            op, started = _completion(att, claim)
-            att._engine._finished(claim, op(conn), started)
+            op, started, expires_at = _completion(att, claim)
+            att._engine._finished(claim, op(conn), started, expires_at=expires_at)
     else:
         with _postgres(store, connection) as conn, conn.transaction():
             yield conn
-            op, started = _completion(att, claim)
+            op, started, expires_at = _completion(att, claim)
             try:
                 cur = conn.execute(op.query, op.params)
             except _pg_unavailable() as exc:
                 raise _pg_failed(store, exc) from exc
-            att._engine._finished(claim, op.parse(cur.rowcount, None), started)
+            ok = op.parse(cur.rowcount, None)
+            att._engine._finished(claim, ok, started, expires_at=expires_at)
     att.finished = True  # committed: leaving the attempt's block writes nothing more
 
 
@@ -139,12 +141,13 @@ async def atransaction(att: Attempt, connection: Any = None) -> AsyncIterator[An
         )
     async with _apostgres(store, connection) as conn, conn.transaction():
         yield conn
-        op, started = _completion(att, claim)
+        op, started, expires_at = _completion(att, claim)
         try:
             cur = await conn.execute(op.query, op.params)
         except _pg_unavailable() as exc:
             raise _pg_failed(store, exc) from exc
-        att._engine._finished(claim, op.parse(cur.rowcount, None), started)
+        ok = op.parse(cur.rowcount, None)
+        att._engine._finished(claim, ok, started, expires_at=expires_at)
     att.finished = True
 
 

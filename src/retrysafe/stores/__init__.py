@@ -6,7 +6,14 @@ import os
 import urllib.parse
 from typing import Any
 
-from retrysafe.stores._base import ArchivedRecord, RecordQuery, Store, StoreStats, SweepBatch
+from retrysafe.stores._base import (
+    ArchivedRecord,
+    RecordQuery,
+    Store,
+    StoreStats,
+    SweepBatch,
+    settles_expiry,
+)
 from retrysafe.stores._redact import redact
 
 __all__ = [
@@ -18,6 +25,7 @@ __all__ = [
     "SweepBatch",
     "open_store",
     "redact",
+    "settles_expiry",
 ]
 
 #: The embedded default when neither an argument nor ``RETRYSAFE_STORE`` names a store.

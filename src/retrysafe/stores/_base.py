@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import heapq
+import inspect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
@@ -18,7 +19,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from retrysafe._model.record import ClaimResult, Outcome, Record, Status
 from retrysafe.stores._redact import redact
 
-__all__ = ["ArchivedRecord", "RecordQuery", "Store", "StoreStats", "SweepBatch"]
+__all__ = ["ArchivedRecord", "RecordQuery", "Store", "StoreStats", "SweepBatch", "settles_expiry"]
 
 
 @dataclass(slots=True)
@@ -366,3 +367,31 @@ class Store(abc.ABC, Generic[OpT]):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {redact(self.url)}>"
+
+
+#: The methods through which a completion or failure reaches a store.
+_SETTLES = ("complete", "acomplete", "fail", "afail", "_complete", "_fail")
+
+
+def settles_expiry(store: Store[Any]) -> bool:
+    """Whether ``store`` can move a record's expiry as it settles it: it says so
+    (:attr:`Store.settle_expiry`), and every settling method it has, a subclass's
+    override included, takes ``expires_at``. A subclass written before that
+    argument existed then keeps the claim's expiry instead of failing after the
+    handler ran."""
+    if not store.settle_expiry:
+        return False
+    for name in _SETTLES:
+        method = getattr(type(store), name, None)
+        if method is None:
+            continue
+        try:
+            parameters = inspect.signature(method).parameters.values()
+        except (TypeError, ValueError):
+            return False
+        if not any(
+            p.name == "expires_at" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            for p in parameters
+        ):
+            return False
+    return True

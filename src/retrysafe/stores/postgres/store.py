@@ -873,22 +873,29 @@ class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
         recover = partial(self._settle_recover, expires_at, 0) if self.partitioned else None
         return _Op(query, params, _changed, recover)
 
-    def _settle_recover(self, expires_at: float, tries: int, op: _Op, exc: psycopg.Error) -> _Op:
+    def _settle_recover(
+        self, expires_at: float, tries: int, op: _Op, exc: psycopg.Error, *, found: bool = False
+    ) -> _Op:
         """A completion or failure on a partitioned table that moves its row to an
         expiry with no partition yet: add it (as a claim does), then write again. A
         moved row (a serialization failure) only means: write again (see
-        _retry_moved). The partition found attached already, and still missed, is
-        a stale descriptor (see _pclaim_recover): write again on another connection.
+        _retry_moved). ``found``: the add before this write found the partition
+        attached already (made by another session); still missing it is a stale
+        descriptor (see _pclaim_recover): write again on another connection.
         """
         if not (_no_partition(exc) or exc.sqlstate == "40001") or tries >= _MAX_MOVED_RETRIES:
             raise exc
         again = op._replace(recover=partial(self._settle_recover, expires_at, tries + 1))
         if exc.sqlstate == "40001":
             return again
+        if found:
+            return _Op(_RECONNECT, (), lambda rowcount, row: again)
 
         def added(rowcount: int, row: Sequence[Any] | None) -> _Op:
-            if row is not None and row[0] is None:  # attached already
-                return _Op(_RECONNECT, (), lambda rowcount, row: again)
+            if row is not None and row[0] is None:  # attached already: a healthy session sees it
+                return op._replace(
+                    recover=partial(self._settle_recover, expires_at, tries + 1, found=True)
+                )
             return self._refreshed(again)
 
         return _Op(self._q_add_partition, (expires_at,), added)

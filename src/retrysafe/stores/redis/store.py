@@ -36,6 +36,7 @@ from retrysafe.stores.redis.codec import (
     _FAILED,
     _HEAD,
     _MALFORMED,
+    _MAX_PEXPIRE_MS,
     _SAME,
     _TOOK,
     _outcome_blob,
@@ -120,8 +121,8 @@ def _parse_get(reply: Any, op: _Op) -> Record | None:
 
 def _until(expires_at: float, now: float) -> tuple[bytes, int]:
     """A completion's or failure's new expiry and its PX ms, as the scripts take them
-    (see lua._SETTLE)."""
-    return _DOUBLE.pack(expires_at), _ttl_ms(expires_at, now) or 1
+    (see lua._SETTLE); an expiry past any PX (0: no TTL) gets the longest PX."""
+    return _DOUBLE.pack(expires_at), _ttl_ms(expires_at, now) or _MAX_PEXPIRE_MS
 
 
 def _parse_bool(reply: Any, op: _Op) -> bool:
