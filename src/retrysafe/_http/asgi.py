@@ -381,7 +381,9 @@ class IdempotencyMiddleware:
       and ``X-Idempotency-Key``).
     - Who the caller is (records never cross callers; see docs/principals.md):
       ``principal``, a callable taking the request and returning the caller's
-      identity (a str; None lets the rules below decide); else an
+      identity (a str; None lets the rules below decide;
+      :data:`retrysafe.http.ANONYMOUS`: the caller is unauthenticated,
+      ``anonymous`` decides at once); else an
       authenticated ``scope["user"]`` (Starlette's ``AuthenticationMiddleware``
       placed before this one); else every credential the request carries:
       each ``Authorization`` line, the ``principal_headers`` (default

@@ -27,7 +27,7 @@ from typing import Any
 
 from retrysafe._core.engine import Attempt, run_to_end
 from retrysafe._core.heartbeat import renewing
-from retrysafe._core.principal import Principal, Principals, unscoped
+from retrysafe._core.principal import NOBODY, Principal, Principals, unscoped
 from retrysafe._core.recording import arecord, record
 from retrysafe._http.policy import Capture, HttpPolicy
 from retrysafe._http.problems import Response
@@ -103,6 +103,9 @@ def prepare(
             if who is None:  # anonymous: run without a record (anonymous="run")
                 unscoped(policy.operation)
                 return None
+        elif who is NOBODY:  # principal= said ANONYMOUS: no record (anonymous="run")
+            unscoped(policy.operation)
+            return None
         policy.check_declared(meta.get("CONTENT_LENGTH"))
         secret = policy.secret or (yield policy)
         data, ctype = body(), meta.get("CONTENT_TYPE")

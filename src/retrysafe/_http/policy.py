@@ -23,6 +23,7 @@ from retrysafe._core.metrics import METRICS
 from retrysafe._core.principal import (
     LONE_BYTES,
     Anonymous,
+    NoPrincipal,
     Principal,
     Principals,
     principal_option,
@@ -113,7 +114,7 @@ REPRESENTATION = frozenset(
 
 # -- the policy ---------------------------------------------------------------------
 
-PrincipalSpec = Callable[[HttpRequest], str | None] | None
+PrincipalSpec = Callable[[HttpRequest], str | NoPrincipal | None] | None
 RequireSpec = bool | Callable[[HttpRequest], bool]
 
 
