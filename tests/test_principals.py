@@ -44,8 +44,15 @@ from retrysafe import (
     key_hash,
     open_store,
 )
-from retrysafe._core.principal import PUBLIC, Principal, Principals, is_identity_cookie
+from retrysafe._core.principal import (
+    NOBODY,
+    PUBLIC,
+    Principal,
+    Principals,
+    is_identity_cookie,
+)
 from retrysafe._core.secret import CELL_KEY, ENV_SECRET, SecretError, check_secret, secret_of
+from retrysafe.http import ANONYMOUS
 
 SECRET = b"s" * 32
 
@@ -189,6 +196,29 @@ def test_the_principal_callable_and_the_user_come_first() -> None:
     assert Principals(anonymous="share").identify(request, nobody, [], "") == PUBLIC
     with pytest.raises(TypeError, match="not int"):
         Principals(principal=lambda r: 7).identify(request, nobody, [], "")  # type: ignore[arg-type,return-value]
+
+
+def test_a_principal_callable_says_a_caller_is_anonymous() -> None:
+    """ANONYMOUS: ``anonymous`` decides at once; neither the user nor the request's
+    credentials are read (the Go middleware pattern: no auth context, no idempotency)."""
+
+    def request() -> Any:
+        return None
+
+    def unread() -> str:
+        raise AssertionError("the user is not read when principal= says ANONYMOUS")
+
+    bearer = [("authorization", "Bearer rejected-by-the-app")]
+    p = Principals(principal=lambda r: ANONYMOUS)
+    assert p.identify(request, unread, bearer, "") is None  # "run": no record
+    assert p.named(request) is NOBODY
+    p = Principals(principal=lambda r: ANONYMOUS, anonymous="share")
+    assert p.identify(request, unread, bearer, "") == PUBLIC
+    p = Principals(principal=lambda r: ANONYMOUS, anonymous="refuse")
+    with pytest.raises(PrincipalRequiredError, match="unauthenticated"):
+        p.identify(request, unread, bearer, "")
+    with pytest.raises(TypeError, match="ANONYMOUS"):
+        Principals(principal=lambda r: b"anonymous").identify(request, unread, [], "")  # type: ignore[arg-type,return-value]
 
 
 def test_cookies_alone_need_a_session_cookie() -> None:

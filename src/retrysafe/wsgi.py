@@ -14,7 +14,8 @@
 The options and answers are those of :class:`retrysafe.asgi.IdempotencyMiddleware`.
 Requests that carry no key (or use a method it does not protect) go straight
 to the app. A keyed request's body is read whole (up to ``max_request_body``,
-chunked bodies too) and handed to the app as a fresh ``wsgi.input``.
+chunked bodies too) and handed to the app as a fresh ``wsgi.input`` (under
+``fingerprint=False`` it is not read: the app reads it as it comes).
 """
 
 from __future__ import annotations

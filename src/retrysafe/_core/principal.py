@@ -2,32 +2,38 @@
 
 Every front door names the caller by the same rules, first answer wins: the
 ``principal=`` callable, the framework's authenticated identity, every
-credential the request carries, else anonymous (``anonymous`` decides). Records
+credential the request carries, else anonymous (``anonymous`` decides). A
+``principal=`` callable that returns :data:`ANONYMOUS` says the caller is
+unauthenticated: ``anonymous`` decides at once, whatever the request carries. Records
 keep an HMAC of the principal under the deployment secret, never a credential.
 The decision table per door: docs/principals.md. No I/O here.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import urllib.parse
 import warnings
 from collections.abc import Callable, Collection, Iterable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Final, Literal, NamedTuple
 
 from retrysafe._core.metrics import METRICS
 from retrysafe._core.secret import Secret
 from retrysafe.errors import AmbiguousCredentialsError, PrincipalRequiredError
 
 __all__ = [
+    "ANONYMOUS",
     "ANONYMOUS_MODES",
     "DEFAULT_PRINCIPAL_HEADERS",
     "LONE_BYTES",
     "LONE_CACHED",
+    "NOBODY",
     "NOT_IDENTITY_COOKIES",
     "PUBLIC",
     "SESSION_HINTS",
     "Anonymous",
+    "NoPrincipal",
     "Principal",
     "PrincipalFn",
     "Principals",
@@ -203,13 +209,29 @@ class Principal(NamedTuple):
 
 #: The principal of anonymous callers that opted in to sharing (``anonymous="share"``).
 PUBLIC = Principal("public", "")
+#: What :meth:`Principals.named` gives for a caller the ``principal=`` callable
+#: called :data:`ANONYMOUS` when ``anonymous="run"``: run without a record.
+NOBODY = Principal("anonymous", "")
 
-#: A ``principal=`` callable: the caller's identity, or None to let the default rules decide.
-PrincipalFn = Callable[[Any], "str | None"]
+
+class NoPrincipal(enum.Enum):
+    """The type of :data:`ANONYMOUS`."""
+
+    ANONYMOUS = "anonymous"
+
+
+#: What a ``principal=`` callable returns for an unauthenticated caller: no
+#: fallback to the framework's user or the request's credentials; ``anonymous``
+#: decides (``"run"``: the request runs without a record).
+ANONYMOUS: Final = NoPrincipal.ANONYMOUS
+
+#: A ``principal=`` callable: the caller's identity, None to let the default rules
+#: decide, or :data:`ANONYMOUS` for an unauthenticated caller.
+PrincipalFn = Callable[[Any], "str | NoPrincipal | None"]
 
 
 def principal_option(
-    principal: PrincipalFn | None, scope: Callable[[Any], str | None] | None, *, native: bool
+    principal: PrincipalFn | None, scope: PrincipalFn | None, *, native: bool
 ) -> PrincipalFn | None:
     """The ``principal=`` callable, from ``scope=`` (its old name, deprecated) if given.
 
@@ -351,18 +373,27 @@ class Principals:
         :class:`~retrysafe.PrincipalRequiredError` for an anonymous request
         when ``anonymous="refuse"``.
         """
-        return self.named(request) or self.others(user(), headers, query)
+        who = self.named(request)
+        if who is None:
+            return self.others(user(), headers, query)
+        return None if who is NOBODY else who
 
     def named(self, request: Callable[[], Any]) -> Principal | None:
         """Rule 1: what the ``principal`` callable says; None (or a blank str): it does
-        not decide."""
+        not decide. :data:`ANONYMOUS`: what ``anonymous`` gives (:data:`NOBODY` for
+        ``"run"``), with no fallback to the other rules."""
         if self.fn is None:
             return None
         named = self.fn(request())
         if named is None:
             return None
         if not isinstance(named, str):
-            raise TypeError(f"principal= must return a str or None, not {type(named).__name__}")
+            if named is ANONYMOUS:
+                return self.absent("the principal= callable says this caller is unauthenticated")
+            raise TypeError(
+                "principal= must return a str, None or retrysafe.http.ANONYMOUS, "
+                f"not {type(named).__name__}"
+            )
         named = str(named)
         return Principal("principal", named) if named.strip() else None
 
@@ -383,6 +414,16 @@ class Principals:
                 "sends it (Authorization, an API key or a session cookie)"
             )
         return None
+
+    def absent(self, why: str) -> Principal:
+        """What ``anonymous`` gives a caller the ``principal=`` callable called
+        :data:`ANONYMOUS`: :data:`PUBLIC` (``"share"``), :data:`NOBODY` (``"run"``),
+        or :class:`~retrysafe.PrincipalRequiredError` saying ``why`` (``"refuse"``)."""
+        if self.anonymous == "share":
+            return PUBLIC
+        if self.anonymous == "refuse":
+            raise PrincipalRequiredError(f"{why}; an idempotent request must say who sends it")
+        return NOBODY
 
     def credentials(self, headers: Iterable[tuple[str, str]], query: str) -> Principal | None:
         """Every credential of the request as one principal; None if it carries none."""
@@ -467,9 +508,10 @@ class Principals:
 
 
 def unscoped(operation: str) -> None:
-    """A keyed request without credentials runs without a record: counted, and said
-    once per process (a deployment whose callers authenticate in a way retrysafe
-    does not see would otherwise lose its idempotency silently)."""
+    """A keyed request without credentials (or one the ``principal=`` callable
+    called :data:`ANONYMOUS`) runs without a record: counted, and said once per
+    process (a deployment whose callers authenticate in a way retrysafe does not
+    see would otherwise lose its idempotency silently)."""
     METRICS.count("unscoped", operation)
     _warn_once(
         "a keyed request without credentials ran without a record: anonymous callers "

@@ -389,7 +389,9 @@ class IdempotencyMiddleware:
       and ``X-Idempotency-Key``).
     - Who the caller is (records never cross callers; see docs/principals.md):
       ``principal``, a callable taking the request and returning the caller's
-      identity (a str; None lets the rules below decide); else an
+      identity (a str; None lets the rules below decide;
+      :data:`retrysafe.http.ANONYMOUS`: the caller is unauthenticated,
+      ``anonymous`` decides at once); else an
       authenticated ``scope["user"]`` (Starlette's ``AuthenticationMiddleware``
       placed before this one); else every credential the request carries:
       each ``Authorization`` line, the ``principal_headers`` (default
@@ -412,6 +414,14 @@ class IdempotencyMiddleware:
       down, default) or ``"open"`` (serve without idempotency, logged).
     - ``final_failures``: record 5xx answers and exceptions as final (replayed)
       instead of retryable.
+    - ``keep_statuses``: only answers with these statuses are stored (e.g.
+      ``range(200, 300)``); any other fails the attempt retryable and stores
+      nothing, so a retry runs again (default None: every answer but 408, 413,
+      414, 429 and 431; 5xx as ``final_failures`` says).
+    - ``fingerprint``: False stores no fingerprint: any request under a stored
+      key is its duplicate, whatever its method, path, query or body (never
+      ``idempotency_conflict``); the body is not read before the app reads it,
+      so ``max_request_body`` does not apply (default True).
     - ``max_body``: the largest response body stored (1 MiB); a larger one is
       streamed to the client, and replayed as its status and headers with an
       empty body and ``Idempotent-Body-Omitted: true``.
@@ -464,6 +474,7 @@ class IdempotencyMiddleware:
         # middleware's (an IdempotencyError of the app's, on a request without a key,
         # must neither run it again under fail_mode="open" nor become a refusal).
         attempt: Attempt | None = None
+        body: bytes | None
         try:
             key = policy.key(values)
             if key is None:
@@ -475,6 +486,10 @@ class IdempotencyMiddleware:
                 who = identify(scope, policy.principals, found, query)
                 if who is None:  # anonymous: run without a record (anonymous="run")
                     unscoped(policy.operation)
+                elif not policy.fingerprint:  # the body is the app's to read, as it arrives
+                    secret = policy.secret or await policy.aload_secret()
+                    attempt = policy.bare_attempt(key, who, secret, rid)
+                    body = None
                 else:
                     policy.check_declared(clen)
                     secret = policy.secret or await policy.aload_secret()
@@ -525,18 +540,19 @@ class IdempotencyMiddleware:
         policy: HttpPolicy,
         attempt: Attempt,
         scope: Scope,
-        body: bytes,
+        body: bytes | None,
         receive: Receive,
         send: Send,
     ) -> None:
         """Claim a keyed request's key, then replay, refuse, or run the app (``body``
-        is the request's, already read) and record its answer."""
+        is the request's, already read; None: not read, the app reads it) and record
+        its answer."""
         try:
             att = await attempt.__aenter__()  # left in _run, the task that runs the app
         except IdempotencyError as exc:
             refusal = policy.refusal(exc)
             if refusal is None:  # fail open
-                await self.app(scope, replaying(body, receive), send)
+                await self.app(scope, receive if body is None else replaying(body, receive), send)
             else:
                 await send_answer(send, refusal)
             return
@@ -660,7 +676,7 @@ class _Keyed(Recorder):
         self,
         app: ASGIApp,
         scope: Scope,
-        body: bytes,
+        body: bytes | None,
         receive: Receive,
         send: Send,
         policy: HttpPolicy,

@@ -27,7 +27,7 @@ from typing import Any
 
 from retrysafe._core.engine import Attempt, run_to_end
 from retrysafe._core.heartbeat import renewing
-from retrysafe._core.principal import Principal, Principals, unscoped
+from retrysafe._core.principal import NOBODY, Principal, Principals, unscoped
 from retrysafe._core.recording import arecord, record
 from retrysafe._http.policy import Capture, HttpPolicy
 from retrysafe._http.problems import Response
@@ -87,7 +87,7 @@ def prepare(
     what the request gets.
     ``body()`` reads the whole request body (raising :class:`BodyError` over
     the limit); it is called only for a keyed request of a known principal,
-    after ``Content-Length`` was checked.
+    after ``Content-Length`` was checked, and never under ``fingerprint=False``.
     """
     values = [meta[name] for name in policy.environ_names if name in meta]
     try:
@@ -103,6 +103,12 @@ def prepare(
             if who is None:  # anonymous: run without a record (anonymous="run")
                 unscoped(policy.operation)
                 return None
+        elif who is NOBODY:  # principal= said ANONYMOUS: no record (anonymous="run")
+            unscoped(policy.operation)
+            return None
+        if not policy.fingerprint:  # the body is the app's to read
+            secret = policy.secret or (yield policy)
+            return (policy, policy.bare_attempt(key, who, secret, meta.get("HTTP_X_REQUEST_ID")))
         policy.check_declared(meta.get("CONTENT_LENGTH"))
         secret = policy.secret or (yield policy)
         data, ctype = body(), meta.get("CONTENT_TYPE")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Container, Iterable
 from typing import Any, Literal
 
 from retrysafe._core.engine import (
@@ -23,6 +23,7 @@ from retrysafe._core.metrics import METRICS
 from retrysafe._core.principal import (
     LONE_BYTES,
     Anonymous,
+    NoPrincipal,
     Principal,
     Principals,
     principal_option,
@@ -61,6 +62,7 @@ __all__ = [
     "SCOPES_CACHED",
     "Capture",
     "HttpPolicy",
+    "NotKept",
 ]
 
 log = logging.getLogger("retrysafe.http")
@@ -113,8 +115,33 @@ REPRESENTATION = frozenset(
 
 # -- the policy ---------------------------------------------------------------------
 
-PrincipalSpec = Callable[[HttpRequest], str | None] | None
+PrincipalSpec = Callable[[HttpRequest], str | NoPrincipal | None] | None
 RequireSpec = bool | Callable[[HttpRequest], bool]
+
+
+class NotKept:
+    """The statuses an answer is not stored under when only ``keep`` are kept:
+    those outside ``keep``, and the :data:`UNPROCESSED` refusals."""
+
+    __slots__ = ("keep",)
+
+    def __init__(self, keep: frozenset[int]) -> None:
+        self.keep = keep
+
+    def __contains__(self, status: object) -> bool:
+        return status not in self.keep or status in UNPROCESSED
+
+
+def _keep_statuses(value: Iterable[int]) -> frozenset[int]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError("keep_statuses must be a collection of status codes, e.g. range(200, 300)")
+    keep = frozenset(value)
+    bad = [s for s in keep if isinstance(s, bool) or not isinstance(s, int) or not 100 <= s <= 999]
+    if bad:
+        raise ValueError(f"keep_statuses must hold HTTP status codes (100 to 999), not {bad[0]!r}")
+    if not keep:
+        raise ValueError("keep_statuses must name at least one status (None keeps the default)")
+    return keep
 
 
 class HttpPolicy:
@@ -143,6 +170,8 @@ class HttpPolicy:
         duplicate_response: Literal["replay", "no_content"] = "replay",
         fail_mode: Literal["closed", "open"] = "closed",
         final_failures: bool = False,
+        keep_statuses: Iterable[int] | None = None,
+        fingerprint: bool = True,
         max_body: int = DEFAULT_MAX_BODY,
         max_request_body: int = DEFAULT_MAX_REQUEST_BODY,
         store_headers: Collection[str] | None = None,
@@ -199,6 +228,14 @@ class HttpPolicy:
             raise ValueError('fail_mode must be "closed" or "open"')
         self.fail_open = fail_mode == "open"
         self.final_failures = bool(final_failures)
+        #: The statuses whose answers are never stored (the attempt fails retryable).
+        self.not_kept: Container[int] = (
+            UNPROCESSED if keep_statuses is None else NotKept(_keep_statuses(keep_statuses))
+        )
+        if not isinstance(fingerprint, bool):
+            raise TypeError("fingerprint must be True or False")
+        #: False: a key's record stands for any request under it; the body is not read.
+        self.fingerprint = fingerprint
         if int(max_body) < 0 or int(max_request_body) < 0:
             raise ValueError("max_body and max_request_body must not be negative")
         self.max_body = int(max_body)
@@ -226,6 +263,8 @@ class HttpPolicy:
                 "principal_cookies": p.cookies,
                 "principal_query": p.query,
                 "fail_mode": fail_mode,
+                "keep_statuses": keep_statuses,
+                "fingerprint": fingerprint,
                 "max_body": max_body,
                 "max_request_body": max_request_body,
                 "store_headers": store_headers,
@@ -350,6 +389,15 @@ class HttpPolicy:
             self.engine, self._plan.derive(key, self.scope_of(who, secret), fp, request_id)
         )
 
+    def bare_attempt(
+        self, key: str, who: Principal, secret: Secret, request_id: str | None
+    ) -> Attempt:
+        """The engine attempt of a keyed request under ``fingerprint=False``: no
+        fingerprint (the empty one), so any request under the key is its duplicate."""
+        return Attempt(
+            self.engine, self._plan.derive(key, self.scope_of(who, secret), "", request_id)
+        )
+
     def scope_of(self, who: Principal, secret: Secret) -> str:
         """``who.scope(secret)``; under this policy's secret, the last
         :data:`SCOPES_CACHED` callers' scopes are remembered (a keyed hash each time
@@ -453,8 +501,9 @@ class HttpPolicy:
         :func:`~retrysafe._core.recording.record`): (failed, what is stored, final). An
         :data:`UNPROCESSED` refusal stores nothing and stays retryable; an answer
         whose stored headers are over :data:`MAX_STORED_HEADERS` stores nothing
-        and is final (it was processed: a retry must not run it again)."""
-        if status in UNPROCESSED:
+        and is final (it was processed: a retry must not run it again). With
+        ``keep_statuses``, a status outside them is an unprocessed one."""
+        if status in self.not_kept:
             return True, None, False
         if _header_bytes(outcome.headers) > MAX_STORED_HEADERS:
             return True, None, True
@@ -474,7 +523,7 @@ class HttpPolicy:
         outcome(status, headers, body, size))`` of the latin-1 decoded headers, in one
         pass (the ASGI recorder calls it; the A2A door's answers define their own).
         Not ``raw``: the pairs are str (:meth:`recorded_text`)."""
-        if status in UNPROCESSED:
+        if status in self.not_kept:
             return True, None, False
         unkept, only = self._unkept, self._only
         kept: list[tuple[str, str]] = []
