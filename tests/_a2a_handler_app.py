@@ -28,12 +28,12 @@ from a2a.server.tasks import InMemoryTaskStore, TaskUpdater
 from a2a.types import AgentCapabilities, AgentCard, AgentInterface, AgentSkill, TaskState
 from a2a.utils.errors import InternalError
 from starlette.applications import Starlette
-from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
+from starlette.authentication import AuthCredentials, AuthenticationBackend, BaseUser
 from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection
 
-from retrysafe.a2a import A2AMiddleware, IdempotentRequestHandler
+from retrysafe.a2a import A2AMiddleware, IdempotentContextBuilder, IdempotentRequestHandler
 
 
 class Runs:
@@ -104,32 +104,61 @@ def card(url: str, jsonrpc: str = "/") -> AgentCard:
     )
 
 
-class HeaderUsers(AuthenticationBackend):
-    """Authenticates the user named by ``X-User`` (none without it)."""
+class Colleague(BaseUser):
+    """A user whose identity is its own and whose display name others share."""
 
-    async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, SimpleUser] | None:
+    def __init__(self, identity: str) -> None:
+        self._identity = identity
+
+    @property
+    def is_authenticated(self) -> bool:
+        return True
+
+    @property
+    def display_name(self) -> str:
+        return "Alex Kim"
+
+    @property
+    def identity(self) -> str:
+        return self._identity
+
+
+class HeaderUsers(AuthenticationBackend):
+    """Authenticates the user whose identity is ``X-User`` (none without it); every
+    user's display name is the same."""
+
+    async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, Colleague] | None:
         name = conn.headers.get("x-user")
-        return None if name is None else (AuthCredentials(["authenticated"]), SimpleUser(name))
+        return None if name is None else (AuthCredentials(["authenticated"]), Colleague(name))
 
 
 def handler_app(
-    runs: Runs, store: Any, *, middleware: bool = False, users: bool = False, **options: Any
+    runs: Runs,
+    store: Any,
+    *,
+    middleware: bool = False,
+    users: bool = False,
+    builder: bool = True,
+    **options: Any,
 ) -> tuple[Any, IdempotentRequestHandler]:
     """The server, and the retrysafe handler it calls.
 
     ``middleware``: JSON-RPC at ``/mw`` too, served by the bare SDK handler behind
     :class:`~retrysafe.a2a.A2AMiddleware` on the same store. ``users``: Starlette's
-    authentication, the user named by ``X-User``.
+    authentication, the user named by ``X-User``. ``builder``: the routes build
+    call contexts with :class:`~retrysafe.a2a.IdempotentContextBuilder` (else the
+    SDK's default builder).
     """
     agent_card = card("http://127.0.0.1/")
     inner = DefaultRequestHandler(
         agent_executor=GatedAgent(runs), task_store=InMemoryTaskStore(), agent_card=agent_card
     )
     handler = IdempotentRequestHandler(inner, store=store, **options)
+    context = IdempotentContextBuilder() if builder else None
     routes = [
         *create_agent_card_routes(agent_card),
-        *create_jsonrpc_routes(handler, "/", enable_v0_3_compat=True),
-        *create_rest_routes(handler, path_prefix="/rest"),
+        *create_jsonrpc_routes(handler, "/", enable_v0_3_compat=True, context_builder=context),
+        *create_rest_routes(handler, path_prefix="/rest", context_builder=context),
     ]
     if users:
         auth = [Middleware(AuthenticationMiddleware, backend=HeaderUsers())]

@@ -241,6 +241,25 @@ async def test_an_authenticated_user_is_the_caller(tmp_path: Path, tid: str) -> 
         assert agent.runs.counts[tid] == 2
 
 
+@pytest.mark.parametrize("builder", [True, False])
+async def test_users_who_share_a_display_name_never_share_an_answer(
+    tmp_path: Path, tid: str, builder: bool
+) -> None:
+    # Both users are displayed as "Alex Kim"; their identities differ. With the
+    # context builder, the identity names the caller (a refreshed token is the
+    # same user); without it, the SDK gives only the display name, which is not
+    # used: the credentials decide.
+    with serve(f"sqlite:///{tmp_path}/names.db", users=True, builder=builder) as agent:
+        mid = str(uuid.uuid4())
+        first = await send(await connect(agent, tid, user="u-1", auth="Bearer t1"), mid)
+        other = await send(await connect(agent, tid, user="u-2", auth="Bearer t2"), mid)
+        assert task_id(other) != task_id(first)
+        if builder:
+            again = await send(await connect(agent, tid, user="u-1", auth="Bearer t3"), mid)
+            assert stored_task(again).id == task_id(first)
+        assert agent.runs.counts[tid] == 2
+
+
 async def test_principal_names_the_caller_from_the_call_context(tmp_path: Path, tid: str) -> None:
     def tenant(context: Any) -> str | None:
         return context.state["headers"].get("x-tenant")
@@ -413,3 +432,5 @@ async def test_a_resend_while_another_process_runs_it_gets_the_in_flight_error(
 def test_the_handler_is_imported_on_first_use() -> None:
     assert "IdempotentRequestHandler" in a2a_module.__all__
     assert a2a_module.IdempotentRequestHandler is IdempotentRequestHandler
+    assert "IdempotentContextBuilder" in a2a_module.__all__
+    assert a2a_module.IdempotentContextBuilder.__name__ == "IdempotentContextBuilder"

@@ -25,6 +25,7 @@ included (it needs the ``a2a`` extra)::
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import logging
 import warnings
@@ -80,6 +81,7 @@ from retrysafe.errors import BodyTooLarge, IdempotencyError, InvalidKeyError, Mi
 from retrysafe.stores import Store
 
 if TYPE_CHECKING:
+    from retrysafe._protocols.a2a_context import IdempotentContextBuilder
     from retrysafe._protocols.a2a_handler import IdempotentRequestHandler
 
 __all__ = [
@@ -90,6 +92,7 @@ __all__ = [
     "A2AIdempotency",
     "A2AMiddleware",
     "ErrorCode",
+    "IdempotentContextBuilder",
     "IdempotentRequestHandler",
     "agent_extension",
 ]
@@ -538,18 +541,18 @@ async def _reply(send: ASGISend, doc: JSONRPC, *, replay: bool = False) -> None:
 
 
 def __getattr__(name: str) -> Any:
-    """:class:`IdempotentRequestHandler`, imported on first use (it needs ``a2a-sdk``),
+    """:class:`IdempotentRequestHandler` and :class:`IdempotentContextBuilder`,
+    imported on first use (they need ``a2a-sdk``; the builder, its HTTP server),
     and the deprecated former name of :class:`A2AMiddleware`."""
-    if name == "IdempotentRequestHandler":
+    if name in ("IdempotentRequestHandler", "IdempotentContextBuilder"):
+        module = "a2a_handler" if name == "IdempotentRequestHandler" else "a2a_context"
         try:
-            from retrysafe._protocols.a2a_handler import IdempotentRequestHandler
+            found = importlib.import_module(f"retrysafe._protocols.{module}")
         except ImportError as exc:
-            if exc.name is None or not exc.name.startswith(("a2a", "google")):
+            if exc.name is None or not exc.name.startswith(("a2a", "google", "starlette")):
                 raise
-            raise MissingExtraError(
-                "a2a", "retrysafe.a2a.IdempotentRequestHandler", name=exc.name
-            ) from exc
-        return IdempotentRequestHandler
+            raise MissingExtraError("a2a", f"retrysafe.a2a.{name}", name=exc.name) from exc
+        return getattr(found, name)
     if name == "IdempotencyMiddleware":
         warnings.warn(
             "retrysafe.a2a.IdempotencyMiddleware is A2AMiddleware: use that name (its "

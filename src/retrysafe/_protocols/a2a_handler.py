@@ -21,7 +21,9 @@ Needs the ``a2a-sdk`` package (the ``a2a`` extra).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import sys
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
@@ -92,12 +94,26 @@ from retrysafe.errors import (
 )
 from retrysafe.stores import Store
 
-__all__ = ["IdempotentRequestHandler", "sdk_error"]
+__all__ = ["CALLER_STATE", "Caller", "IdempotentRequestHandler", "sdk_error"]
 
 log = logging.getLogger("retrysafe.a2a")
 
 #: What a send's run yields: the SDK's stream events (Task, Message, updates).
 Event = Any
+#: The key of :class:`Caller` in ``ServerCallContext.state``.
+CALLER_STATE = "retrysafe.caller"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent an HTTP request, as :class:`~retrysafe.a2a.IdempotentContextBuilder`
+    puts it in the call context: the Starlette user's identity (``asgi_user``, as
+    the middleware names it) and the request's raw header lines."""
+
+    user: str | None
+    headers: tuple[tuple[str, str], ...]
+
+
 #: The end of a run's events, on its queue.
 _END: Any = object()
 #: How many times a repeat joins a run that ended and tries again (each try is one
@@ -207,8 +223,10 @@ class IdempotentRequestHandler(RequestHandler):
     ``principal`` (a callable over the ``ServerCallContext``, returning a name or
     None), ``principal_headers``, ``principal_cookies``, ``anonymous``: who the
     caller is, by the rules of every door (docs/principals.md): the callable,
-    an authenticated ``context.user``, the credentials among the request headers
-    the SDK puts in ``context.state["headers"]``, else ``anonymous``.
+    the authenticated user (over HTTP: its Starlette ``identity``, which
+    :class:`~retrysafe.a2a.IdempotentContextBuilder` gives the handler; a
+    ``User`` of the app's own: its ``user_name``, which must be unique), the
+    credentials among the request's headers, else ``anonymous``.
     Every other method is ``inner``'s.
     """
 
@@ -493,9 +511,13 @@ class IdempotentRequestHandler(RequestHandler):
 
 
 def _headers(context: ServerCallContext) -> list[tuple[str, str]]:
-    """The request's headers (lower-case names): those the SDK's HTTP routes put in
-    ``state["headers"]``, else a gRPC call's metadata."""
+    """The request's headers (lower-case names): every line of an HTTP request whose
+    context :class:`Caller` describes, else those the SDK's HTTP routes put in
+    ``state["headers"]`` (one value a name), else a gRPC call's metadata."""
     state = context.state
+    caller = state.get(CALLER_STATE)
+    if isinstance(caller, Caller):
+        return list(caller.headers)
     headers = state.get("headers")
     if isinstance(headers, Mapping):
         items: Iterable[Any] = headers.items()
@@ -506,15 +528,46 @@ def _headers(context: ServerCallContext) -> list[tuple[str, str]]:
 
 
 def _user(context: ServerCallContext) -> str | None:
-    """The authenticated A2A user's name, else None."""
+    """The authenticated caller's identity, else None.
+
+    Over HTTP with :class:`Caller` in the context: the Starlette user's identity.
+    A Starlette user without it is not used (its ``user_name`` is the display
+    name, which two users may share): the credentials decide. Any other A2A
+    ``User`` is named by its ``user_name`` (the only name the SDK's ``User`` has,
+    and what the SDK scopes task owners by).
+    """
+    caller = context.state.get(CALLER_STATE)
+    if isinstance(caller, Caller):
+        return caller.user
     user = context.user
     try:
         if user.is_authenticated is not True:
+            return None
+        if _display_named(user):
+            _warn_display_name()
             return None
         name = user.user_name
     except Exception:  # the server's user class: whatever it raises, never a 500
         return None
     return f"a2a.user:{name}" if isinstance(name, str) and name.strip() else None
+
+
+def _display_named(user: object) -> bool:
+    """Whether ``user`` is the SDK's adapter of a Starlette user (its ``user_name`` is
+    the user's ``display_name``); the class exists only once its module is loaded."""
+    common = sys.modules.get("a2a.server.routes.common")
+    adapter = getattr(common, "StarletteUser", None)
+    return isinstance(adapter, type) and isinstance(user, adapter)
+
+
+@functools.cache
+def _warn_display_name() -> None:
+    log.warning(
+        "retrysafe: an authenticated Starlette user reached IdempotentRequestHandler "
+        "without its identity (the SDK passes only its display name, which two users "
+        "may share): the request's credentials name the caller instead. Build the "
+        "routes with context_builder=IdempotentContextBuilder() (retrysafe.a2a)"
+    )
 
 
 async def _one(result: Awaitable[Task | Message]) -> AsyncIterator[Event]:
