@@ -297,8 +297,13 @@ async def test_a_changed_message_is_refused_while_the_first_runs(agent: Agent, t
     await anext(stream)
     with pytest.raises(InvalidParamsError):
         await send(await connect(agent, tid), mid, "other")
+    # The refused message left the running send joinable: its resend joins it.
+    resend = aiter((await connect(agent, tid)).send_message(request(mid, "gate")))
+    head = await anext(resend)
+    assert head.HasField("task") and head.task.status.state != COMPLETED
     agent.runs.gate(tid).set()
     assert final_state([e async for e in stream]) == COMPLETED
+    assert final_state([head, *[e async for e in resend]]) == COMPLETED
     assert agent.runs.counts[tid] == 1
 
 

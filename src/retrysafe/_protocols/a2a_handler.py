@@ -308,10 +308,13 @@ class IdempotentRequestHandler(RequestHandler):
     # -- the first run ----------------------------------------------------------------
 
     def _pending(self, send: Send) -> _Run:
-        """A run of ``send``, registered before it claims: repeats in this process join it."""
+        """A run of ``send``, registered before it claims so that repeats in this
+        process join it; left unregistered when another run holds the key (another
+        message, or another loop's): the store answers it, and that run stays
+        joinable."""
         loop = asyncio.get_running_loop()
         run = _Run(send.fingerprint, loop, loop.create_future())
-        self._runs[send.scope, send.key] = run
+        self._runs.setdefault((send.scope, send.key), run)
         return run
 
     def _forget(self, send: Send, run: _Run) -> None:
