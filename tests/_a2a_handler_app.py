@@ -8,6 +8,7 @@ plain objects the tests read and open. Per test id (the ``X-Test-Id`` header):
   opens the gate, then adds an artifact and completes;
 - ``message``: the agent answers with a Message;
 - ``fail-once``: the first execution raises an A2A error;
+- a request with ``X-Get-Fails``: reading a task (``GetTask``) fails;
 - anything else: a completed Task with one artifact echoing the text.
 """
 
@@ -84,6 +85,15 @@ class GatedAgent(AgentExecutor):
         raise InternalError(message="not cancelable")
 
 
+class Handler(DefaultRequestHandler):
+    """The SDK's handler, whose GetTask fails for a request with ``X-Get-Fails``."""
+
+    async def on_get_task(self, params: Any, context: Any) -> Any:
+        if "x-get-fails" in context.state["headers"]:
+            raise InternalError(message="the task store failed")
+        return await super().on_get_task(params, context)
+
+
 def card(url: str, jsonrpc: str = "/") -> AgentCard:
     """The agent's card, its interfaces at ``url`` (JSON-RPC at ``jsonrpc``, REST at ``/rest``)."""
     base = url.rstrip("/")
@@ -150,7 +160,7 @@ def handler_app(
     SDK's default builder).
     """
     agent_card = card("http://127.0.0.1/")
-    inner = DefaultRequestHandler(
+    inner = Handler(
         agent_executor=GatedAgent(runs), task_store=InMemoryTaskStore(), agent_card=agent_card
     )
     handler = IdempotentRequestHandler(inner, store=store, **options)

@@ -214,6 +214,20 @@ async def test_a_failed_send_runs_again(agent: Agent, tid: str) -> None:
     assert agent.runs.counts[tid] == 2
 
 
+async def test_a_stream_that_ended_is_not_run_again_when_reading_its_task_fails(
+    agent: Agent, tid: str
+) -> None:
+    # Every event reached the client; reading the final Task then fails: the
+    # send ran, so what the stream carried is stored and a retry replays it.
+    mid = str(uuid.uuid4())
+    failing = await connect(agent, tid, extra={"x-get-fails": "1"})
+    first = await send(failing, mid)
+    assert final_state(first) == COMPLETED
+    again = await send(await connect(agent, tid), mid)
+    assert stored_task(again).id == task_id(first)
+    assert agent.runs.counts[tid] == 1
+
+
 async def test_callers_without_credentials(tmp_path: Path, agent: Agent, tid: str) -> None:
     # By default they run without a record (as on every door: anonymous="run").
     mid = str(uuid.uuid4())

@@ -365,7 +365,7 @@ class IdempotentRequestHandler(RequestHandler):
                 async for event in events:
                     run.saw(event)
                     run.events.put_nowait(event)
-                result = run.final = await final(run)
+                result = run.final = await _ended(final, run)
         except BaseException as exc:
             await arecord(att, None, failed=True, final=self.final_failures, answer=answer)
             run.events.put_nowait(exc)
@@ -596,6 +596,22 @@ def _final_task(
         return found if found is not None else run.result
 
     return final
+
+
+async def _ended(
+    final: Callable[[_Run], Awaitable[Task | Message | None]], run: _Run
+) -> Task | Message | None:
+    """The result of a run whose events all went out: ``final``'s, else (it failed:
+    the agent ran all the same) the last Task or Message the run carried."""
+    try:
+        return await final(run)
+    except Exception:
+        log.warning(
+            "retrysafe: reading the result of a finished send failed; its last Task or "
+            "Message is stored instead",
+            exc_info=True,
+        )
+        return run.result
 
 
 def _result_of(run: _Run) -> Task | Message:
