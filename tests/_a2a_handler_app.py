@@ -6,6 +6,7 @@ plain objects the tests read and open. Per test id (the ``X-Test-Id`` header):
 
 - ``gate``: the agent emits its Task (working), then waits until the test
   opens the gate, then adds an artifact and completes;
+- ``many``: as ``gate``, then :data:`MANY` status updates before it completes;
 - ``message``: the agent answers with a Message;
 - ``fail-once``: the first execution raises an A2A error;
 - a request with ``X-Get-Fails``: reading a task (``GetTask``) fails;
@@ -35,6 +36,9 @@ from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection
 
 from retrysafe.a2a import A2AMiddleware, IdempotentContextBuilder, IdempotentRequestHandler
+
+#: How many updates a ``many`` execution sends after its gate opens.
+MANY = 300
 
 
 class Runs:
@@ -75,9 +79,14 @@ class GatedAgent(AgentExecutor):
         task = context.current_task or new_task_from_user_message(context.message)
         await event_queue.enqueue_event(task)
         updater = TaskUpdater(event_queue, task.id, task.context_id)
-        if text == "gate":
+        if text in ("gate", "many"):
             await updater.update_status(TaskState.TASK_STATE_WORKING)
             await asyncio.to_thread(self.runs.gate(tid).wait)  # the test opens it
+        if text == "many":
+            for i in range(MANY):
+                await updater.update_status(
+                    TaskState.TASK_STATE_WORKING, new_text_message(f"step {i}")
+                )
         await updater.add_artifact([text_part(f"echo {n}: {text}")], name="answer")
         await updater.complete()
 

@@ -189,6 +189,22 @@ async def test_a_client_that_leaves_mid_stream_leaves_no_second_run(agent: Agent
     assert agent.runs.counts[tid] == 1
 
 
+async def test_a_stream_whose_client_left_holds_no_events(agent: Agent, tid: str) -> None:
+    mid = str(uuid.uuid4())
+    leaving = await connect(agent, tid)
+    stream = aiter(leaving.send_message(request(mid, "many")))
+    head = await anext(stream)
+    (run,) = [run for (_, key), run in agent.handler._runs.items() if key == mid]
+    await stream.aclose()  # type: ignore[attr-defined]
+    await leaving.close()
+    agent.runs.gate(tid).set()
+    # Its MANY updates are not kept for the client that left (nor any past a bound).
+    again = await send(await connect(agent, tid), mid, "many")
+    assert task_id(again) == head.task.id and final_state(again) == COMPLETED
+    assert run.events.qsize() <= 1
+    assert agent.runs.counts[tid] == 1
+
+
 async def test_a_plain_resend_while_the_stream_runs_waits_for_its_task(
     agent: Agent, tid: str
 ) -> None:

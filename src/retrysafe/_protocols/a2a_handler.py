@@ -116,6 +116,8 @@ class Caller:
 
 #: The end of a run's events, on its queue.
 _END: Any = object()
+#: How many events of a stream wait for its client: the run waits while that many do.
+_BACKLOG = 64
 #: How many times a repeat joins a run that ended and tries again (each try is one
 #: store round trip; a third run in a row would be a new first send each time).
 _ROUNDS = 3
@@ -188,18 +190,36 @@ class _Run:
     #: The task's id once the run has one; None once it ended without one.
     task_id: asyncio.Future[str | None]
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    #: The events on their way to the first client (bounded: a slow client slows
+    #: the run), then :data:`_END`.
+    events: asyncio.Queue[Any] = field(default_factory=lambda: asyncio.Queue(_BACKLOG))
+    #: Whether a client reads ``events``; once it left, nothing more is queued.
+    listening: bool = True
     #: The last Task or Message seen.
     result: Task | Message | None = None
     #: What a repeat that joined it answers once it ended: the result stored (or
     #: replayed); None if it failed (the repeat then asks the store).
     final: Task | Message | None = None
+    #: What ended the run, if it failed.
+    error: BaseException | None = None
 
     def saw(self, event: Event) -> None:
         if isinstance(event, Task) and not self.task_id.done():
             self.task_id.set_result(event.id)
         if isinstance(event, (Task, Message)):
             self.result = event
+
+    async def put(self, item: Any) -> None:
+        """Queue ``item`` for the client, if one still reads."""
+        if self.listening:
+            await self.events.put(item)
+
+    def unheard(self) -> None:
+        """The client stopped reading: queue nothing more, and free the run if it
+        waits on a full queue."""
+        self.listening = False
+        while not self.events.empty():
+            self.events.get_nowait()
 
     def ended(self) -> None:
         if not self.task_id.done():
@@ -364,11 +384,12 @@ class IdempotentRequestHandler(RequestHandler):
             with renewing(att):
                 async for event in events:
                     run.saw(event)
-                    run.events.put_nowait(event)
+                    await run.put(event)
                 result = run.final = await _ended(final, run)
         except BaseException as exc:
             await arecord(att, None, failed=True, final=self.final_failures, answer=answer)
-            run.events.put_nowait(exc)
+            run.error = exc
+            await run.put(_END)
             if not isinstance(exc, Exception):
                 raise
         else:
@@ -378,7 +399,7 @@ class IdempotentRequestHandler(RequestHandler):
                 outcome = None
             # A run without a result, or one that cannot be stored, ran: never again.
             await arecord(att, outcome, failed=outcome is None, final=True, answer=answer)
-            run.events.put_nowait(_END)
+            await run.put(_END)
         finally:
             self._forget(send, run)
 
@@ -409,6 +430,7 @@ class IdempotentRequestHandler(RequestHandler):
             if att is None:
                 assert stored is not None  # a replay holds a Task or a Message
                 return stored
+            run.unheard()  # the result is read at the end
             self._start(run, att, send, _one(self.inner.on_message_send(params, context)), _last)
             await run.done.wait()
             return _result_of(run)
@@ -444,10 +466,13 @@ class IdempotentRequestHandler(RequestHandler):
                 return
             final = _final_task(self.inner, context, params.tenant)
             self._start(run, att, send, self.inner.on_message_send_stream(params, context), final)
-            while (event := await run.events.get()) is not _END:
-                if isinstance(event, BaseException):
-                    raise event
-                yield event
+            try:
+                while (event := await run.events.get()) is not _END:
+                    yield event
+            finally:
+                run.unheard()
+            if run.error is not None:
+                raise run.error
             return
         raise _sdk_error(InProgressError("the message is still being processed", retry_after=1))
 
@@ -616,10 +641,8 @@ async def _ended(
 
 def _result_of(run: _Run) -> Task | Message:
     """A plain send's result, or what ended its run."""
-    while not run.events.empty():
-        item = run.events.get_nowait()
-        if isinstance(item, BaseException):
-            raise item
+    if run.error is not None:
+        raise run.error
     if run.result is None:
         raise _failed_finally()
     return run.result
