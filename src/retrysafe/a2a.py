@@ -25,6 +25,7 @@ included (it needs the ``a2a`` extra)::
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import json
 import logging
@@ -346,7 +347,12 @@ class A2AMiddleware:
                 and scope["method"] == "GET"
                 and scope["path"].endswith(CARD_PATH)
             ):
-                send = _rewriting(send, self._card)
+                # The app answers in full: whether the client's copy is current
+                # is asked of the card as rewritten, under its own ETag.
+                held = [(k, v) for k, v in scope["headers"] if k.lower() in _CONDITIONS]
+                scope = {**scope, "headers": [h for h in scope["headers"] if h not in held]}
+                match = b",".join(v for k, v in held if k.lower() == b"if-none-match")
+                send = _rewriting(send, self._card, match.decode("latin-1"))
             await self.app(scope, receive, send)
             return
         try:
@@ -466,10 +472,34 @@ def _is_json(headers: Iterable[tuple[bytes, bytes]]) -> bool:
 MAX_CARD_BYTES = 1 << 20
 
 
-def _rewriting(send: ASGISend, edit: Callable[[Any], Any]) -> ASGISend:
+#: The request headers of a conditional GET, which the card's rewriting answers.
+_CONDITIONS = (b"if-none-match", b"if-modified-since")
+
+
+def _retagged(headers: list[tuple[bytes, bytes]], edited: bytes) -> list[tuple[bytes, bytes]]:
+    """``headers`` with their ETag made the rewritten card's: the app's, marked with
+    a digest of the rewritten body (weak, as the SDK's)."""
+    digest = hashlib.sha256(edited).hexdigest()[:16]
+    out = []
+    for name, value in headers:
+        if name.lower() == b"etag":
+            opaque = value.decode("latin-1").removeprefix("W/").strip('"')
+            value = f'W/"{opaque}-rs{digest}"'.encode("latin-1")
+        out.append((name, value))
+    return out
+
+
+def _etag_matches(header: str, etag: str) -> bool:
+    """Whether an If-None-Match value selects ``etag`` (RFC 9110 §13.1.2, weak comparison)."""
+    tags = [tag.strip().removeprefix("W/") for tag in header.split(",")]
+    return "*" in tags or etag.removeprefix("W/") in tags
+
+
+def _rewriting(send: ASGISend, edit: Callable[[Any], Any], if_none_match: str = "") -> ASGISend:
     """``send``, with a 200 JSON answer of at most :data:`MAX_CARD_BYTES` read whole
-    and replaced by ``edit`` of its JSON (unless ``edit`` gives None); any other
-    answer passes as it is."""
+    and replaced by ``edit`` of its JSON (unless ``edit`` gives None), its ETag
+    changed with it; a 304 instead when ``if_none_match`` selects the ETag
+    answered. Any other answer passes as it is."""
     start: MutableMapping[str, Any] | None = None
     chunks: list[bytes] = []
     size = 0
@@ -496,11 +526,19 @@ def _rewriting(send: ASGISend, edit: Callable[[Any], Any]) -> ASGISend:
                 return
             body = b"".join(chunks)
             doc = edit(_parse(body))
-            if doc is not None:
-                body = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
             headers = [
                 (k, v) for k, v in start.get("headers", ()) if k.lower() != b"content-length"
             ]
+            if doc is not None:
+                body = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+                headers = _retagged(headers, body)
+            etag = next((v.decode("latin-1") for k, v in headers if k.lower() == b"etag"), "")
+            if etag and if_none_match and _etag_matches(if_none_match, etag):
+                kept = [(k, v) for k, v in headers if k.lower() != b"content-type"]
+                await send({**start, "status": 304, "headers": kept})
+                await send({"type": "http.response.body", "body": b""})
+                start = None
+                return
             headers.append((b"content-length", str(len(body)).encode()))
             await send({**start, "headers": headers})
             start = None
