@@ -20,6 +20,7 @@ from _a2a_handler_app import Runs, card, handler_app
 from _http_servers import ThreadServer, free_port
 from a2a.client import ClientConfig, create_client
 from a2a.client.client import Client
+from a2a.server.context import ServerCallContext
 from a2a.types import Message, Part, Role, SendMessageRequest, StreamResponse, Task, TaskState
 from a2a.utils.errors import InternalError, InvalidParamsError, InvalidRequestError
 from conftest import StoreSpec
@@ -462,6 +463,55 @@ async def test_a_resend_while_another_process_runs_it_gets_the_in_flight_error(
         assert final_state([e async for e in stream]) == COMPLETED
         assert stored_task(await send(await connect(second, tid), mid, "gate"))
         assert first.runs.counts[tid] == 1 and second.runs.counts[tid] == 0
+
+
+def call(tid: str) -> ServerCallContext:
+    """A call context as the SDK's HTTP routes build it, for a handler called directly."""
+    return ServerCallContext(state={"headers": {"authorization": CALLER, "x-test-id": tid}})
+
+
+async def stream_of(handler: IdempotentRequestHandler, tid: str, mid: str) -> list[Any]:
+    return [e async for e in handler.on_message_send_stream(request(mid, "gate"), call(tid))]
+
+
+async def test_aclose_lets_the_running_sends_end_and_be_recorded(tmp_path: Path, tid: str) -> None:
+    store, runs, mid = f"sqlite:///{tmp_path}/close.db", Runs(), str(uuid.uuid4())
+    _, handler = handler_app(runs, store)
+    stream = aiter(handler.on_message_send_stream(request(mid, "gate"), call(tid)))
+    head = await anext(stream)
+    closing = asyncio.ensure_future(handler.aclose())
+    await asyncio.sleep(0)  # aclose has begun: the run it waits for may now end
+    runs.gate(tid).set()
+    await closing
+    assert [e async for e in stream]
+    _, again = handler_app(runs, store)
+    try:
+        [replay] = await stream_of(again, tid, mid)
+    finally:
+        await again.aclose()
+    assert isinstance(replay, Task) and replay.id == head.id
+    assert replay.status.state == COMPLETED and runs.counts[tid] == 1
+
+
+async def test_aclose_cancels_a_send_that_outlasts_it(tmp_path: Path, tid: str) -> None:
+    # Cancelled, it is recorded as failed: a retry runs it again.
+    store, runs, mid = f"sqlite:///{tmp_path}/cancel.db", Runs(), str(uuid.uuid4())
+    _, handler = handler_app(runs, store)
+    stream = aiter(handler.on_message_send_stream(request(mid, "gate"), call(tid)))
+    await anext(stream)
+    try:
+        await handler.aclose(timeout=0)
+        with pytest.raises(InternalError, match="interrupted"):
+            async for _ in stream:
+                pass
+    finally:
+        runs.gate(tid).set()  # the cancelled execution's thread may go
+    _, again = handler_app(runs, store)
+    try:
+        events = await stream_of(again, tid, mid)
+    finally:
+        await again.aclose()
+    assert events[-1].status.state == COMPLETED and runs.counts[tid] == 2
 
 
 def test_the_handler_is_imported_on_first_use() -> None:

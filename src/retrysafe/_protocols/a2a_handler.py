@@ -385,6 +385,9 @@ class IdempotentRequestHandler(RequestHandler):
                 async for event in events:
                     run.saw(event)
                     await run.put(event)
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError  # the SDK's stream ended on our cancel
                 result = run.final = await _ended(final, run)
         except BaseException as exc:
             await arecord(att, None, failed=True, final=self.final_failures, answer=answer)
@@ -471,8 +474,7 @@ class IdempotentRequestHandler(RequestHandler):
                     yield event
             finally:
                 run.unheard()
-            if run.error is not None:
-                raise run.error
+            _raise_failure(run)
             return
         raise _sdk_error(InProgressError("the message is still being processed", retry_after=1))
 
@@ -533,8 +535,18 @@ class IdempotentRequestHandler(RequestHandler):
     ) -> AgentCard:
         return await self.inner.on_get_extended_agent_card(params, context)
 
-    async def aclose(self) -> None:
-        """Close the engine (the inner handler is the caller's)."""
+    async def aclose(self, timeout: float = 30.0) -> None:
+        """Let the sends running in this loop end and be recorded (``timeout`` seconds
+        at most: then they are cancelled, recorded as failed, and a retry runs them
+        again), then close the engine (the inner handler is the caller's). Call it
+        in the app's shutdown."""
+        loop = asyncio.get_running_loop()
+        running = [task for task in self._tasks if task.get_loop() is loop]
+        if running:
+            _, late = await asyncio.wait(running, timeout=timeout)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         await self.engine.aclose()
 
 
@@ -639,10 +651,19 @@ async def _ended(
         return run.result
 
 
+def _raise_failure(run: _Run) -> None:
+    """Raise what ended ``run``, if it failed: the agent's error, or an InternalError
+    for a run that was cancelled (the handler closing): never a CancelledError in
+    the client's own task."""
+    if isinstance(run.error, Exception):
+        raise run.error
+    if run.error is not None:
+        raise InternalError("the send was interrupted before it ended: send it again")
+
+
 def _result_of(run: _Run) -> Task | Message:
     """A plain send's result, or what ended its run."""
-    if run.error is not None:
-        raise run.error
+    _raise_failure(run)
     if run.result is None:
         raise _failed_finally()
     return run.result
