@@ -291,6 +291,54 @@ async def test_users_who_share_a_display_name_never_share_an_answer(
         assert agent.runs.counts[tid] == 2
 
 
+async def test_two_values_of_one_credential_header_are_refused(agent: Agent, tid: str) -> None:
+    # The context builder passes every header line: the ambiguity is seen over HTTP.
+    body = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "SendMessage",
+        "params": {
+            "message": {
+                "messageId": str(uuid.uuid4()),
+                "role": "ROLE_USER",
+                "parts": [{"text": "x"}],
+            }
+        },
+    }
+    headers = [
+        ("authorization", "Bearer one"),
+        ("authorization", "Bearer two"),
+        ("a2a-version", "1.0"),
+        ("x-test-id", tid),
+    ]
+    async with httpx.AsyncClient() as http:
+        answer = (await http.post(agent.url + "/", json=body, headers=headers)).json()
+    assert answer["error"]["code"] == -32600
+    [info] = [d for d in answer["error"]["data"] if d["@type"].endswith("ErrorInfo")]
+    assert info["metadata"]["code"] == "idempotency_credentials_ambiguous"
+    assert agent.runs.counts[tid] == 0
+
+
+async def test_a_v03_send_refused_by_the_handler_has_its_metadata_as_data(
+    agent: Agent, tid: str
+) -> None:
+    # The SDK's v0.3 adapter sends the error's data as it is: the ErrorInfo metadata
+    # (strings), not the middleware's v0.3 keys.
+    mid = str(uuid.uuid4())
+
+    def body(text: str) -> dict[str, Any]:
+        message = {"messageId": mid, "role": "user", "parts": [{"kind": "text", "text": text}]}
+        return {"jsonrpc": "2.0", "id": 1, "method": "message/send", "params": {"message": message}}
+
+    headers = {"authorization": CALLER, "a2a-version": "0.3", "x-test-id": tid}
+    async with httpx.AsyncClient(headers=headers, timeout=60) as http:
+        assert "result" in (await http.post(agent.url + "/", json=body("one"))).json()
+        answer = (await http.post(agent.url + "/", json=body("two"))).json()
+    assert answer["error"]["code"] == -32602
+    data = answer["error"]["data"]
+    assert data["code"] == "idempotency_conflict" and data["retryable"] == "false"
+
+
 async def test_principal_names_the_caller_from_the_call_context(tmp_path: Path, tid: str) -> None:
     def tenant(context: Any) -> str | None:
         return context.state["headers"].get("x-tenant")
