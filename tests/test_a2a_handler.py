@@ -212,7 +212,11 @@ async def test_a_plain_resend_while_the_stream_runs_waits_for_its_task(
     mid = str(uuid.uuid4())
     stream = aiter((await connect(agent, tid)).send_message(request(mid, "gate")))
     head = await anext(stream)
+    (run,) = [run for (_, key), run in agent.handler._runs.items() if key == mid]
     plain = asyncio.ensure_future(send(await connect(agent, tid, streaming=False), mid, "gate"))
+    while run.joiners == 0:  # the plain send has joined the run before it may end
+        assert not plain.done(), plain
+        await asyncio.sleep(0.01)
     agent.runs.gate(tid).set()
     assert final_state([head, *[e async for e in stream]]) == COMPLETED
     task = stored_task(await plain)

@@ -202,6 +202,8 @@ class _Run:
     final: Task | Message | None = None
     #: What ended the run, if it failed.
     error: BaseException | None = None
+    #: How many repeats joined it.
+    joiners: int = 0
 
     def saw(self, event: Event) -> None:
         if isinstance(event, Task) and not self.task_id.done():
@@ -303,8 +305,8 @@ class IdempotentRequestHandler(RequestHandler):
         except IdempotencyError as exc:
             raise _sdk_error(exc) from None
         doc = MessageToDict(params)
-        if not doc.get("tenant") and context.tenant:
-            doc["tenant"] = context.tenant
+        if _tenant(params, context):
+            doc["tenant"] = _tenant(params, context)
         # The scope and fingerprint leave the id out; the key is protocol_key's.
         doc.setdefault("message", {})["messageId"] = "-"
         try:
@@ -425,6 +427,7 @@ class IdempotentRequestHandler(RequestHandler):
         for _ in range(_ROUNDS):
             joined = self._joinable(send)
             if joined is not None:
+                joined.joiners += 1
                 await joined.done.wait()
                 if joined.final is not None:
                     return joined.final
@@ -450,6 +453,7 @@ class IdempotentRequestHandler(RequestHandler):
         for _ in range(_ROUNDS):
             joined = self._joinable(send)
             if joined is not None:
+                joined.joiners += 1
                 # Shielded: a repeat that leaves must not cancel what the others await.
                 task_id = await asyncio.shield(joined.task_id)
                 if task_id is not None:
@@ -467,7 +471,7 @@ class IdempotentRequestHandler(RequestHandler):
             if att is None:
                 yield stored
                 return
-            final = _final_task(self.inner, context, params.tenant)
+            final = _final_task(self.inner, context, _tenant(params, context))
             self._start(run, att, send, self.inner.on_message_send_stream(params, context), final)
             try:
                 while (event := await run.events.get()) is not _END:
@@ -482,7 +486,7 @@ class IdempotentRequestHandler(RequestHandler):
         self, task_id: str, params: SendMessageRequest, context: ServerCallContext
     ) -> AsyncIterator[Event]:
         """The running task's events; nothing if it ended before the subscription."""
-        request = SubscribeToTaskRequest(id=task_id, tenant=params.tenant)
+        request = SubscribeToTaskRequest(id=task_id, tenant=_tenant(params, context))
         try:
             async for event in self.inner.on_subscribe_to_task(request, context):
                 yield event
@@ -548,6 +552,11 @@ class IdempotentRequestHandler(RequestHandler):
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
         await self.engine.aclose()
+
+
+def _tenant(params: SendMessageRequest, context: ServerCallContext) -> str:
+    """The send's tenant: the request's, else the call's (REST's ``/{tenant}`` path)."""
+    return params.tenant or context.tenant
 
 
 def _headers(context: ServerCallContext) -> list[tuple[str, str]]:
