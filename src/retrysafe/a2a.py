@@ -145,6 +145,8 @@ class A2AIdempotency:
         )
         self.final_failures = final_failures
         self.operation = operation
+        #: Seconds a send's record is kept (what the agent card advertises).
+        self.ttl = self._plan.ttl
 
     def __repr__(self) -> str:
         return f"<A2AIdempotency operation={self._plan.operation!r} engine={self.engine!r}>"
@@ -330,7 +332,7 @@ class A2AMiddleware:
         self.max_request_body = int(max_request_body)
         self.advertise = bool(advertise)
         #: The AgentCard extension this middleware advertises.
-        self.extension = agent_extension(ttl=self.core._plan.ttl)
+        self.extension = agent_extension(ttl=self.core.ttl)
         self._signed_logged = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: ASGISend) -> None:
