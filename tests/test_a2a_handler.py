@@ -224,6 +224,22 @@ async def test_a_plain_resend_while_the_stream_runs_waits_for_its_task(
     assert agent.runs.counts[tid] == 1
 
 
+async def test_a_plain_resend_waits_for_the_run_no_longer_than_its_lease(
+    tmp_path: Path, tid: str
+) -> None:
+    with serve(f"sqlite:///{tmp_path}/lease.db", lease=1) as agent:
+        mid = str(uuid.uuid4())
+        stream = aiter((await connect(agent, tid)).send_message(request(mid, "gate")))
+        await anext(stream)
+        with pytest.raises(InternalError) as caught:
+            await send(await connect(agent, tid, streaming=False), mid, "gate")
+        assert caught.value.data is not None
+        assert caught.value.data["code"] == "idempotency_in_flight"
+        agent.runs.gate(tid).set()
+        assert final_state([e async for e in stream]) == COMPLETED
+        assert agent.runs.counts[tid] == 1
+
+
 async def test_a_failed_send_runs_again(agent: Agent, tid: str) -> None:
     mid = str(uuid.uuid4())
     client = await connect(agent, tid)

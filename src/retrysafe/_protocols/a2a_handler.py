@@ -428,7 +428,11 @@ class IdempotentRequestHandler(RequestHandler):
             joined = self._joinable(send)
             if joined is not None:
                 joined.joiners += 1
-                await joined.done.wait()
+                try:  # as long as a repeat may wait, or the run may hold its lease
+                    limit = max(self._plan.wait, self._plan.lease)
+                    await asyncio.wait_for(joined.done.wait(), limit)
+                except TimeoutError:
+                    break
                 if joined.final is not None:
                     return joined.final
                 continue
