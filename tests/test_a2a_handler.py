@@ -20,6 +20,7 @@ from _a2a_handler_app import Runs, card, handler_app
 from _http_servers import ThreadServer, free_port
 from a2a.client import ClientConfig, create_client
 from a2a.client.client import Client
+from a2a.server.context import ServerCallContext
 from a2a.types import Message, Part, Role, SendMessageRequest, StreamResponse, Task, TaskState
 from a2a.utils.errors import InternalError, InvalidParamsError, InvalidRequestError
 from conftest import StoreSpec
@@ -189,18 +190,54 @@ async def test_a_client_that_leaves_mid_stream_leaves_no_second_run(agent: Agent
     assert agent.runs.counts[tid] == 1
 
 
+async def test_a_stream_whose_client_left_holds_no_events(agent: Agent, tid: str) -> None:
+    mid = str(uuid.uuid4())
+    leaving = await connect(agent, tid)
+    stream = aiter(leaving.send_message(request(mid, "many")))
+    head = await anext(stream)
+    (run,) = [run for (_, key), run in agent.handler._runs.items() if key == mid]
+    await stream.aclose()  # type: ignore[attr-defined]
+    await leaving.close()
+    agent.runs.gate(tid).set()
+    # Its MANY updates are not kept for the client that left (nor any past a bound).
+    again = await send(await connect(agent, tid), mid, "many")
+    assert task_id(again) == head.task.id and final_state(again) == COMPLETED
+    assert run.events.qsize() <= 1
+    assert agent.runs.counts[tid] == 1
+
+
 async def test_a_plain_resend_while_the_stream_runs_waits_for_its_task(
     agent: Agent, tid: str
 ) -> None:
     mid = str(uuid.uuid4())
     stream = aiter((await connect(agent, tid)).send_message(request(mid, "gate")))
     head = await anext(stream)
+    (run,) = [run for (_, key), run in agent.handler._runs.items() if key == mid]
     plain = asyncio.ensure_future(send(await connect(agent, tid, streaming=False), mid, "gate"))
+    while run.joiners == 0:  # the plain send has joined the run before it may end
+        assert not plain.done(), plain
+        await asyncio.sleep(0.01)
     agent.runs.gate(tid).set()
     assert final_state([head, *[e async for e in stream]]) == COMPLETED
     task = stored_task(await plain)
     assert task.id == head.task.id and task.status.state == COMPLETED
     assert agent.runs.counts[tid] == 1
+
+
+async def test_a_plain_resend_waits_for_the_run_no_longer_than_its_lease(
+    tmp_path: Path, tid: str
+) -> None:
+    with serve(f"sqlite:///{tmp_path}/lease.db", lease=1) as agent:
+        mid = str(uuid.uuid4())
+        stream = aiter((await connect(agent, tid)).send_message(request(mid, "gate")))
+        await anext(stream)
+        with pytest.raises(InternalError) as caught:
+            await send(await connect(agent, tid, streaming=False), mid, "gate")
+        assert caught.value.data is not None
+        assert caught.value.data["code"] == "idempotency_in_flight"
+        agent.runs.gate(tid).set()
+        assert final_state([e async for e in stream]) == COMPLETED
+        assert agent.runs.counts[tid] == 1
 
 
 async def test_a_failed_send_runs_again(agent: Agent, tid: str) -> None:
@@ -212,6 +249,20 @@ async def test_a_failed_send_runs_again(agent: Agent, tid: str) -> None:
     assert final_state(second) == COMPLETED
     assert stored_task(await send(client, mid, "fail-once")).id == task_id(second)
     assert agent.runs.counts[tid] == 2
+
+
+async def test_a_stream_that_ended_is_not_run_again_when_reading_its_task_fails(
+    agent: Agent, tid: str
+) -> None:
+    # Every event reached the client; reading the final Task then fails: the
+    # send ran, so what the stream carried is stored and a retry replays it.
+    mid = str(uuid.uuid4())
+    failing = await connect(agent, tid, extra={"x-get-fails": "1"})
+    first = await send(failing, mid)
+    assert final_state(first) == COMPLETED
+    again = await send(await connect(agent, tid), mid)
+    assert stored_task(again).id == task_id(first)
+    assert agent.runs.counts[tid] == 1
 
 
 async def test_callers_without_credentials(tmp_path: Path, agent: Agent, tid: str) -> None:
@@ -239,6 +290,73 @@ async def test_an_authenticated_user_is_the_caller(tmp_path: Path, tid: str) -> 
         other = await send(await connect(agent, tid, user="bob", auth="Bearer t1"), mid)
         assert task_id(other) != task_id(first)
         assert agent.runs.counts[tid] == 2
+
+
+@pytest.mark.parametrize("builder", [True, False])
+async def test_users_who_share_a_display_name_never_share_an_answer(
+    tmp_path: Path, tid: str, builder: bool
+) -> None:
+    # Both users are displayed as "Alex Kim"; their identities differ. With the
+    # context builder, the identity names the caller (a refreshed token is the
+    # same user); without it, the SDK gives only the display name, which is not
+    # used: the credentials decide.
+    with serve(f"sqlite:///{tmp_path}/names.db", users=True, builder=builder) as agent:
+        mid = str(uuid.uuid4())
+        first = await send(await connect(agent, tid, user="u-1", auth="Bearer t1"), mid)
+        other = await send(await connect(agent, tid, user="u-2", auth="Bearer t2"), mid)
+        assert task_id(other) != task_id(first)
+        if builder:
+            again = await send(await connect(agent, tid, user="u-1", auth="Bearer t3"), mid)
+            assert stored_task(again).id == task_id(first)
+        assert agent.runs.counts[tid] == 2
+
+
+async def test_two_values_of_one_credential_header_are_refused(agent: Agent, tid: str) -> None:
+    # The context builder passes every header line: the ambiguity is seen over HTTP.
+    body = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "SendMessage",
+        "params": {
+            "message": {
+                "messageId": str(uuid.uuid4()),
+                "role": "ROLE_USER",
+                "parts": [{"text": "x"}],
+            }
+        },
+    }
+    headers = [
+        ("authorization", "Bearer one"),
+        ("authorization", "Bearer two"),
+        ("a2a-version", "1.0"),
+        ("x-test-id", tid),
+    ]
+    async with httpx.AsyncClient() as http:
+        answer = (await http.post(agent.url + "/", json=body, headers=headers)).json()
+    assert answer["error"]["code"] == -32600
+    [info] = [d for d in answer["error"]["data"] if d["@type"].endswith("ErrorInfo")]
+    assert info["metadata"]["code"] == "idempotency_credentials_ambiguous"
+    assert agent.runs.counts[tid] == 0
+
+
+async def test_a_v03_send_refused_by_the_handler_has_its_metadata_as_data(
+    agent: Agent, tid: str
+) -> None:
+    # The SDK's v0.3 adapter sends the error's data as it is: the ErrorInfo metadata
+    # (strings), not the middleware's v0.3 keys.
+    mid = str(uuid.uuid4())
+
+    def body(text: str) -> dict[str, Any]:
+        message = {"messageId": mid, "role": "user", "parts": [{"kind": "text", "text": text}]}
+        return {"jsonrpc": "2.0", "id": 1, "method": "message/send", "params": {"message": message}}
+
+    headers = {"authorization": CALLER, "a2a-version": "0.3", "x-test-id": tid}
+    async with httpx.AsyncClient(headers=headers, timeout=60) as http:
+        assert "result" in (await http.post(agent.url + "/", json=body("one"))).json()
+        answer = (await http.post(agent.url + "/", json=body("two"))).json()
+    assert answer["error"]["code"] == -32602
+    data = answer["error"]["data"]
+    assert data["code"] == "idempotency_conflict" and data["retryable"] == "false"
 
 
 async def test_principal_names_the_caller_from_the_call_context(tmp_path: Path, tid: str) -> None:
@@ -278,8 +396,13 @@ async def test_a_changed_message_is_refused_while_the_first_runs(agent: Agent, t
     await anext(stream)
     with pytest.raises(InvalidParamsError):
         await send(await connect(agent, tid), mid, "other")
+    # The refused message left the running send joinable: its resend joins it.
+    resend = aiter((await connect(agent, tid)).send_message(request(mid, "gate")))
+    head = await anext(resend)
+    assert head.HasField("task") and head.task.status.state != COMPLETED
     agent.runs.gate(tid).set()
     assert final_state([e async for e in stream]) == COMPLETED
+    assert final_state([head, *[e async for e in resend]]) == COMPLETED
     assert agent.runs.counts[tid] == 1
 
 
@@ -410,6 +533,57 @@ async def test_a_resend_while_another_process_runs_it_gets_the_in_flight_error(
         assert first.runs.counts[tid] == 1 and second.runs.counts[tid] == 0
 
 
+def call(tid: str) -> ServerCallContext:
+    """A call context as the SDK's HTTP routes build it, for a handler called directly."""
+    return ServerCallContext(state={"headers": {"authorization": CALLER, "x-test-id": tid}})
+
+
+async def stream_of(handler: IdempotentRequestHandler, tid: str, mid: str) -> list[Any]:
+    return [e async for e in handler.on_message_send_stream(request(mid, "gate"), call(tid))]
+
+
+async def test_aclose_lets_the_running_sends_end_and_be_recorded(tmp_path: Path, tid: str) -> None:
+    store, runs, mid = f"sqlite:///{tmp_path}/close.db", Runs(), str(uuid.uuid4())
+    _, handler = handler_app(runs, store)
+    stream = aiter(handler.on_message_send_stream(request(mid, "gate"), call(tid)))
+    head = await anext(stream)
+    closing = asyncio.ensure_future(handler.aclose())
+    await asyncio.sleep(0)  # aclose has begun: the run it waits for may now end
+    runs.gate(tid).set()
+    await closing
+    assert [e async for e in stream]
+    _, again = handler_app(runs, store)
+    try:
+        [replay] = await stream_of(again, tid, mid)
+    finally:
+        await again.aclose()
+    assert isinstance(replay, Task) and replay.id == head.id
+    assert replay.status.state == COMPLETED and runs.counts[tid] == 1
+
+
+async def test_aclose_cancels_a_send_that_outlasts_it(tmp_path: Path, tid: str) -> None:
+    # Cancelled, it is recorded as failed: a retry runs it again.
+    store, runs, mid = f"sqlite:///{tmp_path}/cancel.db", Runs(), str(uuid.uuid4())
+    _, handler = handler_app(runs, store)
+    stream = aiter(handler.on_message_send_stream(request(mid, "gate"), call(tid)))
+    await anext(stream)
+    try:
+        await handler.aclose(timeout=0)
+        with pytest.raises(InternalError, match="interrupted"):
+            async for _ in stream:
+                pass
+    finally:
+        runs.gate(tid).set()  # the cancelled execution's thread may go
+    _, again = handler_app(runs, store)
+    try:
+        events = await stream_of(again, tid, mid)
+    finally:
+        await again.aclose()
+    assert events[-1].status.state == COMPLETED and runs.counts[tid] == 2
+
+
 def test_the_handler_is_imported_on_first_use() -> None:
     assert "IdempotentRequestHandler" in a2a_module.__all__
     assert a2a_module.IdempotentRequestHandler is IdempotentRequestHandler
+    assert "IdempotentContextBuilder" in a2a_module.__all__
+    assert a2a_module.IdempotentContextBuilder.__name__ == "IdempotentContextBuilder"

@@ -259,6 +259,43 @@ async def test_the_extended_card_advertises_it_in_both_spellings(tmp_path: Path)
     assert legacy.headers["content-length"] == str(len(legacy.content))
 
 
+def test_the_rewritten_card_has_an_etag_of_its_own(tmp_path: Path) -> None:
+    """The card with the extension is another entity than the app's: another ETag
+    (and another for another ttl); a client holding the app's card gets the new
+    one, a client holding the new one a 304."""
+    plain = card_app(tmp_path, card())
+    path = "/.well-known/agent-card.json"
+    with (
+        ThreadServer(plain, "asgi") as bare,
+        ThreadServer(A2AMiddleware(plain, store="memory://", ttl=60), "asgi") as one,
+        ThreadServer(A2AMiddleware(plain, store="memory://", ttl=120), "asgi") as two,
+    ):
+        original = httpx.get(bare.url + path).headers["etag"]
+        etag = httpx.get(one.url + path).headers["etag"]
+        assert etag.startswith('W/"') and etag != original
+        assert etag != httpx.get(two.url + path).headers["etag"]
+        stale = httpx.get(one.url + path, headers={"if-none-match": original})
+        assert stale.status_code == 200 and stale.headers["etag"] == etag
+        assert [e["uri"] for e in stale.json()["capabilities"]["extensions"]] == [EXTENSION_URI]
+        fresh = httpx.get(one.url + path, headers={"if-none-match": etag})
+        assert fresh.status_code == 304 and fresh.headers["etag"] == etag
+        assert fresh.content == b""
+
+
+def test_a_card_left_as_it_is_keeps_its_etag(tmp_path: Path) -> None:
+    signed = card(signatures=[AgentCardSignature(protected="e30", signature="c2ln")])
+    plain = card_app(tmp_path, signed)
+    path = "/.well-known/agent-card.json"
+    with (
+        ThreadServer(plain, "asgi") as bare,
+        ThreadServer(A2AMiddleware(plain, store="memory://"), "asgi") as wrapped,
+    ):
+        etag = httpx.get(bare.url + path).headers["etag"]
+        assert httpx.get(wrapped.url + path).headers["etag"] == etag
+        again = httpx.get(wrapped.url + path, headers={"if-none-match": etag})
+        assert again.status_code == 304 and again.headers["etag"] == etag
+
+
 @pytest.mark.parametrize(
     ("served", "options"),
     [

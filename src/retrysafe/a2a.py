@@ -25,6 +25,8 @@ included (it needs the ``a2a`` extra)::
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib
 import json
 import logging
 import warnings
@@ -80,6 +82,7 @@ from retrysafe.errors import BodyTooLarge, IdempotencyError, InvalidKeyError, Mi
 from retrysafe.stores import Store
 
 if TYPE_CHECKING:
+    from retrysafe._protocols.a2a_context import IdempotentContextBuilder
     from retrysafe._protocols.a2a_handler import IdempotentRequestHandler
 
 __all__ = [
@@ -90,6 +93,7 @@ __all__ = [
     "A2AIdempotency",
     "A2AMiddleware",
     "ErrorCode",
+    "IdempotentContextBuilder",
     "IdempotentRequestHandler",
     "agent_extension",
 ]
@@ -141,6 +145,8 @@ class A2AIdempotency:
         )
         self.final_failures = final_failures
         self.operation = operation
+        #: Seconds a send's record is kept (what the agent card advertises).
+        self.ttl = self._plan.ttl
 
     def __repr__(self) -> str:
         return f"<A2AIdempotency operation={self._plan.operation!r} engine={self.engine!r}>"
@@ -326,7 +332,7 @@ class A2AMiddleware:
         self.max_request_body = int(max_request_body)
         self.advertise = bool(advertise)
         #: The AgentCard extension this middleware advertises.
-        self.extension = agent_extension(ttl=self.core._plan.ttl)
+        self.extension = agent_extension(ttl=self.core.ttl)
         self._signed_logged = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: ASGISend) -> None:
@@ -343,7 +349,12 @@ class A2AMiddleware:
                 and scope["method"] == "GET"
                 and scope["path"].endswith(CARD_PATH)
             ):
-                send = _rewriting(send, self._card)
+                # The app answers in full: whether the client's copy is current
+                # is asked of the card as rewritten, under its own ETag.
+                held = [(k, v) for k, v in scope["headers"] if k.lower() in _CONDITIONS]
+                scope = {**scope, "headers": [h for h in scope["headers"] if h not in held]}
+                match = b",".join(v for k, v in held if k.lower() == b"if-none-match")
+                send = _rewriting(send, self._card, match.decode("latin-1"))
             await self.app(scope, receive, send)
             return
         try:
@@ -463,10 +474,34 @@ def _is_json(headers: Iterable[tuple[bytes, bytes]]) -> bool:
 MAX_CARD_BYTES = 1 << 20
 
 
-def _rewriting(send: ASGISend, edit: Callable[[Any], Any]) -> ASGISend:
+#: The request headers of a conditional GET, which the card's rewriting answers.
+_CONDITIONS = (b"if-none-match", b"if-modified-since")
+
+
+def _retagged(headers: list[tuple[bytes, bytes]], edited: bytes) -> list[tuple[bytes, bytes]]:
+    """``headers`` with their ETag made the rewritten card's: the app's, marked with
+    a digest of the rewritten body (weak, as the SDK's)."""
+    digest = hashlib.sha256(edited).hexdigest()[:16]
+    out = []
+    for name, value in headers:
+        if name.lower() == b"etag":
+            opaque = value.decode("latin-1").removeprefix("W/").strip('"')
+            value = f'W/"{opaque}-rs{digest}"'.encode("latin-1")
+        out.append((name, value))
+    return out
+
+
+def _etag_matches(header: str, etag: str) -> bool:
+    """Whether an If-None-Match value selects ``etag`` (RFC 9110 §13.1.2, weak comparison)."""
+    tags = [tag.strip().removeprefix("W/") for tag in header.split(",")]
+    return "*" in tags or etag.removeprefix("W/") in tags
+
+
+def _rewriting(send: ASGISend, edit: Callable[[Any], Any], if_none_match: str = "") -> ASGISend:
     """``send``, with a 200 JSON answer of at most :data:`MAX_CARD_BYTES` read whole
-    and replaced by ``edit`` of its JSON (unless ``edit`` gives None); any other
-    answer passes as it is."""
+    and replaced by ``edit`` of its JSON (unless ``edit`` gives None), its ETag
+    changed with it; a 304 instead when ``if_none_match`` selects the ETag
+    answered. Any other answer passes as it is."""
     start: MutableMapping[str, Any] | None = None
     chunks: list[bytes] = []
     size = 0
@@ -493,11 +528,19 @@ def _rewriting(send: ASGISend, edit: Callable[[Any], Any]) -> ASGISend:
                 return
             body = b"".join(chunks)
             doc = edit(_parse(body))
-            if doc is not None:
-                body = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
             headers = [
                 (k, v) for k, v in start.get("headers", ()) if k.lower() != b"content-length"
             ]
+            if doc is not None:
+                body = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+                headers = _retagged(headers, body)
+            etag = next((v.decode("latin-1") for k, v in headers if k.lower() == b"etag"), "")
+            if etag and if_none_match and _etag_matches(if_none_match, etag):
+                kept = [(k, v) for k, v in headers if k.lower() != b"content-type"]
+                await send({**start, "status": 304, "headers": kept})
+                await send({"type": "http.response.body", "body": b""})
+                start = None
+                return
             headers.append((b"content-length", str(len(body)).encode()))
             await send({**start, "headers": headers})
             start = None
@@ -538,18 +581,18 @@ async def _reply(send: ASGISend, doc: JSONRPC, *, replay: bool = False) -> None:
 
 
 def __getattr__(name: str) -> Any:
-    """:class:`IdempotentRequestHandler`, imported on first use (it needs ``a2a-sdk``),
+    """:class:`IdempotentRequestHandler` and :class:`IdempotentContextBuilder`,
+    imported on first use (they need ``a2a-sdk``; the builder, its HTTP server),
     and the deprecated former name of :class:`A2AMiddleware`."""
-    if name == "IdempotentRequestHandler":
+    if name in ("IdempotentRequestHandler", "IdempotentContextBuilder"):
+        module = "a2a_handler" if name == "IdempotentRequestHandler" else "a2a_context"
         try:
-            from retrysafe._protocols.a2a_handler import IdempotentRequestHandler
+            found = importlib.import_module(f"retrysafe._protocols.{module}")
         except ImportError as exc:
-            if exc.name is None or not exc.name.startswith(("a2a", "google")):
+            if exc.name is None or not exc.name.startswith(("a2a", "google", "starlette")):
                 raise
-            raise MissingExtraError(
-                "a2a", "retrysafe.a2a.IdempotentRequestHandler", name=exc.name
-            ) from exc
-        return IdempotentRequestHandler
+            raise MissingExtraError("a2a", f"retrysafe.a2a.{name}", name=exc.name) from exc
+        return getattr(found, name)
     if name == "IdempotencyMiddleware":
         warnings.warn(
             "retrysafe.a2a.IdempotencyMiddleware is A2AMiddleware: use that name (its "

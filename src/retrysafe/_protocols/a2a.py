@@ -47,6 +47,8 @@ __all__ = [
     "EXTENSION_URI",
     "SEND_METHODS",
     "STREAM_METHODS",
+    "V03",
+    "V10",
     "A2AErrorInfo",
     "ErrorCode",
     "Send",

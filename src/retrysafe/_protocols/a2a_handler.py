@@ -21,7 +21,9 @@ Needs the ``a2a-sdk`` package (the ``a2a`` extra).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import sys
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
@@ -92,14 +94,30 @@ from retrysafe.errors import (
 )
 from retrysafe.stores import Store
 
-__all__ = ["IdempotentRequestHandler", "sdk_error"]
+__all__ = ["CALLER_STATE", "Caller", "IdempotentRequestHandler", "sdk_error"]
 
 log = logging.getLogger("retrysafe.a2a")
 
 #: What a send's run yields: the SDK's stream events (Task, Message, updates).
 Event = Any
+#: The key of :class:`Caller` in ``ServerCallContext.state``.
+CALLER_STATE = "retrysafe.caller"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent an HTTP request, as :class:`~retrysafe.a2a.IdempotentContextBuilder`
+    puts it in the call context: the Starlette user's identity (``asgi_user``, as
+    the middleware names it) and the request's raw header lines."""
+
+    user: str | None
+    headers: tuple[tuple[str, str], ...]
+
+
 #: The end of a run's events, on its queue.
 _END: Any = object()
+#: How many events of a stream wait for its client: the run waits while that many do.
+_BACKLOG = 64
 #: How many times a repeat joins a run that ended and tries again (each try is one
 #: store round trip; a third run in a row would be a new first send each time).
 _ROUNDS = 3
@@ -172,18 +190,38 @@ class _Run:
     #: The task's id once the run has one; None once it ended without one.
     task_id: asyncio.Future[str | None]
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    #: The events on their way to the first client (bounded: a slow client slows
+    #: the run), then :data:`_END`.
+    events: asyncio.Queue[Any] = field(default_factory=lambda: asyncio.Queue(_BACKLOG))
+    #: Whether a client reads ``events``; once it left, nothing more is queued.
+    listening: bool = True
     #: The last Task or Message seen.
     result: Task | Message | None = None
     #: What a repeat that joined it answers once it ended: the result stored (or
     #: replayed); None if it failed (the repeat then asks the store).
     final: Task | Message | None = None
+    #: What ended the run, if it failed.
+    error: BaseException | None = None
+    #: How many repeats joined it.
+    joiners: int = 0
 
     def saw(self, event: Event) -> None:
         if isinstance(event, Task) and not self.task_id.done():
             self.task_id.set_result(event.id)
         if isinstance(event, (Task, Message)):
             self.result = event
+
+    async def put(self, item: Any) -> None:
+        """Queue ``item`` for the client, if one still reads."""
+        if self.listening:
+            await self.events.put(item)
+
+    def unheard(self) -> None:
+        """The client stopped reading: queue nothing more, and free the run if it
+        waits on a full queue."""
+        self.listening = False
+        while not self.events.empty():
+            self.events.get_nowait()
 
     def ended(self) -> None:
         if not self.task_id.done():
@@ -207,8 +245,10 @@ class IdempotentRequestHandler(RequestHandler):
     ``principal`` (a callable over the ``ServerCallContext``, returning a name or
     None), ``principal_headers``, ``principal_cookies``, ``anonymous``: who the
     caller is, by the rules of every door (docs/principals.md): the callable,
-    an authenticated ``context.user``, the credentials among the request headers
-    the SDK puts in ``context.state["headers"]``, else ``anonymous``.
+    the authenticated user (over HTTP: its Starlette ``identity``, which
+    :class:`~retrysafe.a2a.IdempotentContextBuilder` gives the handler; a
+    ``User`` of the app's own: its ``user_name``, which must be unique), the
+    credentials among the request's headers, else ``anonymous``.
     Every other method is ``inner``'s.
     """
 
@@ -265,8 +305,8 @@ class IdempotentRequestHandler(RequestHandler):
         except IdempotencyError as exc:
             raise _sdk_error(exc) from None
         doc = MessageToDict(params)
-        if not doc.get("tenant") and context.tenant:
-            doc["tenant"] = context.tenant
+        if _tenant(params, context):
+            doc["tenant"] = _tenant(params, context)
         # The scope and fingerprint leave the id out; the key is protocol_key's.
         doc.setdefault("message", {})["messageId"] = "-"
         try:
@@ -290,10 +330,13 @@ class IdempotentRequestHandler(RequestHandler):
     # -- the first run ----------------------------------------------------------------
 
     def _pending(self, send: Send) -> _Run:
-        """A run of ``send``, registered before it claims: repeats in this process join it."""
+        """A run of ``send``, registered before it claims so that repeats in this
+        process join it; left unregistered when another run holds the key (another
+        message, or another loop's): the store answers it, and that run stays
+        joinable."""
         loop = asyncio.get_running_loop()
         run = _Run(send.fingerprint, loop, loop.create_future())
-        self._runs[send.scope, send.key] = run
+        self._runs.setdefault((send.scope, send.key), run)
         return run
 
     def _forget(self, send: Send, run: _Run) -> None:
@@ -343,11 +386,15 @@ class IdempotentRequestHandler(RequestHandler):
             with renewing(att):
                 async for event in events:
                     run.saw(event)
-                    run.events.put_nowait(event)
-                result = run.final = await final(run)
+                    await run.put(event)
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError  # the SDK's stream ended on our cancel
+                result = run.final = await _ended(final, run)
         except BaseException as exc:
             await arecord(att, None, failed=True, final=self.final_failures, answer=answer)
-            run.events.put_nowait(exc)
+            run.error = exc
+            await run.put(_END)
             if not isinstance(exc, Exception):
                 raise
         else:
@@ -357,7 +404,7 @@ class IdempotentRequestHandler(RequestHandler):
                 outcome = None
             # A run without a result, or one that cannot be stored, ran: never again.
             await arecord(att, outcome, failed=outcome is None, final=True, answer=answer)
-            run.events.put_nowait(_END)
+            await run.put(_END)
         finally:
             self._forget(send, run)
 
@@ -380,7 +427,12 @@ class IdempotentRequestHandler(RequestHandler):
         for _ in range(_ROUNDS):
             joined = self._joinable(send)
             if joined is not None:
-                await joined.done.wait()
+                joined.joiners += 1
+                try:  # as long as a repeat may wait, or the run may hold its lease
+                    limit = max(self._plan.wait, self._plan.lease)
+                    await asyncio.wait_for(joined.done.wait(), limit)
+                except TimeoutError:
+                    break
                 if joined.final is not None:
                     return joined.final
                 continue
@@ -388,6 +440,7 @@ class IdempotentRequestHandler(RequestHandler):
             if att is None:
                 assert stored is not None  # a replay holds a Task or a Message
                 return stored
+            run.unheard()  # the result is read at the end
             self._start(run, att, send, _one(self.inner.on_message_send(params, context)), _last)
             await run.done.wait()
             return _result_of(run)
@@ -404,6 +457,7 @@ class IdempotentRequestHandler(RequestHandler):
         for _ in range(_ROUNDS):
             joined = self._joinable(send)
             if joined is not None:
+                joined.joiners += 1
                 # Shielded: a repeat that leaves must not cancel what the others await.
                 task_id = await asyncio.shield(joined.task_id)
                 if task_id is not None:
@@ -421,12 +475,14 @@ class IdempotentRequestHandler(RequestHandler):
             if att is None:
                 yield stored
                 return
-            final = _final_task(self.inner, context, params.tenant)
+            final = _final_task(self.inner, context, _tenant(params, context))
             self._start(run, att, send, self.inner.on_message_send_stream(params, context), final)
-            while (event := await run.events.get()) is not _END:
-                if isinstance(event, BaseException):
-                    raise event
-                yield event
+            try:
+                while (event := await run.events.get()) is not _END:
+                    yield event
+            finally:
+                run.unheard()
+            _raise_failure(run)
             return
         raise _sdk_error(InProgressError("the message is still being processed", retry_after=1))
 
@@ -434,7 +490,7 @@ class IdempotentRequestHandler(RequestHandler):
         self, task_id: str, params: SendMessageRequest, context: ServerCallContext
     ) -> AsyncIterator[Event]:
         """The running task's events; nothing if it ended before the subscription."""
-        request = SubscribeToTaskRequest(id=task_id, tenant=params.tenant)
+        request = SubscribeToTaskRequest(id=task_id, tenant=_tenant(params, context))
         try:
             async for event in self.inner.on_subscribe_to_task(request, context):
                 yield event
@@ -487,15 +543,34 @@ class IdempotentRequestHandler(RequestHandler):
     ) -> AgentCard:
         return await self.inner.on_get_extended_agent_card(params, context)
 
-    async def aclose(self) -> None:
-        """Close the engine (the inner handler is the caller's)."""
+    async def aclose(self, timeout: float = 30.0) -> None:
+        """Let the sends running in this loop end and be recorded (``timeout`` seconds
+        at most: then they are cancelled, recorded as failed, and a retry runs them
+        again), then close the engine (the inner handler is the caller's). Call it
+        in the app's shutdown."""
+        loop = asyncio.get_running_loop()
+        running = [task for task in self._tasks if task.get_loop() is loop]
+        if running:
+            _, late = await asyncio.wait(running, timeout=timeout)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         await self.engine.aclose()
 
 
+def _tenant(params: SendMessageRequest, context: ServerCallContext) -> str:
+    """The send's tenant: the request's, else the call's (REST's ``/{tenant}`` path)."""
+    return params.tenant or context.tenant
+
+
 def _headers(context: ServerCallContext) -> list[tuple[str, str]]:
-    """The request's headers (lower-case names): those the SDK's HTTP routes put in
-    ``state["headers"]``, else a gRPC call's metadata."""
+    """The request's headers (lower-case names): every line of an HTTP request whose
+    context :class:`Caller` describes, else those the SDK's HTTP routes put in
+    ``state["headers"]`` (one value a name), else a gRPC call's metadata."""
     state = context.state
+    caller = state.get(CALLER_STATE)
+    if isinstance(caller, Caller):
+        return list(caller.headers)
     headers = state.get("headers")
     if isinstance(headers, Mapping):
         items: Iterable[Any] = headers.items()
@@ -506,15 +581,46 @@ def _headers(context: ServerCallContext) -> list[tuple[str, str]]:
 
 
 def _user(context: ServerCallContext) -> str | None:
-    """The authenticated A2A user's name, else None."""
+    """The authenticated caller's identity, else None.
+
+    Over HTTP with :class:`Caller` in the context: the Starlette user's identity.
+    A Starlette user without it is not used (its ``user_name`` is the display
+    name, which two users may share): the credentials decide. Any other A2A
+    ``User`` is named by its ``user_name`` (the only name the SDK's ``User`` has,
+    and what the SDK scopes task owners by).
+    """
+    caller = context.state.get(CALLER_STATE)
+    if isinstance(caller, Caller):
+        return caller.user
     user = context.user
     try:
         if user.is_authenticated is not True:
+            return None
+        if _display_named(user):
+            _warn_display_name()
             return None
         name = user.user_name
     except Exception:  # the server's user class: whatever it raises, never a 500
         return None
     return f"a2a.user:{name}" if isinstance(name, str) and name.strip() else None
+
+
+def _display_named(user: object) -> bool:
+    """Whether ``user`` is the SDK's adapter of a Starlette user (its ``user_name`` is
+    the user's ``display_name``); the class exists only once its module is loaded."""
+    common = sys.modules.get("a2a.server.routes.common")
+    adapter = getattr(common, "StarletteUser", None)
+    return isinstance(adapter, type) and isinstance(user, adapter)
+
+
+@functools.cache
+def _warn_display_name() -> None:
+    log.warning(
+        "retrysafe: an authenticated Starlette user reached IdempotentRequestHandler "
+        "without its identity (the SDK passes only its display name, which two users "
+        "may share): the request's credentials name the caller instead. Build the "
+        "routes with context_builder=IdempotentContextBuilder() (retrysafe.a2a)"
+    )
 
 
 async def _one(result: Awaitable[Task | Message]) -> AsyncIterator[Event]:
@@ -542,12 +648,35 @@ def _final_task(
     return final
 
 
+async def _ended(
+    final: Callable[[_Run], Awaitable[Task | Message | None]], run: _Run
+) -> Task | Message | None:
+    """The result of a run whose events all went out: ``final``'s, else (it failed:
+    the agent ran all the same) the last Task or Message the run carried."""
+    try:
+        return await final(run)
+    except Exception:
+        log.warning(
+            "retrysafe: reading the result of a finished send failed; its last Task or "
+            "Message is stored instead",
+            exc_info=True,
+        )
+        return run.result
+
+
+def _raise_failure(run: _Run) -> None:
+    """Raise what ended ``run``, if it failed: the agent's error, or an InternalError
+    for a run that was cancelled (the handler closing): never a CancelledError in
+    the client's own task."""
+    if isinstance(run.error, Exception):
+        raise run.error
+    if run.error is not None:
+        raise InternalError("the send was interrupted before it ended: send it again")
+
+
 def _result_of(run: _Run) -> Task | Message:
     """A plain send's result, or what ended its run."""
-    while not run.events.empty():
-        item = run.events.get_nowait()
-        if isinstance(item, BaseException):
-            raise item
+    _raise_failure(run)
     if run.result is None:
         raise _failed_finally()
     return run.result
