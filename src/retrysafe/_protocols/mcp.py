@@ -174,7 +174,7 @@ def extension_settings(ttl: float) -> dict[str, Any]:
     return {
         "keyIn": ["_meta", PARAM_KEY, "Idempotency-Key"],
         "metaKey": META_KEY,
-        "ttlSeconds": int(ttl),
+        "retentionSeconds": int(ttl),
     }
 
 
@@ -185,15 +185,28 @@ def _seconds(value: float) -> int:
     return max(1, math.ceil(value))
 
 
-def refusal(exc: IdempotencyError) -> McpError:
+#: ``data.type`` of the two refusals that SEP-3182 names.
+_SEP_TYPES = {
+    "idempotency_in_flight": "idempotency_key_in_progress",
+    "idempotency_conflict": "idempotency_key_conflict",
+}
+
+
+def refusal(exc: IdempotencyError, key: str | None = None) -> McpError:
     """The JSON-RPC error answering ``exc``, an error of the key, the caller or the
     engine; raises ``exc`` if MCP has no answer for it (a deployment error).
 
     ``data`` holds ``code`` (retrysafe's machine code), ``retryable`` and, where
     they apply, ``retryAfter`` (seconds), ``originalRequestId`` and
-    ``originalFingerprint``.
+    ``originalFingerprint``; an in-flight call and a conflict also carry
+    SEP-3182's ``type`` and ``idempotencyKey`` (``key``, as the engine keeps it).
     """
     data: dict[str, Any] = {"code": exc.code, "retryable": False}
+    sep_type = _SEP_TYPES.get(exc.code)
+    if sep_type is not None:
+        data["type"] = sep_type
+        if key is not None:
+            data["idempotencyKey"] = key
     original = getattr(exc, "original_request_id", None)
     if original is not None:
         data["originalRequestId"] = str(original)
@@ -248,16 +261,17 @@ def replayed(outcome: Outcome | None, request_id: str | None) -> dict[str, Any]:
 def settlement(reply: Any) -> tuple[bool, Outcome | None]:
     """``(succeeded, outcome)`` for a tool call's reply body.
 
-    A result is stored as the answer unless it is a tool error (``isError``:
-    kept with the failure, replayed only if failures are final); a JSON-RPC
-    error is kept with the failure; anything else fails without an outcome.
-    Raises ``TypeError``/``ValueError`` for a value that is not JSON.
+    A result is the answer, a tool error (``isError``) included: the tool ran and
+    answered, and SEP-3182 replays errors too. A JSON-RPC error (the handler
+    raised) is kept with the failure, replayed only if failures are final;
+    anything else fails without an outcome. Raises ``TypeError``/``ValueError``
+    for a value that is not JSON.
     """
     if not isinstance(reply, dict):
         return False, None
     result = reply.get("result")
     if isinstance(result, dict) and "error" not in reply:
-        return result.get("isError") is not True, Outcome.json({"result": result})
+        return True, Outcome.json({"result": result})
     if isinstance(reply.get("error"), dict):
         return False, Outcome.json({"error": reply["error"]})
     return False, None
@@ -346,4 +360,4 @@ async def run_call(
         if entered:
             raise
         METRICS.refused(plan.operation, exc)
-        return {"error": refusal(exc)}
+        return {"error": refusal(exc, call.key)}
