@@ -140,3 +140,12 @@ def test_a_cycle_under_a_raised_recursion_limit_is_refused_not_a_crash() -> None
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.count("Circular reference detected") == 2
+
+
+def test_json_bytes_writes_compact_utf8_and_escapes_what_utf8_cannot_carry():
+    from retrysafe._model.json_text import json_bytes
+
+    assert json_bytes({"a": "é", "b": [1, 2]}) == '{"a":"é","b":[1,2]}'.encode()
+    # A lone surrogate that arrived as "\ud800" leaves as it came, not as an error.
+    assert json_bytes({"k": "\ud800"}) == b'{"k":"\\ud800"}'
+    assert json.loads(json_bytes({"k": "\ud800x"})) == {"k": "\ud800x"}

@@ -28,6 +28,7 @@ from retrysafe._client.clients import AsyncClient, Client, _Retrying
 from retrysafe._client.keys import new_key
 from retrysafe._client.retry import mesh_retryable
 from retrysafe._model.hashing import protocol_key
+from retrysafe._model.json_text import json_bytes
 from retrysafe._protocols.mesh import PROTOCOL, URN
 
 __all__ = ["AsyncMeshClient", "MeshClient"]
@@ -35,7 +36,6 @@ __all__ = ["AsyncMeshClient", "MeshClient"]
 #: The ``httpx.Request.extensions`` entry that marks a Mesh call made by ``call()``.
 _CALL = "retrysafe.mesh_call"
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
-_ASCII_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,10 +160,7 @@ class _MeshCalls(_Retrying):
         if call is None:
             return request
         envelope = {**call.envelope, "id": new_request_id()}
-        try:
-            body = _JSON(envelope).encode()
-        except UnicodeEncodeError:  # a lone surrogate (a key may be any string): \u escapes
-            body = _ASCII_JSON(envelope).encode()
+        body = json_bytes(envelope)  # a lone surrogate (a key may be any string): \u escapes
         headers = request.headers.copy()
         headers.pop("content-length", None)
         return httpx.Request(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, MutableMapping
@@ -20,6 +19,7 @@ from retrysafe._core.secret import asecret_of
 from retrysafe._http.policy import Capture, HttpPolicy
 from retrysafe._http.problems import Response
 from retrysafe._http.request import Canonicalize, Headers, HttpRequest
+from retrysafe._model.json_text import json_bytes
 from retrysafe.errors import BodyTooLarge, IdempotencyError
 
 if TYPE_CHECKING:
@@ -237,10 +237,6 @@ async def read_body(
         message = await receive()
 
 
-_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
-_ASCII_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
-
-
 async def send_json(
     send: Send,
     status: int,
@@ -253,10 +249,7 @@ async def send_json(
     Text that UTF-8 cannot carry (a lone surrogate a request sent as ``"\\ud800"``,
     echoed back) is written with JSON's ``\\u`` escapes instead, as it came.
     """
-    try:
-        body = _JSON(value).encode()
-    except UnicodeEncodeError:
-        body = _ASCII_JSON(value).encode()
+    body = json_bytes(value)
     await send_answer(send, Response.sized(status, [("content-type", media_type), *headers], body))
 
 

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["compact_encoder", "json_value"]
+__all__ = ["compact_encoder", "json_bytes", "json_value"]
 
 #: The highest recursion limit under which a value that contains itself reaches the
 #: limit before the C stack runs out; above it, the standard encoder's table of open
@@ -66,6 +66,20 @@ def compact_encoder(
             return checked(value)  # a cycle: the standard error (or a genuinely deep value)
 
     return encode
+
+
+_UTF8_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+_ASCII_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+
+
+def json_bytes(value: Any) -> bytes:
+    """``value`` as compact UTF-8 JSON. Text that UTF-8 cannot carry (a lone
+    surrogate that arrived as ``"\\ud800"`` and is sent on) is written with JSON's
+    ``\\u`` escapes instead, as it came. Raises what ``json.dumps`` raises."""
+    try:
+        return _UTF8_JSON(value).encode()
+    except UnicodeEncodeError:
+        return _ASCII_JSON(value).encode()
 
 
 _decoder = json.JSONDecoder()  # json.loads's own decoder has these (default) options
