@@ -32,6 +32,8 @@ from retrysafe.errors import (
 )
 
 __all__ = [
+    "FUNCTION_NOT_FOUND",
+    "INVALID_ARGUMENTS",
     "MAX_TTL",
     "RETRYABLE_CODES",
     "URN",
@@ -39,6 +41,7 @@ __all__ = [
     "Step",
     "envelope",
     "error_envelope",
+    "error_object",
     "loads",
     "operation",
     "parse",
@@ -174,13 +177,14 @@ def retry_after_of(response: dict[str, Any]) -> int | None:
     return max(0, math.ceil(seconds)) if math.isfinite(seconds) else None
 
 
-def _error(
+def error_object(
     code: str,
     message: str,
     retryable: bool,
     details: dict[str, Any] | None = None,
     source: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """A Mesh error object (errors.md): ``source`` and ``details`` when given."""
     error: dict[str, Any] = {"code": code, "message": message, "retryable": retryable}
     if source is not None:
         error["source"] = source
@@ -237,7 +241,7 @@ class _Invalid(Exception):
     ):
         super().__init__(message)
         self.key_error = key_error
-        self.error = _error(
+        self.error = error_object(
             code,
             message,
             False,
@@ -270,7 +274,7 @@ def error_envelope(request: Any, error: dict[str, Any]) -> dict[str, Any]:
 
 def transport_error(message: str) -> dict[str, Any]:
     """The ``INVALID_REQUEST`` envelope for a request refused before it is read (405, 413)."""
-    return envelope(PROTOCOL, None, errors=[_error(INVALID_REQUEST, message, False)])
+    return envelope(PROTOCOL, None, errors=[error_object(INVALID_REQUEST, message, False)])
 
 
 def loads(body: bytes) -> tuple[Any, dict[str, Any] | None]:
@@ -550,13 +554,13 @@ class MeshCall:
     def not_found(self) -> dict[str, Any]:
         where = {"pointer": "/call/function"}
         return self.error(
-            _error(FUNCTION_NOT_FOUND, f"no function {self.function!r}", False, None, where)
+            error_object(FUNCTION_NOT_FOUND, f"no function {self.function!r}", False, None, where)
         )
 
     def crashed(self) -> dict[str, Any]:
         """The answer when the handler raised (the exception text stays in the log)."""
         return self.error(
-            _error(INTERNAL_ERROR, "the function failed; the request may be retried", True)
+            error_object(INTERNAL_ERROR, "the function failed; the request may be retried", True)
         )
 
     def _processed(
@@ -579,7 +583,7 @@ class MeshCall:
             outcome, problem = _storable(result, max_body)
             if outcome is not None:
                 return Step(self._processed(result, None, claim, True), outcome)
-            errors = [_error(INTERNAL_ERROR, f"the function ran but {problem}", False)]
+            errors = [error_object(INTERNAL_ERROR, f"the function ran but {problem}", False)]
         return Step(self._processed(None, errors, claim, True), Outcome.json(errors), True, True)
 
     def stored(self, response: dict[str, Any], claim: Claim | None) -> dict[str, Any]:
@@ -604,7 +608,7 @@ class MeshCall:
             return self._envelope(value, None, entry)
         if not isinstance(value, list):  # a final failure with no stored errors
             value = [
-                _error(
+                error_object(
                     INTERNAL_ERROR,
                     "an earlier attempt with this idempotency key failed finally; "
                     "it is not run again",
@@ -616,7 +620,7 @@ class MeshCall:
     def refused(self, exc: IdempotencyError) -> dict[str, Any]:
         """The answer when the engine would not start the call."""
         if isinstance(exc, InProgressError):
-            error = _error(
+            error = error_object(
                 IDEMPOTENCY_PROCESSING,
                 "Previous request with this key is still processing",
                 True,
@@ -625,7 +629,7 @@ class MeshCall:
             entry = self._entry("processing", exc.original_request_id)
         elif isinstance(exc, FingerprintMismatchError):
             original = f"sha256:{exc.original_fingerprint}"
-            error = _error(
+            error = error_object(
                 IDEMPOTENCY_CONFLICT,
                 "Idempotency key already used with different arguments",
                 False,
@@ -633,13 +637,13 @@ class MeshCall:
             )
             entry = self._entry("conflict", exc.original_request_id)
         elif isinstance(exc, PrincipalRequiredError):
-            error = _error(UNAUTHORIZED, str(exc), False)
+            error = error_object(UNAUTHORIZED, str(exc), False)
             entry = None
         elif isinstance(exc, AmbiguousCredentialsError):
-            error = _error(INVALID_REQUEST, str(exc), False)
+            error = error_object(INVALID_REQUEST, str(exc), False)
             entry = None
         elif isinstance(exc, StoreUnavailableError):
-            error = _error(
+            error = error_object(
                 UNAVAILABLE,
                 "the idempotency store cannot be reached; retry with the same key",
                 True,

@@ -15,7 +15,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
-from retrysafe._protocols.mesh import URN, MeshCall
+from retrysafe._protocols.mesh import (
+    FUNCTION_NOT_FOUND,
+    INVALID_ARGUMENTS,
+    URN,
+    MeshCall,
+    error_object,
+)
 
 __all__ = [
     "CAPABILITIES",
@@ -35,8 +41,6 @@ DISCOVERY_ALIASES = {
 #: The protocol versions this server speaks.
 PROTOCOL_VERSIONS = ("0.1.0",)
 
-INVALID_ARGUMENTS = "INVALID_ARGUMENTS"
-FUNCTION_NOT_FOUND = "FUNCTION_NOT_FOUND"
 VERSION_NOT_FOUND = "VERSION_NOT_FOUND"
 EXTENSION_NOT_APPLICABLE = "EXTENSION_NOT_APPLICABLE"
 
@@ -117,23 +121,13 @@ def functions(handlers: Mapping[str, Any]) -> dict[str, MeshFunction]:
     }
 
 
-def _error(code: str, message: str, pointer: str, details: dict[str, Any]) -> dict[str, Any]:
-    """A discovery error object: not retryable, pointing into the request."""
-    return {
-        "code": code,
-        "message": message,
-        "retryable": False,
-        "source": {"pointer": pointer},
-        "details": details,
-    }
-
-
 class _Refused(Exception):
     """A discovery call refused: its error object."""
 
     def __init__(self, code: str, message: str, pointer: str, details: dict[str, Any]) -> None:
         super().__init__(message)
-        self.error = _error(code, message, pointer, details)
+        # not retryable, pointing into the request
+        self.error = error_object(code, message, False, details, {"pointer": pointer})
 
 
 def _argument(arguments: dict[str, Any], name: str, kind: type, required: bool) -> Any:
@@ -239,9 +233,10 @@ class Discovery:
 def _not_applicable(request: dict[str, Any], function: str) -> dict[str, Any]:
     """The ``EXTENSION_NOT_APPLICABLE`` error for the idempotency extension of ``request``."""
     at = next(i for i, ext in enumerate(request["extensions"]) if ext["urn"] == URN)
-    return _error(
+    return error_object(
         EXTENSION_NOT_APPLICABLE,
         f"{function!r} does not take the idempotency extension",
-        f"/extensions/{at}",
+        False,
         {"extension": URN, "function": function},
+        {"pointer": f"/extensions/{at}"},
     )
