@@ -311,14 +311,18 @@ def test_a_card_is_left_as_it_is(
 ) -> None:
     """A signed card (a change would break its signatures), a card that declares
     the extension itself, advertise=False, and a card too large to read whole:
-    the app's own bytes."""
+    the app's own bytes, and a 304 to a client that holds them."""
     plain = card_app(tmp_path, served)
     with (
         ThreadServer(plain, "asgi") as bare,
         ThreadServer(A2AMiddleware(plain, store="memory://", **options), "asgi") as wrapped,
     ):
         path = "/.well-known/agent-card.json"
-        assert httpx.get(wrapped.url + path).content == httpx.get(bare.url + path).content
+        original = httpx.get(bare.url + path)
+        assert httpx.get(wrapped.url + path).content == original.content
+        etag = original.headers["etag"]
+        again = httpx.get(wrapped.url + path, headers={"if-none-match": etag})
+        assert (again.status_code, again.headers["etag"], again.content) == (304, etag, b"")
 
 
 def test_the_former_name_is_deprecated() -> None:

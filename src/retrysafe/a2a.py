@@ -505,17 +505,40 @@ def _rewriting(send: ASGISend, edit: Callable[[Any], Any], if_none_match: str = 
     start: MutableMapping[str, Any] | None = None
     chunks: list[bytes] = []
     size = 0
+    unsent = False  # a 304 went out: the app's body is dropped
+
+    async def not_modified(headers: Any) -> bool:
+        """Send a 304 if the client's copy is the one answered (the conditions were
+        taken from the app, which so answers in full)."""
+        nonlocal unsent
+        etag = next((v.decode("latin-1") for k, v in headers if k.lower() == b"etag"), "")
+        if not (etag and if_none_match and _etag_matches(if_none_match, etag)):
+            return False
+        assert start is not None
+        kept = [(k, v) for k, v in headers if k.lower() not in (b"content-type", b"content-length")]
+        await send({**start, "status": 304, "headers": kept})
+        await send({"type": "http.response.body", "body": b""})
+        unsent = True
+        return True
 
     async def rewritten(message: MutableMapping[str, Any]) -> None:
         nonlocal start, size
+        if unsent:
+            return
         if message["type"] == "http.response.start":
-            if message["status"] == 200 and _is_json(message.get("headers", ())):
+            if message["status"] == 200:
                 start = message
-                return
+                if _is_json(message.get("headers", ())):
+                    return
+                if await not_modified(message.get("headers", ())):  # a card left as it is
+                    return
+                start = None
         elif message["type"] == "http.response.body" and start is not None:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > MAX_CARD_BYTES:  # too large to edit: send it on unchanged
+                if await not_modified(start.get("headers", ())):
+                    return
                 await send(start)
                 start = None
                 for held in chunks:
@@ -534,11 +557,7 @@ def _rewriting(send: ASGISend, edit: Callable[[Any], Any], if_none_match: str = 
             if doc is not None:
                 body = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
                 headers = _retagged(headers, body)
-            etag = next((v.decode("latin-1") for k, v in headers if k.lower() == b"etag"), "")
-            if etag and if_none_match and _etag_matches(if_none_match, etag):
-                kept = [(k, v) for k, v in headers if k.lower() != b"content-type"]
-                await send({**start, "status": 304, "headers": kept})
-                await send({"type": "http.response.body", "body": b""})
+            if await not_modified(headers):
                 start = None
                 return
             headers.append((b"content-length", str(len(body)).encode()))
