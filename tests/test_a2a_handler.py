@@ -26,6 +26,7 @@ from a2a.utils.errors import InternalError, InvalidParamsError, InvalidRequestEr
 from conftest import StoreSpec
 
 import retrysafe.a2a as a2a_module
+from retrysafe._model.record import Outcome
 from retrysafe.a2a import IdempotentRequestHandler
 
 COMPLETED = TaskState.TASK_STATE_COMPLETED
@@ -587,3 +588,23 @@ def test_the_handler_is_imported_on_first_use() -> None:
     assert a2a_module.IdempotentRequestHandler is IdempotentRequestHandler
     assert "IdempotentContextBuilder" in a2a_module.__all__
     assert a2a_module.IdempotentContextBuilder.__name__ == "IdempotentContextBuilder"
+
+
+@pytest.mark.parametrize("version", ["1.0", "0.3"])
+def test_a_stored_json_rpc_error_is_replayed_as_its_sdk_class(version: str) -> None:
+    """A send that the middleware recorded as failed finally (``final_failures``)
+    replays through the handler as the SDK error of its code, with its metadata."""
+    from a2a.utils.errors import TaskNotFoundError
+
+    from retrysafe._protocols.a2a_handler import replayed_result
+
+    meta = {"code": "task_gone", "retryable": "false"}
+    if version == "1.0":
+        info = {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "TASK_NOT_FOUND"}
+        data: Any = [{**info, "domain": "a2a-protocol.org", "metadata": meta}]
+    else:
+        data = meta
+    error = {"code": -32001, "message": "no such task", "data": data}
+    with pytest.raises(TaskNotFoundError) as raised:
+        replayed_result(Outcome.json({"method": "SendMessage", "error": error}))
+    assert (raised.value.message, raised.value.data) == ("no such task", meta)

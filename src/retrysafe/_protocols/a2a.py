@@ -56,6 +56,7 @@ __all__ = [
     "advertised",
     "agent_extension",
     "error_info",
+    "error_metadata",
     "error_reply",
     "failed_finally",
     "invalid_request",
@@ -629,20 +630,31 @@ def refusal(
     return error_info(exc).reply(request_id, version)
 
 
+def error_metadata(error: Any) -> dict[str, Any] | None:
+    """What a JSON-RPC error object says of itself: v1.0's ``google.rpc.ErrorInfo``
+    metadata (the first in the ``data`` list), or v0.3's ``data`` object; None
+    without either."""
+    data = error.get("data") if isinstance(error, dict) else None
+    if isinstance(data, dict):
+        return data
+    if isinstance(data, list):
+        info = next(
+            (d for d in data if isinstance(d, dict) and d.get("@type") == ERROR_INFO_TYPE), None
+        )
+        meta = info.get("metadata") if info is not None else None
+        return meta if isinstance(meta, dict) else None
+    return None
+
+
 def retry_after(reply: dict[str, Any]) -> str | None:
     """The ``Retry-After`` header of a JSON-RPC error answer: its delay, in
     either shape of ``data``; None without one."""
     error = reply.get("error")
     data = error.get("data") if isinstance(error, dict) else None
+    meta = error_metadata(error)
     value: Any = None
-    if isinstance(data, dict):
-        value = data.get("retry_after")
-    elif isinstance(data, list):
-        info = next(
-            (d for d in data if isinstance(d, dict) and d.get("@type") == ERROR_INFO_TYPE), None
-        )
-        meta = info.get("metadata") if info is not None else None
-        value = meta.get("retryAfter") if isinstance(meta, dict) else None
+    if meta is not None:
+        value = meta.get("retry_after" if isinstance(data, dict) else "retryAfter")
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         return None
     text = str(value)

@@ -57,10 +57,9 @@ from a2a.types import (
     TaskPushNotificationConfig,
 )
 from a2a.utils.errors import (
+    JSON_RPC_ERROR_CODE_MAP,
     A2AError,
     InternalError,
-    InvalidParamsError,
-    InvalidRequestError,
     TaskNotFoundError,
     UnsupportedOperationError,
 )
@@ -80,6 +79,7 @@ from retrysafe._protocols.a2a import (
     Send,
     SendOptions,
     error_info,
+    error_metadata,
     failed_finally,
     parse_send,
     result_as,
@@ -126,18 +126,14 @@ _ROUNDS = 3
 # -- errors ---------------------------------------------------------------------------
 
 
-#: The a2a-sdk error class of each JSON-RPC code retrysafe answers with.
-_SDK_ERRORS: dict[int, type[A2AError]] = {
-    -32603: InternalError,
-    -32602: InvalidParamsError,
-    -32600: InvalidRequestError,
-}
+#: The a2a-sdk error class of each JSON-RPC code (retrysafe's among them).
+_BY_CODE: dict[Any, type[A2AError]] = {code: cls for cls, code in JSON_RPC_ERROR_CODE_MAP.items()}
 
 
 def sdk_error(info: A2AErrorInfo) -> A2AError:
     """The a2a-sdk error that answers as ``info`` does: the SDK serializes it in
     each binding's shape (its ErrorInfo carries ``info.metadata``)."""
-    return _SDK_ERRORS[info.code](info.message, data=info.metadata)
+    return _BY_CODE[info.code](info.message, data=info.metadata)
 
 
 def _sdk_error(exc: IdempotencyError) -> A2AError:
@@ -173,8 +169,12 @@ def replayed_result(outcome: Outcome | None) -> Task | Message:
         if response.HasField("message"):
             return response.message
     if isinstance(stored, dict) and isinstance(stored.get("error"), dict):
+        # A JSON-RPC error the middleware stored (final_failures): the SDK class of
+        # its code, with what it says of itself, so each binding answers it again.
         error = stored["error"]
-        raise InternalError(str(error.get("message") or "the earlier attempt failed"))
+        cls = _BY_CODE.get(error.get("code"), InternalError)
+        message = str(error.get("message") or "the earlier attempt failed")
+        raise cls(message, data=error_metadata(error))
     raise _failed_finally()
 
 
