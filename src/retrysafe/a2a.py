@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Awaitable, Callable, Collection, Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from retrysafe._core.engine import Attempt, Engine
+from retrysafe._core.engine import Attempt, Engine, door_engine
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.principal import Anonymous, Principals, principal_option
 from retrysafe._core.recording import arecord, record
@@ -75,7 +75,6 @@ from retrysafe._protocols.a2a import (
     refusal,
     replayed,
     retry_after,
-    send_engine,
     settlement,
 )
 from retrysafe.errors import BodyTooLarge, IdempotencyError, InvalidKeyError, MissingExtraError
@@ -134,8 +133,9 @@ class A2AIdempotency:
         retention: str | None = None,
         max_body: int | None = None,
     ) -> None:
-        self.engine, self._plan = send_engine(
+        self.engine, self._plan = door_engine(
             store,
+            "a2a.send",
             operation=operation,
             ttl=ttl,
             lease=lease,

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from types import TracebackType
-from typing import Any, Unpack
+from typing import Any, TypedDict, Unpack
 
 from retrysafe._core.metrics import METRICS
 from retrysafe._core.options import (
@@ -38,10 +38,12 @@ __all__ = [
     "Attempt",
     "BeginOptions",
     "Claim",
+    "DoorOptions",
     "Engine",
     "Options",
     "Plan",
     "Replay",
+    "door_engine",
     "engine_for",
     "run_to_end",
     "shared_store",
@@ -495,6 +497,46 @@ def engine_for(
     if share:
         store = shared_store(store)
     return Engine(store, **{k: v for k, v in options.items() if v is not None})
+
+
+class DoorOptions(TypedDict, total=False):
+    """The engine options of a protocol door (A2A, MCP): seconds of ``ttl``,
+    ``lease`` and ``wait``, the ``operation`` in the key hash, the records'
+    ``retention`` class, the largest answer kept (``max_body``)."""
+
+    ttl: float | None
+    lease: float | None
+    wait: float | None
+    operation: str
+    retention: str | None
+    max_body: int | None
+
+
+def door_engine(
+    store: Store[Any] | Engine | str | None, operation: str, /, **options: Unpack[DoorOptions]
+) -> tuple[Engine, Plan]:
+    """The engine of a protocol door over ``store`` (a store, URL or engine; URLs
+    shared with ``@idempotent``), and the plan every call derives from: the options
+    validated once (``operation`` is the default of ``options["operation"]``).
+    :class:`TypeError` for an option it does not know."""
+    unknown = sorted(set(options) - set(DoorOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"unexpected option {unknown[0]!r}")
+    ttl, lease, retention = options.get("ttl"), options.get("lease"), options.get("retention")
+    max_body = options.get("max_body")
+    engine = engine_for(
+        store, share=True, ttl=ttl, lease=lease, retention=retention, max_body=max_body
+    )
+    plan = Plan(
+        engine,
+        "-",
+        operation=options.get("operation", operation),
+        ttl=ttl,
+        lease=lease,
+        wait=options.get("wait"),
+        retention=retention,
+    )
+    return engine, plan
 
 
 class Attempt:

@@ -25,9 +25,8 @@ import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypedDict, Unpack
+from typing import Any
 
-from retrysafe._core.engine import Engine, Plan, engine_for
 from retrysafe._core.metrics import METRICS
 from retrysafe._model.hashing import canonical_json, fingerprint, protocol_key
 from retrysafe._model.record import Outcome
@@ -52,7 +51,6 @@ __all__ = [
     "A2AErrorInfo",
     "ErrorCode",
     "Send",
-    "SendOptions",
     "advertised",
     "agent_extension",
     "error_info",
@@ -65,7 +63,6 @@ __all__ = [
     "replayed",
     "result_as",
     "retry_after",
-    "send_engine",
     "settlement",
 ]
 
@@ -690,46 +687,3 @@ def settlement(send: Send, response: Any) -> tuple[bool, Outcome | None]:
     if isinstance(error, dict):
         return False, Outcome.json({"method": send.method, "error": error})
     return False, None
-
-
-# -- the engine of a door -----------------------------------------------------------
-
-
-class SendOptions(TypedDict, total=False):
-    """The engine options of an A2A door (see :class:`retrysafe.a2a.A2AIdempotency`)."""
-
-    ttl: float | None
-    lease: float | None
-    wait: float | None
-    operation: str
-    retention: str | None
-    max_body: int | None
-
-
-def send_engine(store: Any, **options: Unpack[SendOptions]) -> tuple[Engine, Plan]:
-    """The engine of an A2A door over ``store`` (a store, URL or engine; URLs shared
-    with ``@idempotent``), and the plan every send derives from: the options
-    validated once (``operation`` defaults to ``a2a.send``). :class:`TypeError` for
-    an option it does not know."""
-    unknown = sorted(set(options) - set(SendOptions.__annotations__))
-    if unknown:
-        raise TypeError(f"unexpected option {unknown[0]!r}")
-    ttl, lease, retention = options.get("ttl"), options.get("lease"), options.get("retention")
-    engine = engine_for(
-        store,
-        share=True,
-        ttl=ttl,
-        lease=lease,
-        retention=retention,
-        max_body=options.get("max_body"),
-    )
-    plan = Plan(
-        engine,
-        "-",
-        operation=options.get("operation", "a2a.send"),
-        ttl=ttl,
-        lease=lease,
-        wait=options.get("wait"),
-        retention=retention,
-    )
-    return engine, plan

@@ -65,7 +65,7 @@ from a2a.utils.errors import (
 )
 from google.protobuf.json_format import MessageToDict, ParseDict  # type: ignore[import-untyped]
 
-from retrysafe._core.engine import Attempt, Engine
+from retrysafe._core.engine import Attempt, DoorOptions, Engine, door_engine
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.metrics import METRICS
 from retrysafe._core.principal import Anonymous, Principal, PrincipalFn, Principals, unscoped
@@ -77,13 +77,11 @@ from retrysafe._protocols.a2a import (
     V10,
     A2AErrorInfo,
     Send,
-    SendOptions,
     error_info,
     error_metadata,
     failed_finally,
     parse_send,
     result_as,
-    send_engine,
 )
 from retrysafe.errors import (
     AmbiguousCredentialsError,
@@ -262,7 +260,7 @@ class IdempotentRequestHandler(RequestHandler):
         principal_cookies: Collection[str] | None = None,
         anonymous: Anonymous | None = None,
         final_failures: bool | None = None,
-        **options: Unpack[SendOptions],
+        **options: Unpack[DoorOptions],
     ) -> None:
         self.inner = inner
         self.principals = Principals(
@@ -271,7 +269,7 @@ class IdempotentRequestHandler(RequestHandler):
             principal_cookies=principal_cookies,
             anonymous=anonymous,
         )
-        self.engine, self._plan = send_engine(store, **options)
+        self.engine, self._plan = door_engine(store, "a2a.send", **options)
         check_secret(self.engine.store)
         self.final_failures = final_failures
         self.operation = self._plan.operation

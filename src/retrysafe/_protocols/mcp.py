@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict, Unpack
 
-from retrysafe._core.engine import Attempt, Engine, Plan, engine_for
+from retrysafe._core.engine import Attempt, DoorOptions, Engine, Plan, door_engine
 from retrysafe._core.heartbeat import renewing
 from retrysafe._core.metrics import METRICS
 from retrysafe._core.recording import arecord
@@ -279,44 +279,14 @@ def settlement(reply: Any) -> tuple[bool, Outcome | None]:
 
 # -- the engine of a door -----------------------------------------------------------
 
-
-class CallOptions(TypedDict, total=False):
-    """The engine options of an MCP door (see :class:`retrysafe.mcp.McpIdempotency`)."""
-
-    ttl: float | None
-    lease: float | None
-    wait: float | None
-    operation: str
-    retention: str | None
-    max_body: int | None
+#: The engine options of an MCP door (see :class:`retrysafe.mcp.McpIdempotency`).
+CallOptions = DoorOptions
 
 
-def call_engine(store: Any, **options: Unpack[CallOptions]) -> tuple[Engine, Plan]:
-    """The engine of an MCP door over ``store`` (a store, URL or engine; URLs shared
-    with ``@idempotent``), and the plan every call derives from (``operation``
-    defaults to ``mcp.tools_call``). :class:`TypeError` for an unknown option."""
-    unknown = sorted(set(options) - set(CallOptions.__annotations__))
-    if unknown:
-        raise TypeError(f"unexpected option {unknown[0]!r}")
-    ttl, lease, retention = options.get("ttl"), options.get("lease"), options.get("retention")
-    engine = engine_for(
-        store,
-        share=True,
-        ttl=ttl,
-        lease=lease,
-        retention=retention,
-        max_body=options.get("max_body"),
-    )
-    plan = Plan(
-        engine,
-        "-",
-        operation=options.get("operation", "mcp.tools_call"),
-        ttl=ttl,
-        lease=lease,
-        wait=options.get("wait"),
-        retention=retention,
-    )
-    return engine, plan
+def call_engine(store: Any, **options: Unpack[DoorOptions]) -> tuple[Engine, Plan]:
+    """The engine of an MCP door over ``store`` and the plan every call derives from
+    (``operation`` defaults to ``mcp.tools_call``); see :func:`door_engine`."""
+    return door_engine(store, "mcp.tools_call", **options)
 
 
 Reply = dict[str, Any]
