@@ -127,6 +127,7 @@ def test_sqlite_v1_file_upgrades_in_place(tmp_path: Path, clock: Clock) -> None:
 
     store = SQLiteStore(f"sqlite:///{path}")
     try:
+        assert store.migrate() == sqlite.SCHEMA_VERSION
         check_upgraded(store, clock, old)
     finally:
         store.close()
@@ -139,6 +140,40 @@ def test_sqlite_v1_file_upgrades_in_place(tmp_path: Path, clock: Clock) -> None:
         conn.close()
     assert sqlite_columns(path, "retrysafe_records") == list(COLUMNS)
     assert sqlite_columns(path, "retrysafe_archive") == [*COLUMNS, "archived_at"]
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_an_older_sqlite_file_is_not_rewritten_on_first_use(
+    tmp_path: Path, clock: Clock, version: int
+) -> None:
+    """The upgrade rewrites the tables under any older process still using the file:
+    it is `retrysafe migrate`'s, run once those are stopped, never a side effect of
+    the first claim. Until then every operation is refused, and nothing is written."""
+    path = tmp_path / "old.db"
+    make_sqlite_v1(path, [v1_record(clock, 0)])
+    conn = sqlite3.connect(path, isolation_level=None)
+    for target in range(2, version + 1):
+        migration = sqlite.MIGRATIONS[target]
+        if callable(migration):
+            migration(conn, target - 1)
+        else:
+            conn.executescript(migration)
+        conn.execute(f"PRAGMA user_version={target}")
+    conn.close()
+    before = path.read_bytes()
+
+    store = SQLiteStore(f"sqlite:///{path}")
+    engine = Engine(store, clock=clock)
+    try:
+        with pytest.raises(SchemaVersionError, match="retrysafe migrate"):
+            engine.begin("new-1", operation="payment", fingerprint="fp")
+        with pytest.raises(StoreUnavailableError):  # the front doors' 503
+            store.get("0" * 64)
+        assert path.read_bytes() == before
+        assert store.migrate() == sqlite.SCHEMA_VERSION
+        assert isinstance(engine.begin("new-1", operation="payment", fingerprint="fp"), Claim)
+    finally:
+        store.close()
 
 
 def test_sqlite_migrate_command_upgrades_v1(tmp_path: Path, clock: Clock, capsys: Any) -> None:

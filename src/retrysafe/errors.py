@@ -175,7 +175,8 @@ class StoreUnavailableError(IdempotencyError):
 
 
 class SchemaVersionError(StoreUnavailableError):
-    """The PostgreSQL table's schema is newer than this version of retrysafe knows."""
+    """The store's schema is not the one this retrysafe runs on: newer than it knows,
+    or older and to be upgraded with ``retrysafe migrate`` (docs/stores.md)."""
 
 
 class SchemaModeError(StoreUnavailableError, ValueError):

@@ -17,7 +17,7 @@ from typing import Any
 
 from retrysafe._model.decide import claimable
 from retrysafe._model.record import ClaimResult, Outcome, Record
-from retrysafe.errors import StoreUnavailableError
+from retrysafe.errors import SchemaVersionError, StoreUnavailableError
 from retrysafe.stores._base import ArchivedRecord, RecordQuery, Store, StoreStats, SweepBatch
 from retrysafe.stores._sql import ARCHIVE_COLUMNS, COLUMN_SPECS, COLUMNS, list_clause
 from retrysafe.stores._sql import record_from_row as v2_record
@@ -434,6 +434,9 @@ class SQLiteStore(Store[_Op]):
         self._conns: list[sqlite3.Connection] = []  # every thread's, for close()
         self._conns_lock = threading.Lock()
         self._migrated = False
+        # A file at an older version is upgraded by migrate() only, not on first use:
+        # the upgrade rewrites the tables under any older process still using them.
+        self._rewrite_allowed = False
         self._cells_ready = False  # the table of retrysafe.guards' cells exists
         # A connection must not cross a fork (gunicorn --preload, multiprocessing):
         # the child opens its own. The hook holds the store only weakly.
@@ -497,7 +500,7 @@ class SQLiteStore(Store[_Op]):
     def _migrate(self, conn: sqlite3.Connection) -> None:
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
-            raise StoreUnavailableError(
+            raise SchemaVersionError(
                 f"SQLite store {self.path}: schema version {version} is newer than this "
                 f"retrysafe supports ({SCHEMA_VERSION}); upgrade retrysafe"
             )
@@ -505,6 +508,15 @@ class SQLiteStore(Store[_Op]):
             conn.execute("BEGIN IMMEDIATE")
             try:
                 version = conn.execute("PRAGMA user_version").fetchone()[0]
+                if 0 < version < SCHEMA_VERSION and not self._rewrite_allowed:
+                    raise SchemaVersionError(
+                        f"SQLite store {self.path}: the file is at schema version {version}; "
+                        f"version {SCHEMA_VERSION} rewrites its tables, which a process of "
+                        "the older retrysafe still using the file cannot survive, so it is "
+                        "not done on first use: stop those processes, run `retrysafe migrate "
+                        "--store URL`, then start this version (docs/stores.md, 'Upgrading "
+                        "a SQLite file')"
+                    )
                 for target in range(version + 1, SCHEMA_VERSION + 1):
                     migration = MIGRATIONS[target]
                     if callable(migration):
@@ -522,7 +534,12 @@ class SQLiteStore(Store[_Op]):
         self._migrated = True
 
     def migrate(self) -> int:
-        """Create or upgrade the schema; return its version."""
+        """Create or upgrade the schema; return its version.
+
+        Only this upgrades a file of an older version (stop the processes of the
+        older retrysafe first); opening one otherwise raises :class:`SchemaVersionError`.
+        """
+        self._rewrite_allowed = True
         self._run(lambda conn: None)
         return SCHEMA_VERSION
 
