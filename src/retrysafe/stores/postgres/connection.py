@@ -11,7 +11,7 @@ import threading
 import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar, cast
 from urllib.parse import unquote
 
 import psycopg
@@ -173,42 +173,38 @@ async def _adrive(conn: psycopg.AsyncConnection[Any], flow: _Flow) -> int:
             return int(stop.value)
 
 
-class _Connection(psycopg.Connection[Any]):
-    """A pooled connection that keeps binary cursors for the store's statements: one
-    for each of its hot ones (``PostgresStore._cursor_queries``), one for all others.
+_C = TypeVar("_C")
+
+
+class _KeptCursors(Generic[_C]):
+    """Binary cursors kept for the store's statements: one for each of its hot ones
+    (``PostgresStore._cursor_queries``), one for all others.
 
     psycopg keeps a cursor's adapters (the dumper of each parameter type, the loader
     of each result column) while the cursor runs the same query object again; a
     cursor shared by a claim and its completion would look them all up again for
     every statement."""
 
-    _store_cursors: dict[str, psycopg.Cursor[Any]] | None = None
+    _store_cursors: dict[str, _C] | None = None
 
-    def store_cursor(self, query: str = "") -> psycopg.Cursor[Any]:
+    def store_cursor(self, query: str = "") -> _C:
         """The cursor kept for ``query``; for ``""``, the shared one."""
         cursors = self._store_cursors
         if cursors is None:
             cursors = self._store_cursors = {}
         cur = cursors.get(query)
         if cur is None:
-            cur = cursors[query] = self.cursor(binary=True)
+            # the connection's own cursor() (this class is mixed into a connection's)
+            cur = cursors[query] = cast("Any", self).cursor(binary=True)
         return cur
 
 
-class _AsyncConnection(psycopg.AsyncConnection[Any]):
+class _Connection(_KeptCursors["psycopg.Cursor[Any]"], psycopg.Connection[Any]):
+    """A pooled connection that keeps binary cursors for the store's statements."""
+
+
+class _AsyncConnection(_KeptCursors["psycopg.AsyncCursor[Any]"], psycopg.AsyncConnection[Any]):
     """:class:`_Connection` for the async pools."""
-
-    _store_cursors: dict[str, psycopg.AsyncCursor[Any]] | None = None
-
-    def store_cursor(self, query: str = "") -> psycopg.AsyncCursor[Any]:
-        """The cursor kept for ``query``; for ``""``, the shared one."""
-        cursors = self._store_cursors
-        if cursors is None:
-            cursors = self._store_cursors = {}
-        cur = cursors.get(query)
-        if cur is None:
-            cur = cursors[query] = self.cursor(binary=True)
-        return cur
 
 
 class _LoopPool:
