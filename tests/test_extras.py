@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The packages of the extras that the core must not need.
-OPTIONAL = ("uvicorn", "typer", "rich", "prometheus_client", "httpx", "opentelemetry", "a2a")
+OPTIONAL = ("uvicorn", "typer", "rich", "prometheus_client", "httpx", "opentelemetry", "a2a", "mcp")
 
 #: A ``sitecustomize`` module: it blocks the packages named (``{blocked}``) in every
 #: interpreter started with its folder on ``PYTHONPATH``.
@@ -53,6 +53,7 @@ import retrysafe.errors
 import retrysafe.guards
 import retrysafe.http
 import retrysafe.keys
+import retrysafe.mcp
 import retrysafe.mesh
 import retrysafe.steps
 import retrysafe.stores
@@ -205,6 +206,22 @@ def test_the_a2a_request_handler_without_the_sdk_names_the_extra(tmp_path: Path)
     done = _run(tmp_path, "-c", code, blocked=True)
     assert done.returncode == 0, done.stderr
     assert "pip install 'retrysafe[a2a]'" in done.stdout
+
+
+def test_the_mcp_middleware_without_the_sdk_names_the_extra(tmp_path: Path) -> None:
+    code = textwrap.dedent("""
+        import retrysafe.mcp
+        from retrysafe.errors import MissingExtraError
+        retrysafe.mcp.McpIdempotency("memory://")
+        try:
+            retrysafe.mcp.IdempotencyMiddleware
+        except MissingExtraError as exc:
+            assert exc.extra == "mcp", exc.extra
+            print(exc)
+    """)
+    done = _run(tmp_path, "-c", code, blocked=True)
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'retrysafe[mcp]'" in done.stdout
 
 
 def test_metrics_count_without_prometheus_and_serving_them_names_the_extra(

@@ -1,0 +1,174 @@
+"""The MCP door on the official ``mcp`` SDK (2.x): a ``ServerMiddleware``.
+
+The middleware runs before the SDK validates a ``tools/call``'s params, so it
+reads the raw params (SEP-3182's ``idempotencyKey`` included) and answers a
+repeat before any handler runs. It works on ``MCPServer`` and on the low-level
+``Server`` alike (both keep ``middleware``); it learns which tools are
+read-only from the server's own ``tools/list``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from typing import Any, Protocol
+
+from mcp.server.auth.middleware.auth_context import get_access_token
+from mcp.server.auth.provider import principal_components
+from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
+from mcp.server.lowlevel import Server
+from mcp.shared.exceptions import MCPError
+from pydantic import BaseModel
+
+from retrysafe._model.hashing import canonical_json
+from retrysafe._protocols.mcp import CALL_METHOD, EXTENSION_ID, read_only
+
+__all__ = ["STDIO_PRINCIPAL", "IdempotencyMiddleware"]
+
+#: The principal of a stdio server's one local client.
+STDIO_PRINCIPAL = "stdio"
+
+Reply = dict[str, Any]
+
+
+class Door(Protocol):
+    """What the middleware needs of :class:`retrysafe.mcp.McpIdempotency`."""
+
+    principal: Any
+    skip: frozenset[str]
+    read_only: frozenset[str]
+    settings: dict[str, Any]
+
+    async def http_principal(self, scope: MutableMapping[str, Any]) -> str | None: ...
+
+    async def handle(
+        self,
+        params: Any,
+        call_next: Any,
+        *,
+        principal: Any,
+        header_keys: Any,
+        request_id: Any,
+    ) -> Reply: ...
+
+
+def _lowlevel(server: Any) -> Server[Any]:
+    if isinstance(server, Server):
+        return server
+    # MCPServer keeps its low-level server here and has no public extension map
+    # after construction.
+    inner = getattr(server, "_lowlevel_server", None)
+    if not isinstance(inner, Server):
+        raise TypeError(f"expected an mcp MCPServer or low-level Server, not {server!r}")
+    return inner
+
+
+def as_reply(result: HandlerResult) -> Reply:
+    """The JSON reply body of a handler's result."""
+    if isinstance(result, BaseModel):
+        return {"result": result.model_dump(mode="json", by_alias=True, exclude_none=True)}
+    return {"result": dict(result) if result is not None else {}}
+
+
+def answer(reply: Reply) -> HandlerResult:
+    """What the middleware returns for ``reply``: its result, or its error raised."""
+    error = reply.get("error")
+    if isinstance(error, Mapping):
+        raise MCPError(
+            int(error.get("code", -32603)), str(error.get("message", "")), error.get("data")
+        )
+    result = reply.get("result")
+    return dict(result) if isinstance(result, Mapping) else {}
+
+
+class IdempotencyMiddleware:
+    """A ``ServerMiddleware`` that deduplicates keyed ``tools/call`` requests of
+    ``server`` through ``door`` (see :meth:`retrysafe.mcp.McpIdempotency.install`)."""
+
+    def __init__(self, door: Door, server: Any) -> None:
+        self.door = door
+        self.server = _lowlevel(server)
+        self._list_tools = (
+            getattr(server, "list_tools", None) if server is not self.server else None
+        )
+        self._read_only: dict[str, bool] = {}
+
+    def install(self) -> None:
+        """Add this middleware to the server and advertise :data:`EXTENSION_ID`."""
+        if self not in self.server.middleware:
+            self.server.middleware.append(self)
+        self.server.extensions[EXTENSION_ID] = dict(self.door.settings)
+
+    async def __call__(
+        self, ctx: ServerRequestContext[Any, Any], call_next: CallNext
+    ) -> HandlerResult:
+        if ctx.method != CALL_METHOD or ctx.request_id is None:
+            return await call_next(ctx)
+        params = ctx.params
+        name = params.get("name") if isinstance(params, Mapping) else None
+        if isinstance(name, str) and await self.passes(name, ctx):
+            return await call_next(ctx)
+
+        async def run() -> Reply:
+            try:
+                return as_reply(await call_next(ctx))
+            except MCPError as exc:
+                return {"error": exc.error.model_dump(mode="json", exclude_none=True)}
+
+        reply = await self.door.handle(
+            params,
+            run,
+            principal=lambda: self.principal_of(ctx),
+            header_keys=_header_keys(ctx.request),
+            request_id=ctx.request_id,
+        )
+        return answer(reply)
+
+    async def passes(self, name: str, ctx: ServerRequestContext[Any, Any]) -> bool:
+        """True for a tool never deduplicated: skipped, or read-only."""
+        if name in self.door.skip or name in self.door.read_only:
+            return True
+        if name not in self._read_only:
+            for tool in await self._tools(ctx):
+                self._read_only[str(tool.get("name"))] = read_only(tool)
+            self._read_only.setdefault(name, False)  # not listed: not looked up again
+        return self._read_only.get(name, False)
+
+    async def _tools(self, ctx: ServerRequestContext[Any, Any]) -> list[Mapping[str, Any]]:
+        if self._list_tools is not None:
+            listed: Any = await self._list_tools()
+        else:
+            entry = self.server.get_request_handler("tools/list")
+            if entry is None:
+                return []
+            listed = getattr(await entry.handler(ctx, None), "tools", [])
+        return [
+            t.model_dump(mode="json", by_alias=True, exclude_none=True)
+            if isinstance(t, BaseModel)
+            else t
+            for t in listed
+            if isinstance(t, (BaseModel, Mapping))
+        ]
+
+    async def principal_of(self, ctx: ServerRequestContext[Any, Any]) -> str | None:
+        """The caller: ``principal=``, else the OAuth token's (client_id, issuer,
+        subject), else the HTTP request's credentials, else the stdio client."""
+        if self.door.principal is not None:
+            named = self.door.principal(ctx)
+            if named is not None and not isinstance(named, str):
+                raise TypeError(f"principal= must return a str or None, not {type(named).__name__}")
+            if named is not None and named.strip():
+                return named
+        token = get_access_token()
+        if token is not None:
+            return canonical_json(list(principal_components(token))).decode()
+        scope = getattr(ctx.request, "scope", None)
+        if isinstance(scope, MutableMapping) and scope.get("type") == "http":
+            return await self.door.http_principal(scope)
+        return STDIO_PRINCIPAL
+
+
+def _header_keys(request: Any) -> list[str]:
+    headers = getattr(request, "headers", None)
+    if headers is None or not hasattr(headers, "getlist"):
+        return []
+    return [str(v) for v in headers.getlist("idempotency-key")]
