@@ -31,8 +31,9 @@ SHOP = str(TESTS / "mcp_servers" / "shop.py")
 class Shop:
     """One shop server's store and counters; clients over stdio or HTTP."""
 
-    def __init__(self, store: str, root: Path, lowlevel: bool = False) -> None:
-        self.store, self.root, self.lowlevel = store, root, lowlevel
+    def __init__(self, store: str, root: Path, lowlevel: bool = False, variant: str = "") -> None:
+        self.store, self.root = store, root
+        self.variant = "--lowlevel" if lowlevel else variant
         self.url: str | None = None
 
     @property
@@ -44,7 +45,7 @@ class Shop:
         }
 
     def argv(self) -> list[str]:
-        return [SHOP, "--lowlevel"] if self.lowlevel else [SHOP]
+        return [SHOP, self.variant] if self.variant else [SHOP]
 
     def count(self, test_id: str) -> int:
         try:

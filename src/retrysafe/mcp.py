@@ -16,9 +16,9 @@ the tool runs: the first call runs, a retry gets the stored result (marked in
 ``_meta["dev.retrysafe/idempotency"]``), the same key with other arguments is a
 conflict, and a retry while the first still runs is "in flight" with a
 ``retryAfter`` hint; the refusals are JSON-RPC errors (see docs/mcp.md).
-:meth:`McpIdempotency.install` works on the official SDK's ``MCPServer`` and
-its low-level ``Server`` (it needs the ``mcp`` extra) and advertises the
-SEP-2133 extension :data:`EXTENSION_ID`.
+:meth:`McpIdempotency.install` works on the official SDK's ``MCPServer``, its
+low-level ``Server`` and a FastMCP server (it needs the ``mcp`` extra) and
+advertises the SEP-2133 extension :data:`EXTENSION_ID`.
 """
 
 from __future__ import annotations
@@ -157,9 +157,10 @@ class McpIdempotency:
         )
 
     def install(self, server: Any) -> IdempotencyMiddleware:
-        """Deduplicate ``server``'s tool calls (an ``mcp`` SDK ``MCPServer`` or
-        low-level ``Server``) and advertise :data:`EXTENSION_ID`; returns the
-        middleware added to ``server.middleware``."""
+        """Deduplicate ``server``'s tool calls (an ``mcp`` SDK ``MCPServer``, a
+        low-level ``Server`` or a FastMCP server) and advertise
+        :data:`EXTENSION_ID`; returns the middleware added to the SDK server's
+        ``middleware``."""
         middleware: IdempotencyMiddleware = __getattr__("IdempotencyMiddleware")(self, server)
         middleware.install()
         return middleware

@@ -1,7 +1,8 @@
 """A small MCP shop behind the retrysafe MCP door, for the tests.
 
-``python shop.py [--lowlevel] [--http PORT] [--oauth]``: an ``MCPServer`` (or a
-low-level ``Server``) over stdio, or over Streamable HTTP on uvicorn. Its store
+``python shop.py [--lowlevel | --fastmcp] [--http PORT] [--oauth]``: an
+``MCPServer`` (or a low-level ``Server``, or a FastMCP server) over stdio, or
+over Streamable HTTP on uvicorn. Its store
 is ``$RETRYSAFE_TEST_STORE``; its tools count their runs in
 ``$RETRYSAFE_TEST_COUNTERS`` (one file per ``test_id``, shared across processes):
 
@@ -122,13 +123,46 @@ def lowlevel() -> Server[Any]:
     return Server("shop", on_list_tools=list_tools, on_call_tool=call_tool)
 
 
+def fastmcp(oauth: bool) -> Any:
+    from fastmcp import FastMCP
+    from fastmcp.server.auth.providers.jwt import StaticTokenVerifier
+
+    tokens = {
+        t: {"client_id": "agent", "sub": user, "iss": "https://auth.example", "scopes": ["shop"]}
+        for t, user in TOKENS.items()
+    }
+    server = FastMCP("shop", auth=StaticTokenVerifier(tokens) if oauth else None)
+
+    @server.tool
+    async def charge(test_id: str, amount: int) -> str:
+        return await run("charge", {"test_id": test_id, "amount": amount})
+
+    @server.tool
+    async def slow(test_id: str) -> str:
+        return await run("slow", {"test_id": test_id})
+
+    @server.tool(annotations={"readOnlyHint": True})
+    async def lookup(test_id: str) -> str:
+        return await run("lookup", {"test_id": test_id})
+
+    @server.tool
+    async def refund(test_id: str) -> str:
+        return await run("refund", {"test_id": test_id})
+
+    return server
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lowlevel", action="store_true")
+    parser.add_argument("--fastmcp", action="store_true")
     parser.add_argument("--http", type=int, default=0)
     parser.add_argument("--oauth", action="store_true")
     opts = parser.parse_args(argv)
-    server: Any = lowlevel() if opts.lowlevel else mcpserver(opts.oauth, opts.http)
+    if opts.fastmcp:
+        server: Any = fastmcp(opts.oauth)
+    else:
+        server = lowlevel() if opts.lowlevel else mcpserver(opts.oauth, opts.http)
     door = McpIdempotency(
         os.environ["RETRYSAFE_TEST_STORE"],
         skip={"refund"},
@@ -136,6 +170,12 @@ def main(argv: list[str]) -> None:
         anonymous="share",
     )
     door.install(server)
+    if opts.fastmcp:
+        if opts.http:
+            server.run("http", host="127.0.0.1", port=opts.http, path="/mcp", show_banner=False)
+        else:
+            server.run("stdio", show_banner=False)
+        return
     if not opts.http:
         if opts.lowlevel:
             import anyio

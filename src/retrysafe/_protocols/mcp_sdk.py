@@ -13,7 +13,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any, Protocol
 
 from mcp.server.auth.middleware.auth_context import get_access_token
-from mcp.server.auth.provider import principal_components
+from mcp.server.auth.provider import AccessToken, principal_components
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
@@ -52,14 +52,16 @@ class Door(Protocol):
 
 
 def _lowlevel(server: Any) -> Server[Any]:
+    """The SDK ``Server`` that serves ``server``'s wire: itself, or the one an
+    ``MCPServer`` or a FastMCP server keeps (neither exposes it, nor an
+    extension map once built)."""
     if isinstance(server, Server):
         return server
-    # MCPServer keeps its low-level server here and has no public extension map
-    # after construction.
-    inner = getattr(server, "_lowlevel_server", None)
-    if not isinstance(inner, Server):
-        raise TypeError(f"expected an mcp MCPServer or low-level Server, not {server!r}")
-    return inner
+    for name in ("_lowlevel_server", "_mcp_server"):  # MCPServer's, FastMCP's
+        inner = getattr(server, name, None)
+        if isinstance(inner, Server):
+            return inner
+    raise TypeError(f"expected an mcp MCPServer, low-level Server or FastMCP, not {server!r}")
 
 
 def as_reply(result: HandlerResult) -> Reply:
@@ -141,13 +143,7 @@ class IdempotencyMiddleware:
             if entry is None:
                 return []
             listed = getattr(await entry.handler(ctx, None), "tools", [])
-        return [
-            t.model_dump(mode="json", by_alias=True, exclude_none=True)
-            if isinstance(t, BaseModel)
-            else t
-            for t in listed
-            if isinstance(t, (BaseModel, Mapping))
-        ]
+        return [_tool_form(t) for t in listed]
 
     async def principal_of(self, ctx: ServerRequestContext[Any, Any]) -> str | None:
         """The caller: ``principal=``, else the OAuth token's (client_id, issuer,
@@ -158,13 +154,26 @@ class IdempotencyMiddleware:
                 raise TypeError(f"principal= must return a str or None, not {type(named).__name__}")
             if named is not None and named.strip():
                 return named
-        token = get_access_token()
-        if token is not None:
-            return canonical_json(list(principal_components(token))).decode()
         scope = getattr(ctx.request, "scope", None)
+        token = get_access_token()
+        if token is None and isinstance(scope, Mapping):  # FastMCP's, per request
+            token = getattr(scope.get("user"), "access_token", None)
+        if isinstance(token, AccessToken):
+            return canonical_json(list(principal_components(token))).decode()
         if isinstance(scope, MutableMapping) and scope.get("type") == "http":
             return await self.door.http_principal(scope)
         return STDIO_PRINCIPAL
+
+
+def _tool_form(tool: Any) -> Mapping[str, Any]:
+    """The name and annotations of a listed tool (a wire model, a dict, or a
+    FastMCP tool), as ``tools/list`` spells them."""
+    if isinstance(tool, Mapping):
+        return tool
+    annotations = getattr(tool, "annotations", None)
+    if isinstance(annotations, BaseModel):
+        annotations = annotations.model_dump(mode="json", by_alias=True, exclude_none=True)
+    return {"name": getattr(tool, "name", None), "annotations": annotations}
 
 
 def _header_keys(request: Any) -> list[str]:
