@@ -267,3 +267,17 @@ async def test_sep_3182_idempotency_key_param_is_read(sqlite_shop: Shop) -> None
     assert text(first) == text(again) == "charge 2 run 1"
     assert again.meta is not None and again.meta[REPLAY_META]["replayed"] is True
     assert sqlite_shop.count("sep") == 1
+
+
+async def test_a_multi_round_trip_ask_is_not_kept_as_the_answer(tmp_path: Path) -> None:
+    """An MRTR ask (InputRequiredResult) frees the key: the leg that carries the
+    client's answer runs and is kept, and a retry replays that."""
+    shop = Shop(f"sqlite:///{tmp_path}/mcp.db", tmp_path / "counts", lowlevel=True)
+    shop.root.mkdir(exist_ok=True)
+    key = str(uuid.uuid4())
+    async with shop.client() as client:
+        done = await client.call_tool("confirm", {"test_id": "mrtr"}, meta=keyed(key))
+        again = await client.call_tool("confirm", {"test_id": "mrtr"}, meta=keyed(key))
+    assert text(done) == text(again) == "confirm run 1"
+    assert again.meta is not None and again.meta[REPLAY_META]["replayed"] is True
+    assert shop.count("mrtr") == 1

@@ -9,7 +9,9 @@ is ``$RETRYSAFE_TEST_STORE``; its tools count their runs in
 - ``charge(test_id, amount)``: a side effect;
 - ``slow(test_id)``: waits until the test creates the gate file ``<test_id>.gate``;
 - ``lookup(test_id)``: annotated read-only;
-- ``refund(test_id)``: opted out (``skip``).
+- ``refund(test_id)``: opted out (``skip``);
+- ``confirm(test_id)`` (low-level only): asks first (an MRTR ``InputRequiredResult``),
+  runs on the leg that echoes its ``requestState``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ from mcp.server import MCPServer
 from mcp.server.auth.provider import AccessToken
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.lowlevel import Server
-from mcp_types import CallToolResult, ListToolsResult, TextContent, Tool, ToolAnnotations
+from mcp_types import (
+    CallToolResult,
+    InputRequiredResult,
+    ListToolsResult,
+    TextContent,
+    Tool,
+    ToolAnnotations,
+)
 
 from retrysafe.mcp import McpIdempotency
 
@@ -116,7 +125,9 @@ def lowlevel() -> Server[Any]:
     async def list_tools(ctx: Any, params: Any) -> ListToolsResult:
         return ListToolsResult(tools=tools)
 
-    async def call_tool(ctx: Any, params: Any) -> CallToolResult:
+    async def call_tool(ctx: Any, params: Any) -> CallToolResult | InputRequiredResult:
+        if params.name == "confirm" and params.request_state is None:
+            return InputRequiredResult(request_state="asked")  # MRTR: ask, then run
         text = await run(params.name, params.arguments or {})
         return CallToolResult(content=[TextContent(type="text", text=text)])
 

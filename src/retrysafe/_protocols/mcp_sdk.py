@@ -17,6 +17,7 @@ from mcp.server.auth.provider import AccessToken, principal_components
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
+from mcp_types import InputRequiredResult
 from pydantic import BaseModel
 
 from retrysafe._model.hashing import canonical_json
@@ -82,6 +83,16 @@ def answer(reply: Reply) -> HandlerResult:
     return dict(result) if isinstance(result, Mapping) else {}
 
 
+class _Asked(Exception):
+    """A multi-round-trip ask (``InputRequiredResult``): not the call's answer. It
+    fails the attempt (retryable), so the key is free for the leg that carries
+    the client's input, whose answer is the one kept."""
+
+    def __init__(self, result: HandlerResult) -> None:
+        super().__init__("input required")
+        self.result = result
+
+
 class IdempotencyMiddleware:
     """A ``ServerMiddleware`` that deduplicates keyed ``tools/call`` requests of
     ``server`` through ``door`` (see :meth:`retrysafe.mcp.McpIdempotency.install`)."""
@@ -112,17 +123,23 @@ class IdempotencyMiddleware:
 
         async def run() -> Reply:
             try:
-                return as_reply(await call_next(ctx))
+                result = await call_next(ctx)
             except MCPError as exc:
                 return {"error": exc.error.model_dump(mode="json", exclude_none=True)}
+            if _input_required(result):
+                raise _Asked(result)
+            return as_reply(result)
 
-        reply = await self.door.handle(
-            params,
-            run,
-            principal=lambda: self.principal_of(ctx),
-            header_keys=_header_keys(ctx.request),
-            request_id=ctx.request_id,
-        )
+        try:
+            reply = await self.door.handle(
+                params,
+                run,
+                principal=lambda: self.principal_of(ctx),
+                header_keys=_header_keys(ctx.request),
+                request_id=ctx.request_id,
+            )
+        except _Asked as asked:
+            return asked.result
         return answer(reply)
 
     async def passes(self, name: str, ctx: ServerRequestContext[Any, Any]) -> bool:
@@ -163,6 +180,14 @@ class IdempotencyMiddleware:
         if isinstance(scope, MutableMapping) and scope.get("type") == "http":
             return await self.door.http_principal(scope)
         return STDIO_PRINCIPAL
+
+
+def _input_required(result: HandlerResult) -> bool:
+    """True for an MRTR ask (``InputRequiredResult``), in any of its forms."""
+    if isinstance(result, InputRequiredResult):
+        return True
+    kind = result.get("resultType") if isinstance(result, Mapping) else None
+    return kind == "input_required" or getattr(result, "result_type", None) == "input_required"
 
 
 def _tool_form(tool: Any) -> Mapping[str, Any]:
