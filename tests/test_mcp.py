@@ -23,7 +23,7 @@ from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
-from retrysafe.mcp import EXTENSION_ID, META_KEY, REPLAY_META
+from retrysafe.mcp import EXTENSION_ID, META_KEY, REPLAY_META, McpIdempotency
 
 SHOP = str(TESTS / "mcp_servers" / "shop.py")
 
@@ -281,3 +281,64 @@ async def test_a_multi_round_trip_ask_is_not_kept_as_the_answer(tmp_path: Path) 
     assert text(done) == text(again) == "confirm run 1"
     assert again.meta is not None and again.meta[REPLAY_META]["replayed"] is True
     assert shop.count("mrtr") == 1
+
+
+async def test_handle_scopes_keys_by_principal_and_asks_only_for_keyed_calls() -> None:
+    door = McpIdempotency("memory://")
+    runs: list[str] = []
+    asked: list[str] = []
+
+    def call(who: str | None) -> Any:
+        async def principal() -> str | None:
+            asked.append(str(who))
+            return who
+
+        async def call_next() -> dict[str, Any]:
+            runs.append(str(who))
+            return {"result": {"content": [{"type": "text", "text": f"run {len(runs)}"}]}}
+
+        return principal, call_next
+
+    params = {"name": "charge", "arguments": {"n": 1}, "_meta": {META_KEY: "k1"}}
+    answers = []
+    for who in ("alice", "bob", "alice", None, None):
+        principal, call_next = call(who)
+        answers.append(await door.handle(params, call_next, principal=principal))
+    unkeyed_principal, unkeyed = call("carol")
+    await door.handle({"name": "charge"}, unkeyed, principal=unkeyed_principal)
+    texts = [a["result"]["content"][0]["text"] for a in answers]
+    assert texts == ["run 1", "run 2", "run 1", "run 3", "run 4"]  # anonymous: unrecorded
+    assert runs == ["alice", "bob", "None", "None", "carol"]
+    assert "carol" not in asked  # a call without a key never looks for its caller
+
+
+async def test_http_principal_hashes_credentials_and_anonymous_follows_the_option() -> None:
+    def scope(*headers: tuple[bytes, bytes]) -> dict[str, Any]:
+        return {"type": "http", "headers": list(headers), "query_string": b""}
+
+    run = McpIdempotency("memory://")
+    alice = await run.http_principal(scope((b"authorization", b"Bearer alice")))
+    bob = await run.http_principal(scope((b"authorization", b"Bearer bob")))
+    assert alice and bob and alice != bob and "alice" not in alice
+    assert await run.http_principal(scope()) is None
+    refuse = McpIdempotency("memory://", anonymous="refuse")
+    params = {"name": "charge", "_meta": {META_KEY: "k"}}
+
+    async def nobody() -> str | None:
+        return await refuse.http_principal(scope())
+
+    async def never() -> dict[str, Any]:
+        raise AssertionError("ran")
+
+    reply = await refuse.handle(params, never, principal=nobody)
+    assert reply["error"]["code"] == -32600
+    assert reply["error"]["data"]["code"] == "idempotency_principal_required"
+
+
+def test_bad_options_are_refused() -> None:
+    with pytest.raises(TypeError, match="key_argument"):
+        McpIdempotency("memory://", key_argument="")
+    with pytest.raises(TypeError, match="skip"):
+        McpIdempotency("memory://", skip=[""])
+    with pytest.raises(TypeError, match="unexpected option"):
+        McpIdempotency("memory://", tll=5)

@@ -32,7 +32,6 @@ from retrysafe._core.principal import Anonymous, Principals
 from retrysafe._core.secret import check_secret
 from retrysafe._http.asgi import caller_scope
 from retrysafe._protocols.mcp import (
-    CALL_METHOD,
     EXTENSION_ID,
     META_KEY,
     PARAM_KEY,
@@ -50,7 +49,6 @@ if TYPE_CHECKING:
     from retrysafe._protocols.mcp_sdk import IdempotencyMiddleware
 
 __all__ = [
-    "CALL_METHOD",
     "EXTENSION_ID",
     "META_KEY",
     "PARAM_KEY",
