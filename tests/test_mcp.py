@@ -342,3 +342,41 @@ def test_bad_options_are_refused() -> None:
         McpIdempotency("memory://", skip=[""])
     with pytest.raises(TypeError, match="unexpected option"):
         McpIdempotency("memory://", tll=5)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis", "postgres"])
+async def test_a_client_that_drops_mid_call_gets_the_answer_on_retry(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Over Streamable HTTP the client gives up while the tool runs (its task is
+    cancelled, the stream closes): the call runs to its end and is recorded; the
+    retry is in flight meanwhile, then gets the stored answer. One run."""
+    shop = Shop(store_url(kind, request, tmp_path), tmp_path / "counts")
+    shop.root.mkdir(exist_ok=True)
+    tid, key = f"drop-{kind}", str(uuid.uuid4())
+    with http_shop(shop):
+
+        async def first() -> Any:
+            async with shop.client() as client:
+                return await client.call_tool("slow", {"test_id": tid}, meta=keyed(key))
+
+        gone = asyncio.ensure_future(first())
+        while shop.count(tid) == 0:  # the tool is running
+            await asyncio.sleep(0.01)
+        gone.cancel()
+        with pytest.raises(BaseException):  # noqa: B017 (the cancellation, grouped or not)
+            await gone
+        async with shop.client() as client:
+            with pytest.raises(MCPError) as caught:
+                await client.call_tool("slow", {"test_id": tid}, meta=keyed(key))
+            shop.open_gate(tid)
+            while True:  # until the first call has recorded its answer
+                try:
+                    again = await client.call_tool("slow", {"test_id": tid}, meta=keyed(key))
+                    break
+                except MCPError as exc:
+                    assert exc.data["code"] == "idempotency_in_flight"
+                    await asyncio.sleep(0.05)
+    assert caught.value.data["code"] == "idempotency_in_flight"
+    assert text(again) == "slow run 1" and again.meta[REPLAY_META]["replayed"] is True
+    assert shop.count(tid) == 1

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from retrysafe._core.engine import Engine
 from retrysafe._core.principal import Anonymous, Principals
 from retrysafe._core.secret import check_secret
-from retrysafe._http.asgi import caller_scope
+from retrysafe._http.asgi import caller_scope, to_the_end
 from retrysafe._protocols.mcp import (
     EXTENSION_ID,
     META_KEY,
@@ -150,8 +150,11 @@ class McpIdempotency:
             return {"error": refusal(exc)}
         if call is None or who is None:
             return await call_next()
-        return await run_call(
-            self.engine, self.plan, call, call_next, final_failures=self.final_failures
+        # A keyed call that started runs to its end and records its answer even if
+        # the client leaves or cancels: its retry gets that answer (in flight
+        # meanwhile), never a second run.
+        return await to_the_end(
+            run_call(self.engine, self.plan, call, call_next, final_failures=self.final_failures)
         )
 
     def install(self, server: Any) -> IdempotencyMiddleware:
