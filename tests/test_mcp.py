@@ -380,3 +380,16 @@ async def test_a_client_that_drops_mid_call_gets_the_answer_on_retry(
     assert caught.value.data["code"] == "idempotency_in_flight"
     assert text(again) == "slow run 1" and again.meta[REPLAY_META]["replayed"] is True
     assert shop.count(tid) == 1
+
+
+def test_a_server_is_installed_once() -> None:
+    from mcp.server import MCPServer
+
+    server = MCPServer("shop")
+    door = McpIdempotency("memory://")
+    middleware = door.install(server)
+    assert middleware in server.middleware
+    with pytest.raises(ValueError, match="already"):
+        McpIdempotency("memory://").install(server)
+    with pytest.raises(TypeError, match="MCPServer"):
+        door.install(object())

@@ -106,9 +106,14 @@ class IdempotencyMiddleware:
         self._read_only: dict[str, bool] = {}
 
     def install(self) -> None:
-        """Add this middleware to the server and advertise :data:`EXTENSION_ID`."""
-        if self not in self.server.middleware:
-            self.server.middleware.append(self)
+        """Add this middleware to the server and advertise :data:`EXTENSION_ID`.
+
+        Raises :class:`ValueError` if the server has one already: a second would
+        claim each key the first holds, and refuse every keyed call as in flight.
+        """
+        if any(isinstance(m, IdempotencyMiddleware) for m in self.server.middleware):
+            raise ValueError("this server already deduplicates its tool calls")
+        self.server.middleware.append(self)
         self.server.extensions[EXTENSION_ID] = dict(self.door.settings)
 
     async def __call__(
