@@ -2,9 +2,9 @@
 
 The middleware runs before the SDK validates a ``tools/call``'s params, so it
 reads the raw params (SEP-3182's ``idempotencyKey`` included) and answers a
-repeat before any handler runs. It works on ``MCPServer`` and on the low-level
-``Server`` alike (both keep ``middleware``); it learns which tools are
-read-only from the server's own ``tools/list``.
+repeat before any handler runs. It works on the low-level ``Server`` and on
+the one an ``MCPServer`` or a FastMCP server serves the wire with; it learns
+which tools are read-only from the server's own tool list.
 """
 
 from __future__ import annotations
