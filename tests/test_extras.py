@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The packages of the extras that the core must not need.
-OPTIONAL = ("uvicorn", "typer", "rich", "prometheus_client", "httpx", "opentelemetry", "a2a")
+OPTIONAL = ("uvicorn", "typer", "rich", "prometheus_client", "httpx", "opentelemetry", "a2a", "mcp")
 
 #: A ``sitecustomize`` module: it blocks the packages named (``{blocked}``) in every
 #: interpreter started with its folder on ``PYTHONPATH``.
@@ -53,6 +53,7 @@ import retrysafe.errors
 import retrysafe.guards
 import retrysafe.http
 import retrysafe.keys
+import retrysafe.mcp
 import retrysafe.mesh
 import retrysafe.steps
 import retrysafe.stores
@@ -192,19 +193,27 @@ def test_a_missing_extra_is_named(tmp_path: Path, module: str, extra: str) -> No
     assert f"pip install 'retrysafe[{extra}]'" in done.stdout
 
 
-def test_the_a2a_request_handler_without_the_sdk_names_the_extra(tmp_path: Path) -> None:
-    code = textwrap.dedent("""
-        import retrysafe.a2a
+@pytest.mark.parametrize(
+    ("module", "name", "extra"),
+    [("a2a", "IdempotentRequestHandler", "a2a"), ("mcp", "IdempotencyMiddleware", "mcp")],
+)
+def test_a_protocol_sdk_adapter_without_the_sdk_names_the_extra(
+    tmp_path: Path, module: str, name: str, extra: str
+) -> None:
+    code = textwrap.dedent(f"""
+        import retrysafe.{module}
         from retrysafe.errors import MissingExtraError
         try:
-            retrysafe.a2a.IdempotentRequestHandler
+            retrysafe.{module}.{name}
         except MissingExtraError as exc:
-            assert exc.extra == "a2a", exc.extra
+            assert exc.extra == {extra!r}, exc.extra
             print(exc)
+        else:
+            raise SystemExit("imported")
     """)
     done = _run(tmp_path, "-c", code, blocked=True)
     assert done.returncode == 0, done.stderr
-    assert "pip install 'retrysafe[a2a]'" in done.stdout
+    assert f"pip install 'retrysafe[{extra}]'" in done.stdout
 
 
 def test_metrics_count_without_prometheus_and_serving_them_names_the_extra(
