@@ -4,7 +4,7 @@ and server (examples/mcp_shop_server.py): over stdio (a subprocess) and Streamab
 
 from __future__ import annotations
 
-import importlib.util
+import runpy
 import subprocess
 import sys
 import threading
@@ -31,16 +31,8 @@ AGENT = ROOT / "examples" / "mcp_agent.py"
 META_KEY = "dev.retrysafe/idempotencyKey"
 
 
-def _shop_module() -> Any:
-    spec = importlib.util.spec_from_file_location("mcp_shop_server", SERVER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-shop_server = _shop_module()
+#: The example server's module globals (its build()).
+shop_server = runpy.run_path(str(SERVER), run_name="mcp_shop_server")
 
 
 @dataclass
@@ -188,7 +180,7 @@ async def served(shop: Shop) -> AsyncIterator[Served]:
             seen.append(dict(ctx.params or {}))
         return await call_next(ctx)
 
-    server = shop_server.build(shop.store, shop.ledger, middleware=[record])
+    server = shop_server["build"](shop.store, shop.ledger, middleware=[record])
 
     @server.tool()
     async def gated_charge(order: str, amount: int) -> str:
