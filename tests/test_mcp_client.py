@@ -177,7 +177,9 @@ async def served(shop: Shop) -> AsyncIterator[Served]:
 
     async def record(ctx: Any, call_next: Any) -> Any:
         if ctx.method == "tools/call":
-            seen.append(dict(ctx.params or {}))
+            params = dict(ctx.params or {})
+            seen.append(params)
+            sep_3182(params, len(seen))
         return await call_next(ctx)
 
     server = shop_server["build"](shop.store, shop.ledger, middleware=[record])
@@ -197,6 +199,18 @@ async def served(shop: Shop) -> AsyncIterator[Served]:
             yield Served(http.url + "/mcp", gate, seen)
         finally:
             gate.set()
+
+
+def sep_3182(params: dict[str, Any], nth: int) -> None:
+    """Refuse as a SEP-3182 server would (``data.type``, no ``data.code``): order
+    ``sep-busy`` is in progress on its first call, ``sep-conflict`` always a conflict."""
+    order = (params.get("arguments") or {}).get("order")
+    key = (params.get("_meta") or {}).get(META_KEY)
+    data = {"idempotencyKey": key}
+    if order == "sep-busy" and nth == 1:
+        raise MCPError(-32603, "in progress", {**data, "type": "idempotency_key_in_progress"})
+    if order == "sep-conflict":
+        raise MCPError(-32602, "conflict", {**data, "type": "idempotency_key_conflict"})
 
 
 def _keys(seen: list[dict[str, Any]]) -> list[Any]:
@@ -248,6 +262,19 @@ async def test_a_conflict_is_raised_at_once_and_not_retried(shop: Shop) -> None:
     cause = info.value.__cause__
     assert isinstance(cause, MCPError) and cause.data["code"] == "idempotency_conflict"
     assert shop.charges() == ["E5 2"]
+
+
+async def test_sep_3182_refusals_are_understood_by_their_data_type(shop: Shop) -> None:
+    async with served(shop) as server, Client(server.url) as client:
+        tools = IdempotentTools(client, retry=shop.policy(), discover=False)
+        result = await tools.call_tool("charge", {"order": "sep-busy", "amount": 1})
+        with pytest.raises(FingerprintMismatchError):
+            await tools.call_tool("charge", {"order": "sep-conflict", "amount": 1})
+    assert not was_replayed(result)
+    assert len(shop.waits) == 1  # the in-progress refusal was retried once; the conflict never
+    assert shop.charges() == ["sep-busy 1"]
+    keys = _keys(server.seen)
+    assert keys[0] == keys[1] and keys[2] != keys[0]
 
 
 async def test_a_read_only_tool_is_called_without_a_key(shop: Shop) -> None:

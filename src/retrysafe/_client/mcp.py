@@ -53,6 +53,11 @@ log = logging.getLogger("retrysafe.mcp")
 _RETRIED_CODES = frozenset({InProgressError.code, StoreUnavailableError.code})
 #: JSON-RPC codes the SDK raises for a lost answer: the call may have run.
 _LOST_CODES = frozenset({CONNECTION_CLOSED, REQUEST_TIMEOUT})
+#: SEP-3182's ``data.type`` of its two refusals, for a server that sends no ``data.code``.
+_SEP_3182_TYPES = {
+    "idempotency_key_in_progress": InProgressError.code,
+    "idempotency_key_conflict": FingerprintMismatchError.code,
+}
 #: What connecting or sending raises when the server cannot be reached.
 _TRANSPORT_ERRORS = (OSError, anyio.BrokenResourceError, httpx2.TransportError)
 
@@ -87,6 +92,15 @@ def _data(exc: MCPError) -> Mapping[str, Any]:
     return data if isinstance(data, Mapping) else {}
 
 
+def _code(exc: MCPError) -> object:
+    """retrysafe's ``data.code`` of a refusal, or the one SEP-3182's ``data.type`` names."""
+    data = _data(exc)
+    code, kind = data.get("code"), data.get("type")
+    if code is None and isinstance(kind, str):
+        return _SEP_3182_TYPES.get(kind)
+    return code
+
+
 def _lost(exc: BaseException) -> bool:
     """A timeout or a dropped connection: the call may or may not have run."""
     if isinstance(exc, BaseExceptionGroup):  # from the SDK's task groups, when connecting
@@ -98,7 +112,7 @@ def _lost(exc: BaseException) -> bool:
 
 def _retryable(outcome: object) -> bool:
     """Whether a failed attempt may be sent again with the same key."""
-    if isinstance(outcome, MCPError) and _data(outcome).get("code") in _RETRIED_CODES:
+    if isinstance(outcome, MCPError) and _code(outcome) in _RETRIED_CODES:
         return True
     return isinstance(outcome, BaseException) and _lost(outcome)
 
@@ -111,10 +125,10 @@ def _asked(exc: BaseException) -> float | None:
     return None
 
 
-def refused(exc: MCPError, key: str) -> IdempotencyError | None:
-    """The retrysafe error that an ``MCPError`` answer of the door stands for, or None."""
+def _typed(exc: MCPError, key: str) -> IdempotencyError | None:
+    """The retrysafe error that an ``MCPError`` refusal stands for, or None."""
     data = _data(exc)
-    code = data.get("code")
+    code = _code(exc)
     original = data.get("originalRequestId")
     original = original if isinstance(original, str) else None
     if code == FingerprintMismatchError.code:
@@ -278,7 +292,12 @@ class IdempotentTools:
         if arguments is not None and not isinstance(arguments, dict):
             raise TypeError(f"arguments must be a dict, not {type(arguments).__name__}")
         if self._discover and name not in self.read_only:
-            await self.list_tools()
+            try:
+                await self.list_tools()
+            except Exception:  # the call goes on with a key, and is retried if need be
+                log.debug(
+                    "retrysafe: tools/list failed; %r is called with a key", name, exc_info=True
+                )
         timeout = read_timeout_seconds if read_timeout_seconds is not None else self.timeout
         if name in self.read_only:
             if key is not None:
@@ -328,7 +347,7 @@ class IdempotentTools:
             wait = min(asked, self.retry.max_time - elapsed)
         dropped = _lost(exc) and not (isinstance(exc, MCPError) and exc.code == REQUEST_TIMEOUT)
         if wait is None or (dropped and self._connect is None):
-            typed = refused(exc, key) if isinstance(exc, MCPError) else None
+            typed = _typed(exc, key) if isinstance(exc, MCPError) else None
             if typed is not None:
                 raise typed from exc
             raise exc
