@@ -17,8 +17,8 @@ from typing import Any
 import anyio
 import pytest
 from _http_servers import Process, ThreadServer, free_port
-from mcp.client import Client
-from mcp.client.stdio import StdioServerParameters
+from mcp.client import Client, ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.shared.exceptions import MCPError
 
 from retrysafe.client import RetryPolicy
@@ -102,6 +102,24 @@ async def test_dropped_answer_over_stdio_is_replayed_after_a_reconnect(shop: Sho
     assert was_replayed(result)
     assert result.structured_content == {"result": "charged 5 for A1"}
     assert len(shop.waits) >= 1
+
+
+async def test_a_client_session_over_stdio_is_reconnected_too(shop: Shop) -> None:
+    """The low-level ``ClientSession``, as ``connect`` makes it: stdio, then initialize."""
+    shop.drop.touch()
+    params = StdioServerParameters(command=sys.executable, args=shop.argv()[1:])
+
+    @asynccontextmanager
+    async def connect() -> AsyncIterator[ClientSession]:
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+            await session.initialize()
+            yield session
+
+    async with IdempotentTools(connect=connect, retry=shop.policy()) as tools:
+        result = await tools.call_tool("charge", {"order": "S1", "amount": 3})
+        count = await tools.call_tool("charges")
+    assert shop.charges() == ["S1 3"]
+    assert was_replayed(result) and not was_replayed(count)
 
 
 class Restarting:
