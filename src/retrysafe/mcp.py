@@ -19,6 +19,14 @@ conflict, and a retry while the first still runs is "in flight" with a
 :meth:`McpIdempotency.install` works on the official SDK's ``MCPServer``, its
 low-level ``Server`` and a FastMCP server (it needs the ``mcp`` extra) and
 advertises the SEP-2133 extension :data:`EXTENSION_ID`.
+
+On the client side, :class:`IdempotentTools` wraps the SDK's client: each
+side-effecting call carries a key and is retried with it after a timeout, a
+dropped connection or an in-flight answer; a conflict is raised::
+
+    async with IdempotentTools(connect=lambda: Client("http://127.0.0.1:8000/mcp")) as tools:
+        result = await tools.call_tool("charge", {"amount": 5})
+        was_replayed(result)  # True if the server answered from its store
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from retrysafe.errors import IdempotencyError, MissingExtraError
 from retrysafe.stores import Store
 
 if TYPE_CHECKING:
+    from retrysafe._client.mcp import IdempotentTools, ToolSession, was_replayed
     from retrysafe._protocols.mcp_sdk import IdempotencyMiddleware
 
 __all__ = [
@@ -54,7 +63,10 @@ __all__ = [
     "PARAM_KEY",
     "REPLAY_META",
     "IdempotencyMiddleware",
+    "IdempotentTools",
     "McpIdempotency",
+    "ToolSession",
+    "was_replayed",
 ]
 
 Reply = dict[str, Any]
@@ -175,14 +187,25 @@ def _names(value: Iterable[str], option: str) -> list[str]:
     return names
 
 
+#: The names imported on first use, by their module: they need the ``mcp`` extra.
+_LAZY = {
+    "IdempotencyMiddleware": "retrysafe._protocols.mcp_sdk",
+    "IdempotentTools": "retrysafe._client.mcp",
+    "ToolSession": "retrysafe._client.mcp",
+    "was_replayed": "retrysafe._client.mcp",
+}
+
+
 def __getattr__(name: str) -> Any:
-    """:class:`IdempotencyMiddleware`, imported on first use (it needs the ``mcp`` extra)."""
-    if name == "IdempotencyMiddleware":
-        try:
-            found = importlib.import_module("retrysafe._protocols.mcp_sdk")
-        except ImportError as exc:
-            if exc.name is None or not exc.name.startswith(("mcp", "pydantic")):
-                raise
-            raise MissingExtraError("mcp", f"retrysafe.mcp.{name}", name=exc.name) from exc
-        return found.IdempotencyMiddleware
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """The server middleware and the client helper, imported on first use (they
+    need the ``mcp`` extra)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        found = importlib.import_module(module)
+    except ImportError as exc:
+        if exc.name is None or not exc.name.startswith(("mcp", "pydantic", "anyio")):
+            raise
+        raise MissingExtraError("mcp", f"retrysafe.mcp.{name}", name=exc.name) from exc
+    return getattr(found, name)
