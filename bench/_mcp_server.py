@@ -3,8 +3,7 @@
 ``charge(order, amount)`` appends ``order`` to the ledger file (one line per
 execution), waits ``--work`` seconds, and answers. ``--door`` puts a deduplication
 in front of it in process: ``none`` (the bare server), ``inprocess``
-(``retrysafe.mcp.IdempotencyExtension``) or ``standin`` (the stand-in of
-examples/mcp_shop_server.py, for smoke runs only).
+(``retrysafe.mcp.McpIdempotency(...).install``).
 
     python bench/_mcp_server.py --ledger L [--work S] [--door D --store URL] [--http HOST:PORT]
 """
@@ -20,8 +19,6 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 import argparse
-import importlib.util
-from typing import Any
 
 import anyio
 from mcp.server.mcpserver import MCPServer
@@ -29,22 +26,12 @@ from mcp.server.mcpserver import MCPServer
 ROOT = HERE.parent
 
 
-def _extension(door: str, store: str) -> Any:
-    if door == "inprocess":
-        from retrysafe import mcp
-
-        return mcp.IdempotencyExtension(store=store)  # type: ignore[attr-defined]
-    path = ROOT / "examples" / "mcp_shop_server.py"
-    spec = importlib.util.spec_from_file_location("mcp_shop_server", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.IdempotencyExtension(store=store)
-
-
 def build(ledger: Path, work: float, door: str, store: str | None) -> MCPServer:
-    extensions = [] if door == "none" else [_extension(door, store or "sqlite:///bench-mcp.db")]
-    server = MCPServer("bench", extensions=extensions)
+    server = MCPServer("bench")
+    if door == "inprocess":
+        from retrysafe.mcp import McpIdempotency
+
+        McpIdempotency(store or "sqlite:///bench-mcp.db").install(server)
 
     @server.tool()
     async def charge(order: str, amount: int) -> str:
@@ -62,7 +49,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ledger", required=True, type=Path)
     parser.add_argument("--work", type=float, default=0.0)
-    parser.add_argument("--door", choices=("none", "inprocess", "standin"), default="none")
+    parser.add_argument("--door", choices=("none", "inprocess"), default="none")
     parser.add_argument("--store", default=None)
     parser.add_argument("--http", metavar="HOST:PORT", default=None)
     args = parser.parse_args(argv)

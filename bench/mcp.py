@@ -6,7 +6,7 @@ line to a ledger per execution. Each target is an adapter that starts it (or a
 proxy in front of it) and says how a client connects:
 
 * **bare**: the server alone, over stdio and over Streamable HTTP (keys ignored);
-* **in-process door**: ``MCPServer(extensions=[retrysafe.mcp.IdempotencyExtension(store=...)])``,
+* **in-process door**: ``retrysafe.mcp.McpIdempotency(store).install(server)``,
   over stdio and HTTP;
 * **proxy**: ``python -m retrysafe mcp-proxy --store URL -- python SERVER ...`` (stdio)
   and ``... mcp-proxy --upstream http://127.0.0.1:P/mcp --listen 127.0.0.1:Q --store URL``
@@ -32,11 +32,6 @@ temporary folder.
 
     python bench/mcp.py [--clients N] [--retries M] [--keys K] [--work S]
                         [--calls C] [--rounds R] [--targets a,b] [--mcp-idempotent CMD]
-                        [--smoke]
-
-``--smoke`` runs the stand-in deduplication of examples/mcp_shop_server.py in the
-in-process door's place when the door is missing: to check the bench, never to
-report (its rows say so).
 """
 
 # ruff: noqa: E402  (the imports follow the sys.path guard below)
@@ -175,35 +170,18 @@ def bare_http(ledger: Path, work: float) -> Iterator[Callable[[], Client]]:
         yield lambda: Client(url)
 
 
-def door_name(smoke: bool) -> str:
-    """``inprocess``, or ``standin`` in a smoke run without the door; Skip otherwise."""
-    try:
-        _runs([PY, "-c", "from retrysafe.mcp import IdempotencyExtension"], "the in-process door")
-    except Skip:
-        if smoke:
-            return "standin"
-        raise
-    return "inprocess"
+def door_stdio(ledger: Path, work: float) -> Any:
+    _runs([PY, "-c", "from retrysafe.mcp import IdempotencyMiddleware"], "the in-process door")
+    store = f"sqlite:///{ledger.with_suffix('.db')}"
+    return contextlib.nullcontext(stdio([PY, *server_args(ledger, work, "inprocess", store)]))
 
 
-def door_stdio(smoke: bool) -> Callable[[Path, float], Any]:
-    def start(ledger: Path, work: float) -> Any:
-        store = f"sqlite:///{ledger.with_suffix('.db')}"
-        return contextlib.nullcontext(
-            stdio([PY, *server_args(ledger, work, door_name(smoke), store)])
-        )
-
-    return start
-
-
-def door_http(smoke: bool) -> Callable[[Path, float], Any]:
-    @contextlib.contextmanager
-    def start(ledger: Path, work: float) -> Iterator[Callable[[], Client]]:
-        store = f"sqlite:///{ledger.with_suffix('.db')}"
-        with _http_server(ledger, work, door_name(smoke), store) as url:
-            yield lambda: Client(url)
-
-    return start
+@contextlib.contextmanager
+def door_http(ledger: Path, work: float) -> Iterator[Callable[[], Client]]:
+    _runs([PY, "-c", "from retrysafe.mcp import IdempotencyMiddleware"], "the in-process door")
+    store = f"sqlite:///{ledger.with_suffix('.db')}"
+    with _http_server(ledger, work, "inprocess", store) as url:
+        yield lambda: Client(url)
 
 
 PROXY = [PY, "-m", "retrysafe", "mcp-proxy"]
@@ -244,13 +222,12 @@ def mcp_idempotent(command: str | None) -> Callable[[Path, float], Any]:
     return start
 
 
-def targets(smoke: bool, npm_command: str | None) -> list[Target]:
-    note = "stand-in dedup (smoke run only: not a result)" if smoke else ""
+def targets(npm_command: str | None) -> list[Target]:
     return [
         Target("bare", "stdio", bare_stdio),
         Target("bare", "http", bare_http),
-        Target("in-process door", "stdio", door_stdio(smoke), note),
-        Target("in-process door", "http", door_http(smoke), note),
+        Target("in-process door", "stdio", door_stdio),
+        Target("in-process door", "http", door_http),
         Target("proxy", "stdio", proxy_stdio),
         Target("proxy", "http", proxy_http),
         Target("mcp-idempotent", "stdio", mcp_idempotent(npm_command)),
@@ -378,7 +355,6 @@ def _load_args(argv: list[str] | None) -> Any:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--targets", default="", help="names to run, comma-separated")
     parser.add_argument("--mcp-idempotent", default=None, metavar="CMD")
-    parser.add_argument("--smoke", action="store_true")
     a = parser.parse_args(argv)
     if min(a.clients, a.retries, a.keys, a.calls, a.rounds) < 1:
         parser.error("--clients, --retries, --keys, --calls and --rounds must be at least 1")
@@ -388,7 +364,7 @@ def _load_args(argv: list[str] | None) -> Any:
 async def main(argv: list[str] | None = None) -> int:
     a = _load_args(argv)
     chosen = {n.strip() for n in a.targets.split(",") if n.strip()}
-    all_targets = [t for t in targets(a.smoke, a.mcp_idempotent) if not chosen or t.name in chosen]
+    all_targets = [t for t in targets(a.mcp_idempotent) if not chosen or t.name in chosen]
     with tempfile.TemporaryDirectory(prefix="bench-mcp-") as tmp, contextlib.ExitStack() as stack:
         live: list[tuple[Target, Callable[[], Client]]] = []
         for i, t in enumerate(all_targets):

@@ -18,62 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import anyio
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
-from mcp.server.extension import Extension
 from mcp.server.mcpserver import MCPServer
-from mcp.shared.exceptions import MCPError
-from mcp_types import CallToolRequestParams, CallToolResult, ToolAnnotations
+from mcp_types import ToolAnnotations
 
-try:  # the in-process door
-    from retrysafe.mcp import IdempotencyExtension  # type: ignore[attr-defined]
-except ImportError:  # a stand-in built on the MCP door's core, until the door is merged
-    from retrysafe._protocols.mcp import (
-        EXTENSION_ID,
-        call_engine,
-        extension_settings,
-        parse_call,
-        run_call,
-    )
-
-    class IdempotencyExtension(Extension):  # type: ignore[no-redef]
-        identifier = EXTENSION_ID
-
-        def __init__(self, store: str) -> None:
-            self.engine, self.plan = call_engine(store, ttl=3600, lease=30)
-
-        def settings(self) -> dict[str, Any]:
-            return extension_settings(3600)
-
-        async def intercept_tool_call(
-            self,
-            params: CallToolRequestParams,
-            ctx: ServerRequestContext[Any, Any],
-            call_next: CallNext,
-        ) -> HandlerResult:
-            wire = params.model_dump(by_alias=True, exclude_none=True, mode="json")
-            call = parse_call(wire, request_id=ctx.request_id)
-            if call is None:
-                return await call_next(ctx)
-
-            async def run() -> dict[str, Any]:
-                result = await call_next(ctx)
-                if isinstance(result, CallToolResult):
-                    return {
-                        "result": result.model_dump(by_alias=True, exclude_none=True, mode="json")
-                    }
-                return {"result": result}
-
-            # A client's timeout sends notifications/cancelled: the call runs to its
-            # end and is recorded, so that the client's retry gets its answer.
-            with anyio.CancelScope(shield=True):
-                reply = await run_call(self.engine, self.plan, call, run)
-            if "error" in reply:
-                error = reply["error"]
-                raise MCPError(error["code"], error["message"], error.get("data"))
-            return CallToolResult.model_validate(reply["result"])
+from retrysafe.mcp import McpIdempotency
 
 
 def drop_once(marker: Path) -> Any:
@@ -90,13 +41,23 @@ def drop_once(marker: Path) -> Any:
 
 
 def build(
-    store: str, ledger: Path, drop: Path | None = None, middleware: list[Any] | None = None
+    store: str,
+    ledger: Path,
+    drop: Path | None = None,
+    middleware: list[Any] | None = None,
+    anonymous: Literal["run", "refuse", "share"] | None = None,
 ) -> MCPServer:
-    """The shop server: ``charge`` (side effect), ``charges`` (read-only)."""
+    """The shop server: ``charge`` (side effect), ``charges`` (read-only).
+
+    ``anonymous``: what a Streamable HTTP caller without credentials gets (see
+    :class:`~retrysafe.mcp.McpIdempotency`); over stdio the caller is the one
+    local client."""
     middleware = list(middleware or [])
     if drop is not None:
         middleware.append(drop_once(drop))
-    shop = MCPServer("shop", extensions=[IdempotencyExtension(store=store)], middleware=middleware)
+    shop = MCPServer("shop", middleware=middleware)
+    # Keyed tools/call requests run once per key; read-only tools pass through.
+    McpIdempotency(store, ttl=3600, lease=30, anonymous=anonymous).install(shop)
 
     @shop.tool()
     def charge(order: str, amount: int) -> str:
@@ -120,10 +81,13 @@ def main() -> None:
     parser.add_argument("--drop-once", type=Path, default=None)
     parser.add_argument("--http", metavar="HOST:PORT", default=None)
     args = parser.parse_args()
-    shop = build(args.store, args.ledger, args.drop_once)
     if args.http is None:
-        shop.run("stdio")
+        build(args.store, args.ledger, args.drop_once).run("stdio")
         return
+    # A demo on loopback with one user and no sign-in: its callers share their keys.
+    # A real deployment names them (OAuth, or principal=): anonymous callers' keys
+    # are otherwise not recorded, so that no answer reaches another caller.
+    shop = build(args.store, args.ledger, args.drop_once, anonymous="share")
     import uvicorn
 
     host, _, port = args.http.rpartition(":")
