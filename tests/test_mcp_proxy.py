@@ -1,0 +1,280 @@
+"""``retrysafe mcp-proxy`` in front of a plain MCP server (the official SDK, no
+retrysafe), driven by the official SDK's client, over stdio and Streamable HTTP,
+on SQLite, Redis and PostgreSQL.
+
+The upstream (tests/mcp_servers/plain.py) counts each tool's executions in a
+file shared by every process; ``slow`` blocks until the test releases it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import select
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import store_url
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+from mcp.shared.exceptions import MCPError
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAIN = str(Path(__file__).resolve().parent / "mcp_servers" / "plain.py")
+META = "dev.retrysafe/idempotencyKey"
+EXT = "dev.retrysafe/idempotency"
+SHARED = ["sqlite", "redis", "postgres"]
+#: The per-request fields of a 2026-07-28 request, as the SDK's client sends them.
+SESSION = {
+    "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+    "io.modelcontextprotocol/clientInfo": {"name": "raw", "version": "0"},
+    "io.modelcontextprotocol/clientCapabilities": {},
+}
+
+
+def proxy_argv(store: str, folder: Path, *options: str) -> list[str]:
+    """``retrysafe mcp-proxy`` over stdio in front of the plain server."""
+    return [
+        sys.executable,
+        "-m",
+        "retrysafe",
+        "mcp-proxy",
+        "--store",
+        store,
+        *options,
+        "--",
+        sys.executable,
+        PLAIN,
+        str(folder),
+    ]
+
+
+def runs(folder: Path, tool: str = "charge") -> int:
+    """How many times ``tool`` ran upstream, in every process."""
+    log = folder / f"{tool}.log"
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def text(result: Any) -> str:
+    return str(result.content[0].text)
+
+
+def keyed(key: str) -> dict[str, Any]:
+    return {META: key}
+
+
+@asynccontextmanager
+async def stdio_client(store: str, folder: Path, *options: str) -> AsyncIterator[Client]:
+    argv = proxy_argv(store, folder, *options)
+    params = StdioServerParameters(command=argv[0], args=argv[1:], cwd=str(ROOT))
+    async with Client(params) as client:
+        yield client
+
+
+@pytest.fixture(params=SHARED)
+def shared_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return store_url(request.param, request, tmp_path)
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    path = tmp_path / "upstream"
+    path.mkdir()
+    return path
+
+
+# -- stdio ------------------------------------------------------------------------------
+
+
+async def test_stdio_retry_replays_and_conflicts(shared_url: str, folder: Path) -> None:
+    async with stdio_client(shared_url, folder) as client:
+        assert EXT in (client.server_capabilities.extensions or {})
+        first = await client.call_tool("charge", {"amount": 5}, meta=keyed("order-1"))
+        again = await client.call_tool("charge", {"amount": 5}, meta=keyed("order-1"))
+        assert text(again) == text(first) == "charged 5 (execution 1)"
+        assert (again.meta or {})[EXT]["replayed"] is True
+        with pytest.raises(MCPError) as caught:
+            await client.call_tool("charge", {"amount": 6}, meta=keyed("order-1"))
+        assert caught.value.code == -32602
+        assert caught.value.data["code"] == "idempotency_conflict"
+        # Unkeyed calls pass through, every time.
+        await client.call_tool("charge", {"amount": 1})
+    assert runs(folder) == 2
+    # Another proxy process on the same store replays too.
+    async with stdio_client(shared_url, folder) as client:
+        later = await client.call_tool("charge", {"amount": 5}, meta=keyed("order-1"))
+    assert text(later) == "charged 5 (execution 1)"
+    assert runs(folder) == 2
+
+
+def _raw_proxy(store: str, folder: Path, *options: str) -> subprocess.Popen[bytes]:
+    """The proxy as a bare subprocess: a client that writes lines and may never read."""
+    proc = subprocess.Popen(
+        proxy_argv(store, folder, *options),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    _send(
+        proc, {"jsonrpc": "2.0", "id": 0, "method": "server/discover", "params": {"_meta": SESSION}}
+    )
+    assert json.loads(proc.stdout.readline())["id"] == 0
+    return proc
+
+
+def _send(proc: subprocess.Popen[bytes], message: dict[str, Any]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(message).encode() + b"\n")
+    proc.stdin.flush()
+
+
+def _call(request_id: int, tool: str, arguments: dict[str, Any], key: str) -> dict[str, Any]:
+    params = {"name": tool, "arguments": arguments, "_meta": {**SESSION, **keyed(key)}}
+    return {"jsonrpc": "2.0", "id": request_id, "method": "tools/call", "params": params}
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            pipe.close()
+
+
+def _wait_for(path: Path) -> None:
+    """Wait until the upstream creates ``path`` (it does so as ``slow`` starts)."""
+    for _ in range(3000):
+        if path.exists():
+            return
+        select.select([], [], [], 0.02)
+    raise AssertionError(f"{path.name} never appeared")
+
+
+async def test_stdio_answer_lost_after_the_record_is_a_replay(
+    shared_url: str, folder: Path
+) -> None:
+    """Killed once the answer is recorded and written, before the client read it:
+    the retry through a new proxy on the same store is the replay."""
+    proc = _raw_proxy(shared_url, folder)
+    _send(proc, _call(1, "charge", {"amount": 7}, "lost-1"))
+    # The proxy records, then writes: a readable answer is a recorded one. Not read.
+    assert proc.stdout is not None
+    readable, _, _ = select.select([proc.stdout], [], [], 60)
+    assert readable
+    _kill(proc)
+    assert runs(folder) == 1
+    async with stdio_client(shared_url, folder) as client:
+        retry = await client.call_tool("charge", {"amount": 7}, meta=keyed("lost-1"))
+    assert text(retry) == "charged 7 (execution 1)"
+    assert (retry.meta or {})[EXT]["replayed"] is True
+    assert runs(folder) == 1
+
+
+async def test_stdio_killed_mid_call_is_in_flight_after_restart(
+    shared_url: str, folder: Path
+) -> None:
+    """SIGKILL while ``slow`` runs: the restarted proxy answers in flight while the
+    first call's lease lives, and runs nothing."""
+    proc = _raw_proxy(shared_url, folder, "--lease", "10m")
+    _send(proc, _call(1, "slow", {"tag": "a"}, "slow-1"))
+    _wait_for(folder / "slow.started")
+    _kill(proc)
+    try:
+        async with stdio_client(shared_url, folder) as client:
+            with pytest.raises(MCPError) as caught:
+                await client.call_tool("slow", {"tag": "a"}, meta=keyed("slow-1"))
+    finally:
+        (folder / "slow.release").write_text("go")
+    assert caught.value.code == -32603
+    assert caught.value.data["code"] == "idempotency_in_flight"
+    assert caught.value.data["retryable"] is True
+    assert caught.value.data["retryAfter"] >= 1
+    assert runs(folder, "slow") == 1
+
+
+async def test_stdio_concurrent_duplicates_run_once(tmp_path: Path, folder: Path) -> None:
+    """Many tasks on one client, and several processes each with its own proxy."""
+    url = f"sqlite:///{tmp_path}/shared.db"
+
+    async def one_client(calls: int) -> list[str]:
+        async with stdio_client(url, folder) as client:
+            outcomes = await asyncio.gather(
+                *(
+                    client.call_tool("charge", {"amount": 9}, meta=keyed("storm-1"))
+                    for _ in range(calls)
+                ),
+                return_exceptions=True,
+            )
+        seen = []
+        for outcome in outcomes:
+            if isinstance(outcome, MCPError):
+                assert outcome.data["code"] == "idempotency_in_flight", outcome
+                seen.append("in flight")
+            else:
+                assert not isinstance(outcome, BaseException), outcome
+                seen.append(text(outcome))
+        return seen
+
+    answers = await asyncio.gather(*(one_client(6) for _ in range(4)))
+    assert runs(folder) == 1
+    done = {a for group in answers for a in group if a != "in flight"}
+    assert done <= {"charged 9 (execution 1)"}
+
+
+async def test_stdio_principals_and_read_only(tmp_path: Path, folder: Path) -> None:
+    url = f"sqlite:///{tmp_path}/shared.db"
+    for name in ("alice", "bob", "alice"):
+        async with stdio_client(url, folder, "--principal", name) as client:
+            await client.call_tool("charge", {"amount": 2}, meta=keyed("same-key"))
+    assert runs(folder) == 2  # alice once, bob once
+    async with stdio_client(url, folder) as client:
+        await client.list_tools()  # the proxy learns that lookup is read-only
+        for _ in range(2):
+            await client.call_tool("lookup", {"name": "x"}, meta=keyed("read-1"))
+    assert runs(folder, "lookup") == 2
+
+
+async def test_stdio_bad_keys_are_invalid_params_and_never_forwarded(
+    tmp_path: Path, folder: Path
+) -> None:
+    url = f"sqlite:///{tmp_path}/shared.db"
+    async with stdio_client(url, folder) as client:
+        for bad in ("", "k" * 1025, 42):
+            with pytest.raises(MCPError) as caught:
+                await client.call_tool("charge", {"amount": 1}, meta={META: bad})
+            assert caught.value.code == -32602
+            assert caught.value.data["code"] == "idempotency_key_invalid"
+    assert runs(folder) == 0
+
+
+def test_stdio_malformed_and_over_long_lines(tmp_path: Path, folder: Path) -> None:
+    """A line that is not JSON passes through; one over the limit is refused; the
+    proxy keeps relaying."""
+    proc = _raw_proxy(f"sqlite:///{tmp_path}/s.db", folder)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b"not json\n")
+    proc.stdin.write(
+        b'{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"x":"'
+        + b"y" * (2 << 20)
+        + b'"}}\n'
+    )
+    proc.stdin.flush()
+    refused = json.loads(proc.stdout.readline())
+    assert refused["id"] is None and refused["error"]["code"] == -32600
+    two = _call(6, "charge", {"amount": 3}, "a")
+    two["params"]["idempotencyKey"] = "b"
+    _send(proc, two)
+    refused = json.loads(proc.stdout.readline())
+    assert refused["id"] == 6 and refused["error"]["code"] == -32602
+    _send(proc, _call(7, "charge", {"amount": 3}, "after-1"))
+    answer = json.loads(proc.stdout.readline())
+    assert answer["id"] == 7 and "result" in answer
+    _kill(proc)
+    assert runs(folder) == 1
