@@ -10,19 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import select
 import signal
+import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
+from _http_servers import Process, free_port
 from conftest import store_url
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,6 +74,19 @@ def keyed(key: str) -> dict[str, Any]:
     return {META: key}
 
 
+async def replays_and_conflicts(client: Client) -> None:
+    """The extension is advertised; a retry is the replay; other arguments conflict."""
+    assert EXT in (client.server_capabilities.extensions or {})
+    first = await client.call_tool("charge", {"amount": 5}, meta=keyed("order-1"))
+    again = await client.call_tool("charge", {"amount": 5}, meta=keyed("order-1"))
+    assert text(again) == text(first) == "charged 5 (execution 1)"
+    assert (again.meta or {})[EXT]["replayed"] is True
+    with pytest.raises(MCPError) as caught:
+        await client.call_tool("charge", {"amount": 6}, meta=keyed("order-1"))
+    assert caught.value.code == -32602
+    assert caught.value.data["code"] == "idempotency_conflict"
+
+
 @asynccontextmanager
 async def stdio_client(store: str, folder: Path, *options: str) -> AsyncIterator[Client]:
     argv = proxy_argv(store, folder, *options)
@@ -94,15 +112,7 @@ def folder(tmp_path: Path) -> Path:
 
 async def test_stdio_retry_replays_and_conflicts(shared_url: str, folder: Path) -> None:
     async with stdio_client(shared_url, folder) as client:
-        assert EXT in (client.server_capabilities.extensions or {})
-        first = await client.call_tool("charge", {"amount": 5}, meta=keyed("order-1"))
-        again = await client.call_tool("charge", {"amount": 5}, meta=keyed("order-1"))
-        assert text(again) == text(first) == "charged 5 (execution 1)"
-        assert (again.meta or {})[EXT]["replayed"] is True
-        with pytest.raises(MCPError) as caught:
-            await client.call_tool("charge", {"amount": 6}, meta=keyed("order-1"))
-        assert caught.value.code == -32602
-        assert caught.value.data["code"] == "idempotency_conflict"
+        await replays_and_conflicts(client)
         # Unkeyed calls pass through, every time.
         await client.call_tool("charge", {"amount": 1})
     assert runs(folder) == 2
@@ -277,4 +287,212 @@ def test_stdio_malformed_and_over_long_lines(tmp_path: Path, folder: Path) -> No
     answer = json.loads(proc.stdout.readline())
     assert answer["id"] == 7 and "result" in answer
     _kill(proc)
+    assert runs(folder) == 1
+
+
+# -- Streamable HTTP --------------------------------------------------------------------
+
+
+def _start(argv: list[str], port: int) -> Process:
+    server = Process(argv, port, health="/mcp")
+    server.__enter__()
+    return server
+
+
+def _proxy_process(store: str, upstream: int, port: int, *options: str) -> Process:
+    argv = [
+        sys.executable,
+        "-m",
+        "retrysafe",
+        "mcp-proxy",
+        "--upstream",
+        f"http://127.0.0.1:{upstream}/mcp",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--store",
+        store,
+        *options,
+    ]
+    return _start(argv, port)
+
+
+def _sigkill(server: Process) -> None:
+    assert server.proc is not None
+    os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(30)
+    if server.proc.stdout:
+        server.proc.stdout.close()
+
+
+@contextmanager
+def http_proxy(store: str, folder: Path, *options: str) -> Iterator[tuple[Process, Process]]:
+    """The plain server on Streamable HTTP, and the proxy in front: (upstream, proxy)."""
+    up = _start([sys.executable, PLAIN, str(folder), "--http", str(port := free_port())], port)
+    try:
+        proxy = _proxy_process(store, up.port, free_port(), *options)
+        try:
+            yield up, proxy
+        finally:
+            proxy.__exit__()
+    finally:
+        up.__exit__()
+
+
+@asynccontextmanager
+async def http_client(
+    url: str, mode: str = "auto", headers: dict[str, str] | None = None
+) -> AsyncIterator[Client]:
+    transport = streamable_http_client(
+        f"{url}/mcp", http_client=httpx2.AsyncClient(headers=headers or {}, timeout=120)
+    )
+    async with Client(transport, mode=mode) as client:
+        yield client
+
+
+#: auto: the 2026-07-28 protocol, answered as application/json; legacy: initialize
+#: and a session, answered as text/event-stream.
+MODES = ["auto", "legacy"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_http_retry_replays_conflicts_and_scopes(
+    shared_url: str, folder: Path, mode: str
+) -> None:
+    with http_proxy(shared_url, folder) as (_, proxy):
+        alice = {"Authorization": "Bearer alice-token"}
+        async with http_client(proxy.url, mode, alice) as client:
+            await replays_and_conflicts(client)
+            await client.list_tools()  # the proxy learns that lookup is read-only
+            for _ in range(2):
+                await client.call_tool("lookup", {"name": "x"}, meta=keyed("read-1"))
+        assert runs(folder) == 1
+        assert runs(folder, "lookup") == 2
+        # Another bearer token is another caller: the same key runs once for it.
+        bob = {"Authorization": "Bearer bob-token"}
+        async with http_client(proxy.url, mode, bob) as client:
+            theirs = await client.call_tool("charge", {"amount": 5}, meta=keyed("order-1"))
+            again = await client.call_tool("charge", {"amount": 5}, meta=keyed("order-1"))
+        assert text(theirs) == text(again) == "charged 5 (execution 2)"
+        assert runs(folder) == 2
+        # The key in the Idempotency-Key header.
+        async with http_client(proxy.url, mode, {**alice, "Idempotency-Key": "h-1"}) as client:
+            one = await client.call_tool("charge", {"amount": 1})
+            two = await client.call_tool("charge", {"amount": 1})
+        assert text(one) == text(two) == "charged 1 (execution 3)"
+    assert runs(folder) == 3
+
+
+async def test_http_bad_keys_are_invalid_params_and_never_forwarded(
+    tmp_path: Path, folder: Path
+) -> None:
+    with http_proxy(f"sqlite:///{tmp_path}/s.db", folder) as (_, proxy):
+        token = {"Authorization": "Bearer t"}
+        async with http_client(proxy.url, "auto", token) as client:
+            for bad in ("", "k" * 1025, 42):
+                with pytest.raises(MCPError) as caught:
+                    await client.call_tool("charge", {"amount": 1}, meta={META: bad})
+                assert caught.value.code == -32602
+                assert caught.value.data["code"] == "idempotency_key_invalid"
+        headers = {**token, "Idempotency-Key": "other"}
+        async with http_client(proxy.url, "auto", headers) as client:
+            with pytest.raises(MCPError) as caught:
+                await client.call_tool("charge", {"amount": 1}, meta=keyed("one"))
+            assert caught.value.code == -32602
+    assert runs(folder) == 0
+
+
+async def test_http_concurrent_duplicates_run_once(tmp_path: Path, folder: Path) -> None:
+    """Many tasks on several clients, through two proxies that share one store."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    with http_proxy(url, folder) as (up, proxy):
+        second = _proxy_process(url, up.port, free_port())
+        try:
+
+            async def one_client(at: str) -> list[str]:
+                async with http_client(at, "auto", {"Authorization": "Bearer t"}) as client:
+                    outcomes = await asyncio.gather(
+                        *(
+                            client.call_tool("charge", {"amount": 9}, meta=keyed("storm-1"))
+                            for _ in range(6)
+                        ),
+                        return_exceptions=True,
+                    )
+                seen = []
+                for outcome in outcomes:
+                    if isinstance(outcome, MCPError):
+                        assert outcome.data["code"] == "idempotency_in_flight", outcome
+                    else:
+                        assert not isinstance(outcome, BaseException), outcome
+                        seen.append(text(outcome))
+                return seen
+
+            answers = await asyncio.gather(
+                *(one_client(at) for at in (proxy.url, second.url, proxy.url, second.url))
+            )
+        finally:
+            second.__exit__()
+    assert runs(folder) == 1
+    assert {a for group in answers for a in group} <= {"charged 9 (execution 1)"}
+
+
+async def test_http_killed_mid_call_is_in_flight_after_restart(
+    shared_url: str, folder: Path
+) -> None:
+    """SIGKILL the proxy while ``slow`` runs upstream (which keeps running); the
+    proxy restarted on the same store answers in flight, and runs nothing."""
+    token = {"Authorization": "Bearer t"}
+    with http_proxy(shared_url, folder, "--lease", "10m") as (up, proxy):
+
+        async def first() -> None:
+            async with http_client(proxy.url, "auto", token) as client:
+                await client.call_tool("slow", {"tag": "a"}, meta=keyed("slow-1"))
+
+        call = asyncio.create_task(first())
+        try:
+            await asyncio.to_thread(_wait_for, folder / "slow.started")
+            _sigkill(proxy)
+            (lost,) = await asyncio.gather(call, return_exceptions=True)
+            assert isinstance(lost, BaseException)  # the answer never came
+            again = _proxy_process(shared_url, up.port, proxy.port, "--lease", "10m")
+            try:
+                async with http_client(again.url, "auto", token) as client:
+                    with pytest.raises(MCPError) as caught:
+                        await client.call_tool("slow", {"tag": "a"}, meta=keyed("slow-1"))
+            finally:
+                again.__exit__()
+        finally:
+            (folder / "slow.release").write_text("go")
+            call.cancel()
+    assert caught.value.data["code"] == "idempotency_in_flight"
+    assert caught.value.data["retryable"] is True
+    assert runs(folder, "slow") == 1
+
+
+async def test_http_answer_lost_after_the_record_is_a_replay(shared_url: str, folder: Path) -> None:
+    """Killed once the answer is recorded (the proxy sends nothing before), before
+    the client read it: the retry through the restarted proxy is the replay."""
+    token = {"Authorization": "Bearer t"}
+    with http_proxy(shared_url, folder) as (up, proxy):
+        body = json.dumps(_call(1, "charge", {"amount": 7}, "lost-1")).encode()
+        head = (
+            f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{proxy.port}\r\n"
+            "Authorization: Bearer t\r\nContent-Type: application/json\r\n"
+            "Accept: application/json, text/event-stream\r\n"
+            "MCP-Protocol-Version: 2026-07-28\r\nMcp-Method: tools/call\r\nMcp-Name: charge\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+            sock.sendall(head + body)
+            readable, _, _ = select.select([sock], [], [], 60)  # never read
+            assert readable
+            _sigkill(proxy)
+        assert runs(folder) == 1
+        again = _proxy_process(shared_url, up.port, proxy.port)
+        try:
+            async with http_client(again.url, "auto", token) as client:
+                retry = await client.call_tool("charge", {"amount": 7}, meta=keyed("lost-1"))
+        finally:
+            again.__exit__()
+    assert text(retry) == "charged 7 (execution 1)"
+    assert (retry.meta or {})[EXT]["replayed"] is True
     assert runs(folder) == 1

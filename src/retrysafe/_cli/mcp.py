@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import getpass
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -47,6 +47,40 @@ def mcp_proxy(
         str | None,
         typer.Option(metavar="DURATION", help="How long an answer is kept (e.g. 24h)."),
     ] = None,
+    upstream: Annotated[
+        str | None,
+        typer.Option(
+            metavar="URL",
+            help="Over Streamable HTTP: the MCP endpoint to front, e.g. http://127.0.0.1:9000/mcp.",
+        ),
+    ] = None,
+    listen: Annotated[
+        str,
+        typer.Option(
+            metavar="HOST:PORT", help="With --upstream: where to listen (port 0: any free port)."
+        ),
+    ] = "127.0.0.1:8000",
+    timeout: Annotated[
+        float,
+        typer.Option(help="With --upstream: seconds to wait for the upstream to connect or send."),
+    ] = 300.0,
+    principal_header: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--principal-header",
+            metavar="NAME",
+            help="With --upstream: a header that carries a credential (repeat for several); "
+            "as for retrysafe gateway. Every Authorization line always counts.",
+        ),
+    ] = None,
+    anonymous: Annotated[
+        str | None,
+        typer.Option(
+            metavar="run|refuse|share",
+            help="With --upstream: what a keyed call without credentials gets: run without "
+            "a record (default), refuse, or share one public record space.",
+        ),
+    ] = None,
     lease: Annotated[
         str | None,
         typer.Option(
@@ -59,18 +93,30 @@ def mcp_proxy(
     """Make a retried tools/call run once, in front of any MCP server (no change to it).
 
     Over stdio: retrysafe mcp-proxy [--store URL] -- COMMAND [ARGS]... spawns the
-    server and relays its newline-delimited JSON-RPC.
+    server and relays its newline-delimited JSON-RPC. Over Streamable HTTP:
+    retrysafe mcp-proxy --upstream URL --listen HOST:PORT [--store URL].
     """
     from retrysafe._protocols.mcp import call_engine
     from retrysafe._protocols.mcp_proxy import StdioRelay
 
+    times = {"ttl": duration_option(ttl, "--ttl"), "lease": duration_option(lease, "--lease")}
+    if upstream is not None:
+        if command:
+            raise CliError("give either --upstream URL or a command after --, not both")
+        if principal is not None:
+            raise CliError("--principal is for stdio; over HTTP the credentials name the caller")
+        return _serve_http(
+            upstream,
+            store_url_for(store),
+            listen,
+            timeout,
+            principal_header,
+            anonymous,
+            times,
+        )
     if not command:
         raise CliError("give the MCP server's command after --, or --upstream URL")
-    engine, plan = call_engine(
-        store_url_for(store),
-        ttl=duration_option(ttl, "--ttl"),
-        lease=duration_option(lease, "--lease"),
-    )
+    engine, plan = call_engine(store_url_for(store), ttl=times["ttl"], lease=times["lease"])
     who = local_principal() if principal is None else principal
     if not who.strip():
         raise CliError("--principal must not be blank")
@@ -81,3 +127,54 @@ def mcp_proxy(
         return 130
     finally:
         engine.store.close()
+
+
+def _serve_http(
+    upstream: str,
+    store_url: str,
+    listen: str,
+    timeout: float,
+    principal_header: list[str] | None,
+    anonymous: str | None,
+    times: dict[str, float | None],
+) -> int:
+    """Serve the MCP middleware in front of the forwarding to ``upstream`` until stopped."""
+    # isort: off
+    from retrysafe import gateway as gw  # first: without uvicorn, it names the extra
+
+    import uvicorn
+
+    # isort: on
+    from retrysafe._ops.serve import bind, parse_listen, server_config, sigterm_as_interrupt, url_of
+    from retrysafe._protocols.mcp_asgi import McpProxyMiddleware
+    from retrysafe.stores import redact
+
+    host, port = parse_listen(listen)
+    # The proxy serves the upstream's paths: its endpoint has the upstream's path.
+    endpoint = gw.parse_upstream(upstream)
+    origin = str(endpoint.copy_with(path="/", query=None, fragment=None)).rstrip("/")
+    forward = gw.forwarder(origin, timeout=timeout)
+    options: dict[str, Any] = {"principal_headers": principal_header or None}
+    if anonymous is not None:
+        options["anonymous"] = anonymous
+    application = McpProxyMiddleware(
+        forward, store_url, ttl=times["ttl"], lease=times["lease"], **options
+    )
+    sock = bind(host, port)
+    url = url_of(sock)
+    print(f"retrysafe mcp-proxy: listening on {url}", flush=True)
+    print(f"  endpoint  {url}{endpoint.path}", flush=True)
+    print(f"  upstream  {upstream}", flush=True)
+    print(f"  store     {redact(store_url)}", flush=True)
+    print(f"  callers   {application.principals.describe()}", flush=True)
+    try:
+        with sigterm_as_interrupt():
+            config = server_config(application, lifespan="off")
+            uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
+        application.engine.store.close()
+    print("retrysafe mcp-proxy: stopped", flush=True)
+    return 0
