@@ -90,7 +90,9 @@ async def replays_and_conflicts(client: Client) -> None:
 @asynccontextmanager
 async def stdio_client(store: str, folder: Path, *options: str) -> AsyncIterator[Client]:
     argv = proxy_argv(store, folder, *options)
-    params = StdioServerParameters(command=argv[0], args=argv[1:], cwd=str(ROOT))
+    # The SDK gives the child a minimal environment: the tests' own PYTHONPATH too.
+    env = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    params = StdioServerParameters(command=argv[0], args=argv[1:], cwd=str(ROOT), env=env)
     async with Client(params) as client:
         yield client
 
