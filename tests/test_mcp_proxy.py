@@ -211,6 +211,23 @@ async def test_stdio_killed_mid_call_is_in_flight_after_restart(
     assert runs(folder, "slow") == 1
 
 
+def test_stdio_cancelled_call_frees_its_key(tmp_path: Path, folder: Path) -> None:
+    """A keyed call the client cancels fails, retryable: the retry runs, it is not
+    in flight until the proxy exits."""
+    proc = _raw_proxy(f"sqlite:///{tmp_path}/s.db", folder)
+    assert proc.stdout is not None
+    _send(proc, _call(1, "slow", {"tag": "a"}, "cancel-1"))
+    _wait_for(folder / "slow.started")
+    cancel = {"requestId": 1, "reason": "the user gave up"}
+    _send(proc, {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": cancel})
+    (folder / "slow.release").write_text("go")
+    _send(proc, _call(2, "slow", {"tag": "a"}, "cancel-1"))
+    while (answer := json.loads(proc.stdout.readline()))["id"] != 2:
+        assert "error" not in answer, answer  # the server's late answer to 1, if any
+    _kill(proc)
+    assert answer["result"]["content"][0]["text"] == "slow a (execution 2)"
+
+
 async def test_stdio_concurrent_duplicates_run_once(tmp_path: Path, folder: Path) -> None:
     """Many tasks on one client, and several processes each with its own proxy."""
     url = f"sqlite:///{tmp_path}/shared.db"

@@ -107,6 +107,14 @@ class ToolBook:
         return True
 
 
+#: The notification by which a client cancels one of its requests.
+CANCELLED = "notifications/cancelled"
+
+
+class _Cancelled(Exception):
+    """The client cancelled the keyed call before its answer came."""
+
+
 def _error(code: int, message: str) -> Reply:
     return {"error": {"code": code, "message": message}}
 
@@ -139,6 +147,7 @@ class StdioRelay:
         self._pending: dict[str, asyncio.Future[Reply]] = {}
         self._listened: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._running: dict[str, asyncio.Task[None]] = {}
         self._out_lock = asyncio.Lock()
         self._out: BinaryIO = sys.stdout.buffer
         self._child: asyncio.subprocess.Process | None = None
@@ -217,6 +226,8 @@ class StdioRelay:
             message = None  # not JSON: the server answers it as it would
         if not isinstance(message, dict) or "id" not in message:
             await self._write_child(line)
+            if isinstance(message, dict) and message.get("method") == CANCELLED:
+                await self._cancelled(message.get("params"))
             return
         method = message.get("method")
         if method in LISTENED:
@@ -257,7 +268,14 @@ class StdioRelay:
 
         task = asyncio.create_task(self._answer(call, request_id, call_next))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._running[rid] = task
+
+        def forget(done: asyncio.Task[None]) -> None:
+            self._tasks.discard(done)
+            if self._running.get(rid) is done:
+                del self._running[rid]
+
+        task.add_done_callback(forget)
         done = asyncio.create_task(forwarded.wait())
         await asyncio.wait({task, done}, return_when=asyncio.FIRST_COMPLETED)
         done.cancel()
@@ -269,9 +287,25 @@ class StdioRelay:
             reply = await run_call(
                 self.engine, self.plan, call, call_next, final_failures=self.final_failures
             )
+        except _Cancelled:
+            return  # a cancelled request gets no answer
         except (ConnectionError, EOFError) as exc:
             reply = _error(INTERNAL_ERROR, f"the server did not answer: {exc}")
         await self._write_out(answer_line(request_id, reply))
+
+    async def _cancelled(self, params: Any) -> None:
+        """The client cancelled a request: a keyed call it names fails (retryable, its
+        key free again) once the server has been told, before the next line is read."""
+        if not isinstance(params, Mapping) or "requestId" not in params:
+            return
+        rid = json_id(params["requestId"])
+        future = self._pending.get(rid)
+        task = self._running.get(rid)
+        if future is None or future.done():
+            return
+        future.set_exception(_Cancelled())
+        if task is not None:
+            await asyncio.wait({task})
 
     # -- server to client ------------------------------------------------------------
 
