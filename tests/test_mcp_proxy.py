@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx2
 import pytest
-from _http_servers import Process, free_port
+from _http_servers import Process, ThreadServer, free_port
 from conftest import store_url
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
@@ -514,4 +514,28 @@ async def test_http_answer_lost_after_the_record_is_a_replay(shared_url: str, fo
             again.__exit__()
     assert text(retry) == "charged 7 (execution 1)"
     assert (retry.meta or {})[EXT]["replayed"] is True
+    assert runs(folder) == 1
+
+
+async def test_middleware_in_front_of_a_python_asgi_app(tmp_path: Path, folder: Path) -> None:
+    """The proxy's middleware on its own, around the SDK's own ASGI app (JSON and SSE)."""
+    from mcp_servers.plain import make_server
+
+    from retrysafe._protocols.mcp_asgi import McpProxyMiddleware
+
+    app = McpProxyMiddleware(
+        make_server(folder).streamable_http_app(), f"sqlite:///{tmp_path}/s.db", max_body=4096
+    )
+    with ThreadServer(app, "asgi") as server:
+        for mode in MODES:
+            async with http_client(server.url, mode, {"Authorization": "Bearer t"}) as client:
+                first = await client.call_tool("charge", {"amount": 4}, meta=keyed("mw-1"))
+                again = await client.call_tool("charge", {"amount": 4}, meta=keyed("mw-1"))
+            assert text(first) == text(again) == "charged 4 (execution 1)"
+        # A body over max_body is refused whole: nothing reaches the app.
+        big = _call(9, "charge", {"amount": 1, "pad": "x" * 5000}, "mw-2")
+        async with httpx2.AsyncClient() as raw:
+            answer = await raw.post(f"{server.url}/mcp", json=big)
+        assert answer.status_code == 413
+        assert answer.json()["error"]["code"] == -32600
     assert runs(folder) == 1
