@@ -211,6 +211,26 @@ async def test_stdio_killed_mid_call_is_in_flight_after_restart(
     assert runs(folder, "slow") == 1
 
 
+async def test_stdio_client_closing_at_once_still_gets_its_call_recorded(
+    tmp_path: Path, folder: Path
+) -> None:
+    """The client writes a keyed call and closes its side: the proxy still records
+    and writes the answer before it exits with the server's status."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    proc = _raw_proxy(url, folder)
+    assert proc.stdin is not None and proc.stdout is not None
+    _send(proc, _call(1, "charge", {"amount": 8}, "eof-1"))
+    proc.stdin.close()
+    lines = proc.stdout.read().splitlines()
+    assert proc.wait(60) == 0
+    proc.stdout.close()
+    assert [json.loads(line)["id"] for line in lines] == [1]
+    async with stdio_client(url, folder) as client:
+        retry = await client.call_tool("charge", {"amount": 8}, meta=keyed("eof-1"))
+    assert (retry.meta or {})[EXT]["replayed"] is True
+    assert runs(folder) == 1
+
+
 def test_stdio_cancelled_call_frees_its_key(tmp_path: Path, folder: Path) -> None:
     """A keyed call the client cancels fails, retryable: the retry runs, it is not
     in flight until the proxy exits."""

@@ -180,15 +180,24 @@ class StdioRelay:
         from_client = asyncio.create_task(self._from_client(reader))
         await asyncio.wait({from_child, from_client}, return_when=asyncio.FIRST_COMPLETED)
         if from_client.done():
-            # The client is gone: the server gets EOF and ends as it would without us.
+            # The client is gone. The calls it sent are answered and recorded first (a
+            # server may stop at EOF without answering: its side effect would then run
+            # again on the retry), for a lease at most; then the server gets EOF.
+            if self._tasks:
+                await asyncio.wait(set(self._tasks), timeout=self.engine.lease)
             with contextlib.suppress(OSError):
                 assert child.stdin is not None
                 child.stdin.close()
             await from_child
         else:
             from_client.cancel()
-        for task in list(self._tasks):
-            task.cancel()
+        # Each keyed call has its answer, or its failure (the server closed): recorded
+        # and written before the proxy exits.
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if from_client.done() and not from_client.cancelled():
+            failed = from_client.exception()
+            if failed is not None and not isinstance(failed, OSError):
+                raise failed  # (an OSError: the server's input closed; its status says why)
         return await child.wait()
 
     # -- client to server ------------------------------------------------------------
