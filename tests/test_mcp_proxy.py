@@ -306,13 +306,11 @@ async def test_stdio_bad_keys_are_invalid_params_and_never_forwarded(
 def test_stdio_malformed_and_over_long_lines(tmp_path: Path, folder: Path) -> None:
     """A line that is not JSON passes through; one over the limit is refused; the
     proxy keeps relaying."""
-    proc = _raw_proxy(f"sqlite:///{tmp_path}/s.db", folder)
+    proc = _raw_proxy(f"sqlite:///{tmp_path}/s.db", folder, "--max-body", "4096")
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(b"not json\n")
     proc.stdin.write(
-        b'{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"x":"'
-        + b"y" * (2 << 20)
-        + b'"}}\n'
+        b'{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"x":"' + b"y" * 5000 + b'"}}\n'
     )
     proc.stdin.flush()
     refused = json.loads(proc.stdout.readline())

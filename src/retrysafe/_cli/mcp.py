@@ -81,6 +81,15 @@ def mcp_proxy(
             "a record (default), refuse, or share one public record space.",
         ),
     ] = None,
+    max_body: Annotated[
+        int | None,
+        typer.Option(
+            metavar="BYTES",
+            min=1,
+            help="The longest client message read (a stdio line, an HTTP body; default "
+            "1 MiB): a longer one is refused and never reaches the server.",
+        ),
+    ] = None,
     lease: Annotated[
         str | None,
         typer.Option(
@@ -97,9 +106,10 @@ def mcp_proxy(
     retrysafe mcp-proxy --upstream URL --listen HOST:PORT [--store URL].
     """
     from retrysafe._protocols.mcp import call_engine
-    from retrysafe._protocols.mcp_proxy import StdioRelay
+    from retrysafe._protocols.mcp_proxy import DEFAULT_MAX_LINE, StdioRelay
 
     times = {"ttl": duration_option(ttl, "--ttl"), "lease": duration_option(lease, "--lease")}
+    limit = DEFAULT_MAX_LINE if max_body is None else max_body
     if upstream is not None:
         if command:
             raise CliError("give either --upstream URL or a command after --, not both")
@@ -113,14 +123,17 @@ def mcp_proxy(
             principal_header,
             anonymous,
             times,
+            limit,
         )
     if not command:
         raise CliError("give the MCP server's command after --, or --upstream URL")
-    engine, plan = call_engine(store_url_for(store), ttl=times["ttl"], lease=times["lease"])
+    engine, plan = call_engine(
+        store_url_for(store), ttl=times["ttl"], lease=times["lease"], max_body=limit
+    )
     who = local_principal() if principal is None else principal
     if not who.strip():
         raise CliError("--principal must not be blank")
-    relay = StdioRelay(engine, plan, list(command), principal=who)
+    relay = StdioRelay(engine, plan, list(command), principal=who, max_line=limit)
     try:
         return asyncio.run(relay.run())
     except KeyboardInterrupt:
@@ -137,6 +150,7 @@ def _serve_http(
     principal_header: list[str] | None,
     anonymous: str | None,
     times: dict[str, float | None],
+    max_body: int,
 ) -> int:
     """Serve the MCP middleware in front of the forwarding to ``upstream`` until stopped."""
     # isort: off
@@ -158,7 +172,7 @@ def _serve_http(
     if anonymous is not None:
         options["anonymous"] = anonymous
     application = McpProxyMiddleware(
-        forward, store_url, ttl=times["ttl"], lease=times["lease"], **options
+        forward, store_url, ttl=times["ttl"], lease=times["lease"], max_body=max_body, **options
     )
     sock = bind(host, port)
     url = url_of(sock)
