@@ -557,3 +557,25 @@ async def test_middleware_in_front_of_a_python_asgi_app(tmp_path: Path, folder: 
         assert answer.status_code == 413
         assert answer.json()["error"]["code"] == -32600
     assert runs(folder) == 1
+
+
+async def over_limit_runs_once(client: Client, folder: Path) -> None:
+    """An answer over max_body reaches the client unrecorded; the retry is refused
+    (failed finally), never run again."""
+    first = await client.call_tool("report", {"size": 6000}, meta=keyed("big-1"))
+    assert text(first) == "r" * 6000
+    with pytest.raises(MCPError) as caught:
+        await client.call_tool("report", {"size": 6000}, meta=keyed("big-1"))
+    assert caught.value.data["code"] == "idempotency_failed"
+    assert runs(folder, "report") == 1
+
+
+async def test_answer_over_max_body_never_runs_again(tmp_path: Path, folder: Path) -> None:
+    async with stdio_client(f"sqlite:///{tmp_path}/a.db", folder, "--max-body", "4096") as client:
+        await over_limit_runs_once(client, folder)
+    (folder / "report.log").unlink()
+    with http_proxy(f"sqlite:///{tmp_path}/b.db", folder, "--max-body", "4096") as (_, proxy):
+        for mode in MODES:
+            async with http_client(proxy.url, mode, {"Authorization": f"Bearer {mode}"}) as client:
+                await over_limit_runs_once(client, folder)
+            (folder / "report.log").unlink()

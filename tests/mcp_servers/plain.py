@@ -41,6 +41,12 @@ def make_server(folder: Path) -> MCPServer:
             await asyncio.sleep(0.02)
         return f"slow {tag} (execution {count})"
 
+    @server.tool()
+    def report(size: int) -> str:
+        """A side effect with a long answer (``size`` characters)."""
+        ran("report", str(size))
+        return "r" * size
+
     @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
     def lookup(name: str) -> str:
         """Read-only: counted, never deduplicated."""

@@ -65,6 +65,15 @@ class _NoAnswer(Exception):
     """The app's answer held no JSON-RPC response to the call (passed on as it was)."""
 
 
+class _TooLarge:
+    """In a reply: an answer over ``max_body``, passed on unread. Not JSON, so that
+    :func:`~retrysafe._protocols.mcp.run_call` fails the attempt finally (the tool
+    ran: never again), as the engine does with any answer it cannot store."""
+
+
+_TOO_LARGE: Reply = {"result": {"answer": _TooLarge()}}
+
+
 def _json_bytes(doc: Any) -> bytes:
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -183,9 +192,11 @@ class _Watch:
             await self._sse(more)
 
     async def _give_up(self, more: bool) -> None:
-        """Over the limit: what was held goes on as it is, and so does the rest."""
+        """Over the limit: what was held goes on as it is, and so does the rest. Unless
+        the response was found, the tool ran and its answer cannot be recorded."""
         mode, self._mode = self._mode, _OTHER
-        self._miss()
+        if not self.reply.done():
+            self.reply.set_result(_TOO_LARGE)
         if mode == _JSON and self._start is not None:
             await self.send(self._start)
         body, self._buffer = bytes(self._buffer), bytearray()
