@@ -96,6 +96,7 @@ __all__ = [
     "HTTPProtocol",
     "app_from_env",
     "create_app",
+    "forwarder",
     "parse_upstream",
     "probe_store",
     "trusted_networks",
@@ -640,6 +641,16 @@ def create_app(
 ) -> Gateway:
     """The gateway in front of ``upstream`` as an ASGI app (see :class:`Gateway`)."""
     return Gateway(upstream, store=store, timeout=timeout, **options)
+
+
+def forwarder(
+    upstream: str, *, timeout: float = DEFAULT_TIMEOUT, trusted_proxies: Iterable[str] = ()
+) -> ASGIApp:
+    """The gateway's forwarding alone, with no idempotency of its own: a plain ASGI app
+    that sends every HTTP request to ``upstream`` and streams its answer back (what
+    ``retrysafe mcp-proxy --upstream`` puts behind its MCP middleware). Its ``aclose()``
+    closes the running event loop's upstream connections."""
+    return _Proxy(parse_upstream(upstream), float(timeout), trusted_networks(trusted_proxies))
 
 
 def app_from_env() -> ASGIApp:

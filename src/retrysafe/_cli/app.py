@@ -16,7 +16,7 @@ import typer
 
 # The command modules register their commands on the app, in the order --help lists them.
 # isort: off
-from retrysafe._cli import serve, records, ops, outbox, maps  # noqa: F401
+from retrysafe._cli import serve, mcp, records, ops, outbox, maps  # noqa: F401
 
 # isort: on
 from retrysafe._cli.common import CliError, app

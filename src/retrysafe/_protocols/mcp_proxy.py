@@ -1,0 +1,351 @@
+"""``retrysafe mcp-proxy`` over stdio: a relay in front of any MCP server's process.
+
+The proxy spawns the server and relays newline-delimited JSON-RPC between its
+own stdin/stdout and the child's (the child's stderr is the proxy's). A
+client-to-server ``tools/call`` request that carries a key (see
+:func:`retrysafe._protocols.mcp.parse_call`) goes through
+:func:`~retrysafe._protocols.mcp.run_call`: the first one is forwarded and its
+answer recorded; a replay or a refusal is answered by the proxy and never
+reaches the child. Everything else passes through untouched, in order.
+
+:class:`ToolBook` is the message-level logic that the stdio relay and the
+Streamable HTTP middleware share: which tools are read-only (learnt from the
+``tools/list`` answers that pass through), and the extension added to the
+``initialize`` / ``server/discover`` answers (SEP-2133).
+
+Over stdio there is one local client per proxy process: every call has the one
+principal the proxy was given (``--principal``; default the local user).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, BinaryIO
+
+from retrysafe._core.engine import Engine, Plan
+from retrysafe._protocols.mcp import (
+    CALL_METHOD,
+    EXTENSION_ID,
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    ToolCall,
+    extension_settings,
+    parse_call,
+    read_only,
+    refusal,
+    run_call,
+)
+from retrysafe.errors import InvalidKeyError
+
+__all__ = [
+    "DEFAULT_MAX_LINE",
+    "LISTENED",
+    "StdioRelay",
+    "ToolBook",
+    "answer_line",
+    "json_id",
+]
+
+#: The longest client line the relay parses (the HTTP doors' default body limit).
+DEFAULT_MAX_LINE = 1 << 20
+#: The child's lines are read whole up to this (the server is the one the proxy fronts).
+_MAX_CHILD_LINE = 1 << 28
+#: The requests whose answers the proxy reads on their way back.
+LISTENED = frozenset({"initialize", "server/discover", "tools/list"})
+
+Reply = dict[str, Any]
+
+
+def json_id(value: Any) -> str:
+    """A JSON-RPC id as a dict key: ``1`` and ``"1"`` stay apart."""
+    return json.dumps(value, sort_keys=True)
+
+
+def answer_line(request_id: Any, reply: Reply) -> bytes:
+    """The JSON-RPC response (one line, with its newline) carrying ``reply``."""
+    doc = {"jsonrpc": "2.0", "id": request_id, **reply}
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+
+
+class ToolBook:
+    """What a proxy learns from the answers that pass through it.
+
+    ``tools`` maps a tool's name to whether it is read-only (``readOnlyHint``);
+    a tool not yet listed is side-effecting.
+    """
+
+    def __init__(self, ttl: float) -> None:
+        self.ttl = ttl
+        self.tools: dict[str, bool] = {}
+
+    def read_only(self, name: str) -> bool:
+        """Whether ``name`` was listed read-only: its calls pass through unrecorded."""
+        return self.tools.get(name, False)
+
+    def answered(self, method: str, message: dict[str, Any]) -> bool:
+        """Read the answer to a ``method`` request (one of :data:`LISTENED`); True if
+        ``message`` was changed (the extension added to the capabilities)."""
+        result = message.get("result")
+        if not isinstance(result, dict):
+            return False
+        if method == "tools/list":
+            for tool in result.get("tools") or ():
+                if isinstance(tool, Mapping) and isinstance(tool.get("name"), str):
+                    self.tools[tool["name"]] = read_only(tool)
+            return False
+        capabilities = result.get("capabilities")
+        if not isinstance(capabilities, dict):
+            return False
+        extensions = capabilities.setdefault("extensions", {})
+        if not isinstance(extensions, dict):
+            return False
+        extensions[EXTENSION_ID] = extension_settings(self.ttl)
+        return True
+
+
+#: The notification by which a client cancels one of its requests.
+CANCELLED = "notifications/cancelled"
+
+
+class _Cancelled(Exception):
+    """The client cancelled the keyed call before its answer came."""
+
+
+def _error(code: int, message: str) -> Reply:
+    return {"error": {"code": code, "message": message}}
+
+
+class StdioRelay:
+    """The relay between a client (``stdin``/``stdout``) and a spawned server.
+
+    ``command`` is the server's command line; ``principal`` the one caller's
+    name; ``max_line`` the longest client line parsed (a longer one is answered
+    with an invalid-request error and dropped).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        plan: Plan,
+        command: list[str],
+        *,
+        principal: str,
+        max_line: int = DEFAULT_MAX_LINE,
+        final_failures: bool | None = None,
+    ) -> None:
+        if not command:
+            raise ValueError("mcp-proxy needs the server's command after --")
+        self.engine, self.plan, self.command = engine, plan, command
+        self.principal = principal
+        self.max_line = max_line
+        self.final_failures = final_failures
+        self.book = ToolBook(engine.ttl)
+        self._pending: dict[str, asyncio.Future[Reply]] = {}
+        self._listened: dict[str, str] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._out_lock = asyncio.Lock()
+        self._out: BinaryIO = sys.stdout.buffer
+        self._child: asyncio.subprocess.Process | None = None
+
+    async def _write_out(self, data: bytes) -> None:
+        async with self._out_lock:
+            self._out.write(data)
+            self._out.flush()
+
+    async def _write_child(self, data: bytes) -> None:
+        child = self._child
+        assert child is not None and child.stdin is not None
+        child.stdin.write(data)
+        await child.stdin.drain()
+
+    async def run(self) -> int:
+        """Relay until the client or the server closes; the server's exit status."""
+        self._child = child = await asyncio.create_subprocess_exec(
+            *self.command,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            limit=_MAX_CHILD_LINE,
+        )
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=self.max_line, loop=loop)
+        await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader, loop=loop), sys.stdin
+        )
+        from_child = asyncio.create_task(self._from_child())
+        from_client = asyncio.create_task(self._from_client(reader))
+        await asyncio.wait({from_child, from_client}, return_when=asyncio.FIRST_COMPLETED)
+        if from_client.done():
+            # The client is gone. The calls it sent are answered and recorded first (a
+            # server may stop at EOF without answering: its side effect would then run
+            # again on the retry), for a lease at most; then the server gets EOF.
+            if self._tasks:
+                await asyncio.wait(set(self._tasks), timeout=self.engine.lease)
+            with contextlib.suppress(OSError):
+                assert child.stdin is not None
+                child.stdin.close()
+            await from_child
+        else:
+            from_client.cancel()
+        # Each keyed call has its answer, or its failure (the server closed): recorded
+        # and written before the proxy exits.
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if from_client.done() and not from_client.cancelled():
+            failed = from_client.exception()
+            if failed is not None and not isinstance(failed, OSError):
+                raise failed  # (an OSError: the server's input closed; its status says why)
+        return await child.wait()
+
+    # -- client to server ------------------------------------------------------------
+
+    async def _from_client(self, reader: asyncio.StreamReader) -> None:
+        while True:
+            try:
+                line = await reader.readuntil(b"\n")
+            except asyncio.IncompleteReadError as exc:
+                if exc.partial:
+                    await self._from_client_line(exc.partial)
+                return
+            except asyncio.LimitOverrunError:
+                await self._skip_long(reader)
+                continue
+            await self._from_client_line(line)
+
+    async def _skip_long(self, reader: asyncio.StreamReader) -> None:
+        """Drop a line over ``max_line`` (never parsed) and say so to the client."""
+        while True:
+            try:
+                await reader.readuntil(b"\n")
+                break
+            except asyncio.LimitOverrunError as exc:
+                await reader.readexactly(exc.consumed)
+            except asyncio.IncompleteReadError:
+                break
+        message = f"a message over {self.max_line} bytes is not relayed"
+        await self._write_out(answer_line(None, _error(INVALID_REQUEST, message)))
+
+    async def _from_client_line(self, line: bytes) -> None:
+        try:
+            message = json.loads(line)
+        except (ValueError, RecursionError):
+            message = None  # not JSON: the server answers it as it would
+        if not isinstance(message, dict) or "id" not in message:
+            await self._write_child(line)
+            if isinstance(message, dict) and message.get("method") == CANCELLED:
+                await self._cancelled(message.get("params"))
+            return
+        method = message.get("method")
+        if method in LISTENED:
+            self._listened[json_id(message["id"])] = method
+        if method != CALL_METHOD:
+            await self._write_child(line)
+            return
+        request_id = message["id"]
+        try:
+            call = parse_call(
+                message.get("params"), principal=self.principal, request_id=request_id
+            )
+        except InvalidKeyError as exc:
+            await self._write_out(answer_line(request_id, {"error": refusal(exc)}))
+            return
+        if call is None or self.book.read_only(call.name):
+            await self._write_child(line)
+            return
+        await self._keyed(call, request_id, line)
+
+    async def _keyed(self, call: ToolCall, request_id: Any, line: bytes) -> None:
+        """Run a keyed call; return once it is forwarded or answered, so that the
+        messages after it reach the server after it."""
+        forwarded = asyncio.Event()
+        rid = json_id(request_id)
+
+        async def call_next() -> Reply:
+            future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+            self._pending[rid] = future
+            try:
+                await self._write_child(line)
+            finally:
+                forwarded.set()
+            try:
+                return await future
+            finally:
+                self._pending.pop(rid, None)
+
+        task = asyncio.create_task(self._answer(call, request_id, call_next))
+        self._tasks.add(task)
+        self._running[rid] = task
+
+        def forget(done: asyncio.Task[None]) -> None:
+            self._tasks.discard(done)
+            if self._running.get(rid) is done:
+                del self._running[rid]
+
+        task.add_done_callback(forget)
+        done = asyncio.create_task(forwarded.wait())
+        await asyncio.wait({task, done}, return_when=asyncio.FIRST_COMPLETED)
+        done.cancel()
+
+    async def _answer(
+        self, call: ToolCall, request_id: Any, call_next: Callable[[], Awaitable[Reply]]
+    ) -> None:
+        try:
+            reply = await run_call(
+                self.engine, self.plan, call, call_next, final_failures=self.final_failures
+            )
+        except _Cancelled:
+            return  # a cancelled request gets no answer
+        except (ConnectionError, EOFError) as exc:
+            reply = _error(INTERNAL_ERROR, f"the server did not answer: {exc}")
+        await self._write_out(answer_line(request_id, reply))
+
+    async def _cancelled(self, params: Any) -> None:
+        """The client cancelled a request: a keyed call it names fails (retryable, its
+        key free again) once the server has been told, before the next line is read."""
+        if not isinstance(params, Mapping) or "requestId" not in params:
+            return
+        rid = json_id(params["requestId"])
+        future = self._pending.get(rid)
+        task = self._running.get(rid)
+        if future is None or future.done():
+            return
+        future.set_exception(_Cancelled())
+        if task is not None:
+            await asyncio.wait({task})
+
+    # -- server to client ------------------------------------------------------------
+
+    async def _from_child(self) -> None:
+        child = self._child
+        assert child is not None and child.stdout is not None
+        try:
+            while line := await child.stdout.readline():
+                await self._from_child_line(line)
+        finally:
+            gone = EOFError("the server closed its output")
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(gone)
+
+    async def _from_child_line(self, line: bytes) -> None:
+        try:
+            message = json.loads(line)
+        except (ValueError, RecursionError):
+            message = None
+        if not isinstance(message, dict) or "method" in message or "id" not in message:
+            await self._write_out(line)  # a request or notification of the server's
+            return
+        rid = json_id(message["id"])
+        future = self._pending.get(rid)
+        if future is not None and not future.done():
+            reply = {k: v for k, v in message.items() if k in ("result", "error")}
+            future.set_result(reply)
+            return
+        method = self._listened.pop(rid, None)
+        if method is not None and self.book.answered(method, message):
+            line = json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()
+            line += b"\n"
+        await self._write_out(line)

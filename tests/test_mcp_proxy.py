@@ -1,0 +1,581 @@
+"""``retrysafe mcp-proxy`` in front of a plain MCP server (the official SDK, no
+retrysafe), driven by the official SDK's client, over stdio and Streamable HTTP,
+on SQLite, Redis and PostgreSQL.
+
+The upstream (tests/mcp_servers/plain.py) counts each tool's executions in a
+file shared by every process; ``slow`` blocks until the test releases it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+from _http_servers import Process, ThreadServer, free_port
+from conftest import store_url
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAIN = str(Path(__file__).resolve().parent / "mcp_servers" / "plain.py")
+META = "dev.retrysafe/idempotencyKey"
+EXT = "dev.retrysafe/idempotency"
+SHARED = ["sqlite", "redis", "postgres"]
+#: The per-request fields of a 2026-07-28 request, as the SDK's client sends them.
+SESSION = {
+    "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+    "io.modelcontextprotocol/clientInfo": {"name": "raw", "version": "0"},
+    "io.modelcontextprotocol/clientCapabilities": {},
+}
+
+
+def proxy_argv(store: str, folder: Path, *options: str) -> list[str]:
+    """``retrysafe mcp-proxy`` over stdio in front of the plain server."""
+    return [
+        sys.executable,
+        "-m",
+        "retrysafe",
+        "mcp-proxy",
+        "--store",
+        store,
+        *options,
+        "--",
+        sys.executable,
+        PLAIN,
+        str(folder),
+    ]
+
+
+def runs(folder: Path, tool: str = "charge") -> int:
+    """How many times ``tool`` ran upstream, in every process."""
+    log = folder / f"{tool}.log"
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def text(result: Any) -> str:
+    return str(result.content[0].text)
+
+
+def keyed(key: str) -> dict[str, Any]:
+    return {META: key}
+
+
+async def replays_and_conflicts(client: Client) -> None:
+    """The extension is advertised; a retry is the replay; other arguments conflict."""
+    assert EXT in (client.server_capabilities.extensions or {})
+    first = await client.call_tool("charge", {"amount": 5}, meta=keyed("order-1"))
+    again = await client.call_tool("charge", {"amount": 5}, meta=keyed("order-1"))
+    assert text(again) == text(first) == "charged 5 (execution 1)"
+    assert (again.meta or {})[EXT]["replayed"] is True
+    with pytest.raises(MCPError) as caught:
+        await client.call_tool("charge", {"amount": 6}, meta=keyed("order-1"))
+    assert caught.value.code == -32602
+    assert caught.value.data["code"] == "idempotency_conflict"
+
+
+@asynccontextmanager
+async def stdio_client(store: str, folder: Path, *options: str) -> AsyncIterator[Client]:
+    argv = proxy_argv(store, folder, *options)
+    # The SDK gives the child a minimal environment: the tests' own PYTHONPATH too.
+    env = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    params = StdioServerParameters(command=argv[0], args=argv[1:], cwd=str(ROOT), env=env)
+    async with Client(params) as client:
+        yield client
+
+
+@pytest.fixture(params=SHARED)
+def shared_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return store_url(request.param, request, tmp_path)
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    path = tmp_path / "upstream"
+    path.mkdir()
+    return path
+
+
+# -- stdio ------------------------------------------------------------------------------
+
+
+async def test_stdio_retry_replays_and_conflicts(shared_url: str, folder: Path) -> None:
+    async with stdio_client(shared_url, folder) as client:
+        await replays_and_conflicts(client)
+        # Unkeyed calls pass through, every time.
+        await client.call_tool("charge", {"amount": 1})
+    assert runs(folder) == 2
+    # Another proxy process on the same store replays too.
+    async with stdio_client(shared_url, folder) as client:
+        later = await client.call_tool("charge", {"amount": 5}, meta=keyed("order-1"))
+    assert text(later) == "charged 5 (execution 1)"
+    assert runs(folder) == 2
+
+
+def _raw_proxy(store: str, folder: Path, *options: str) -> subprocess.Popen[bytes]:
+    """The proxy as a bare subprocess: a client that writes lines and may never read."""
+    proc = subprocess.Popen(
+        proxy_argv(store, folder, *options),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    _send(
+        proc, {"jsonrpc": "2.0", "id": 0, "method": "server/discover", "params": {"_meta": SESSION}}
+    )
+    assert json.loads(proc.stdout.readline())["id"] == 0
+    return proc
+
+
+def _send(proc: subprocess.Popen[bytes], message: dict[str, Any]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(message).encode() + b"\n")
+    proc.stdin.flush()
+
+
+def _call(request_id: int, tool: str, arguments: dict[str, Any], key: str) -> dict[str, Any]:
+    params = {"name": tool, "arguments": arguments, "_meta": {**SESSION, **keyed(key)}}
+    return {"jsonrpc": "2.0", "id": request_id, "method": "tools/call", "params": params}
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            pipe.close()
+
+
+def _wait_for(path: Path) -> None:
+    """Wait until the upstream creates ``path`` (it does so as ``slow`` starts)."""
+    for _ in range(3000):
+        if path.exists():
+            return
+        select.select([], [], [], 0.02)
+    raise AssertionError(f"{path.name} never appeared")
+
+
+async def test_stdio_answer_lost_after_the_record_is_a_replay(
+    shared_url: str, folder: Path
+) -> None:
+    """Killed once the answer is recorded and written, before the client read it:
+    the retry through a new proxy on the same store is the replay."""
+    proc = _raw_proxy(shared_url, folder)
+    _send(proc, _call(1, "charge", {"amount": 7}, "lost-1"))
+    # The proxy records, then writes: a readable answer is a recorded one. Not read.
+    assert proc.stdout is not None
+    readable, _, _ = select.select([proc.stdout], [], [], 60)
+    assert readable
+    _kill(proc)
+    assert runs(folder) == 1
+    async with stdio_client(shared_url, folder) as client:
+        retry = await client.call_tool("charge", {"amount": 7}, meta=keyed("lost-1"))
+    assert text(retry) == "charged 7 (execution 1)"
+    assert (retry.meta or {})[EXT]["replayed"] is True
+    assert runs(folder) == 1
+
+
+async def test_stdio_killed_mid_call_is_in_flight_after_restart(
+    shared_url: str, folder: Path
+) -> None:
+    """SIGKILL while ``slow`` runs: the restarted proxy answers in flight while the
+    first call's lease lives, and runs nothing."""
+    proc = _raw_proxy(shared_url, folder, "--lease", "10m")
+    _send(proc, _call(1, "slow", {"tag": "a"}, "slow-1"))
+    _wait_for(folder / "slow.started")
+    _kill(proc)
+    try:
+        async with stdio_client(shared_url, folder) as client:
+            with pytest.raises(MCPError) as caught:
+                await client.call_tool("slow", {"tag": "a"}, meta=keyed("slow-1"))
+    finally:
+        (folder / "slow.release").write_text("go")
+    assert caught.value.code == -32603
+    assert caught.value.data["code"] == "idempotency_in_flight"
+    assert caught.value.data["retryable"] is True
+    assert caught.value.data["retryAfter"] >= 1
+    assert runs(folder, "slow") == 1
+
+
+async def test_stdio_client_closing_at_once_still_gets_its_call_recorded(
+    tmp_path: Path, folder: Path
+) -> None:
+    """The client writes a keyed call and closes its side: the proxy still records
+    and writes the answer before it exits with the server's status."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    proc = _raw_proxy(url, folder)
+    assert proc.stdin is not None and proc.stdout is not None
+    _send(proc, _call(1, "charge", {"amount": 8}, "eof-1"))
+    proc.stdin.close()
+    lines = proc.stdout.read().splitlines()
+    assert proc.wait(60) == 0
+    proc.stdout.close()
+    assert [json.loads(line)["id"] for line in lines] == [1]
+    async with stdio_client(url, folder) as client:
+        retry = await client.call_tool("charge", {"amount": 8}, meta=keyed("eof-1"))
+    assert (retry.meta or {})[EXT]["replayed"] is True
+    assert runs(folder) == 1
+
+
+def test_stdio_cancelled_call_frees_its_key(tmp_path: Path, folder: Path) -> None:
+    """A keyed call the client cancels fails, retryable: the retry runs, it is not
+    in flight until the proxy exits."""
+    proc = _raw_proxy(f"sqlite:///{tmp_path}/s.db", folder)
+    assert proc.stdout is not None
+    _send(proc, _call(1, "slow", {"tag": "a"}, "cancel-1"))
+    _wait_for(folder / "slow.started")
+    cancel = {"requestId": 1, "reason": "the user gave up"}
+    _send(proc, {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": cancel})
+    (folder / "slow.release").write_text("go")
+    _send(proc, _call(2, "slow", {"tag": "a"}, "cancel-1"))
+    while (answer := json.loads(proc.stdout.readline()))["id"] != 2:
+        assert "error" not in answer, answer  # the server's late answer to 1, if any
+    _kill(proc)
+    assert answer["result"]["content"][0]["text"] == "slow a (execution 2)"
+
+
+async def test_stdio_concurrent_duplicates_run_once(tmp_path: Path, folder: Path) -> None:
+    """Many tasks on one client, and several processes each with its own proxy."""
+    url = f"sqlite:///{tmp_path}/shared.db"
+
+    async def one_client(calls: int) -> list[str]:
+        async with stdio_client(url, folder) as client:
+            outcomes = await asyncio.gather(
+                *(
+                    client.call_tool("charge", {"amount": 9}, meta=keyed("storm-1"))
+                    for _ in range(calls)
+                ),
+                return_exceptions=True,
+            )
+        seen = []
+        for outcome in outcomes:
+            if isinstance(outcome, MCPError):
+                assert outcome.data["code"] == "idempotency_in_flight", outcome
+                seen.append("in flight")
+            else:
+                assert not isinstance(outcome, BaseException), outcome
+                seen.append(text(outcome))
+        return seen
+
+    answers = await asyncio.gather(*(one_client(6) for _ in range(4)))
+    assert runs(folder) == 1
+    done = {a for group in answers for a in group if a != "in flight"}
+    assert done <= {"charged 9 (execution 1)"}
+
+
+async def test_stdio_principals_and_read_only(tmp_path: Path, folder: Path) -> None:
+    url = f"sqlite:///{tmp_path}/shared.db"
+    for name in ("alice", "bob", "alice"):
+        async with stdio_client(url, folder, "--principal", name) as client:
+            await client.call_tool("charge", {"amount": 2}, meta=keyed("same-key"))
+    assert runs(folder) == 2  # alice once, bob once
+    async with stdio_client(url, folder) as client:
+        await client.list_tools()  # the proxy learns that lookup is read-only
+        for _ in range(2):
+            await client.call_tool("lookup", {"name": "x"}, meta=keyed("read-1"))
+    assert runs(folder, "lookup") == 2
+
+
+async def test_stdio_bad_keys_are_invalid_params_and_never_forwarded(
+    tmp_path: Path, folder: Path
+) -> None:
+    url = f"sqlite:///{tmp_path}/shared.db"
+    async with stdio_client(url, folder) as client:
+        for bad in ("", "k" * 1025, 42):
+            with pytest.raises(MCPError) as caught:
+                await client.call_tool("charge", {"amount": 1}, meta={META: bad})
+            assert caught.value.code == -32602
+            assert caught.value.data["code"] == "idempotency_key_invalid"
+    assert runs(folder) == 0
+
+
+def test_stdio_malformed_and_over_long_lines(tmp_path: Path, folder: Path) -> None:
+    """A line that is not JSON passes through; one over the limit is refused; the
+    proxy keeps relaying."""
+    proc = _raw_proxy(f"sqlite:///{tmp_path}/s.db", folder, "--max-body", "4096")
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b"not json\n")
+    proc.stdin.write(
+        b'{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"x":"' + b"y" * 5000 + b'"}}\n'
+    )
+    proc.stdin.flush()
+    refused = json.loads(proc.stdout.readline())
+    assert refused["id"] is None and refused["error"]["code"] == -32600
+    two = _call(6, "charge", {"amount": 3}, "a")
+    two["params"]["idempotencyKey"] = "b"
+    _send(proc, two)
+    refused = json.loads(proc.stdout.readline())
+    assert refused["id"] == 6 and refused["error"]["code"] == -32602
+    _send(proc, _call(7, "charge", {"amount": 3}, "after-1"))
+    answer = json.loads(proc.stdout.readline())
+    assert answer["id"] == 7 and "result" in answer
+    _kill(proc)
+    assert runs(folder) == 1
+
+
+# -- Streamable HTTP --------------------------------------------------------------------
+
+
+def _start(argv: list[str], port: int) -> Process:
+    server = Process(argv, port, health="/mcp")
+    server.__enter__()
+    return server
+
+
+def _proxy_process(store: str, upstream: int, port: int, *options: str) -> Process:
+    argv = [
+        sys.executable,
+        "-m",
+        "retrysafe",
+        "mcp-proxy",
+        "--upstream",
+        f"http://127.0.0.1:{upstream}/mcp",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--store",
+        store,
+        *options,
+    ]
+    return _start(argv, port)
+
+
+def _sigkill(server: Process) -> None:
+    assert server.proc is not None
+    os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(30)
+    if server.proc.stdout:
+        server.proc.stdout.close()
+
+
+@contextmanager
+def http_proxy(store: str, folder: Path, *options: str) -> Iterator[tuple[Process, Process]]:
+    """The plain server on Streamable HTTP, and the proxy in front: (upstream, proxy)."""
+    up = _start([sys.executable, PLAIN, str(folder), "--http", str(port := free_port())], port)
+    try:
+        proxy = _proxy_process(store, up.port, free_port(), *options)
+        try:
+            yield up, proxy
+        finally:
+            proxy.__exit__()
+    finally:
+        up.__exit__()
+
+
+@asynccontextmanager
+async def http_client(
+    url: str, mode: str = "auto", headers: dict[str, str] | None = None
+) -> AsyncIterator[Client]:
+    transport = streamable_http_client(
+        f"{url}/mcp", http_client=httpx2.AsyncClient(headers=headers or {}, timeout=120)
+    )
+    async with Client(transport, mode=mode) as client:
+        yield client
+
+
+#: auto: the 2026-07-28 protocol, answered as application/json; legacy: initialize
+#: and a session, answered as text/event-stream.
+MODES = ["auto", "legacy"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_http_retry_replays_conflicts_and_scopes(
+    shared_url: str, folder: Path, mode: str
+) -> None:
+    with http_proxy(shared_url, folder) as (_, proxy):
+        alice = {"Authorization": "Bearer alice-token"}
+        async with http_client(proxy.url, mode, alice) as client:
+            await replays_and_conflicts(client)
+            await client.list_tools()  # the proxy learns that lookup is read-only
+            for _ in range(2):
+                await client.call_tool("lookup", {"name": "x"}, meta=keyed("read-1"))
+        assert runs(folder) == 1
+        assert runs(folder, "lookup") == 2
+        # Another bearer token is another caller: the same key runs once for it.
+        bob = {"Authorization": "Bearer bob-token"}
+        async with http_client(proxy.url, mode, bob) as client:
+            theirs = await client.call_tool("charge", {"amount": 5}, meta=keyed("order-1"))
+            again = await client.call_tool("charge", {"amount": 5}, meta=keyed("order-1"))
+        assert text(theirs) == text(again) == "charged 5 (execution 2)"
+        assert runs(folder) == 2
+        # The key in the Idempotency-Key header.
+        async with http_client(proxy.url, mode, {**alice, "Idempotency-Key": "h-1"}) as client:
+            one = await client.call_tool("charge", {"amount": 1})
+            two = await client.call_tool("charge", {"amount": 1})
+        assert text(one) == text(two) == "charged 1 (execution 3)"
+    assert runs(folder) == 3
+
+
+async def test_http_bad_keys_are_invalid_params_and_never_forwarded(
+    tmp_path: Path, folder: Path
+) -> None:
+    with http_proxy(f"sqlite:///{tmp_path}/s.db", folder) as (_, proxy):
+        token = {"Authorization": "Bearer t"}
+        async with http_client(proxy.url, "auto", token) as client:
+            for bad in ("", "k" * 1025, 42):
+                with pytest.raises(MCPError) as caught:
+                    await client.call_tool("charge", {"amount": 1}, meta={META: bad})
+                assert caught.value.code == -32602
+                assert caught.value.data["code"] == "idempotency_key_invalid"
+        headers = {**token, "Idempotency-Key": "other"}
+        async with http_client(proxy.url, "auto", headers) as client:
+            with pytest.raises(MCPError) as caught:
+                await client.call_tool("charge", {"amount": 1}, meta=keyed("one"))
+            assert caught.value.code == -32602
+    assert runs(folder) == 0
+
+
+async def test_http_concurrent_duplicates_run_once(tmp_path: Path, folder: Path) -> None:
+    """Many tasks on several clients, through two proxies that share one store."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    with http_proxy(url, folder) as (up, proxy):
+        second = _proxy_process(url, up.port, free_port())
+        try:
+
+            async def one_client(at: str) -> list[str]:
+                async with http_client(at, "auto", {"Authorization": "Bearer t"}) as client:
+                    outcomes = await asyncio.gather(
+                        *(
+                            client.call_tool("charge", {"amount": 9}, meta=keyed("storm-1"))
+                            for _ in range(6)
+                        ),
+                        return_exceptions=True,
+                    )
+                seen = []
+                for outcome in outcomes:
+                    if isinstance(outcome, MCPError):
+                        assert outcome.data["code"] == "idempotency_in_flight", outcome
+                    else:
+                        assert not isinstance(outcome, BaseException), outcome
+                        seen.append(text(outcome))
+                return seen
+
+            answers = await asyncio.gather(
+                *(one_client(at) for at in (proxy.url, second.url, proxy.url, second.url))
+            )
+        finally:
+            second.__exit__()
+    assert runs(folder) == 1
+    assert {a for group in answers for a in group} <= {"charged 9 (execution 1)"}
+
+
+async def test_http_killed_mid_call_is_in_flight_after_restart(
+    shared_url: str, folder: Path
+) -> None:
+    """SIGKILL the proxy while ``slow`` runs upstream (which keeps running); the
+    proxy restarted on the same store answers in flight, and runs nothing."""
+    token = {"Authorization": "Bearer t"}
+    with http_proxy(shared_url, folder, "--lease", "10m") as (up, proxy):
+
+        async def first() -> None:
+            async with http_client(proxy.url, "auto", token) as client:
+                await client.call_tool("slow", {"tag": "a"}, meta=keyed("slow-1"))
+
+        call = asyncio.create_task(first())
+        try:
+            await asyncio.to_thread(_wait_for, folder / "slow.started")
+            _sigkill(proxy)
+            (lost,) = await asyncio.gather(call, return_exceptions=True)
+            assert isinstance(lost, BaseException)  # the answer never came
+            again = _proxy_process(shared_url, up.port, proxy.port, "--lease", "10m")
+            try:
+                async with http_client(again.url, "auto", token) as client:
+                    with pytest.raises(MCPError) as caught:
+                        await client.call_tool("slow", {"tag": "a"}, meta=keyed("slow-1"))
+            finally:
+                again.__exit__()
+        finally:
+            (folder / "slow.release").write_text("go")
+            call.cancel()
+    assert caught.value.data["code"] == "idempotency_in_flight"
+    assert caught.value.data["retryable"] is True
+    assert runs(folder, "slow") == 1
+
+
+async def test_http_answer_lost_after_the_record_is_a_replay(shared_url: str, folder: Path) -> None:
+    """Killed once the answer is recorded (the proxy sends nothing before), before
+    the client read it: the retry through the restarted proxy is the replay."""
+    token = {"Authorization": "Bearer t"}
+    with http_proxy(shared_url, folder) as (up, proxy):
+        body = json.dumps(_call(1, "charge", {"amount": 7}, "lost-1")).encode()
+        head = (
+            f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{proxy.port}\r\n"
+            "Authorization: Bearer t\r\nContent-Type: application/json\r\n"
+            "Accept: application/json, text/event-stream\r\n"
+            "MCP-Protocol-Version: 2026-07-28\r\nMcp-Method: tools/call\r\nMcp-Name: charge\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+            sock.sendall(head + body)
+            readable, _, _ = select.select([sock], [], [], 60)  # never read
+            assert readable
+            _sigkill(proxy)
+        assert runs(folder) == 1
+        again = _proxy_process(shared_url, up.port, proxy.port)
+        try:
+            async with http_client(again.url, "auto", token) as client:
+                retry = await client.call_tool("charge", {"amount": 7}, meta=keyed("lost-1"))
+        finally:
+            again.__exit__()
+    assert text(retry) == "charged 7 (execution 1)"
+    assert (retry.meta or {})[EXT]["replayed"] is True
+    assert runs(folder) == 1
+
+
+async def test_middleware_in_front_of_a_python_asgi_app(tmp_path: Path, folder: Path) -> None:
+    """The proxy's middleware on its own, around the SDK's own ASGI app (JSON and SSE)."""
+    from mcp_servers.plain import make_server
+
+    from retrysafe._protocols.mcp_asgi import McpProxyMiddleware
+
+    app = McpProxyMiddleware(
+        make_server(folder).streamable_http_app(), f"sqlite:///{tmp_path}/s.db", max_body=4096
+    )
+    with ThreadServer(app, "asgi") as server:
+        for mode in MODES:
+            async with http_client(server.url, mode, {"Authorization": "Bearer t"}) as client:
+                first = await client.call_tool("charge", {"amount": 4}, meta=keyed("mw-1"))
+                again = await client.call_tool("charge", {"amount": 4}, meta=keyed("mw-1"))
+            assert text(first) == text(again) == "charged 4 (execution 1)"
+        # A body over max_body is refused whole: nothing reaches the app.
+        big = _call(9, "charge", {"amount": 1, "pad": "x" * 5000}, "mw-2")
+        async with httpx2.AsyncClient() as raw:
+            answer = await raw.post(f"{server.url}/mcp", json=big)
+        assert answer.status_code == 413
+        assert answer.json()["error"]["code"] == -32600
+    assert runs(folder) == 1
+
+
+async def over_limit_runs_once(client: Client, folder: Path) -> None:
+    """An answer over max_body reaches the client unrecorded; the retry is refused
+    (failed finally), never run again."""
+    first = await client.call_tool("report", {"size": 6000}, meta=keyed("big-1"))
+    assert text(first) == "r" * 6000
+    with pytest.raises(MCPError) as caught:
+        await client.call_tool("report", {"size": 6000}, meta=keyed("big-1"))
+    assert caught.value.data["code"] == "idempotency_failed"
+    assert runs(folder, "report") == 1
+
+
+async def test_answer_over_max_body_never_runs_again(tmp_path: Path, folder: Path) -> None:
+    async with stdio_client(f"sqlite:///{tmp_path}/a.db", folder, "--max-body", "4096") as client:
+        await over_limit_runs_once(client, folder)
+    (folder / "report.log").unlink()
+    with http_proxy(f"sqlite:///{tmp_path}/b.db", folder, "--max-body", "4096") as (_, proxy):
+        for mode in MODES:
+            async with http_client(proxy.url, mode, {"Authorization": f"Bearer {mode}"}) as client:
+                await over_limit_runs_once(client, folder)
+            (folder / "report.log").unlink()
