@@ -147,21 +147,21 @@ class McpIdempotency:
         different credentials or a missing one (``anonymous="refuse"``) are
         refused, and nothing runs or is written.
         """
-        keys = tuple(header_keys)
-        arg = self.key_argument
         try:
-            call = parse_call(params, header_keys=keys, key_argument=arg, request_id=request_id)
+            call = parse_call(
+                params,
+                header_keys=header_keys,
+                key_argument=self.key_argument,
+                request_id=request_id,
+            )
             who = None
             if call is not None:
                 who = await principal() if callable(principal) else principal
-            if call is not None and who is not None:  # the scope is the caller's
-                call = parse_call(
-                    params, principal=who, header_keys=keys, key_argument=arg, request_id=request_id
-                )
         except IdempotencyError as exc:
             return {"error": refusal(exc)}
         if call is None or who is None:
             return await call_next()
+        call = call.of(who)  # the scope is the caller's
         # A keyed call that started runs to its end and records its answer even if
         # the client leaves or cancels: its retry gets that answer (in flight
         # meanwhile), never a second run.

@@ -22,6 +22,7 @@ Where a key is read, in this order (two different keys are an invalid request):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -90,13 +91,27 @@ class McpError(TypedDict):
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
-    """A keyed ``tools/call``, ready for the engine."""
+    """A keyed ``tools/call``, ready for the engine.
+
+    ``key`` is the engine's key (``sha256:…`` for a key that is not one);
+    ``sent_key`` the key as the client sent it, which refusals echo.
+    """
 
     name: str
     key: str
     scope: str
     fingerprint: str
     request_id: str | None
+    sent_key: str
+
+    def of(self, principal: str) -> ToolCall:
+        """This call, made by ``principal`` (its scope)."""
+        return dataclasses.replace(self, scope=_scope(principal))
+
+
+def _scope(principal: str) -> str:
+    # JSON, so that no choice of principal can run into another scope.
+    return canonical_json([principal]).decode()
 
 
 def _meta_key(params: Mapping[str, Any]) -> Any:
@@ -122,43 +137,46 @@ def parse_call(
     """The keyed call in a ``tools/call`` request's ``params``, or None if it has no key.
 
     ``header_keys`` are the request's ``Idempotency-Key`` header values (HTTP
-    only); ``principal`` is the caller, as the door found it. Raises
-    :class:`InvalidKeyError` for params that are not a tool call, a malformed
-    key, or two different keys in one request.
+    only); ``principal`` is the caller, as the door found it (or give it later
+    with :meth:`ToolCall.of`). A call without a key is None whatever its shape:
+    it is the server's to answer. Raises :class:`InvalidKeyError` for a keyed
+    call whose params are not a tool call, a malformed key, or two different
+    keys in one request.
     """
     if not isinstance(params, Mapping):
+        if not header_keys:
+            return None
         raise InvalidKeyError("tools/call needs params with a tool name")
+    arguments = params.get("arguments")
+    sent: list[tuple[Any, str]] = []
+    value = _meta_key(params)
+    if value is not None:
+        sent.append((value, f"params._meta[{META_KEY!r}]"))
+    value = params.get(PARAM_KEY)
+    if value is not None:
+        sent.append((value, f"params.{PARAM_KEY}"))
+    sent.extend((v, "the Idempotency-Key header") for v in header_keys)
+    if key_argument is not None and isinstance(arguments, Mapping) and key_argument in arguments:
+        sent.append((arguments[key_argument], f"the argument {key_argument!r}"))
+        arguments = {k: v for k, v in arguments.items() if k != key_argument}
+    if not sent:
+        return None
+    found = [_key_of(value, where) for value, where in sent]
+    if any(k != found[0] for k in found[1:]):
+        raise InvalidKeyError("the call carries two different idempotency keys")
     name = params.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidKeyError("tools/call needs params.name, a non-empty string")
-    arguments = params.get("arguments")
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, Mapping):
         raise InvalidKeyError("tools/call params.arguments must be an object")
-    found: list[str] = []
-    value = _meta_key(params)
-    if value is not None:
-        found.append(_key_of(value, f"params._meta[{META_KEY!r}]"))
-    value = params.get(PARAM_KEY)
-    if value is not None:
-        found.append(_key_of(value, f"params.{PARAM_KEY}"))
-    found.extend(_key_of(v, "the Idempotency-Key header") for v in header_keys)
-    if key_argument is not None and key_argument in arguments:
-        found.append(_key_of(arguments[key_argument], f"the argument {key_argument!r}"))
-        arguments = {k: v for k, v in arguments.items() if k != key_argument}
-    if not found:
-        return None
-    if any(k != found[0] for k in found[1:]):
-        raise InvalidKeyError("the call carries two different idempotency keys")
     try:
-        # JSON, so that no choice of principal can run into another scope.
-        scope = canonical_json([principal]).decode()
         fp = fingerprint("tools/call", name, dict(arguments))
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidKeyError(f"the call cannot be fingerprinted: {exc}") from None
     rid = None if request_id is None else str(request_id)
-    return ToolCall(name, found[0], scope, fp, rid)
+    return ToolCall(name, found[0], _scope(principal), fp, rid, str(sent[0][0]))
 
 
 def read_only(tool: Mapping[str, Any] | None) -> bool:
@@ -199,7 +217,7 @@ def refusal(exc: IdempotencyError, key: str | None = None) -> McpError:
     ``data`` holds ``code`` (retrysafe's machine code), ``retryable`` and, where
     they apply, ``retryAfter`` (seconds), ``originalRequestId`` and
     ``originalFingerprint``; an in-flight call and a conflict also carry
-    SEP-3182's ``type`` and ``idempotencyKey`` (``key``, as the engine keeps it).
+    SEP-3182's ``type`` and ``idempotencyKey`` (``key``, as the client sent it).
     """
     data: dict[str, Any] = {"code": exc.code, "retryable": False}
     sep_type = _SEP_TYPES.get(exc.code)
@@ -330,4 +348,4 @@ async def run_call(
         if entered:
             raise
         METRICS.refused(plan.operation, exc)
-        return {"error": refusal(exc, call.key)}
+        return {"error": refusal(exc, call.sent_key)}
