@@ -23,7 +23,9 @@ Where a key is read, in this order (two different keys are an invalid request):
 from __future__ import annotations
 
 import dataclasses
+import getpass
 import math
+import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict, Unpack
@@ -56,6 +58,7 @@ __all__ = [
     "call_engine",
     "extension_settings",
     "failed_finally",
+    "local_principal",
     "parse_call",
     "read_only",
     "refusal",
@@ -187,13 +190,36 @@ def read_only(tool: Mapping[str, Any] | None) -> bool:
     return isinstance(annotations, Mapping) and annotations.get("readOnlyHint") is True
 
 
-def extension_settings(ttl: float) -> dict[str, Any]:
-    """The settings advertised at ``capabilities.extensions[EXTENSION_ID]``."""
-    return {
+def extension_settings(
+    ttl: float, *, unrecorded: Iterable[str] = (), key_argument: str | None = None
+) -> dict[str, Any]:
+    """The settings advertised at ``capabilities.extensions[EXTENSION_ID]``.
+
+    ``unrecordedTools`` names the tools whose keyed calls run without a record
+    (opted out): a client must not resend a lost call to them. ``keyArgument``
+    is the tool argument that may carry the key, if the server takes one.
+    """
+    settings: dict[str, Any] = {
         "keyIn": ["_meta", PARAM_KEY, "Idempotency-Key"],
         "metaKey": META_KEY,
         "retentionSeconds": int(ttl),
     }
+    if key_argument is not None:
+        settings["keyIn"].append("argument")
+        settings["keyArgument"] = key_argument
+    names = sorted(set(unrecorded))
+    if names:
+        settings["unrecordedTools"] = names
+    return settings
+
+
+def local_principal() -> str:
+    """The principal of a stdio connection's one client: the local user who runs
+    the server (or the proxy). Two users sharing one store keep apart."""
+    try:
+        return f"local user {getpass.getuser()}"
+    except Exception:  # no user name (a container without one): the uid
+        return f"local user uid {os.getuid()}" if hasattr(os, "getuid") else "local user"
 
 
 # -- answers ------------------------------------------------------------------------
