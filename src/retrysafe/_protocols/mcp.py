@@ -54,6 +54,8 @@ __all__ = [
     "REPLAY_META",
     "CallOptions",
     "McpError",
+    "NotAnAnswer",
+    "Reply",
     "ToolCall",
     "call_engine",
     "extension_settings",
@@ -333,7 +335,14 @@ def call_engine(store: Any, **options: Unpack[DoorOptions]) -> tuple[Engine, Pla
     return door_engine(store, "mcp.tools_call", **options)
 
 
+#: A JSON-RPC reply body: ``{"result": ...}`` or ``{"error": ...}``.
 Reply = dict[str, Any]
+
+
+class NotAnAnswer(dict[str, Any]):
+    """A reply that is not the call's answer (an MRTR ask, the dispatcher's refusal
+    before the tool ran): :func:`run_call` passes it on and frees the key
+    (retryable, whatever the failure policy), so the next call with it runs."""
 
 
 async def run_call(
@@ -349,7 +358,7 @@ async def run_call(
     ``call_next`` answers the reply body of the real call (``{"result": ...}``
     or ``{"error": ...}``). Returns that body, a replayed one, or a refusal
     (``{"error": ...}``). An exception of ``call_next`` fails the attempt
-    (retryable) and propagates.
+    (retryable) and propagates; a :class:`NotAnAnswer` is passed on unrecorded.
     """
     entered = False
     try:
@@ -361,6 +370,9 @@ async def run_call(
                 return replayed(att.replay.outcome, att.replay.record.request_id)
             with renewing(att):
                 reply = await call_next()
+            if isinstance(reply, NotAnAnswer):
+                await arecord(att, None, failed=True, final=False, answer="a call's non-answer")
+                return reply
             try:
                 ok, outcome = settlement(reply)
                 final = final_failures
