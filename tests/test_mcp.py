@@ -23,7 +23,9 @@ from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
+from retrysafe import Engine
 from retrysafe.mcp import EXTENSION_ID, META_KEY, REPLAY_META, McpIdempotency
+from retrysafe.stores.memory import MemoryStore
 
 SHOP = str(TESTS / "mcp_servers" / "shop.py")
 
@@ -111,7 +113,9 @@ async def test_a_retry_after_a_lost_answer_replays_over_stdio(sqlite_shop: Shop)
     async with sqlite_shop.client() as client:
         again = await client.call_tool("charge", {"test_id": tid, "amount": 5}, meta=keyed(key))
         assert client.server_capabilities.extensions is not None
-        assert EXTENSION_ID in client.server_capabilities.extensions
+        settings = client.server_capabilities.extensions[EXTENSION_ID]
+    assert settings["unrecordedTools"] == ["refund"]
+    assert settings["keyArgument"] == "idempotency_key" and "argument" in settings["keyIn"]
     assert sqlite_shop.count(tid) == 1
     assert text(again) == text(first) == "charge 5 run 1"
     assert again.meta is not None and again.meta[REPLAY_META]["replayed"] is True
@@ -201,28 +205,33 @@ async def test_concurrent_duplicates_over_http_run_once(
     two = Shop(url, tmp_path / "counts")
     one.root.mkdir(exist_ok=True)
     tid, key = f"storm-{kind}", str(uuid.uuid4())
+    calls = (one, two) * 4
+    refused: list[MCPError] = []
+    all_refused = asyncio.Event()
     with http_shop(one), http_shop(two):
 
-        async def call(shop: Shop) -> str | int:
+        async def call(shop: Shop) -> str:
             async with shop.client() as client:
                 try:
                     done = await client.call_tool("slow", {"test_id": tid}, meta=keyed(key))
                 except MCPError as exc:
-                    assert exc.data["code"] == "idempotency_in_flight"
-                    return -1
+                    refused.append(exc)
+                    if len(refused) == len(calls) - 1:
+                        all_refused.set()
+                    return "in flight"
                 return text(done)
 
-        calls = [asyncio.ensure_future(call(s)) for s in (one, two) * 4]
-        while one.count(tid) == 0:
-            await asyncio.sleep(0.01)
-        in_flight = [c for c in calls if not c.done()]
+        running = [asyncio.ensure_future(call(s)) for s in calls]
+        # every duplicate is refused while the first call still waits at its gate
+        await asyncio.wait_for(all_refused.wait(), 60)
+        assert one.count(tid) == 1
         one.open_gate(tid)
-        answers = await asyncio.gather(*calls)
+        answers = await asyncio.gather(*running)
         async with two.client() as client:  # a retry once it is done: the stored answer
             again = await client.call_tool("slow", {"test_id": tid}, meta=keyed(key))
     assert one.count(tid) == 1
-    assert len(in_flight) >= 1
-    assert set(answers) <= {"slow run 1", -1} and "slow run 1" in answers
+    assert sorted(answers) == ["in flight"] * (len(calls) - 1) + ["slow run 1"]
+    assert {e.data["code"] for e in refused} == {"idempotency_in_flight"}
     assert text(again) == "slow run 1" and again.meta[REPLAY_META]["replayed"] is True
 
 
@@ -230,16 +239,17 @@ async def test_two_oauth_principals_never_share_a_key(sqlite_shop: Shop) -> None
     key = str(uuid.uuid4())
     with http_shop(sqlite_shop, "--oauth"):
         answers = {}
-        for token in ("token-alice", "token-bob", "token-alice"):
+        for token in ("token-alice", "token-bob", "token-alice", "token-alice-2"):
             http = httpx2.AsyncClient(
                 headers={"Authorization": f"Bearer {token}", "Idempotency-Key": key}, timeout=60
             )
             async with Client(streamable_http_client(sqlite_shop.url or "", http_client=http)) as c:
                 done = await c.call_tool("charge", {"test_id": "owners", "amount": 3})
                 answers.setdefault(token, []).append(text(done))
-    assert answers == {
+    assert answers == {  # a refreshed token of alice's is alice: her answer
         "token-alice": ["charge 3 run 1", "charge 3 run 1"],
         "token-bob": ["charge 3 run 2"],
+        "token-alice-2": ["charge 3 run 1"],
     }
     assert sqlite_shop.count("owners") == 2
 
@@ -316,12 +326,12 @@ async def test_http_principal_hashes_credentials_and_anonymous_follows_the_optio
     def scope(*headers: tuple[bytes, bytes]) -> dict[str, Any]:
         return {"type": "http", "headers": list(headers), "query_string": b""}
 
-    run = McpIdempotency("memory://")
+    run = McpIdempotency("memory://", anonymous="run")
     alice = await run.http_principal(scope((b"authorization", b"Bearer alice")))
     bob = await run.http_principal(scope((b"authorization", b"Bearer bob")))
     assert alice and bob and alice != bob and "alice" not in alice
     assert await run.http_principal(scope()) is None
-    refuse = McpIdempotency("memory://", anonymous="refuse")
+    refuse = McpIdempotency("memory://")  # an MCP door refuses them by default
     params = {"name": "charge", "_meta": {META_KEY: "k"}}
 
     async def nobody() -> str | None:
@@ -393,3 +403,195 @@ def test_a_server_is_installed_once() -> None:
         McpIdempotency("memory://").install(server)
     with pytest.raises(TypeError, match="MCPServer"):
         door.install(object())
+    del server._lowlevel_server  # the SDK's internals moved
+    with pytest.raises(TypeError, match="internals"):
+        door.install(server)
+
+
+# -- in process: the SDK's client on its in-memory transport -------------------------
+
+
+def charging_server(*, annotate_read_only: bool = False) -> tuple[Any, list[int]]:
+    """An ``MCPServer`` with one tool, ``export``, that counts its runs."""
+    from mcp.server import MCPServer
+    from mcp_types import ToolAnnotations
+
+    server = MCPServer("shop")
+    runs: list[int] = []
+    annotations = ToolAnnotations(read_only_hint=True) if annotate_read_only else None
+
+    @server.tool(annotations=annotations)
+    async def export(x: int) -> str:
+        runs.append(x)
+        return f"export run {len(runs)}"
+
+    return server, runs
+
+
+async def test_a_read_only_tool_replaced_by_a_writing_one_is_deduplicated() -> None:
+    server, runs = charging_server(annotate_read_only=True)
+    McpIdempotency(MemoryStore()).install(server)
+    async with Client(server) as client:
+        await client.call_tool("export", {"x": 1}, meta=keyed("k1"))
+        await client.call_tool("export", {"x": 1}, meta=keyed("k1"))  # read-only: runs again
+        assert len(runs) == 2
+        server.remove_tool("export")
+
+        @server.tool()
+        async def export(x: int) -> str:
+            runs.append(x)
+            return f"writes {len(runs)}"
+
+        first = await client.call_tool("export", {"x": 1}, meta=keyed("k2"))
+        again = await client.call_tool("export", {"x": 1}, meta=keyed("k2"))
+    assert text(first) == text(again) == "writes 3" and len(runs) == 3
+    assert again.meta is not None and again.meta[REPLAY_META]["replayed"] is True
+
+
+async def test_calls_without_a_key_never_look_up_tools_and_a_failing_lookup_deduplicates(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tool list that fails breaks no call: one without a key passes untouched,
+    a keyed one is deduplicated (not read-only), and it is logged once."""
+    server, runs = charging_server(annotate_read_only=True)
+    middleware = McpIdempotency(MemoryStore()).install(server)
+    listed: list[int] = []
+
+    async def broken(name: str, ctx: Any) -> bool:
+        listed.append(1)
+        raise RuntimeError("tools down")
+
+    monkeypatch.setattr(middleware, "_read_only", broken)
+    async with Client(server) as client:
+        for i in range(20):  # made-up names and real ones, no key: no lookup
+            with contextlib.suppress(MCPError):
+                await client.call_tool(f"nope{i}", {})
+        done = await client.call_tool("export", {"x": 1})
+        assert text(done) == "export run 1" and listed == []
+        for _ in range(2):
+            keyed_done = await client.call_tool("export", {"x": 2}, meta=keyed("k"))
+    assert text(keyed_done) == "export run 2" and runs == [1, 2] and len(listed) == 2
+    assert keyed_done.meta is not None and keyed_done.meta[REPLAY_META]["replayed"] is True
+    assert sum("read-only" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_a_low_level_tool_list_is_read_again_and_keeps_only_listed_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mcp.server.lowlevel import Server
+    from mcp_types import CallToolResult, ListToolsResult, TextContent, Tool, ToolAnnotations
+
+    import retrysafe._protocols.mcp_sdk as sdk
+
+    now = [0.0]
+    monkeypatch.setattr(sdk.time, "monotonic", lambda: now[0])
+    schema = {"type": "object"}
+    read_only = [True]
+    runs: list[str] = []
+
+    async def list_tools(ctx: Any, params: Any) -> ListToolsResult:
+        hint = ToolAnnotations(read_only_hint=read_only[0])
+        return ListToolsResult(tools=[Tool(name="export", input_schema=schema, annotations=hint)])
+
+    async def call_tool(ctx: Any, params: Any) -> CallToolResult:
+        runs.append(params.name)
+        return CallToolResult(content=[TextContent(type="text", text=f"run {len(runs)}")])
+
+    server = Server("shop", on_list_tools=list_tools, on_call_tool=call_tool)
+    middleware = McpIdempotency(MemoryStore()).install(server)
+    async with Client(server) as client:
+        for i in range(50):  # made-up names are not kept
+            await client.call_tool(f"made-up-{i}", {}, meta=keyed(f"m{i}"))
+        assert set(middleware._listed) == {"export"}
+        await client.call_tool("export", {}, meta=keyed("k"))
+        read_only[0] = False  # the tool now writes; the list is read again after LIST_TTL
+        now[0] += sdk.LIST_TTL
+        first = await client.call_tool("export", {}, meta=keyed("k"))
+        again = await client.call_tool("export", {}, meta=keyed("k"))
+    assert text(first) == text(again) == "run 52"
+    assert again.meta is not None and again.meta[REPLAY_META]["replayed"] is True
+
+
+async def list_two(ctx: Any, params: Any) -> Any:
+    """The tools of :func:`asking_server` (the client reads them after a result)."""
+    from mcp_types import ListToolsResult, Tool
+
+    tools = [Tool(name=n, input_schema={"type": "object"}) for n in ("charge", "confirm")]
+    return ListToolsResult(tools=tools)
+
+
+def asking_server(*, fails: int = 0) -> tuple[Any, list[str]]:
+    """A low-level server whose ``confirm`` asks first (MRTR), and whose ``charge``
+    raises ``fails`` times (a plain exception), then answers."""
+    from mcp.server.lowlevel import Server
+    from mcp_types import CallToolResult, InputRequiredResult, TextContent
+
+    runs: list[str] = []
+
+    async def call_tool(ctx: Any, params: Any) -> CallToolResult | InputRequiredResult:
+        if params.name == "confirm" and params.request_state is None:
+            return InputRequiredResult(request_state="asked")
+        runs.append(params.name)
+        if params.name == "charge" and len(runs) <= fails:
+            raise RuntimeError("card declined")
+        return CallToolResult(content=[TextContent(type="text", text=f"{params.name} {len(runs)}")])
+
+    return Server("shop", on_list_tools=list_two, on_call_tool=call_tool), runs
+
+
+async def test_an_ask_frees_the_key_even_when_failures_are_final() -> None:
+    server, runs = asking_server()
+    McpIdempotency(Engine(MemoryStore(), final_failures=True)).install(server)
+    async with Client(server) as client:
+        done = await client.call_tool("confirm", {}, meta=keyed("k"))
+        again = await client.call_tool("confirm", {}, meta=keyed("k"))
+    assert text(done) == text(again) == "confirm 1" and runs == ["confirm"]
+    assert again.meta is not None and again.meta[REPLAY_META]["replayed"] is True
+
+
+async def test_final_failures_replay_a_plain_exception_as_the_sdk_answers_it() -> None:
+    server, runs = asking_server(fails=1)
+    McpIdempotency(MemoryStore(), final_failures=True).install(server)
+    async with Client(server) as client:
+        errors = []
+        for _ in range(2):
+            with pytest.raises(MCPError) as caught:
+                await client.call_tool("charge", {}, meta=keyed("k"))
+            errors.append((caught.value.code, caught.value.message))
+    assert errors == [(-32603, "Internal server error")] * 2 and runs == ["charge"]
+
+
+async def test_the_dispatchers_refusals_are_never_kept() -> None:
+    """A keyed call the SDK refuses before any tool runs (no tools/call handler:
+    -32601) is not its answer, even with final failures: the key stays free."""
+    from mcp.server.lowlevel import Server
+    from mcp_types import CallToolRequestParams
+
+    server = Server("shop", on_list_tools=list_two)  # no tools/call handler yet
+    McpIdempotency(MemoryStore(), final_failures=True).install(server)
+    answering, runs = asking_server()
+    async with Client(server) as client:
+        with pytest.raises(MCPError) as caught:
+            await client.call_tool("charge", {}, meta=keyed("k"))
+        assert caught.value.code == -32601
+        entry = answering.get_request_handler("tools/call")
+        assert entry is not None
+        server.add_request_handler("tools/call", CallToolRequestParams, entry.handler)
+        done = await client.call_tool("charge", {}, meta=keyed("k"))
+    assert text(done) == "charge 1" and runs == ["charge"]
+
+
+async def test_stdio_callers_are_the_local_user_apart_from_named_principals() -> None:
+    """The local user and a ``principal=`` that names the same string (or the old
+    fixed "stdio") are other callers: a key of one is never the other's."""
+    from retrysafe._protocols.mcp import local_principal
+
+    server, _ = charging_server()
+    named: list[str | None] = [None]
+    McpIdempotency(MemoryStore(), principal=lambda ctx: named[0]).install(server)
+    answers = []
+    async with Client(server) as client:
+        for name in (None, None, "stdio", local_principal()):
+            named[0] = name
+            answers.append(text(await client.call_tool("export", {"x": 1}, meta=keyed("k"))))
+    assert answers == ["export run 1", "export run 1", "export run 2", "export run 3"]

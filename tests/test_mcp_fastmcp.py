@@ -65,6 +65,9 @@ async def test_fastmcp_over_http_in_flight_and_two_principals(shop: Shop) -> Non
             bobs = await bob.call_tool("slow", {"test_id": "fs"}, meta=keyed(key))
             assert text(await first) == "slow run 1"
             again = await alice.call_tool("slow", {"test_id": "fs"}, meta=keyed(key))
+        async with client("token-alice-2") as refreshed:  # alice's new token: alice
+            hers = await refreshed.call_tool("slow", {"test_id": "fs"}, meta=keyed(key))
+    assert text(hers) == "slow run 1" and hers.meta[REPLAY_META]["replayed"] is True
     assert caught.value.data["code"] == "idempotency_in_flight"
     assert caught.value.data["retryAfter"] >= 1
     assert text(bobs) == "slow run 2" and text(again) == "slow run 1"

@@ -44,6 +44,7 @@ from retrysafe._protocols.mcp import (
     META_KEY,
     PARAM_KEY,
     REPLAY_META,
+    Reply,
     call_engine,
     extension_settings,
     parse_call,
@@ -69,8 +70,6 @@ __all__ = [
     "was_replayed",
 ]
 
-Reply = dict[str, Any]
-
 
 class McpIdempotency:
     """Run each keyed MCP ``tools/call`` once; answer its repeats from the store.
@@ -89,9 +88,11 @@ class McpIdempotency:
     - ``principal``: a callable over the SDK's request context that names the
       caller (a str; None lets the rules below decide). Otherwise an OAuth
       bearer token's (client_id, issuer, subject); over HTTP without OAuth, the
-      request's credentials as on every HTTP door (``principal_headers``,
-      ``anonymous``: ``"run"``, ``"refuse"`` or ``"share"``); over stdio,
-      the process's one local client.
+      request's credentials as on every HTTP door (``principal_headers``);
+      over stdio, the local user (:func:`local_principal`). ``anonymous``: a
+      keyed HTTP call with no credentials is refused (``"refuse"``, the
+      default), scoped with every other such call (``"share"``) or run
+      unrecorded (``"run"``: unsafe if the client retries).
     - ``skip``: tool names never deduplicated (an explicit opt-out); tools
       annotated ``readOnlyHint: true`` are never deduplicated either, and
       ``read_only`` names more of them for a server whose tools are not listed.
@@ -105,7 +106,7 @@ class McpIdempotency:
         key_argument: str | None = None,
         principal: Callable[[Any], str | None] | None = None,
         principal_headers: Collection[str] | None = None,
-        anonymous: Anonymous | None = None,
+        anonymous: Anonymous = "refuse",
         skip: Iterable[str] = (),
         read_only: Iterable[str] = (),
         **options: Any,
@@ -123,11 +124,14 @@ class McpIdempotency:
         self.skip = frozenset(_names(skip, "skip"))
         self.read_only = frozenset(_names(read_only, "read_only"))
         #: What the server advertises at ``capabilities.extensions[EXTENSION_ID]``.
-        self.settings = extension_settings(self.plan.ttl)
+        self.settings = extension_settings(
+            self.plan.ttl, unrecorded=self.skip, key_argument=key_argument
+        )
 
     async def http_principal(self, scope: MutableMapping[str, Any]) -> str | None:
         """The principal of a Streamable HTTP request without OAuth, from its ASGI
-        ``scope`` (a keyed hash of its credentials); None: anonymous, run unrecorded."""
+        ``scope`` (a keyed hash of its credentials); None: anonymous, run unrecorded
+        (``anonymous="run"``)."""
         return await caller_scope(scope, self.principals, self.engine.store, self.plan.operation)
 
     async def handle(
@@ -138,14 +142,16 @@ class McpIdempotency:
         principal: str | Callable[[], Awaitable[str | None]] | None,
         header_keys: Iterable[str] = (),
         request_id: Any = None,
+        passes: Callable[[str], Awaitable[bool]] | None = None,
     ) -> Reply:
         """Answer a ``tools/call``'s reply body (``{"result": ...}`` or ``{"error": ...}``).
 
         ``call_next`` runs the real call; ``principal`` is the caller, or an async
-        callable that finds it, called only for a keyed call. A call without a
-        key, or of an anonymous caller (None), runs unrecorded. A bad key, two
-        different credentials or a missing one (``anonymous="refuse"``) are
-        refused, and nothing runs or is written.
+        callable that finds it; ``passes`` tells a read-only tool by its name.
+        Both are called only for a keyed call. A call without a key, to a
+        read-only tool, or of an anonymous caller (None) runs unrecorded. A bad
+        key, two different credentials or a missing one (``anonymous="refuse"``)
+        are refused, and nothing runs or is written.
         """
         try:
             call = parse_call(
@@ -154,9 +160,8 @@ class McpIdempotency:
                 key_argument=self.key_argument,
                 request_id=request_id,
             )
-            who = None
-            if call is not None:
-                who = await principal() if callable(principal) else principal
+            unrecorded = call is None or (passes is not None and await passes(call.name))
+            who = None if unrecorded else await principal() if callable(principal) else principal
         except IdempotencyError as exc:
             return {"error": refusal(exc)}
         if call is None or who is None:

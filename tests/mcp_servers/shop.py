@@ -39,7 +39,8 @@ from mcp_types import (
 from retrysafe.mcp import McpIdempotency
 
 ROOT = Path(os.environ.get("RETRYSAFE_TEST_COUNTERS", "."))
-TOKENS = {"token-alice": "alice", "token-bob": "bob"}
+#: Bearer tokens and their subjects (``token-alice-2``: alice's refreshed token).
+TOKENS = {"token-alice": "alice", "token-bob": "bob", "token-alice-2": "alice"}
 
 
 def hit(test_id: str) -> int:

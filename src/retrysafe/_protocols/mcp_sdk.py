@@ -3,13 +3,15 @@
 The middleware runs before the SDK validates a ``tools/call``'s params, so it
 reads the raw params (SEP-3182's ``idempotencyKey`` included) and answers a
 repeat before any handler runs. It works on the low-level ``Server`` and on
-the one an ``MCPServer`` or a FastMCP server serves the wire with; it learns
-which tools are read-only from the server's own tool list.
+the one an ``MCPServer`` or a FastMCP server serves the wire with. For a keyed
+call only, it asks the server whether the tool is read-only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any, Protocol
 
 from mcp.server.auth.middleware.auth_context import get_access_token
@@ -17,18 +19,36 @@ from mcp.server.auth.provider import AccessToken, principal_components
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
-from mcp_types import InputRequiredResult
-from pydantic import BaseModel
+from mcp_types import (
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    METHOD_NOT_FOUND,
+    InputRequiredResult,
+)
+from pydantic import BaseModel, ValidationError
 
 from retrysafe._model.hashing import canonical_json
-from retrysafe._protocols.mcp import CALL_METHOD, EXTENSION_ID, read_only
+from retrysafe._protocols.mcp import (
+    CALL_METHOD,
+    EXTENSION_ID,
+    NotAnAnswer,
+    Reply,
+    local_principal,
+    read_only,
+)
 
-__all__ = ["STDIO_PRINCIPAL", "IdempotencyMiddleware"]
+__all__ = ["IdempotencyMiddleware"]
 
-#: The principal of a stdio server's one local client.
-STDIO_PRINCIPAL = "stdio"
+log = logging.getLogger("retrysafe.mcp")
 
-Reply = dict[str, Any]
+#: The dispatcher's own refusals, raised before a tool runs (no handler, the
+#: init gate, params that fail validation): never a call's answer.
+_NOT_RUN = frozenset({METHOD_NOT_FOUND, INVALID_PARAMS, INVALID_REQUEST})
+#: Seconds a low-level server's tool list is trusted for read-only lookups.
+LIST_TTL = 5.0
+#: The most tool names a listed snapshot keeps.
+MAX_LISTED = 10_000
 
 
 class Door(Protocol):
@@ -44,25 +64,39 @@ class Door(Protocol):
     async def handle(
         self,
         params: Any,
-        call_next: Any,
+        call_next: Callable[[], Awaitable[Reply]],
         *,
         principal: Any,
         header_keys: Any,
         request_id: Any,
+        passes: Callable[[str], Awaitable[bool]] | None = None,
     ) -> Reply: ...
 
 
 def _lowlevel(server: Any) -> Server[Any]:
-    """The SDK ``Server`` that serves ``server``'s wire: itself, or the one an
-    ``MCPServer`` or a FastMCP server keeps (neither exposes it, nor an
-    extension map once built)."""
+    """The SDK ``Server`` that serves ``server``'s wire: itself, or the one a
+    FastMCP server keeps (FastMCP exposes neither it nor its middleware)."""
     if isinstance(server, Server):
         return server
-    for name in ("_lowlevel_server", "_mcp_server"):  # MCPServer's, FastMCP's
-        inner = getattr(server, name, None)
+    inner = getattr(server, "_mcp_server", None)  # FastMCP's
+    if isinstance(inner, Server):
+        return inner
+    if _is_mcpserver(server):
+        inner = getattr(server, "_lowlevel_server", None)
         if isinstance(inner, Server):
             return inner
+    if _is_mcpserver(server) or type(server).__module__.startswith("fastmcp"):
+        raise TypeError(
+            f"cannot reach the SDK server inside {type(server).__name__}: the mcp/fastmcp "
+            "internals retrysafe uses have moved; check for a newer retrysafe"
+        )
     raise TypeError(f"expected an mcp MCPServer, low-level Server or FastMCP, not {server!r}")
+
+
+def _is_mcpserver(server: Any) -> bool:
+    from mcp.server import MCPServer
+
+    return isinstance(server, MCPServer)
 
 
 def as_reply(result: HandlerResult) -> Reply:
@@ -83,16 +117,6 @@ def answer(reply: Reply) -> HandlerResult:
     return dict(result) if isinstance(result, Mapping) else {}
 
 
-class _Asked(Exception):
-    """A multi-round-trip ask (``InputRequiredResult``): not the call's answer. It
-    fails the attempt (retryable), so the key is free for the leg that carries
-    the client's input, whose answer is the one kept."""
-
-    def __init__(self, result: HandlerResult) -> None:
-        super().__init__("input required")
-        self.result = result
-
-
 class IdempotencyMiddleware:
     """A ``ServerMiddleware`` that deduplicates keyed ``tools/call`` requests of
     ``server`` through ``door`` (see :meth:`retrysafe.mcp.McpIdempotency.install`)."""
@@ -100,10 +124,11 @@ class IdempotencyMiddleware:
     def __init__(self, door: Door, server: Any) -> None:
         self.door = door
         self.server = _lowlevel(server)
-        self._list_tools = (
-            getattr(server, "list_tools", None) if server is not self.server else None
-        )
-        self._read_only: dict[str, bool] = {}
+        self.outer = server
+        #: The low-level server's last tool list: read-only per name, and when.
+        self._listed: dict[str, bool] = {}
+        self._listed_at = -LIST_TTL
+        self._lookup_failed = False
 
     def install(self) -> None:
         """Add this middleware to the server and advertise :data:`EXTENSION_ID`.
@@ -111,9 +136,10 @@ class IdempotencyMiddleware:
         Raises :class:`ValueError` if the server has one already: a second would
         claim each key the first holds, and refuse every keyed call as in flight.
         """
-        if any(isinstance(m, IdempotencyMiddleware) for m in self.server.middleware):
+        middleware = self.outer.middleware if _is_mcpserver(self.outer) else self.server.middleware
+        if any(isinstance(m, IdempotencyMiddleware) for m in middleware):
             raise ValueError("this server already deduplicates its tool calls")
-        self.server.middleware.append(self)
+        middleware.append(self)
         self.server.extensions[EXTENSION_ID] = dict(self.door.settings)
 
     async def __call__(
@@ -123,68 +149,106 @@ class IdempotencyMiddleware:
             return await call_next(ctx)
         params = ctx.params
         name = params.get("name") if isinstance(params, Mapping) else None
-        if isinstance(name, str) and await self.passes(name, ctx):
+        if name in self.door.skip or name in self.door.read_only:
             return await call_next(ctx)
+        passed: list[Any] = []  # what goes back as it is: an ask, or a raised refusal
 
         async def run() -> Reply:
             try:
                 result = await call_next(ctx)
             except MCPError as exc:
+                if exc.error.code in _NOT_RUN:
+                    passed.append(exc)
+                    return NotAnAnswer()
                 return {"error": exc.error.model_dump(mode="json", exclude_none=True)}
+            except ValidationError as exc:  # the params failed the SDK's model
+                passed.append(exc)
+                return NotAnAnswer()
+            except Exception:  # the SDK's own answer to it, kept like any error
+                log.exception("retrysafe: the handler of tool %r raised", name)
+                return {"error": {"code": INTERNAL_ERROR, "message": "Internal server error"}}
             if _input_required(result):
-                raise _Asked(result)
+                passed.append(result)
+                return NotAnAnswer()
             return as_reply(result)
 
-        try:
-            reply = await self.door.handle(
-                params,
-                run,
-                principal=lambda: self.principal_of(ctx),
-                header_keys=_header_keys(ctx.request),
-                request_id=ctx.request_id,
-            )
-        except _Asked as asked:
-            return asked.result
+        reply = await self.door.handle(
+            params,
+            run,
+            principal=lambda: self.principal_of(ctx),
+            header_keys=_header_keys(ctx.request),
+            request_id=ctx.request_id,
+            passes=lambda tool: self.is_read_only(tool, ctx),
+        )
+        if isinstance(reply, NotAnAnswer) and passed:
+            if isinstance(passed[0], Exception):
+                raise passed[0]
+            return passed[0]
         return answer(reply)
 
-    async def passes(self, name: str, ctx: ServerRequestContext[Any, Any]) -> bool:
-        """True for a tool never deduplicated: skipped, or read-only."""
-        if name in self.door.skip or name in self.door.read_only:
-            return True
-        if name not in self._read_only:
-            for tool in await self._tools(ctx):
-                self._read_only[str(tool.get("name"))] = read_only(tool)
-            self._read_only.setdefault(name, False)  # not listed: not looked up again
-        return self._read_only.get(name, False)
+    async def is_read_only(self, name: str, ctx: ServerRequestContext[Any, Any]) -> bool:
+        """True for a tool the server annotates ``readOnlyHint: true`` (asked for keyed
+        calls only). A lookup that fails is False: the call is deduplicated."""
+        try:
+            return await self._read_only(name, ctx)
+        except Exception as exc:
+            if not self._lookup_failed:
+                self._lookup_failed = True
+                log.warning(
+                    "retrysafe: cannot learn whether tool %r is read-only (%s); "
+                    "keyed calls are deduplicated",
+                    name,
+                    exc,
+                )
+            return False
 
-    async def _tools(self, ctx: ServerRequestContext[Any, Any]) -> list[Mapping[str, Any]]:
-        if self._list_tools is not None:
-            listed: Any = await self._list_tools()
-        else:
+    async def _read_only(self, name: str, ctx: ServerRequestContext[Any, Any]) -> bool:
+        outer = self.outer
+        if outer is not self.server and not _is_mcpserver(outer):  # FastMCP: one tool
+            return read_only(_tool_form(await outer.get_tool(name)))
+        if outer is not self.server:  # MCPServer: its tools, in process
+            return any(
+                t.get("name") == name and read_only(t)
+                for t in map(_tool_form, await outer.list_tools())
+            )
+        now = time.monotonic()
+        if now - self._listed_at >= LIST_TTL:
             entry = self.server.get_request_handler("tools/list")
-            if entry is None:
-                return []
-            listed = getattr(await entry.handler(ctx, None), "tools", [])
-        return [_tool_form(t) for t in listed]
+            listed = [] if entry is None else getattr(await entry.handler(ctx, None), "tools", [])
+            forms = [_tool_form(t) for t in listed[:MAX_LISTED]]
+            self._listed = {str(t.get("name")): read_only(t) for t in forms}
+            self._listed_at = now
+        return self._listed.get(name, False)
 
     async def principal_of(self, ctx: ServerRequestContext[Any, Any]) -> str | None:
-        """The caller: ``principal=``, else the OAuth token's (client_id, issuer,
-        subject), else the HTTP request's credentials, else the stdio client."""
+        """The caller, as ``[kind, ...]`` JSON so that no two kinds meet:
+        ``principal=``, else the OAuth token's (client_id, issuer, subject), else
+        the HTTP request's credentials, else the local user (stdio).
+
+        Raises :class:`~retrysafe.PrincipalRequiredError` for an anonymous HTTP
+        caller under ``anonymous="refuse"``; returns None for ``"run"``."""
         if self.door.principal is not None:
             named = self.door.principal(ctx)
             if named is not None and not isinstance(named, str):
                 raise TypeError(f"principal= must return a str or None, not {type(named).__name__}")
             if named is not None and named.strip():
-                return named
+                return _kind("principal", named)
         scope = getattr(ctx.request, "scope", None)
-        token = get_access_token()
-        if token is None and isinstance(scope, Mapping):  # FastMCP's, per request
+        token = None
+        if isinstance(scope, Mapping):  # this request's own (FastMCP sets it per request)
             token = getattr(scope.get("user"), "access_token", None)
+        if not isinstance(token, AccessToken):
+            token = get_access_token()
         if isinstance(token, AccessToken):
-            return canonical_json(list(principal_components(token))).decode()
+            return _kind("oauth", *principal_components(token))
         if isinstance(scope, MutableMapping) and scope.get("type") == "http":
-            return await self.door.http_principal(scope)
-        return STDIO_PRINCIPAL
+            found = await self.door.http_principal(scope)
+            return None if found is None else _kind("http", found)
+        return _kind("local", local_principal())
+
+
+def _kind(kind: str, *parts: Any) -> str:
+    return canonical_json([kind, *parts]).decode()
 
 
 def _input_required(result: HandlerResult) -> bool:
@@ -197,7 +261,9 @@ def _input_required(result: HandlerResult) -> bool:
 
 def _tool_form(tool: Any) -> Mapping[str, Any]:
     """The name and annotations of a listed tool (a wire model, a dict, or a
-    FastMCP tool), as ``tools/list`` spells them."""
+    FastMCP tool), as ``tools/list`` spells them; ``{}`` for None."""
+    if tool is None:
+        return {}
     if isinstance(tool, Mapping):
         return tool
     annotations = getattr(tool, "annotations", None)
