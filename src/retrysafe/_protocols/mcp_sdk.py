@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any, Protocol
 
+from mcp.server import MCPServer
 from mcp.server.auth.middleware.auth_context import get_access_token
 from mcp.server.auth.provider import AccessToken, principal_components
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
@@ -94,8 +95,6 @@ def _lowlevel(server: Any) -> Server[Any]:
 
 
 def _is_mcpserver(server: Any) -> bool:
-    from mcp.server import MCPServer
-
     return isinstance(server, MCPServer)
 
 
