@@ -25,7 +25,12 @@ from mcp_types import REQUEST_TIMEOUT
 
 from retrysafe._protocols.mcp import extension_settings
 from retrysafe.client import RetryPolicy
-from retrysafe.errors import FingerprintMismatchError, InvalidKeyError, PrincipalRequiredError
+from retrysafe.errors import (
+    FingerprintMismatchError,
+    InvalidKeyError,
+    MissingExtraError,
+    PrincipalRequiredError,
+)
 from retrysafe.mcp import EXTENSION_ID, IdempotentTools, McpIdempotency, was_replayed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -612,3 +617,15 @@ async def test_a_long_or_non_ascii_key_is_sent_as_given(shop: Shop) -> None:
     assert _keys(server.seen) == ["заказ-O1", long, long]
     assert was_replayed(again)
     assert shop.charges() == ["O1 1", "O2 1"]
+
+
+def test_a_missing_httpx_is_the_mcp_extra_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client needs httpx (retrysafe[client], which the mcp extra pulls in)."""
+    import retrysafe.mcp as door
+
+    def missing(name: str) -> Any:
+        raise ImportError("No module named 'httpx'", name="httpx")
+
+    monkeypatch.setattr(door.importlib, "import_module", missing)
+    with pytest.raises(MissingExtraError):
+        door.__getattr__("IdempotentTools")
