@@ -415,6 +415,18 @@ async def test_a_lost_call_to_an_unrecorded_tool_is_not_resent(tmp_path: Path) -
 # -- refusals, by a server that advertises deduplication -------------------------------------
 
 
+def deduplicating(tmp_path: Path, middleware: Any) -> MCPServer:
+    """A server with the door, ``middleware`` before it, and a ``charge`` tool."""
+    server = MCPServer("deduplicating", middleware=[middleware])
+    McpIdempotency(f"sqlite:///{tmp_path / 'd.db'}").install(server)
+
+    @server.tool()
+    def charge(order: str) -> str:
+        return f"charged {order}"
+
+    return server
+
+
 @asynccontextmanager
 async def refusing(
     tmp_path: Path, refusals: list[dict[str, Any]]
@@ -430,14 +442,7 @@ async def refusing(
             raise MCPError(int(data.pop("jsonrpc", -32603)), str(data.get("code")), data)
         return await call_next(ctx)
 
-    server = MCPServer("refusing", middleware=[refuse])
-    McpIdempotency(f"sqlite:///{tmp_path / 'r.db'}").install(server)
-
-    @server.tool()
-    def charge(order: str) -> str:
-        return f"charged {order}"
-
-    async with Client(server) as client:
+    async with Client(deduplicating(tmp_path, refuse)) as client:
         yield client, asked
 
 
@@ -514,18 +519,11 @@ async def test_a_failed_or_slow_tools_list_is_tried_once_and_bounded(tmp_path: P
                 await hang.wait()  # never set: the client gives up after its timeout
         return await call_next(ctx)
 
-    server = MCPServer("stuck", middleware=[stuck])
-    McpIdempotency(f"sqlite:///{tmp_path / 's.db'}").install(server)
-
-    @server.tool()
-    def charge(order: str) -> str:
-        return f"charged {order}"
-
     async def failed() -> Any:
         lists.append(1)
         raise MCPError(-32603, "no listing")
 
-    async with Client(server) as client:
+    async with Client(deduplicating(tmp_path, stuck)) as client:
         slow, lists = IdempotentTools(client, timeout=0.5), []
         real = slow.list_tools
         slow.list_tools = lambda: (lists.append(1), real())[1]  # type: ignore[method-assign]
