@@ -383,8 +383,8 @@ async def test_a_lost_call_is_not_resent_to_a_server_that_does_not_deduplicate()
         assert info.value.code == REQUEST_TIMEOUT
         assert runs == ["H1"] and waits == []
         # The caller may say the tool is safe to run again.
-        sure = IdempotentTools(client, retry=_quick(waits, release.set), timeout=0.3)
-        sure.assume_idempotent = True
+        policy = _quick(waits, release.set)
+        sure = IdempotentTools(client, retry=policy, timeout=0.3, assume_idempotent=True)
         await sure.call_tool("charge", {"order": "H2"})
         release.set()
     assert runs.count("H2") == 2
