@@ -31,7 +31,10 @@ def build(ledger: Path, work: float, door: str, store: str | None) -> MCPServer:
     if door == "inprocess":
         from retrysafe.mcp import McpIdempotency
 
-        McpIdempotency(store or "sqlite:///bench-mcp.db").install(server)
+        # The bench's clients send no credentials over HTTP: one user on loopback, so
+        # its keys share one record space (anonymous callers' keyed calls are refused
+        # by default). Over stdio the caller is the local user.
+        McpIdempotency(store or "sqlite:///bench-mcp.db", anonymous="share").install(server)
 
     @server.tool()
     async def charge(order: str, amount: int) -> str:

@@ -10,13 +10,15 @@ proxy in front of it) and says how a client connects:
   over stdio and HTTP;
 * **proxy**: ``python -m retrysafe mcp-proxy --store URL -- python SERVER ...`` (stdio)
   and ``... mcp-proxy --upstream http://127.0.0.1:P/mcp --listen 127.0.0.1:Q --store URL``
-  (HTTP), in front of the bare server;
+  (HTTP, with ``--anonymous share``: the bench's clients send no credentials),
+  in front of the bare server;
 * **mcp-idempotent**: the npm proxy, if ``--mcp-idempotent CMD`` gives a command
   that wraps a stdio server (``CMD -- python SERVER ...``). It is not on the npm
   registry (``npm view mcp-idempotent``: 404), so by default its row is skipped.
 
 A target that is missing (the door or the proxy not installed, a command that
-fails) is reported as skipped, not run. Two measures:
+fails) is reported as skipped, not run; one whose storm or latency calls fail is
+reported as failed. Two measures:
 
 * **duplicate storm**: N clients (each its own connection: over stdio its own
   server or proxy process), each sending one key's ``tools/call`` M times (NxM
@@ -26,6 +28,9 @@ fails) is reported as skipped, not run. Two measures:
 * **latency added**: one client, sequential first calls (a fresh key each),
   interleaved in rounds over every target; median and p95 per target, and their
   ratio to the bare server over the same transport, measured in the same run.
+
+Under the table, every retrysafe row whose storm ran other than once, or whose K
+keys ran other than K times, is flagged, and the exit status is 1.
 
 This is a benchmark, not a test. It writes its ledgers and SQLite stores in a
 temporary folder.
@@ -65,9 +70,10 @@ from mcp.client import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.shared.exceptions import MCPError
 
+from retrysafe.errors import InProgressError
+from retrysafe.mcp import META_KEY, was_replayed
+
 SERVER = HERE / "_mcp_server.py"
-META_KEY = "dev.retrysafe/idempotencyKey"
-REPLAY_META = "dev.retrysafe/idempotency"
 PY = sys.executable
 
 
@@ -83,7 +89,11 @@ class Target:
     transport: str
     start: Callable[[Path, float], contextlib.AbstractContextManager[Callable[[], Client]]]
     note: str = ""
+    #: retrysafe deduplicates here: its storm must run once, its K keys K times.
+    retrysafe: bool = False
     skipped: str | None = None
+    failed: str | None = None
+    errors: int = 0
     samples: list[float] = field(default_factory=list)
     storm: Counter[str] = field(default_factory=Counter)
     storm_executions: int = 0
@@ -202,6 +212,7 @@ def proxy_http(ledger: Path, work: float) -> Iterator[Callable[[], Client]]:
     with _http_server(ledger, work) as upstream:
         port = free_port()
         argv = [*PROXY, "--upstream", upstream, "--listen", f"127.0.0.1:{port}", "--store", store]
+        argv += ["--anonymous", "share"]  # one user on loopback, no credentials
         url = f"http://127.0.0.1:{port}/mcp"
         with process(argv, url, ledger.with_suffix(".proxy.log")):
             yield lambda: Client(url)
@@ -226,10 +237,10 @@ def targets(npm_command: str | None) -> list[Target]:
     return [
         Target("bare", "stdio", bare_stdio),
         Target("bare", "http", bare_http),
-        Target("in-process door", "stdio", door_stdio),
-        Target("in-process door", "http", door_http),
-        Target("proxy", "stdio", proxy_stdio),
-        Target("proxy", "http", proxy_http),
+        Target("in-process door", "stdio", door_stdio, retrysafe=True),
+        Target("in-process door", "http", door_http, retrysafe=True),
+        Target("proxy", "stdio", proxy_stdio, retrysafe=True),
+        Target("proxy", "http", proxy_http, retrysafe=True),
         Target("mcp-idempotent", "stdio", mcp_idempotent(npm_command)),
     ]
 
@@ -240,11 +251,10 @@ def targets(npm_command: str | None) -> list[Target]:
 def _kind(result: Any) -> str:
     if isinstance(result, MCPError):
         data = result.data if isinstance(result.data, dict) else {}
-        return "in flight" if data.get("code") == "idempotency_in_flight" else "other error"
+        return "in flight" if data.get("code") == InProgressError.code else "other error"
     if isinstance(result, BaseException):
         return "other error"
-    marker = (result.meta or {}).get(REPLAY_META)
-    return "replayed" if isinstance(marker, dict) and marker.get("replayed") else "run"
+    return "replayed" if was_replayed(result) else "run"
 
 
 async def _call(client: Client, order: str, key: str) -> Any:
@@ -301,7 +311,7 @@ async def latency(live: list[tuple[Target, Callable[[], Client]]], a: Any) -> No
                     result = await _call(client, f"lat-{key}", key)
                     target.samples.append(time.perf_counter() - t0)
                     if isinstance(result, BaseException):
-                        raise RuntimeError(f"{target.name} ({target.transport}): {result}")
+                        target.errors += 1
 
 
 # -- the report -----------------------------------------------------------------------------
@@ -309,6 +319,24 @@ async def latency(live: list[tuple[Target, Callable[[], Client]]], a: Any) -> No
 
 def _p95(samples: list[float]) -> float:
     return statistics.quantiles(samples, n=20)[-1] if len(samples) >= 20 else max(samples)
+
+
+def flagged(all_targets: list[Target], a: Any) -> list[str]:
+    """The retrysafe rows that did not deduplicate: storm executions != 1, or K keys'
+    executions != K (or that failed)."""
+    found = []
+    for t in all_targets:
+        if not t.retrysafe or t.skipped:
+            continue
+        row = f"{t.name} ({t.transport})"
+        if t.failed:
+            found.append(f"{row}: failed: {t.failed}")
+        elif t.storm_executions != 1 or t.keys_executions != a.keys:
+            found.append(
+                f"{row}: the storm ran {t.storm_executions} times (1 expected), "
+                f"the {a.keys} keys {t.keys_executions} times ({a.keys} expected)"
+            )
+    return found
 
 
 def report(all_targets: list[Target], a: Any) -> str:
@@ -324,10 +352,13 @@ def report(all_targets: list[Target], a: Any) -> str:
     ]
     for t in all_targets:
         name = f"{t.name} ({t.note})" if t.note else t.name
-        if t.skipped:
-            lines.append(f"| {name} | {t.transport} | skipped: {t.skipped} | | | | | | |")
+        if t.skipped or t.failed:
+            why = f"skipped: {t.skipped}" if t.skipped else f"failed: {t.failed}"
+            lines.append(f"| {name} | {t.transport} | {why} | | | | | | |")
             continue
         answers = ", ".join(f"{k} {v}" for k, v in sorted(t.storm.items()))
+        if t.errors:
+            answers += f"; latency: {t.errors} errors"
         med, p95 = statistics.median(t.samples), _p95(t.samples)
         base = bare.get(t.transport)
         if base is not None and base is not t:
@@ -342,7 +373,8 @@ def report(all_targets: list[Target], a: Any) -> str:
             f"{t.keys_executions} | {med * 1000:.2f} | {p95 * 1000:.2f} | "
             f"{ratios[0]} | {ratios[1]} |"
         )
-    return "\n".join(lines)
+    lines += ["", *(f"**NOT DEDUPLICATED: {line}**" for line in flagged(all_targets, a))]
+    return "\n".join(lines).rstrip()
 
 
 def _load_args(argv: list[str] | None) -> Any:
@@ -377,11 +409,14 @@ async def main(argv: list[str] | None = None) -> int:
             except Skip as exc:
                 t.skipped = str(exc)
                 continue
+            except Exception as exc:  # one target's failure is its row's, not the run's
+                t.failed = f"{type(exc).__name__}: {exc}"
+                continue
             live.append((t, connect))
         print("latency: interleaved rounds", file=sys.stderr)
         await latency(live, a)
     print(report(all_targets, a))
-    return 0
+    return 1 if flagged(all_targets, a) else 0
 
 
 if __name__ == "__main__":

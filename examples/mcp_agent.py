@@ -1,11 +1,12 @@
 """An agent that calls a side-effecting MCP tool through retrysafe's client helper.
 
 It starts the shop server (examples/mcp_shop_server.py) over stdio and charges
-two orders with ``charge``. Before the first, it arms the server's drop-once
-marker: the server runs the charge, stores its answer, and exits without sending
-it, as when a connection drops. The helper starts a new server process and sends
-the call again with the same key; the server answers from its store. Each order
-is charged once::
+two orders with ``charge``, one at a time. Before the first, it arms the server's
+drop-once marker: the server runs the charge, stores its answer, and exits without
+sending it, as when a connection drops (a crash, in fact: with several calls at
+once, one still running would not be recorded). The server advertises
+deduplication, so the helper starts a new server process and sends the call again
+with the same key; the server answers from its store. Each order is charged once::
 
     python examples/mcp_agent.py
 

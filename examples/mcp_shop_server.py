@@ -5,9 +5,12 @@ is read-only (``readOnlyHint``): it counts the ledger's lines. A ``tools/call``
 with a key in ``_meta["dev.retrysafe/idempotencyKey"]`` runs once per key; its
 repeats get the stored answer.
 
-``--drop-once FILE`` simulates a lost answer: after a ``tools/call`` has run and
-its answer is stored, if FILE exists the server deletes it and exits without
-answering, as if the connection had dropped.
+``--drop-once FILE`` simulates lost answers: if FILE exists, once N ``tools/call``
+requests (the number FILE holds; 1 if it is empty) have run and their answers are
+stored, the server deletes FILE and exits without sending any of them, as if the
+connection had dropped. It is a crash, not a network drop: a call still running
+in it when it exits is not recorded, so its retry waits "in flight" until its
+lease ends and then runs again. Hence N: the calls a test sends at once.
 
     python examples/mcp_shop_server.py --store sqlite:///shop.db --ledger ledger.txt
     python examples/mcp_shop_server.py ... --http 127.0.0.1:8000   # Streamable HTTP at /mcp
@@ -20,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
+import anyio
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.mcpserver import MCPServer
 from mcp_types import ToolAnnotations
@@ -28,13 +32,20 @@ from retrysafe.mcp import McpIdempotency
 
 
 def drop_once(marker: Path) -> Any:
-    """A middleware that exits the server, once, after a ``tools/call`` has answered."""
+    """A middleware that exits the server, once, after ``marker``'s number of
+    ``tools/call`` requests have answered (each held until the last one has)."""
+    answered = 0
+    last = anyio.Event()
 
     async def middleware(ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
+        nonlocal answered
         result = await call_next(ctx)
         if ctx.method == "tools/call" and marker.exists():
+            answered += 1
+            if answered < int(marker.read_text(encoding="utf-8").strip() or "1"):
+                await last.wait()  # held: no answer goes out before the exit
             marker.unlink()
-            os._exit(3)  # the answer is stored, but never sent
+            os._exit(3)  # the answers are stored, but never sent
         return result
 
     return middleware

@@ -19,11 +19,19 @@ import pytest
 from _http_servers import Process, ThreadServer, free_port
 from mcp.client import Client, ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.server.mcpserver import MCPServer
 from mcp.shared.exceptions import MCPError
+from mcp_types import REQUEST_TIMEOUT
 
+from retrysafe._protocols.mcp import extension_settings
 from retrysafe.client import RetryPolicy
-from retrysafe.errors import FingerprintMismatchError, InvalidKeyError
-from retrysafe.mcp import IdempotentTools, was_replayed
+from retrysafe.errors import (
+    FingerprintMismatchError,
+    InvalidKeyError,
+    MissingExtraError,
+    PrincipalRequiredError,
+)
+from retrysafe.mcp import EXTENSION_ID, IdempotentTools, McpIdempotency, was_replayed
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "examples" / "mcp_shop_server.py"
@@ -105,14 +113,16 @@ async def test_dropped_answer_over_stdio_is_replayed_after_a_reconnect(shop: Sho
 
 
 async def test_a_client_session_over_stdio_is_reconnected_too(shop: Shop) -> None:
-    """The low-level ``ClientSession``, as ``connect`` makes it: stdio, then initialize."""
+    """The low-level ``ClientSession``, as ``connect`` makes it: stdio, then
+    ``server/discover`` (a legacy ``initialize`` handshake shows no extensions, so
+    its lost calls are raised, not resent)."""
     shop.drop.touch()
     params = StdioServerParameters(command=sys.executable, args=shop.argv()[1:])
 
     @asynccontextmanager
     async def connect() -> AsyncIterator[ClientSession]:
         async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
-            await session.initialize()
+            await session.discover()
             yield session
 
     async with IdempotentTools(connect=connect, retry=shop.policy()) as tools:
@@ -336,3 +346,284 @@ def test_the_example_agent_runs() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "executions: 1" in done.stdout
     assert "replayed: True" in done.stdout
+
+
+# -- what is resent, and to whom ----------------------------------------------------------------
+
+
+def _quick(waits: list[float], on_wait: Any = None) -> RetryPolicy:
+    async def asleep(seconds: float) -> None:
+        waits.append(seconds)
+        if on_wait is not None:
+            on_wait()
+        await anyio.sleep(seconds)
+
+    return RetryPolicy(max_attempts=4, max_time=30, base=0.01, cap=0.05, asleep=asleep)
+
+
+def _slow_tool(server: MCPServer, name: str, runs: list[str], release: anyio.Event) -> None:
+    """A side-effecting tool that answers once ``release`` is set (after a client timeout)."""
+
+    async def tool(order: str) -> str:
+        runs.append(order)
+        await release.wait()
+        return f"done {order}"
+
+    server.add_tool(tool, name=name)
+
+
+async def test_a_lost_call_is_not_resent_to_a_server_that_does_not_deduplicate() -> None:
+    """A server that advertises no deduplication runs every resend: a timeout is raised."""
+    server, runs, release, waits = MCPServer("bare"), [], anyio.Event(), []
+    _slow_tool(server, "charge", runs, release)
+    async with Client(server) as client:
+        tools = IdempotentTools(client, retry=_quick(waits), timeout=0.3, discover=False)
+        with pytest.raises(MCPError) as info:
+            await tools.call_tool("charge", {"order": "H1"})
+        assert info.value.code == REQUEST_TIMEOUT
+        assert runs == ["H1"] and waits == []
+        # The caller may say the tool is safe to run again.
+        policy = _quick(waits, release.set)
+        sure = IdempotentTools(client, retry=policy, timeout=0.3, assume_idempotent=True)
+        await sure.call_tool("charge", {"order": "H2"})
+        release.set()
+    assert runs.count("H2") == 2
+
+
+async def test_a_lost_call_to_an_unrecorded_tool_is_not_resent(tmp_path: Path) -> None:
+    """The door advertises its skipped tools in ``unrecordedTools``: a lost call to one
+    is raised; a lost call to a recorded tool of the same server is resent, and replayed."""
+    server, runs, release, waits = MCPServer("mail"), [], anyio.Event(), []
+    door = McpIdempotency(f"sqlite:///{tmp_path / 'mail.db'}", skip=["send_email"])
+    door.settings = extension_settings(door.plan.ttl, unrecorded=door.skip)  # as advertised
+    door.install(server)
+    _slow_tool(server, "send_email", runs, release)
+    _slow_tool(server, "charge", runs, release)
+    async with Client(server) as client:
+        assert client.server_capabilities.extensions is not None
+        settings = client.server_capabilities.extensions[EXTENSION_ID]
+        assert settings["unrecordedTools"] == ["send_email"]
+        tools = IdempotentTools(client, retry=_quick(waits, release.set), timeout=0.3)
+        with pytest.raises(MCPError):
+            await tools.call_tool("send_email", {"order": "I1"})
+        assert runs == ["I1"] and waits == []
+        result = await tools.call_tool("charge", {"order": "I2"})
+    assert runs == ["I1", "I2"]
+    assert waits and result.structured_content == {"result": "done I2"}
+
+
+# -- refusals, by a server that advertises deduplication -------------------------------------
+
+
+def deduplicating(tmp_path: Path, middleware: Any) -> MCPServer:
+    """A server with the door, ``middleware`` before it, and a ``charge`` tool."""
+    server = MCPServer("deduplicating", middleware=[middleware])
+    McpIdempotency(f"sqlite:///{tmp_path / 'd.db'}").install(server)
+
+    @server.tool()
+    def charge(order: str) -> str:
+        return f"charged {order}"
+
+    return server
+
+
+@asynccontextmanager
+async def refusing(
+    tmp_path: Path, refusals: list[dict[str, Any]]
+) -> AsyncIterator[tuple[Client, list[str]]]:
+    """A deduplicating server whose first ``tools/call``s are refused with ``refusals``'
+    ``data`` (one each, in order); the methods it was asked are listed."""
+    asked: list[str] = []
+
+    async def refuse(ctx: Any, call_next: Any) -> Any:
+        asked.append(ctx.method)
+        if ctx.method == "tools/call" and refusals:
+            data = refusals.pop(0)
+            raise MCPError(int(data.pop("jsonrpc", -32603)), str(data.get("code")), data)
+        return await call_next(ctx)
+
+    async with Client(deduplicating(tmp_path, refuse)) as client:
+        yield client, asked
+
+
+async def test_store_unavailable_is_retried_after_its_retry_after_even_zero(
+    tmp_path: Path,
+) -> None:
+    waits: list[float] = []
+    refusals = [{"code": "idempotency_store_unavailable", "retryAfter": 0}]
+    async with refusing(tmp_path, refusals) as (client, asked):
+        tools = IdempotentTools(client, retry=_quick(waits), discover=False)
+        result = await tools.call_tool("charge", {"order": "J1"})
+    assert result.structured_content == {"result": "charged J1"}
+    assert waits == [0.0] and asked.count("tools/call") == 2
+
+
+async def test_an_error_marked_retryable_is_retried_with_its_key(tmp_path: Path) -> None:
+    waits: list[float] = []
+    async with refusing(tmp_path, [{"code": "busy_upstream", "retryable": True}]) as (c, asked):
+        tools = IdempotentTools(c, retry=_quick(waits), discover=False)
+        await tools.call_tool("charge", {"order": "J2"})
+    assert len(waits) == 1 and asked.count("tools/call") == 2
+
+
+@pytest.mark.parametrize(
+    ("data", "kind"),
+    [
+        ({"code": "idempotency_key_invalid", "jsonrpc": -32602}, InvalidKeyError),
+        ({"code": "idempotency_principal_required", "jsonrpc": -32600}, PrincipalRequiredError),
+    ],
+)
+async def test_refusals_are_raised_typed_at_once(
+    tmp_path: Path, data: dict[str, Any], kind: type[Exception]
+) -> None:
+    waits: list[float] = []
+    async with refusing(tmp_path, [dict(data, retryable=True)]) as (client, asked):
+        tools = IdempotentTools(client, retry=_quick(waits), discover=False)
+        with pytest.raises(kind) as info:
+            await tools.call_tool("charge", {"order": "K1"})
+    assert isinstance(info.value.__cause__, MCPError)
+    assert waits == [] and asked.count("tools/call") == 1
+
+
+async def test_a_caller_cancelled_while_waiting_leaves_the_helper_usable(tmp_path: Path) -> None:
+    waiting = anyio.Event()
+    policy = RetryPolicy(max_attempts=5, max_time=120, asleep=lambda s: _wait(waiting, s))
+    refusals = [{"code": "idempotency_in_flight", "retryAfter": 60}]
+    async with refusing(tmp_path, refusals) as (client, asked):
+        tools = IdempotentTools(client, retry=policy, discover=False)
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(tools.call_tool, "charge", {"order": "L1"})
+                await waiting.wait()
+                scope.cancel()
+        assert scope.cancelled_caught
+        result = await tools.call_tool("charge", {"order": "L2"})
+    assert result.structured_content == {"result": "charged L2"}
+    assert asked.count("tools/call") == 2
+
+
+async def _wait(waiting: anyio.Event, seconds: float) -> None:
+    waiting.set()
+    await anyio.sleep(seconds)
+
+
+async def test_a_failed_or_slow_tools_list_is_tried_once_and_bounded(tmp_path: Path) -> None:
+    """The helper lists the tools once, whatever the outcome, within its timeout; the
+    calls go on with keys. (The SDK's client lists them again on its own, after a call.)"""
+    listed, hang = [], anyio.Event()
+
+    async def stuck(ctx: Any, call_next: Any) -> Any:
+        if ctx.method == "tools/list":
+            listed.append(1)
+            if len(listed) == 1:
+                await hang.wait()  # never set: the client gives up after its timeout
+        return await call_next(ctx)
+
+    async def failed() -> Any:
+        lists.append(1)
+        raise MCPError(-32603, "no listing")
+
+    async with Client(deduplicating(tmp_path, stuck)) as client:
+        slow, lists = IdempotentTools(client, timeout=0.5), []
+        real = slow.list_tools
+        slow.list_tools = lambda: (lists.append(1), real())[1]  # type: ignore[method-assign]
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                for order in ("M1", "M2", "M3"):
+                    tg.start_soon(slow.call_tool, "charge", {"order": order})
+            await slow.call_tool("charge", {"order": "M4"})
+        assert lists == [1]
+        failing, lists = IdempotentTools(client, timeout=0.5), []
+        failing.list_tools = failed  # type: ignore[method-assign]
+        await failing.call_tool("charge", {"order": "M5"})
+        result = await failing.call_tool("charge", {"order": "M6"})
+        assert lists == [1]
+    assert result.structured_content == {"result": "charged M6"}
+
+
+# -- connections -----------------------------------------------------------------------------
+
+
+async def test_a_failed_first_connection_leaves_nothing_entered() -> None:
+    @asynccontextmanager
+    async def unreachable() -> AsyncIterator[Any]:
+        raise OSError("connection refused")
+        yield  # pragma: no cover
+
+    with anyio.CancelScope():
+        tools = IdempotentTools(connect=unreachable, retry=RetryPolicy(max_time=5))
+        with pytest.raises(OSError):
+            async with tools:
+                pass  # pragma: no cover
+    await anyio.sleep(0)  # the scopes above were left in order
+
+
+def counting(connect: Any, connects: list[int]) -> Any:
+    def again() -> Any:
+        connects.append(1)
+        return connect()
+
+    return again
+
+
+async def test_concurrent_calls_that_see_one_drop_reconnect_once(shop: Shop) -> None:
+    shop.drop.write_text("3")  # the server exits once the three calls are recorded
+    params = StdioServerParameters(command=sys.executable, args=shop.argv()[1:])
+    connects: list[int] = []
+    connect = counting(lambda: Client(params), connects)
+    async with IdempotentTools(connect=connect, retry=shop.policy()) as tools:
+        await tools.list_tools()
+        results: list[Any] = []
+
+        async def call(order: str) -> None:
+            results.append(await tools.call_tool("charge", {"order": order, "amount": 1}))
+
+        async with anyio.create_task_group() as tg:
+            for order in ("N1", "N2", "N3"):
+                tg.start_soon(call, order)
+    assert not shop.drop.exists()
+    assert sorted(shop.charges()) == ["N1 1", "N2 1", "N3 1"]
+    assert len(connects) == 2 and len(results) == 3
+
+
+async def test_a_read_only_call_is_sent_again_after_a_drop(shop: Shop) -> None:
+    shop.drop.touch()
+    params = StdioServerParameters(command=sys.executable, args=shop.argv()[1:])
+    connects: list[int] = []
+    connect = counting(lambda: Client(params), connects)
+    async with IdempotentTools(connect=connect, retry=shop.policy()) as tools:
+        await tools.list_tools()
+        count = await tools.call_tool("charges")
+    assert not shop.drop.exists()  # the first answer was dropped
+    assert count.structured_content == {"result": 0}
+    assert len(connects) == 2
+
+
+# -- keys ------------------------------------------------------------------------------------
+
+
+async def test_a_long_or_non_ascii_key_is_sent_as_given(shop: Shop) -> None:
+    long = "k" * 300
+    async with served(shop) as server, Client(server.url) as client:
+        tools = IdempotentTools(client, discover=False)
+        await tools.call_tool("charge", {"order": "O1", "amount": 1}, key="заказ-O1")
+        await tools.call_tool("charge", {"order": "O2", "amount": 1}, key=long)
+        again = await tools.call_tool("charge", {"order": "O2", "amount": 1}, key=long)
+        made = IdempotentTools(client, discover=False, key_factory=lambda: "")
+        with pytest.raises(InvalidKeyError):
+            await made.call_tool("charge", {"order": "O3", "amount": 1})
+    assert _keys(server.seen) == ["заказ-O1", long, long]
+    assert was_replayed(again)
+    assert shop.charges() == ["O1 1", "O2 1"]
+
+
+def test_a_missing_httpx_is_the_mcp_extra_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client needs httpx (retrysafe[client], which the mcp extra pulls in)."""
+    import retrysafe.mcp as door
+
+    def missing(name: str) -> Any:
+        raise ImportError("No module named 'httpx'", name="httpx")
+
+    monkeypatch.setattr(door.importlib, "import_module", missing)
+    with pytest.raises(MissingExtraError):
+        door.__getattr__("IdempotentTools")

@@ -210,7 +210,7 @@ def __getattr__(name: str) -> Any:
     try:
         found = importlib.import_module(module)
     except ImportError as exc:
-        if exc.name is None or not exc.name.startswith(("mcp", "pydantic", "anyio")):
+        if exc.name is None or not exc.name.startswith(("mcp", "pydantic", "anyio", "httpx")):
             raise
         raise MissingExtraError("mcp", f"retrysafe.mcp.{name}", name=exc.name) from exc
     return getattr(found, name)

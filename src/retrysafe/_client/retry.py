@@ -194,13 +194,15 @@ def decide(
     now: float | None = None,
     *,
     retryable: Callable[[httpx.Response | BaseException], bool] = retryable,
+    asked: float | None = None,
 ) -> float | None:
     """Seconds to wait before attempt ``attempt + 1``, or None to stop.
 
     ``attempt`` counts from 1; ``elapsed`` is the seconds since the first
     attempt began; ``now`` the wall-clock time for ``Retry-After`` dates;
     ``retryable`` whether an answer may be retried at all (:func:`mesh_retryable`
-    for Mesh calls).
+    for Mesh calls); ``asked`` the seconds the server asked to wait outside an HTTP
+    response (an MCP error's ``data.retryAfter``).
     """
     if attempt >= policy.max_attempts or not retryable(outcome):
         return None
@@ -208,8 +210,9 @@ def decide(
     if remaining <= 0:
         return None
     wait = policy.random.uniform(0, min(policy.cap, policy.base * 2 ** (attempt - 1)))
-    if policy.honour_retry_after and isinstance(outcome, httpx.Response):
-        asked = retry_after(outcome, now)
+    if policy.honour_retry_after:
+        if isinstance(outcome, httpx.Response):
+            asked = retry_after(outcome, now)
         if asked is not None:
             wait = asked
     return min(wait, remaining)
