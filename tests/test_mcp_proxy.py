@@ -231,21 +231,33 @@ async def test_stdio_client_closing_at_once_still_gets_its_call_recorded(
     assert runs(folder) == 1
 
 
-def test_stdio_cancelled_call_frees_its_key(tmp_path: Path, folder: Path) -> None:
-    """A keyed call the client cancels fails, retryable: the retry runs, it is not
-    in flight until the proxy exits."""
+def test_stdio_cancelled_keyed_call_runs_to_its_end(tmp_path: Path, folder: Path) -> None:
+    """A keyed call the client cancels is not cancelled upstream: it runs to its end
+    and is recorded, its late answer is dropped; the retry is in flight, then the
+    replay. One execution."""
     proc = _raw_proxy(f"sqlite:///{tmp_path}/s.db", folder)
     assert proc.stdout is not None
     _send(proc, _call(1, "slow", {"tag": "a"}, "cancel-1"))
     _wait_for(folder / "slow.started")
-    cancel = {"requestId": 1, "reason": "the user gave up"}
+    cancel = {"requestId": 1, "reason": "the client timed out"}
     _send(proc, {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": cancel})
-    (folder / "slow.release").write_text("go")
     _send(proc, _call(2, "slow", {"tag": "a"}, "cancel-1"))
-    while (answer := json.loads(proc.stdout.readline()))["id"] != 2:
-        assert "error" not in answer, answer  # the server's late answer to 1, if any
+    busy = json.loads(proc.stdout.readline())
+    assert busy["id"] == 2 and busy["error"]["data"]["code"] == "idempotency_in_flight"
+    (folder / "slow.release").write_text("go")
+    answers = []
+    for request_id in range(3, 3000):  # until the first call is recorded
+        _send(proc, _call(request_id, "slow", {"tag": "a"}, "cancel-1"))
+        answers.append(answer := json.loads(proc.stdout.readline()))
+        if "result" in answer:
+            break
+        assert answer["error"]["data"]["code"] == "idempotency_in_flight", answer
+        select.select([], [], [], 0.02)
     _kill(proc)
-    assert answer["result"]["content"][0]["text"] == "slow a (execution 2)"
+    assert all(a["id"] != 1 for a in answers)  # the cancelled request gets no answer
+    assert answer["result"]["content"][0]["text"] == "slow a (execution 1)"
+    assert answer["result"]["_meta"][EXT]["replayed"] is True
+    assert runs(folder, "slow") == 1
 
 
 async def test_stdio_concurrent_duplicates_run_once(tmp_path: Path, folder: Path) -> None:

@@ -14,7 +14,13 @@ Streamable HTTP middleware share: which tools are read-only (learnt from the
 ``initialize`` / ``server/discover`` answers (SEP-2133).
 
 Over stdio there is one local client per proxy process: every call has the one
-principal the proxy was given (``--principal``; default the local user).
+principal the proxy was given (``--principal``; default
+:func:`~retrysafe._protocols.mcp.local_principal`).
+
+A keyed call that was forwarded runs to its end: the client's
+``notifications/cancelled`` for it is not forwarded, the server's answer is
+recorded and dropped (the client ignores a late answer), and the retry gets "in
+flight", then the replay. A cancel of any other request passes through.
 """
 
 from __future__ import annotations
@@ -111,10 +117,6 @@ class ToolBook:
 CANCELLED = "notifications/cancelled"
 
 
-class _Cancelled(Exception):
-    """The client cancelled the keyed call before its answer came."""
-
-
 def _error(code: int, message: str) -> Reply:
     return {"error": {"code": code, "message": message}}
 
@@ -148,6 +150,7 @@ class StdioRelay:
         self._listened: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._dropped: set[str] = set()
         self._out_lock = asyncio.Lock()
         self._out: BinaryIO = sys.stdout.buffer
         self._child: asyncio.subprocess.Process | None = None
@@ -234,9 +237,9 @@ class StdioRelay:
         except (ValueError, RecursionError):
             message = None  # not JSON: the server answers it as it would
         if not isinstance(message, dict) or "id" not in message:
-            await self._write_child(line)
-            if isinstance(message, dict) and message.get("method") == CANCELLED:
-                await self._cancelled(message.get("params"))
+            cancel = isinstance(message, dict) and message.get("method") == CANCELLED
+            if not (cancel and self._cancelled(message.get("params"))):
+                await self._write_child(line)
             return
         method = message.get("method")
         if method in LISTENED:
@@ -283,6 +286,7 @@ class StdioRelay:
             self._tasks.discard(done)
             if self._running.get(rid) is done:
                 del self._running[rid]
+                self._dropped.discard(rid)
 
         task.add_done_callback(forget)
         done = asyncio.create_task(forwarded.wait())
@@ -296,25 +300,25 @@ class StdioRelay:
             reply = await run_call(
                 self.engine, self.plan, call, call_next, final_failures=self.final_failures
             )
-        except _Cancelled:
-            return  # a cancelled request gets no answer
         except (ConnectionError, EOFError) as exc:
             reply = _error(INTERNAL_ERROR, f"the server did not answer: {exc}")
-        await self._write_out(answer_line(request_id, reply))
+        if json_id(request_id) not in self._dropped:
+            await self._write_out(answer_line(request_id, reply))
 
-    async def _cancelled(self, params: Any) -> None:
-        """The client cancelled a request: a keyed call it names fails (retryable, its
-        key free again) once the server has been told, before the next line is read."""
+    def _cancelled(self, params: Any) -> bool:
+        """The client cancelled a request; True if it is a keyed call of the proxy's.
+
+        That call runs to its end and is recorded (a cancel that failed it would
+        let the retry run a side effect that may have happened); the server is not
+        told, and the answer is dropped: the client ignores a late one.
+        """
         if not isinstance(params, Mapping) or "requestId" not in params:
-            return
+            return False
         rid = json_id(params["requestId"])
-        future = self._pending.get(rid)
-        task = self._running.get(rid)
-        if future is None or future.done():
-            return
-        future.set_exception(_Cancelled())
-        if task is not None:
-            await asyncio.wait({task})
+        if rid not in self._running:
+            return False
+        self._dropped.add(rid)
+        return True
 
     # -- server to client ------------------------------------------------------------
 
