@@ -450,6 +450,42 @@ async def test_http_bad_keys_are_invalid_params_and_never_forwarded(
     assert runs(folder) == 0
 
 
+async def test_http_keyed_call_without_credentials_is_refused_by_default(
+    tmp_path: Path, folder: Path
+) -> None:
+    """A keyed call nobody can name is refused (-32600), never forwarded: run
+    unrecorded, its client's retries would run it again. Unkeyed calls pass."""
+    with http_proxy(f"sqlite:///{tmp_path}/s.db", folder) as (_, proxy):
+        async with http_client(proxy.url, "auto") as client:
+            with pytest.raises(MCPError) as caught:
+                await client.call_tool("charge", {"amount": 1}, meta=keyed("anon-1"))
+            assert runs(folder) == 0
+            await client.call_tool("charge", {"amount": 1})
+    assert caught.value.code == -32600
+    assert caught.value.data["code"] == "idempotency_principal_required"
+    assert runs(folder) == 1
+
+
+@pytest.mark.parametrize(("anonymous", "executions"), [("share", 1), ("run", 2)])
+async def test_middleware_anonymous_share_and_run_are_explicit(
+    tmp_path: Path, folder: Path, anonymous: Any, executions: int
+) -> None:
+    from mcp_servers.plain import make_server
+
+    from retrysafe._protocols.mcp_asgi import McpProxyMiddleware
+
+    app = McpProxyMiddleware(
+        make_server(folder).streamable_http_app(),
+        f"sqlite:///{tmp_path}/s.db",
+        anonymous=anonymous,
+    )
+    with ThreadServer(app, "asgi") as server:
+        async with http_client(server.url, "auto") as client:
+            for _ in range(2):
+                await client.call_tool("charge", {"amount": 2}, meta=keyed("anon-2"))
+    assert runs(folder) == executions
+
+
 async def test_http_concurrent_duplicates_run_once(tmp_path: Path, folder: Path) -> None:
     """Many tasks on several clients, through two proxies that share one store."""
     url = f"sqlite:///{tmp_path}/s.db"

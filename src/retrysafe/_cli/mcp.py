@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import getpass
 from typing import Annotated, Any
 
 import typer
@@ -11,14 +10,6 @@ import typer
 from retrysafe._cli.common import CliError, StoreOpt, app, duration_option, store_url_for
 
 __all__ = ["mcp_proxy"]
-
-
-def local_principal() -> str:
-    """The principal of a stdio proxy's one client by default: the local user."""
-    try:
-        return f"local user {getpass.getuser()}"
-    except (KeyError, OSError):  # no user name for this uid
-        return "local user"
 
 
 @app.command(
@@ -77,8 +68,9 @@ def mcp_proxy(
         str | None,
         typer.Option(
             metavar="run|refuse|share",
-            help="With --upstream: what a keyed call without credentials gets: run without "
-            "a record (default), refuse, or share one public record space.",
+            help="With --upstream: what a keyed call without credentials gets: refused "
+            "(default), one public record space shared by all such callers, or run without "
+            "a record (unsafe with clients that retry).",
         ),
     ] = None,
     max_body: Annotated[
@@ -105,7 +97,7 @@ def mcp_proxy(
     server and relays its newline-delimited JSON-RPC. Over Streamable HTTP:
     retrysafe mcp-proxy --upstream URL --listen HOST:PORT [--store URL].
     """
-    from retrysafe._protocols.mcp import call_engine
+    from retrysafe._protocols.mcp import call_engine, local_principal
     from retrysafe._protocols.mcp_proxy import DEFAULT_MAX_LINE, StdioRelay
 
     times = {"ttl": duration_option(ttl, "--ttl"), "lease": duration_option(lease, "--lease")}

@@ -14,8 +14,10 @@ back (the extension advertised, read-only tools learnt).
 The caller is named as by every HTTP door (docs/principals.md): the
 authenticated ``scope["user"]``, else the request's credentials (every
 ``Authorization`` line, API-key headers, session cookies), hashed with the
-store's secret; a request without any runs unrecorded (``anonymous="run"``),
-is refused, or shares one public space.
+store's secret. A keyed call without any is refused by default
+(``anonymous="refuse"``: a client that sends a key asks for exactly-once, and
+run unrecorded its retries would run again); ``"share"`` gives such callers one
+public space, and ``"run"`` runs them unrecorded (unsafe with retrying clients).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from typing import Any, Unpack
 from retrysafe._core.engine import Engine
 from retrysafe._core.metrics import METRICS
 from retrysafe._core.options import DEFAULT_MAX_BODY
-from retrysafe._core.principal import Anonymous, Principals, asgi_user, unscoped
-from retrysafe._core.secret import asecret_of, check_secret
+from retrysafe._core.principal import Anonymous, Principals
+from retrysafe._core.secret import check_secret
+from retrysafe._http.asgi import caller_scope, replaying
 from retrysafe._protocols.mcp import (
     CALL_METHOD,
     INVALID_REQUEST,
@@ -251,7 +254,8 @@ class McpProxyMiddleware:
     SQLite); ``ttl``, ``lease``, ``wait``, ``operation``, ``retention``,
     ``max_body`` (the largest request body read, and answer recorded: default
     1 MiB): the engine's options; ``principal_headers``, ``principal_cookies``,
-    ``anonymous``: who the caller is (docs/principals.md).
+    ``anonymous``: who the caller is (docs/principals.md). ``anonymous``
+    defaults to ``"refuse"``: a keyed call without credentials is refused.
     """
 
     def __init__(
@@ -271,7 +275,7 @@ class McpProxyMiddleware:
         self.principals = Principals(
             principal_headers=principal_headers,
             principal_cookies=principal_cookies,
-            anonymous=anonymous,
+            anonymous="refuse" if anonymous is None else anonymous,
         )
         self.final_failures = final_failures
         self.max_body = max(int(options.get("max_body") or DEFAULT_MAX_BODY), 1)
@@ -297,7 +301,7 @@ class McpProxyMiddleware:
                 return
             if not message.get("more_body", False):
                 break
-        replay = _replaying(bytes(body), receive)
+        replay = replaying(bytes(body), receive)
         try:
             doc = json.loads(body)
         except (ValueError, RecursionError):
@@ -320,33 +324,19 @@ class McpProxyMiddleware:
         else:
             await self.app(scope, replay, send)
 
-    async def _caller(self, scope: Scope) -> str | None:
-        """The caller's scope for the engine; None: anonymous, run unrecorded."""
-        names = self.principals.raw_names
-        headers = [
-            (n.decode("latin-1").lower(), v.decode("latin-1"))
-            for n, v in scope["headers"]
-            if n.lower() in names
-        ]
-        query = scope.get("query_string", b"").decode("latin-1")
-        who = self.principals.identify(lambda: None, lambda: asgi_user(scope), headers, query)
-        if who is None:
-            return None
-        return who.scope(await asecret_of(self.engine.store))
-
     async def _call(self, scope: Scope, receive: Receive, send: Send, doc: dict[str, Any]) -> None:
         rid = doc["id"]
         header_keys = [
             v.decode("latin-1") for n, v in scope["headers"] if n.lower() == b"idempotency-key"
         ]
         try:
-            caller = await self._caller(scope)
-            call = parse_call(
-                doc.get("params"),
-                principal=caller or "",
-                header_keys=header_keys,
-                request_id=rid,
-            )
+            call = parse_call(doc.get("params"), header_keys=header_keys, request_id=rid)
+            if call is None or self.book.read_only(call.name):
+                caller = None  # unrecorded, whoever calls
+            else:
+                caller = await caller_scope(
+                    scope, self.principals, self.engine.store, self.plan.operation
+                )
         except (InvalidKeyError, AmbiguousCredentialsError, PrincipalRequiredError) as exc:
             METRICS.refused(self.plan.operation, exc)
             await self._answer(send, rid, {"error": refusal(exc)})
@@ -354,13 +344,10 @@ class McpProxyMiddleware:
         except IdempotencyError as exc:  # the store, for its secret
             await self._answer(send, rid, {"error": refusal(exc)})
             return
-        if call is None or self.book.read_only(call.name):
+        if call is None or caller is None:  # unkeyed, read-only, or anonymous="run"
             await self.app(scope, receive, send)
             return
-        if caller is None:
-            unscoped(self.plan.operation)
-            await self.app(scope, receive, send)
-            return
+        call = call.of(caller)
         watch = _Watch(send, rid, hold=True, limit=self.max_body)
         task: asyncio.Task[None] | None = None
 
@@ -392,17 +379,3 @@ class McpProxyMiddleware:
     async def _answer(send: Send, request_id: Any, reply: Reply) -> None:
         for part in _json_answer(200, {"jsonrpc": "2.0", "id": request_id, **reply}):
             await send(part)
-
-
-def _replaying(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that gives ``body`` whole once, then what ``receive`` gives."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
