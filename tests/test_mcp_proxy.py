@@ -472,7 +472,7 @@ async def test_middleware_anonymous_share_and_run_are_explicit(
 ) -> None:
     from mcp_servers.plain import make_server
 
-    from retrysafe._protocols.mcp_asgi import McpProxyMiddleware
+    from retrysafe.mcp import McpProxyMiddleware
 
     app = McpProxyMiddleware(
         make_server(folder).streamable_http_app(),
@@ -587,7 +587,7 @@ async def test_middleware_in_front_of_a_python_asgi_app(tmp_path: Path, folder: 
     """The proxy's middleware on its own, around the SDK's own ASGI app (JSON and SSE)."""
     from mcp_servers.plain import make_server
 
-    from retrysafe._protocols.mcp_asgi import McpProxyMiddleware
+    from retrysafe.mcp import McpProxyMiddleware
 
     app = McpProxyMiddleware(
         make_server(folder).streamable_http_app(), f"sqlite:///{tmp_path}/s.db", max_body=4096

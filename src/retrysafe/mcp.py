@@ -50,6 +50,7 @@ from retrysafe._protocols.mcp import (
     refusal,
     run_call,
 )
+from retrysafe._protocols.mcp_asgi import McpProxyMiddleware
 from retrysafe.errors import IdempotencyError, MissingExtraError
 from retrysafe.stores import Store
 
@@ -65,6 +66,7 @@ __all__ = [
     "IdempotencyMiddleware",
     "IdempotentTools",
     "McpIdempotency",
+    "McpProxyMiddleware",
     "ToolSession",
     "was_replayed",
 ]
