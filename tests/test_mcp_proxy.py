@@ -260,6 +260,20 @@ def test_stdio_cancelled_keyed_call_runs_to_its_end(tmp_path: Path, folder: Path
     assert runs(folder, "slow") == 1
 
 
+def test_stdio_server_dying_mid_call_is_a_retryable_error_with_a_code(tmp_path: Path) -> None:
+    """The server exits without answering a keyed call: -32603, data.code
+    server_unavailable, retryable."""
+    gone = [sys.executable, "-c", "import sys; sys.stdin.readline()"]
+    argv = [sys.executable, "-m", "retrysafe", "mcp-proxy", "--store", f"sqlite:///{tmp_path}/s.db"]
+    proc = subprocess.Popen([*argv, "--", *gone], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    _send(proc, _call(1, "charge", {"amount": 1}, "gone-1"))
+    assert proc.stdout is not None
+    answer = json.loads(proc.stdout.readline())
+    _kill(proc)
+    assert answer["id"] == 1 and answer["error"]["code"] == -32603
+    assert answer["error"]["data"] == {"code": "server_unavailable", "retryable": True}
+
+
 async def test_stdio_concurrent_duplicates_run_once(tmp_path: Path, folder: Path) -> None:
     """Many tasks on one client, and several processes each with its own proxy."""
     url = f"sqlite:///{tmp_path}/shared.db"
@@ -605,6 +619,29 @@ async def test_middleware_in_front_of_a_python_asgi_app(tmp_path: Path, folder: 
         assert answer.status_code == 413
         assert answer.json()["error"]["code"] == -32600
     assert runs(folder) == 1
+
+
+async def test_http_upstream_down_is_a_json_rpc_error_with_a_code(tmp_path: Path) -> None:
+    """The forwarder's 502 to a keyed call reaches the MCP client as a JSON-RPC error
+    it can read (data.code, retryable), and the attempt is not kept in flight."""
+    from retrysafe.gateway import forwarder
+    from retrysafe.mcp import McpProxyMiddleware
+
+    down = forwarder(f"http://127.0.0.1:{free_port()}", timeout=5)
+    app = McpProxyMiddleware(down, f"sqlite:///{tmp_path}/s.db")
+    headers = {"Authorization": "Bearer t", "Accept": "application/json, text/event-stream"}
+    with ThreadServer(app, "asgi") as server:
+        async with httpx2.AsyncClient(headers=headers) as raw:
+            for _ in range(2):  # the second is not "in flight": the first failed
+                answer = await raw.post(
+                    f"{server.url}/mcp", json=_call(1, "charge", {"amount": 1}, "down-1")
+                )
+                assert answer.status_code == 200
+                assert answer.headers["content-type"] == "application/json"
+                error = answer.json()["error"]
+                assert error["code"] == -32603
+                assert error["data"]["code"] == "upstream_unavailable"
+                assert error["data"]["retryable"] is True
 
 
 async def over_limit_runs_once(client: Client, folder: Path) -> None:

@@ -36,6 +36,7 @@ from retrysafe._core.secret import check_secret
 from retrysafe._http.asgi import caller_scope, replaying
 from retrysafe._protocols.mcp import (
     CALL_METHOD,
+    INTERNAL_ERROR,
     INVALID_REQUEST,
     CallOptions,
     call_engine,
@@ -61,7 +62,9 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Reply = dict[str, Any]
 
-_JSON, _SSE, _OTHER = range(3)
+_JSON, _SSE, _OTHER, _PROBLEM = range(4)
+#: The forwarder's answers when the upstream is down or slow (``application/problem+json``).
+_UPSTREAM_FAILED = frozenset({502, 504})
 
 
 class _NoAnswer(Exception):
@@ -92,14 +95,17 @@ def _json_answer(status: int, doc: dict[str, Any]) -> tuple[Message, Message]:
     return start, {"type": "http.response.body", "body": body, "more_body": False}
 
 
-def _mode(headers: list[tuple[bytes, bytes]]) -> int:
+def _mode(status: int, headers: list[tuple[bytes, bytes]], hold: bool) -> int:
+    """How :class:`_Watch` reads an answer: ``_PROBLEM`` is a 502/504 problem to a keyed call."""
     for name, value in headers:
         if name.lower() == b"content-type":
             kind = value.split(b";")[0].strip().lower()
-            if kind == b"application/json":
+            if status == 200 and kind == b"application/json":
                 return _JSON
-            if kind == b"text/event-stream":
+            if status == 200 and kind == b"text/event-stream":
                 return _SSE
+            if hold and status in _UPSTREAM_FAILED and kind == b"application/problem+json":
+                return _PROBLEM
     return _OTHER
 
 
@@ -172,8 +178,8 @@ class _Watch:
     async def __call__(self, message: Message) -> None:
         kind = message["type"]
         if kind == "http.response.start":
-            self._mode = _mode(message.get("headers", [])) if message["status"] == 200 else _OTHER
-            if self._mode == _JSON:
+            self._mode = _mode(message["status"], message.get("headers", []), self.hold)
+            if self._mode in (_JSON, _PROBLEM):
                 self._start = message  # sent with the body, once it is read whole
                 return
             if self._mode == _OTHER:
@@ -191,6 +197,9 @@ class _Watch:
         elif self._mode == _JSON:
             if not more:
                 await self._json()
+        elif self._mode == _PROBLEM:
+            if not more:
+                await self._problem()
         else:
             await self._sse(more)
 
@@ -219,6 +228,34 @@ class _Watch:
             start = {**start, "headers": headers}
         await self.send(start)
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _problem(self) -> None:
+        """The upstream failed the keyed call (the forwarder's 502/504 problem): the
+        attempt fails, retryable, and the client gets the JSON-RPC error an MCP client
+        reads (``data.code`` the problem's, ``retryable``), not a code-less HTTP error."""
+        assert self._start is not None
+        body, self._buffer = bytes(self._buffer), bytearray()
+        try:
+            problem = json.loads(body)
+        except (ValueError, RecursionError):
+            problem = None
+        code = problem.get("code") if isinstance(problem, dict) else None
+        self._miss()
+        if not isinstance(code, str):  # not the forwarder's: as it came
+            await self.send(self._start)
+            await self.send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        assert isinstance(problem, dict)
+        detail = problem.get("detail")
+        data = {"code": code, "retryable": True, "retryAfter": 1}
+        error = {
+            "code": INTERNAL_ERROR,
+            "message": detail if isinstance(detail, str) else "the upstream did not answer",
+            "data": data,
+        }
+        await self.gate.wait()  # the attempt failed first: the retry is not in flight
+        for part in _json_answer(200, {"jsonrpc": "2.0", "id": self.rid, "error": error}):
+            await self.send(part)
 
     async def _sse(self, more: bool) -> None:
         buffer = bytes(self._buffer).replace(b"\r\n", b"\n")

@@ -302,6 +302,7 @@ class StdioRelay:
             )
         except (ConnectionError, EOFError) as exc:
             reply = _error(INTERNAL_ERROR, f"the server did not answer: {exc}")
+            reply["error"]["data"] = {"code": "server_unavailable", "retryable": True}
         if json_id(request_id) not in self._dropped:
             await self._write_out(answer_line(request_id, reply))
 
