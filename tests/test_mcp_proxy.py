@@ -644,6 +644,46 @@ async def test_http_upstream_down_is_a_json_rpc_error_with_a_code(tmp_path: Path
                 assert error["data"]["retryable"] is True
 
 
+async def test_http_big_notification_before_the_response_is_streamed_unread(
+    tmp_path: Path,
+) -> None:
+    """An SSE event over max_body that is not the response (a big log notification)
+    goes on unread, in pieces; the small response after it is recorded and replayed."""
+    from retrysafe.mcp import McpProxyMiddleware
+
+    executions = 0
+    note = {"jsonrpc": "2.0", "method": "notifications/message", "params": {"data": "n" * 6000}}
+    streamed = b"event: message\r\ndata: " + json.dumps(note).encode() + b"\r\n\r\n"
+
+    async def sse_app(scope: Any, receive: Any, send: Any) -> None:
+        nonlocal executions
+        request = json.loads((await receive())["body"])
+        executions += 1
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for at in range(0, len(streamed), 1000):
+            body = streamed[at : at + 1000]
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        content = [{"type": "text", "text": f"ok {executions}"}]
+        answer = {"jsonrpc": "2.0", "id": request["id"], "result": {"content": content}}
+        body = b"data: " + json.dumps(answer).encode() + b"\n\n"
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    app = McpProxyMiddleware(sse_app, f"sqlite:///{tmp_path}/s.db", max_body=4096)
+    headers = {"Authorization": "Bearer t", "Accept": "application/json, text/event-stream"}
+    with ThreadServer(app, "asgi") as server:
+        async with httpx2.AsyncClient(headers=headers) as raw:
+            url = f"{server.url}/mcp"
+            first = await raw.post(url, json=_call(1, "charge", {"amount": 1}, "note-1"))
+            again = await raw.post(url, json=_call(2, "charge", {"amount": 1}, "note-1"))
+    lf = first.content.replace(b"\r\n", b"\n")  # the proxy may end lines either way
+    assert lf.startswith(streamed.replace(b"\r\n", b"\n"))
+    assert b'"text": "ok 1"' in first.content
+    assert again.json()["result"]["content"][0]["text"] == "ok 1"
+    assert again.json()["result"]["_meta"][EXT]["replayed"] is True
+    assert executions == 1
+
+
 async def over_limit_runs_once(client: Client, folder: Path) -> None:
     """An answer over max_body reaches the client unrecorded; the retry is refused
     (failed finally), never run again."""

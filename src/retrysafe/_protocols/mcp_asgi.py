@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import Awaitable, Callable, Collection, MutableMapping
 from typing import Any, Unpack
 
@@ -63,6 +64,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Reply = dict[str, Any]
 
 _JSON, _SSE, _OTHER, _PROBLEM = range(4)
+#: The blank line that ends an SSE event.
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
 #: The forwarder's answers when the upstream is down or slow (``application/problem+json``).
 _UPSTREAM_FAILED = frozenset({502, 504})
 
@@ -145,6 +148,9 @@ class _Watch:
         self._start: Message | None = None
         self._buffer = bytearray()
         self._found = False
+        self._skipping = False  # inside an SSE event over the limit, passed on unread
+        self._skipped = False  # such an event went by before the response was found
+        self._tail = b""  # the last bytes skipped, where an event end may begin
 
     def _miss(self) -> None:
         if not self.reply.done():
@@ -191,21 +197,21 @@ class _Watch:
             await self.send(message)
             return
         more = message.get("more_body", False)
+        if self._mode == _SSE:
+            await self._sse_chunk(message.get("body", b""), more)
+            return
         self._buffer += message.get("body", b"")
         if len(self._buffer) > self.limit:
             await self._give_up(more)
         elif self._mode == _JSON:
             if not more:
                 await self._json()
-        elif self._mode == _PROBLEM:
-            if not more:
-                await self._problem()
-        else:
-            await self._sse(more)
+        elif not more:
+            await self._problem()
 
     async def _give_up(self, more: bool) -> None:
-        """Over the limit: what was held goes on as it is, and so does the rest. Unless
-        the response was found, the tool ran and its answer cannot be recorded."""
+        """A JSON body over the limit: what was held goes on as it is, and so does the
+        rest. It is the response: the tool ran, and its answer cannot be recorded."""
         mode, self._mode = self._mode, _OTHER
         if not self.reply.done():
             self.reply.set_result(_TOO_LARGE)
@@ -257,6 +263,43 @@ class _Watch:
         for part in _json_answer(200, {"jsonrpc": "2.0", "id": self.rid, "error": error}):
             await self.send(part)
 
+    def _body(self, body: bytes, more: bool) -> Message:
+        return {"type": "http.response.body", "body": body, "more_body": more}
+
+    def _ended(self) -> None:
+        """The stream ended without the response: the attempt fails, finally if an
+        event over the limit went by unread (it may have been the response)."""
+        if self._skipped and not self.reply.done():
+            self.reply.set_result(_TOO_LARGE)
+        self._miss()
+
+    async def _sse_chunk(self, data: bytes, more: bool) -> None:
+        """One chunk of an SSE stream. An event over the limit (a big notification,
+        say) is passed on unread to its end; the events after it are read again."""
+        if self._skipping:
+            joined = self._tail + data
+            end = _EVENT_END.search(joined)
+            if end is None:
+                self._tail = joined[-3:]
+                await self.send(self._body(data, more))
+                if not more:
+                    self._ended()
+                return
+            cut = end.end() - len(self._tail)
+            self._skipping, self._tail = False, b""
+            await self.send(self._body(data[:cut], more or cut < len(data)))
+            if cut == len(data) and not more:
+                self._ended()
+                return
+            data = data[cut:]
+        self._buffer += data
+        await self._sse(more)
+        if more and len(self._buffer) > self.limit:
+            held, self._buffer = bytes(self._buffer), bytearray()
+            await self.send(self._body(held, True))
+            self._skipping, self._tail = True, held[-3:]
+            self._skipped = self._skipped or not self._found
+
     async def _sse(self, more: bool) -> None:
         buffer = bytes(self._buffer).replace(b"\r\n", b"\n")
         *events, rest = buffer.split(b"\n\n")
@@ -278,9 +321,9 @@ class _Watch:
         if not more:
             out += self._buffer
             self._buffer.clear()
-            self._miss()
+            self._ended()
         if out or not more:
-            await self.send({"type": "http.response.body", "body": bytes(out), "more_body": more})
+            await self.send(self._body(bytes(out), more))
 
 
 class McpProxyMiddleware:
