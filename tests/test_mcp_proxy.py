@@ -480,6 +480,38 @@ async def test_http_keyed_call_without_credentials_is_refused_by_default(
     assert runs(folder) == 1
 
 
+async def test_middleware_names_the_caller_of_keyed_calls_only(tmp_path: Path) -> None:
+    """An unkeyed tools/call reaches the app whoever sends it (no credentials, two
+    different Authorization lines); a keyed one from either is refused."""
+    from retrysafe.mcp import McpProxyMiddleware
+
+    reached = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        request = json.loads((await receive())["body"])
+        reached.append(request["id"])
+        body = json.dumps({"jsonrpc": "2.0", "id": request["id"], "result": {"content": []}})
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body.encode()})
+
+    unkeyed = {"name": "charge", "arguments": {"amount": 1}}
+    middleware = McpProxyMiddleware(app, f"sqlite:///{tmp_path}/s.db")
+    two = [("Authorization", "Bearer a"), ("Authorization", "Bearer b")]
+    with ThreadServer(middleware, "asgi") as server:
+        async with httpx2.AsyncClient() as raw:
+            for request_id, headers in enumerate(([], two)):
+                call = {"jsonrpc": "2.0", "id": request_id, "method": "tools/call"}
+                answer = await raw.post(
+                    f"{server.url}/mcp", json={**call, "params": unkeyed}, headers=headers
+                )
+                assert answer.json()["result"] == {"content": []}
+                keyed_call = _call(10 + request_id, "charge", {"amount": 1}, "k")
+                refused = await raw.post(f"{server.url}/mcp", json=keyed_call, headers=headers)
+                assert refused.json()["error"]["code"] == -32600
+    assert reached == [0, 1]
+
+
 @pytest.mark.parametrize(("anonymous", "executions"), [("share", 1), ("run", 2)])
 async def test_middleware_anonymous_share_and_run_are_explicit(
     tmp_path: Path, folder: Path, anonymous: Any, executions: int
