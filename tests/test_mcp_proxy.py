@@ -532,6 +532,23 @@ async def test_middleware_anonymous_share_and_run_are_explicit(
     assert runs(folder) == executions
 
 
+async def test_http_proxy_has_the_gateways_limits_on_clients(tmp_path: Path, folder: Path) -> None:
+    """A request head over 64 KiB is answered 431 by the proxy, as by the gateway;
+    --timeout must be positive."""
+    with http_proxy(f"sqlite:///{tmp_path}/s.db", folder) as (_, proxy):
+        async with httpx2.AsyncClient() as raw:
+            answer = await raw.post(
+                f"{proxy.url}/mcp",
+                json=_call(1, "charge", {"amount": 1}, "h"),
+                headers={"Authorization": "Bearer t", "X-Pad": "p" * (70 << 10)},
+            )
+    assert answer.status_code == 431
+    assert runs(folder) == 0
+    bad = [sys.executable, "-m", "retrysafe", "mcp-proxy", "--upstream", "http://127.0.0.1:9/mcp"]
+    done = subprocess.run([*bad, "--timeout", "0"], capture_output=True, timeout=60)
+    assert done.returncode == 2 and b"--timeout" in done.stderr
+
+
 async def test_http_concurrent_duplicates_run_once(tmp_path: Path, folder: Path) -> None:
     """Many tasks on several clients, through two proxies that share one store."""
     url = f"sqlite:///{tmp_path}/s.db"

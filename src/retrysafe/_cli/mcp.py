@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Annotated, Any
 
 import typer
@@ -107,6 +108,8 @@ def mcp_proxy(
             raise CliError("give either --upstream URL or a command after --, not both")
         if principal is not None:
             raise CliError("--principal is for stdio; over HTTP the credentials name the caller")
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise CliError(f"--timeout must be a positive number of seconds, not {timeout}")
         return _serve_http(
             upstream,
             store_url_for(store),
@@ -151,6 +154,7 @@ def _serve_http(
     import uvicorn
 
     # isort: on
+    from retrysafe._gateway.limits import protocol_class
     from retrysafe._ops.serve import bind, parse_listen, server_config, sigterm_as_interrupt, url_of
     from retrysafe._protocols.mcp_asgi import McpProxyMiddleware
     from retrysafe.stores import redact
@@ -166,6 +170,7 @@ def _serve_http(
     application = McpProxyMiddleware(
         forward, store_url, ttl=times["ttl"], lease=times["lease"], max_body=max_body, **options
     )
+    served = _Limited(application)
     sock = bind(host, port)
     url = url_of(sock)
     print(f"retrysafe mcp-proxy: listening on {url}", flush=True)
@@ -173,9 +178,15 @@ def _serve_http(
     print(f"  upstream  {upstream}", flush=True)
     print(f"  store     {redact(store_url)}", flush=True)
     print(f"  callers   {application.principals.describe()}", flush=True)
+    limits = served.server_limits
+    print(
+        f"  limits    head {limits.max_head_size} B in {limits.head_timeout:g} s, body idle "
+        f"{limits.body_timeout:g} s, {limits.max_connections} connections",
+        flush=True,
+    )
     try:
         with sigterm_as_interrupt():
-            config = server_config(application, lifespan="off")
+            config = server_config(served, lifespan="off", http=protocol_class())
             uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:
         pass
@@ -184,3 +195,22 @@ def _serve_http(
         application.engine.store.close()
     print("retrysafe mcp-proxy: stopped", flush=True)
     return 0
+
+
+class _Limited:
+    """The proxy's app under the gateway's bounds on each client (docs/gateway.md,
+    "Limits on clients"): head size and time and connections (its protocol class
+    reads :attr:`server_limits`), and an idle request body's time."""
+
+    def __init__(self, app: Any) -> None:
+        from retrysafe._gateway.limits import BodyTimeout, ServerLimits
+
+        self.app = app
+        self.server_limits = ServerLimits()
+        self._body_timeout = BodyTimeout(self.server_limits.body_timeout)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await self._body_timeout(self.app, scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
