@@ -580,7 +580,7 @@ async def test_http_concurrent_duplicates_run_once(tmp_path: Path, folder: Path)
         finally:
             second.__exit__()
     assert runs(folder) == 1
-    assert {a for group in answers for a in group} <= {"charged 9 (execution 1)"}
+    assert {a for group in answers for a in group} == {"charged 9 (execution 1)"}
 
 
 async def test_http_killed_mid_call_is_in_flight_after_restart(
