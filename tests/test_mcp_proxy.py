@@ -88,12 +88,14 @@ async def replays_and_conflicts(client: Client) -> None:
 
 
 @asynccontextmanager
-async def stdio_client(store: str, folder: Path, *options: str) -> AsyncIterator[Client]:
+async def stdio_client(
+    store: str, folder: Path, *options: str, mode: str = "auto"
+) -> AsyncIterator[Client]:
     argv = proxy_argv(store, folder, *options)
     # The SDK gives the child a minimal environment: the tests' own PYTHONPATH too.
     env = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     params = StdioServerParameters(command=argv[0], args=argv[1:], cwd=str(ROOT), env=env)
-    async with Client(params) as client:
+    async with Client(params, mode=mode) as client:
         yield client
 
 
@@ -123,6 +125,21 @@ async def test_stdio_retry_replays_and_conflicts(shared_url: str, folder: Path) 
         later = await client.call_tool("charge", {"amount": 5}, meta=keyed("order-1"))
     assert text(later) == "charged 5 (execution 1)"
     assert runs(folder) == 2
+
+
+@pytest.mark.parametrize(("first", "then"), [("legacy", "auto"), ("auto", "legacy")])
+async def test_stdio_replay_fits_the_retrying_clients_protocol(
+    tmp_path: Path, folder: Path, first: str, then: str
+) -> None:
+    """An answer recorded for a 2025-06-18 client replays to a 2026-07-28 one (which
+    requires resultType), and the other way round."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    async with stdio_client(url, folder, mode=first) as client:
+        one = await client.call_tool("charge", {"amount": 1}, meta=keyed("v-1"))
+    async with stdio_client(url, folder, mode=then) as client:
+        again = await client.call_tool("charge", {"amount": 1}, meta=keyed("v-1"))
+    assert text(one) == text(again) == "charged 1 (execution 1)"
+    assert (again.meta or {})[EXT]["replayed"] is True
 
 
 def _raw_proxy(store: str, folder: Path, *options: str) -> subprocess.Popen[bytes]:
@@ -443,6 +460,18 @@ async def test_http_retry_replays_conflicts_and_scopes(
             two = await client.call_tool("charge", {"amount": 1})
         assert text(one) == text(two) == "charged 1 (execution 3)"
     assert runs(folder) == 3
+
+
+async def test_http_replay_fits_the_retrying_clients_protocol(tmp_path: Path, folder: Path) -> None:
+    """Recorded for a 2025-06-18 client (SSE), replayed to a 2026-07-28 one (JSON)."""
+    token = {"Authorization": "Bearer t"}
+    with http_proxy(f"sqlite:///{tmp_path}/s.db", folder) as (_, proxy):
+        async with http_client(proxy.url, "legacy", token) as client:
+            one = await client.call_tool("charge", {"amount": 1}, meta=keyed("v-1"))
+        async with http_client(proxy.url, "auto", token) as client:
+            again = await client.call_tool("charge", {"amount": 1}, meta=keyed("v-1"))
+    assert text(one) == text(again) == "charged 1 (execution 1)"
+    assert (again.meta or {})[EXT]["replayed"] is True
 
 
 async def test_http_bad_keys_are_invalid_params_and_never_forwarded(

@@ -35,6 +35,7 @@ from retrysafe._core.options import DEFAULT_MAX_BODY
 from retrysafe._core.principal import Anonymous, Principals
 from retrysafe._core.secret import check_secret
 from retrysafe._http.asgi import caller_scope, replaying
+from retrysafe._http.asgi import header as header_of
 from retrysafe._protocols.mcp import (
     CALL_METHOD,
     INTERNAL_ERROR,
@@ -45,7 +46,13 @@ from retrysafe._protocols.mcp import (
     refusal,
     run_call,
 )
-from retrysafe._protocols.mcp_proxy import LISTENED, ToolBook, json_id
+from retrysafe._protocols.mcp_proxy import (
+    LISTENED,
+    ToolBook,
+    fit_replay,
+    json_id,
+    protocol_version,
+)
 from retrysafe.errors import (
     AmbiguousCredentialsError,
     IdempotencyError,
@@ -453,7 +460,9 @@ class McpProxyMiddleware:
                 with contextlib.suppress(_NoAnswer):
                     await task
         if task is None and reply is not None:
-            await self._answer(send, rid, reply)
+            header = header_of(scope, b"mcp-protocol-version")
+            version = protocol_version(doc.get("params"), header)
+            await self._answer(send, rid, fit_replay(reply, version))
 
     @staticmethod
     async def _answer(send: Send, request_id: Any, reply: Reply) -> None:

@@ -38,6 +38,7 @@ from retrysafe._protocols.mcp import (
     EXTENSION_ID,
     INTERNAL_ERROR,
     INVALID_REQUEST,
+    REPLAY_META,
     ToolCall,
     extension_settings,
     parse_call,
@@ -53,7 +54,9 @@ __all__ = [
     "StdioRelay",
     "ToolBook",
     "answer_line",
+    "fit_replay",
     "json_id",
+    "protocol_version",
 ]
 
 #: The longest client line the relay parses (the HTTP doors' default body limit).
@@ -64,6 +67,38 @@ _MAX_CHILD_LINE = 1 << 28
 LISTENED = frozenset({"initialize", "server/discover", "tools/list"})
 
 Reply = dict[str, Any]
+
+#: The per-request ``_meta`` field of a 2026-07-28 request that names its protocol version.
+VERSION_META = "io.modelcontextprotocol/protocolVersion"
+#: The first protocol version whose results carry ``resultType``.
+_RESULT_TYPE_SINCE = "2026-07-28"
+
+
+def protocol_version(params: Any, header: str | None = None) -> str | None:
+    """The protocol version a ``tools/call`` request names (its ``_meta``, else the
+    ``MCP-Protocol-Version`` header); None for a request of an older session."""
+    meta = params.get("_meta") if isinstance(params, Mapping) else None
+    version = meta.get(VERSION_META) if isinstance(meta, Mapping) else None
+    return version if isinstance(version, str) else header
+
+
+def fit_replay(reply: Reply, version: str | None) -> Reply:
+    """A replayed ``reply`` as a client of protocol ``version`` validates it: a result
+    recorded for an older client gains ``resultType: "complete"`` (2026-07-28
+    requires it), one recorded for a newer client loses it. Others are as they are."""
+    result = reply.get("result")
+    if not isinstance(result, dict):
+        return reply
+    meta = result.get("_meta")
+    marker = meta.get(REPLAY_META) if isinstance(meta, dict) else None
+    if not (isinstance(marker, dict) and marker.get("replayed") is True):
+        return reply
+    if version is not None and version >= _RESULT_TYPE_SINCE:
+        if "resultType" not in result:
+            return {**reply, "result": {**result, "resultType": "complete"}}
+    elif "resultType" in result:
+        return {**reply, "result": {k: v for k, v in result.items() if k != "resultType"}}
+    return reply
 
 
 def json_id(value: Any) -> str:
@@ -258,9 +293,12 @@ class StdioRelay:
         if call is None or self.book.read_only(call.name):
             await self._write_child(line)
             return
-        await self._keyed(call, request_id, line)
+        version = protocol_version(message.get("params"))
+        await self._keyed(call, request_id, line, version)
 
-    async def _keyed(self, call: ToolCall, request_id: Any, line: bytes) -> None:
+    async def _keyed(
+        self, call: ToolCall, request_id: Any, line: bytes, version: str | None
+    ) -> None:
         """Run a keyed call; return once it is forwarded or answered, so that the
         messages after it reach the server after it."""
         forwarded = asyncio.Event()
@@ -278,7 +316,7 @@ class StdioRelay:
             finally:
                 self._pending.pop(rid, None)
 
-        task = asyncio.create_task(self._answer(call, request_id, call_next))
+        task = asyncio.create_task(self._answer(call, request_id, call_next, version))
         self._tasks.add(task)
         self._running[rid] = task
 
@@ -294,7 +332,11 @@ class StdioRelay:
         done.cancel()
 
     async def _answer(
-        self, call: ToolCall, request_id: Any, call_next: Callable[[], Awaitable[Reply]]
+        self,
+        call: ToolCall,
+        request_id: Any,
+        call_next: Callable[[], Awaitable[Reply]],
+        version: str | None,
     ) -> None:
         try:
             reply = await run_call(
@@ -304,7 +346,7 @@ class StdioRelay:
             reply = _error(INTERNAL_ERROR, f"the server did not answer: {exc}")
             reply["error"]["data"] = {"code": "server_unavailable", "retryable": True}
         if json_id(request_id) not in self._dropped:
-            await self._write_out(answer_line(request_id, reply))
+            await self._write_out(answer_line(request_id, fit_replay(reply, version)))
 
     def _cancelled(self, params: Any) -> bool:
         """The client cancelled a request; True if it is a keyed call of the proxy's.
