@@ -578,6 +578,14 @@ async def test_http_proxy_has_the_gateways_limits_on_clients(tmp_path: Path, fol
     assert done.returncode == 2 and b"--timeout" in done.stderr
 
 
+@pytest.mark.parametrize("option", [["--anonymous", "share"], ["--principal-header", "x-key"]])
+def test_stdio_refuses_the_http_callers_options(tmp_path: Path, option: list[str]) -> None:
+    """--anonymous and --principal-header mean nothing over stdio: refused, not ignored."""
+    argv = proxy_argv(f"sqlite:///{tmp_path}/s.db", tmp_path, *option)
+    done = subprocess.run(argv, capture_output=True, timeout=60)
+    assert done.returncode == 2 and option[0].encode() in done.stderr
+
+
 async def test_http_concurrent_duplicates_run_once(tmp_path: Path, folder: Path) -> None:
     """Many tasks on several clients, through two proxies that share one store."""
     url = f"sqlite:///{tmp_path}/s.db"

@@ -122,12 +122,17 @@ def mcp_proxy(
         )
     if not command:
         raise CliError("give the MCP server's command after --, or --upstream URL")
-    engine, plan = call_engine(
-        store_url_for(store), ttl=times["ttl"], lease=times["lease"], max_body=limit
-    )
+    if anonymous is not None or principal_header:
+        raise CliError(
+            "--anonymous and --principal-header are for --upstream; over stdio "
+            "the one caller is --principal"
+        )
     who = local_principal() if principal is None else principal
     if not who.strip():
         raise CliError("--principal must not be blank")
+    engine, plan = call_engine(
+        store_url_for(store), ttl=times["ttl"], lease=times["lease"], max_body=limit
+    )
     relay = StdioRelay(engine, plan, list(command), principal=who, max_line=limit)
     try:
         return asyncio.run(relay.run())
