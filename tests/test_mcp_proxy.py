@@ -88,12 +88,14 @@ async def replays_and_conflicts(client: Client) -> None:
 
 
 @asynccontextmanager
-async def stdio_client(store: str, folder: Path, *options: str) -> AsyncIterator[Client]:
+async def stdio_client(
+    store: str, folder: Path, *options: str, mode: str = "auto"
+) -> AsyncIterator[Client]:
     argv = proxy_argv(store, folder, *options)
     # The SDK gives the child a minimal environment: the tests' own PYTHONPATH too.
     env = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     params = StdioServerParameters(command=argv[0], args=argv[1:], cwd=str(ROOT), env=env)
-    async with Client(params) as client:
+    async with Client(params, mode=mode) as client:
         yield client
 
 
@@ -123,6 +125,21 @@ async def test_stdio_retry_replays_and_conflicts(shared_url: str, folder: Path) 
         later = await client.call_tool("charge", {"amount": 5}, meta=keyed("order-1"))
     assert text(later) == "charged 5 (execution 1)"
     assert runs(folder) == 2
+
+
+@pytest.mark.parametrize(("first", "then"), [("legacy", "auto"), ("auto", "legacy")])
+async def test_stdio_replay_fits_the_retrying_clients_protocol(
+    tmp_path: Path, folder: Path, first: str, then: str
+) -> None:
+    """An answer recorded for a 2025-06-18 client replays to a 2026-07-28 one (which
+    requires resultType), and the other way round."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    async with stdio_client(url, folder, mode=first) as client:
+        one = await client.call_tool("charge", {"amount": 1}, meta=keyed("v-1"))
+    async with stdio_client(url, folder, mode=then) as client:
+        again = await client.call_tool("charge", {"amount": 1}, meta=keyed("v-1"))
+    assert text(one) == text(again) == "charged 1 (execution 1)"
+    assert (again.meta or {})[EXT]["replayed"] is True
 
 
 def _raw_proxy(store: str, folder: Path, *options: str) -> subprocess.Popen[bytes]:
@@ -231,21 +248,47 @@ async def test_stdio_client_closing_at_once_still_gets_its_call_recorded(
     assert runs(folder) == 1
 
 
-def test_stdio_cancelled_call_frees_its_key(tmp_path: Path, folder: Path) -> None:
-    """A keyed call the client cancels fails, retryable: the retry runs, it is not
-    in flight until the proxy exits."""
+def test_stdio_cancelled_keyed_call_runs_to_its_end(tmp_path: Path, folder: Path) -> None:
+    """A keyed call the client cancels is not cancelled upstream: it runs to its end
+    and is recorded, its late answer is dropped; the retry is in flight, then the
+    replay. One execution."""
     proc = _raw_proxy(f"sqlite:///{tmp_path}/s.db", folder)
     assert proc.stdout is not None
     _send(proc, _call(1, "slow", {"tag": "a"}, "cancel-1"))
     _wait_for(folder / "slow.started")
-    cancel = {"requestId": 1, "reason": "the user gave up"}
+    cancel = {"requestId": 1, "reason": "the client timed out"}
     _send(proc, {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": cancel})
-    (folder / "slow.release").write_text("go")
     _send(proc, _call(2, "slow", {"tag": "a"}, "cancel-1"))
-    while (answer := json.loads(proc.stdout.readline()))["id"] != 2:
-        assert "error" not in answer, answer  # the server's late answer to 1, if any
+    busy = json.loads(proc.stdout.readline())
+    assert busy["id"] == 2 and busy["error"]["data"]["code"] == "idempotency_in_flight"
+    (folder / "slow.release").write_text("go")
+    answers = []
+    for request_id in range(3, 3000):  # until the first call is recorded
+        _send(proc, _call(request_id, "slow", {"tag": "a"}, "cancel-1"))
+        answers.append(answer := json.loads(proc.stdout.readline()))
+        if "result" in answer:
+            break
+        assert answer["error"]["data"]["code"] == "idempotency_in_flight", answer
+        select.select([], [], [], 0.02)
     _kill(proc)
-    assert answer["result"]["content"][0]["text"] == "slow a (execution 2)"
+    assert all(a["id"] != 1 for a in answers)  # the cancelled request gets no answer
+    assert answer["result"]["content"][0]["text"] == "slow a (execution 1)"
+    assert answer["result"]["_meta"][EXT]["replayed"] is True
+    assert runs(folder, "slow") == 1
+
+
+def test_stdio_server_dying_mid_call_is_a_retryable_error_with_a_code(tmp_path: Path) -> None:
+    """The server exits without answering a keyed call: -32603, data.code
+    server_unavailable, retryable."""
+    gone = [sys.executable, "-c", "import sys; sys.stdin.readline()"]
+    argv = [sys.executable, "-m", "retrysafe", "mcp-proxy", "--store", f"sqlite:///{tmp_path}/s.db"]
+    proc = subprocess.Popen([*argv, "--", *gone], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    _send(proc, _call(1, "charge", {"amount": 1}, "gone-1"))
+    assert proc.stdout is not None
+    answer = json.loads(proc.stdout.readline())
+    _kill(proc)
+    assert answer["id"] == 1 and answer["error"]["code"] == -32603
+    assert answer["error"]["data"] == {"code": "server_unavailable", "retryable": True}
 
 
 async def test_stdio_concurrent_duplicates_run_once(tmp_path: Path, folder: Path) -> None:
@@ -419,6 +462,18 @@ async def test_http_retry_replays_conflicts_and_scopes(
     assert runs(folder) == 3
 
 
+async def test_http_replay_fits_the_retrying_clients_protocol(tmp_path: Path, folder: Path) -> None:
+    """Recorded for a 2025-06-18 client (SSE), replayed to a 2026-07-28 one (JSON)."""
+    token = {"Authorization": "Bearer t"}
+    with http_proxy(f"sqlite:///{tmp_path}/s.db", folder) as (_, proxy):
+        async with http_client(proxy.url, "legacy", token) as client:
+            one = await client.call_tool("charge", {"amount": 1}, meta=keyed("v-1"))
+        async with http_client(proxy.url, "auto", token) as client:
+            again = await client.call_tool("charge", {"amount": 1}, meta=keyed("v-1"))
+    assert text(one) == text(again) == "charged 1 (execution 1)"
+    assert (again.meta or {})[EXT]["replayed"] is True
+
+
 async def test_http_bad_keys_are_invalid_params_and_never_forwarded(
     tmp_path: Path, folder: Path
 ) -> None:
@@ -436,6 +491,99 @@ async def test_http_bad_keys_are_invalid_params_and_never_forwarded(
                 await client.call_tool("charge", {"amount": 1}, meta=keyed("one"))
             assert caught.value.code == -32602
     assert runs(folder) == 0
+
+
+async def test_http_keyed_call_without_credentials_is_refused_by_default(
+    tmp_path: Path, folder: Path
+) -> None:
+    """A keyed call nobody can name is refused (-32600), never forwarded: run
+    unrecorded, its client's retries would run it again. Unkeyed calls pass."""
+    with http_proxy(f"sqlite:///{tmp_path}/s.db", folder) as (_, proxy):
+        async with http_client(proxy.url, "auto") as client:
+            with pytest.raises(MCPError) as caught:
+                await client.call_tool("charge", {"amount": 1}, meta=keyed("anon-1"))
+            assert runs(folder) == 0
+            await client.call_tool("charge", {"amount": 1})
+    assert caught.value.code == -32600
+    assert caught.value.data["code"] == "idempotency_principal_required"
+    assert runs(folder) == 1
+
+
+async def test_middleware_names_the_caller_of_keyed_calls_only(tmp_path: Path) -> None:
+    """An unkeyed tools/call reaches the app whoever sends it (no credentials, two
+    different Authorization lines); a keyed one from either is refused."""
+    from retrysafe.mcp import McpProxyMiddleware
+
+    reached = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        request = json.loads((await receive())["body"])
+        reached.append(request["id"])
+        body = json.dumps({"jsonrpc": "2.0", "id": request["id"], "result": {"content": []}})
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body.encode()})
+
+    unkeyed = {"name": "charge", "arguments": {"amount": 1}}
+    middleware = McpProxyMiddleware(app, f"sqlite:///{tmp_path}/s.db")
+    two = [("Authorization", "Bearer a"), ("Authorization", "Bearer b")]
+    with ThreadServer(middleware, "asgi") as server:
+        async with httpx2.AsyncClient() as raw:
+            for request_id, headers in enumerate(([], two)):
+                call = {"jsonrpc": "2.0", "id": request_id, "method": "tools/call"}
+                answer = await raw.post(
+                    f"{server.url}/mcp", json={**call, "params": unkeyed}, headers=headers
+                )
+                assert answer.json()["result"] == {"content": []}
+                keyed_call = _call(10 + request_id, "charge", {"amount": 1}, "k")
+                refused = await raw.post(f"{server.url}/mcp", json=keyed_call, headers=headers)
+                assert refused.json()["error"]["code"] == -32600
+    assert reached == [0, 1]
+
+
+@pytest.mark.parametrize(("anonymous", "executions"), [("share", 1), ("run", 2)])
+async def test_middleware_anonymous_share_and_run_are_explicit(
+    tmp_path: Path, folder: Path, anonymous: Any, executions: int
+) -> None:
+    from mcp_servers.plain import make_server
+
+    from retrysafe.mcp import McpProxyMiddleware
+
+    app = McpProxyMiddleware(
+        make_server(folder).streamable_http_app(),
+        f"sqlite:///{tmp_path}/s.db",
+        anonymous=anonymous,
+    )
+    with ThreadServer(app, "asgi") as server:
+        async with http_client(server.url, "auto") as client:
+            for _ in range(2):
+                await client.call_tool("charge", {"amount": 2}, meta=keyed("anon-2"))
+    assert runs(folder) == executions
+
+
+async def test_http_proxy_has_the_gateways_limits_on_clients(tmp_path: Path, folder: Path) -> None:
+    """A request head over 64 KiB is answered 431 by the proxy, as by the gateway;
+    --timeout must be positive."""
+    with http_proxy(f"sqlite:///{tmp_path}/s.db", folder) as (_, proxy):
+        async with httpx2.AsyncClient() as raw:
+            answer = await raw.post(
+                f"{proxy.url}/mcp",
+                json=_call(1, "charge", {"amount": 1}, "h"),
+                headers={"Authorization": "Bearer t", "X-Pad": "p" * (70 << 10)},
+            )
+    assert answer.status_code == 431
+    assert runs(folder) == 0
+    bad = [sys.executable, "-m", "retrysafe", "mcp-proxy", "--upstream", "http://127.0.0.1:9/mcp"]
+    done = subprocess.run([*bad, "--timeout", "0"], capture_output=True, timeout=60)
+    assert done.returncode == 2 and b"--timeout" in done.stderr
+
+
+@pytest.mark.parametrize("option", [["--anonymous", "share"], ["--principal-header", "x-key"]])
+def test_stdio_refuses_the_http_callers_options(tmp_path: Path, option: list[str]) -> None:
+    """--anonymous and --principal-header mean nothing over stdio: refused, not ignored."""
+    argv = proxy_argv(f"sqlite:///{tmp_path}/s.db", tmp_path, *option)
+    done = subprocess.run(argv, capture_output=True, timeout=60)
+    assert done.returncode == 2 and option[0].encode() in done.stderr
 
 
 async def test_http_concurrent_duplicates_run_once(tmp_path: Path, folder: Path) -> None:
@@ -469,7 +617,7 @@ async def test_http_concurrent_duplicates_run_once(tmp_path: Path, folder: Path)
         finally:
             second.__exit__()
     assert runs(folder) == 1
-    assert {a for group in answers for a in group} <= {"charged 9 (execution 1)"}
+    assert {a for group in answers for a in group} == {"charged 9 (execution 1)"}
 
 
 async def test_http_killed_mid_call_is_in_flight_after_restart(
@@ -539,7 +687,7 @@ async def test_middleware_in_front_of_a_python_asgi_app(tmp_path: Path, folder: 
     """The proxy's middleware on its own, around the SDK's own ASGI app (JSON and SSE)."""
     from mcp_servers.plain import make_server
 
-    from retrysafe._protocols.mcp_asgi import McpProxyMiddleware
+    from retrysafe.mcp import McpProxyMiddleware
 
     app = McpProxyMiddleware(
         make_server(folder).streamable_http_app(), f"sqlite:///{tmp_path}/s.db", max_body=4096
@@ -557,6 +705,69 @@ async def test_middleware_in_front_of_a_python_asgi_app(tmp_path: Path, folder: 
         assert answer.status_code == 413
         assert answer.json()["error"]["code"] == -32600
     assert runs(folder) == 1
+
+
+async def test_http_upstream_down_is_a_json_rpc_error_with_a_code(tmp_path: Path) -> None:
+    """The forwarder's 502 to a keyed call reaches the MCP client as a JSON-RPC error
+    it can read (data.code, retryable), and the attempt is not kept in flight."""
+    from retrysafe.gateway import forwarder
+    from retrysafe.mcp import McpProxyMiddleware
+
+    down = forwarder(f"http://127.0.0.1:{free_port()}", timeout=5)
+    app = McpProxyMiddleware(down, f"sqlite:///{tmp_path}/s.db")
+    headers = {"Authorization": "Bearer t", "Accept": "application/json, text/event-stream"}
+    with ThreadServer(app, "asgi") as server:
+        async with httpx2.AsyncClient(headers=headers) as raw:
+            for _ in range(2):  # the second is not "in flight": the first failed
+                answer = await raw.post(
+                    f"{server.url}/mcp", json=_call(1, "charge", {"amount": 1}, "down-1")
+                )
+                assert answer.status_code == 200
+                assert answer.headers["content-type"] == "application/json"
+                error = answer.json()["error"]
+                assert error["code"] == -32603
+                assert error["data"]["code"] == "upstream_unavailable"
+                assert error["data"]["retryable"] is True
+
+
+async def test_http_big_notification_before_the_response_is_streamed_unread(
+    tmp_path: Path,
+) -> None:
+    """An SSE event over max_body that is not the response (a big log notification)
+    goes on unread, in pieces; the small response after it is recorded and replayed."""
+    from retrysafe.mcp import McpProxyMiddleware
+
+    executions = 0
+    note = {"jsonrpc": "2.0", "method": "notifications/message", "params": {"data": "n" * 6000}}
+    streamed = b"event: message\r\ndata: " + json.dumps(note).encode() + b"\r\n\r\n"
+
+    async def sse_app(scope: Any, receive: Any, send: Any) -> None:
+        nonlocal executions
+        request = json.loads((await receive())["body"])
+        executions += 1
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for at in range(0, len(streamed), 1000):
+            body = streamed[at : at + 1000]
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        content = [{"type": "text", "text": f"ok {executions}"}]
+        answer = {"jsonrpc": "2.0", "id": request["id"], "result": {"content": content}}
+        body = b"data: " + json.dumps(answer).encode() + b"\n\n"
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    app = McpProxyMiddleware(sse_app, f"sqlite:///{tmp_path}/s.db", max_body=4096)
+    headers = {"Authorization": "Bearer t", "Accept": "application/json, text/event-stream"}
+    with ThreadServer(app, "asgi") as server:
+        async with httpx2.AsyncClient(headers=headers) as raw:
+            url = f"{server.url}/mcp"
+            first = await raw.post(url, json=_call(1, "charge", {"amount": 1}, "note-1"))
+            again = await raw.post(url, json=_call(2, "charge", {"amount": 1}, "note-1"))
+    lf = first.content.replace(b"\r\n", b"\n")  # the proxy may end lines either way
+    assert lf.startswith(streamed.replace(b"\r\n", b"\n"))
+    assert b'"text": "ok 1"' in first.content
+    assert again.json()["result"]["content"][0]["text"] == "ok 1"
+    assert again.json()["result"]["_meta"][EXT]["replayed"] is True
+    assert executions == 1
 
 
 async def over_limit_runs_once(client: Client, folder: Path) -> None:

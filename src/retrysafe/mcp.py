@@ -51,6 +51,7 @@ from retrysafe._protocols.mcp import (
     refusal,
     run_call,
 )
+from retrysafe._protocols.mcp_asgi import McpProxyMiddleware
 from retrysafe.errors import IdempotencyError, MissingExtraError
 from retrysafe.stores import Store
 
@@ -66,6 +67,7 @@ __all__ = [
     "IdempotencyMiddleware",
     "IdempotentTools",
     "McpIdempotency",
+    "McpProxyMiddleware",
     "ToolSession",
     "was_replayed",
 ]

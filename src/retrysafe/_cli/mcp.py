@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import getpass
+import math
 from typing import Annotated, Any
 
 import typer
@@ -11,14 +11,6 @@ import typer
 from retrysafe._cli.common import CliError, StoreOpt, app, duration_option, store_url_for
 
 __all__ = ["mcp_proxy"]
-
-
-def local_principal() -> str:
-    """The principal of a stdio proxy's one client by default: the local user."""
-    try:
-        return f"local user {getpass.getuser()}"
-    except (KeyError, OSError):  # no user name for this uid
-        return "local user"
 
 
 @app.command(
@@ -77,8 +69,9 @@ def mcp_proxy(
         str | None,
         typer.Option(
             metavar="run|refuse|share",
-            help="With --upstream: what a keyed call without credentials gets: run without "
-            "a record (default), refuse, or share one public record space.",
+            help="With --upstream: what a keyed call without credentials gets: refused "
+            "(default), one public record space shared by all such callers, or run without "
+            "a record (unsafe with clients that retry).",
         ),
     ] = None,
     max_body: Annotated[
@@ -105,7 +98,7 @@ def mcp_proxy(
     server and relays its newline-delimited JSON-RPC. Over Streamable HTTP:
     retrysafe mcp-proxy --upstream URL --listen HOST:PORT [--store URL].
     """
-    from retrysafe._protocols.mcp import call_engine
+    from retrysafe._protocols.mcp import call_engine, local_principal
     from retrysafe._protocols.mcp_proxy import DEFAULT_MAX_LINE, StdioRelay
 
     times = {"ttl": duration_option(ttl, "--ttl"), "lease": duration_option(lease, "--lease")}
@@ -115,6 +108,8 @@ def mcp_proxy(
             raise CliError("give either --upstream URL or a command after --, not both")
         if principal is not None:
             raise CliError("--principal is for stdio; over HTTP the credentials name the caller")
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise CliError(f"--timeout must be a positive number of seconds, not {timeout}")
         return _serve_http(
             upstream,
             store_url_for(store),
@@ -127,12 +122,17 @@ def mcp_proxy(
         )
     if not command:
         raise CliError("give the MCP server's command after --, or --upstream URL")
-    engine, plan = call_engine(
-        store_url_for(store), ttl=times["ttl"], lease=times["lease"], max_body=limit
-    )
+    if anonymous is not None or principal_header:
+        raise CliError(
+            "--anonymous and --principal-header are for --upstream; over stdio "
+            "the one caller is --principal"
+        )
     who = local_principal() if principal is None else principal
     if not who.strip():
         raise CliError("--principal must not be blank")
+    engine, plan = call_engine(
+        store_url_for(store), ttl=times["ttl"], lease=times["lease"], max_body=limit
+    )
     relay = StdioRelay(engine, plan, list(command), principal=who, max_line=limit)
     try:
         return asyncio.run(relay.run())
@@ -159,6 +159,7 @@ def _serve_http(
     import uvicorn
 
     # isort: on
+    from retrysafe._gateway.limits import protocol_class
     from retrysafe._ops.serve import bind, parse_listen, server_config, sigterm_as_interrupt, url_of
     from retrysafe._protocols.mcp_asgi import McpProxyMiddleware
     from retrysafe.stores import redact
@@ -174,6 +175,7 @@ def _serve_http(
     application = McpProxyMiddleware(
         forward, store_url, ttl=times["ttl"], lease=times["lease"], max_body=max_body, **options
     )
+    served = _Limited(application)
     sock = bind(host, port)
     url = url_of(sock)
     print(f"retrysafe mcp-proxy: listening on {url}", flush=True)
@@ -181,9 +183,15 @@ def _serve_http(
     print(f"  upstream  {upstream}", flush=True)
     print(f"  store     {redact(store_url)}", flush=True)
     print(f"  callers   {application.principals.describe()}", flush=True)
+    limits = served.server_limits
+    print(
+        f"  limits    head {limits.max_head_size} B in {limits.head_timeout:g} s, body idle "
+        f"{limits.body_timeout:g} s, {limits.max_connections} connections",
+        flush=True,
+    )
     try:
         with sigterm_as_interrupt():
-            config = server_config(application, lifespan="off")
+            config = server_config(served, lifespan="off", http=protocol_class())
             uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:
         pass
@@ -192,3 +200,22 @@ def _serve_http(
         application.engine.store.close()
     print("retrysafe mcp-proxy: stopped", flush=True)
     return 0
+
+
+class _Limited:
+    """The proxy's app under the gateway's bounds on each client (docs/gateway.md,
+    "Limits on clients"): head size and time and connections (its protocol class
+    reads :attr:`server_limits`), and an idle request body's time."""
+
+    def __init__(self, app: Any) -> None:
+        from retrysafe._gateway.limits import BodyTimeout, ServerLimits
+
+        self.app = app
+        self.server_limits = ServerLimits()
+        self._body_timeout = BodyTimeout(self.server_limits.body_timeout)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await self._body_timeout(self.app, scope, receive, send)
+        else:
+            await self.app(scope, receive, send)

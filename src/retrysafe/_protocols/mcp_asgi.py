@@ -14,8 +14,10 @@ back (the extension advertised, read-only tools learnt).
 The caller is named as by every HTTP door (docs/principals.md): the
 authenticated ``scope["user"]``, else the request's credentials (every
 ``Authorization`` line, API-key headers, session cookies), hashed with the
-store's secret; a request without any runs unrecorded (``anonymous="run"``),
-is refused, or shares one public space.
+store's secret. A keyed call without any is refused by default
+(``anonymous="refuse"``: a client that sends a key asks for exactly-once, and
+run unrecorded its retries would run again); ``"share"`` gives such callers one
+public space, and ``"run"`` runs them unrecorded (unsafe with retrying clients).
 """
 
 from __future__ import annotations
@@ -23,16 +25,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import Awaitable, Callable, Collection, MutableMapping
 from typing import Any, Unpack
 
 from retrysafe._core.engine import Engine
 from retrysafe._core.metrics import METRICS
 from retrysafe._core.options import DEFAULT_MAX_BODY
-from retrysafe._core.principal import Anonymous, Principals, asgi_user, unscoped
-from retrysafe._core.secret import asecret_of, check_secret
+from retrysafe._core.principal import Anonymous, Principals
+from retrysafe._core.secret import check_secret
+from retrysafe._http.asgi import caller_scope, replaying
+from retrysafe._http.asgi import header as header_of
 from retrysafe._protocols.mcp import (
     CALL_METHOD,
+    INTERNAL_ERROR,
     INVALID_REQUEST,
     CallOptions,
     call_engine,
@@ -40,7 +46,13 @@ from retrysafe._protocols.mcp import (
     refusal,
     run_call,
 )
-from retrysafe._protocols.mcp_proxy import LISTENED, ToolBook, json_id
+from retrysafe._protocols.mcp_proxy import (
+    LISTENED,
+    ToolBook,
+    fit_replay,
+    json_id,
+    protocol_version,
+)
 from retrysafe.errors import (
     AmbiguousCredentialsError,
     IdempotencyError,
@@ -58,7 +70,11 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Reply = dict[str, Any]
 
-_JSON, _SSE, _OTHER = range(3)
+_JSON, _SSE, _OTHER, _PROBLEM = range(4)
+#: The blank line that ends an SSE event.
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+#: The forwarder's answers when the upstream is down or slow (``application/problem+json``).
+_UPSTREAM_FAILED = frozenset({502, 504})
 
 
 class _NoAnswer(Exception):
@@ -89,14 +105,17 @@ def _json_answer(status: int, doc: dict[str, Any]) -> tuple[Message, Message]:
     return start, {"type": "http.response.body", "body": body, "more_body": False}
 
 
-def _mode(headers: list[tuple[bytes, bytes]]) -> int:
+def _mode(status: int, headers: list[tuple[bytes, bytes]], hold: bool) -> int:
+    """How :class:`_Watch` reads an answer: ``_PROBLEM`` is a 502/504 problem to a keyed call."""
     for name, value in headers:
         if name.lower() == b"content-type":
             kind = value.split(b";")[0].strip().lower()
-            if kind == b"application/json":
+            if status == 200 and kind == b"application/json":
                 return _JSON
-            if kind == b"text/event-stream":
+            if status == 200 and kind == b"text/event-stream":
                 return _SSE
+            if hold and status in _UPSTREAM_FAILED and kind == b"application/problem+json":
+                return _PROBLEM
     return _OTHER
 
 
@@ -136,6 +155,9 @@ class _Watch:
         self._start: Message | None = None
         self._buffer = bytearray()
         self._found = False
+        self._skipping = False  # inside an SSE event over the limit, passed on unread
+        self._skipped = False  # such an event went by before the response was found
+        self._tail = b""  # the last bytes skipped, where an event end may begin
 
     def _miss(self) -> None:
         if not self.reply.done():
@@ -169,8 +191,8 @@ class _Watch:
     async def __call__(self, message: Message) -> None:
         kind = message["type"]
         if kind == "http.response.start":
-            self._mode = _mode(message.get("headers", [])) if message["status"] == 200 else _OTHER
-            if self._mode == _JSON:
+            self._mode = _mode(message["status"], message.get("headers", []), self.hold)
+            if self._mode in (_JSON, _PROBLEM):
                 self._start = message  # sent with the body, once it is read whole
                 return
             if self._mode == _OTHER:
@@ -182,18 +204,21 @@ class _Watch:
             await self.send(message)
             return
         more = message.get("more_body", False)
+        if self._mode == _SSE:
+            await self._sse_chunk(message.get("body", b""), more)
+            return
         self._buffer += message.get("body", b"")
         if len(self._buffer) > self.limit:
             await self._give_up(more)
         elif self._mode == _JSON:
             if not more:
                 await self._json()
-        else:
-            await self._sse(more)
+        elif not more:
+            await self._problem()
 
     async def _give_up(self, more: bool) -> None:
-        """Over the limit: what was held goes on as it is, and so does the rest. Unless
-        the response was found, the tool ran and its answer cannot be recorded."""
+        """A JSON body over the limit: what was held goes on as it is, and so does the
+        rest. It is the response: the tool ran, and its answer cannot be recorded."""
         mode, self._mode = self._mode, _OTHER
         if not self.reply.done():
             self.reply.set_result(_TOO_LARGE)
@@ -217,6 +242,71 @@ class _Watch:
         await self.send(start)
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
+    async def _problem(self) -> None:
+        """The upstream failed the keyed call (the forwarder's 502/504 problem): the
+        attempt fails, retryable, and the client gets the JSON-RPC error an MCP client
+        reads (``data.code`` the problem's, ``retryable``), not a code-less HTTP error."""
+        assert self._start is not None
+        body, self._buffer = bytes(self._buffer), bytearray()
+        try:
+            problem = json.loads(body)
+        except (ValueError, RecursionError):
+            problem = None
+        code = problem.get("code") if isinstance(problem, dict) else None
+        self._miss()
+        if not isinstance(code, str):  # not the forwarder's: as it came
+            await self.send(self._start)
+            await self.send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        assert isinstance(problem, dict)
+        detail = problem.get("detail")
+        data = {"code": code, "retryable": True, "retryAfter": 1}
+        error = {
+            "code": INTERNAL_ERROR,
+            "message": detail if isinstance(detail, str) else "the upstream did not answer",
+            "data": data,
+        }
+        await self.gate.wait()  # the attempt failed first: the retry is not in flight
+        for part in _json_answer(200, {"jsonrpc": "2.0", "id": self.rid, "error": error}):
+            await self.send(part)
+
+    def _body(self, body: bytes, more: bool) -> Message:
+        return {"type": "http.response.body", "body": body, "more_body": more}
+
+    def _ended(self) -> None:
+        """The stream ended without the response: the attempt fails, finally if an
+        event over the limit went by unread (it may have been the response)."""
+        if self._skipped and not self.reply.done():
+            self.reply.set_result(_TOO_LARGE)
+        self._miss()
+
+    async def _sse_chunk(self, data: bytes, more: bool) -> None:
+        """One chunk of an SSE stream. An event over the limit (a big notification,
+        say) is passed on unread to its end; the events after it are read again."""
+        if self._skipping:
+            joined = self._tail + data
+            end = _EVENT_END.search(joined)
+            if end is None:
+                self._tail = joined[-3:]
+                await self.send(self._body(data, more))
+                if not more:
+                    self._ended()
+                return
+            cut = end.end() - len(self._tail)
+            self._skipping, self._tail = False, b""
+            await self.send(self._body(data[:cut], more or cut < len(data)))
+            if cut == len(data) and not more:
+                self._ended()
+                return
+            data = data[cut:]
+        self._buffer += data
+        await self._sse(more)
+        if more and len(self._buffer) > self.limit:
+            held, self._buffer = bytes(self._buffer), bytearray()
+            await self.send(self._body(held, True))
+            self._skipping, self._tail = True, held[-3:]
+            self._skipped = self._skipped or not self._found
+
     async def _sse(self, more: bool) -> None:
         buffer = bytes(self._buffer).replace(b"\r\n", b"\n")
         *events, rest = buffer.split(b"\n\n")
@@ -238,9 +328,9 @@ class _Watch:
         if not more:
             out += self._buffer
             self._buffer.clear()
-            self._miss()
+            self._ended()
         if out or not more:
-            await self.send({"type": "http.response.body", "body": bytes(out), "more_body": more})
+            await self.send(self._body(bytes(out), more))
 
 
 class McpProxyMiddleware:
@@ -251,7 +341,8 @@ class McpProxyMiddleware:
     SQLite); ``ttl``, ``lease``, ``wait``, ``operation``, ``retention``,
     ``max_body`` (the largest request body read, and answer recorded: default
     1 MiB): the engine's options; ``principal_headers``, ``principal_cookies``,
-    ``anonymous``: who the caller is (docs/principals.md).
+    ``anonymous``: who the caller is (docs/principals.md). ``anonymous``
+    defaults to ``"refuse"``: a keyed call without credentials is refused.
     """
 
     def __init__(
@@ -271,7 +362,7 @@ class McpProxyMiddleware:
         self.principals = Principals(
             principal_headers=principal_headers,
             principal_cookies=principal_cookies,
-            anonymous=anonymous,
+            anonymous="refuse" if anonymous is None else anonymous,
         )
         self.final_failures = final_failures
         self.max_body = max(int(options.get("max_body") or DEFAULT_MAX_BODY), 1)
@@ -297,7 +388,7 @@ class McpProxyMiddleware:
                 return
             if not message.get("more_body", False):
                 break
-        replay = _replaying(bytes(body), receive)
+        replay = replaying(bytes(body), receive)
         try:
             doc = json.loads(body)
         except (ValueError, RecursionError):
@@ -320,33 +411,19 @@ class McpProxyMiddleware:
         else:
             await self.app(scope, replay, send)
 
-    async def _caller(self, scope: Scope) -> str | None:
-        """The caller's scope for the engine; None: anonymous, run unrecorded."""
-        names = self.principals.raw_names
-        headers = [
-            (n.decode("latin-1").lower(), v.decode("latin-1"))
-            for n, v in scope["headers"]
-            if n.lower() in names
-        ]
-        query = scope.get("query_string", b"").decode("latin-1")
-        who = self.principals.identify(lambda: None, lambda: asgi_user(scope), headers, query)
-        if who is None:
-            return None
-        return who.scope(await asecret_of(self.engine.store))
-
     async def _call(self, scope: Scope, receive: Receive, send: Send, doc: dict[str, Any]) -> None:
         rid = doc["id"]
         header_keys = [
             v.decode("latin-1") for n, v in scope["headers"] if n.lower() == b"idempotency-key"
         ]
         try:
-            caller = await self._caller(scope)
-            call = parse_call(
-                doc.get("params"),
-                principal=caller or "",
-                header_keys=header_keys,
-                request_id=rid,
-            )
+            call = parse_call(doc.get("params"), header_keys=header_keys, request_id=rid)
+            if call is None or self.book.read_only(call.name):
+                caller = None  # unrecorded, whoever calls
+            else:
+                caller = await caller_scope(
+                    scope, self.principals, self.engine.store, self.plan.operation
+                )
         except (InvalidKeyError, AmbiguousCredentialsError, PrincipalRequiredError) as exc:
             METRICS.refused(self.plan.operation, exc)
             await self._answer(send, rid, {"error": refusal(exc)})
@@ -354,13 +431,10 @@ class McpProxyMiddleware:
         except IdempotencyError as exc:  # the store, for its secret
             await self._answer(send, rid, {"error": refusal(exc)})
             return
-        if call is None or self.book.read_only(call.name):
+        if call is None or caller is None:  # unkeyed, read-only, or anonymous="run"
             await self.app(scope, receive, send)
             return
-        if caller is None:
-            unscoped(self.plan.operation)
-            await self.app(scope, receive, send)
-            return
+        call = call.of(caller)
         watch = _Watch(send, rid, hold=True, limit=self.max_body)
         task: asyncio.Task[None] | None = None
 
@@ -386,23 +460,11 @@ class McpProxyMiddleware:
                 with contextlib.suppress(_NoAnswer):
                     await task
         if task is None and reply is not None:
-            await self._answer(send, rid, reply)
+            header = header_of(scope, b"mcp-protocol-version")
+            version = protocol_version(doc.get("params"), header)
+            await self._answer(send, rid, fit_replay(reply, version))
 
     @staticmethod
     async def _answer(send: Send, request_id: Any, reply: Reply) -> None:
         for part in _json_answer(200, {"jsonrpc": "2.0", "id": request_id, **reply}):
             await send(part)
-
-
-def _replaying(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that gives ``body`` whole once, then what ``receive`` gives."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay

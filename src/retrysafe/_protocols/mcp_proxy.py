@@ -14,7 +14,13 @@ Streamable HTTP middleware share: which tools are read-only (learnt from the
 ``initialize`` / ``server/discover`` answers (SEP-2133).
 
 Over stdio there is one local client per proxy process: every call has the one
-principal the proxy was given (``--principal``; default the local user).
+principal the proxy was given (``--principal``; default
+:func:`~retrysafe._protocols.mcp.local_principal`).
+
+A keyed call that was forwarded runs to its end: the client's
+``notifications/cancelled`` for it is not forwarded, the server's answer is
+recorded and dropped (the client ignores a late answer), and the retry gets "in
+flight", then the replay. A cancel of any other request passes through.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from retrysafe._protocols.mcp import (
     EXTENSION_ID,
     INTERNAL_ERROR,
     INVALID_REQUEST,
+    REPLAY_META,
     ToolCall,
     extension_settings,
     parse_call,
@@ -47,7 +54,9 @@ __all__ = [
     "StdioRelay",
     "ToolBook",
     "answer_line",
+    "fit_replay",
     "json_id",
+    "protocol_version",
 ]
 
 #: The longest client line the relay parses (the HTTP doors' default body limit).
@@ -58,6 +67,38 @@ _MAX_CHILD_LINE = 1 << 28
 LISTENED = frozenset({"initialize", "server/discover", "tools/list"})
 
 Reply = dict[str, Any]
+
+#: The per-request ``_meta`` field of a 2026-07-28 request that names its protocol version.
+VERSION_META = "io.modelcontextprotocol/protocolVersion"
+#: The first protocol version whose results carry ``resultType``.
+_RESULT_TYPE_SINCE = "2026-07-28"
+
+
+def protocol_version(params: Any, header: str | None = None) -> str | None:
+    """The protocol version a ``tools/call`` request names (its ``_meta``, else the
+    ``MCP-Protocol-Version`` header); None for a request of an older session."""
+    meta = params.get("_meta") if isinstance(params, Mapping) else None
+    version = meta.get(VERSION_META) if isinstance(meta, Mapping) else None
+    return version if isinstance(version, str) else header
+
+
+def fit_replay(reply: Reply, version: str | None) -> Reply:
+    """A replayed ``reply`` as a client of protocol ``version`` validates it: a result
+    recorded for an older client gains ``resultType: "complete"`` (2026-07-28
+    requires it), one recorded for a newer client loses it. Others are as they are."""
+    result = reply.get("result")
+    if not isinstance(result, dict):
+        return reply
+    meta = result.get("_meta")
+    marker = meta.get(REPLAY_META) if isinstance(meta, dict) else None
+    if not (isinstance(marker, dict) and marker.get("replayed") is True):
+        return reply
+    if version is not None and version >= _RESULT_TYPE_SINCE:
+        if "resultType" not in result:
+            return {**reply, "result": {**result, "resultType": "complete"}}
+    elif "resultType" in result:
+        return {**reply, "result": {k: v for k, v in result.items() if k != "resultType"}}
+    return reply
 
 
 def json_id(value: Any) -> str:
@@ -111,10 +152,6 @@ class ToolBook:
 CANCELLED = "notifications/cancelled"
 
 
-class _Cancelled(Exception):
-    """The client cancelled the keyed call before its answer came."""
-
-
 def _error(code: int, message: str) -> Reply:
     return {"error": {"code": code, "message": message}}
 
@@ -148,6 +185,7 @@ class StdioRelay:
         self._listened: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._dropped: set[str] = set()
         self._out_lock = asyncio.Lock()
         self._out: BinaryIO = sys.stdout.buffer
         self._child: asyncio.subprocess.Process | None = None
@@ -234,9 +272,9 @@ class StdioRelay:
         except (ValueError, RecursionError):
             message = None  # not JSON: the server answers it as it would
         if not isinstance(message, dict) or "id" not in message:
-            await self._write_child(line)
-            if isinstance(message, dict) and message.get("method") == CANCELLED:
-                await self._cancelled(message.get("params"))
+            cancel = isinstance(message, dict) and message.get("method") == CANCELLED
+            if not (cancel and self._cancelled(message.get("params"))):
+                await self._write_child(line)
             return
         method = message.get("method")
         if method in LISTENED:
@@ -255,9 +293,12 @@ class StdioRelay:
         if call is None or self.book.read_only(call.name):
             await self._write_child(line)
             return
-        await self._keyed(call, request_id, line)
+        version = protocol_version(message.get("params"))
+        await self._keyed(call, request_id, line, version)
 
-    async def _keyed(self, call: ToolCall, request_id: Any, line: bytes) -> None:
+    async def _keyed(
+        self, call: ToolCall, request_id: Any, line: bytes, version: str | None
+    ) -> None:
         """Run a keyed call; return once it is forwarded or answered, so that the
         messages after it reach the server after it."""
         forwarded = asyncio.Event()
@@ -275,7 +316,7 @@ class StdioRelay:
             finally:
                 self._pending.pop(rid, None)
 
-        task = asyncio.create_task(self._answer(call, request_id, call_next))
+        task = asyncio.create_task(self._answer(call, request_id, call_next, version))
         self._tasks.add(task)
         self._running[rid] = task
 
@@ -283,6 +324,7 @@ class StdioRelay:
             self._tasks.discard(done)
             if self._running.get(rid) is done:
                 del self._running[rid]
+                self._dropped.discard(rid)
 
         task.add_done_callback(forget)
         done = asyncio.create_task(forwarded.wait())
@@ -290,31 +332,36 @@ class StdioRelay:
         done.cancel()
 
     async def _answer(
-        self, call: ToolCall, request_id: Any, call_next: Callable[[], Awaitable[Reply]]
+        self,
+        call: ToolCall,
+        request_id: Any,
+        call_next: Callable[[], Awaitable[Reply]],
+        version: str | None,
     ) -> None:
         try:
             reply = await run_call(
                 self.engine, self.plan, call, call_next, final_failures=self.final_failures
             )
-        except _Cancelled:
-            return  # a cancelled request gets no answer
         except (ConnectionError, EOFError) as exc:
             reply = _error(INTERNAL_ERROR, f"the server did not answer: {exc}")
-        await self._write_out(answer_line(request_id, reply))
+            reply["error"]["data"] = {"code": "server_unavailable", "retryable": True}
+        if json_id(request_id) not in self._dropped:
+            await self._write_out(answer_line(request_id, fit_replay(reply, version)))
 
-    async def _cancelled(self, params: Any) -> None:
-        """The client cancelled a request: a keyed call it names fails (retryable, its
-        key free again) once the server has been told, before the next line is read."""
+    def _cancelled(self, params: Any) -> bool:
+        """The client cancelled a request; True if it is a keyed call of the proxy's.
+
+        That call runs to its end and is recorded (a cancel that failed it would
+        let the retry run a side effect that may have happened); the server is not
+        told, and the answer is dropped: the client ignores a late one.
+        """
         if not isinstance(params, Mapping) or "requestId" not in params:
-            return
+            return False
         rid = json_id(params["requestId"])
-        future = self._pending.get(rid)
-        task = self._running.get(rid)
-        if future is None or future.done():
-            return
-        future.set_exception(_Cancelled())
-        if task is not None:
-            await asyncio.wait({task})
+        if rid not in self._running:
+            return False
+        self._dropped.add(rid)
+        return True
 
     # -- server to client ------------------------------------------------------------
 
