@@ -770,6 +770,40 @@ async def test_http_big_notification_before_the_response_is_streamed_unread(
     assert executions == 1
 
 
+async def test_http_stream_cut_before_the_response_leaves_the_call_in_flight(
+    tmp_path: Path,
+) -> None:
+    """A server that closes a call's SSE stream before the response (to answer later,
+    or the connection broke) may still be running the tool: the key stays held (its
+    repeat is "in flight") instead of being freed for a second run."""
+    from retrysafe.mcp import McpProxyMiddleware
+
+    executions = 0
+
+    async def cut_app(scope: Any, receive: Any, send: Any) -> None:
+        nonlocal executions
+        if scope["type"] != "http":
+            return
+        await receive()
+        executions += 1
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        note = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progress": 1}}
+        body = b"data: " + json.dumps(note).encode() + b"\n\n"
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    app = McpProxyMiddleware(cut_app, f"sqlite:///{tmp_path}/s.db", lease=600)
+    headers = {"Authorization": "Bearer t", "Accept": "application/json, text/event-stream"}
+    with ThreadServer(app, "asgi") as server:
+        async with httpx2.AsyncClient(headers=headers) as raw:
+            url = f"{server.url}/mcp"
+            first = await raw.post(url, json=_call(1, "charge", {"amount": 1}, "cut-1"))
+            again = await raw.post(url, json=_call(2, "charge", {"amount": 1}, "cut-1"))
+    assert b"notifications/progress" in first.content
+    assert again.json()["error"]["data"]["code"] == "idempotency_in_flight"
+    assert executions == 1
+
+
 async def over_limit_runs_once(client: Client, folder: Path) -> None:
     """An answer over max_body reaches the client unrecorded; the retry is refused
     (failed finally), never run again."""

@@ -55,6 +55,7 @@ __all__ = [
     "CallOptions",
     "McpError",
     "NotAnAnswer",
+    "OutcomeUnknown",
     "Reply",
     "ToolCall",
     "call_engine",
@@ -345,6 +346,23 @@ class NotAnAnswer(dict[str, Any]):
     (retryable, whatever the failure policy), so the next call with it runs."""
 
 
+class OutcomeUnknown(Exception):
+    """Raised by ``call_next`` when the call may still be running but its answer
+    will not come this way (a Streamable HTTP stream closed before the response):
+    :func:`run_call` writes nothing and leaves the claim to run out its lease, so a
+    repeat meanwhile is "in flight" rather than a second run."""
+
+
+def _asks(reply: Reply) -> bool:
+    """Whether ``reply`` asks the client for input (MRTR, ``resultType:
+    "input_required"``) rather than answering: the leg that brings the input is
+    the one whose answer is kept."""
+    if isinstance(reply, NotAnAnswer):
+        return True
+    result = reply.get("result") if isinstance(reply, dict) else None
+    return isinstance(result, dict) and result.get("resultType") == "input_required"
+
+
 async def run_call(
     engine: Engine,
     plan: Plan,
@@ -358,7 +376,8 @@ async def run_call(
     ``call_next`` answers the reply body of the real call (``{"result": ...}``
     or ``{"error": ...}``). Returns that body, a replayed one, or a refusal
     (``{"error": ...}``). An exception of ``call_next`` fails the attempt
-    (retryable) and propagates; a :class:`NotAnAnswer` is passed on unrecorded.
+    (retryable) and propagates, but :class:`OutcomeUnknown` leaves the claim to its
+    lease; a :class:`NotAnAnswer` or an MRTR ask is passed on unrecorded.
     """
     entered = False
     try:
@@ -369,8 +388,12 @@ async def run_call(
             if att.replay is not None:
                 return replayed(att.replay.outcome, att.replay.record.request_id)
             with renewing(att):
-                reply = await call_next()
-            if isinstance(reply, NotAnAnswer):
+                try:
+                    reply = await call_next()
+                except OutcomeUnknown:
+                    att.finished = True  # nothing written: the claim runs out its lease
+                    raise
+            if _asks(reply):
                 await arecord(att, None, failed=True, final=False, answer="a call's non-answer")
                 return reply
             try:

@@ -41,6 +41,7 @@ from retrysafe._protocols.mcp import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
     CallOptions,
+    OutcomeUnknown,
     call_engine,
     parse_call,
     refusal,
@@ -79,6 +80,11 @@ _UPSTREAM_FAILED = frozenset({502, 504})
 
 class _NoAnswer(Exception):
     """The app's answer held no JSON-RPC response to the call (passed on as it was)."""
+
+
+class _StreamCut(_NoAnswer, OutcomeUnknown):
+    """An SSE stream ended before the call's response (the server closed it to
+    answer later, or the connection broke): the call may still be running."""
 
 
 class _TooLarge:
@@ -274,11 +280,14 @@ class _Watch:
         return {"type": "http.response.body", "body": body, "more_body": more}
 
     def _ended(self) -> None:
-        """The stream ended without the response: the attempt fails, finally if an
-        event over the limit went by unread (it may have been the response)."""
+        """The stream ended without the response: the attempt fails finally if an
+        event over the limit went by unread (it may have been the response); else
+        the outcome is unknown and the claim runs out its lease."""
         if self._skipped and not self.reply.done():
             self.reply.set_result(_TOO_LARGE)
-        self._miss()
+        if not self.reply.done():
+            self.reply.set_exception(_StreamCut())
+            self.reply.exception()  # retrieved: nobody may be waiting
 
     async def _sse_chunk(self, data: bytes, more: bool) -> None:
         """One chunk of an SSE stream. An event over the limit (a big notification,
