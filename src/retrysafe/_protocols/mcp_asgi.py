@@ -40,7 +40,7 @@ from retrysafe._protocols.mcp import (
     refusal,
     run_call,
 )
-from retrysafe._protocols.mcp_proxy import LISTENED, ToolBook, json_id
+from retrysafe._protocols.mcp_proxy import LISTENED, ToolBook, json_id, request_method
 from retrysafe.errors import (
     AmbiguousCredentialsError,
     IdempotencyError,
@@ -305,7 +305,7 @@ class McpProxyMiddleware:
         if not isinstance(doc, dict) or "id" not in doc:
             await self.app(scope, replay, send)
             return
-        method = doc.get("method")
+        method = request_method(doc)
         if method == CALL_METHOD:
             await self._call(scope, replay, send, doc)
         elif method in LISTENED:
