@@ -64,7 +64,7 @@ LISTENED = frozenset({"initialize", "server/discover", "tools/list"})
 #: The largest integer a JSON number keeps exactly in every language (a double's).
 _EXACT = 2**53
 #: How long a server has to exit once its input is closed, then once terminated.
-_GRACE = 5.0
+_GRACE = 10.0
 
 Reply = dict[str, Any]
 
