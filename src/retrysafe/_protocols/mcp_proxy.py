@@ -240,6 +240,7 @@ class StdioRelay:
                 self._writer.close()
 
     async def _relay(self, child: asyncio.subprocess.Process) -> int:
+        """Relay both ways; once either side is gone, wind down: the server's status."""
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=self.max_line, loop=loop)
         await loop.connect_read_pipe(
@@ -250,16 +251,14 @@ class StdioRelay:
         from_client = asyncio.create_task(self._from_client(reader))
         gone = asyncio.create_task(self._client_gone.wait())
         await asyncio.wait({from_child, from_client, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not from_child.done():
+        from_client.cancel()
+        gone.cancel()
+        if not from_child.done() and self._tasks:
             # The client is gone (its input closed, or it stopped reading). The calls it
             # sent are answered and recorded first (a server may stop at EOF without
             # answering: its side effect would then run again on the retry), for a
             # lease at most; then the server gets EOF.
-            from_client.cancel()
-            if self._tasks:
-                await asyncio.wait(set(self._tasks), timeout=self.engine.lease)
-        from_client.cancel()
-        gone.cancel()
+            await asyncio.wait(set(self._tasks), timeout=self.engine.lease)
         status = await self._stop(child)
         # The server's last lines are relayed; each keyed call has its answer, or its
         # failure (the server closed): recorded and written before the proxy exits.
