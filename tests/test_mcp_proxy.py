@@ -142,12 +142,15 @@ async def test_stdio_replay_fits_the_retrying_clients_protocol(
     assert (again.meta or {})[EXT]["replayed"] is True
 
 
-def _raw_proxy(store: str, folder: Path, *options: str) -> subprocess.Popen[bytes]:
+def _raw_proxy(
+    store: str, folder: Path, *options: str, stderr: int | None = None
+) -> subprocess.Popen[bytes]:
     """The proxy as a bare subprocess: a client that writes lines and may never read."""
     proc = subprocess.Popen(
         proxy_argv(store, folder, *options),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        stderr=stderr,
         cwd=ROOT,
     )
     assert proc.stdin is not None and proc.stdout is not None
@@ -368,6 +371,122 @@ def test_stdio_malformed_and_over_long_lines(tmp_path: Path, folder: Path) -> No
     assert answer["id"] == 7 and "result" in answer
     _kill(proc)
     assert runs(folder) == 1
+
+
+def _answer(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+    assert proc.stdout is not None
+    answer: dict[str, Any] = json.loads(proc.stdout.readline())
+    return answer
+
+
+async def test_stdio_reused_and_unmatchable_ids_are_refused(tmp_path: Path, folder: Path) -> None:
+    """A request reusing the id of a keyed call still running is refused, never
+    forwarded (its answer was taken for the call's and recorded under its key); so is
+    a keyed call whose id an answer may not match."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    proc = _raw_proxy(url, folder)
+    _send(proc, _call(1, "slow", {"tag": "a"}, "slow-1"))
+    _wait_for(folder / "slow.started")
+    listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": SESSION}}
+    for reused in (listing, _call(1, "charge", {"amount": 1}, "other-1")):
+        _send(proc, reused)
+        refused = _answer(proc)
+        assert refused["id"] == 1 and refused["error"]["code"] == -32600, refused
+    for odd in (None, 1.5, 4.0, 2**53 + 1, True):
+        _send(proc, _call(2, "charge", {"amount": 1}, "odd-1") | {"id": odd})
+        refused = _answer(proc)
+        assert refused["id"] == odd and refused["error"]["code"] == -32600, refused
+    (folder / "slow.release").write_text("go")
+    answer = _answer(proc)
+    assert answer["id"] == 1 and answer["result"]["content"][0]["text"] == "slow a (execution 1)"
+    _send(proc, _call(3, "slow", {"tag": "a"}, "slow-1"))
+    replay = _answer(proc)
+    assert replay["result"]["content"][0]["text"] == "slow a (execution 1)"
+    _kill(proc)
+    assert runs(folder) == 0 and runs(folder, "slow") == 1
+
+
+def test_stdio_non_string_method_passes_through(tmp_path: Path, folder: Path) -> None:
+    """A method that is not a string is the server's to refuse: the relay goes on."""
+    proc = _raw_proxy(f"sqlite:///{tmp_path}/s.db", folder)
+    _send(proc, {"jsonrpc": "2.0", "id": 3, "method": ["x"]})
+    _send(proc, {"jsonrpc": "2.0", "id": 4, "method": {"a": 1}})
+    _send(proc, _call(5, "charge", {"amount": 3}, "after-1"))
+    while (answer := _answer(proc))["id"] != 5:
+        assert "error" in answer, answer
+    assert "result" in answer
+    _kill(proc)
+    assert runs(folder) == 1
+
+
+async def test_stdio_client_that_stops_reading(tmp_path: Path, folder: Path) -> None:
+    """The client closes the proxy's stdout but not its stdin: the answer is recorded,
+    the proxy ends its server and exits, without a traceback."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    proc = _raw_proxy(url, folder, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    _send(proc, _call(1, "charge", {"amount": 4}, "gone-1"))
+    proc.wait(60)  # its server's status (terminated if it is slow to exit at EOF)
+    assert b"Traceback" not in proc.stderr.read()
+    for pipe in (proc.stdin, proc.stderr):
+        assert pipe is not None
+        pipe.close()
+    async with stdio_client(url, folder) as client:
+        retry = await client.call_tool("charge", {"amount": 4}, meta=keyed("gone-1"))
+    assert (retry.meta or {})[EXT]["replayed"] is True
+    assert runs(folder) == 1
+
+
+def test_stdio_long_answer_on_a_socket_shared_by_stdin_and_stdout(
+    tmp_path: Path, folder: Path
+) -> None:
+    """stdin and stdout one socket (made non-blocking by the reader): a 3 MB answer
+    to a client that reads late arrives whole."""
+    mine, theirs = socket.socketpair()
+    argv = proxy_argv(f"sqlite:///{tmp_path}/s.db", folder)
+    proc = subprocess.Popen(argv, stdin=theirs, stdout=theirs, cwd=ROOT)
+    theirs.close()
+    size = 3_000_000
+    mine.sendall(json.dumps(_call(1, "report", {"size": size}, "big-1")).encode() + b"\n")
+    with mine.makefile("rb") as lines:
+        readable, _, _ = select.select([mine], [], [], 60)
+        assert readable
+        answer = json.loads(lines.readline())
+    assert answer["result"]["content"][0]["text"] == "r" * size
+    mine.close()
+    assert proc.wait(60) == 0
+
+
+def test_stdio_long_lines_other_than_tools_call_and_a_last_line(
+    tmp_path: Path, folder: Path
+) -> None:
+    """A line over --max-body that is not a tools/call (the client's answer to a
+    server's request, here a tools/list) is relayed; the last line, without its newline,
+    reaches the server at once."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    proc = _raw_proxy(url, folder, "--max-body", "4096", "--lease", "10m")
+    assert proc.stdin is not None and proc.stdout is not None
+    listing = {"jsonrpc": "2.0", "id": 9, "method": "tools/list", "params": {"_meta": SESSION}}
+    listing["params"]["pad"] = "y" * 10_000
+    _send(proc, listing)
+    assert "tools" in _answer(proc)["result"]
+    proc.stdin.write(json.dumps(_call(1, "charge", {"amount": 8}, "last-1")).encode())
+    out, _ = proc.communicate(timeout=60)
+    assert [json.loads(line)["id"] for line in out.splitlines()] == [1]
+    assert proc.returncode == 0 and runs(folder) == 1
+
+
+def test_stdio_server_that_ignores_eof_is_terminated(tmp_path: Path) -> None:
+    """The client closes: a server that does not exit at EOF is terminated after a
+    grace period, the proxy exits."""
+    deaf = "import signal, sys, time; sys.stdin.read(); time.sleep(600)"
+    argv = [sys.executable, "-m", "retrysafe", "mcp-proxy", "--store", f"sqlite:///{tmp_path}/s.db"]
+    proc = subprocess.Popen(
+        [*argv, "--", sys.executable, "-c", deaf], stdin=subprocess.PIPE, cwd=ROOT
+    )
+    proc.communicate(b"", timeout=60)
+    assert proc.returncode != 0  # the server's status: terminated
 
 
 # -- Streamable HTTP --------------------------------------------------------------------
@@ -802,6 +921,23 @@ async def test_http_stream_cut_before_the_response_leaves_the_call_in_flight(
     assert b"notifications/progress" in first.content
     assert again.json()["error"]["data"]["code"] == "idempotency_in_flight"
     assert executions == 1
+
+
+async def test_http_non_string_method_passes_through(tmp_path: Path, folder: Path) -> None:
+    """A method that is not a string reaches the app, which judges it (was a 500)."""
+    from mcp_servers.plain import make_server
+
+    from retrysafe.mcp import McpProxyMiddleware
+
+    app = McpProxyMiddleware(
+        make_server(folder).streamable_http_app(), f"sqlite:///{tmp_path}/s.db"
+    )
+    with ThreadServer(app, "asgi") as server:
+        async with httpx2.AsyncClient() as raw:
+            for method in (["x"], {"a": 1}):
+                odd = {"jsonrpc": "2.0", "id": 3, "method": method}
+                answer = await raw.post(f"{server.url}/mcp", json=odd)
+                assert answer.status_code < 500, answer.text
 
 
 async def over_limit_runs_once(client: Client, folder: Path) -> None:

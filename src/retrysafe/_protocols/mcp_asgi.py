@@ -53,6 +53,7 @@ from retrysafe._protocols.mcp_proxy import (
     fit_replay,
     json_id,
     protocol_version,
+    request_method,
 )
 from retrysafe.errors import (
     AmbiguousCredentialsError,
@@ -405,7 +406,7 @@ class McpProxyMiddleware:
         if not isinstance(doc, dict) or "id" not in doc:
             await self.app(scope, replay, send)
             return
-        method = doc.get("method")
+        method = request_method(doc)
         if method == CALL_METHOD:
             await self._call(scope, replay, send, doc)
         elif method in LISTENED:

@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import os
 import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, BinaryIO
@@ -57,7 +59,10 @@ __all__ = [
     "fit_replay",
     "json_id",
     "protocol_version",
+    "request_method",
 ]
+
+log = logging.getLogger("retrysafe.mcp")
 
 #: The longest client line the relay parses (the HTTP doors' default body limit).
 DEFAULT_MAX_LINE = 1 << 20
@@ -65,6 +70,10 @@ DEFAULT_MAX_LINE = 1 << 20
 _MAX_CHILD_LINE = 1 << 28
 #: The requests whose answers the proxy reads on their way back.
 LISTENED = frozenset({"initialize", "server/discover", "tools/list"})
+#: The largest integer a JSON number keeps exactly in every language (a double's).
+_EXACT = 2**53
+#: How long a server has to exit once its input is closed, then once terminated.
+_GRACE = 10.0
 
 Reply = dict[str, Any]
 
@@ -104,6 +113,24 @@ def fit_replay(reply: Reply, version: str | None) -> Reply:
 def json_id(value: Any) -> str:
     """A JSON-RPC id as a dict key: ``1`` and ``"1"`` stay apart."""
     return json.dumps(value, sort_keys=True)
+
+
+def request_method(message: Mapping[str, Any]) -> str | None:
+    """The ``method`` of a JSON-RPC message; None for a response or a malformed
+    method (not a string), which the proxy passes through for the server to judge."""
+    method = message.get("method")
+    return method if isinstance(method, str) else None
+
+
+def _call_id(value: Any) -> str | None:
+    """A keyed call's id as a dict key; None for an id an answer may not match: null,
+    a bool, a number with a fraction or an exponent (``1.0`` comes back as ``1`` or
+    not at all), an integer beyond 2**53 (rounded by a JavaScript server)."""
+    if isinstance(value, str):
+        return json_id(value)
+    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > _EXACT:
+        return None
+    return json_id(value)
 
 
 def answer_line(request_id: Any, reply: Reply) -> bytes:
@@ -152,6 +179,12 @@ class ToolBook:
 CANCELLED = "notifications/cancelled"
 
 
+#: The refusal of a request whose id is that of a request still unanswered.
+_IN_USE = "the id of a request still unanswered cannot be reused"
+#: What a write to the server raises once its input is closed (its status says why).
+_SERVER_INPUT_CLOSED = (BrokenPipeError, ConnectionResetError)
+
+
 def _error(code: int, message: str) -> Reply:
     return {"error": {"code": code, "message": message}}
 
@@ -188,12 +221,41 @@ class StdioRelay:
         self._dropped: set[str] = set()
         self._out_lock = asyncio.Lock()
         self._out: BinaryIO = sys.stdout.buffer
+        self._writer: asyncio.StreamWriter | None = None
+        self._client_gone = asyncio.Event()
         self._child: asyncio.subprocess.Process | None = None
 
+    async def _open_out(self) -> None:
+        """Write to stdout through the loop: a non-blocking stdout (one file shared
+        with stdin, a tty, a socket) gets back-pressure, never a cut line. A regular
+        file (never full) is written directly."""
+        loop = asyncio.get_running_loop()
+        pipe = open(os.dup(self._out.fileno()), "wb", buffering=0)  # noqa: SIM115 (the writer closes it)
+        try:
+            transport, protocol = await loop.connect_write_pipe(
+                lambda: asyncio.streams.FlowControlMixin(loop=loop), pipe
+            )
+        except ValueError:
+            pipe.close()
+            return  # not a pipe, socket or character device
+        transport.set_write_buffer_limits(high=0)  # drain() waits until all is written
+        self._writer = asyncio.StreamWriter(transport, protocol, None, loop)
+
     async def _write_out(self, data: bytes) -> None:
+        """Write to the client; once it stopped reading, drop the output (the answers
+        are still recorded) and let :meth:`run` wind down."""
         async with self._out_lock:
-            self._out.write(data)
-            self._out.flush()
+            if self._client_gone.is_set():
+                return
+            try:
+                if self._writer is None:
+                    self._out.write(data)
+                    self._out.flush()
+                else:
+                    self._writer.write(data)
+                    await self._writer.drain()
+            except (BrokenPipeError, ConnectionResetError):
+                self._client_gone.set()
 
     async def _write_child(self, data: bytes) -> None:
         child = self._child
@@ -209,33 +271,54 @@ class StdioRelay:
             stdout=asyncio.subprocess.PIPE,
             limit=_MAX_CHILD_LINE,
         )
+        try:
+            return await self._relay(child)
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+
+    async def _relay(self, child: asyncio.subprocess.Process) -> int:
+        """Relay both ways; once either side is gone, wind down: the server's status."""
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=self.max_line, loop=loop)
         await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(reader, loop=loop), sys.stdin
         )
+        await self._open_out()
         from_child = asyncio.create_task(self._from_child())
         from_client = asyncio.create_task(self._from_client(reader))
-        await asyncio.wait({from_child, from_client}, return_when=asyncio.FIRST_COMPLETED)
-        if from_client.done():
-            # The client is gone. The calls it sent are answered and recorded first (a
-            # server may stop at EOF without answering: its side effect would then run
-            # again on the retry), for a lease at most; then the server gets EOF.
-            if self._tasks:
-                await asyncio.wait(set(self._tasks), timeout=self.engine.lease)
-            with contextlib.suppress(OSError):
-                assert child.stdin is not None
-                child.stdin.close()
-            await from_child
-        else:
-            from_client.cancel()
-        # Each keyed call has its answer, or its failure (the server closed): recorded
-        # and written before the proxy exits.
+        gone = asyncio.create_task(self._client_gone.wait())
+        await asyncio.wait({from_child, from_client, gone}, return_when=asyncio.FIRST_COMPLETED)
+        from_client.cancel()
+        gone.cancel()
+        if not from_child.done() and self._tasks:
+            # The client is gone (its input closed, or it stopped reading). The calls it
+            # sent are answered and recorded first (a server may stop at EOF without
+            # answering: its side effect would then run again on the retry), for a
+            # lease at most; then the server gets EOF.
+            await asyncio.wait(set(self._tasks), timeout=self.engine.lease)
+        status = await self._stop(child)
+        # The server's last lines are relayed; each keyed call has its answer, or its
+        # failure (the server closed): recorded and written before the proxy exits.
+        await asyncio.wait({from_child}, timeout=_GRACE)
+        from_child.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if from_client.done() and not from_client.cancelled():
-            failed = from_client.exception()
-            if failed is not None and not isinstance(failed, OSError):
-                raise failed  # (an OSError: the server's input closed; its status says why)
+        for task in (from_client, from_child):
+            failed = None if task.cancelled() else task.exception()
+            if failed is not None and not isinstance(failed, _SERVER_INPUT_CLOSED):
+                raise failed  # (the server's input closed: its status says why)
+        return status
+
+    async def _stop(self, child: asyncio.subprocess.Process) -> int:
+        """Close the server's input; terminate it if it does not exit within a grace
+        period, kill it if it still does not. Its exit status."""
+        assert child.stdin is not None
+        child.stdin.close()
+        for end in (child.terminate, child.kill):
+            with contextlib.suppress(TimeoutError):
+                return await asyncio.wait_for(child.wait(), _GRACE)
+            with contextlib.suppress(ProcessLookupError):
+                end()
         return await child.wait()
 
     # -- client to server ------------------------------------------------------------
@@ -245,25 +328,34 @@ class StdioRelay:
             try:
                 line = await reader.readuntil(b"\n")
             except asyncio.IncompleteReadError as exc:
-                if exc.partial:
-                    await self._from_client_line(exc.partial)
+                if exc.partial:  # the last line, ended as the server expects
+                    await self._from_client_line(exc.partial + b"\n")
                 return
-            except asyncio.LimitOverrunError:
-                await self._skip_long(reader)
+            except asyncio.LimitOverrunError as exc:
+                await self._long_line(reader, await reader.readexactly(exc.consumed))
                 continue
             await self._from_client_line(line)
 
-    async def _skip_long(self, reader: asyncio.StreamReader) -> None:
-        """Drop a line over ``max_line`` (never parsed) and say so to the client."""
+    async def _long_line(self, reader: asyncio.StreamReader, head: bytes) -> None:
+        """A line over ``max_line`` (``head`` its first bytes) is never parsed. If it
+        may be a ``tools/call`` it is dropped and refused; anything else (the client's
+        answer to a server's sampling or elicitation request) is relayed as it comes."""
+        relay = b"tools/call" not in head and b"tools\\/call" not in head
         while True:
+            if relay:
+                await self._write_child(head)
             try:
-                await reader.readuntil(b"\n")
+                head = await reader.readuntil(b"\n")
                 break
             except asyncio.LimitOverrunError as exc:
-                await reader.readexactly(exc.consumed)
-            except asyncio.IncompleteReadError:
+                head = await reader.readexactly(exc.consumed)
+            except asyncio.IncompleteReadError as exc:
+                head = exc.partial + b"\n"
                 break
-        message = f"a message over {self.max_line} bytes is not relayed"
+        if relay:
+            await self._write_child(head)
+            return
+        message = f"a tools/call over {self.max_line} bytes is not relayed"
         await self._write_out(answer_line(None, _error(INVALID_REQUEST, message)))
 
     async def _from_client_line(self, line: bytes) -> None:
@@ -276,13 +368,17 @@ class StdioRelay:
             if not (cancel and self._cancelled(message.get("params"))):
                 await self._write_child(line)
             return
-        method = message.get("method")
+        request_id = message["id"]
+        method = request_method(message)
+        if method is not None and (_call_id(request_id) or "") in self._running:
+            # Its answer would be taken for the keyed call's, or the other way round.
+            await self._write_out(answer_line(request_id, _error(INVALID_REQUEST, _IN_USE)))
+            return
         if method in LISTENED:
-            self._listened[json_id(message["id"])] = method
+            self._listened[json_id(request_id)] = method
         if method != CALL_METHOD:
             await self._write_child(line)
             return
-        request_id = message["id"]
         try:
             call = parse_call(
                 message.get("params"), principal=self.principal, request_id=request_id
@@ -293,6 +389,13 @@ class StdioRelay:
         if call is None or self.book.read_only(call.name):
             await self._write_child(line)
             return
+        if _call_id(request_id) is None:
+            odd = "a keyed call's id must be a string or an integer within ±2**53"
+            await self._write_out(answer_line(request_id, _error(INVALID_REQUEST, odd)))
+            return
+        if json_id(request_id) in self._listened:
+            await self._write_out(answer_line(request_id, _error(INVALID_REQUEST, _IN_USE)))
+            return
         version = protocol_version(message.get("params"))
         await self._keyed(call, request_id, line, version)
 
@@ -302,7 +405,8 @@ class StdioRelay:
         """Run a keyed call; return once it is forwarded or answered, so that the
         messages after it reach the server after it."""
         forwarded = asyncio.Event()
-        rid = json_id(request_id)
+        rid = _call_id(request_id)
+        assert rid is not None and rid not in self._running
 
         async def call_next() -> Reply:
             future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
@@ -345,6 +449,9 @@ class StdioRelay:
         except (ConnectionError, EOFError) as exc:
             reply = _error(INTERNAL_ERROR, f"the server did not answer: {exc}")
             reply["error"]["data"] = {"code": "server_unavailable", "retryable": True}
+        except Exception as exc:  # never lost in a task nobody awaits
+            log.error("mcp-proxy: the keyed call %r failed: %r", call.name, exc)
+            reply = _error(INTERNAL_ERROR, "the proxy failed to run the call")
         if json_id(request_id) not in self._dropped:
             await self._write_out(answer_line(request_id, fit_replay(reply, version)))
 
@@ -385,13 +492,12 @@ class StdioRelay:
         if not isinstance(message, dict) or "method" in message or "id" not in message:
             await self._write_out(line)  # a request or notification of the server's
             return
-        rid = json_id(message["id"])
-        future = self._pending.get(rid)
+        future = self._pending.get(_call_id(message["id"]) or "")
         if future is not None and not future.done():
             reply = {k: v for k, v in message.items() if k in ("result", "error")}
             future.set_result(reply)
             return
-        method = self._listened.pop(rid, None)
+        method = self._listened.pop(json_id(message["id"]), None)
         if method is not None and self.book.answered(method, message):
             line = json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()
             line += b"\n"
