@@ -960,3 +960,12 @@ async def test_answer_over_max_body_never_runs_again(tmp_path: Path, folder: Pat
             async with http_client(proxy.url, mode, {"Authorization": f"Bearer {mode}"}) as client:
                 await over_limit_runs_once(client, folder)
             (folder / "report.log").unlink()
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), True, "5"])
+def test_the_forwarder_refuses_a_timeout_the_gateway_refuses(timeout: Any) -> None:
+    from retrysafe.gateway import Gateway, forwarder
+
+    for make in (forwarder, Gateway):
+        with pytest.raises(ValueError, match="positive number of seconds"):
+            make("http://127.0.0.1:9", timeout=timeout)

@@ -555,14 +555,8 @@ class Gateway:
             max_head_size, head_timeout, body_timeout, max_connections
         )
         self._body_timeout = BodyTimeout(self.server_limits.body_timeout)
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not (timeout > 0 and math.isfinite(timeout))
-        ):
-            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         self.upstream = parse_upstream(upstream)
-        self.proxy = _Proxy(self.upstream, float(timeout), trusted_networks(trusted_proxies))
+        self.proxy = _Proxy(self.upstream, _timeout(timeout), trusted_networks(trusted_proxies))
         self.middleware: IdempotencyMiddleware = _Recording(self.proxy, store=store, **options)
         self.engine = self.middleware.policy.engine
         self.store: Store[Any] = self.engine.store
@@ -649,8 +643,20 @@ def forwarder(
     """The gateway's forwarding alone, with no idempotency of its own: a plain ASGI app
     that sends every HTTP request to ``upstream`` and streams its answer back (what
     ``retrysafe mcp-proxy --upstream`` puts behind its MCP middleware). Its ``aclose()``
-    closes the running event loop's upstream connections."""
-    return _Proxy(parse_upstream(upstream), float(timeout), trusted_networks(trusted_proxies))
+    closes the running event loop's upstream connections. :class:`ValueError` for a
+    ``timeout`` that is not a positive number of seconds."""
+    return _Proxy(parse_upstream(upstream), _timeout(timeout), trusted_networks(trusted_proxies))
+
+
+def _timeout(timeout: Any) -> float:
+    """``timeout``, checked: a positive, finite number of seconds."""
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not (timeout > 0 and math.isfinite(timeout))
+    ):
+        raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    return float(timeout)
 
 
 def app_from_env() -> ASGIApp:
