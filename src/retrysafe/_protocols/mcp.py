@@ -346,11 +346,11 @@ class NotAnAnswer(dict[str, Any]):
     (retryable, whatever the failure policy), so the next call with it runs."""
 
 
-class OutcomeUnknown(Exception):
-    """Raised by ``call_next`` when the call may still be running but its answer
-    will not come this way (a Streamable HTTP stream closed before the response):
-    :func:`run_call` writes nothing and leaves the claim to run out its lease, so a
-    repeat meanwhile is "in flight" rather than a second run."""
+class OutcomeUnknown(dict[str, Any]):
+    """The reply of a call that may still be running but whose answer will not come
+    this way (a Streamable HTTP stream closed before the response): :func:`run_call`
+    writes nothing and leaves the claim to run out its lease, so a repeat meanwhile
+    is "in flight" rather than a second run."""
 
 
 def _asks(reply: Reply) -> bool:
@@ -376,7 +376,7 @@ async def run_call(
     ``call_next`` answers the reply body of the real call (``{"result": ...}``
     or ``{"error": ...}``). Returns that body, a replayed one, or a refusal
     (``{"error": ...}``). An exception of ``call_next`` fails the attempt
-    (retryable) and propagates, but :class:`OutcomeUnknown` leaves the claim to its
+    (retryable) and propagates; an :class:`OutcomeUnknown` leaves the claim to its
     lease; a :class:`NotAnAnswer` or an MRTR ask is passed on unrecorded.
     """
     entered = False
@@ -388,11 +388,10 @@ async def run_call(
             if att.replay is not None:
                 return replayed(att.replay.outcome, att.replay.record.request_id)
             with renewing(att):
-                try:
-                    reply = await call_next()
-                except OutcomeUnknown:
-                    att.finished = True  # nothing written: the claim runs out its lease
-                    raise
+                reply = await call_next()
+            if isinstance(reply, OutcomeUnknown):
+                att.finished = True  # nothing written: the claim runs out its lease
+                return reply
             if _asks(reply):
                 await arecord(att, None, failed=True, final=False, answer="a call's non-answer")
                 return reply

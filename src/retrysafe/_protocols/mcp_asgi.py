@@ -83,11 +83,6 @@ class _NoAnswer(Exception):
     """The app's answer held no JSON-RPC response to the call (passed on as it was)."""
 
 
-class _StreamCut(_NoAnswer, OutcomeUnknown):
-    """An SSE stream ended before the call's response (the server closed it to
-    answer later, or the connection broke): the call may still be running."""
-
-
 class _TooLarge:
     """In a reply: an answer over ``max_body``, passed on unread. Not JSON, so that
     :func:`~retrysafe._protocols.mcp.run_call` fails the attempt finally (the tool
@@ -286,9 +281,8 @@ class _Watch:
         the outcome is unknown and the claim runs out its lease."""
         if self._skipped and not self.reply.done():
             self.reply.set_result(_TOO_LARGE)
-        if not self.reply.done():
-            self.reply.set_exception(_StreamCut())
-            self.reply.exception()  # retrieved: nobody may be waiting
+        if not self.reply.done():  # the call may still be running upstream
+            self.reply.set_result(OutcomeUnknown())
 
     async def _sse_chunk(self, data: bytes, more: bool) -> None:
         """One chunk of an SSE stream. An event over the limit (a big notification,
