@@ -272,7 +272,7 @@ def test_other_stores_are_refused(url: str, request: pytest.FixtureRequest) -> N
     engine = Engine(url)
     key = f"k-{uuid.uuid4().hex}"
     with (
-        pytest.raises(TypeError, match="SQLite or PostgreSQL"),
+        pytest.raises(TypeError, match="SQLite, PostgreSQL"),
         engine.attempt(key, operation="order") as att,
         att.transaction(),
     ):

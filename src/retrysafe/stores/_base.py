@@ -12,14 +12,24 @@ import abc
 import dataclasses
 import heapq
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
 from retrysafe._model.record import ClaimResult, Outcome, Record, Status
 from retrysafe.stores._redact import redact
 
-__all__ = ["ArchivedRecord", "RecordQuery", "Store", "StoreStats", "SweepBatch", "settles_expiry"]
+__all__ = [
+    "ArchivedRecord",
+    "AsyncTransaction",
+    "RecordQuery",
+    "Store",
+    "StoreStats",
+    "SweepBatch",
+    "Transaction",
+    "settles_expiry",
+]
 
 
 @dataclass(slots=True)
@@ -117,6 +127,34 @@ class RecordQuery:
 OpT = TypeVar("OpT")
 
 
+@dataclass(frozen=True, slots=True)
+class Transaction(Generic[OpT]):
+    """An application transaction that a completion joins (:meth:`Store.completion_transaction`).
+
+    ``connection`` is what the application's block writes through (a DB-API
+    connection, an ORM session); ``run(op)`` runs a completion op in the same
+    transaction and answers whether it landed (False: the lease was lost).
+    """
+
+    connection: Any
+    run: Callable[[OpT], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class AsyncTransaction(Generic[OpT]):
+    """Async :class:`Transaction`: ``await run(op)``."""
+
+    connection: Any
+    run: Callable[[OpT], Awaitable[bool]]
+
+
+def _not_transactional(store: Store[Any]) -> TypeError:
+    return TypeError(
+        "transactional completion needs a store in the application's database "
+        f"(SQLite, PostgreSQL, SQLAlchemy or Django), not {type(store).__name__}"
+    )
+
+
 class Store(abc.ABC, Generic[OpT]):
     """Where records live. Sync and async methods are equals.
 
@@ -205,6 +243,24 @@ class Store(abc.ABC, Generic[OpT]):
     @abc.abstractmethod
     async def _arun(self, op: OpT) -> Any:
         """Execute one op from a coroutine."""
+
+    def completion_transaction(
+        self, connection: Any = None
+    ) -> AbstractContextManager[Transaction[OpT]]:
+        """Open the application transaction that a completion commits in.
+
+        Entering begins it (on ``connection``, or on a connection of the store's),
+        leaving commits it, an exception rolls it back. Stores whose records can
+        share a transaction with the application's tables override this; the
+        others raise :class:`TypeError`.
+        """
+        raise _not_transactional(self)
+
+    def acompletion_transaction(
+        self, connection: Any = None
+    ) -> AbstractAsyncContextManager[AsyncTransaction[OpT]]:
+        """Async :meth:`completion_transaction`."""
+        raise _not_transactional(self)
 
     def close(self) -> None:
         """Release connections (the store reconnects if used again)."""

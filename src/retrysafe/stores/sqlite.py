@@ -10,7 +10,7 @@ import time
 import urllib.parse
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractAsyncContextManager, contextmanager
 from functools import partial
 from operator import itemgetter
 from typing import Any
@@ -18,7 +18,15 @@ from typing import Any
 from retrysafe._model.decide import claimable
 from retrysafe._model.record import ClaimResult, Outcome, Record
 from retrysafe.errors import SchemaVersionError, StoreUnavailableError
-from retrysafe.stores._base import ArchivedRecord, RecordQuery, Store, StoreStats, SweepBatch
+from retrysafe.stores._base import (
+    ArchivedRecord,
+    AsyncTransaction,
+    RecordQuery,
+    Store,
+    StoreStats,
+    SweepBatch,
+    Transaction,
+)
 from retrysafe.stores._sql import ARCHIVE_COLUMNS, COLUMN_SPECS, COLUMNS, list_clause
 from retrysafe.stores._sql import record_from_row as v2_record
 from retrysafe.stores._sqlite_rows import (
@@ -353,6 +361,10 @@ _CELL_UPDATE = (
 #: How a writer waits for the lock: sleeps doubling from the first to the longest.
 _FIRST_WAIT = 0.0001
 _LONGEST_WAIT = 0.001
+
+
+def _begin(conn: sqlite3.Connection) -> None:
+    conn.execute("BEGIN IMMEDIATE")
 
 
 def _busy(exc: sqlite3.OperationalError) -> bool:
@@ -728,6 +740,59 @@ class SQLiteStore(Store[_Op]):
             if conn.in_transaction:  # some errors (a full disk) end it already
                 conn.execute("ROLLBACK")
             raise
+
+    # -- transactional completion (see retrysafe._core.transactions) -----------------
+
+    @contextmanager
+    def completion_transaction(
+        self, connection: sqlite3.Connection | None = None
+    ) -> Iterator[Transaction[_Op]]:
+        """``BEGIN IMMEDIATE`` … ``COMMIT`` on ``connection`` or this thread's store connection.
+
+        By default the transaction runs on the connection the store itself uses in
+        this thread, so store calls made inside the block (a guard, another claim)
+        join the transaction instead of waiting for its write lock. ``BEGIN
+        IMMEDIATE`` takes the lock up front, waiting for it as the store's own
+        writes do (up to its ``timeout``, then :class:`StoreUnavailableError`).
+        """
+        if connection is None:
+            conn = self._conn()
+            if conn.in_transaction:
+                raise ValueError("a transaction of this store is already open in this thread")
+            self._run(_begin)
+        else:
+            conn = connection
+            self._same_file(conn)
+            if conn.in_transaction:
+                raise ValueError("the connection is inside a transaction already; commit it first")
+            try:
+                _begin(conn)
+            except sqlite3.OperationalError as exc:  # the lock stayed taken for its timeout
+                raise StoreUnavailableError(f"SQLite store {self.path}: {exc}") from exc
+        try:
+            yield Transaction(conn, lambda op: op(conn))
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:  # some errors (a full disk) end it already
+                conn.execute("ROLLBACK")
+            raise
+
+    def acompletion_transaction(
+        self, connection: Any = None
+    ) -> AbstractAsyncContextManager[AsyncTransaction[_Op]]:
+        raise TypeError(
+            "atransaction() needs a PostgreSQL store; with SQLite, run the sync "
+            "transaction() in a thread (asyncio.to_thread)"
+        )
+
+    def _same_file(self, conn: sqlite3.Connection) -> None:
+        row = conn.execute("PRAGMA database_list").fetchone()
+        path = row[2] if row else ""
+        if not path or os.path.realpath(path) != os.path.realpath(self.path):
+            raise ValueError(
+                f"the connection is to {path or 'an in-memory database'!r}, "
+                f"not to the store's file {self.path!r}"
+            )
 
     #: Seconds of statement work one sweep transaction aims at; the rows it moves
     #: adapt to their measured cost. With its commit it holds the write lock for

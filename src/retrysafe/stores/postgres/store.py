@@ -35,7 +35,6 @@ from retrysafe.stores.postgres.connection import (
     _DEFAULT_AHEAD,
     _DEFAULT_INTERVAL,
     _RECONNECT,
-    PostgresConnections,
     _Connection,
     _Flow,
     _forget_pools,
@@ -73,6 +72,7 @@ from retrysafe.stores.postgres.schema import (
     _p_schema,
     _PNames,
 )
+from retrysafe.stores.postgres.transactions import PostgresTransactions
 
 __all__ = ["PostgresStore"]
 
@@ -157,7 +157,7 @@ def _retry_moved(tries: int, op: _Op, exc: psycopg.Error) -> _Op:
     return op._replace(recover=partial(_retry_moved, tries + 1))
 
 
-class PostgresStore(PostgresConnections, PostgresMaintenance, Store[_Op]):
+class PostgresStore(PostgresTransactions, PostgresMaintenance, Store[_Op]):
     """Records in one PostgreSQL table (default ``retrysafe_records``).
 
     ``url`` is a libpq URL (``postgresql://`` or ``postgres://``, libpq query
