@@ -570,9 +570,14 @@ class SQLiteStore(Store[_Op]):
 
     # -- executors -----------------------------------------------------------
 
+    def _on_connection(self, op: _Op) -> Any:
+        """Run ``op`` on a connection of the store's (this thread's); a store that borrows
+        its connections (the SQLAlchemy and Django stores) takes one here."""
+        return op(self._conn())
+
     def _run(self, op: _Op) -> Any:
         try:
-            return op(self._conn())
+            return self._on_connection(op)
         except sqlite3.OperationalError as exc:
             if _busy(exc):
                 return self._run_when_free(op)
@@ -594,7 +599,7 @@ class SQLiteStore(Store[_Op]):
             time.sleep(delay)
             delay = min(delay * 2, _LONGEST_WAIT)
             try:
-                return op(self._conn())
+                return self._on_connection(op)
             except sqlite3.OperationalError as exc:
                 if not _busy(exc) or time.monotonic() >= deadline:
                     raise StoreUnavailableError(f"SQLite store {self.path}: {exc}") from exc

@@ -11,7 +11,7 @@ import threading
 import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar, cast, overload
 from urllib.parse import unquote
 
 import psycopg
@@ -23,7 +23,7 @@ from retrysafe.errors import StoreUnavailableError
 if TYPE_CHECKING:
     from retrysafe.stores.postgres.store import PostgresStore
 
-__all__ = ["UNAVAILABLE_ERRORS", "PostgresConnections"]
+__all__ = ["UNAVAILABLE_ERRORS", "PostgresConnections", "store_cursor"]
 
 
 class _Op(NamedTuple):
@@ -207,6 +207,20 @@ class _AsyncConnection(_KeptCursors["psycopg.AsyncCursor[Any]"], psycopg.AsyncCo
     """:class:`_Connection` for the async pools."""
 
 
+@overload
+def store_cursor(conn: psycopg.Connection[Any], query: str = "") -> psycopg.Cursor[Any]: ...
+@overload
+def store_cursor(
+    conn: psycopg.AsyncConnection[Any], query: str = ""
+) -> psycopg.AsyncCursor[Any]: ...
+def store_cursor(conn: Any, query: str = "") -> Any:
+    """The cursor that runs ``query``: a kept one on the store's own connections, a new
+    one on a borrowed connection."""
+    if isinstance(conn, _KeptCursors):
+        return conn.store_cursor(query)
+    return conn.cursor()
+
+
 class _LoopPool:
     """The async pool of one event loop, closed by ``aclose()`` or when the loop shuts down."""
 
@@ -346,23 +360,52 @@ class PostgresConnections:
                 raise
         return conn
 
+    # A store that borrows its connections (the SQLAlchemy store) overrides these four:
+    # take a live, migrated connection; give it back (``broken``: it must not be reused).
+
+    def _take(self) -> psycopg.Connection[Any]:
+        return self._checkout(self._pool or self._sync_pool())
+
+    def _give(self, conn: psycopg.Connection[Any], broken: bool = False) -> None:
+        if broken:
+            conn.close()  # the pool replaces a closed connection
+        (self._pool or self._sync_pool()).putconn(cast(_Connection, conn))
+
+    async def _atake(self) -> psycopg.AsyncConnection[Any]:
+        entry = await self._loop_pool()
+        conn = await self._acheckout(entry.pool)
+        if not self._migrated:
+            try:
+                async with entry.migrate_lock:
+                    if not self._migrated:
+                        await _adrive(conn, self._migration())
+                        self._migrated = True
+            except BaseException:
+                await entry.pool.putconn(conn)
+                raise
+        return conn
+
+    async def _agive(self, conn: psycopg.AsyncConnection[Any], broken: bool = False) -> None:
+        if broken:
+            await conn.close()
+        entry = await self._loop_pool()
+        await entry.pool.putconn(cast(_AsyncConnection, conn))
+
     def _run(self, op: _Op) -> Any:
         try:
-            pool = self._pool or self._sync_pool()
-            conn: _Connection | None
-            conn = self._checkout(pool)
+            conn: psycopg.Connection[Any] | None
+            conn = self._take()
             try:
                 own = self._cursor_queries
                 while True:
                     query = op.query
                     if query is _RECONNECT:
                         old, conn = conn, None
-                        old.close()  # the pool replaces a closed connection
-                        pool.putconn(old)
-                        conn = self._checkout(pool)
+                        self._give(old, broken=True)
+                        conn = self._take()
                         op = op.parse(0, None)
                         continue
-                    cur = conn.store_cursor(query if query in own else "")
+                    cur = store_cursor(conn, query if query in own else "")
                     try:
                         cur.execute(query, op.params)
                     except psycopg.Error as exc:
@@ -376,7 +419,7 @@ class PostgresConnections:
                     op = result
             finally:
                 if conn is not None:
-                    pool.putconn(conn)
+                    self._give(conn)
         except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable(exc) from exc
 
@@ -393,27 +436,19 @@ class PostgresConnections:
 
     async def _arun(self, op: _Op) -> Any:
         try:
-            entry = await self._loop_pool()
-            pool = entry.pool
-            conn: _AsyncConnection | None
-            conn = await self._acheckout(pool)
+            conn: psycopg.AsyncConnection[Any] | None
+            conn = await self._atake()
             try:
-                if not self._migrated:
-                    async with entry.migrate_lock:
-                        if not self._migrated:
-                            await _adrive(conn, self._migration())
-                            self._migrated = True
                 own = self._cursor_queries
                 while True:
                     query = op.query
                     if query is _RECONNECT:
                         old, conn = conn, None
-                        await old.close()
-                        await pool.putconn(old)
-                        conn = await self._acheckout(pool)
+                        await self._agive(old, broken=True)
+                        conn = await self._atake()
                         op = op.parse(0, None)
                         continue
-                    cur = conn.store_cursor(query if query in own else "")
+                    cur = store_cursor(conn, query if query in own else "")
                     try:
                         await cur.execute(query, op.params)
                     except psycopg.Error as exc:
@@ -428,7 +463,7 @@ class PostgresConnections:
                     op = result
             finally:
                 if conn is not None:
-                    await pool.putconn(conn)
+                    await self._agive(conn)
         except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable(exc) from exc
 
@@ -452,18 +487,17 @@ class PostgresConnections:
             await asyncio.to_thread(self.close)
 
     @contextmanager
-    def _ops_connection(self) -> Iterator[_Connection]:
-        """A live, migrated pooled connection for work of several statements or rows."""
+    def _ops_connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A live, migrated connection for work of several statements or rows."""
         try:
-            pool = self._pool or self._sync_pool()
-            conn = self._checkout(pool)
+            conn = self._take()
             try:
                 yield conn
             finally:
-                pool.putconn(conn)  # the pool rolls back a transaction left open
+                self._give(conn)  # the pool rolls back a transaction left open
         except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable(exc) from exc
 
     def _ops_rows(self, query: str | sql.Composed, params: Sequence[Any]) -> list[Any]:
         with self._ops_connection() as conn:
-            return conn.store_cursor().execute(query, params).fetchall()
+            return store_cursor(conn).execute(query, params).fetchall()

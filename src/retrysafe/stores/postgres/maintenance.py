@@ -15,7 +15,7 @@ from psycopg import sql
 from retrysafe._model.record import Record
 from retrysafe.stores._base import ArchivedRecord, RecordQuery, StoreStats, SweepBatch
 from retrysafe.stores._sql import list_clause
-from retrysafe.stores.postgres.connection import _Connection, _Op
+from retrysafe.stores.postgres.connection import _Op, store_cursor
 from retrysafe.stores.postgres.rows import (
     archived_record,
     pack_digest,
@@ -83,7 +83,7 @@ class PostgresMaintenance:
     if TYPE_CHECKING:  # defined by PostgresConnections and PostgresStore
 
         def _run(self, op: _Op) -> Any: ...
-        def _ops_connection(self) -> AbstractContextManager[_Connection]: ...
+        def _ops_connection(self) -> AbstractContextManager[psycopg.Connection[Any]]: ...
         def _ops_rows(self, query: str | sql.Composed, params: Sequence[Any]) -> list[Any]: ...
         def _lowers_ahead(self, now: float, have: set[float]) -> Iterator[float]: ...
 
@@ -107,7 +107,7 @@ class PostgresMaintenance:
 
     def sweep_cells(self, now: float, limit: int = 1000) -> int:
         with self._ops_connection() as conn:
-            cur = conn.store_cursor()
+            cur = store_cursor(conn)
             try:
                 cur.execute(self._q_cells_index)
             except psycopg.errors.UndefinedTable:
@@ -209,7 +209,7 @@ class PostgresMaintenance:
             log.info("retrysafe: could not refresh %s's partitions: %s", self._where, exc)
 
     def _archive_and_drop(
-        self, conn: _Connection, part: sql.Identifier, now: float
+        self, conn: psycopg.Connection[Any], part: sql.Identifier, now: float
     ) -> tuple[int, int]:
         """Copy a detached partition's financial rows to the archive, count its rows and
         drop it, in one transaction: (rows, newly archived)."""
@@ -241,7 +241,7 @@ class PostgresMaintenance:
         stats = StoreStats()
         oldest: tuple[float, str] | None = None
         with self._ops_connection() as conn, conn.transaction():
-            cur = conn.store_cursor()
+            cur = store_cursor(conn)
             # One snapshot for every count.
             cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             for operation, status, n, created_at, key_hash in cur.execute(counts_q, (now,)):
@@ -260,7 +260,7 @@ class PostgresMaintenance:
         if not rows:
             return 0
         with self._ops_connection() as conn, conn.transaction():
-            cur = conn.store_cursor()
+            cur = store_cursor(conn)
             cur.executemany(self._q_archive, rows)  # pipelined; rowcount sums the inserts
             return cur.rowcount
 

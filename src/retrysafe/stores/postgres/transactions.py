@@ -90,10 +90,10 @@ class PostgresTransactions(PostgresConnections):
         # Only taking the connection maps errors to StoreUnavailableError: the
         # application's own statements raise their own errors (a unique violation).
         try:
-            pool = self._pool or self._sync_pool()
-            conn = self._checkout(pool)
+            conn = self._take()
         except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable(exc) from exc
+        broken = True
         try:
             yield conn
         finally:
@@ -101,11 +101,10 @@ class PostgresTransactions(PostgresConnections):
             try:
                 if _is_idle(conn):
                     conn.execute("RESET ALL")
-                else:
-                    conn.close()  # the pool replaces a closed connection
+                    broken = False
             except psycopg.Error:
-                conn.close()
-            pool.putconn(conn)
+                pass
+            self._give(conn, broken)
 
     @asynccontextmanager
     async def _atransaction_connection(
@@ -116,18 +115,17 @@ class PostgresTransactions(PostgresConnections):
             yield connection
             return
         try:
-            entry = await self._loop_pool()
-            conn = await self._acheckout(entry.pool)
+            conn = await self._atake()
         except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable(exc) from exc
+        broken = True
         try:
             yield conn
         finally:
             try:
                 if _is_idle(conn):
                     await conn.execute("RESET ALL")
-                else:
-                    await conn.close()
+                    broken = False
             except psycopg.Error:
-                await conn.close()
-            await entry.pool.putconn(conn)
+                pass
+            await self._agive(conn, broken)
