@@ -34,7 +34,7 @@ from retrysafe._core.metrics import METRICS
 from retrysafe._core.options import DEFAULT_MAX_BODY
 from retrysafe._core.principal import Anonymous, Principals
 from retrysafe._core.secret import check_secret
-from retrysafe._http.asgi import caller_scope, replaying
+from retrysafe._http.asgi import at_most, caller_scope, read_body, replaying
 from retrysafe._http.asgi import header as header_of
 from retrysafe._protocols.mcp import (
     CALL_METHOD,
@@ -57,6 +57,7 @@ from retrysafe._protocols.mcp_proxy import (
 )
 from retrysafe.errors import (
     AmbiguousCredentialsError,
+    BodyTooLarge,
     IdempotencyError,
     InvalidKeyError,
     PrincipalRequiredError,
@@ -379,20 +380,16 @@ class McpProxyMiddleware:
         if scope["type"] != "http" or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            if len(body) > self.max_body:
-                error = {"code": INVALID_REQUEST, "message": "the request body is too large"}
-                for part in _json_answer(413, {"jsonrpc": "2.0", "id": None, "error": error}):
-                    await send(part)
-                return
-            if not message.get("more_body", False):
-                break
-        replay = replaying(bytes(body), receive)
+        try:
+            body = await read_body(receive, at_most(self.max_body))
+        except BodyTooLarge:
+            error = {"code": INVALID_REQUEST, "message": "the request body is too large"}
+            for part in _json_answer(413, {"jsonrpc": "2.0", "id": None, "error": error}):
+                await send(part)
+            return
+        if body is None:  # the client left
+            return
+        replay = replaying(body, receive)
         try:
             doc = json.loads(body)
         except (ValueError, RecursionError):
