@@ -27,14 +27,17 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
-from sqlalchemy.orm import Session
+from retrysafe.errors import MissingExtraError, StoreUnavailableError
 
-from retrysafe.errors import StoreUnavailableError
+try:
+    from sqlalchemy.engine import Connection, Engine
+    from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+    from sqlalchemy.orm import Session
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise MissingExtraError("sqlalchemy", "retrysafe.sqlalchemy", name=exc.name) from exc
 from retrysafe.stores._base import AsyncTransaction, Transaction
 from retrysafe.stores.sqlite import _FIRST_WAIT, _LONGEST_WAIT, SQLiteStore, _busy
 
@@ -75,9 +78,7 @@ def _dialect(engine: Engine) -> str:
             "create the engine with a postgresql+psycopg:// URL (create_engine or "
             "create_async_engine)"
         )
-    raise TypeError(
-        f"no SQLAlchemy store for the {name}+{driver} dialect; supported: {_SUPPORTED}"
-    )
+    raise TypeError(f"no SQLAlchemy store for the {name}+{driver} dialect; supported: {_SUPPORTED}")
 
 
 def sqlalchemy_store(
@@ -235,18 +236,21 @@ class SessionTransactions:
             return self._complete_in(session.connection(), op)
         return self._complete_in(session, op)
 
-    def _checked(self, given: Any, kinds: tuple[type, ...]) -> Any:
+    def _checked(self, given: Any, kinds: tuple[type[Any], ...]) -> Any:
         if not isinstance(given, kinds):
             raise TypeError(
                 f"{type(self).__name__} joins a {' or '.join(k.__name__ for k in kinds)} of its "
                 f"engine, not a {type(given).__name__}"
             )
+        bind: Any
         if isinstance(given, AsyncSession):
-            bind: Any = given.sync_session.get_bind()
+            bind = given.sync_session.get_bind()
         elif isinstance(given, Session):
             bind = given.get_bind()
+        elif isinstance(given, AsyncConnection):
+            bind = given.sync_engine
         else:
-            bind = given.engine if isinstance(given, Connection) else given.sync_engine
+            bind = given.engine
         if not isinstance(bind, Engine) or not _same_database(sync_engine(self.engine), bind):
             raise ValueError(
                 f"the session is bound to {getattr(bind, 'url', bind)!r}, not to the store's "
@@ -261,8 +265,10 @@ class SessionTransactions:
         if self.is_async:
             raise TypeError("a store on an AsyncEngine: use atransaction() with an AsyncSession")
         own = connection is None
-        session = Session(sync_engine(self.engine)) if own else self._checked(
-            connection, (Session, Connection)
+        session = (
+            Session(sync_engine(self.engine))
+            if own
+            else self._checked(connection, (Session, Connection))
         )
         try:
             yield Transaction(session, partial(self._settle_in, session))
@@ -287,8 +293,10 @@ class SessionTransactions:
         own = connection is None
         engine = self.engine
         assert isinstance(engine, AsyncEngine)
-        session = AsyncSession(engine) if own else self._checked(
-            connection, (AsyncSession, AsyncConnection)
+        session = (
+            AsyncSession(engine)
+            if own
+            else self._checked(connection, (AsyncSession, AsyncConnection))
         )
 
         async def run(op: Any) -> bool:
@@ -432,9 +440,13 @@ class SQLAlchemySQLiteStore(SessionTransactions, SQLiteStore):
         """Create or upgrade the tables through ``conn``, in its transaction if it has one."""
         driver = conn.connection.driver_connection
         view = driver if isinstance(driver, sqlite3.Connection) else _DriverSQL(conn)
+        if conn.in_transaction() and not view.in_transaction:
+            # sqlite3 begins on the first write only: begin now, so that the tables
+            # belong to the caller's transaction (and roll back with it)
+            view.execute("BEGIN")
         self._rewrite_allowed = True
         self._migrated = False
-        self._migrate(_Savepoint(view))
+        self._migrate(cast(sqlite3.Connection, _Savepoint(view)))
         return int(view.execute("PRAGMA user_version").fetchone()[0])
 
 
