@@ -331,6 +331,10 @@ class SQLAlchemySQLiteStore(SessionTransactions, SQLiteStore):
     ``timeout`` is how long a write waits for SQLite's lock (default 10 s).
     """
 
+    # Its async calls on an AsyncEngine enter SQLAlchemy's greenlet bridge and the
+    # pool's queue: not a plain thread hop, so the engine gives each a task of its own.
+    drive_inline = False
+
     def __init__(self, engine: AnyEngine, *, timeout: float | None = None) -> None:
         sync = sync_engine(engine)
         if _dialect(sync) != "sqlite":
