@@ -636,3 +636,18 @@ def test_psycopg_is_the_driver_of_postgres(request: pytest.FixtureRequest, tmp_p
     with db.connect() as sa_conn:
         assert not sa_conn.connection.driver_connection.autocommit  # type: ignore[union-attr]
     db.dispose()
+
+
+def test_an_autocommit_session_is_refused(db: Db, sync_store: Any) -> None:
+    """An AUTOCOMMIT connection would commit the completion apart from the writes."""
+    engine, Order = Engine(sync_store), db.model()
+    auto = sync_store.engine.execution_options(isolation_level="AUTOCOMMIT")
+    with (
+        pytest.raises(ValueError, match="autocommit"),
+        engine.attempt("k", operation="order") as att,
+        Session(auto) as session,
+        att.transaction(session),
+    ):
+        session.add(Order(cart_mandate_id="m", user_id="u", amount=1))
+        att.outcome = Outcome.json(1)
+    assert sync_store.get(key_hash("", "order", "k")).status is Status.FAILED

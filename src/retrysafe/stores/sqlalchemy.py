@@ -201,6 +201,15 @@ class _Savepoint:
 # -- the application transaction: a Session of the engine --------------------------------
 
 
+def _autocommit(conn: Connection) -> bool:
+    """Whether ``conn``'s driver commits each statement by itself (read locally: the
+    driver's flag, no statement)."""
+    dbapi = conn.connection.dbapi_connection
+    if conn.dialect.name == "sqlite":
+        return getattr(dbapi, "isolation_level", "") is None
+    return bool(getattr(dbapi, "autocommit", False))
+
+
 def _borrowed_error(store: Any, exc: SQLAlchemyError) -> StoreUnavailableError:
     return StoreUnavailableError(
         f"{type(store).__name__}: no connection from the SQLAlchemy engine's pool "
@@ -233,8 +242,15 @@ class SessionTransactions:
         """Flush the session and run ``op`` in its transaction (sync, or under ``run_sync``)."""
         if isinstance(session, Session):
             session.flush()
-            return self._complete_in(session.connection(), op)
-        return self._complete_in(session, op)
+            conn = session.connection()
+        else:
+            conn = session
+        if _autocommit(conn):
+            raise ValueError(
+                "the session's connection is in autocommit mode (isolation_level="
+                "'AUTOCOMMIT'): the completion would commit apart from your writes"
+            )
+        return self._complete_in(conn, op)
 
     def _checked(self, given: Any, kinds: tuple[type[Any], ...]) -> Any:
         if not isinstance(given, kinds):
