@@ -238,6 +238,22 @@ class SessionTransactions:
         """Run the completion ``op`` on ``conn``'s connection, in its transaction."""
         raise NotImplementedError
 
+    def _borrow(self) -> Connection:
+        """A connection of the (sync) engine's pool for one operation; the caller closes it."""
+        try:
+            return sync_engine(self.engine).connect()
+        except SQLAlchemyError as exc:
+            raise _borrowed_error(self, exc) from exc
+
+    async def _aborrow(self) -> AsyncConnection:
+        """:meth:`_borrow` from the AsyncEngine's pool."""
+        engine = self.engine
+        assert isinstance(engine, AsyncEngine)
+        try:
+            return await engine.connect()
+        except SQLAlchemyError as exc:
+            raise _borrowed_error(self, exc) from exc
+
     def _settle_in(self, session: Session | Connection, op: Any) -> bool:
         """Flush the session and run ``op`` in its transaction (sync, or under ``run_sync``)."""
         if isinstance(session, Session):
@@ -370,13 +386,9 @@ class SQLAlchemySQLiteStore(SessionTransactions, SQLiteStore):
     def _on_connection(self, op: Callable[[Any], Any]) -> Any:
         if self.is_async:  # sync calls of an AsyncEngine's store: a connection of its own
             return super()._on_connection(op)
-        engine = sync_engine(self.engine)
+        borrowed = self._borrow()
         try:
-            raw = engine.raw_connection()
-        except SQLAlchemyError as exc:
-            raise _borrowed_error(self, exc) from exc
-        try:
-            conn = raw.driver_connection
+            conn = borrowed.connection.driver_connection
             assert isinstance(conn, sqlite3.Connection)
             level = conn.isolation_level
             conn.isolation_level = None  # no statement: autocommit while borrowed
@@ -387,7 +399,7 @@ class SQLAlchemySQLiteStore(SessionTransactions, SQLiteStore):
             finally:
                 conn.isolation_level = level
         finally:
-            raw.close()
+            borrowed.close()
 
     def _first_use(self, conn: Any) -> None:
         """Migrate, and adopt the connection's ``synchronous`` (the sweep restores it)."""
@@ -403,12 +415,7 @@ class SQLAlchemySQLiteStore(SessionTransactions, SQLiteStore):
         return op(view)
 
     async def _aon_connection(self, op: Callable[[Any], Any]) -> Any:
-        engine = self.engine
-        assert isinstance(engine, AsyncEngine)
-        try:
-            conn = await engine.connect()
-        except SQLAlchemyError as exc:
-            raise _borrowed_error(self, exc) from exc
+        conn = await self._aborrow()
         try:
             await conn.execution_options(isolation_level="AUTOCOMMIT")
             return await conn.run_sync(self._in_run_sync, op)

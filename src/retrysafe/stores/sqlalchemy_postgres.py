@@ -12,8 +12,7 @@ from typing import Any
 
 import psycopg
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from retrysafe.stores.postgres import PostgresStore
 from retrysafe.stores.postgres.connection import UNAVAILABLE_ERRORS
@@ -21,7 +20,6 @@ from retrysafe.stores.postgres.transactions import completion_failed
 from retrysafe.stores.sqlalchemy import (
     AnyEngine,
     SessionTransactions,
-    _borrowed_error,
     _dialect,
     sync_engine,
 )
@@ -97,11 +95,7 @@ class SQLAlchemyPostgresStore(SessionTransactions, PostgresStore):
     def _take(self) -> psycopg.Connection[Any]:
         if self.is_async:  # sync calls of an AsyncEngine's store: a pool of its own
             return super()._take()
-        engine = sync_engine(self.engine)
-        try:
-            sa_conn = engine.connect()
-        except SQLAlchemyError as exc:
-            raise _borrowed_error(self, exc) from exc
+        sa_conn = self._borrow()
         try:
             if not self._migrated:
                 self._migrate_on(sa_conn)
@@ -129,12 +123,7 @@ class SQLAlchemyPostgresStore(SessionTransactions, PostgresStore):
         sa_conn.close()
 
     async def _atake(self) -> psycopg.AsyncConnection[Any]:
-        engine = self.engine
-        assert isinstance(engine, AsyncEngine)
-        try:
-            sa_conn = await engine.connect()
-        except SQLAlchemyError as exc:
-            raise _borrowed_error(self, exc) from exc
+        sa_conn = await self._aborrow()
         try:
             if not self._migrated:
                 await sa_conn.run_sync(self._migrate_on)
