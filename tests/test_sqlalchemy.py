@@ -651,3 +651,43 @@ def test_an_autocommit_session_is_refused(db: Db, sync_store: Any) -> None:
         session.add(Order(cart_mandate_id="m", user_id="u", amount=1))
         att.outcome = Outcome.json(1)
     assert sync_store.get(key_hash("", "order", "k")).status is Status.FAILED
+
+
+def test_an_aiosqlite_store_waits_for_the_lock_without_blocking_the_loop(tmp_path: Path) -> None:
+    """A claim that finds SQLite's write lock taken retries with asyncio.sleep: other
+    tasks run meanwhile; past the store's timeout it is StoreUnavailableError."""
+    path = tmp_path / "shop.db"
+    create_tables(sqlalchemy.create_engine(f"sqlite:///{path}"))
+    holder = sqlite3.connect(path, isolation_level=None)
+
+    async def main() -> tuple[int, int, Any]:
+        aengine = create_async_engine(f"sqlite+aiosqlite:///{path}", connect_args={"timeout": 0})
+        store = SQLAlchemyStore(aengine, timeout=0.5)
+        engine = Engine(store)
+        ticks = 0
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not done.is_set():
+                ticks += 1
+                await asyncio.sleep(0)
+
+        holder.execute("BEGIN IMMEDIATE")  # another writer holds the lock
+        task = asyncio.create_task(ticker())
+        try:
+            with pytest.raises(StoreUnavailableError, match="locked"):
+                await engine.abegin("k1", operation="o")
+            during = ticks
+            holder.execute("ROLLBACK")  # released: the next claim goes through
+            claim = await engine.abegin("k2", operation="o")
+        finally:
+            done.set()
+            await task
+            await aengine.dispose()
+        return during, ticks, claim
+
+    during, _, claim = asyncio.run(main())
+    holder.close()
+    assert during > 50  # the loop ran other tasks while the claim waited
+    assert claim.attempts == 1  # type: ignore[union-attr]
