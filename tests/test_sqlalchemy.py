@@ -636,6 +636,12 @@ def test_psycopg_is_the_driver_of_postgres(request: pytest.FixtureRequest, tmp_p
     with db.connect() as sa_conn:
         assert not sa_conn.connection.driver_connection.autocommit  # type: ignore[union-attr]
     db.dispose()
+    # An AUTOCOMMIT engine's connections go back in autocommit mode.
+    auto = sqlalchemy.create_engine(spec.url, isolation_level="AUTOCOMMIT", pool_size=1)
+    Engine(SQLAlchemyStore(auto, **spec.options)).begin("k", operation="o")
+    with auto.connect() as sa_conn:
+        assert sa_conn.connection.driver_connection.autocommit  # type: ignore[union-attr]
+    auto.dispose()
 
 
 def test_an_autocommit_session_is_refused(db: Db, sync_store: Any) -> None:

@@ -12,7 +12,6 @@ from typing import Any
 
 import psycopg
 from sqlalchemy.engine import Connection
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from retrysafe.stores.postgres import PostgresStore
 from retrysafe.stores.postgres.connection import UNAVAILABLE_ERRORS
@@ -71,7 +70,7 @@ class SQLAlchemyPostgresStore(SessionTransactions, PostgresStore):
         super().__init__(libpq, **options)
         self.engine = engine
         self.is_async = sync.dialect.is_async
-        self._borrowed: dict[int, Any] = {}
+        self._borrowed: dict[int, tuple[Any, bool]] = {}
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {sync_engine(self.engine).url!r} table={self.table}>"
@@ -92,59 +91,75 @@ class SQLAlchemyPostgresStore(SessionTransactions, PostgresStore):
         self._rewrite_allowed = True
         return self._migrate_on(conn)
 
+    # Each borrowed psycopg connection (by id) -> its SQLAlchemy connection and the
+    # autocommit mode it had (restored when it goes back; the engine may be AUTOCOMMIT).
+
+    def _lend(self, sa_conn: Any, conn: Any) -> Any:
+        self._borrowed[id(conn)] = (sa_conn, conn.autocommit)
+        return conn
+
+    def _returned(self, conn: Any, broken: bool) -> tuple[Any, bool | None]:
+        """(its SQLAlchemy connection, the autocommit mode to restore, or None: the
+        connection is broken and is invalidated instead)."""
+        sa_conn, autocommit = self._borrowed.pop(id(conn))
+        return sa_conn, None if broken or conn.broken else autocommit
+
     def _take(self) -> psycopg.Connection[Any]:
         if self.is_async:  # sync calls of an AsyncEngine's store: a pool of its own
             return super()._take()
         sa_conn = self._borrow()
+        conn: Any = None
         try:
             if not self._migrated:
                 self._migrate_on(sa_conn)
             conn = sa_conn.connection.driver_connection
             assert isinstance(conn, psycopg.Connection)
+            self._lend(sa_conn, conn)
             conn.autocommit = True  # local: psycopg sends nothing
         except BaseException:
+            self._borrowed.pop(id(conn), None)
             sa_conn.close()
             raise
-        self._borrowed[id(conn)] = sa_conn
         return conn
 
     def _give(self, conn: psycopg.Connection[Any], broken: bool = False) -> None:
-        sa_conn = self._borrowed.pop(id(conn), None)
-        if sa_conn is None:
+        if id(conn) not in self._borrowed:  # the fallback pool's (an AsyncEngine's store)
             super()._give(conn, broken)
             return
-        if not broken and not conn.broken:
+        sa_conn, autocommit = self._returned(conn, broken)
+        if autocommit is not None:
             try:
-                conn.autocommit = False
+                conn.autocommit = autocommit
             except psycopg.Error:
-                broken = True
-        if broken or conn.broken:
+                autocommit = None
+        if autocommit is None:
             sa_conn.invalidate()
         sa_conn.close()
 
     async def _atake(self) -> psycopg.AsyncConnection[Any]:
         sa_conn = await self._aborrow()
+        conn: Any = None
         try:
             if not self._migrated:
                 await sa_conn.run_sync(self._migrate_on)
-            raw = await sa_conn.get_raw_connection()
-            conn = raw.driver_connection
+            conn = (await sa_conn.get_raw_connection()).driver_connection
             assert isinstance(conn, psycopg.AsyncConnection)
+            self._lend(sa_conn, conn)
             await conn.set_autocommit(True)  # local: psycopg sends nothing
         except BaseException:
+            self._borrowed.pop(id(conn), None)
             await sa_conn.close()
             raise
-        self._borrowed[id(conn)] = sa_conn
         return conn
 
     async def _agive(self, conn: psycopg.AsyncConnection[Any], broken: bool = False) -> None:
-        sa_conn: AsyncConnection = self._borrowed.pop(id(conn))
-        if not broken and not conn.broken:
+        sa_conn, autocommit = self._returned(conn, broken)
+        if autocommit is not None:
             try:
-                await conn.set_autocommit(False)
+                await conn.set_autocommit(autocommit)
             except psycopg.Error:
-                broken = True
-        if broken or conn.broken:
+                autocommit = None
+        if autocommit is None:
             await sa_conn.invalidate()
         await sa_conn.close()
 
