@@ -238,10 +238,13 @@ class SessionTransactions:
         """Run the completion ``op`` on ``conn``'s connection, in its transaction."""
         raise NotImplementedError
 
-    def _borrow(self) -> Connection:
-        """A connection of the (sync) engine's pool for one operation; the caller closes it."""
+    def _borrow(self, raw: bool = False) -> Any:
+        """A connection of the (sync) engine's pool for one operation, which the caller
+        closes: a :class:`Connection`, or with ``raw`` the pool's DB-API connection proxy
+        (``driver_connection``, ``invalidate()``; a few microseconds cheaper)."""
+        engine = sync_engine(self.engine)
         try:
-            return sync_engine(self.engine).connect()
+            return engine.raw_connection() if raw else engine.connect()
         except SQLAlchemyError as exc:
             raise _borrowed_error(self, exc) from exc
 
@@ -386,9 +389,9 @@ class SQLAlchemySQLiteStore(SessionTransactions, SQLiteStore):
     def _on_connection(self, op: Callable[[Any], Any]) -> Any:
         if self.is_async:  # sync calls of an AsyncEngine's store: a connection of its own
             return super()._on_connection(op)
-        borrowed = self._borrow()
+        borrowed = self._borrow(raw=True)
         try:
-            conn = borrowed.connection.driver_connection
+            conn = borrowed.driver_connection
             assert isinstance(conn, sqlite3.Connection)
             level = conn.isolation_level
             conn.isolation_level = None  # no statement: autocommit while borrowed

@@ -107,12 +107,13 @@ class SQLAlchemyPostgresStore(SessionTransactions, PostgresStore):
     def _take(self) -> psycopg.Connection[Any]:
         if self.is_async:  # sync calls of an AsyncEngine's store: a pool of its own
             return super()._take()
-        sa_conn = self._borrow()
+        if not self._migrated:
+            with self._borrow() as first:
+                self._migrate_on(first)
+        sa_conn = self._borrow(raw=True)
         conn: Any = None
         try:
-            if not self._migrated:
-                self._migrate_on(sa_conn)
-            conn = sa_conn.connection.driver_connection
+            conn = sa_conn.driver_connection
             assert isinstance(conn, psycopg.Connection)
             self._lend(sa_conn, conn)
             conn.autocommit = True  # local: psycopg sends nothing
