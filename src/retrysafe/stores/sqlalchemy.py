@@ -49,7 +49,6 @@ __all__ = [
     "SessionTransactions",
     "acreate_tables",
     "create_tables",
-    "driver_sql",
     "sqlalchemy_store",
     "sync_engine",
 ]
@@ -156,11 +155,6 @@ class _DriverSQL:
     @property
     def in_transaction(self) -> bool:
         return bool(self._conn.connection.driver_connection.in_transaction)  # type: ignore[union-attr]
-
-
-def driver_sql(conn: Connection) -> Any:
-    """A ``sqlite3``-like view of ``conn`` for the SQLite store's ops (see :class:`_DriverSQL`)."""
-    return _DriverSQL(conn)
 
 
 def _driver_error(exc: DBAPIError) -> BaseException:
