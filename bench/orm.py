@@ -1,7 +1,8 @@
 """What completing inside the SQLAlchemy transaction costs.
 
 In one run, from one thread, on a SQLite file and on a real PostgreSQL (started
-here unless ``--postgres-url`` is given), the same order creation five ways:
+here unless ``--postgres-url`` is given: the tests' throwaway cluster, which runs
+with ``fsync=off`` and ``synchronous_commit=off``), the same order creation five ways:
 
 * **floor**: the ORM insert + ``session.commit()``, no idempotency at all;
 * **SQLAlchemy store**: ``SQLAlchemyStore(engine)``, the claim on a connection
