@@ -47,9 +47,59 @@ class StoreSpec:
     name: str
     url: str
     options: dict[str, Any] = field(default_factory=dict)
+    #: ``create_engine`` keywords of the SQLAlchemy stores (``sqlalchemy-*``).
+    engine_options: dict[str, Any] = field(default_factory=dict)
 
     def open(self) -> Store[Any]:
+        if self.name.startswith("sqlalchemy-"):
+            return open_sqlalchemy(self)
         return open_store(self.url, **self.options)
+
+
+def open_sqlalchemy(spec: StoreSpec) -> Store[Any]:
+    """A SQLAlchemy store on an engine of its own, which its close()/aclose() dispose."""
+    import sqlalchemy
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from retrysafe.sqlalchemy import SQLAlchemyStore
+
+    if spec.name.endswith("-async"):
+        aengine = create_async_engine(spec.url, **spec.engine_options)
+        store: Any = SQLAlchemyStore(aengine, **spec.options)
+        store_close, store_aclose = store.close, store.aclose
+
+        def close() -> None:
+            store_close()
+            aengine.sync_engine.dispose(close=False)
+
+        async def aclose() -> None:
+            await store_aclose()
+            await aengine.dispose()
+
+        store.close, store.aclose = close, aclose
+        return store  # type: ignore[no-any-return]
+    engine = sqlalchemy.create_engine(spec.url, **spec.engine_options)
+    store = SQLAlchemyStore(engine, **spec.options)
+    store_close = store.close
+
+    def close_sync() -> None:
+        store_close()
+        engine.dispose()
+
+    store.close = close_sync
+    return store  # type: ignore[no-any-return]
+
+
+#: The SQLAlchemy stores: in tests/test_conformance.py, tests/test_races.py and
+#: tests/test_sqlalchemy.py (the whole suite on them would double its time).
+SQLALCHEMY_STORES = [
+    "sqlalchemy-sqlite",
+    "sqlalchemy-postgres",
+    "sqlalchemy-sqlite-async",
+    "sqlalchemy-postgres-async",
+]
+#: Room for the race tests' 64 threads (the default pool has 5 + 10 overflow).
+SQLALCHEMY_POOL = {"pool_size": 10, "max_overflow": 20, "pool_timeout": 60}
 
 
 #: How long a PostgreSQL store's caller waits for one of the pool's 10 connections. The
@@ -89,6 +139,15 @@ def make_spec(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> Stor
             "partition_ahead": 3600.0,
         }
         return StoreSpec(name, server.url, options)
+    if name.startswith("sqlalchemy-sqlite"):
+        driver = "sqlite+aiosqlite" if name.endswith("-async") else "sqlite"
+        return StoreSpec(
+            name, f"{driver}:///{tmp_path}/retrysafe.db", engine_options=SQLALCHEMY_POOL
+        )
+    if name.startswith("sqlalchemy-postgres"):
+        server = request.getfixturevalue("postgres_server")
+        url = server.url.replace("postgresql://", "postgresql+psycopg://", 1)
+        return StoreSpec(name, url, {"table": f"t_{tag}"}, engine_options=SQLALCHEMY_POOL)
     raise AssertionError(name)
 
 

@@ -1,7 +1,8 @@
 """The conformance suite: every store, sync and async, through the engine.
 
-Each test runs on memory, SQLite, Redis and PostgreSQL (real servers), in both
-modes; nothing here knows which store it talks to.
+Each test runs on memory, SQLite, Redis and PostgreSQL (real servers), and on the
+SQLAlchemy stores (SQLite and PostgreSQL, on a sync Engine and on an AsyncEngine), in
+both modes; nothing here knows which store it talks to.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import asyncio
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Api, Clock
+from conftest import SQLALCHEMY_STORES, STORES, Api, Clock, StoreSpec, make_spec
 
 from retrysafe import (
     Claim,
@@ -31,6 +33,12 @@ from retrysafe import (
 from retrysafe.stores.memory import MemoryStore
 
 OP = "payments.charge"
+
+
+@pytest.fixture(params=STORES + SQLALCHEMY_STORES)
+def store_spec(request: pytest.FixtureRequest, tmp_path: Path) -> StoreSpec:
+    """This module's stores: the shared list plus the SQLAlchemy stores."""
+    return make_spec(request.param, request, tmp_path)
 
 
 def claim(result: Claim | Replay) -> Claim:

@@ -19,7 +19,17 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The packages of the extras that the core must not need.
-OPTIONAL = ("uvicorn", "typer", "rich", "prometheus_client", "httpx", "opentelemetry", "a2a", "mcp")
+OPTIONAL = (
+    "uvicorn",
+    "typer",
+    "rich",
+    "prometheus_client",
+    "httpx",
+    "opentelemetry",
+    "a2a",
+    "mcp",
+    "sqlalchemy",
+)
 
 #: A ``sitecustomize`` module: it blocks the packages named (``{blocked}``) in every
 #: interpreter started with its folder on ``PYTHONPATH``.
@@ -174,6 +184,7 @@ def test_the_core_works_without_the_extras(tmp_path: Path) -> None:
         ("retrysafe.client", "client"),
         ("retrysafe._cli.app", "cli"),
         ("retrysafe._demo.run", "gateway"),
+        ("retrysafe.sqlalchemy", "sqlalchemy"),
     ],
 )
 def test_a_missing_extra_is_named(tmp_path: Path, module: str, extra: str) -> None:

@@ -15,13 +15,25 @@ from typing import Any
 
 import pytest
 from _racing import race_processes
-from conftest import StoreSpec
+from conftest import SHARED_STORES, SQLALCHEMY_STORES, STORES, StoreSpec, make_spec
 
 from retrysafe import Claim, Engine, Outcome, Replay
 
 THREADS = 64
 PROCESSES = 8
 OP = "race"
+
+
+@pytest.fixture(params=STORES + SQLALCHEMY_STORES)
+def store_spec(request: pytest.FixtureRequest, tmp_path: Path) -> StoreSpec:
+    """This module's stores: the shared list plus the SQLAlchemy stores."""
+    return make_spec(request.param, request, tmp_path)
+
+
+@pytest.fixture(params=[*SHARED_STORES, "sqlalchemy-sqlite", "sqlalchemy-postgres"])
+def shared_spec(request: pytest.FixtureRequest, tmp_path: Path) -> StoreSpec:
+    """The stores several processes share, the SQLAlchemy ones on a sync Engine too."""
+    return make_spec(request.param, request, tmp_path)
 
 
 def race_once(engine: Engine, key: str, effects: Path, who: str) -> tuple[str, Any]:

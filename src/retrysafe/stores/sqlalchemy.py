@@ -1,0 +1,510 @@
+"""Stores on a SQLAlchemy 2.x engine: the records in the application's own database.
+
+:func:`sqlalchemy_store` picks the store for the engine's dialect: SQLite (pysqlite,
+aiosqlite) or PostgreSQL (psycopg 3, sync or async). Each is the native store
+(:class:`~retrysafe.stores.sqlite.SQLiteStore`,
+:class:`~retrysafe.stores.postgres.PostgresStore`) with one change: it borrows its
+connections from the engine's pool, one per operation, and gives them back. Every
+statement, the migration, sweeps, stats and listings are the native ones, on the
+native tables, so ``retrysafe stats --store sqlite:///same.db`` (or
+``postgresql://same-db``) sees what these stores write.
+
+Their application transaction is an ORM :class:`~sqlalchemy.orm.Session` (or a
+:class:`~sqlalchemy.engine.Connection`) of the engine, and for an
+:class:`~sqlalchemy.ext.asyncio.AsyncEngine` an
+:class:`~sqlalchemy.ext.asyncio.AsyncSession` (or ``AsyncConnection``): the
+completion's compare-and-set runs on the session's connection and commits with the
+session (:class:`SessionTransactions`). The async forms reach the driver through
+SQLAlchemy's own sync facade (``run_sync``), so one piece of code serves both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from functools import partial
+from typing import TYPE_CHECKING, Any, cast
+
+from retrysafe.errors import MissingExtraError, StoreUnavailableError
+
+try:
+    from sqlalchemy.engine import Connection, Engine
+    from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+    from sqlalchemy.orm import Session
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise MissingExtraError("sqlalchemy", "retrysafe.sqlalchemy", name=exc.name) from exc
+from retrysafe.stores._base import AsyncTransaction, Transaction
+from retrysafe.stores.sqlite import _FIRST_WAIT, _LONGEST_WAIT, SQLiteStore, _busy
+
+if TYPE_CHECKING:
+    from retrysafe.stores.sqlalchemy_postgres import SQLAlchemyPostgresStore
+
+__all__ = [
+    "SQLAlchemySQLiteStore",
+    "SessionTransactions",
+    "acreate_tables",
+    "create_tables",
+    "sqlalchemy_store",
+    "sync_engine",
+]
+
+AnyEngine = Engine | AsyncEngine
+_SQLITE_DRIVERS = ("pysqlite", "aiosqlite")
+_SUPPORTED = "sqlite:// (pysqlite), sqlite+aiosqlite://, postgresql+psycopg:// (sync or async)"
+
+
+def sync_engine(engine: AnyEngine) -> Engine:
+    """The sync :class:`Engine` behind ``engine`` (itself, or an AsyncEngine's)."""
+    return engine.sync_engine if isinstance(engine, AsyncEngine) else engine
+
+
+def _dialect(engine: Engine) -> str:
+    """``"sqlite"`` or ``"postgresql"``; TypeError for any other dialect or driver."""
+    dialect = engine.dialect
+    name, driver = dialect.name, dialect.driver
+    if name == "sqlite" and driver in _SQLITE_DRIVERS:
+        return name
+    if name == "postgresql" and driver == "psycopg":
+        return name
+    if name == "postgresql":
+        raise TypeError(
+            f"the SQLAlchemy store on PostgreSQL needs the psycopg 3 driver, not {driver!r}: "
+            "create the engine with a postgresql+psycopg:// URL (create_engine or "
+            "create_async_engine)"
+        )
+    raise TypeError(f"no SQLAlchemy store for the {name}+{driver} dialect; supported: {_SUPPORTED}")
+
+
+def sqlalchemy_store(
+    engine: AnyEngine, **options: Any
+) -> SQLAlchemySQLiteStore | SQLAlchemyPostgresStore:
+    """The store for ``engine``'s dialect, on the engine's own pool.
+
+    ``engine`` is an :class:`Engine` or an :class:`AsyncEngine`; ``options`` go to
+    the native store (``timeout`` for SQLite; ``table``, ``auto_migrate``,
+    ``partitioned``… for PostgreSQL). An unsupported dialect or driver raises
+    :class:`TypeError` naming the supported ones.
+    """
+    if not isinstance(engine, Engine | AsyncEngine):
+        raise TypeError(f"expected a SQLAlchemy Engine or AsyncEngine, not {type(engine).__name__}")
+    sync = sync_engine(engine)
+    if isinstance(engine, Engine) and sync.dialect.is_async:
+        raise TypeError("an engine with an async driver: pass the AsyncEngine itself")
+    if _dialect(sync) == "sqlite":
+        return SQLAlchemySQLiteStore(engine, **options)
+    from retrysafe.stores.sqlalchemy_postgres import SQLAlchemyPostgresStore
+
+    return SQLAlchemyPostgresStore(engine, **options)
+
+
+def _same_database(ours: Engine, theirs: Engine) -> bool:
+    """Whether ``theirs`` reaches the database of ``ours`` (the same engine, the same
+    file, or the same server and database)."""
+    if theirs is ours:
+        return True
+    a, b = ours.url, theirs.url
+    if a.get_backend_name() != b.get_backend_name():
+        return False
+    if a.get_backend_name() == "sqlite":
+        return bool(a.database) and os.path.realpath(a.database or "") == os.path.realpath(
+            b.database or ""
+        )
+    return (a.host, a.port or 5432, a.database) == (b.host, b.port or 5432, b.database)
+
+
+# -- a sqlite3-like connection over SQLAlchemy's sync facade ----------------------------------
+
+
+class _Empty:
+    rowcount = 0
+
+
+class _DriverSQL:
+    """What the SQLite store's ops use of a ``sqlite3.Connection`` (``execute``,
+    ``executemany``, ``in_transaction``), on a SQLAlchemy :class:`Connection` through
+    ``exec_driver_sql``: the statements reach the driver unchanged, with no
+    compilation. Under ``run_sync`` of an AsyncEngine (aiosqlite) each awaits the
+    driver without blocking the event loop. A driver error is raised as the driver's
+    own (a ``sqlite3`` error), as the native store sees it."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    def execute(self, sql: str, params: Sequence[Any] | None = None) -> Any:
+        try:
+            return self._conn.exec_driver_sql(sql, None if params is None else tuple(params))
+        except DBAPIError as exc:
+            raise _driver_error(exc) from exc
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> Any:
+        many = [tuple(row) for row in rows]
+        if not many:
+            return _Empty()
+        try:
+            return self._conn.exec_driver_sql(sql, many)
+        except DBAPIError as exc:
+            raise _driver_error(exc) from exc
+
+    @property
+    def in_transaction(self) -> bool:
+        return bool(self._conn.connection.driver_connection.in_transaction)  # type: ignore[union-attr]
+
+
+def _driver_error(exc: DBAPIError) -> BaseException:
+    orig = exc.orig
+    return orig if isinstance(orig, BaseException) else exc
+
+
+class _Savepoint:
+    """The native SQLite migration inside a transaction that is not its own (Alembic's):
+    its ``BEGIN IMMEDIATE`` … ``COMMIT`` become a savepoint and its release."""
+
+    __slots__ = ("_conn",)
+    _WORDS = {
+        "BEGIN IMMEDIATE": ("SAVEPOINT retrysafe_migration",),
+        "COMMIT": ("RELEASE retrysafe_migration",),
+        "ROLLBACK": ("ROLLBACK TO retrysafe_migration", "RELEASE retrysafe_migration"),
+    }
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def execute(self, sql: str, params: Sequence[Any] | None = None) -> Any:
+        instead = self._WORDS.get(sql)
+        if instead is None:
+            return self._conn.execute(sql) if params is None else self._conn.execute(sql, params)
+        for statement in instead:
+            result = self._conn.execute(statement)
+        return result
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> Any:
+        return self._conn.executemany(sql, rows)
+
+    @property
+    def in_transaction(self) -> bool:
+        return True  # the savepoint is released or rolled back by the migration itself
+
+
+# -- the application transaction: a Session of the engine --------------------------------
+
+
+def _autocommit(conn: Connection) -> bool:
+    """Whether ``conn``'s driver commits each statement by itself (read locally: the
+    driver's flag, no statement)."""
+    dbapi = conn.connection.dbapi_connection
+    if conn.dialect.name == "sqlite":
+        return getattr(dbapi, "isolation_level", "") is None
+    return bool(getattr(dbapi, "autocommit", False))
+
+
+def _borrowed_error(store: Any, exc: SQLAlchemyError) -> StoreUnavailableError:
+    return StoreUnavailableError(
+        f"{type(store).__name__}: no connection from the SQLAlchemy engine's pool "
+        f"({type(exc).__name__}: {str(exc).strip()})"
+    )
+
+
+class SessionTransactions:
+    """The application transaction of the SQLAlchemy stores: a :class:`Session` or
+    :class:`Connection` of the store's engine (:class:`AsyncSession` or
+    :class:`AsyncConnection` for an AsyncEngine).
+
+    Leaving the block without an exception flushes the session, runs the completion's
+    compare-and-set on its connection (the same database transaction) and commits the
+    session; an exception, or a completion that finds the lease lost, rolls the session
+    back. A session that has a transaction open already is accepted: everything it
+    holds commits or rolls back with the block. A session bound to another database is
+    refused with :class:`ValueError`.
+    """
+
+    engine: AnyEngine
+    #: Whether the engine is an AsyncEngine (its driver is async).
+    is_async: bool
+
+    def _complete_in(self, conn: Connection, op: Any) -> bool:
+        """Run the completion ``op`` on ``conn``'s connection, in its transaction."""
+        raise NotImplementedError
+
+    def _borrow(self, raw: bool = False) -> Any:
+        """A connection of the (sync) engine's pool for one operation, which the caller
+        closes: a :class:`Connection`, or with ``raw`` the pool's DB-API connection proxy
+        (``driver_connection``, ``invalidate()``; a few microseconds cheaper)."""
+        engine = sync_engine(self.engine)
+        try:
+            return engine.raw_connection() if raw else engine.connect()
+        except SQLAlchemyError as exc:
+            raise _borrowed_error(self, exc) from exc
+
+    async def _aborrow(self) -> AsyncConnection:
+        """:meth:`_borrow` from the AsyncEngine's pool."""
+        engine = self.engine
+        assert isinstance(engine, AsyncEngine)
+        try:
+            return await engine.connect()
+        except SQLAlchemyError as exc:
+            raise _borrowed_error(self, exc) from exc
+
+    def _settle_in(self, session: Session | Connection, op: Any) -> bool:
+        """Flush the session and run ``op`` in its transaction (sync, or under ``run_sync``)."""
+        if isinstance(session, Session):
+            session.flush()
+            conn = session.connection()
+        else:
+            conn = session
+        if _autocommit(conn):
+            raise ValueError(
+                "the session's connection is in autocommit mode (isolation_level="
+                "'AUTOCOMMIT'): the completion would commit apart from your writes"
+            )
+        return self._complete_in(conn, op)
+
+    def _checked(self, given: Any, kinds: tuple[type[Any], ...]) -> Any:
+        if not isinstance(given, kinds):
+            raise TypeError(
+                f"{type(self).__name__} joins a {' or '.join(k.__name__ for k in kinds)} of its "
+                f"engine, not a {type(given).__name__}"
+            )
+        bind: Any
+        if isinstance(given, AsyncSession):
+            bind = given.sync_session.get_bind()
+        elif isinstance(given, Session):
+            bind = given.get_bind()
+        elif isinstance(given, AsyncConnection):
+            bind = given.sync_engine
+        else:
+            bind = given.engine
+        if not isinstance(bind, Engine) or not _same_database(sync_engine(self.engine), bind):
+            raise ValueError(
+                f"the session is bound to {getattr(bind, 'url', bind)!r}, not to the store's "
+                f"database {sync_engine(self.engine).url!r}"
+            )
+        return given
+
+    @contextmanager
+    def completion_transaction(self, connection: Any = None) -> Iterator[Transaction[Any]]:
+        """The block runs in ``connection`` (a Session or Connection of the engine) or in a
+        Session of its own, which it gets; see :class:`SessionTransactions`."""
+        if self.is_async:
+            raise TypeError("a store on an AsyncEngine: use atransaction() with an AsyncSession")
+        own = connection is None
+        session = (
+            Session(sync_engine(self.engine))
+            if own
+            else self._checked(connection, (Session, Connection))
+        )
+        try:
+            yield Transaction(session, partial(self._settle_in, session))
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+        finally:
+            if own:
+                session.close()
+
+    @asynccontextmanager
+    async def acompletion_transaction(
+        self, connection: Any = None
+    ) -> AsyncIterator[AsyncTransaction[Any]]:
+        """Async :meth:`completion_transaction`: an AsyncSession or AsyncConnection."""
+        if not self.is_async:
+            raise TypeError(
+                "a store on a sync Engine: use transaction() with a Session "
+                "(in a thread from async code), or build the store on an AsyncEngine"
+            )
+        own = connection is None
+        engine = self.engine
+        assert isinstance(engine, AsyncEngine)
+        session = (
+            AsyncSession(engine)
+            if own
+            else self._checked(connection, (AsyncSession, AsyncConnection))
+        )
+
+        async def run(op: Any) -> bool:
+            return bool(await session.run_sync(self._settle_in, op))
+
+        try:
+            yield AsyncTransaction(session, run)
+            await session.commit()
+        except BaseException:
+            await session.rollback()
+            raise
+        finally:
+            if own:
+                await session.close()
+
+
+# -- SQLite -----------------------------------------------------------------------------------
+
+
+_SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
+
+
+class SQLAlchemySQLiteStore(SessionTransactions, SQLiteStore):
+    """The SQLite store on a SQLAlchemy engine's pool (pysqlite, or aiosqlite's AsyncEngine).
+
+    Each operation borrows a connection and gives it back. With a sync engine the
+    op runs on the ``sqlite3`` connection itself, in autocommit mode while it is
+    borrowed (the isolation level it had is restored). With an AsyncEngine it runs
+    through ``run_sync`` and ``exec_driver_sql`` on an ``AUTOCOMMIT`` connection, never
+    blocking the event loop. The sync methods of a store on an AsyncEngine (sweeps,
+    stats, ``get``) use a ``sqlite3`` connection of the store's own to the same file.
+    ``timeout`` is how long a write waits for SQLite's lock (default 10 s).
+    """
+
+    # Its async calls on an AsyncEngine enter SQLAlchemy's greenlet bridge and the
+    # pool's queue: not a plain thread hop, so the engine gives each a task of its own.
+    drive_inline = False
+
+    def __init__(self, engine: AnyEngine, *, timeout: float | None = None) -> None:
+        sync = sync_engine(engine)
+        if _dialect(sync) != "sqlite":
+            raise TypeError(f"not a SQLite engine: {sync.url!r}")
+        database = sync.url.database or ""
+        if database in ("", ":memory:") or sync.url.query.get("mode") == "memory":
+            raise ValueError(
+                "the SQLAlchemy SQLite store needs a database file (an in-memory database "
+                "is one connection's, out of reach of other processes and the CLI)"
+            )
+        super().__init__(f"sqlite:///{database}", timeout=timeout)
+        self.engine = engine
+        self.is_async = sync.dialect.is_async
+
+    # -- connections: borrowed from the engine ------------------------------------------
+
+    def _on_connection(self, op: Callable[[Any], Any]) -> Any:
+        if self.is_async:  # sync calls of an AsyncEngine's store: a connection of its own
+            return super()._on_connection(op)
+        borrowed = self._borrow(raw=True)
+        try:
+            conn = borrowed.driver_connection
+            assert isinstance(conn, sqlite3.Connection)
+            level = conn.isolation_level
+            conn.isolation_level = None  # no statement: autocommit while borrowed
+            try:
+                if not self._migrated:
+                    self._first_use(conn)
+                return op(conn)
+            finally:
+                conn.isolation_level = level
+        finally:
+            borrowed.close()
+
+    def _first_use(self, conn: Any) -> None:
+        """Migrate, and adopt the connection's ``synchronous`` (the sweep restores it)."""
+        level = conn.execute("PRAGMA synchronous").fetchone()[0]
+        if isinstance(level, int) and 0 <= level < len(_SYNCHRONOUS):
+            self.synchronous = _SYNCHRONOUS[level]
+        self._migrate(conn)
+
+    def _in_run_sync(self, conn: Connection, op: Callable[[Any], Any]) -> Any:
+        view = _DriverSQL(conn)
+        if not self._migrated:
+            self._first_use(view)
+        return op(view)
+
+    async def _aon_connection(self, op: Callable[[Any], Any]) -> Any:
+        conn = await self._aborrow()
+        try:
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
+            return await conn.run_sync(self._in_run_sync, op)
+        finally:
+            await conn.close()
+
+    async def _arun(self, op: Callable[[Any], Any]) -> Any:
+        """As the native ``_run``, awaiting: a busy lock is retried until ``timeout``."""
+        if not self.is_async:
+            return await asyncio.to_thread(self._run, op)
+        deadline: float | None = None
+        delay = _FIRST_WAIT
+        while True:
+            try:
+                return await self._aon_connection(op)
+            except sqlite3.OperationalError as exc:
+                if not _busy(exc):
+                    raise StoreUnavailableError(f"SQLite store {self.path}: {exc}") from exc
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.timeout
+                elif now >= deadline:
+                    raise StoreUnavailableError(f"SQLite store {self.path}: {exc}") from exc
+            except sqlite3.DatabaseError as exc:
+                raise StoreUnavailableError(
+                    f"SQLite store {self.path}: {exc}", transient=False
+                ) from exc
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _LONGEST_WAIT)
+
+    def close(self) -> None:
+        """Close the connections of the store's own (never the engine's)."""
+        super().close()
+
+    # -- the application transaction ------------------------------------------------------
+
+    def _complete_in(self, conn: Connection, op: Any) -> bool:
+        driver = conn.connection.driver_connection
+        target = driver if isinstance(driver, sqlite3.Connection) else _DriverSQL(conn)
+        try:
+            return bool(op(target))
+        except sqlite3.Error as exc:
+            raise StoreUnavailableError(
+                f"SQLite store {self.path}: the completion could not be written in this "
+                f"transaction ({type(exc).__name__}: {exc}); nothing was committed"
+            ) from exc
+
+    def create_on(self, conn: Connection) -> int:
+        """Create or upgrade the tables through ``conn``, in its transaction if it has one."""
+        driver = conn.connection.driver_connection
+        view = driver if isinstance(driver, sqlite3.Connection) else _DriverSQL(conn)
+        if conn.in_transaction() and not view.in_transaction:
+            # sqlite3 begins on the first write only: begin now, so that the tables
+            # belong to the caller's transaction (and roll back with it)
+            view.execute("BEGIN")
+        self._rewrite_allowed = True
+        self._migrated = False
+        self._migrate(cast(sqlite3.Connection, _Savepoint(view)))
+        return int(view.execute("PRAGMA user_version").fetchone()[0])
+
+
+# -- create_tables ---------------------------------------------------------------------------
+
+
+def create_tables(bind: Engine | Connection, **options: Any) -> int:
+    """Create or upgrade the records' tables in the database of ``bind``; return the
+    schema version.
+
+    ``bind`` is an :class:`Engine` (its own transaction, committed) or a
+    :class:`Connection`: the statements then run in that connection's transaction,
+    which its owner commits (Alembic's ``op.get_bind()``). ``options`` are the
+    store's (``table=`` for PostgreSQL). Under an AsyncEngine use :func:`acreate_tables`.
+    """
+    if isinstance(bind, Engine):
+        with bind.begin() as conn:
+            return create_tables(conn, **options)
+    if not isinstance(bind, Connection):
+        raise TypeError(f"expected a SQLAlchemy Engine or Connection, not {type(bind).__name__}")
+    if _dialect(bind.engine) == "sqlite":
+        return SQLAlchemySQLiteStore(bind.engine, **options).create_on(bind)
+    from retrysafe.stores.sqlalchemy_postgres import SQLAlchemyPostgresStore
+
+    return SQLAlchemyPostgresStore(bind.engine, **options).create_on(bind)
+
+
+async def acreate_tables(bind: AsyncEngine | AsyncConnection, **options: Any) -> int:
+    """:func:`create_tables` for an :class:`AsyncEngine` or :class:`AsyncConnection`."""
+    if isinstance(bind, AsyncEngine):
+        async with bind.begin() as conn:
+            return await acreate_tables(conn, **options)
+    if not isinstance(bind, AsyncConnection):
+        raise TypeError(
+            f"expected a SQLAlchemy AsyncEngine or AsyncConnection, not {type(bind).__name__}"
+        )
+    return int(await bind.run_sync(partial(create_tables, **options)))
