@@ -1,0 +1,58 @@
+"""Order creation views (sync and async) and a count, for the middleware's tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+from django.http import HttpRequest, JsonResponse
+from django.urls import path
+from django.views.decorators.csrf import csrf_exempt
+
+from django_orm_app.models import Order
+
+
+def _order(order: Order) -> JsonResponse:
+    body = {"id": order.pk, "cart_mandate_id": order.cart_mandate_id, "total": order.total}
+    return JsonResponse(body, status=201)
+
+
+def _after_write(data: dict) -> None:
+    if data.get("crash"):  # a worker killed between the ORM write and the commit
+        os.kill(os.getpid(), signal.SIGKILL)
+    if data.get("fail"):
+        raise RuntimeError("the view failed after its write")
+
+
+@csrf_exempt
+def orders(request: HttpRequest) -> JsonResponse:
+    data = json.loads(request.body)
+    order = Order.objects.create(
+        cart_mandate_id=data["cart_mandate_id"], user_id=data["user_id"], total=data["total"]
+    )
+    _after_write(data)
+    if data.get("status"):
+        return JsonResponse({"status": data["status"]}, status=data["status"])
+    return _order(order)
+
+
+@csrf_exempt
+async def aorders(request: HttpRequest) -> JsonResponse:
+    data = json.loads(request.body)
+    order = await Order.objects.acreate(
+        cart_mandate_id=data["cart_mandate_id"], user_id=data["user_id"], total=data["total"]
+    )
+    _after_write(data)
+    return _order(order)
+
+
+def count(request: HttpRequest, mandate: str) -> JsonResponse:
+    return JsonResponse({"orders": Order.objects.filter(cart_mandate_id=mandate).count()})
+
+
+urlpatterns = [
+    path("orders", orders),
+    path("aorders", aorders),
+    path("count/<str:mandate>", count),
+]
