@@ -4,6 +4,7 @@ what it saw, for the test to check."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -52,41 +53,44 @@ def rows(mandate: str) -> int:
     return int(Order.objects.filter(cart_mandate_id=mandate).count())
 
 
-def plain(native_url: str) -> dict[str, Any]:
+def transactions(native_url: str) -> dict[str, Any]:
+    """:func:`plain`, :func:`outer` and :func:`stale`, the records read back through the
+    native store at ``native_url`` (another connection: it sees what committed)."""
+    native = open_store(native_url)
+    return {"plain": plain(native), "outer": outer(native), "stale": stale()}
+
+
+def plain(native: Store[Any]) -> dict[str, Any]:
     """Outside any atomic(): commit together, replay, roll back together."""
     engine = Engine("django://default")
-    native = open_store(native_url)
-    first = create_order(engine, "m1", "u", 5)
-    seen = {"after_first": (rows("m1"), status(native, "m1", "u"))}
-    again = create_order(engine, "m1", "u", 5)
+    first = create_order(engine, "p1", "u", 5)
+    seen = {"after_first": (rows("p1"), status(native, "p1", "u"))}
+    again = create_order(engine, "p1", "u", 5)
     seen["replayed"] = again == first
-    seen["after_replay"] = rows("m1")
-    try:
-        create_order(engine, "m2", "u", 5, crash="raise")
-    except RuntimeError:
-        pass
-    seen["after_raise"] = (rows("m2"), status(native, "m2", "u"))
-    seen["retry"] = create_order(engine, "m2", "u", 5)["cart_mandate_id"]
-    seen["after_retry"] = (rows("m2"), status(native, "m2", "u"))
+    seen["after_replay"] = rows("p1")
+    with contextlib.suppress(RuntimeError):
+        create_order(engine, "p2", "u", 5, crash="raise")
+    seen["after_raise"] = (rows("p2"), status(native, "p2", "u"))
+    seen["retry"] = create_order(engine, "p2", "u", 5)["cart_mandate_id"]
+    seen["after_retry"] = (rows("p2"), status(native, "p2", "u"))
     return seen
 
 
-def outer(native_url: str) -> dict[str, Any]:
+def outer(native: Store[Any]) -> dict[str, Any]:
     """Inside an outer atomic(): the completion commits when the outermost block does."""
     engine = Engine("django://default")
-    native = open_store(native_url)  # another connection: it sees only what committed
     seen: dict[str, Any] = {}
     with transaction.atomic():
-        create_order(engine, "m1", "u", 5)
-        seen["inside"] = (rows("m1"), status(native, "m1", "u"))  # (rows: this connection's)
-    seen["committed"] = (rows("m1"), status(native, "m1", "u"))
+        create_order(engine, "o1", "u", 5)
+        seen["inside"] = (rows("o1"), status(native, "o1", "u"))  # (rows: this connection's)
+    seen["committed"] = (rows("o1"), status(native, "o1", "u"))
     try:
         with transaction.atomic():
-            create_order(engine, "m2", "u", 5)
+            create_order(engine, "o2", "u", 5)
             raise RuntimeError("the outer block fails after the attempt")
     except RuntimeError:
         pass
-    seen["rolled_back"] = (rows("m2"), status(native, "m2", "u"))
+    seen["rolled_back"] = (rows("o2"), status(native, "o2", "u"))
     return seen
 
 
@@ -103,7 +107,7 @@ def stale() -> dict[str, Any]:
     record stays."""
     clock = Clock()
     engine = Engine("django://default", lease=5, clock=clock)
-    key = _key("m1", "u")
+    key = _key("s1", "u")
     seen: dict[str, Any] = {}
     try:
         with engine.attempt(key, operation="order", scope="u", fingerprint="1") as att:
@@ -111,19 +115,21 @@ def stale() -> dict[str, Any]:
             taker = engine.begin(key, operation="order", scope="u", fingerprint="1")
             seen["taker_attempts"] = taker.attempts  # type: ignore[union-attr]
             with att.transaction():
-                Order.objects.create(cart_mandate_id="m1", user_id="u", total=1)
+                Order.objects.create(cart_mandate_id="s1", user_id="u", total=1)
                 att.outcome = Outcome.json({"late": True})
     except LeaseLostError:
         seen["lease_lost"] = True
     record = engine.store.get(key_hash("u", "order", key))
-    seen["rows"] = rows("m1")
+    seen["rows"] = rows("s1")
     seen["record"] = (record.status.value, record.token == taker.token)  # type: ignore[union-attr]
     return seen
 
 
 def crash(lease: str) -> None:
     """Killed between the ORM write and the commit (never returns)."""
-    create_order(Engine("django://default"), "m1", "u", 7, crash="before_commit", lease=float(lease))
+    create_order(
+        Engine("django://default"), "m1", "u", 7, crash="before_commit", lease=float(lease)
+    )
 
 
 def after_crash(native_url: str) -> dict[str, Any]:
@@ -150,3 +156,27 @@ def race(threads: str) -> list[Any]:
 
     with ThreadPoolExecutor(n) as pool:
         return list(pool.map(racer, range(n)))
+
+
+def records() -> list[Any]:
+    """The records through the app's unmanaged model (the admin's view of them)."""
+    from retrysafe.django.models import Record
+
+    return sorted(
+        (r.operation, r.status_name, r.record().key, r.created is not None)
+        for r in Record.objects.all()
+    )
+
+
+def middleware(store: str, transactional: str) -> str:
+    """How the middleware takes ``transactional`` with ``store`` (its error, if any)."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from retrysafe.django import IdempotencyMiddleware
+
+    option = {"true": True, "false": False}[transactional]
+    try:
+        made = IdempotencyMiddleware(lambda r: None, store=store, transactional=option)
+    except ImproperlyConfigured as exc:
+        return str(exc)
+    return f"alias={made.alias}"

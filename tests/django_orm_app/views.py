@@ -18,10 +18,11 @@ def _order(order: Order) -> JsonResponse:
     return JsonResponse(body, status=201)
 
 
-def _after_write(data: dict) -> None:
-    if data.get("crash"):  # a worker killed between the ORM write and the commit
+def _after_write(request: HttpRequest) -> None:
+    """What the test asks of the view after its write (headers: not in the fingerprint)."""
+    if request.headers.get("x-crash"):  # killed between the ORM write and the commit
         os.kill(os.getpid(), signal.SIGKILL)
-    if data.get("fail"):
+    if request.headers.get("x-fail"):
         raise RuntimeError("the view failed after its write")
 
 
@@ -31,9 +32,10 @@ def orders(request: HttpRequest) -> JsonResponse:
     order = Order.objects.create(
         cart_mandate_id=data["cart_mandate_id"], user_id=data["user_id"], total=data["total"]
     )
-    _after_write(data)
-    if data.get("status"):
-        return JsonResponse({"status": data["status"]}, status=data["status"])
+    _after_write(request)
+    if request.headers.get("x-status"):
+        status = int(request.headers["x-status"])
+        return JsonResponse({"status": status}, status=status)
     return _order(order)
 
 
@@ -43,7 +45,7 @@ async def aorders(request: HttpRequest) -> JsonResponse:
     order = await Order.objects.acreate(
         cart_mandate_id=data["cart_mandate_id"], user_id=data["user_id"], total=data["total"]
     )
-    _after_write(data)
+    _after_write(request)
     return _order(order)
 
 
