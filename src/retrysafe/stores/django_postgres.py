@@ -46,9 +46,11 @@ class _Lent:
 
 
 def _server_binding(conn: psycopg.Connection[Any]) -> None:
-    """The store's own connections bind parameters on the server, as the native
-    store's do (Django's cursor factory binds them client-side)."""
+    """The store's own connections bind parameters on the server and prepare their
+    statements, as the native store's do (Django's cursor factory binds them
+    client-side, and Django turns preparing off for connection poolers)."""
     conn.cursor_factory = psycopg.Cursor
+    conn.prepare_threshold = 5  # psycopg's default
 
 
 class DjangoPostgresStore(DjangoStore, PostgresStore):  # type: ignore[misc]  # (its acompletion_transaction refuses)
