@@ -22,7 +22,8 @@ the rounds. Not a test.
     python bench/django_orm.py [--seconds S] [--rounds R] [--vendors sqlite,postgres]
                                [--postgres-url URL]
 
-Without ``--postgres-url`` it starts its own PostgreSQL (tests/_servers.py).
+It creates (and drops) a database of its own on the PostgreSQL server at
+``--postgres-url``, or on one it starts (tests/_servers.py).
 """
 
 # ruff: noqa: E402  (the imports follow the sys.path guard below)
@@ -42,6 +43,7 @@ import json
 import statistics
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -229,14 +231,26 @@ def report(vendor: str, medians: dict[str, float]) -> None:
 
 @contextlib.contextmanager
 def postgres(url: str | None) -> Iterator[str]:
-    if url:
-        yield url
-        return
-    sys.path.insert(0, str(_HERE.parent / "tests"))
-    from _servers import PostgresServer  # type: ignore[import-not-found]
+    """A new database on the server at ``url`` (else on one started here), dropped after."""
+    with contextlib.ExitStack() as stack:
+        if url is None:
+            sys.path.insert(0, str(_HERE.parent / "tests"))
+            from _servers import PostgresServer  # type: ignore[import-not-found]
 
-    with PostgresServer() as server:
-        yield server.url
+            url = stack.enter_context(PostgresServer()).url
+        import psycopg
+
+        name = f"retrysafe_bench_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        try:
+            yield f"{url.rpartition('/')[0]}/{name}"
+        finally:
+            from django.db import connections
+
+            connections.close_all()
+            with psycopg.connect(url, autocommit=True) as conn:
+                conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
 
 
 def main(argv: list[str] | None = None) -> int:
