@@ -16,8 +16,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +42,7 @@ class Project:
 
     def __init__(self, db: str, native_url: str, vendor: str) -> None:
         self.db, self.native_url, self.vendor = db, native_url, vendor
+        self.pids: dict[str, int] = {}  # the server process of each base URL
 
     def env(self, atomic: bool = False, **options: Any) -> dict[str, str]:
         env = dict(os.environ, RS_DB=self.db, RS_ATOMIC="1" if atomic else "0")
@@ -75,7 +77,9 @@ class Project:
             assert proc.stdout is not None
             line = proc.stdout.readline()  # "READY <port>" once it listens
             assert line.startswith("READY"), line
-            yield f"http://127.0.0.1:{line.split()[1]}"
+            base = f"http://127.0.0.1:{line.split()[1]}"
+            self.pids[base] = proc.pid
+            yield base
         finally:
             proc.kill()
             proc.wait(timeout=30)
@@ -270,6 +274,54 @@ def test_a_worker_killed_in_the_view_leaves_neither(project: Project) -> None:
         assert retried.status_code == 201
         assert _count(base, "m1") == 1
     assert project.record("m1").attempts == 2
+
+
+def test_a_lost_lease_rolls_the_views_writes_back(project: Project, tmp_path: Path) -> None:
+    """A worker stalled mid-view (SIGSTOP: no lease renewal) while another takes the key
+    over: its order rolls back, the new owner's order and record stay. PostgreSQL only:
+    on SQLite the stalled view's transaction holds the write lock, so nobody can take
+    the key over before it ends."""
+    if project.vendor != "postgresql":
+        pytest.skip("SQLite's one writer: a takeover waits for the stalled view's commit")
+    gate, written = tmp_path / "gate", tmp_path / "written"
+    native = project.native()
+    with (
+        project.serve("wsgi", lease=1) as first,
+        project.serve("wsgi", lease=1) as second,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        hold = {"X-Hold": str(gate), "X-Written": str(written)}
+        stale = pool.submit(_order, first, "m1", **hold)
+        _until(written.exists)  # its order row is written, not committed
+        os.kill(project.pids[first], signal.SIGSTOP)  # no renewal: the lease runs out
+        try:
+            taker = pool.submit(_order, second, "m1")  # waits out the lease, takes over
+            _until(lambda: _attempts(native, "m1") == 2)
+            gate.touch()
+        finally:
+            os.kill(project.pids[first], signal.SIGCONT)
+        lost, won = stale.result(timeout=60), taker.result(timeout=60)
+        assert lost.status_code == 409, lost.text
+        assert lost.json()["code"] == "idempotency_lease_lost"
+        assert won.status_code == 201, won.text
+        assert _count(second, "m1") == 1  # the new owner's order only
+        assert _order(first, "m1").json() == won.json()  # its answer is the one replayed
+    record = project.record("m1")
+    assert record.status is Status.COMPLETED and record.attempts == 2
+    native.close()
+
+
+def _attempts(store: Any, mandate: str) -> int:
+    found = store.records(key=IMAP.key("order", cart_mandate_id=mandate, user_id="u"))
+    return int(found[0].attempts) if found else 0
+
+
+def _until(condition: Callable[[], bool], timeout: float = 60) -> None:
+    """Poll ``condition`` (a state another process reaches) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.01)
 
 
 def test_racing_processes_and_threads_create_one_order(project: Project) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 from django.http import HttpRequest, JsonResponse
 from django.urls import path
@@ -22,6 +23,14 @@ def _after_write(request: HttpRequest) -> None:
     """What the test asks of the view after its write (headers: not in the fingerprint)."""
     if request.headers.get("x-crash"):  # killed between the ORM write and the commit
         os.kill(os.getpid(), signal.SIGKILL)
+    written = request.headers.get("x-written")
+    if written:  # tell the test the ORM write is done (not committed)
+        open(written, "w").close()
+    gate = request.headers.get("x-hold")
+    if gate:  # hold the transaction open until the test opens the gate (a file appears)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
     if request.headers.get("x-fail"):
         raise RuntimeError("the view failed after its write")
 
