@@ -173,6 +173,8 @@ def test_migrate_creates_the_native_table(project: Project) -> None:
     assert len(model) == sum(by_status.values())
     stats = project.run("manage", "retrysafe_stats", "--json")
     assert stats["by_status"] == by_status
+    text = project.run("manage", "retrysafe_stats").stdout
+    assert "by status: " in text and "oldest processing record: 'order:" in text
     swept = project.run("manage", "retrysafe_sweep", "--json")
     assert swept["deleted"] == 0  # nothing has expired
 

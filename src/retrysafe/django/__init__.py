@@ -126,11 +126,10 @@ class IdempotencyMiddleware:
         except BaseException as exc:  # the attempt fails (retryable)
             held.leave(exc)
             raise
-        exchange = Exchange(policy, held.att, held, _answer_of(response))
+        exchange = _exchange(policy, held.att, held, response)
         if response.streaming:
             _stream(response, exchange)
         else:
-            exchange.push(response.content)
             exchange.finish()
         return response
 
@@ -140,22 +139,34 @@ class IdempotencyMiddleware:
         if not isinstance(step, tuple):
             return await self.get_response(request) if step is None else _answer(step)
         policy, attempt = step
-        if self.alias is not None:
-            return await self._aatomic(request, policy, attempt, self.alias)
-        async with AsyncExitStack() as stack:
-            att = await aenter(policy, stack, attempt)
-            if att is None:
-                return await self.get_response(request)
-            if isinstance(att, Response):
-                return _answer(att)
-            response = await self.get_response(request)
-            held = stack.pop_all()
-            exchange = Exchange(policy, att, held, _answer_of(response))
-        if not response.streaming:
-            exchange.push(response.content)
-            await exchange.afinish()
+        alias = self.alias
+        try:
+            async with AsyncExitStack() as stack:
+                att = await aenter(policy, stack, attempt)
+                if att is None:
+                    return await self.get_response(request)
+                if isinstance(att, Response):
+                    return _answer(att)
+                if alias is None:
+                    response = await self.get_response(request)
+                    exchange: Exchange | None = _exchange(policy, att, stack, response)
+                else:  # in the request's sync thread (Django's thread-sensitive one), where
+                    # a sync view and an async view's ORM calls run: the same transaction
+                    view = partial(async_to_sync(self.get_response), request)
+                    atomic = sync_to_async(_atomic_view, thread_sensitive=True)
+                    response, exchange = await atomic(alias, policy, att, stack, view)
+                if exchange is not None:
+                    exchange.stack = held = stack.pop_all()
+        except (LeaseLostError, StoreUnavailableError) as exc:
+            if alias is None:  # (the view's own)
+                raise
+            return _answer(_rolled_back(exc))  # the attempt failed; everything rolled back
+        if exchange is None:  # completed in the view's transaction
             return response
-        return _astream(response, exchange, held)
+        if response.streaming:
+            return _astream(response, exchange, held)
+        await exchange.afinish()
+        return response
 
     # -- completion inside the view's transaction (a django:// store) ------------------
 
@@ -179,32 +190,6 @@ class IdempotencyMiddleware:
             _stream(response, exchange)
         else:  # a failure: the view's writes rolled back
             exchange.finish()
-        return response
-
-    async def _aatomic(
-        self, request: DjangoRequest, policy: HttpPolicy, attempt: Attempt, alias: str
-    ) -> HttpResponseBase:
-        """Async :meth:`_atomic`: the transaction in the request's sync thread (Django's
-        thread-sensitive one, where a sync view and an async view's ORM calls run)."""
-        try:
-            async with AsyncExitStack() as stack:
-                att = await aenter(policy, stack, attempt)
-                if att is None:
-                    return await self.get_response(request)
-                if isinstance(att, Response):
-                    return _answer(att)
-                view = partial(async_to_sync(self.get_response), request)
-                atomic = sync_to_async(_atomic_view, thread_sensitive=True)
-                response, exchange = await atomic(alias, policy, att, stack, view)
-                if exchange is not None:
-                    exchange.stack = held = stack.pop_all()
-        except (LeaseLostError, StoreUnavailableError) as exc:  # the attempt failed on the way
-            return _answer(_rolled_back(exc))
-        if exchange is None:
-            return response
-        if response.streaming:
-            return _astream(response, exchange, held)
-        await exchange.afinish()
         return response
 
     def _prepare(
@@ -231,6 +216,16 @@ class IdempotencyMiddleware:
         )
 
 
+def _exchange(
+    policy: HttpPolicy, att: Attempt, stack: Held | AsyncExitStack, response: Any
+) -> Exchange:
+    """The exchange that records ``response`` (its content taken, unless it streams)."""
+    exchange = Exchange(policy, att, stack, _answer_of(response))
+    if not response.streaming:
+        exchange.push(response.content)
+    return exchange
+
+
 def _atomic_view(
     alias: str,
     policy: HttpPolicy,
@@ -250,10 +245,9 @@ def _atomic_view(
 
     with transaction.atomic(using=alias):
         response = view()
-        exchange = Exchange(policy, att, stack, _answer_of(response))
+        exchange = _exchange(policy, att, stack, response)
         if response.streaming:
             return response, exchange
-        exchange.push(response.content)
         failed, kept, _ = exchange.recorded()
         if failed or kept is None:
             transaction.set_rollback(True, using=alias)

@@ -8,6 +8,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand
 
+from retrysafe._ops.summary import stats_summary
 from retrysafe.django.commands import open_alias
 
 __all__ = ["Command"]
@@ -31,16 +32,7 @@ class Command(BaseCommand):  # type: ignore[misc]  # (Django ships no types)
         finally:
             store.close()
         oldest = st.oldest_processing
-        data: dict[str, Any] = {
-            "by_status": st.by_status(),
-            "by_operation": dict(sorted(st.by_operation().items())),
-            "live": sum(st.counts.values()),
-            "expired_awaiting_sweep": st.expired,
-            "archived": st.archived,
-            "oldest_processing": None
-            if oldest is None
-            else {"key": oldest.key, "operation": oldest.operation},
-        }
+        data = stats_summary(st, now)
         if options["json"]:
             self.stdout.write(json.dumps(data))
             return
