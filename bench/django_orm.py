@@ -20,7 +20,7 @@ Contenders run interleaved in rounds after a warm-up; a figure is the median ove
 the rounds. Not a test.
 
     python bench/django_orm.py [--seconds S] [--rounds R] [--vendors sqlite,postgres]
-                               [--postgres-url URL]
+                               [--postgres-url URL] [--prepare-threshold N]
 
 It creates (and drops) a database of its own on the PostgreSQL server at
 ``--postgres-url``, or on one it starts (tests/_servers.py).
@@ -51,7 +51,7 @@ from urllib.parse import urlsplit
 VENDORS = ("sqlite", "postgres")
 
 
-def configure(sqlite_path: str, pg_url: str | None) -> None:
+def configure(sqlite_path: str, pg_url: str | None, prepare: int | None = None) -> None:
     import django
     from django.conf import settings
 
@@ -70,6 +70,8 @@ def configure(sqlite_path: str, pg_url: str | None) -> None:
             "USER": url.username or "",
             "HOST": url.hostname or "",
             "PORT": str(url.port or ""),
+            # Django turns psycopg's prepared statements off (for connection poolers)
+            "OPTIONS": {"prepare_threshold": prepare},
         }
     settings.configure(
         SECRET_KEY="bench",
@@ -260,12 +262,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=0.3, help="warm-up seconds per contender")
     p.add_argument("--vendors", default=",".join(VENDORS), help="comma-separated subset")
     p.add_argument("--postgres-url", help="use this PostgreSQL instead of starting one")
+    p.add_argument(
+        "--prepare-threshold",
+        type=int,
+        help="PostgreSQL: Django's OPTIONS prepare_threshold (default None: never prepare)",
+    )
     args = p.parse_args(argv)
     vendors = args.vendors.split(",")
     folder = tempfile.mkdtemp(prefix="retrysafe-bench-django-")
     sqlite_path = f"{folder}/shop.sqlite3"
     with postgres(args.postgres_url) if "postgres" in vendors else contextlib.nullcontext() as pg:
-        configure(sqlite_path, pg)
+        configure(sqlite_path, pg, args.prepare_threshold)
         order = order_model()
         if "sqlite" in vendors:
             report(
