@@ -343,8 +343,14 @@ def test_racing_processes_and_threads_create_one_order(project: Project) -> None
     assert sum(r.headers.get("idempotent-replayed") != "true" for r in answers) == 1
 
 
-def test_transactional_needs_a_django_store(project: Project) -> None:
+def test_misuse_is_refused(project: Project) -> None:
     assert project.run("scenario", "middleware", "django://default", "true") == "alias=default"
     assert project.run("scenario", "middleware", "django://default", "false") == "alias=None"
     refused = project.run("scenario", "middleware", "memory://", "true")
     assert "transactional=True needs a django:// store" in refused
+    seen = project.run("scenario", "misuse")
+    assert seen["vendor"].startswith("ValueError: django://other: the database is unknown")
+    assert seen["alias"].startswith("ValueError: django://nowhere: settings.DATABASES has no")
+    assert seen["own_connection"] == "accepted"
+    assert seen["other_connection"].startswith("ValueError: the Django store of 'default'")
+    assert seen["atransaction"].startswith("TypeError: Django's transactions are sync")

@@ -53,7 +53,8 @@ def configure() -> None:
         ROOT_URLCONF="django_orm_app.views",
         MIDDLEWARE=["retrysafe.django.IdempotencyMiddleware"],
         INSTALLED_APPS=["retrysafe.django", "django_orm_app"],
-        DATABASES={"default": default},
+        # "other": a database the Django store cannot live in (its vendor is "unknown")
+        DATABASES={"default": default, "other": {"ENGINE": "django.db.backends.dummy"}},
         RETRYSAFE={
             "store": "django://default",
             "lease": 30,

@@ -180,3 +180,43 @@ def middleware(store: str, transactional: str) -> str:
     except ImproperlyConfigured as exc:
         return str(exc)
     return f"alias={made.alias}"
+
+
+def misuse() -> dict[str, str]:
+    """What the Django store refuses, each as its error's type and message."""
+    import asyncio
+
+    from django.db import connections
+
+    from retrysafe.stores.django import DjangoStore
+
+    seen: dict[str, str] = {}
+
+    def refused(name: str, call: Any) -> None:
+        try:
+            call()
+        except (TypeError, ValueError) as exc:
+            seen[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            seen[name] = "accepted"
+
+    refused("vendor", lambda: DjangoStore("other"))
+    refused("alias", lambda: open_store("django://nowhere"))
+    engine = Engine("django://default")
+
+    def given(connection: Any) -> None:
+        attempt = engine.attempt(f"given-{id(connection)}", operation="order", scope="u")
+        with attempt as att, att.transaction(connection) as conn:
+            assert conn is connections["default"]
+            att.outcome = Outcome.json({"given": True})
+
+    refused("own_connection", lambda: given(connections["default"]))
+    refused("other_connection", lambda: given(object()))
+
+    async def in_async() -> None:
+        attempt = engine.attempt("async", operation="order", scope="u")
+        async with attempt as att, att.atransaction():
+            pass
+
+    refused("atransaction", lambda: asyncio.run(in_async()))
+    return seen
