@@ -28,6 +28,7 @@ from retrysafe._cli.common import (
     print_json,
 )
 from retrysafe._model.record import Status
+from retrysafe._ops.summary import stats_summary
 
 __all__ = ["stats", "sweep"]
 
@@ -71,21 +72,7 @@ def stats(
     finally:
         s.close()
     oldest = st.oldest_processing
-    data: dict[str, Any] = {
-        "by_status": st.by_status(),
-        "by_operation": dict(sorted(st.by_operation().items())),
-        "live": sum(st.counts.values()),
-        "expired_awaiting_sweep": st.expired,
-        "archived": st.archived,
-        "oldest_processing": None
-        if oldest is None
-        else {
-            "key": oldest.key,
-            "operation": oldest.operation,
-            "age_seconds": round(now - oldest.created_at, 3),
-            "lease_expired": oldest.lease_until <= now,
-        },
-    }
+    data = stats_summary(st, now)
     if as_json:
         print_json(data)
         return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import urllib.parse
-from typing import Any
+from typing import Any, cast
 
 from retrysafe.stores._base import (
     ArchivedRecord,
@@ -36,7 +36,9 @@ def open_store(url: str | None = None, **options: Any) -> Store[Any]:
     """Open a store by URL; never connects (the first operation does).
 
     ``memory://``, ``sqlite:///path/to.db``, ``redis://host:port/db``,
-    ``rediss://…``, ``redis+cluster://host:port``, ``postgresql://user@host:port/db``.
+    ``rediss://…``, ``redis+cluster://host:port``, ``postgresql://user@host:port/db``,
+    ``django://alias`` (the records in the tables of a Django database, see
+    :class:`retrysafe.stores.django.DjangoStore`).
     Without ``url``, ``RETRYSAFE_STORE`` or :data:`DEFAULT_STORE_URL` is used.
     Extra keyword options go to the store's constructor.
     """
@@ -58,7 +60,12 @@ def open_store(url: str | None = None, **options: Any) -> Store[Any]:
         from retrysafe.stores.postgres import PostgresStore
 
         return PostgresStore(url, **options)
+    if scheme == "django":
+        from retrysafe.stores.django import DjangoStore, alias_of
+
+        alias, query = alias_of(url)
+        return cast("Store[Any]", DjangoStore(alias, query=query, **options))
     raise ValueError(
         f"unknown store URL {redact(url)!r}: use memory://, sqlite:///path, redis://, "
-        "rediss://, redis+cluster:// or postgresql://"
+        "rediss://, redis+cluster://, postgresql:// or django://alias"
     )

@@ -25,6 +25,12 @@ name or a bad value is an ``ImproperlyConfigured`` error when Django loads its
 middleware. The middleware runs sync under WSGI and async under
 ASGI, whichever the chain around it is; ``HttpResponse`` and
 ``StreamingHttpResponse`` answers (sync or async content) are recorded.
+
+With a ``django://`` store (:class:`DjangoStore`, records in Django's own
+database; add ``"retrysafe.django"`` to ``INSTALLED_APPS`` and migrate), a keyed
+request's view runs inside ``transaction.atomic(using=alias)`` and its answer is
+recorded in that transaction: the view's ORM writes and the completed record
+commit together or not at all (``"transactional": False`` turns it off).
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ from __future__ import annotations
 import inspect
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import Any
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
+from asgiref.sync import async_to_sync, iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured, RequestDataTooBig
 from django.http import HttpRequest as DjangoRequest
@@ -43,9 +50,11 @@ from django.http.response import HttpResponseBase
 from django.utils.functional import SimpleLazyObject, empty
 from django.utils.module_loading import import_string
 
+from retrysafe._core.engine import Attempt
 from retrysafe._http.flow import (
     Answer,
     Exchange,
+    Held,
     PrepareFlow,
     Stream,
     aenter,
@@ -56,16 +65,20 @@ from retrysafe._http.flow import (
     run_prepare,
 )
 from retrysafe._http.policy import HttpPolicy
-from retrysafe._http.problems import Response
+from retrysafe._http.problems import Response, problem, retry_after_header
 from retrysafe._http.request import Headers, HttpRequest
-from retrysafe.errors import BodyError
+from retrysafe.errors import BodyError, LeaseLostError, StoreUnavailableError
+from retrysafe.stores.django import DjangoStore
 
-__all__ = ["IdempotencyMiddleware"]
+__all__ = ["DjangoStore", "IdempotencyMiddleware"]
 
 GetResponse = Callable[[DjangoRequest], Any]  # a response, or an awaitable of one
 
 #: The option names ``settings.RETRYSAFE`` may hold.
 OPTIONS = tuple(inspect.signature(HttpPolicy).parameters)
+#: The Django middleware's own option: complete inside the view's transaction (None: when
+#: the store is a ``django://`` one).
+TRANSACTIONAL = "transactional"
 #: Options that may also be given as the dotted path of a callable.
 _CALLABLES = ("principal", "scope", "require_key", "key_format")
 _AUTH = "django.contrib.auth.middleware.AuthenticationMiddleware"
@@ -75,7 +88,9 @@ class IdempotencyMiddleware:
     """Run each keyed request once; answer its retries with the stored response.
 
     Options come from ``settings.RETRYSAFE`` (read once, when Django loads its
-    middleware); keyword ``options`` given here take precedence.
+    middleware); keyword ``options`` given here take precedence. ``transactional``
+    (default: True with a ``django://`` store, else False) runs a keyed request's
+    view in ``transaction.atomic(using=alias)`` and completes its record there.
     """
 
     sync_capable = True
@@ -84,7 +99,9 @@ class IdempotencyMiddleware:
     def __init__(self, get_response: GetResponse, **options: Any) -> None:
         self.get_response = get_response
         _check_order(type(self))
-        self.policy = _policy(options)
+        self.policy, transactional = _policy(options)
+        #: The database alias whose transaction a keyed request's view runs in, or None.
+        self.alias = _alias(self.policy, transactional)
         self.is_async = iscoroutinefunction(get_response)
         if self.is_async:
             markcoroutinefunction(self)
@@ -102,16 +119,17 @@ class IdempotencyMiddleware:
             return self.get_response(request)
         if isinstance(held, Response):
             return _answer(held)
+        if self.alias is not None:
+            return self._atomic(request, policy, held, self.alias)
         try:
             response = self.get_response(request)
         except BaseException as exc:  # the attempt fails (retryable)
             held.leave(exc)
             raise
-        exchange = Exchange(policy, held.att, held, _answer_of(response))
+        exchange = _exchange(policy, held.att, held, response)
         if response.streaming:
             _stream(response, exchange)
         else:
-            exchange.push(response.content)
             exchange.finish()
         return response
 
@@ -121,26 +139,57 @@ class IdempotencyMiddleware:
         if not isinstance(step, tuple):
             return await self.get_response(request) if step is None else _answer(step)
         policy, attempt = step
-        async with AsyncExitStack() as stack:
-            att = await aenter(policy, stack, attempt)
-            if att is None:
-                return await self.get_response(request)
-            if isinstance(att, Response):
-                return _answer(att)
-            response = await self.get_response(request)
-            held = stack.pop_all()
-            exchange = Exchange(policy, att, held, _answer_of(response))
-        if not response.streaming:
-            exchange.push(response.content)
-            await exchange.afinish()
+        alias = self.alias
+        try:
+            async with AsyncExitStack() as stack:
+                att = await aenter(policy, stack, attempt)
+                if att is None:
+                    return await self.get_response(request)
+                if isinstance(att, Response):
+                    return _answer(att)
+                if alias is None:
+                    response = await self.get_response(request)
+                    exchange: Exchange | None = _exchange(policy, att, stack, response)
+                else:  # in the request's sync thread (Django's thread-sensitive one), where
+                    # a sync view and an async view's ORM calls run: the same transaction
+                    view = partial(async_to_sync(self.get_response), request)
+                    atomic = sync_to_async(_atomic_view, thread_sensitive=True)
+                    response, exchange = await atomic(alias, policy, att, stack, view)
+                if exchange is not None:
+                    exchange.stack = held = stack.pop_all()
+        except (LeaseLostError, StoreUnavailableError) as exc:
+            if alias is None:  # (the view's own)
+                raise
+            return _answer(_rolled_back(exc))  # the attempt failed; everything rolled back
+        if exchange is None:  # completed in the view's transaction
             return response
-        chunks = response.streaming_content
-        if not response.is_async:
-            chunks = _from_sync(chunks)
-        # The view's resources (Django closes them first) close once the answer is recorded.
-        held.push_async_callback(sync_to_async(response.close, thread_sensitive=True))
-        response.close = _closed
-        response.streaming_content = astream(exchange, chunks)
+        if response.streaming:
+            return _astream(response, exchange, held)
+        await exchange.afinish()
+        return response
+
+    # -- completion inside the view's transaction (a django:// store) ------------------
+
+    def _atomic(
+        self, request: DjangoRequest, policy: HttpPolicy, held: Held, alias: str
+    ) -> HttpResponseBase:
+        """The sync chain in ``atomic(using=alias)``, the record completed in it."""
+        try:
+            response, exchange = _atomic_view(
+                alias, policy, held.att, held, partial(self.get_response, request)
+            )
+        except (LeaseLostError, StoreUnavailableError) as exc:  # everything rolled back
+            held.leave(exc)
+            return _answer(_rolled_back(exc))
+        except BaseException as exc:
+            held.leave(exc)
+            raise
+        if exchange is None:  # completed and committed
+            held.leave()
+        elif response.streaming:
+            _stream(response, exchange)
+        else:  # a failure: the view's writes rolled back
+            exchange.finish()
         return response
 
     def _prepare(
@@ -165,6 +214,92 @@ class IdempotencyMiddleware:
         return prepare(
             policy, request.META, method, request.path, lambda: _body(request), http_request, user
         )
+
+
+def _exchange(
+    policy: HttpPolicy, att: Attempt, stack: Held | AsyncExitStack, response: Any
+) -> Exchange:
+    """The exchange that records ``response`` (its content taken, unless it streams)."""
+    exchange = Exchange(policy, att, stack, _answer_of(response))
+    if not response.streaming:
+        exchange.push(response.content)
+    return exchange
+
+
+def _atomic_view(
+    alias: str,
+    policy: HttpPolicy,
+    att: Attempt,
+    stack: Held | AsyncExitStack,
+    view: Callable[[], HttpResponseBase],
+) -> tuple[HttpResponseBase, Exchange | None]:
+    """Run ``view`` in ``transaction.atomic(using=alias)`` and complete ``att`` in it.
+
+    Returns the response, and the exchange still to record unless the record was
+    completed: a failure (a 5xx answer, or one that records nothing; the view's
+    writes were rolled back) or a streamed answer (its writes committed when the
+    view returned; the answer is recorded as it streams, as without a transaction).
+    A lost lease or an unreachable store raises, after rolling everything back.
+    """
+    from django.db import transaction
+
+    with transaction.atomic(using=alias):
+        response = view()
+        exchange = _exchange(policy, att, stack, response)
+        if response.streaming:
+            return response, exchange
+        failed, kept, _ = exchange.recorded()
+        if failed or kept is None:
+            transaction.set_rollback(True, using=alias)
+            return response, exchange
+        att.outcome = kept
+        with att.transaction():  # a savepoint of the block: the completion's UPDATE
+            pass
+    return response, None
+
+
+def _rolled_back(exc: LeaseLostError | StoreUnavailableError) -> Response:
+    """The answer when the view's writes were rolled back with its completion."""
+    if isinstance(exc, LeaseLostError):
+        return problem(
+            409,
+            exc.code,
+            "another attempt took this request over while it ran; its writes were rolled "
+            "back: retry with the same key to get that attempt's answer",
+            headers=[retry_after_header(1)],
+        )
+    return problem(
+        503,
+        "idempotency_store_unavailable",
+        "the idempotency record could not be written; nothing was committed: retry with the "
+        "same key",
+        headers=[retry_after_header(exc.retry_after or 1)],
+    )
+
+
+def _astream(response: Any, exchange: Exchange, held: AsyncExitStack) -> HttpResponseBase:
+    """Record an async streamed answer before its last chunk leaves."""
+    chunks = response.streaming_content
+    if not response.is_async:
+        chunks = _from_sync(chunks)
+    # The view's resources (Django closes them first) close once the answer is recorded.
+    held.push_async_callback(sync_to_async(response.close, thread_sensitive=True))
+    response.close = _closed
+    response.streaming_content = astream(exchange, chunks)
+    return response
+
+
+def _alias(policy: HttpPolicy, transactional: bool | None) -> str | None:
+    """The alias a keyed request's view runs in a transaction of, or None."""
+    store = policy.engine.store
+    if isinstance(store, DjangoStore):
+        return None if transactional is False else store.alias
+    if transactional:
+        raise ImproperlyConfigured(
+            "settings.RETRYSAFE: transactional=True needs a django:// store (the records in "
+            f"the database the views write to), not {type(store).__name__}"
+        )
+    return None
 
 
 def _check_order(middleware: type) -> None:
@@ -227,8 +362,9 @@ async def _auser(request: DjangoRequest) -> str | None:
     return _identity(user)
 
 
-def _policy(overrides: Mapping[str, Any]) -> HttpPolicy:
-    """The policy of ``settings.RETRYSAFE`` (with ``overrides``), or ImproperlyConfigured."""
+def _policy(overrides: Mapping[str, Any]) -> tuple[HttpPolicy, bool | None]:
+    """The policy of ``settings.RETRYSAFE`` (with ``overrides``) and its ``transactional``
+    option, or ImproperlyConfigured."""
     configured = getattr(settings, "RETRYSAFE", None) or {}
     if not isinstance(configured, Mapping):
         raise ImproperlyConfigured(
@@ -236,11 +372,16 @@ def _policy(overrides: Mapping[str, Any]) -> HttpPolicy:
             f"options, not {type(configured).__name__}"
         )
     options = {**configured, **overrides}
+    transactional = options.pop(TRANSACTIONAL, None)
+    if transactional is not None and not isinstance(transactional, bool):
+        raise ImproperlyConfigured(
+            f"settings.RETRYSAFE: transactional must be True or False, not {transactional!r}"
+        )
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ImproperlyConfigured(
             f"settings.RETRYSAFE has unknown option(s) {', '.join(map(repr, unknown))}; "
-            f"the options are {', '.join(OPTIONS)}"
+            f"the options are {', '.join(OPTIONS)}, {TRANSACTIONAL}"
         )
     for name in _CALLABLES:  # a dotted path: settings.py need not import the app's code
         path = options.get(name)
@@ -253,7 +394,7 @@ def _policy(overrides: Mapping[str, Any]) -> HttpPolicy:
                     f"{exc}"
                 ) from exc
     try:
-        return HttpPolicy(**options)
+        return HttpPolicy(**options), transactional
     except (TypeError, ValueError, OSError) as exc:  # OSError: a map file that cannot be read
         raise ImproperlyConfigured(f"settings.RETRYSAFE: {exc}") from exc
 

@@ -1,0 +1,19 @@
+from django.db import migrations, models
+
+
+class Migration(migrations.Migration):
+    initial = True
+    dependencies = []
+
+    operations = [
+        migrations.CreateModel(
+            name="Order",
+            fields=[
+                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                ("cart_mandate_id", models.CharField(max_length=200, unique=True)),
+                ("user_id", models.CharField(max_length=200)),
+                ("total", models.IntegerField()),
+                ("created", models.DateTimeField(auto_now_add=True)),
+            ],
+        ),
+    ]

@@ -1,0 +1,1 @@
+"""A Django app for tests/test_django_orm.py: orders, once per cart mandate."""

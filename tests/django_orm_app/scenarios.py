@@ -1,0 +1,222 @@
+"""``att.transaction()`` on the ``django://`` store in plain code (no middleware), each
+scenario run in a configured Django process by ``run.py scenario NAME``; each returns
+what it saw, for the test to check."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from django.db import IntegrityError, transaction
+
+from django_orm_app.models import Order
+from retrysafe import Engine, IdempotencyMap, Outcome, Store, open_store
+from retrysafe._model.hashing import key_hash
+from retrysafe.errors import LeaseLostError
+
+IMAP = IdempotencyMap.default()
+
+
+def _key(mandate: str, user: str) -> str:
+    return IMAP.key("order", cart_mandate_id=mandate, user_id=user)
+
+
+def create_order(
+    engine: Engine, mandate: str, user: str, total: int, *, crash: str = "", lease: Any = None
+) -> dict[str, Any]:
+    """One order per cart mandate: the row and the completed record commit together."""
+    with engine.attempt(
+        _key(mandate, user), operation="order", scope=user, fingerprint=str(total), lease=lease
+    ) as att:
+        if att.replay is not None:
+            return att.replay.outcome.value  # type: ignore[union-attr,no-any-return]
+        with att.transaction():
+            order = Order.objects.create(cart_mandate_id=mandate, user_id=user, total=total)
+            if crash == "before_commit":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if crash == "raise":
+                raise RuntimeError("after the write")
+            att.outcome = Outcome.json({"id": order.pk, "cart_mandate_id": mandate})
+        return {"id": order.pk, "cart_mandate_id": mandate}
+
+
+def status(store: Store[Any], mandate: str, user: str) -> str | None:
+    record = store.get(key_hash(user, "order", _key(mandate, user)))
+    return None if record is None else record.status.value
+
+
+def rows(mandate: str) -> int:
+    return int(Order.objects.filter(cart_mandate_id=mandate).count())
+
+
+def transactions(native_url: str) -> dict[str, Any]:
+    """:func:`plain`, :func:`outer` and :func:`stale`, the records read back through the
+    native store at ``native_url`` (another connection: it sees what committed)."""
+    native = open_store(native_url)
+    return {"plain": plain(native), "outer": outer(native), "stale": stale()}
+
+
+def plain(native: Store[Any]) -> dict[str, Any]:
+    """Outside any atomic(): commit together, replay, roll back together."""
+    engine = Engine("django://default")
+    first = create_order(engine, "p1", "u", 5)
+    seen = {"after_first": (rows("p1"), status(native, "p1", "u"))}
+    again = create_order(engine, "p1", "u", 5)
+    seen["replayed"] = again == first
+    seen["after_replay"] = rows("p1")
+    with contextlib.suppress(RuntimeError):
+        create_order(engine, "p2", "u", 5, crash="raise")
+    seen["after_raise"] = (rows("p2"), status(native, "p2", "u"))
+    seen["retry"] = create_order(engine, "p2", "u", 5)["cart_mandate_id"]
+    seen["after_retry"] = (rows("p2"), status(native, "p2", "u"))
+    return seen
+
+
+def outer(native: Store[Any]) -> dict[str, Any]:
+    """Inside an outer atomic(): the completion commits when the outermost block does."""
+    engine = Engine("django://default")
+    seen: dict[str, Any] = {}
+    with transaction.atomic():
+        create_order(engine, "o1", "u", 5)
+        seen["inside"] = (rows("o1"), status(native, "o1", "u"))  # (rows: this connection's)
+    seen["committed"] = (rows("o1"), status(native, "o1", "u"))
+    try:
+        with transaction.atomic():
+            create_order(engine, "o2", "u", 5)
+            raise RuntimeError("the outer block fails after the attempt")
+    except RuntimeError:
+        pass
+    seen["rolled_back"] = (rows("o2"), status(native, "o2", "u"))
+    return seen
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_900_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stale() -> dict[str, Any]:
+    """A worker whose lease was taken over: its ORM write rolls back, the new owner's
+    record stays."""
+    clock = Clock()
+    engine = Engine("django://default", lease=5, clock=clock)
+    key = _key("s1", "u")
+    seen: dict[str, Any] = {}
+    try:
+        with engine.attempt(key, operation="order", scope="u", fingerprint="1") as att:
+            clock.now += 6  # the lease ran out: another worker takes the key over
+            taker = engine.begin(key, operation="order", scope="u", fingerprint="1")
+            seen["taker_attempts"] = taker.attempts  # type: ignore[union-attr]
+            with att.transaction():
+                Order.objects.create(cart_mandate_id="s1", user_id="u", total=1)
+                att.outcome = Outcome.json({"late": True})
+    except LeaseLostError:
+        seen["lease_lost"] = True
+    record = engine.store.get(key_hash("u", "order", key))
+    seen["rows"] = rows("s1")
+    seen["record"] = (record.status.value, record.token == taker.token)  # type: ignore[union-attr]
+    return seen
+
+
+def crash(lease: str) -> None:
+    """Killed between the ORM write and the commit (never returns)."""
+    create_order(
+        Engine("django://default"), "m1", "u", 7, crash="before_commit", lease=float(lease)
+    )
+
+
+def after_crash(native_url: str) -> dict[str, Any]:
+    """What a crash left, then the retry once the dead worker's lease ran out."""
+    native = open_store(native_url)
+    seen: dict[str, Any] = {"left": (rows("m1"), status(native, "m1", "u"))}
+    seen["retry"] = create_order(Engine("django://default", wait=30), "m1", "u", 7)
+    seen["after"] = (rows("m1"), status(native, "m1", "u"))
+    return seen
+
+
+def race(threads: str) -> list[Any]:
+    """Threads of this process on one mandate (two users): answers, in order."""
+    engine = Engine("django://default", wait=30)
+    n = int(threads)
+    barrier = threading.Barrier(n)
+
+    def racer(i: int) -> Any:
+        barrier.wait()
+        try:
+            return create_order(engine, "m1", "alice" if i % 4 else "bob", 3)
+        except IntegrityError:  # the mandate has another user's order (the unique column)
+            return "taken"
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(racer, range(n)))
+
+
+def records() -> list[Any]:
+    """The records through the app's unmanaged model (the admin's view of them)."""
+    from retrysafe.django.models import Record
+
+    return sorted(
+        (r.operation, r.status_name, r.record().key, r.created is not None)
+        for r in Record.objects.all()
+    )
+
+
+def middleware(store: str, transactional: str) -> str:
+    """How the middleware takes ``transactional`` with ``store`` (its error, if any)."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from retrysafe.django import IdempotencyMiddleware
+
+    option = {"true": True, "false": False}[transactional]
+    try:
+        made = IdempotencyMiddleware(lambda r: None, store=store, transactional=option)
+    except ImproperlyConfigured as exc:
+        return str(exc)
+    return f"alias={made.alias}"
+
+
+def misuse() -> dict[str, str]:
+    """What the Django store refuses, each as its error's type and message."""
+    import asyncio
+
+    from django.db import connections
+
+    from retrysafe.stores.django import DjangoStore
+
+    seen: dict[str, str] = {}
+
+    def refused(name: str, call: Any) -> None:
+        try:
+            call()
+        except (TypeError, ValueError) as exc:
+            seen[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            seen[name] = "accepted"
+
+    refused("vendor", lambda: DjangoStore("other"))
+    refused("alias", lambda: open_store("django://nowhere"))
+    engine = Engine("django://default")
+
+    def given(connection: Any) -> None:
+        attempt = engine.attempt(f"given-{id(connection)}", operation="order", scope="u")
+        with attempt as att, att.transaction(connection) as conn:
+            assert conn is connections["default"]
+            att.outcome = Outcome.json({"given": True})
+
+    refused("own_connection", lambda: given(connections["default"]))
+    refused("other_connection", lambda: given(object()))
+
+    async def in_async() -> None:
+        attempt = engine.attempt("async", operation="order", scope="u")
+        async with attempt as att, att.atransaction():
+            pass
+
+    refused("atransaction", lambda: asyncio.run(in_async()))
+    return seen

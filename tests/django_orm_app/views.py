@@ -1,0 +1,69 @@
+"""Order creation views (sync and async) and a count, for the middleware's tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+from django.http import HttpRequest, JsonResponse
+from django.urls import path
+from django.views.decorators.csrf import csrf_exempt
+
+from django_orm_app.models import Order
+
+
+def _order(order: Order) -> JsonResponse:
+    body = {"id": order.pk, "cart_mandate_id": order.cart_mandate_id, "total": order.total}
+    return JsonResponse(body, status=201)
+
+
+def _after_write(request: HttpRequest) -> None:
+    """What the test asks of the view after its write (headers: not in the fingerprint)."""
+    if request.headers.get("x-crash"):  # killed between the ORM write and the commit
+        os.kill(os.getpid(), signal.SIGKILL)
+    written = request.headers.get("x-written")
+    if written:  # tell the test the ORM write is done (not committed)
+        open(written, "w").close()
+    gate = request.headers.get("x-hold")
+    if gate:  # hold the transaction open until the test opens the gate (a file appears)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    if request.headers.get("x-fail"):
+        raise RuntimeError("the view failed after its write")
+
+
+@csrf_exempt
+def orders(request: HttpRequest) -> JsonResponse:
+    data = json.loads(request.body)
+    order = Order.objects.create(
+        cart_mandate_id=data["cart_mandate_id"], user_id=data["user_id"], total=data["total"]
+    )
+    _after_write(request)
+    if request.headers.get("x-status"):
+        status = int(request.headers["x-status"])
+        return JsonResponse({"status": status}, status=status)
+    return _order(order)
+
+
+@csrf_exempt
+async def aorders(request: HttpRequest) -> JsonResponse:
+    data = json.loads(request.body)
+    order = await Order.objects.acreate(
+        cart_mandate_id=data["cart_mandate_id"], user_id=data["user_id"], total=data["total"]
+    )
+    _after_write(request)
+    return _order(order)
+
+
+def count(request: HttpRequest, mandate: str) -> JsonResponse:
+    return JsonResponse({"orders": Order.objects.filter(cart_mandate_id=mandate).count()})
+
+
+urlpatterns = [
+    path("orders", orders),
+    path("aorders", aorders),
+    path("count/<str:mandate>", count),
+]

@@ -1,0 +1,356 @@
+"""The Django app and store: records in Django's own database, completed in the view's
+transaction, on a SQLite file and on the real PostgreSQL server.
+
+Django's settings are process-wide (another test module configures them in this
+process), so every Django project here runs in processes of its own:
+``tests/django_orm_app/run.py`` configures one (``RS_DB``, ``RS_ATOMIC``) and migrates
+it, serves it (WSGI on werkzeug's threaded server, ASGI on uvicorn) or runs a
+scenario of ``tests/django_orm_app/scenarios.py``. This process checks what they
+left with the native stores and the CLI on the same database.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from retrysafe import IdempotencyMap, Status, open_store
+from retrysafe.stores.sqlite import SCHEMA_VERSION
+
+RUN = Path(__file__).resolve().parent / "django_orm_app" / "run.py"
+SRC = Path(__file__).resolve().parent.parent / "src"
+IMAP = IdempotencyMap.default()
+CALLER = {"Authorization": "Bearer alice"}
+
+
+class Project:
+    """One Django project on one database: its processes, and the native store URL."""
+
+    def __init__(self, db: str, native_url: str, vendor: str) -> None:
+        self.db, self.native_url, self.vendor = db, native_url, vendor
+        self.pids: dict[str, int] = {}  # the server process of each base URL
+
+    def env(self, atomic: bool = False, **options: Any) -> dict[str, str]:
+        env = dict(os.environ, RS_DB=self.db, RS_ATOMIC="1" if atomic else "0")
+        env["RS_OPTIONS"] = json.dumps(options)
+        env["PYTHONPATH"] = str(SRC)
+        return env
+
+    def run(self, *args: str, check: bool = True, **options: Any) -> Any:
+        """``run.py ARGS`` to its end; its last stdout line as JSON (None without one)."""
+        done = subprocess.run(
+            [sys.executable, str(RUN), *args],
+            env=self.env(**options),
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        if check:
+            assert done.returncode == 0, done.stderr[-3000:]
+        lines = done.stdout.strip().splitlines()
+        return json.loads(lines[-1]) if lines and lines[-1][:1] in '{["' else done
+
+    @contextmanager
+    def serve(self, kind: str = "wsgi", atomic: bool = False, **options: Any) -> Iterator[str]:
+        """The project served on a free loopback port: its base URL."""
+        proc = subprocess.Popen(
+            [sys.executable, str(RUN), "serve", kind],
+            env=self.env(atomic, **options),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()  # "READY <port>" once it listens
+            assert line.startswith("READY"), line
+            base = f"http://127.0.0.1:{line.split()[1]}"
+            self.pids[base] = proc.pid
+            yield base
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+
+    def native(self) -> Any:
+        return open_store(self.native_url)
+
+    def record(self, mandate: str, user: str = "u") -> Any:
+        """The record of the order of ``mandate`` (its key's only one), read through the
+        native store."""
+        store = self.native()
+        try:
+            (found,) = store.records(key=IMAP.key("order", cart_mandate_id=mandate, user_id=user))
+            return found
+        finally:
+            store.close()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def project(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Project]:
+    """A migrated project on a new SQLite file or a new PostgreSQL database."""
+    if request.param == "sqlite":
+        path = tmp_path / "shop.sqlite3"
+        made = Project(str(path), f"sqlite:///{path}", "sqlite")
+        made.run("migrate")
+        yield made
+        return
+    server = request.getfixturevalue("postgres_server")
+    name = f"dj_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server.url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    url = server.url.rpartition("/")[0] + f"/{name}"
+    made = Project(url, url, "postgresql")
+    made.run("migrate")
+    yield made
+    with psycopg.connect(server.url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
+
+
+def _order(
+    base: str, mandate: str, *, path: str = "/orders", user: str = "u", **headers: str
+) -> Any:
+    key = IMAP.key("order", cart_mandate_id=mandate, user_id=user)
+    return httpx.post(
+        base + path,
+        json={"cart_mandate_id": mandate, "user_id": user, "total": 5},
+        headers={**CALLER, "Idempotency-Key": key, **headers},
+        timeout=60,
+    )
+
+
+def _count(base: str, mandate: str) -> int:
+    return int(httpx.get(f"{base}/count/{mandate}", timeout=30).json()["orders"])
+
+
+# -- the table, the native store, the CLI, the management commands --------------------------
+
+
+def test_migrate_creates_the_native_table(project: Project) -> None:
+    """migrate creates the native store's table; its records are the native ones: the
+    native store, the CLI, the app's model and the management commands read them."""
+    if project.vendor == "sqlite":
+        import sqlite3
+
+        with sqlite3.connect(project.db) as conn:
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+            assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    else:
+        with psycopg.connect(project.db) as conn:
+            tables = {r[0] for r in conn.execute("SELECT tablename FROM pg_tables")}
+        assert {"retrysafe_records", "django_orm_app_order"} <= tables
+    seen = project.run("scenario", "transactions", project.native_url)
+    assert seen["plain"]["after_first"] == [1, "completed"]
+    native = project.native()
+    try:
+        assert native.migrate() > 0  # the native migration finds its own schema current
+    finally:
+        native.close()
+    cli = subprocess.run(
+        [sys.executable, "-m", "retrysafe", "stats", "--store", project.native_url, "--json"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(SRC)),
+        timeout=60,
+    )
+    assert cli.returncode == 0, cli.stderr
+    by_status = json.loads(cli.stdout)["by_status"]
+    assert by_status.get("completed") == 3  # p1, p2 (retried), o1
+    model = project.run("scenario", "records")
+    assert ["order", "completed", "order:p1:u", True] in model
+    assert len(model) == sum(by_status.values())
+    stats = project.run("manage", "retrysafe_stats", "--json")
+    assert stats["by_status"] == by_status
+    text = project.run("manage", "retrysafe_stats").stdout
+    assert "by status: " in text and "oldest processing record: 'order:" in text
+    swept = project.run("manage", "retrysafe_sweep", "--json")
+    assert swept["deleted"] == 0  # nothing has expired
+
+
+# -- att.transaction() in plain code ----------------------------------------------------------
+
+
+def test_transaction_in_plain_code(project: Project) -> None:
+    """Outside and inside an outer atomic(); a stale worker's write rolls back."""
+    seen = project.run("scenario", "transactions", project.native_url)
+    plain = seen["plain"]
+    assert plain["after_first"] == [1, "completed"]
+    assert plain["replayed"] is True and plain["after_replay"] == 1
+    assert plain["after_raise"] == [0, "failed"]  # the row and the completion rolled back
+    assert plain["after_retry"] == [1, "completed"]
+    outer = seen["outer"]
+    # the completion commits with the outermost block; another connection sees it only then
+    assert outer["committed"] == [1, "completed"]
+    if project.vendor == "postgresql":  # the claim committed on its own
+        assert outer["inside"] == [1, "processing"]
+        assert outer["rolled_back"] == [0, "processing"]  # retried once its lease runs out
+    else:  # SQLite: the claim joined the outer block's transaction (one writer)
+        assert outer["inside"] == [1, None]
+        assert outer["rolled_back"] == [0, None]
+    stale = seen["stale"]
+    assert stale["lease_lost"] is True and stale["taker_attempts"] == 2
+    assert stale["rows"] == 0  # the stale worker's ORM write rolled back
+    assert stale["record"] == ["processing", True]  # the new owner's record, untouched
+
+
+def test_a_crash_between_the_write_and_the_commit_leaves_neither(project: Project) -> None:
+    killed = project.run("scenario", "crash", "1", check=False)
+    assert killed.returncode == -signal.SIGKILL
+    seen = project.run("scenario", "after_crash", project.native_url)
+    assert seen["left"] == [0, "processing"]  # the claim committed, the transaction did not
+    assert seen["retry"]["cart_mandate_id"] == "m1"  # taken over once the lease ran out
+    assert seen["after"] == [1, "completed"]
+    assert project.record("m1").attempts == 2
+
+
+def test_racing_threads_create_one_order(project: Project) -> None:
+    """32 threads, two users, one mandate: one row; every answer of the winner agrees."""
+    answers = project.run("scenario", "race", "32")
+    won = [a for a in answers if a != "taken"]
+    assert won and all(a == won[0] for a in won)
+    assert {a for a in answers if a == "taken"} <= {"taken"}
+    assert len(won) in (24, 8)  # alice's 24 or bob's 8: the other user's are refused
+
+
+# -- the middleware -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "atomic", "path"),
+    [("wsgi", False, "/orders"), ("wsgi", True, "/orders"), ("asgi", False, "/aorders")],
+    ids=["wsgi", "wsgi-atomic-requests", "asgi-async-view"],
+)
+def test_the_middleware_commits_the_order_and_its_record_together(
+    project: Project, kind: str, atomic: bool, path: str
+) -> None:
+    with project.serve(kind, atomic) as base:
+        first = _order(base, "m1", path=path)
+        assert first.status_code == 201
+        assert project.record("m1").status is Status.COMPLETED
+        again = _order(base, "m1", path=path)
+        assert again.headers["idempotent-replayed"] == "true"
+        assert again.json() == first.json()
+        assert _count(base, "m1") == 1
+        # a view that raises after its write: Django answers 500; both roll back
+        failed = _order(base, "m2", path=path, **{"X-Fail": "1"})
+        assert failed.status_code == 500
+        assert _count(base, "m2") == 0
+        assert project.record("m2").status is Status.FAILED  # retryable
+        retried = _order(base, "m2", path=path)
+        assert retried.status_code == 201 and _count(base, "m2") == 1
+        assert _order(base, "m2", path=path).json() == retried.json()
+        assert _count(base, "m2") == 1
+        if path == "/orders":  # a 5xx answer rolls the write back too
+            answered = _order(base, "m3", **{"X-Status": "503"})
+            assert answered.status_code == 503 and _count(base, "m3") == 0
+            assert project.record("m3").status is Status.FAILED
+
+
+def test_without_the_transaction_the_write_commits_before_the_record(project: Project) -> None:
+    """``transactional: False``: the middleware as with any store (the 500's write stays)."""
+    with project.serve("wsgi", transactional=False) as base:
+        assert _order(base, "m1", **{"X-Fail": "1"}).status_code == 500
+        assert _count(base, "m1") == 1  # committed by the view; the record failed
+        assert project.record("m1").status is Status.FAILED
+
+
+def test_a_worker_killed_in_the_view_leaves_neither(project: Project) -> None:
+    with project.serve("wsgi", lease=1) as base, pytest.raises(httpx.TransportError):
+        _order(base, "m1", **{"X-Crash": "1"})
+    assert project.record("m1").status is Status.PROCESSING
+    with project.serve("wsgi", lease=1) as base:
+        assert _count(base, "m1") == 0
+        retried = _order(base, "m1")  # waits for the dead worker's lease, then runs
+        assert retried.status_code == 201
+        assert _count(base, "m1") == 1
+    assert project.record("m1").attempts == 2
+
+
+def test_a_lost_lease_rolls_the_views_writes_back(project: Project, tmp_path: Path) -> None:
+    """A worker stalled mid-view (SIGSTOP: no lease renewal) while another takes the key
+    over: its order rolls back, the new owner's order and record stay. PostgreSQL only:
+    on SQLite the stalled view's transaction holds the write lock, so nobody can take
+    the key over before it ends."""
+    if project.vendor != "postgresql":
+        pytest.skip("SQLite's one writer: a takeover waits for the stalled view's commit")
+    gate, written = tmp_path / "gate", tmp_path / "written"
+    native = project.native()
+    with (
+        project.serve("wsgi", lease=1) as first,
+        project.serve("wsgi", lease=1) as second,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        hold = {"X-Hold": str(gate), "X-Written": str(written)}
+        stale = pool.submit(_order, first, "m1", **hold)
+        _until(written.exists)  # its order row is written, not committed
+        os.kill(project.pids[first], signal.SIGSTOP)  # no renewal: the lease runs out
+        try:
+            taker = pool.submit(_order, second, "m1")  # waits out the lease, takes over
+            _until(lambda: _attempts(native, "m1") == 2)
+            gate.touch()
+        finally:
+            os.kill(project.pids[first], signal.SIGCONT)
+        lost, won = stale.result(timeout=60), taker.result(timeout=60)
+        assert lost.status_code == 409, lost.text
+        assert lost.json()["code"] == "idempotency_lease_lost"
+        assert won.status_code == 201, won.text
+        assert _count(second, "m1") == 1  # the new owner's order only
+        assert _order(first, "m1").json() == won.json()  # its answer is the one replayed
+    record = project.record("m1")
+    assert record.status is Status.COMPLETED and record.attempts == 2
+    native.close()
+
+
+def _attempts(store: Any, mandate: str) -> int:
+    found = store.records(key=IMAP.key("order", cart_mandate_id=mandate, user_id="u"))
+    return int(found[0].attempts) if found else 0
+
+
+def _until(condition: Callable[[], bool], timeout: float = 60) -> None:
+    """Poll ``condition`` (a state another process reaches) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.01)
+
+
+def test_racing_processes_and_threads_create_one_order(project: Project) -> None:
+    """4 server processes x 8 concurrent requests on one mandate: one row, one answer."""
+    with (
+        project.serve() as a,
+        project.serve() as b,
+        project.serve() as c,
+        project.serve("asgi") as d,
+        ThreadPoolExecutor(32) as pool,
+    ):
+        bases = [a, b, c, d] * 8
+        answers = list(pool.map(lambda base: _order(base, "m1"), bases))
+        assert _count(a, "m1") == 1
+    assert {r.status_code for r in answers} == {201}
+    assert len({r.content for r in answers}) == 1
+    assert sum(r.headers.get("idempotent-replayed") != "true" for r in answers) == 1
+
+
+def test_misuse_is_refused(project: Project) -> None:
+    assert project.run("scenario", "middleware", "django://default", "true") == "alias=default"
+    assert project.run("scenario", "middleware", "django://default", "false") == "alias=None"
+    refused = project.run("scenario", "middleware", "memory://", "true")
+    assert "transactional=True needs a django:// store" in refused
+    seen = project.run("scenario", "misuse")
+    assert seen["vendor"].startswith("ValueError: django://other: the database is unknown")
+    assert seen["alias"].startswith("ValueError: django://nowhere: settings.DATABASES has no")
+    assert seen["own_connection"] == "accepted"
+    assert seen["other_connection"].startswith("ValueError: the Django store of 'default'")
+    assert seen["atransaction"].startswith("TypeError: Django's transactions are sync")
