@@ -117,6 +117,26 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Db:
     return d
 
 
+def _attempt(engine: Engine, mandate: str, user: str, amount: int, lease: float | None) -> Any:
+    """The attempt of an order (sync or async: ``with`` or ``async with``)."""
+    key = IMAP.key("order", cart_mandate_id=mandate, user_id=user)
+    return engine.attempt(key, operation="order", scope=user, fingerprint=str(amount), lease=lease)
+
+
+def _place(Order: Any, found: Any, mandate: str, user: str, amount: int) -> tuple[Any, Any]:
+    """(the row to add, or None if the mandate has this user's order; the answer).
+    The mandate holding another user's order is ValueError."""
+    if found is not None and found.user_id != user:
+        raise ValueError("this cart mandate belongs to another user's order")
+    row = None if found else Order(cart_mandate_id=mandate, user_id=user, amount=amount)
+    return row, {"cart_mandate_id": mandate, "user_id": user, "amount": amount}
+
+
+def _crash(crash: str, point: str) -> None:
+    if crash == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def create_order(
     engine: Engine,
     Order: Any,  # the model class
@@ -128,27 +148,19 @@ def create_order(
     lease: float | None = None,
 ) -> dict[str, Any]:
     """Order creation: once per cart mandate, the record committed with the ORM row."""
-    key = IMAP.key("order", cart_mandate_id=mandate, user_id=user)
-    db = engine.store.engine  # type: ignore[attr-defined]
-    with engine.attempt(
-        key, operation="order", scope=user, fingerprint=str(amount), lease=lease
-    ) as att:
+    with _attempt(engine, mandate, user, amount, lease) as att:
         if att.replay is not None:
-            return att.replay.outcome.value  # type: ignore[union-attr,no-any-return]
-        with Session(db) as session, att.transaction(session):
+            return att.replay.outcome.value  # type: ignore[no-any-return]
+        with Session(engine.store.engine) as session, att.transaction(session):  # type: ignore[attr-defined]
             found = session.scalar(select(Order).where(Order.cart_mandate_id == mandate))
-            if found is None:
-                session.add(Order(cart_mandate_id=mandate, user_id=user, amount=amount))
+            row, order = _place(Order, found, mandate, user, amount)
+            if row is not None:
+                session.add(row)
                 session.flush()
-            elif found.user_id != user:
-                raise ValueError("this cart mandate belongs to another user's order")
-            order = {"cart_mandate_id": mandate, "user_id": user, "amount": amount}
-            if crash == "before_commit":
-                os.kill(os.getpid(), signal.SIGKILL)
+            _crash(crash, "before_commit")
             att.outcome = Outcome.json(order)
-        if crash == "after_commit":
-            os.kill(os.getpid(), signal.SIGKILL)
-        return order
+        _crash(crash, "after_commit")
+        return order  # type: ignore[no-any-return]
 
 
 async def acreate_order(
@@ -162,27 +174,19 @@ async def acreate_order(
     lease: float | None = None,
 ) -> dict[str, Any]:
     """:func:`create_order` with an AsyncSession."""
-    key = IMAP.key("order", cart_mandate_id=mandate, user_id=user)
-    db = engine.store.engine  # type: ignore[attr-defined]
-    async with engine.attempt(
-        key, operation="order", scope=user, fingerprint=str(amount), lease=lease
-    ) as att:
+    async with _attempt(engine, mandate, user, amount, lease) as att:
         if att.replay is not None:
-            return att.replay.outcome.value  # type: ignore[union-attr,no-any-return]
-        async with AsyncSession(db) as session, att.atransaction(session):
+            return att.replay.outcome.value  # type: ignore[no-any-return]
+        async with AsyncSession(engine.store.engine) as session, att.atransaction(session):  # type: ignore[attr-defined]
             found = await session.scalar(select(Order).where(Order.cart_mandate_id == mandate))
-            if found is not None and found.user_id != user:
-                raise ValueError("this cart mandate belongs to another user's order")
-            if found is None:
-                session.add(Order(cart_mandate_id=mandate, user_id=user, amount=amount))
+            row, order = _place(Order, found, mandate, user, amount)
+            if row is not None:
+                session.add(row)
                 await session.flush()
-            order = {"cart_mandate_id": mandate, "user_id": user, "amount": amount}
-            if crash == "before_commit":
-                os.kill(os.getpid(), signal.SIGKILL)
+            _crash(crash, "before_commit")
             att.outcome = Outcome.json(order)
-        if crash == "after_commit":
-            os.kill(os.getpid(), signal.SIGKILL)
-        return order
+        _crash(crash, "after_commit")
+        return order  # type: ignore[no-any-return]
 
 
 def run_async_engine(db: Db, main: Any) -> Any:
