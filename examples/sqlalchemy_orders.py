@@ -147,34 +147,47 @@ def make_app(database_url: str, *, lease: float = 30.0, wait: float = 10.0) -> F
 
 def storm(url: str, mandates: int = 20, copies: int = 8) -> list[str]:
     """Fire ``copies`` concurrent duplicates of each mandate's order (one key each), and a
-    rival user's order for some; return what went wrong (empty: one order per mandate)."""
+    rival user's order for some; return what went wrong (empty: one order per mandate,
+    every answer to its owner's key that very order, the rival refused)."""
     import httpx
 
     run = os.urandom(4).hex()
 
-    def post(client: httpx.Client, mandate: str, user: str) -> int:
+    def post(client: httpx.Client, mandate: str, user: str) -> tuple[int, Any]:
         headers = {"Idempotency-Key": f"{run}-{mandate}-{user}", "X-User-Id": user}
         for _ in range(5):
             answer = client.post(
                 f"{url}/orders", json={"cart_mandate_id": mandate, "total": 100}, headers=headers
             )
             if answer.status_code != 409 or "being created" not in answer.text:
-                return answer.status_code
-        return 409
+                break
+        body = answer.json() if answer.status_code in (200, 201) else answer.text
+        return answer.status_code, body
 
     jobs = [(f"{run}-m{i}", "alice") for i in range(mandates) for _ in range(copies)]
     jobs += [(f"{run}-m{i}", "mallory") for i in range(0, mandates, 4)]
     with httpx.Client(timeout=60) as client, ThreadPoolExecutor(32) as pool:
-        statuses = list(pool.map(lambda job: post(client, *job), jobs))
+        answers = list(pool.map(lambda job: post(client, *job), jobs))
         orders = client.get(f"{url}/orders").json()
     problems = []
-    per_mandate = Counter(o["cart_mandate_id"] for o in orders if o["cart_mandate_id"][:8] == run)
+    ours = [o for o in orders if o["cart_mandate_id"].startswith(f"{run}-")]
+    per_mandate = Counter(o["cart_mandate_id"] for o in ours)
     for i in range(mandates):
         if per_mandate[f"{run}-m{i}"] != 1:
             problems.append(f"mandate m{i}: {per_mandate[f'{run}-m{i}']} orders")
-    unexpected = Counter(s for s in statuses if s not in (200, 201, 409))
-    if unexpected:
-        problems.append(f"unexpected answers: {dict(unexpected)}")
+    committed = {o["cart_mandate_id"]: o for o in ours}
+    created = Counter()
+    for (mandate, user), (status, body) in zip(jobs, answers, strict=True):
+        order = committed.get(mandate)
+        if order is None:
+            continue
+        if user == order["user_id"]:  # the owner's key: the committed order, every time
+            if status not in (200, 201) or body != order:
+                problems.append(f"{mandate} {user}: {status} {body!r}, not the order {order}")
+            created[mandate] += status == 201
+        elif status != 409 or "another user" not in str(body):
+            problems.append(f"{mandate} {user}: {status} {body!r}, not the rival's refusal")
+    problems += [f"{m}: no 201 for its owner" for m in committed if not created[m]]
     return problems
 
 

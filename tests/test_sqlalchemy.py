@@ -117,6 +117,26 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Db:
     return d
 
 
+def _attempt(engine: Engine, mandate: str, user: str, amount: int, lease: float | None) -> Any:
+    """The attempt of an order (sync or async: ``with`` or ``async with``)."""
+    key = IMAP.key("order", cart_mandate_id=mandate, user_id=user)
+    return engine.attempt(key, operation="order", scope=user, fingerprint=str(amount), lease=lease)
+
+
+def _place(Order: Any, found: Any, mandate: str, user: str, amount: int) -> tuple[Any, Any]:
+    """(the row to add, or None if the mandate has this user's order; the answer).
+    The mandate holding another user's order is ValueError."""
+    if found is not None and found.user_id != user:
+        raise ValueError("this cart mandate belongs to another user's order")
+    row = None if found else Order(cart_mandate_id=mandate, user_id=user, amount=amount)
+    return row, {"cart_mandate_id": mandate, "user_id": user, "amount": amount}
+
+
+def _crash(crash: str, point: str) -> None:
+    if crash == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def create_order(
     engine: Engine,
     Order: Any,  # the model class
@@ -128,27 +148,19 @@ def create_order(
     lease: float | None = None,
 ) -> dict[str, Any]:
     """Order creation: once per cart mandate, the record committed with the ORM row."""
-    key = IMAP.key("order", cart_mandate_id=mandate, user_id=user)
-    db = engine.store.engine  # type: ignore[attr-defined]
-    with engine.attempt(
-        key, operation="order", scope=user, fingerprint=str(amount), lease=lease
-    ) as att:
+    with _attempt(engine, mandate, user, amount, lease) as att:
         if att.replay is not None:
-            return att.replay.outcome.value  # type: ignore[union-attr,no-any-return]
-        with Session(db) as session, att.transaction(session):
+            return att.replay.outcome.value  # type: ignore[no-any-return]
+        with Session(engine.store.engine) as session, att.transaction(session):  # type: ignore[attr-defined]
             found = session.scalar(select(Order).where(Order.cart_mandate_id == mandate))
-            if found is None:
-                session.add(Order(cart_mandate_id=mandate, user_id=user, amount=amount))
+            row, order = _place(Order, found, mandate, user, amount)
+            if row is not None:
+                session.add(row)
                 session.flush()
-            elif found.user_id != user:
-                raise ValueError("this cart mandate belongs to another user's order")
-            order = {"cart_mandate_id": mandate, "user_id": user, "amount": amount}
-            if crash == "before_commit":
-                os.kill(os.getpid(), signal.SIGKILL)
+            _crash(crash, "before_commit")
             att.outcome = Outcome.json(order)
-        if crash == "after_commit":
-            os.kill(os.getpid(), signal.SIGKILL)
-        return order
+        _crash(crash, "after_commit")
+        return order  # type: ignore[no-any-return]
 
 
 async def acreate_order(
@@ -157,22 +169,39 @@ async def acreate_order(
     mandate: str,
     user: str,
     amount: int,
+    *,
+    crash: str = "",
+    lease: float | None = None,
 ) -> dict[str, Any]:
     """:func:`create_order` with an AsyncSession."""
-    key = IMAP.key("order", cart_mandate_id=mandate, user_id=user)
-    db = engine.store.engine  # type: ignore[attr-defined]
-    async with engine.attempt(key, operation="order", scope=user, fingerprint=str(amount)) as att:
+    async with _attempt(engine, mandate, user, amount, lease) as att:
         if att.replay is not None:
-            return att.replay.outcome.value  # type: ignore[union-attr,no-any-return]
-        async with AsyncSession(db) as session, att.atransaction(session):
+            return att.replay.outcome.value  # type: ignore[no-any-return]
+        async with AsyncSession(engine.store.engine) as session, att.atransaction(session):  # type: ignore[attr-defined]
             found = await session.scalar(select(Order).where(Order.cart_mandate_id == mandate))
-            if found is not None and found.user_id != user:
-                raise ValueError("this cart mandate belongs to another user's order")
-            if found is None:
-                session.add(Order(cart_mandate_id=mandate, user_id=user, amount=amount))
-            order = {"cart_mandate_id": mandate, "user_id": user, "amount": amount}
+            row, order = _place(Order, found, mandate, user, amount)
+            if row is not None:
+                session.add(row)
+                await session.flush()
+            _crash(crash, "before_commit")
             att.outcome = Outcome.json(order)
-        return order
+        _crash(crash, "after_commit")
+        return order  # type: ignore[no-any-return]
+
+
+def run_async_engine(db: Db, main: Any) -> Any:
+    """``asyncio.run(main(engine, Order))`` with an Engine on an AsyncEngine store of ``db``."""
+
+    async def run() -> Any:
+        aengine = create_async_engine(db.async_url)
+        store = SQLAlchemyStore(aengine, **db.spec.options)
+        try:
+            return await main(Engine(store), db.model())
+        finally:
+            await store.aclose()
+            await aengine.dispose()
+
+    return asyncio.run(run())
 
 
 def _record(store: Store[Any], mandate: str, user: str) -> Any:
@@ -369,16 +398,27 @@ def test_the_sync_and_async_forms_are_refused_on_the_other_kind_of_engine(db: Db
 # -- crashes -----------------------------------------------------------------------------------
 
 
-def _crashing_worker(spec: StoreSpec, table: str, crash: str) -> None:
-    store = spec.open()
-    create_order(Engine(store), order_model(table), "m", "u", 11, crash=crash, lease=2)
+def _crashing_worker(spec: StoreSpec, table: str, crash: str, async_url: str) -> None:
+    Order = order_model(table)
+    if not async_url:
+        store = spec.open()
+        create_order(Engine(store), Order, "m", "u", 11, crash=crash, lease=60)
+        return
+
+    async def main() -> None:
+        store = SQLAlchemyStore(create_async_engine(async_url), **spec.options)
+        await acreate_order(Engine(store), Order, "m", "u", 11, crash=crash, lease=60)
+
+    asyncio.run(main())
 
 
+@pytest.mark.parametrize("session", ["Session", "AsyncSession"])
 @pytest.mark.parametrize("crash", ["before_commit", "after_commit"])
-def test_a_crash_leaves_both_or_neither(db: Db, crash: str) -> None:
+def test_a_crash_leaves_both_or_neither(db: Db, crash: str, session: str, clock: Clock) -> None:
     """SIGKILL after the flush, before the commit, leaves neither; after it, both."""
+    async_url = db.async_url if session == "AsyncSession" else ""
     worker = mp.get_context("spawn").Process(
-        target=_crashing_worker, args=(db.spec, db.orders, crash)
+        target=_crashing_worker, args=(db.spec, db.orders, crash, async_url)
     )
     worker.start()
     worker.join(timeout=60)
@@ -388,9 +428,11 @@ def test_a_crash_leaves_both_or_neither(db: Db, crash: str) -> None:
     if crash == "before_commit":
         assert db.rows() == []
         assert record.status is Status.PROCESSING  # the claim committed; the session did not
+        clock.now = record.lease_until - 1
         with pytest.raises(InProgressError):  # until the dead worker's lease runs out
-            create_order(Engine(store), Order, "m", "u", 11)
-        retried = create_order(Engine(store, wait=10), Order, "m", "u", 11)
+            create_order(Engine(store, clock=clock), Order, "m", "u", 11)
+        clock.advance(2)
+        retried = create_order(Engine(store, clock=clock), Order, "m", "u", 11)
         assert _record(store, "m", "u").attempts == 2
     else:
         assert db.rows() == [("m", "u", 11)]
@@ -697,3 +739,227 @@ def test_an_aiosqlite_store_waits_for_the_lock_without_blocking_the_loop(tmp_pat
     holder.close()
     assert during > 50  # the loop ran other tasks while the claim waited
     assert claim.attempts == 1  # type: ignore[union-attr]
+
+
+# -- async sessions: a lost lease, racing processes ----------------------------------------------
+
+
+def test_a_stale_async_worker_gets_lease_lost_and_its_session_rolls_back(
+    db: Db, clock: Clock
+) -> None:
+    key = IMAP.key("order", cart_mandate_id="m", user_id="u")
+
+    async def main(engine: Engine, Order: Any) -> tuple[Any, Any]:
+        engine = Engine(engine.store, lease=5, clock=clock)
+        async with AsyncSession(engine.store.engine) as session:  # type: ignore[attr-defined]
+            with pytest.raises(LeaseLostError):
+                async with engine.attempt(key, operation="order", scope="u") as att:
+                    clock.advance(6)  # the lease ran out: another worker takes the key over
+                    taker = await engine.abegin(key, operation="order", scope="u")
+                    async with att.atransaction(session):
+                        session.add(Order(cart_mandate_id="m", user_id="u", amount=1))
+                        await session.flush()
+                        att.outcome = Outcome.json({"late": True})
+            assert not session.in_transaction() and not session.new  # rolled back
+        return taker, await engine.store.aget(key_hash("u", "order", key))
+
+    taker, record = run_async_engine(db, main)
+    assert db.rows() == []
+    assert record.status is Status.PROCESSING and record.token == taker.token
+    assert record.outcome is None
+
+
+def _setup_async_race(_store: Any, async_url: str, options: dict[str, Any], table: str) -> Any:
+    """Each racer thread runs acreate_order on an AsyncEngine store of its own loop."""
+    Order = order_model(table)
+
+    def racer(who: Any) -> Any:
+        async def main() -> Any:
+            aengine = create_async_engine(async_url)
+            engine = Engine(SQLAlchemyStore(aengine, **options), wait=60)
+            try:
+                return await acreate_order(engine, Order, "m", "u", 9)
+            finally:
+                await aengine.dispose()
+
+        return asyncio.run(main())
+
+    return racer
+
+
+def test_racing_processes_with_async_sessions_create_one_order(db: Db) -> None:
+    answers = race_processes(
+        db.spec,
+        _setup_async_race,
+        db.async_url,
+        db.spec.options,
+        db.orders,
+        processes=4,
+        threads=4,
+    )
+    assert answers == [{"cart_mandate_id": "m", "user_id": "u", "amount": 9}] * 16
+    assert db.rows() == [("m", "u", 9)]
+
+
+# -- what the block may not be, and what the store must not touch --------------------------------
+
+
+def test_an_autocommit_session_is_refused_before_it_writes(db: Db, sync_store: Any) -> None:
+    """Its INSERTs would commit one by one: refused as the block begins, nothing written."""
+    engine, Order = Engine(sync_store), db.model()
+    auto = sync_store.engine.execution_options(isolation_level="AUTOCOMMIT")
+    ran = []
+    with (
+        pytest.raises(ValueError, match="autocommit"),
+        engine.attempt("k", operation="order") as att,
+        Session(auto) as session,
+        att.transaction(session),
+    ):
+        ran.append(1)
+        session.add(Order(cart_mandate_id="m", user_id="u", amount=1))
+    insert = f"INSERT INTO {db.orders} (cart_mandate_id, user_id, amount) VALUES ('c', 'u', 1)"
+    with (
+        auto.connect() as conn,
+        pytest.raises(ValueError, match="autocommit"),
+        engine.attempt("k2", operation="order") as att,
+        att.transaction(conn),
+    ):
+        ran.append(2)
+        conn.exec_driver_sql(insert)
+
+    async def main(aengine: Engine, Order: Any) -> None:
+        auto = aengine.store.engine.execution_options(isolation_level="AUTOCOMMIT")  # type: ignore[attr-defined]
+        async with AsyncSession(auto) as session:
+            with pytest.raises(ValueError, match="autocommit"):
+                async with (
+                    aengine.attempt("k3", operation="order") as att,
+                    att.atransaction(session),
+                ):
+                    ran.append(3)
+                    session.add(Order(cart_mandate_id="a", user_id="u", amount=1))
+
+    run_async_engine(db, main)
+    assert ran == [] and db.rows() == []
+    for key in ("k", "k2", "k3"):
+        assert sync_store.get(key_hash("", "order", key)).status is Status.FAILED
+
+
+def test_a_session_with_a_mapper_bound_elsewhere_is_refused(
+    db: Db, sync_store: Any, tmp_path: Path
+) -> None:
+    """``binds=`` sends the order to another database: its commit would be apart."""
+    engine, Order = Engine(sync_store), db.model()
+    shop = sqlalchemy.create_engine(f"sqlite:///{tmp_path}/shop.db")
+    Order.metadata.create_all(shop)
+    with (
+        pytest.raises(ValueError, match="binds"),
+        engine.attempt("k", operation="order") as att,
+        Session(sync_store.engine, binds={Order: shop}) as session,
+        att.transaction(session),
+    ):
+        session.add(Order(cart_mandate_id="m", user_id="u", amount=1))
+        att.outcome = Outcome.json(1)
+    with shop.connect() as conn:
+        assert conn.exec_driver_sql(f"SELECT count(*) FROM {db.orders}").scalar() == 0
+    shop.dispose()
+    assert sync_store.get(key_hash("", "order", "k")).status is Status.FAILED
+
+
+@pytest.mark.parametrize("pool", ["StaticPool", "SingletonThreadPool"])
+def test_a_pool_of_one_connection_never_lends_the_sessions_own(db: Db, pool: str) -> None:
+    """A store call inside the block must not commit the session's half-done work (the
+    pool would hand it the session's own connection): the error rolls everything back."""
+    import sqlalchemy.pool
+
+    options: dict[str, Any] = {"poolclass": getattr(sqlalchemy.pool, pool)}
+    if db.sqlite:
+        options["connect_args"] = {"check_same_thread": False}
+    app = sqlalchemy.create_engine(db.spec.url, **options)
+    store = SQLAlchemyStore(app, **db.spec.options)
+    engine, Order = Engine(store), db.model()
+    with (
+        pytest.raises(KeyError),
+        engine.attempt("k", operation="order") as att,
+        Session(app) as session,
+        att.transaction(session),
+    ):
+        session.add(Order(cart_mandate_id="m", user_id="u", amount=1))
+        session.flush()
+        assert store.get(key_hash("", "order", "other")) is None  # a guard's lookup
+        raise KeyError("payment declined")
+    assert db.rows() == []
+    assert store.get(key_hash("", "order", "k")).status is Status.FAILED
+    assert create_order(engine, Order, "m", "u", 1)["amount"] == 1  # and it works
+    assert db.rows() == [("m", "u", 1)]
+    store.close()
+    app.dispose()
+
+
+def test_sqlalchemys_pysqlite_savepoint_recipe_is_a_transaction(tmp_path: Path) -> None:
+    """isolation_level=None on connect plus BEGIN on SQLAlchemy's begin: a real transaction
+    (SAVEPOINTs work), not autocommit."""
+    app = sqlalchemy.create_engine(f"sqlite:///{tmp_path}/shop.db")
+
+    @sqlalchemy.event.listens_for(app, "connect")
+    def _connect(dbapi: Any, _record: Any) -> None:
+        dbapi.isolation_level = None
+
+    @sqlalchemy.event.listens_for(app, "begin")
+    def _begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN")
+
+    Order = order_model("orders")
+    Order.metadata.create_all(app)
+    store = SQLAlchemyStore(app)
+    engine = Engine(store)
+    with engine.attempt("k", operation="order") as att, Session(app) as s, att.transaction(s):
+        s.add(Order(cart_mandate_id="a", user_id="u", amount=1))
+        with pytest.raises(IntegrityError), s.begin_nested():  # a SAVEPOINT rolled back
+            s.add(Order(cart_mandate_id="a", user_id="v", amount=2))
+        att.outcome = Outcome.json(1)
+    with app.connect() as conn:
+        assert list(conn.exec_driver_sql("SELECT cart_mandate_id, user_id FROM orders")) == [
+            ("a", "u")
+        ]
+    assert store.get(key_hash("", "order", "k")).status is Status.COMPLETED
+    app.dispose()
+
+
+def test_an_aiosqlite_store_sends_one_statement_per_op_and_logs_none(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As the native store: no PRAGMA to restore an isolation level, and the keys and the
+    stored answers stay out of the application's SQL log."""
+    import logging
+
+    from sqlalchemy.util import await_only
+
+    sent: list[str] = []
+    claim_and_completion: list[str] = []
+
+    async def main() -> None:
+        aengine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path}/shop.db")
+
+        @sqlalchemy.event.listens_for(aengine.sync_engine, "connect")
+        def _connect(dbapi: Any, _record: Any) -> None:
+            await_only(dbapi.driver_connection.set_trace_callback(sent.append))
+
+        engine = Engine(SQLAlchemyStore(aengine))
+        async with engine.attempt("warm", operation="o") as att:  # migrated
+            att.outcome = Outcome.json(0)
+        sent.clear()
+        async with engine.attempt("k-secret", operation="o") as att:
+            att.outcome = Outcome.json({"card": "4111-secret"})
+        claim_and_completion.extend(sent)
+        sent.clear()
+        async with engine.attempt("k-secret", operation="o") as att:
+            assert att.replay is not None
+        assert len(sent) == 1, sent  # the replay's SELECT
+        await aengine.dispose()
+
+    caplog.set_level(logging.INFO, logger="sqlalchemy.engine")
+    asyncio.run(main())
+    # the native store's statements only: the claim's lookup and INSERTs, the completion
+    assert not [s for s in claim_and_completion if s.startswith("PRAGMA")]
+    assert len(claim_and_completion) == 4, claim_and_completion
+    assert "secret" not in caplog.text

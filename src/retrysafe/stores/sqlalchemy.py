@@ -33,9 +33,10 @@ from retrysafe.errors import MissingExtraError, StoreUnavailableError
 
 try:
     from sqlalchemy.engine import Connection, Engine
-    from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+    from sqlalchemy.exc import SQLAlchemyError
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
     from sqlalchemy.orm import Session
+    from sqlalchemy.pool import AssertionPool, SingletonThreadPool, StaticPool
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise MissingExtraError("sqlalchemy", "retrysafe.sqlalchemy", name=exc.name) from exc
 from retrysafe.stores._base import AsyncTransaction, Transaction
@@ -126,40 +127,36 @@ class _Empty:
 
 class _DriverSQL:
     """What the SQLite store's ops use of a ``sqlite3.Connection`` (``execute``,
-    ``executemany``, ``in_transaction``), on a SQLAlchemy :class:`Connection` through
-    ``exec_driver_sql``: the statements reach the driver unchanged, with no
-    compilation. Under ``run_sync`` of an AsyncEngine (aiosqlite) each awaits the
-    driver without blocking the event loop. A driver error is raised as the driver's
-    own (a ``sqlite3`` error), as the native store sees it."""
+    ``executemany``, ``in_transaction``), on the DB-API connection of a SQLAlchemy
+    :class:`Connection` (aiosqlite's adapter): the statements reach the driver
+    unchanged, past SQLAlchemy's compilation, logging and events (no key or stored
+    answer in the application's SQL log). Under ``run_sync`` of an AsyncEngine each
+    awaits the driver without blocking the event loop. Errors are the driver's own
+    (``sqlite3`` errors), as the native store sees them."""
 
-    __slots__ = ("_conn",)
+    __slots__ = ("dbapi", "driver")
 
     def __init__(self, conn: Connection) -> None:
-        self._conn = conn
+        fairy = conn.connection
+        self.dbapi: Any = fairy.dbapi_connection
+        self.driver: Any = fairy.driver_connection
 
     def execute(self, sql: str, params: Sequence[Any] | None = None) -> Any:
-        try:
-            return self._conn.exec_driver_sql(sql, None if params is None else tuple(params))
-        except DBAPIError as exc:
-            raise _driver_error(exc) from exc
+        cursor = self.dbapi.cursor()
+        cursor.execute(sql, None if params is None else tuple(params))
+        return cursor
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> Any:
         many = [tuple(row) for row in rows]
         if not many:
             return _Empty()
-        try:
-            return self._conn.exec_driver_sql(sql, many)
-        except DBAPIError as exc:
-            raise _driver_error(exc) from exc
+        cursor = self.dbapi.cursor()
+        cursor.executemany(sql, many)
+        return cursor
 
     @property
     def in_transaction(self) -> bool:
-        return bool(self._conn.connection.driver_connection.in_transaction)  # type: ignore[union-attr]
-
-
-def _driver_error(exc: DBAPIError) -> BaseException:
-    orig = exc.orig
-    return orig if isinstance(orig, BaseException) else exc
+        return bool(self.driver.in_transaction)
 
 
 class _Savepoint:
@@ -196,12 +193,38 @@ class _Savepoint:
 
 
 def _autocommit(conn: Connection) -> bool:
-    """Whether ``conn``'s driver commits each statement by itself (read locally: the
-    driver's flag, no statement)."""
-    dbapi = conn.connection.dbapi_connection
+    """Whether statements on ``conn`` commit one by one (read locally, no statement):
+    SQLAlchemy's ``AUTOCOMMIT`` isolation level (the connection's or the engine's), or a
+    driver in autocommit mode outside a transaction. On SQLite a driver with
+    ``isolation_level=None`` inside a transaction it was told to ``BEGIN`` (SQLAlchemy's
+    recipe for SAVEPOINTs on pysqlite) is a real transaction, accepted."""
+    level = conn.get_execution_options().get("isolation_level")
+    if level is None:
+        level = getattr(conn.dialect, "_on_connect_isolation_level", None)
+    if level == "AUTOCOMMIT":
+        return True
+    fairy = conn.connection
     if conn.dialect.name == "sqlite":
-        return getattr(dbapi, "isolation_level", "") is None
-    return bool(getattr(dbapi, "autocommit", False))
+        driver: Any = fairy.driver_connection
+        return driver.isolation_level is None and not driver.in_transaction
+    return bool(getattr(fairy.dbapi_connection, "autocommit", False))
+
+
+def _one_connection_pool(engine: Engine) -> bool:
+    """Whether ``engine``'s pool hands one DB-API connection to every checkout (of a
+    thread): a borrowed connection could be the one a Session is writing on."""
+    return isinstance(engine.pool, StaticPool | SingletonThreadPool | AssertionPool)
+
+
+def _held_connections(session: Session) -> Iterable[Connection]:
+    """The connections ``session``'s transaction has acquired (one per database it used)."""
+    transaction = session.get_transaction()
+    if transaction is None:
+        return ()
+    held = getattr(transaction, "connections", None)  # SQLAlchemy 2.1.7+
+    if held is None:
+        held = [entry[0] for entry in transaction._connections.values()]
+    return cast(Iterable[Connection], held)
 
 
 def _borrowed_error(store: Any, exc: SQLAlchemyError) -> StoreUnavailableError:
@@ -227,6 +250,17 @@ class SessionTransactions:
     engine: AnyEngine
     #: Whether the engine is an AsyncEngine (its driver is async).
     is_async: bool
+    #: Whether the store's operations use connections of its own, not the engine's:
+    #: an engine whose pool shares one DB-API connection (StaticPool,
+    #: SingletonThreadPool, AssertionPool) would lend the very connection a Session is
+    #: writing on, and toggling its autocommit mode would commit that Session's work.
+    own_connections: bool
+
+    def _on_engine(self, engine: AnyEngine) -> None:
+        sync = sync_engine(engine)
+        self.engine = engine
+        self.is_async = sync.dialect.is_async
+        self.own_connections = _one_connection_pool(sync)
 
     def _complete_in(self, conn: Connection, op: Any) -> bool:
         """Run the completion ``op`` on ``conn``'s connection, in its transaction."""
@@ -251,19 +285,29 @@ class SessionTransactions:
         except SQLAlchemyError as exc:
             raise _borrowed_error(self, exc) from exc
 
+    def _joinable(self, session: Session | Connection) -> Connection:
+        """``session``'s connection (a Session's begins its transaction), or ValueError if
+        its statements commit one by one: checked as the block begins, before any write."""
+        conn = session.connection() if isinstance(session, Session) else session
+        if _autocommit(conn):
+            raise ValueError(
+                "the session's connection is in autocommit mode (isolation_level="
+                "'AUTOCOMMIT'): its writes would commit apart from the completion"
+            )
+        return conn
+
     def _settle_in(self, session: Session | Connection, op: Any) -> bool:
         """Flush the session and run ``op`` in its transaction (sync, or under ``run_sync``)."""
         if isinstance(session, Session):
             session.flush()
-            conn = session.connection()
-        else:
-            conn = session
-        if _autocommit(conn):
-            raise ValueError(
-                "the session's connection is in autocommit mode (isolation_level="
-                "'AUTOCOMMIT'): the completion would commit apart from your writes"
-            )
-        return self._complete_in(conn, op)
+            ours = sync_engine(self.engine)
+            for held in _held_connections(session):
+                if not _same_database(ours, held.engine):
+                    raise ValueError(
+                        f"the session also writes through {held.engine.url!r} (binds=): "
+                        f"that would commit apart from the completion in {ours.url!r}"
+                    )
+        return self._complete_in(self._joinable(session), op)
 
     def _checked(self, given: Any, kinds: tuple[type[Any], ...]) -> Any:
         if not isinstance(given, kinds):
@@ -300,6 +344,7 @@ class SessionTransactions:
             else self._checked(connection, (Session, Connection))
         )
         try:
+            self._joinable(session)
             yield Transaction(session, partial(self._settle_in, session))
             session.commit()
         except BaseException:
@@ -332,6 +377,7 @@ class SessionTransactions:
             return bool(await session.run_sync(self._settle_in, op))
 
         try:
+            await session.run_sync(self._joinable)
             yield AsyncTransaction(session, run)
             await session.commit()
         except BaseException:
@@ -354,10 +400,12 @@ class SQLAlchemySQLiteStore(SessionTransactions, SQLiteStore):
     Each operation borrows a connection and gives it back. With a sync engine the
     op runs on the ``sqlite3`` connection itself, in autocommit mode while it is
     borrowed (the isolation level it had is restored). With an AsyncEngine it runs
-    through ``run_sync`` and ``exec_driver_sql`` on an ``AUTOCOMMIT`` connection, never
-    blocking the event loop. The sync methods of a store on an AsyncEngine (sweeps,
-    stats, ``get``) use a ``sqlite3`` connection of the store's own to the same file.
-    ``timeout`` is how long a write waits for SQLite's lock (default 10 s).
+    through ``run_sync`` on the aiosqlite adapter's cursor, switched the same way,
+    never blocking the event loop. The sync methods of a store on an AsyncEngine
+    (sweeps, stats, ``get``), and every operation when the engine's pool shares one
+    connection, use a ``sqlite3`` connection of the store's own to the same file.
+    ``timeout`` is how long the store retries a write that finds SQLite's lock taken
+    (default 10 s), after the driver's own busy wait (the engine's ``timeout``).
     """
 
     # Its async calls on an AsyncEngine enter SQLAlchemy's greenlet bridge and the
@@ -375,13 +423,12 @@ class SQLAlchemySQLiteStore(SessionTransactions, SQLiteStore):
                 "is one connection's, out of reach of other processes and the CLI)"
             )
         super().__init__(f"sqlite:///{database}", timeout=timeout)
-        self.engine = engine
-        self.is_async = sync.dialect.is_async
+        self._on_engine(engine)
 
     # -- connections: borrowed from the engine ------------------------------------------
 
     def _on_connection(self, op: Callable[[Any], Any]) -> Any:
-        if self.is_async:  # sync calls of an AsyncEngine's store: a connection of its own
+        if self.is_async or self.own_connections:  # connections of the store's own
             return super()._on_connection(op)
         borrowed = self._borrow(raw=True)
         try:
@@ -407,21 +454,27 @@ class SQLAlchemySQLiteStore(SessionTransactions, SQLiteStore):
 
     def _in_run_sync(self, conn: Connection, op: Callable[[Any], Any]) -> Any:
         view = _DriverSQL(conn)
-        if not self._migrated:
-            self._first_use(view)
-        return op(view)
+        level = view.driver.isolation_level
+        # the adapter sets it in the driver's thread: no statement (SQLAlchemy's
+        # AUTOCOMMIT option would cost a PRAGMA when the connection goes back)
+        view.dbapi.isolation_level = None
+        try:
+            if not self._migrated:
+                self._first_use(view)
+            return op(view)
+        finally:
+            view.dbapi.isolation_level = level
 
     async def _aon_connection(self, op: Callable[[Any], Any]) -> Any:
         conn = await self._aborrow()
         try:
-            await conn.execution_options(isolation_level="AUTOCOMMIT")
             return await conn.run_sync(self._in_run_sync, op)
         finally:
             await conn.close()
 
     async def _arun(self, op: Callable[[Any], Any]) -> Any:
         """As the native ``_run``, awaiting: a busy lock is retried until ``timeout``."""
-        if not self.is_async:
+        if not self.is_async or self.own_connections:
             return await asyncio.to_thread(self._run, op)
         deadline: float | None = None
         delay = _FIRST_WAIT

@@ -68,8 +68,7 @@ class SQLAlchemyPostgresStore(SessionTransactions, PostgresStore):
             raise TypeError(f"not a PostgreSQL engine: {sync.url!r}")
         libpq = sync.url.set(drivername="postgresql").render_as_string(hide_password=False)
         super().__init__(libpq, **options)
-        self.engine = engine
-        self.is_async = sync.dialect.is_async
+        self._on_engine(engine)
         self._borrowed: dict[int, tuple[Any, bool]] = {}
 
     def __repr__(self) -> str:
@@ -105,7 +104,7 @@ class SQLAlchemyPostgresStore(SessionTransactions, PostgresStore):
         return sa_conn, None if broken or conn.broken else autocommit
 
     def _take(self) -> psycopg.Connection[Any]:
-        if self.is_async:  # sync calls of an AsyncEngine's store: a pool of its own
+        if self.is_async or self.own_connections:  # a pool of the store's own
             return super()._take()
         if not self._migrated:
             with self._borrow() as first:
@@ -138,6 +137,8 @@ class SQLAlchemyPostgresStore(SessionTransactions, PostgresStore):
         sa_conn.close()
 
     async def _atake(self) -> psycopg.AsyncConnection[Any]:
+        if self.own_connections:
+            return await super()._atake()
         sa_conn = await self._aborrow()
         conn: Any = None
         try:
@@ -154,6 +155,9 @@ class SQLAlchemyPostgresStore(SessionTransactions, PostgresStore):
         return conn
 
     async def _agive(self, conn: psycopg.AsyncConnection[Any], broken: bool = False) -> None:
+        if id(conn) not in self._borrowed:  # the store's own pool
+            await super()._agive(conn, broken)
+            return
         sa_conn, autocommit = self._returned(conn, broken)
         if autocommit is not None:
             try:
