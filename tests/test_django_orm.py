@@ -321,6 +321,17 @@ def test_the_middleware_commits_the_order_and_its_record_together(
             assert project.record("m3").status is Status.FAILED
 
 
+def test_the_alias_prepare_threshold_is_honoured(project: Project) -> None:
+    """Django turns preparing off for transaction poolers only when OPTIONS says so: the
+    store's own connections keep the alias's choice, else psycopg's default."""
+    if project.vendor != "postgresql":
+        pytest.skip("prepared statements: PostgreSQL's")
+    default = project.run("scenario", "prepare")
+    assert default == {"given": False, "threshold": None, "django_cursor": False}
+    off = project.run("scenario", "prepare", db_options={"prepare_threshold": None})
+    assert off == {"given": True, "threshold": None, "django_cursor": False}
+
+
 @pytest.mark.parametrize("kind", ["wsgi", "asgi"])
 def test_a_failed_commit_fails_the_attempt(project: Project, kind: str) -> None:
     """A foreign key Django checks at COMMIT (deferred) fails it: nothing committed, the

@@ -330,3 +330,16 @@ def misuse() -> dict[str, str]:
 
     refused("atransaction", lambda: asyncio.run(in_async()))
     return seen
+
+
+def prepare() -> dict[str, Any]:
+    """The ``prepare_threshold`` the store's own PostgreSQL connections get (absent:
+    psycopg's default), and whether they keep Django's cursor class."""
+    from retrysafe.stores.django_postgres import connect_kwargs
+
+    kwargs = connect_kwargs("default")
+    return {
+        "given": "prepare_threshold" in kwargs,
+        "threshold": kwargs.get("prepare_threshold"),
+        "django_cursor": "cursor_factory" in kwargs,
+    }
