@@ -207,8 +207,8 @@ class DjangoStore:
 
     It is a :class:`~retrysafe.stores.sqlite.SQLiteStore` or a
     :class:`~retrysafe.stores.postgres.PostgresStore` (whichever the alias's
-    database is) whose connections are Django's; keyword ``options`` go to that
-    store (``timeout``, ``synchronous``; ``table``, ``auto_migrate``,
+    database is), connected from the alias's settings; keyword ``options`` go to that
+    store (``timeout``, ``synchronous``; ``table``, ``max_size``, ``auto_migrate``,
     ``partitioned``, …), and ``query`` is that store's URL query
     (``django://default?table=name`` gives ``table=name``). Opening it never
     connects. Another vendor (MySQL, Oracle, …) is a ValueError.
