@@ -71,7 +71,8 @@ def configure(sqlite_path: str, pg_url: str | None, prepare: int | None = None) 
             "HOST": url.hostname or "",
             "PORT": str(url.port or ""),
             # Django turns psycopg's prepared statements off (for connection poolers)
-            "OPTIONS": {"prepare_threshold": prepare},
+            # unless OPTIONS sets prepare_threshold; the store's own follow it if set
+            "OPTIONS": {} if prepare is None else {"prepare_threshold": prepare},
         }
     settings.configure(
         SECRET_KEY="bench",
@@ -265,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--prepare-threshold",
         type=int,
-        help="PostgreSQL: Django's OPTIONS prepare_threshold (default None: never prepare)",
+        help="PostgreSQL: Django's OPTIONS prepare_threshold (default: unset, Django never "
+        "prepares, the store's own connections do as psycopg's default)",
     )
     args = p.parse_args(argv)
     vendors = args.vendors.split(",")

@@ -44,17 +44,27 @@ class Project:
         self.db, self.native_url, self.vendor = db, native_url, vendor
         self.pids: dict[str, int] = {}  # the server process of each base URL
 
-    def env(self, atomic: bool = False, **options: Any) -> dict[str, str]:
+    def env(
+        self, atomic: bool = False, db_options: dict[str, Any] | None = None, **options: Any
+    ) -> dict[str, str]:
         env = dict(os.environ, RS_DB=self.db, RS_ATOMIC="1" if atomic else "0")
         env["RS_OPTIONS"] = json.dumps(options)
+        env["RS_DB_OPTIONS"] = json.dumps(db_options or {})
         env["PYTHONPATH"] = str(SRC)
         return env
 
-    def run(self, *args: str, check: bool = True, **options: Any) -> Any:
+    def run(
+        self,
+        *args: str,
+        check: bool = True,
+        atomic: bool = False,
+        db_options: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> Any:
         """``run.py ARGS`` to its end; its last stdout line as JSON (None without one)."""
         done = subprocess.run(
             [sys.executable, str(RUN), *args],
-            env=self.env(**options),
+            env=self.env(atomic, db_options, **options),
             capture_output=True,
             text=True,
             timeout=90,
@@ -217,11 +227,64 @@ def test_a_crash_between_the_write_and_the_commit_leaves_neither(project: Projec
 
 def test_racing_threads_create_one_order(project: Project) -> None:
     """32 threads, two users, one mandate: one row; every answer of the winner agrees."""
-    answers = project.run("scenario", "race", "32")
+    seen = project.run("scenario", "race", "32")
+    answers = seen["answers"]
     won = [a for a in answers if a != "taken"]
     assert won and all(a == won[0] for a in won)
-    assert {a for a in answers if a == "taken"} <= {"taken"}
     assert len(won) in (24, 8)  # alice's 24 or bob's 8: the other user's are refused
+    assert all(a == "taken" for a in answers if a not in won)
+    assert seen["rows"] == 1
+
+
+def test_racing_processes_in_plain_code_create_one_order(project: Project) -> None:
+    """3 processes x 8 threads of plain ``att.transaction()`` on one mandate: one row."""
+    with ThreadPoolExecutor(3) as pool:
+        runs = list(pool.map(lambda _: project.run("scenario", "race", "8"), range(3)))
+    answers = [a for seen in runs for a in seen["answers"]]
+    won = [a for a in answers if a != "taken"]
+    assert won and all(a == won[0] for a in won)  # one order, every winner's answer
+    assert all(seen["rows"] == 1 for seen in runs)
+
+
+def test_att_transaction_from_async_code(project: Project) -> None:
+    seen = project.run("scenario", "async_plain", project.native_url)
+    assert seen["same"] is True  # the second call replayed the first's answer
+    assert seen["after"] == [1, "completed"]
+
+
+# -- the store's own connections ----------------------------------------------------------------
+
+
+def test_the_stores_connections_outlive_no_thread(project: Project) -> None:
+    """40 short-lived threads (a thread-per-request server's) each call the store: its
+    connections stay bounded (PostgreSQL: its pool of 2; SQLite: none once they ended)."""
+    open_after = project.run("scenario", "threads", "40")["open"]
+    assert open_after <= (2 if project.vendor == "postgresql" else 0)
+
+
+def test_a_thread_per_request_server_keeps_few_connections(project: Project) -> None:
+    """Werkzeug's threaded server (a thread per request, as runserver): 20 keyed requests
+    leave at most the store's pool open on the server."""
+    if project.vendor != "postgresql":
+        pytest.skip("connections on the server: PostgreSQL's")
+    with project.serve("wsgi", store="django://default?max_size=2") as base:
+        for i in range(20):
+            assert _order(base, f"t{i}").status_code == 201
+        with psycopg.connect(project.db, autocommit=True) as conn:
+            query = (
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid()"
+            )
+            assert conn.execute(query).fetchone()[0] <= 2  # type: ignore[index]
+
+
+def test_djangos_connection_pool_is_left_alone(project: Project) -> None:
+    if project.vendor != "postgresql":
+        pytest.skip("Django's pool: PostgreSQL's")
+    pool = {"pool": {"min_size": 2, "max_size": 2, "timeout": 5}}
+    seen = project.run("scenario", "pool", db_options=pool)
+    assert seen["order"] == "q1" and seen["rows"] == 1
+    assert seen["cursor"] is True and seen["prepare_threshold"] is None  # Django's own
 
 
 # -- the middleware -----------------------------------------------------------------------------
@@ -256,6 +319,46 @@ def test_the_middleware_commits_the_order_and_its_record_together(
             answered = _order(base, "m3", **{"X-Status": "503"})
             assert answered.status_code == 503 and _count(base, "m3") == 0
             assert project.record("m3").status is Status.FAILED
+
+
+def test_the_alias_prepare_threshold_is_honoured(project: Project) -> None:
+    """Django turns preparing off for transaction poolers only when OPTIONS says so: the
+    store's own connections keep the alias's choice, else psycopg's default."""
+    if project.vendor != "postgresql":
+        pytest.skip("prepared statements: PostgreSQL's")
+    default = project.run("scenario", "prepare")
+    assert default == {"given": False, "threshold": None, "django_cursor": False}
+    off = project.run("scenario", "prepare", db_options={"prepare_threshold": None})
+    assert off == {"given": True, "threshold": None, "django_cursor": False}
+
+
+@pytest.mark.parametrize("kind", ["wsgi", "asgi"])
+def test_a_failed_commit_fails_the_attempt(project: Project, kind: str) -> None:
+    """A foreign key Django checks at COMMIT (deferred) fails it: nothing committed, the
+    record failed (retryable), so a retry runs again instead of "in flight"."""
+    key = {"Idempotency-Key": "line-1", **CALLER}
+    with project.serve(kind) as base:
+        first = httpx.post(f"{base}/lines", json={}, headers=key, timeout=60)
+        assert first.status_code == 500
+        store = project.native()
+        try:
+            (record,) = store.records()
+            assert record.status is Status.FAILED and record.attempts == 1
+            retried = httpx.post(f"{base}/lines", json={}, headers=key, timeout=60)
+            assert retried.status_code == 500  # ran again (the line is still orphaned)
+            (record,) = store.records()
+            assert record.status is Status.FAILED and record.attempts == 2
+        finally:
+            store.close()
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["atomic", "atomic-requests"])
+def test_the_middleware_sends_no_savepoint_of_its_own(project: Project, atomic: bool) -> None:
+    seen = project.run("scenario", "statements", "/orders", atomic=atomic)
+    assert seen["status"] == 201 and seen["rows"] == 1
+    # ATOMIC_REQUESTS: Django's own atomic() around the view, nested: a savepoint
+    sent = [s for s in seen["statements"] if s != "BEGIN"]  # (SQLite's BEGIN IMMEDIATE)
+    assert sent == (["SAVEPOINT", "INSERT", "RELEASE"] if atomic else ["INSERT"])
 
 
 def test_without_the_transaction_the_write_commits_before_the_record(project: Project) -> None:

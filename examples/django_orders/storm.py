@@ -32,16 +32,23 @@ def main(argv: list[str] | None = None) -> int:
     mandates = [f"cm-{run}-{i}" for i in range(args.mandates)]
 
     def send(mandate: str) -> tuple[str, int, bytes]:
-        response = httpx.post(
-            f"{args.url}/orders",
-            json={"cart_mandate_id": mandate, "user_id": user, "total": 4200},
-            headers={
-                "Idempotency-Key": f"order:{mandate}:{user}",
-                "Authorization": f"Bearer {user}",  # who the caller is (its records' scope)
-            },
-            timeout=60,
-        )
-        return mandate, response.status_code, response.content
+        for attempt in range(5):
+            try:
+                response = httpx.post(
+                    f"{args.url}/orders",
+                    json={"cart_mandate_id": mandate, "user_id": user, "total": 4200},
+                    headers={
+                        "Idempotency-Key": f"order:{mandate}:{user}",
+                        "Authorization": f"Bearer {user}",  # the caller (its records' scope)
+                    },
+                    timeout=60,
+                )
+            except httpx.TransportError:  # (runserver's short listen queue resets some)
+                if attempt == 4:
+                    raise
+                continue  # a retry with the same key: exactly what the key is for
+            return mandate, response.status_code, response.content
+        raise AssertionError("unreachable")
 
     jobs = [m for m in mandates for _ in range(args.copies)]
     with ThreadPoolExecutor(min(64, len(jobs))) as pool:

@@ -12,3 +12,12 @@ class Order(models.Model):
 
     class Meta:
         app_label = "django_orm_app"
+
+
+class Line(models.Model):
+    """A line of an order (a foreign key: Django checks it at COMMIT, deferred)."""
+
+    order = models.ForeignKey(Order, on_delete=models.CASCADE)
+
+    class Meta:
+        app_label = "django_orm_app"

@@ -2,7 +2,8 @@
 
 The database and options come from the environment: ``RS_DB`` (a SQLite path or a
 ``postgresql://`` URL), ``RS_ATOMIC`` (``1``: ``ATOMIC_REQUESTS``), ``RS_OPTIONS``
-(JSON, merged into ``settings.RETRYSAFE``). Commands: ``migrate``, ``serve wsgi|asgi``
+(JSON, merged into ``settings.RETRYSAFE``), ``RS_DB_OPTIONS`` (JSON, merged into the
+database's ``OPTIONS``: Django's ``pool``). Commands: ``migrate``, ``serve wsgi|asgi``
 (prints ``READY <port>`` once listening), ``scenario NAME [ARGS]`` (prints one JSON
 line), ``manage ARGS`` (a management command).
 """
@@ -46,6 +47,9 @@ def configure() -> None:
 
     default = database(os.environ["RS_DB"])
     default["ATOMIC_REQUESTS"] = os.environ.get("RS_ATOMIC") == "1"
+    options = json.loads(os.environ.get("RS_DB_OPTIONS") or "{}")
+    if options:
+        default["OPTIONS"] = {**default.get("OPTIONS", {}), **options}
     settings.configure(
         DEBUG=False,
         SECRET_KEY="retrysafe-tests",
@@ -62,6 +66,7 @@ def configure() -> None:
             **json.loads(os.environ.get("RS_OPTIONS") or "{}"),
         },
         USE_TZ=True,
+        DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
         LOGGING_CONFIG=None,
     )
     django.setup()

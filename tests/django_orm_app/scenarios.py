@@ -141,8 +141,9 @@ def after_crash(native_url: str) -> dict[str, Any]:
     return seen
 
 
-def race(threads: str) -> list[Any]:
-    """Threads of this process on one mandate (two users): answers, in order."""
+def race(threads: str) -> dict[str, Any]:
+    """Threads of this process on one mandate (two users): answers, in order, and the
+    mandate's rows once all have answered."""
     engine = Engine("django://default", wait=30)
     n = int(threads)
     barrier = threading.Barrier(n)
@@ -155,7 +156,116 @@ def race(threads: str) -> list[Any]:
             return "taken"
 
     with ThreadPoolExecutor(n) as pool:
-        return list(pool.map(racer, range(n)))
+        answers = list(pool.map(racer, range(n)))
+    return {"answers": answers, "rows": rows("m1")}
+
+
+def async_plain(native_url: str) -> dict[str, Any]:
+    """``att.transaction()`` from async code: the attempt async, the block in Django's
+    sync thread (``sync_to_async``), as the ORM's writes."""
+    import asyncio
+
+    from asgiref.sync import sync_to_async
+
+    engine = Engine("django://default")
+    native = open_store(native_url)
+
+    async def order(mandate: str) -> Any:
+        attempt = engine.attempt(_key(mandate, "u"), operation="order", scope="u")
+        async with attempt as att:
+            if att.replay is not None:
+                return att.replay.outcome.value  # type: ignore[union-attr]
+
+            def block() -> Any:
+                with att.transaction():
+                    made = Order.objects.create(cart_mandate_id=mandate, user_id="u", total=2)
+                    att.outcome = Outcome.json({"id": made.pk})
+                return {"id": made.pk}
+
+            return await sync_to_async(block, thread_sensitive=True)()
+
+    async def both() -> tuple[Any, Any]:
+        first = await order("a1")
+        again = await order("a1")
+        await engine.store.aclose()
+        return first, again
+
+    first, again = asyncio.run(both())
+    return {"same": first == again, "after": (rows("a1"), status(native, "a1", "u"))}
+
+
+def threads(count: str) -> dict[str, int]:
+    """``count`` short-lived threads (a thread-per-request server's) each make one store
+    call; then how many connections of the store's are still open."""
+    engine = Engine("django://default?max_size=2")
+    store: Any = engine.store
+
+    def call() -> None:
+        store.get("00" * 32)
+
+    for _ in range(int(count)):
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join()
+    if store.django and hasattr(store, "_links"):  # SQLite: a connection per live thread
+        return {"open": int(store._links.open())}
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid()"
+        )
+        return {"open": int(cur.fetchone()[0])}
+
+
+def pool() -> dict[str, Any]:
+    """With Django's connection pool (``OPTIONS["pool"]``, two connections): the store's
+    calls from many threads take none of them, and give none back changed."""
+    from django.db import connection
+
+    engine = Engine("django://default")
+    callers = [threading.Thread(target=engine.store.get, args=("00" * 32,)) for _ in range(6)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    seen: dict[str, Any] = {"order": create_order(engine, "q1", "u", 1)["cart_mandate_id"]}
+    seen["rows"] = rows("q1")  # the ORM still gets a pooled connection
+    engine.store.close()
+    connection.close()  # back to Django's pool
+    with connection.cursor() as cur:  # (a parameter where only client-side binding works)
+        cur.execute("SET statement_timeout = %s", [5000])
+        raw = connection.connection
+        seen["cursor"] = raw.cursor_factory.__module__.startswith("django.")
+        seen["prepare_threshold"] = raw.prepare_threshold
+    return seen
+
+
+def statements(path: str) -> dict[str, Any]:
+    """The statements a keyed request sends on the request's connection (the ORM's), the
+    completion's UPDATE aside (it runs on the DB-API connection underneath)."""
+    import json
+
+    from django.db import connection
+    from django.test import Client
+
+    seen: list[str] = []
+
+    def wrap(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        seen.append(" ".join(sql.split()[:1]).upper())
+        return execute(sql, params, many, context)
+
+    body = json.dumps({"cart_mandate_id": "st1", "user_id": "u", "total": 5})
+    with connection.execute_wrapper(wrap):
+        answer = Client().post(
+            path,
+            data=body,
+            content_type="application/json",
+            HTTP_AUTHORIZATION="Bearer alice",
+            HTTP_IDEMPOTENCY_KEY=_key("st1", "u"),
+        )
+    return {"status": answer.status_code, "statements": seen, "rows": rows("st1")}
 
 
 def records() -> list[Any]:
@@ -220,3 +330,16 @@ def misuse() -> dict[str, str]:
 
     refused("atransaction", lambda: asyncio.run(in_async()))
     return seen
+
+
+def prepare() -> dict[str, Any]:
+    """The ``prepare_threshold`` the store's own PostgreSQL connections get (absent:
+    psycopg's default), and whether they keep Django's cursor class."""
+    from retrysafe.stores.django_postgres import connect_kwargs
+
+    kwargs = connect_kwargs("default")
+    return {
+        "given": "prepare_threshold" in kwargs,
+        "threshold": kwargs.get("prepare_threshold"),
+        "django_cursor": "cursor_factory" in kwargs,
+    }

@@ -11,7 +11,7 @@ from django.http import HttpRequest, JsonResponse
 from django.urls import path
 from django.views.decorators.csrf import csrf_exempt
 
-from django_orm_app.models import Order
+from django_orm_app.models import Line, Order
 
 
 def _order(order: Order) -> JsonResponse:
@@ -58,6 +58,13 @@ async def aorders(request: HttpRequest) -> JsonResponse:
     return _order(order)
 
 
+@csrf_exempt
+def lines(request: HttpRequest) -> JsonResponse:
+    """A line of an order that does not exist: Django checks the foreign key at COMMIT."""
+    line = Line.objects.create(order_id=999_999)
+    return JsonResponse({"line": line.pk}, status=201)
+
+
 def count(request: HttpRequest, mandate: str) -> JsonResponse:
     return JsonResponse({"orders": Order.objects.filter(cart_mandate_id=mandate).count()})
 
@@ -65,5 +72,6 @@ def count(request: HttpRequest, mandate: str) -> JsonResponse:
 urlpatterns = [
     path("orders", orders),
     path("aorders", aorders),
+    path("lines", lines),
     path("count/<str:mandate>", count),
 ]

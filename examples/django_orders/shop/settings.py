@@ -15,6 +15,7 @@ DEBUG = False
 ALLOWED_HOSTS = ["127.0.0.1", "localhost"]
 ROOT_URLCONF = "shop.urls"
 USE_TZ = True
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"  # (as the migration)
 
 INSTALLED_APPS = [
     "retrysafe.django",  # the records table (manage.py migrate) and the retrysafe_* commands

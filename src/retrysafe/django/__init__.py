@@ -68,7 +68,7 @@ from retrysafe._http.policy import HttpPolicy
 from retrysafe._http.problems import Response, problem, retry_after_header
 from retrysafe._http.request import Headers, HttpRequest
 from retrysafe.errors import BodyError, LeaseLostError, StoreUnavailableError
-from retrysafe.stores.django import DjangoStore
+from retrysafe.stores.django import DjangoStore, ViewBlock
 
 __all__ = ["DjangoStore", "IdempotencyMiddleware"]
 
@@ -226,6 +226,10 @@ def _exchange(
     return exchange
 
 
+class _Leave(Exception):
+    """Leaves the view's transaction without completing the record."""
+
+
 def _atomic_view(
     alias: str,
     policy: HttpPolicy,
@@ -233,7 +237,10 @@ def _atomic_view(
     stack: Held | AsyncExitStack,
     view: Callable[[], HttpResponseBase],
 ) -> tuple[HttpResponseBase, Exchange | None]:
-    """Run ``view`` in ``transaction.atomic(using=alias)`` and complete ``att`` in it.
+    """Run ``view`` in ``att.transaction()`` (``transaction.atomic(using=alias)``, the
+    outermost one) and complete ``att`` in it: the view's writes and the completion
+    commit together, and ``att`` is settled only once that COMMIT succeeded (a failed
+    COMMIT raises, and the attempt fails as when the view raises).
 
     Returns the response, and the exchange still to record unless the record was
     completed: a failure (a 5xx answer, or one that records nothing; the view's
@@ -241,20 +248,20 @@ def _atomic_view(
     view returned; the answer is recorded as it streams, as without a transaction).
     A lost lease or an unreachable store raises, after rolling everything back.
     """
-    from django.db import transaction
-
-    with transaction.atomic(using=alias):
-        response = view()
-        exchange = _exchange(policy, att, stack, response)
-        if response.streaming:
-            return response, exchange
-        failed, kept, _ = exchange.recorded()
-        if failed or kept is None:
-            transaction.set_rollback(True, using=alias)
-            return response, exchange
-        att.outcome = kept
-        with att.transaction():  # a savepoint of the block: the completion's UPDATE
-            pass
+    block = ViewBlock(alias)
+    try:
+        with att.transaction(block):
+            response = view()
+            exchange = _exchange(policy, att, stack, response)
+            if response.streaming:
+                block.commit = True
+                raise _Leave
+            failed, kept, _ = exchange.recorded()
+            if failed or kept is None:
+                raise _Leave  # rolls the view's writes back
+            att.outcome = kept  # completed by the transaction's last statement
+    except _Leave:
+        return response, exchange
     return response, None
 
 

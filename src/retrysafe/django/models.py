@@ -12,36 +12,28 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from django.conf import settings
 from django.db import models
 
 from retrysafe.stores.django import status_of
 
-__all__ = ["Record"]
+__all__ = ["Record", "RecordRow"]
 
 
 def _when(seconds: float | None) -> datetime | None:
     return None if seconds is None else datetime.fromtimestamp(seconds, UTC)
 
 
-class Record(models.Model):  # type: ignore[misc]  # (Django ships no types)
-    """One idempotency record, as the native store wrote it (read it, never write it)."""
+class RecordRow:
+    """What :class:`Record` reads of a row, beyond its columns."""
 
-    key_hash = models.BinaryField(primary_key=True)
-    operation = models.TextField()
-    status = models.SmallIntegerField()  # the code of retrysafe.Status (see status_name)
-    attempts = models.IntegerField()
-    created_at = models.FloatField()
-    updated_at = models.FloatField()
-    completed_at = models.FloatField(null=True)
-    lease_until = models.FloatField()
-    expires_at = models.FloatField()
-    response_status = models.IntegerField(null=True)
-
-    class Meta:
-        managed = False
-        db_table = "retrysafe_records"
-        app_label = "retrysafe"
-        ordering = ("-created_at",)
+    operation: str
+    status: int
+    created_at: float
+    completed_at: float | None
+    expires_at: float
+    key_hash: Any
+    _state: Any
 
     def __str__(self) -> str:
         return f"{self.operation or '(none)'} {self.status_name} {bytes(self.key_hash).hex()[:16]}"
@@ -76,3 +68,28 @@ class Record(models.Model):  # type: ignore[misc]  # (Django ships no types)
             return store.get(bytes(self.key_hash).hex())
         finally:
             store.close()
+
+
+# Django imports this module with its settings loaded; a walk of the package outside a
+# Django project (documentation tools, tests of the package) gets no model.
+if settings.configured:
+
+    class Record(RecordRow, models.Model):  # type: ignore[misc]  # (Django ships no types)
+        """One idempotency record, as the native store wrote it (read it, never write it)."""
+
+        key_hash = models.BinaryField(primary_key=True)
+        operation = models.TextField()
+        status = models.SmallIntegerField()  # the code of retrysafe.Status (see status_name)
+        attempts = models.IntegerField()
+        created_at = models.FloatField()
+        updated_at = models.FloatField()
+        completed_at = models.FloatField(null=True)
+        lease_until = models.FloatField()
+        expires_at = models.FloatField()
+        response_status = models.IntegerField(null=True)
+
+        class Meta:
+            managed = False
+            db_table = "retrysafe_records"
+            app_label = "retrysafe"
+            ordering = ("-created_at",)

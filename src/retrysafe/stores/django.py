@@ -1,4 +1,4 @@
-"""``django://alias``: records in a Django project's own database, on Django's connections.
+"""``django://alias``: records in a Django project's own database.
 
 :class:`DjangoStore` is the SQLite or PostgreSQL store, whichever the alias's
 database is, with every statement, the table, its migration, sweeps, stats and
@@ -7,17 +7,18 @@ the archive the native store's: the CLI pointed at the same database
 
 Two kinds of connection:
 
-* the store's own operations (claims, failures, replays, sweeps) run on a
-  connection per thread that Django makes from the alias's settings
-  (``connections.create_connection(alias)``), in autocommit: each commits on its
-  own, even when called inside the application's ``transaction.atomic()``;
+* the store's own operations (claims, failures, replays, sweeps) commit on their
+  own, on connections the store opens from the alias's settings (never Django's
+  ``connections[alias]``, nor a connection of Django's pool): on PostgreSQL the
+  native store's bounded pool, on SQLite a connection per thread, closed when the
+  thread ends;
 * the completion of :meth:`Attempt.transaction` runs on the thread's own
   ``django.db.connections[alias]`` (the one the ORM writes through) inside
   ``transaction.atomic(using=alias)``, so it commits with the ORM's writes or
   rolls back with them.
 
-Django's transactions are sync: the async operations run the sync ones in a
-worker thread, and :meth:`~DjangoStore.acompletion_transaction` is refused.
+Django's transactions are sync: :meth:`~DjangoStore.acompletion_transaction` is
+refused.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "DjangoSQLiteStore",
     "DjangoStore",
     "Links",
+    "ViewBlock",
     "alias_of",
     "status_of",
     "vendor_of",
@@ -91,30 +93,50 @@ def with_query(url: str, query: str) -> str:
     return f"{url}?{query}" if query else url
 
 
+class _Holder:
+    """A thread's connection, closed when the thread ends (its thread-local data goes)."""
+
+    __slots__ = ("__weakref__", "closer", "wrapper")
+
+    def __init__(self, wrapper: Any) -> None:
+        self.wrapper = wrapper
+        self.closer = weakref.finalize(self, _close, wrapper)
+
+
 class Links:
-    """The Django store's own connections: one Django connection per thread, in autocommit,
-    made from the alias's settings (never ``connections[alias]``, the thread's own,
-    which the application's transactions use). A forked child makes its own."""
+    """The Django SQLite store's own connections: one Django connection per thread, in
+    autocommit, made from the alias's settings (never ``connections[alias]``, the
+    thread's own, which the application's transactions use), closed when its thread
+    ends or by :meth:`close`. A forked child makes its own."""
 
     def __init__(self, alias: str, prepare: Callable[[Any], None]) -> None:
         self.alias = alias
         self.prepare = prepare  # called once on each new DB-API connection
         self.lock = threading.Lock()
+        self.closers: list[weakref.finalize[Any, Any]] = []
         self.forget()
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _forget(ref))
 
     def forget(self) -> None:
         """Drop every thread's connection without closing it (the parent's, after a fork)."""
+        for closer in self.closers:
+            closer.detach()
         self.local = threading.local()
-        self.wrappers: list[Any] = []
+        self.closers = []
+
+    def open(self) -> int:
+        """How many of the store's connections are open (one per live thread that used it)."""
+        with self.lock:
+            return sum(closer.alive for closer in self.closers)
 
     def raw(self) -> Any:
         """This thread's DB-API connection, connected (again, if it was closed)."""
-        wrapper = getattr(self.local, "wrapper", None)
-        if wrapper is not None and wrapper.connection is not None and not _closed(wrapper):
-            return wrapper.connection
-        if wrapper is not None:
+        holder = getattr(self.local, "holder", None)
+        if holder is not None:
+            wrapper = holder.wrapper
+            if wrapper.connection is not None and not _closed(wrapper):
+                return wrapper.connection
             self.drop()
         from django.db import connections
 
@@ -128,27 +150,26 @@ class Links:
         except BaseException:
             wrapper.close()
             raise
+        holder = _Holder(wrapper)
         with self.lock:
-            self.wrappers.append(wrapper)
-        self.local.wrapper = wrapper
+            self.closers = [closer for closer in self.closers if closer.alive]
+            self.closers.append(holder.closer)
+        self.local.holder = holder
         return wrapper.connection
 
     def drop(self) -> None:
         """Close this thread's connection (a broken one); the next use makes another."""
-        wrapper = self.local.__dict__.pop("wrapper", None)
-        if wrapper is not None:
-            with self.lock:
-                if wrapper in self.wrappers:
-                    self.wrappers.remove(wrapper)
-            _close(wrapper)
+        holder = self.local.__dict__.pop("holder", None)
+        if holder is not None:
+            holder.closer()
 
     def close(self) -> None:
         """Close every thread's connection; each thread makes a new one on its next use."""
         with self.lock:
-            wrappers, self.wrappers = self.wrappers, []
+            closers, self.closers = self.closers, []
         self.local = threading.local()
-        for wrapper in wrappers:
-            _close(wrapper)
+        for closer in closers:
+            closer()
 
 
 def _forget(ref: weakref.ref[Links]) -> None:
@@ -167,13 +188,27 @@ def _close(wrapper: Any) -> None:
         wrapper.close()
 
 
+class ViewBlock:
+    """What the transactional middleware passes to ``att.transaction()``: the alias's
+    completion transaction, which it may leave by an exception after :attr:`commit`
+    was set, and then commits the block's writes without completing the record (a
+    streamed answer, recorded as it streams). Without it, an exception rolls back."""
+
+    __slots__ = ("alias", "commit")
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+        #: True: leaving the block by an exception commits its writes all the same.
+        self.commit = False
+
+
 class DjangoStore:
     """The store of a Django database alias: ``DjangoStore(using="default")``.
 
     It is a :class:`~retrysafe.stores.sqlite.SQLiteStore` or a
     :class:`~retrysafe.stores.postgres.PostgresStore` (whichever the alias's
-    database is) whose connections are Django's; keyword ``options`` go to that
-    store (``timeout``, ``synchronous``; ``table``, ``auto_migrate``,
+    database is), connected from the alias's settings; keyword ``options`` go to that
+    store (``timeout``, ``synchronous``; ``table``, ``max_size``, ``auto_migrate``,
     ``partitioned``, …), and ``query`` is that store's URL query
     (``django://default?table=name`` gives ``table=name``). Opening it never
     connects. Another vendor (MySQL, Oracle, …) is a ValueError.
@@ -208,22 +243,33 @@ class DjangoStore:
 
         The block's ORM writes and the completion commit together when the
         outermost ``atomic()`` commits: inside an ``atomic()`` of the
-        application's (or ``ATOMIC_REQUESTS``), this is a savepoint of it, and the
-        completion commits when that outer block does (or rolls back with it).
-        ``connection``, if given, must be that connection (or the alias).
+        application's, this is a savepoint of it, and the completion commits
+        when that outer block does (or rolls back with it). ``connection``, if
+        given, must be that connection, the alias, or a :class:`ViewBlock` of it.
         """
         from django.db import connections, transaction
 
         alias = self.alias
         wrapper = connections[alias]
+        block = connection if isinstance(connection, ViewBlock) else None
+        if block is not None:
+            connection = block.alias
         if connection is not None and connection is not wrapper and connection != alias:
             raise ValueError(
                 f"the Django store of {alias!r} completes on django.db.connections[{alias!r}] "
                 f"(the thread's connection), not on {connection!r}"
             )
+        escaped: BaseException | None = None
         with transaction.atomic(using=alias):
             raw = wrapper.connection  # connected by atomic()
-            yield Transaction(wrapper, lambda op: self._in_transaction(raw, op))
+            try:
+                yield Transaction(wrapper, lambda op: self._in_transaction(raw, op))
+            except BaseException as exc:
+                if block is None or not block.commit:
+                    raise
+                escaped = exc  # (leaving atomic() without it commits the block's writes)
+        if escaped is not None:
+            raise escaped
 
     def acompletion_transaction(
         self, connection: Any = None

@@ -1,39 +1,29 @@
 """The Django store on PostgreSQL (see :mod:`retrysafe.stores.django`): the native
-PostgreSQL store's statements on Django's psycopg 3 connections."""
+PostgreSQL store, its pools and statements, on connections made from the alias's
+settings."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, cast
 
 import psycopg
+from psycopg import sql
 
-from retrysafe.stores.django import DjangoStore, Links, with_query
+from retrysafe.stores.django import DjangoStore, with_query
 from retrysafe.stores.postgres import SCHEMA_VERSION, PostgresStore
 from retrysafe.stores.postgres.connection import UNAVAILABLE_ERRORS
 from retrysafe.stores.postgres.transactions import completion_failed
 
-__all__ = ["DjangoPostgresStore"]
+__all__ = ["DjangoPostgresStore", "connect_kwargs"]
 
-
-class _Lender:
-    """The one-connection "pool" :meth:`PostgresConnections._checkout` takes from: this
-    thread's connection (a new one if it was closed), so that the native checkout
-    (skipping a connection the server dropped, migrating once) runs unchanged."""
-
-    def __init__(self, links: Links) -> None:
-        self.links = links
-
-    def getconn(self) -> Any:
-        return self.links.raw()
-
-    def putconn(self, conn: Any) -> None:
-        if conn.closed:
-            self.links.drop()
+#: What Django's connection parameters hold for its own connections only: its
+#: cursor class (client-side binding) and its adapters (time zones for the ORM).
+_DJANGO_ONLY = ("cursor_factory", "context")
 
 
 class _Lent:
-    """:class:`_Lender` of one given connection (``manage.py migrate``'s)."""
+    """The one-connection "pool" :meth:`PostgresConnections._checkout` takes from
+    (``manage.py migrate``'s connection), so the native migration runs unchanged."""
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
@@ -45,19 +35,27 @@ class _Lent:
         pass
 
 
-def _server_binding(conn: psycopg.Connection[Any]) -> None:
-    """The store's own connections bind parameters on the server and prepare their
-    statements, as the native store's do (Django's cursor factory binds them
-    client-side, and Django turns preparing off for connection poolers)."""
-    conn.cursor_factory = psycopg.Cursor
-    conn.prepare_threshold = 5  # psycopg's default
+def connect_kwargs(alias: str) -> dict[str, Any]:
+    """psycopg's connect arguments for the store's own connections to ``alias``: Django's
+    (``DatabaseWrapper.get_connection_params()``: the database, the user, ``OPTIONS``),
+    without its cursor class and adapters. ``prepare_threshold`` is the alias's only if
+    ``OPTIONS`` sets it (Django's default, None, is for transaction poolers: a user who
+    keeps it off behind pgbouncer says so there); otherwise psycopg's default."""
+    from django.db import connections
+
+    conf = connections.settings[alias]
+    params = dict(connections[alias].get_connection_params())
+    for name in _DJANGO_ONLY:
+        params.pop(name, None)
+    if "prepare_threshold" not in conf.get("OPTIONS", {}):
+        params.pop("prepare_threshold", None)
+    return params
 
 
 class DjangoPostgresStore(DjangoStore, PostgresStore):  # type: ignore[misc]  # (its acompletion_transaction refuses)
-    """:class:`DjangoStore` on PostgreSQL (psycopg 3): the native statements on Django's
-    connections."""
-
-    drive_inline = True  # its async calls are a thread hop
+    """:class:`DjangoStore` on PostgreSQL (psycopg 3): the native store, its bounded pools
+    (``min_size``/``max_size``) of connections made from the alias's settings, never
+    taken from nor given back to Django's (``OPTIONS["pool"]``)."""
 
     def __init__(self, using: str = "default", *, query: str = "", **options: Any) -> None:
         from django.db import connections
@@ -65,25 +63,33 @@ class DjangoPostgresStore(DjangoStore, PostgresStore):  # type: ignore[misc]  # 
 
         if not is_psycopg3:
             raise ValueError(f"django://{using}: the Django store needs psycopg 3, not psycopg2")
-        conf = connections.settings[using]
-        host = conf.get("HOST") or "localhost"
-        port = conf.get("PORT") or 5432
-        url = f"postgresql://{host}:{port}/{conf.get('NAME') or 'postgres'}"
-        PostgresStore.__init__(self, with_query(url, query), **options)
+        # The native options (table, pool sizes, ...) as the native store reads them; the
+        # connection itself is Django's (the URL's host and database are never used).
+        PostgresStore.__init__(self, with_query("postgresql://django", query), **options)
+        params = connect_kwargs(using)
+        kwargs = self._conn_kwargs
+        if "connect_timeout" in params:
+            self.connect_timeout = float(params["connect_timeout"])
+            kwargs.pop("connect_timeout", None)
+        self._conninfo = ""
+        self._conn_kwargs = {**kwargs, **params, "autocommit": True}
+        self._role = connections.settings[using].get("OPTIONS", {}).get("assume_role")
+        host = params.get("host") or "localhost"
+        where = f"{host}:{params.get('port') or 5432}/{params.get('dbname') or ''}"
+        self._where = f"{where} (table {self.table}, Django alias {using!r})"
         self.alias, self.url = using, f"django://{using}"
-        self._links = Links(using, _server_binding)
-        self._lender = _Lender(self._links)
 
-    def _take(self) -> psycopg.Connection[Any]:
-        return self._checkout(cast(Any, self._lender))
+    def _pool_kwargs(self) -> dict[str, Any]:
+        """The native pools' arguments, with the alias's ``assume_role`` (Django sets it on
+        each of its connections) set on each new connection."""
+        kwargs = super()._pool_kwargs()
+        if self._role:
+            kwargs["configure"] = self._assume_role
+        return kwargs
 
-    def _give(self, conn: psycopg.Connection[Any], broken: bool = False) -> None:
-        idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-        if broken or conn.closed or not idle:
-            self._links.drop()
-
-    async def _arun(self, op: Any) -> Any:
-        return await asyncio.to_thread(self._run, op)
+    def _assume_role(self, conn: Any) -> Any:
+        query = sql.SQL("SET ROLE {}").format(sql.Identifier(self._role))
+        return conn.execute(query)  # (an AsyncConnection's: a coroutine the pool awaits)
 
     def _migrate_raw(self, raw: Any) -> int:
         self._migrated, self._rewrite_allowed = False, True
@@ -96,13 +102,6 @@ class DjangoPostgresStore(DjangoStore, PostgresStore):  # type: ignore[misc]  # 
         except UNAVAILABLE_ERRORS as exc:
             raise completion_failed(exc) from exc
         return bool(op.parse(cur.rowcount, None))
-
-    def close(self) -> None:
-        """Close the store's own connections (never the application's)."""
-        self._links.close()
-
-    async def aclose(self) -> None:
-        await asyncio.to_thread(self.close)
 
     def __repr__(self) -> str:
         return f"<DjangoStore django://{self.alias} postgresql table={self.table}>"
