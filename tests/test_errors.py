@@ -31,6 +31,8 @@ PUBLIC = [
     "retrysafe.asgi",
     "retrysafe.wsgi",
     "retrysafe.django",
+    "retrysafe.sqlalchemy",
+    "retrysafe.mcp",
     "retrysafe.fastapi",
     "retrysafe.gateway",
     "retrysafe.mesh",
