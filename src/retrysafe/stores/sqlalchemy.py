@@ -455,10 +455,13 @@ class SQLAlchemySQLiteStore(SessionTransactions, SQLiteStore):
     def _in_run_sync(self, conn: Connection, op: Callable[[Any], Any]) -> Any:
         view = _DriverSQL(conn)
         level = view.driver.isolation_level
-        # the adapter sets it in the driver's thread: no statement (SQLAlchemy's
-        # AUTOCOMMIT option would cost a PRAGMA when the connection goes back)
-        view.dbapi.isolation_level = None
         try:
+            # the adapter queues the change on the driver's thread and awaits it: no
+            # statement (SQLAlchemy's AUTOCOMMIT option would cost a PRAGMA on return).
+            # Inside the try: a task cancelled during that await still queues the
+            # restore after it (the thread runs them in order), so the connection never
+            # goes back to the application's pool in autocommit mode.
+            view.dbapi.isolation_level = None
             if not self._migrated:
                 self._first_use(view)
             return op(view)
