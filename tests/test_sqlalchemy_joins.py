@@ -10,10 +10,13 @@ from typing import Any
 
 import pytest
 import sqlalchemy
-from sqlalchemy.ext.asyncio import create_async_engine
-from test_sqlalchemy import Db, db, order_model, sync_store  # noqa: F401 (fixtures)
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
+from test_sqlalchemy import Db, db, order_model, run_async_engine, sync_store  # noqa: F401
 
 from retrysafe import Engine, Outcome
+from retrysafe._model.hashing import key_hash
+from retrysafe._model.record import Status
 from retrysafe.sqlalchemy import SQLAlchemyStore
 
 
@@ -42,3 +45,44 @@ def test_a_cancelled_aiosqlite_op_gives_the_connection_back_as_it_was(tmp_path: 
 
     levels = asyncio.run(main())
     assert levels == [""] * 70
+
+
+@pytest.mark.parametrize("other", ["a second engine", "an AUTOCOMMIT option engine"])
+def test_a_mapper_bound_to_a_second_connection_of_the_same_database_is_refused(
+    db: Db, sync_store: Any, other: str
+) -> None:
+    """Two connections are two transactions, committed one by one (the completion's could
+    land first), and an AUTOCOMMIT one commits at the flush: refused as the connection
+    joins, before its first statement."""
+    engine, Order = Engine(sync_store), db.model()
+    second = (
+        db.engine()
+        if other == "a second engine"
+        else sync_store.engine.execution_options(isolation_level="AUTOCOMMIT")
+    )
+    with (
+        pytest.raises(ValueError, match="binds"),
+        engine.attempt("k", operation="order") as att,
+        Session(sync_store.engine, binds={Order: second}) as session,
+        att.transaction(session),
+    ):
+        session.add(Order(cart_mandate_id="m", user_id="u", amount=1))
+        session.flush()
+        att.outcome = Outcome.json(1)
+    assert db.rows() == []
+    assert sync_store.get(key_hash("", "order", "k")).status is Status.FAILED
+
+    async def main(aengine: Engine, Order: Any) -> Any:
+        auto = aengine.store.engine.execution_options(isolation_level="AUTOCOMMIT")
+        with pytest.raises(ValueError, match="binds"):
+            async with (
+                aengine.attempt("k2", operation="order") as att,
+                AsyncSession(aengine.store.engine, binds={Order: auto}) as session,
+                att.atransaction(session),
+            ):
+                session.add(Order(cart_mandate_id="m", user_id="u", amount=1))
+                await session.flush()
+        return await aengine.store.aget(key_hash("", "order", "k2"))
+
+    assert run_async_engine(db, main).status is Status.FAILED
+    assert db.rows() == []

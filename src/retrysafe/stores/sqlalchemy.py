@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 from retrysafe.errors import MissingExtraError, StoreUnavailableError
 
 try:
+    from sqlalchemy import event
     from sqlalchemy.engine import Connection, Engine
     from sqlalchemy.exc import SQLAlchemyError
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
@@ -234,6 +235,37 @@ def _borrowed_error(store: Any, exc: SQLAlchemyError) -> StoreUnavailableError:
     )
 
 
+def _only(joined: Connection, new: Connection) -> None:
+    """ValueError unless ``new`` is the connection the block joined: a second one (a
+    ``binds=`` mapping, even to the same database) is a second transaction, which
+    would commit apart from the completion."""
+    if new is not joined:
+        raise ValueError(
+            f"the session also writes through a second connection ({new.engine.url!r}, "
+            "binds=): it would commit apart from the completion; bind every mapper to "
+            "the session's one engine"
+        )
+
+
+@contextmanager
+def _one_connection(session: Any, joined: Connection) -> Iterator[None]:
+    """While the block runs, refuse any connection but ``joined`` as it joins ``session``'s
+    transaction (``after_begin``), before its first statement: an AUTOCOMMIT bind
+    would otherwise commit at the flush."""
+    if not isinstance(session, Session):
+        yield
+        return
+
+    def joining(_session: Session, _transaction: Any, new: Connection) -> None:
+        _only(joined, new)
+
+    event.listen(session, "after_begin", joining)
+    try:
+        yield
+    finally:
+        event.remove(session, "after_begin", joining)
+
+
 class SessionTransactions:
     """The application transaction of the SQLAlchemy stores: a :class:`Session` or
     :class:`Connection` of the store's engine (:class:`AsyncSession` or
@@ -287,26 +319,23 @@ class SessionTransactions:
 
     def _joinable(self, session: Session | Connection) -> Connection:
         """``session``'s connection (a Session's begins its transaction), or ValueError if
-        its statements commit one by one: checked as the block begins, before any write."""
+        its statements commit one by one, or if the Session's transaction holds another
+        connection: checked as the block begins, before any write."""
         conn = session.connection() if isinstance(session, Session) else session
         if _autocommit(conn):
             raise ValueError(
                 "the session's connection is in autocommit mode (isolation_level="
                 "'AUTOCOMMIT'): its writes would commit apart from the completion"
             )
+        if isinstance(session, Session):
+            for held in _held_connections(session):
+                _only(conn, held)
         return conn
 
     def _settle_in(self, session: Session | Connection, op: Any) -> bool:
         """Flush the session and run ``op`` in its transaction (sync, or under ``run_sync``)."""
         if isinstance(session, Session):
             session.flush()
-            ours = sync_engine(self.engine)
-            for held in _held_connections(session):
-                if not _same_database(ours, held.engine):
-                    raise ValueError(
-                        f"the session also writes through {held.engine.url!r} (binds=): "
-                        f"that would commit apart from the completion in {ours.url!r}"
-                    )
         return self._complete_in(self._joinable(session), op)
 
     def _checked(self, given: Any, kinds: tuple[type[Any], ...]) -> Any:
@@ -344,9 +373,9 @@ class SessionTransactions:
             else self._checked(connection, (Session, Connection))
         )
         try:
-            self._joinable(session)
-            yield Transaction(session, partial(self._settle_in, session))
-            session.commit()
+            with _one_connection(session, self._joinable(session)):
+                yield Transaction(session, partial(self._settle_in, session))
+                session.commit()
         except BaseException:
             session.rollback()
             raise
@@ -376,10 +405,11 @@ class SessionTransactions:
         async def run(op: Any) -> bool:
             return bool(await session.run_sync(self._settle_in, op))
 
+        sync_session = session.sync_session if isinstance(session, AsyncSession) else None
         try:
-            await session.run_sync(self._joinable)
-            yield AsyncTransaction(session, run)
-            await session.commit()
+            with _one_connection(sync_session, await session.run_sync(self._joinable)):
+                yield AsyncTransaction(session, run)
+                await session.commit()
         except BaseException:
             await session.rollback()
             raise
