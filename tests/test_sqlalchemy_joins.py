@@ -86,3 +86,44 @@ def test_a_mapper_bound_to_a_second_connection_of_the_same_database_is_refused(
 
     assert run_async_engine(db, main).status is Status.FAILED
     assert db.rows() == []
+
+
+def test_a_connection_not_yet_begun_under_the_pysqlite_savepoint_recipe_is_joined(
+    tmp_path: Path,
+) -> None:
+    """Under SQLAlchemy's recipe (isolation_level=None on connect, BEGIN on SQLAlchemy's
+    begin) a Connection's first statement begins a real transaction: joined as a Session
+    is, its insert and the completion commit together, and an error rolls both back."""
+    app = sqlalchemy.create_engine(f"sqlite:///{tmp_path}/shop.db")
+
+    @sqlalchemy.event.listens_for(app, "connect")
+    def _connect(dbapi: Any, _record: Any) -> None:
+        dbapi.isolation_level = None
+
+    @sqlalchemy.event.listens_for(app, "begin")
+    def _begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN")
+
+    Order = order_model("orders")
+    Order.metadata.create_all(app)
+    store = SQLAlchemyStore(app)
+    engine = Engine(store)
+    insert = "INSERT INTO orders (cart_mandate_id, user_id, amount) VALUES (?, 'u', 1)"
+    with (
+        pytest.raises(KeyError),
+        engine.attempt("k1", operation="order") as att,
+        app.connect() as conn,
+        att.transaction(conn),
+    ):
+        conn.exec_driver_sql(insert, ("a",))
+        raise KeyError("declined")
+    with engine.attempt("k2", operation="order") as att, app.connect() as conn:
+        with att.transaction(conn):
+            conn.exec_driver_sql(insert, ("b",))
+            att.outcome = Outcome.json(1)
+    with app.connect() as conn:
+        rows = list(conn.exec_driver_sql("SELECT cart_mandate_id FROM orders"))
+    assert rows == [("b",)]
+    assert store.get(key_hash("", "order", "k1")).status is Status.FAILED
+    assert store.get(key_hash("", "order", "k2")).status is Status.COMPLETED
+    app.dispose()

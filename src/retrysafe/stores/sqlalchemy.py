@@ -193,22 +193,26 @@ class _Savepoint:
 # -- the application transaction: a Session of the engine --------------------------------
 
 
-def _autocommit(conn: Connection) -> bool:
-    """Whether statements on ``conn`` commit one by one (read locally, no statement):
-    SQLAlchemy's ``AUTOCOMMIT`` isolation level (the connection's or the engine's), or a
-    driver in autocommit mode outside a transaction. On SQLite a driver with
-    ``isolation_level=None`` inside a transaction it was told to ``BEGIN`` (SQLAlchemy's
-    recipe for SAVEPOINTs on pysqlite) is a real transaction, accepted."""
+def _autocommit(conn: Connection) -> str | None:
+    """Why statements on ``conn`` would commit one by one, or None (read locally, no
+    statement): SQLAlchemy's ``AUTOCOMMIT`` isolation level (the connection's or the
+    engine's), or a driver in autocommit mode outside a transaction. On SQLite a driver
+    with ``isolation_level=None`` inside a transaction it was told to ``BEGIN``
+    (SQLAlchemy's recipe for SAVEPOINTs on pysqlite) is a real transaction, accepted."""
     level = conn.get_execution_options().get("isolation_level")
     if level is None:
         level = getattr(conn.dialect, "_on_connect_isolation_level", None)
     if level == "AUTOCOMMIT":
-        return True
+        return "its isolation_level is 'AUTOCOMMIT'"
     fairy = conn.connection
     if conn.dialect.name == "sqlite":
         driver: Any = fairy.driver_connection
-        return driver.isolation_level is None and not driver.in_transaction
-    return bool(getattr(fairy.dbapi_connection, "autocommit", False))
+        if driver.isolation_level is None and not driver.in_transaction:
+            return "its sqlite3 driver has isolation_level=None and began no transaction"
+        return None
+    if getattr(fairy.dbapi_connection, "autocommit", False):
+        return "its psycopg driver has autocommit on"
+    return None
 
 
 def _one_connection_pool(engine: Engine) -> bool:
@@ -321,11 +325,19 @@ class SessionTransactions:
         """``session``'s connection (a Session's begins its transaction), or ValueError if
         its statements commit one by one, or if the Session's transaction holds another
         connection: checked as the block begins, before any write."""
-        conn = session.connection() if isinstance(session, Session) else session
-        if _autocommit(conn):
+        if isinstance(session, Session):
+            conn = session.connection()
+        else:
+            conn = session
+            if not conn.in_transaction():
+                # as a Session's connection() does: its first statement would begin
+                # anyway (SQLAlchemy's pysqlite recipe sends BEGIN then)
+                conn.begin()
+        why = _autocommit(conn)
+        if why is not None:
             raise ValueError(
-                "the session's connection is in autocommit mode (isolation_level="
-                "'AUTOCOMMIT'): its writes would commit apart from the completion"
+                f"the session's connection is in autocommit mode ({why}): its writes "
+                "would commit apart from the completion"
             )
         if isinstance(session, Session):
             for held in _held_connections(session):
