@@ -12,7 +12,13 @@ import pytest
 import sqlalchemy
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
-from test_sqlalchemy import Db, db, order_model, run_async_engine, sync_store  # noqa: F401
+from test_sqlalchemy import (  # noqa: F401 (db and sync_store: the fixtures)
+    Db,
+    db,
+    order_model,
+    run_async_engine,
+    sync_store,
+)
 
 from retrysafe import Engine, Outcome
 from retrysafe._model.hashing import key_hash
@@ -49,7 +55,9 @@ def test_a_cancelled_aiosqlite_op_gives_the_connection_back_as_it_was(tmp_path: 
 
 @pytest.mark.parametrize("other", ["a second engine", "an AUTOCOMMIT option engine"])
 def test_a_mapper_bound_to_a_second_connection_of_the_same_database_is_refused(
-    db: Db, sync_store: Any, other: str
+    db: Db,  # noqa: F811 (test_sqlalchemy's fixture)
+    sync_store: Any,  # noqa: F811
+    other: str,
 ) -> None:
     """Two connections are two transactions, committed one by one (the completion's could
     land first), and an AUTOCOMMIT one commits at the flush: refused as the connection
@@ -117,13 +125,33 @@ def test_a_connection_not_yet_begun_under_the_pysqlite_savepoint_recipe_is_joine
     ):
         conn.exec_driver_sql(insert, ("a",))
         raise KeyError("declined")
-    with engine.attempt("k2", operation="order") as att, app.connect() as conn:
-        with att.transaction(conn):
-            conn.exec_driver_sql(insert, ("b",))
-            att.outcome = Outcome.json(1)
+    with engine.attempt("k2", operation="order") as att, app.connect() as c, att.transaction(c):
+        c.exec_driver_sql(insert, ("b",))
+        att.outcome = Outcome.json(1)
     with app.connect() as conn:
         rows = list(conn.exec_driver_sql("SELECT cart_mandate_id FROM orders"))
     assert rows == [("b",)]
     assert store.get(key_hash("", "order", "k1")).status is Status.FAILED
     assert store.get(key_hash("", "order", "k2")).status is Status.COMPLETED
     app.dispose()
+
+
+@pytest.mark.parametrize("pool", ["StaticPool", "SingletonThreadPool", "AssertionPool"])
+def test_a_postgres_engine_on_a_pool_of_one_connection_is_refused(pool: str) -> None:
+    """The store cannot borrow from it, and a pool of its own built from the URL would
+    drop the engine's connect_args (a search_path: claims in one schema, the completion
+    in another; an sslmode): refused, sync or async, naming the pool. No connection is
+    opened to find out."""
+    import sqlalchemy.pool
+
+    poolclass = getattr(sqlalchemy.pool, pool)
+    url = "postgresql+psycopg://app@localhost:1/shop"
+    args = {"options": "-c search_path=shop"}
+    sync = sqlalchemy.create_engine(url, poolclass=poolclass, connect_args=args)
+    with pytest.raises(ValueError, match=pool):
+        SQLAlchemyStore(sync)
+    if pool != "SingletonThreadPool":  # not an async pool
+        aengine = create_async_engine(url, poolclass=poolclass, connect_args=args)
+        with pytest.raises(ValueError, match=pool):
+            SQLAlchemyStore(aengine)
+    sync.dispose()
