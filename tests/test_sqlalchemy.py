@@ -918,9 +918,9 @@ def test_a_pool_of_one_connection_never_lends_the_sessions_own(db: Db, pool: str
     app.dispose()
 
 
-def test_sqlalchemys_pysqlite_savepoint_recipe_is_a_transaction(tmp_path: Path) -> None:
-    """isolation_level=None on connect plus BEGIN on SQLAlchemy's begin: a real transaction
-    (SAVEPOINTs work), not autocommit."""
+def savepoint_recipe_app(tmp_path: Path) -> tuple[sqlalchemy.Engine, Any, Engine, Any]:
+    """(engine, store, Engine, Order) on a SQLite file under SQLAlchemy's pysqlite recipe
+    for SAVEPOINTs: isolation_level=None on connect, BEGIN on SQLAlchemy's begin."""
     app = sqlalchemy.create_engine(f"sqlite:///{tmp_path}/shop.db")
 
     @sqlalchemy.event.listens_for(app, "connect")
@@ -934,7 +934,13 @@ def test_sqlalchemys_pysqlite_savepoint_recipe_is_a_transaction(tmp_path: Path) 
     Order = order_model("orders")
     Order.metadata.create_all(app)
     store = SQLAlchemyStore(app)
-    engine = Engine(store)
+    return app, store, Engine(store), Order
+
+
+def test_sqlalchemys_pysqlite_savepoint_recipe_is_a_transaction(tmp_path: Path) -> None:
+    """isolation_level=None on connect plus BEGIN on SQLAlchemy's begin: a real transaction
+    (SAVEPOINTs work), not autocommit."""
+    app, store, engine, Order = savepoint_recipe_app(tmp_path)
     with engine.attempt("k", operation="order") as att, Session(app) as s, att.transaction(s):
         s.add(Order(cart_mandate_id="a", user_id="u", amount=1))
         with pytest.raises(IntegrityError), s.begin_nested():  # a SAVEPOINT rolled back

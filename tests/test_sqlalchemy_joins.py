@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 from test_sqlalchemy import (  # noqa: F401 (db and sync_store: the fixtures)
@@ -17,6 +16,7 @@ from test_sqlalchemy import (  # noqa: F401 (db and sync_store: the fixtures)
     db,
     order_model,
     run_async_engine,
+    savepoint_recipe_app,
     sync_store,
 )
 
@@ -102,20 +102,7 @@ def test_a_connection_not_yet_begun_under_the_pysqlite_savepoint_recipe_is_joine
     """Under SQLAlchemy's recipe (isolation_level=None on connect, BEGIN on SQLAlchemy's
     begin) a Connection's first statement begins a real transaction: joined as a Session
     is, its insert and the completion commit together, and an error rolls both back."""
-    app = sqlalchemy.create_engine(f"sqlite:///{tmp_path}/shop.db")
-
-    @sqlalchemy.event.listens_for(app, "connect")
-    def _connect(dbapi: Any, _record: Any) -> None:
-        dbapi.isolation_level = None
-
-    @sqlalchemy.event.listens_for(app, "begin")
-    def _begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN")
-
-    Order = order_model("orders")
-    Order.metadata.create_all(app)
-    store = SQLAlchemyStore(app)
-    engine = Engine(store)
+    app, store, engine, _ = savepoint_recipe_app(tmp_path)
     insert = "INSERT INTO orders (cart_mandate_id, user_id, amount) VALUES (?, 'u', 1)"
     with (
         pytest.raises(KeyError),
