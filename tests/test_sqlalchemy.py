@@ -769,25 +769,37 @@ def test_a_stale_async_worker_gets_lease_lost_and_its_session_rolls_back(
     assert record.outcome is None
 
 
+_ASYNC_RACERS = 4  # threads per process
+
+
 def _setup_async_race(_store: Any, async_url: str, options: dict[str, Any], table: str) -> Any:
-    """Each racer thread runs acreate_order on an AsyncEngine store of its own loop."""
+    """Each racer thread runs acreate_order on an AsyncEngine store of its own loop, built
+    and migrated here, before the barrier (the racers then start together)."""
     Order = order_model(table)
 
-    def racer(who: Any) -> Any:
+    async def ready() -> Any:
+        store = SQLAlchemyStore(create_async_engine(async_url), **options)
+        await store.aget("warm")  # migrates
+        await store.engine.dispose()  # its connections were this loop's
+        return store
+
+    stores = [asyncio.run(ready()) for _ in range(_ASYNC_RACERS)]
+
+    def racer(who: str) -> Any:
+        store = stores[int(who.rsplit("-", 1)[1])]
+
         async def main() -> Any:
-            aengine = create_async_engine(async_url)
-            engine = Engine(SQLAlchemyStore(aengine, **options), wait=60)
             try:
-                return await acreate_order(engine, Order, "m", "u", 9)
+                return await acreate_order(Engine(store, wait=60), Order, "m", "u", 9)
             finally:
-                await aengine.dispose()
+                await store.engine.dispose()
 
         return asyncio.run(main())
 
     return racer
 
 
-def test_racing_processes_with_async_sessions_create_one_order(db: Db) -> None:
+def test_racing_processes_with_async_sessions_create_one_order(db: Db, sync_store: Any) -> None:
     answers = race_processes(
         db.spec,
         _setup_async_race,
@@ -795,10 +807,14 @@ def test_racing_processes_with_async_sessions_create_one_order(db: Db) -> None:
         db.spec.options,
         db.orders,
         processes=4,
-        threads=4,
+        threads=_ASYNC_RACERS,
     )
     assert answers == [{"cart_mandate_id": "m", "user_id": "u", "amount": 9}] * 16
     assert db.rows() == [("m", "u", 9)]
+    # one racer ran the body (a second run would answer the same and add no row):
+    # one claim, completed; the 15 others replayed it
+    record = _record(sync_store, "m", "u")
+    assert record.status is Status.COMPLETED and record.attempts == 1
 
 
 # -- what the block may not be, and what the store must not touch --------------------------------
@@ -872,8 +888,15 @@ def test_a_pool_of_one_connection_never_lends_the_sessions_own(db: Db, pool: str
     import sqlalchemy.pool
 
     options: dict[str, Any] = {"poolclass": getattr(sqlalchemy.pool, pool)}
-    if db.sqlite:
-        options["connect_args"] = {"check_same_thread": False}
+    if not db.sqlite:
+        # PostgreSQL: refused (a pool of the store's own, built from the URL, would drop
+        # the engine's connect_args: search_path, sslmode…); see test_sqlalchemy_joins
+        app = sqlalchemy.create_engine(db.spec.url, **options)
+        with pytest.raises(ValueError, match=pool):
+            SQLAlchemyStore(app, **db.spec.options)
+        app.dispose()
+        return
+    options["connect_args"] = {"check_same_thread": False}
     app = sqlalchemy.create_engine(db.spec.url, **options)
     store = SQLAlchemyStore(app, **db.spec.options)
     engine, Order = Engine(store), db.model()
@@ -895,9 +918,9 @@ def test_a_pool_of_one_connection_never_lends_the_sessions_own(db: Db, pool: str
     app.dispose()
 
 
-def test_sqlalchemys_pysqlite_savepoint_recipe_is_a_transaction(tmp_path: Path) -> None:
-    """isolation_level=None on connect plus BEGIN on SQLAlchemy's begin: a real transaction
-    (SAVEPOINTs work), not autocommit."""
+def savepoint_recipe_app(tmp_path: Path) -> tuple[sqlalchemy.Engine, Any, Engine, Any]:
+    """(engine, store, Engine, Order) on a SQLite file under SQLAlchemy's pysqlite recipe
+    for SAVEPOINTs: isolation_level=None on connect, BEGIN on SQLAlchemy's begin."""
     app = sqlalchemy.create_engine(f"sqlite:///{tmp_path}/shop.db")
 
     @sqlalchemy.event.listens_for(app, "connect")
@@ -911,7 +934,13 @@ def test_sqlalchemys_pysqlite_savepoint_recipe_is_a_transaction(tmp_path: Path) 
     Order = order_model("orders")
     Order.metadata.create_all(app)
     store = SQLAlchemyStore(app)
-    engine = Engine(store)
+    return app, store, Engine(store), Order
+
+
+def test_sqlalchemys_pysqlite_savepoint_recipe_is_a_transaction(tmp_path: Path) -> None:
+    """isolation_level=None on connect plus BEGIN on SQLAlchemy's begin: a real transaction
+    (SAVEPOINTs work), not autocommit."""
+    app, store, engine, Order = savepoint_recipe_app(tmp_path)
     with engine.attempt("k", operation="order") as att, Session(app) as s, att.transaction(s):
         s.add(Order(cart_mandate_id="a", user_id="u", amount=1))
         with pytest.raises(IntegrityError), s.begin_nested():  # a SAVEPOINT rolled back

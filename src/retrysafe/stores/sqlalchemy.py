@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 from retrysafe.errors import MissingExtraError, StoreUnavailableError
 
 try:
+    from sqlalchemy import event
     from sqlalchemy.engine import Connection, Engine
     from sqlalchemy.exc import SQLAlchemyError
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
@@ -192,22 +193,26 @@ class _Savepoint:
 # -- the application transaction: a Session of the engine --------------------------------
 
 
-def _autocommit(conn: Connection) -> bool:
-    """Whether statements on ``conn`` commit one by one (read locally, no statement):
-    SQLAlchemy's ``AUTOCOMMIT`` isolation level (the connection's or the engine's), or a
-    driver in autocommit mode outside a transaction. On SQLite a driver with
-    ``isolation_level=None`` inside a transaction it was told to ``BEGIN`` (SQLAlchemy's
-    recipe for SAVEPOINTs on pysqlite) is a real transaction, accepted."""
+def _autocommit(conn: Connection) -> str | None:
+    """Why statements on ``conn`` would commit one by one, or None (read locally, no
+    statement): SQLAlchemy's ``AUTOCOMMIT`` isolation level (the connection's or the
+    engine's), or a driver in autocommit mode outside a transaction. On SQLite a driver
+    with ``isolation_level=None`` inside a transaction it was told to ``BEGIN``
+    (SQLAlchemy's recipe for SAVEPOINTs on pysqlite) is a real transaction, accepted."""
     level = conn.get_execution_options().get("isolation_level")
     if level is None:
         level = getattr(conn.dialect, "_on_connect_isolation_level", None)
     if level == "AUTOCOMMIT":
-        return True
+        return "its isolation_level is 'AUTOCOMMIT'"
     fairy = conn.connection
     if conn.dialect.name == "sqlite":
         driver: Any = fairy.driver_connection
-        return driver.isolation_level is None and not driver.in_transaction
-    return bool(getattr(fairy.dbapi_connection, "autocommit", False))
+        if driver.isolation_level is None and not driver.in_transaction:
+            return "its sqlite3 driver has isolation_level=None and began no transaction"
+        return None
+    if getattr(fairy.dbapi_connection, "autocommit", False):
+        return "its psycopg driver has autocommit on"
+    return None
 
 
 def _one_connection_pool(engine: Engine) -> bool:
@@ -232,6 +237,37 @@ def _borrowed_error(store: Any, exc: SQLAlchemyError) -> StoreUnavailableError:
         f"{type(store).__name__}: no connection from the SQLAlchemy engine's pool "
         f"({type(exc).__name__}: {str(exc).strip()})"
     )
+
+
+def _only(joined: Connection, new: Connection) -> None:
+    """ValueError unless ``new`` is the connection the block joined: a second one (a
+    ``binds=`` mapping, even to the same database) is a second transaction, which
+    would commit apart from the completion."""
+    if new is not joined:
+        raise ValueError(
+            f"the session also writes through a second connection ({new.engine.url!r}, "
+            "binds=): it would commit apart from the completion; bind every mapper to "
+            "the session's one engine"
+        )
+
+
+@contextmanager
+def _one_connection(session: Any, joined: Connection) -> Iterator[None]:
+    """While the block runs, refuse any connection but ``joined`` as it joins ``session``'s
+    transaction (``after_begin``), before its first statement: an AUTOCOMMIT bind
+    would otherwise commit at the flush."""
+    if not isinstance(session, Session):
+        yield
+        return
+
+    def joining(_session: Session, _transaction: Any, new: Connection) -> None:
+        _only(joined, new)
+
+    event.listen(session, "after_begin", joining)
+    try:
+        yield
+    finally:
+        event.remove(session, "after_begin", joining)
 
 
 class SessionTransactions:
@@ -287,26 +323,31 @@ class SessionTransactions:
 
     def _joinable(self, session: Session | Connection) -> Connection:
         """``session``'s connection (a Session's begins its transaction), or ValueError if
-        its statements commit one by one: checked as the block begins, before any write."""
-        conn = session.connection() if isinstance(session, Session) else session
-        if _autocommit(conn):
+        its statements commit one by one, or if the Session's transaction holds another
+        connection: checked as the block begins, before any write."""
+        if isinstance(session, Session):
+            conn = session.connection()
+        else:
+            conn = session
+            if not conn.in_transaction():
+                # as a Session's connection() does: its first statement would begin
+                # anyway (SQLAlchemy's pysqlite recipe sends BEGIN then)
+                conn.begin()
+        why = _autocommit(conn)
+        if why is not None:
             raise ValueError(
-                "the session's connection is in autocommit mode (isolation_level="
-                "'AUTOCOMMIT'): its writes would commit apart from the completion"
+                f"the session's connection is in autocommit mode ({why}): its writes "
+                "would commit apart from the completion"
             )
+        if isinstance(session, Session):
+            for held in _held_connections(session):
+                _only(conn, held)
         return conn
 
     def _settle_in(self, session: Session | Connection, op: Any) -> bool:
         """Flush the session and run ``op`` in its transaction (sync, or under ``run_sync``)."""
         if isinstance(session, Session):
             session.flush()
-            ours = sync_engine(self.engine)
-            for held in _held_connections(session):
-                if not _same_database(ours, held.engine):
-                    raise ValueError(
-                        f"the session also writes through {held.engine.url!r} (binds=): "
-                        f"that would commit apart from the completion in {ours.url!r}"
-                    )
         return self._complete_in(self._joinable(session), op)
 
     def _checked(self, given: Any, kinds: tuple[type[Any], ...]) -> Any:
@@ -344,9 +385,9 @@ class SessionTransactions:
             else self._checked(connection, (Session, Connection))
         )
         try:
-            self._joinable(session)
-            yield Transaction(session, partial(self._settle_in, session))
-            session.commit()
+            with _one_connection(session, self._joinable(session)):
+                yield Transaction(session, partial(self._settle_in, session))
+                session.commit()
         except BaseException:
             session.rollback()
             raise
@@ -376,10 +417,11 @@ class SessionTransactions:
         async def run(op: Any) -> bool:
             return bool(await session.run_sync(self._settle_in, op))
 
+        sync_session = session.sync_session if isinstance(session, AsyncSession) else None
         try:
-            await session.run_sync(self._joinable)
-            yield AsyncTransaction(session, run)
-            await session.commit()
+            with _one_connection(sync_session, await session.run_sync(self._joinable)):
+                yield AsyncTransaction(session, run)
+                await session.commit()
         except BaseException:
             await session.rollback()
             raise
@@ -455,10 +497,13 @@ class SQLAlchemySQLiteStore(SessionTransactions, SQLiteStore):
     def _in_run_sync(self, conn: Connection, op: Callable[[Any], Any]) -> Any:
         view = _DriverSQL(conn)
         level = view.driver.isolation_level
-        # the adapter sets it in the driver's thread: no statement (SQLAlchemy's
-        # AUTOCOMMIT option would cost a PRAGMA when the connection goes back)
-        view.dbapi.isolation_level = None
         try:
+            # the adapter queues the change on the driver's thread and awaits it: no
+            # statement (SQLAlchemy's AUTOCOMMIT option would cost a PRAGMA on return).
+            # Inside the try: a task cancelled during that await still queues the
+            # restore after it (the thread runs them in order), so the connection never
+            # goes back to the application's pool in autocommit mode.
+            view.dbapi.isolation_level = None
             if not self._migrated:
                 self._first_use(view)
             return op(view)

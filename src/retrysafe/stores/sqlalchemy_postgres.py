@@ -20,6 +20,7 @@ from retrysafe.stores.sqlalchemy import (
     AnyEngine,
     SessionTransactions,
     _dialect,
+    _one_connection_pool,
     sync_engine,
 )
 
@@ -66,6 +67,15 @@ class SQLAlchemyPostgresStore(SessionTransactions, PostgresStore):
         sync = sync_engine(engine)
         if _dialect(sync) != "postgresql":
             raise TypeError(f"not a PostgreSQL engine: {sync.url!r}")
+        if _one_connection_pool(sync):
+            # the store could not borrow from it (it would lend the Session's own
+            # connection), and a pool of its own from the URL alone would drop the
+            # engine's connect_args (search_path, sslmode, password): refused
+            raise ValueError(
+                f"the SQLAlchemy PostgreSQL store needs an engine whose pool lends distinct "
+                f"connections, not a {type(sync.pool).__name__}: use the default QueuePool "
+                "(or NullPool)"
+            )
         libpq = sync.url.set(drivername="postgresql").render_as_string(hide_password=False)
         super().__init__(libpq, **options)
         self._on_engine(engine)
@@ -104,7 +114,7 @@ class SQLAlchemyPostgresStore(SessionTransactions, PostgresStore):
         return sa_conn, None if broken or conn.broken else autocommit
 
     def _take(self) -> psycopg.Connection[Any]:
-        if self.is_async or self.own_connections:  # a pool of the store's own
+        if self.is_async:  # a pool of the store's own: a thread cannot await the driver
             return super()._take()
         if not self._migrated:
             with self._borrow() as first:
@@ -137,8 +147,6 @@ class SQLAlchemyPostgresStore(SessionTransactions, PostgresStore):
         sa_conn.close()
 
     async def _atake(self) -> psycopg.AsyncConnection[Any]:
-        if self.own_connections:
-            return await super()._atake()
         sa_conn = await self._aborrow()
         conn: Any = None
         try:
@@ -155,9 +163,6 @@ class SQLAlchemyPostgresStore(SessionTransactions, PostgresStore):
         return conn
 
     async def _agive(self, conn: psycopg.AsyncConnection[Any], broken: bool = False) -> None:
-        if id(conn) not in self._borrowed:  # the store's own pool
-            await super()._agive(conn, broken)
-            return
         sa_conn, autocommit = self._returned(conn, broken)
         if autocommit is not None:
             try:
