@@ -71,7 +71,7 @@ def configure(sqlite_path: str, pg_url: str | None, prepare: int | None = None) 
             "HOST": url.hostname or "",
             "PORT": str(url.port or ""),
             # Django turns psycopg's prepared statements off (for connection poolers)
-            # unless OPTIONS sets prepare_threshold; the store's own follow it if set
+            # unless OPTIONS sets prepare_threshold; the store's own connections follow it
             "OPTIONS": {} if prepare is None else {"prepare_threshold": prepare},
         }
     settings.configure(
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "--prepare-threshold",
         type=int,
         help="PostgreSQL: Django's OPTIONS prepare_threshold (default: unset, Django never "
-        "prepares, the store's own connections do as psycopg's default)",
+        "prepares, nor do the store's own connections, which follow the alias)",
     )
     args = p.parse_args(argv)
     vendors = args.vendors.split(",")
