@@ -71,7 +71,7 @@ def configure(sqlite_path: str, pg_url: str | None, prepare: int | None = None) 
             "HOST": url.hostname or "",
             "PORT": str(url.port or ""),
             # Django turns psycopg's prepared statements off (for connection poolers)
-            # unless OPTIONS sets prepare_threshold; the store's own follow it if set
+            # unless OPTIONS sets prepare_threshold; the store's own connections follow it
             "OPTIONS": {} if prepare is None else {"prepare_threshold": prepare},
         }
     settings.configure(
@@ -100,8 +100,11 @@ def order_model() -> Any:
     return Order
 
 
-def contenders(alias: str, native_url: str, order: Any) -> dict[str, Callable[[str], Any]]:
-    """Each contender: a call that creates the order of a new mandate."""
+def contenders(
+    alias: str, native_url: str, order: Any, query: str = ""
+) -> dict[str, Callable[[str], Any]]:
+    """Each contender: a call that creates the order of a new mandate (``query``: the
+    ``django://`` store's URL query)."""
     from django.db import connections, transaction
     from django.http import JsonResponse
     from django.test import RequestFactory
@@ -111,7 +114,7 @@ def contenders(alias: str, native_url: str, order: Any) -> dict[str, Callable[[s
     from retrysafe.stores.django import DjangoStore
 
     objects = order.objects.db_manager(alias)
-    django_engine = Engine(DjangoStore(alias))
+    django_engine = Engine(DjangoStore(alias, query=query))
     native_engine = Engine(native_url)
     mark = "?" if connections[alias].vendor == "sqlite" else "%s"
     insert = (
@@ -152,7 +155,7 @@ def contenders(alias: str, native_url: str, order: Any) -> dict[str, Callable[[s
         with transaction.atomic(using=alias):
             return view(request)
 
-    middleware = IdempotencyMiddleware(view, store=DjangoStore(alias))
+    middleware = IdempotencyMiddleware(view, store=DjangoStore(alias, query=query))
     assert middleware.alias == alias
     factory = RequestFactory()
 
@@ -209,7 +212,7 @@ def bench_vendor(
     store = DjangoStore(alias)
     store.migrate_on(connections[alias])
     store.close()
-    calls = contenders(alias, native_url, order)
+    calls = contenders(alias, native_url, order, args.store_query)
     counter = itertools.count()
     names = (f"{vendor}-{i}" for i in counter)
     for call in calls.values():  # warm-up
@@ -267,7 +270,13 @@ def main(argv: list[str] | None = None) -> int:
         "--prepare-threshold",
         type=int,
         help="PostgreSQL: Django's OPTIONS prepare_threshold (default: unset, Django never "
-        "prepares, the store's own connections do as psycopg's default)",
+        "prepares, nor do the store's own connections, which follow the alias)",
+    )
+    p.add_argument(
+        "--store-query",
+        default="",
+        help="the django:// store's URL query, e.g. prepare_threshold=5 (PostgreSQL: its own "
+        "connections prepare their statements)",
     )
     args = p.parse_args(argv)
     vendors = args.vendors.split(",")

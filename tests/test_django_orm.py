@@ -321,15 +321,104 @@ def test_the_middleware_commits_the_order_and_its_record_together(
             assert project.record("m3").status is Status.FAILED
 
 
+@pytest.mark.parametrize(
+    ("kind", "path"), [("wsgi", "/orders"), ("asgi", "/aorders")], ids=["wsgi", "asgi"]
+)
+def test_a_view_that_marks_its_transaction_for_rollback_fails_the_attempt(
+    project: Project, kind: str, path: str
+) -> None:
+    """``set_rollback(True)``: Django rolls back without an error, so the view's 2xx is
+    never told: a 500 saying nothing committed, the attempt failed (retryable)."""
+    with project.serve(kind) as base:
+        first = _order(base, "m1", path=path, **{"X-Rollback": "1"})
+        assert first.status_code == 500
+        assert first.json()["code"] == "idempotency_rolled_back"
+        assert _count(base, "m1") == 0
+        record = project.record("m1")
+        assert record.status is Status.FAILED and record.attempts == 1
+        retried = _order(base, "m1", path=path)  # runs again (not 409 "in flight")
+        assert retried.status_code == 201 and _count(base, "m1") == 1
+        # an error answer is the view's own (DRF's 400s): still nothing committed
+        answered = _order(base, "m2", **{"X-Rollback": "1", "X-Status": "400"})
+        assert answered.status_code == 400 and answered.json() == {"status": 400}
+        assert _count(base, "m2") == 0
+        assert project.record("m2").status is Status.FAILED
+
+
+def test_a_transaction_marked_for_rollback_in_plain_code_and_a_raising_hook(
+    project: Project,
+) -> None:
+    seen = project.run("scenario", "marked", project.native_url)
+    assert seen["plain"] == "TransactionManagementError"
+    assert seen["plain_after"] == [0, "failed"]  # nothing committed, retryable
+    # the hook raised after the COMMIT: a 500, but the attempt completed (no false alert)
+    assert seen["hook"] == [500, 201, "true"]
+    assert seen["hook_after"] == [1, ["completed", "failed"]]  # (the first: plain code's)
+    assert seen["logged"] == []
+
+
+def test_an_aborted_transaction_is_the_views_error_not_the_stores(project: Project) -> None:
+    """An error the view caught without a savepoint aborts PostgreSQL's transaction: the
+    completion fails as the view's bug (500), not as an unreachable store (503)."""
+    if project.vendor != "postgresql":
+        pytest.skip("an aborted transaction: PostgreSQL's")
+    with project.serve("wsgi") as base:
+        for _ in range(2):
+            answer = _order(base, "m1", **{"X-Swallow": "1"})
+            assert answer.status_code == 500
+            assert "idempotency_store_unavailable" not in answer.text
+        assert _count(base, "m1") == 0
+        record = project.record("m1")
+        assert record.status is Status.FAILED and record.attempts == 2
+
+
+def test_the_middleware_refuses_to_run_inside_an_outer_atomic(project: Project) -> None:
+    """Inside an outer atomic() the middleware's block would be a savepoint (settled before
+    anything commits): refused with an error that says so, nothing left in flight."""
+    seen = project.run("scenario", "nested")
+    assert seen["error"].startswith("RuntimeError: the idempotency middleware's transaction")
+    # (SQLite's claim joined the outer transaction and rolled back with it)
+    assert seen["rows"] == 0 and seen["records"] == (
+        ["failed"] if project.vendor != "sqlite" else []
+    )
+    assert seen["retry"] == 201 and seen["rows_after"] == 1
+
+
 def test_the_alias_prepare_threshold_is_honoured(project: Project) -> None:
-    """Django turns preparing off for transaction poolers only when OPTIONS says so: the
-    store's own connections keep the alias's choice, else psycopg's default."""
+    """Django prepares nothing by default (transaction poolers): the store's own
+    connections follow the alias (its OPTIONS), unless the store's URL says otherwise."""
     if project.vendor != "postgresql":
         pytest.skip("prepared statements: PostgreSQL's")
     default = project.run("scenario", "prepare")
-    assert default == {"given": False, "threshold": None, "django_cursor": False}
-    off = project.run("scenario", "prepare", db_options={"prepare_threshold": None})
-    assert off == {"given": True, "threshold": None, "django_cursor": False}
+    assert (default["given"], default["threshold"], default["store_threshold"]) == (
+        True,
+        None,
+        None,
+    )
+    assert default["django_cursor"] is False
+    on = project.run("scenario", "prepare", db_options={"prepare_threshold": 5})
+    assert on["threshold"] == 5
+    by_url = project.run("scenario", "prepare", "prepare_threshold=5")
+    assert by_url["store_threshold"] == 5 and by_url["threshold"] is None
+    off = project.run(
+        "scenario", "prepare", "prepare_threshold=none", db_options={"prepare_threshold": 5}
+    )
+    assert off["store_threshold"] is None and off["threshold"] == 5
+
+
+def test_the_urls_libpq_parameters_win_over_the_aliass(project: Project) -> None:
+    """``django://default?sslmode=...&connect_timeout=...``: what the store connects with
+    (libpq's own parameters; the alias's otherwise)."""
+    if project.vendor != "postgresql":
+        pytest.skip("libpq parameters: PostgreSQL's")
+    given = project.run(
+        "scenario", "prepare", "connect_timeout=3&sslmode=disable&application_name=shop"
+    )
+    assert given["kwargs"]["sslmode"] == "disable"
+    assert given["kwargs"]["connect_timeout"] == "3" and given["timeout"] == 3.0
+    assert given["kwargs"]["application_name"] == "shop"
+    plain = project.run("scenario", "prepare", "")
+    assert "sslmode" not in plain["kwargs"] and plain["kwargs"]["connect_timeout"] == 2
 
 
 @pytest.mark.parametrize("kind", ["wsgi", "asgi"])

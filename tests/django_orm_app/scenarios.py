@@ -332,14 +332,104 @@ def misuse() -> dict[str, str]:
     return seen
 
 
-def prepare() -> dict[str, Any]:
-    """The ``prepare_threshold`` the store's own PostgreSQL connections get (absent:
-    psycopg's default), and whether they keep Django's cursor class."""
+def prepare(query: str = "") -> dict[str, Any]:
+    """The ``prepare_threshold`` of the alias's connect arguments, and what the store of
+    ``django://default?QUERY`` connects with (its ``prepare_threshold``, its libpq
+    parameters, its connect timeout); whether they keep Django's cursor class."""
+    from retrysafe.stores.django import DjangoStore
     from retrysafe.stores.django_postgres import connect_kwargs
 
     kwargs = connect_kwargs("default")
-    return {
-        "given": "prepare_threshold" in kwargs,
-        "threshold": kwargs.get("prepare_threshold"),
-        "django_cursor": "cursor_factory" in kwargs,
-    }
+    store: Any = DjangoStore("default", query=query)
+    try:
+        mine = dict(store._conn_kwargs)
+        mine.pop("password", None)
+        return {
+            "given": "prepare_threshold" in kwargs,
+            "threshold": kwargs.get("prepare_threshold"),
+            "store_threshold": mine.get("prepare_threshold"),
+            "django_cursor": "cursor_factory" in kwargs or "cursor_factory" in mine,
+            "kwargs": {k: v for k, v in mine.items() if isinstance(v, (str, int, type(None)))},
+            "timeout": store.connect_timeout,
+        }
+    finally:
+        store.close()
+
+
+def nested() -> dict[str, Any]:
+    """A keyed request inside an outer ``atomic()`` (a wrapper of the project's): refused
+    before the view runs; then the same request on its own."""
+    import json
+
+    from django.test import Client
+
+    body = json.dumps({"cart_mandate_id": "n1", "user_id": "u", "total": 5})
+
+    def post() -> Any:
+        return Client().post(
+            "/orders",
+            data=body,
+            content_type="application/json",
+            HTTP_AUTHORIZATION="Bearer alice",
+            HTTP_IDEMPOTENCY_KEY=_key("n1", "u"),
+        )
+
+    seen: dict[str, Any] = {}
+    try:
+        with transaction.atomic():
+            post()
+    except RuntimeError as exc:
+        seen["error"] = f"RuntimeError: {exc}"
+    seen["rows"] = rows("n1")
+    from retrysafe.django.models import Record
+
+    seen["records"] = [r.status_name for r in Record.objects.all()]
+    seen["retry"] = post().status_code
+    seen["rows_after"] = rows("n1")
+    return seen
+
+
+def marked(native_url: str) -> dict[str, Any]:
+    """A transaction marked for rollback: in plain code, the completion refuses it (the
+    attempt fails); through the middleware, an ``on_commit`` hook that raises after the
+    COMMIT leaves the attempt completed, with no "stale" alert."""
+    import json
+    import logging
+
+    from django.db.transaction import TransactionManagementError
+    from django.test import Client
+
+    native = open_store(native_url)
+    engine = Engine("django://default")
+    seen: dict[str, Any] = {}
+    try:
+        attempt = engine.attempt(_key("k1", "u"), operation="order", scope="u")
+        with attempt as att, att.transaction():
+            Order.objects.create(cart_mandate_id="k1", user_id="u", total=5)
+            transaction.set_rollback(True)
+            att.outcome = Outcome.json({"ok": 1})
+    except TransactionManagementError as exc:
+        seen["plain"] = type(exc).__name__
+    seen["plain_after"] = (rows("k1"), status(native, "k1", "u"))
+
+    logged: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    logging.getLogger().addHandler(Keep(logging.WARNING))
+    body = json.dumps({"cart_mandate_id": "k2", "user_id": "u", "total": 5})
+    headers = {"HTTP_AUTHORIZATION": "Bearer alice", "HTTP_IDEMPOTENCY_KEY": _key("k2", "u")}
+    client = Client(raise_request_exception=False)
+    first = client.post(
+        "/orders", data=body, content_type="application/json", HTTP_X_HOOK="1", **headers
+    )
+    again = client.post("/orders", data=body, content_type="application/json", **headers)
+    seen["hook"] = (first.status_code, again.status_code, again.get("idempotent-replayed"))
+    from retrysafe.django.models import Record
+
+    # (the middleware's record: its scope is the caller's, so read them all)
+    seen["hook_after"] = (rows("k2"), sorted(r.status_name for r in Record.objects.all()))
+    seen["logged"] = [m for m in logged if "stale" in m or "could not mark" in m]
+    return seen

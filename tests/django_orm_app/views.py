@@ -7,6 +7,8 @@ import os
 import signal
 import time
 
+from asgiref.sync import sync_to_async
+from django.db import IntegrityError, transaction
 from django.http import HttpRequest, JsonResponse
 from django.urls import path
 from django.views.decorators.csrf import csrf_exempt
@@ -33,6 +35,16 @@ def _after_write(request: HttpRequest) -> None:
             time.sleep(0.01)
     if request.headers.get("x-fail"):
         raise RuntimeError("the view failed after its write")
+    if request.headers.get("x-hook"):  # a hook of the app's that raises after the COMMIT
+        transaction.on_commit(lambda: 1 / 0)
+    if request.headers.get("x-rollback"):  # a dry run: Django rolls back without an error
+        transaction.set_rollback(True)
+    if request.headers.get("x-swallow"):  # an error caught without a savepoint (a bug)
+        try:
+            Order.objects.create(cart_mandate_id="dup", user_id="u", total=1)
+            Order.objects.create(cart_mandate_id="dup", user_id="u", total=1)
+        except IntegrityError:
+            pass  # (PostgreSQL's transaction is now aborted; SQLite's goes on)
 
 
 @csrf_exempt
@@ -54,7 +66,7 @@ async def aorders(request: HttpRequest) -> JsonResponse:
     order = await Order.objects.acreate(
         cart_mandate_id=data["cart_mandate_id"], user_id=data["user_id"], total=data["total"]
     )
-    _after_write(request)
+    await sync_to_async(_after_write)(request)  # (in the thread of the ORM's calls)
     return _order(order)
 
 

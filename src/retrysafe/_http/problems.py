@@ -38,6 +38,7 @@ _TITLES = {
     "idempotency_credentials_ambiguous": "Ambiguous credentials",
     "idempotency_principal_required": "Credentials required",
     "idempotency_failed": "Request failed",
+    "idempotency_rolled_back": "Nothing committed",
     "upstream_unavailable": "Upstream unavailable",
     "upstream_timeout": "Upstream timed out",
     "not_found": "Not found",

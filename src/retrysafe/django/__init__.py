@@ -44,6 +44,7 @@ from typing import Any
 from asgiref.sync import async_to_sync, iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured, RequestDataTooBig
+from django.db import connections
 from django.http import HttpRequest as DjangoRequest
 from django.http import HttpResponse
 from django.http.response import HttpResponseBase
@@ -161,6 +162,8 @@ class IdempotencyMiddleware:
             if alias is None:  # (the view's own)
                 raise
             return _answer(_rolled_back(exc))  # the attempt failed; everything rolled back
+        except _MarkedForRollback as exc:  # (the attempt failed, retryable)
+            return exc.answer()
         if exchange is None:  # completed in the view's transaction
             return response
         if response.streaming:
@@ -181,6 +184,9 @@ class IdempotencyMiddleware:
         except (LeaseLostError, StoreUnavailableError) as exc:  # everything rolled back
             held.leave(exc)
             return _answer(_rolled_back(exc))
+        except _MarkedForRollback as exc:
+            held.leave(exc)
+            return exc.answer()
         except BaseException as exc:
             held.leave(exc)
             raise
@@ -252,6 +258,8 @@ def _atomic_view(
     try:
         with att.transaction(block):
             response = view()
+            if connections[alias].needs_rollback:  # Django rolls back, without an error
+                raise _MarkedForRollback(response)
             exchange = _exchange(policy, att, stack, response)
             if response.streaming:
                 block.commit = True
@@ -262,7 +270,37 @@ def _atomic_view(
             att.outcome = kept  # completed by the transaction's last statement
     except _Leave:
         return response, exchange
+    except BaseException:
+        if block.committed:  # an on_commit hook of the view's raised after the COMMIT
+            att.finished = True  # (completed with the writes: never failed now)
+        raise
     return response, None
+
+
+class _MarkedForRollback(Exception):
+    """The view's transaction was marked for rollback (``transaction.set_rollback(True)``,
+    an error caught around an inner ``atomic()``, DRF's handled exceptions under
+    ``ATOMIC_REQUESTS``): nothing committed, the attempt fails (retryable)."""
+
+    def __init__(self, response: HttpResponseBase) -> None:
+        super().__init__("the view's transaction was marked for rollback")
+        self.response = response
+
+    def answer(self) -> HttpResponseBase:
+        """The view's own answer if it reports an error (4xx, 5xx), else a 500 saying that
+        nothing was committed (never a success that was rolled back)."""
+        if self.response.status_code >= 400:
+            return self.response
+        self.response.close()
+        return _answer(
+            problem(
+                500,
+                "idempotency_rolled_back",
+                "the view's transaction was marked for rollback "
+                "(transaction.set_rollback(True), or an error caught inside atomic()); "
+                "nothing was committed: retry with the same key",
+            )
+        )
 
 
 def _rolled_back(exc: LeaseLostError | StoreUnavailableError) -> Response:

@@ -194,12 +194,18 @@ class ViewBlock:
     was set, and then commits the block's writes without completing the record (a
     streamed answer, recorded as it streams). Without it, an exception rolls back."""
 
-    __slots__ = ("alias", "commit")
+    __slots__ = ("alias", "commit", "committed")
 
     def __init__(self, alias: str) -> None:
         self.alias = alias
         #: True: leaving the block by an exception commits its writes all the same.
         self.commit = False
+        #: Set by the block's first ``on_commit`` hook: its COMMIT succeeded (a later
+        #: hook may still raise out of it).
+        self.committed = False
+
+    def _on_commit(self) -> None:
+        self.committed = True
 
 
 class DjangoStore:
@@ -259,11 +265,22 @@ class DjangoStore:
                 f"the Django store of {alias!r} completes on django.db.connections[{alias!r}] "
                 f"(the thread's connection), not on {connection!r}"
             )
+        outer = wrapper.atomic_blocks
+        if block is not None and outer and not outer[-1]._from_testcase:
+            # (Django's own check for durable=True, with what to do about it)
+            raise RuntimeError(
+                f"the idempotency middleware's transaction on {alias!r} must be the outermost: "
+                "a request already inside transaction.atomic() would settle its attempt when "
+                "a savepoint is released, before anything commits; put the middleware before "
+                "any middleware that opens atomic(), or set RETRYSAFE['transactional'] = False"
+            )
         escaped: BaseException | None = None
-        with transaction.atomic(using=alias):
+        with transaction.atomic(using=alias, durable=block is not None):
             raw = wrapper.connection  # connected by atomic()
+            if block is not None:  # the first hook: run by Django just after the COMMIT
+                transaction.on_commit(block._on_commit, using=alias)
             try:
-                yield Transaction(wrapper, lambda op: self._in_transaction(raw, op))
+                yield Transaction(wrapper, lambda op: self._unbroken(wrapper, raw, op))
             except BaseException as exc:
                 if block is None or not block.commit:
                     raise
@@ -279,6 +296,14 @@ class DjangoStore:
             "Django's transactions are sync: run the sync att.transaction() in "
             "asgiref.sync.sync_to_async (thread_sensitive=True), as the ORM's writes"
         )
+
+    def _unbroken(self, wrapper: Any, raw: Any, op: Any) -> bool:
+        """Run a completion op in the block's transaction, unless Django will roll it back
+        (``needs_rollback``: ``set_rollback(True)``, or an error caught in an inner
+        ``atomic()``): then ``TransactionManagementError``, as for any query there, so the
+        attempt is never settled by a completion that cannot commit."""
+        wrapper.validate_no_broken_transaction()
+        return self._in_transaction(raw, op)
 
     def _in_transaction(self, raw: Any, op: Any) -> bool:
         """Run a completion op on the thread's DB-API connection, in its transaction."""

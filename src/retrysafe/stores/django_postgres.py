@@ -5,6 +5,7 @@ settings."""
 from __future__ import annotations
 
 from typing import Any, cast
+from urllib.parse import parse_qsl, urlencode
 
 import psycopg
 from psycopg import sql
@@ -38,18 +39,26 @@ class _Lent:
 def connect_kwargs(alias: str) -> dict[str, Any]:
     """psycopg's connect arguments for the store's own connections to ``alias``: Django's
     (``DatabaseWrapper.get_connection_params()``: the database, the user, ``OPTIONS``),
-    without its cursor class and adapters. ``prepare_threshold`` is the alias's only if
-    ``OPTIONS`` sets it (Django's default, None, is for transaction poolers: a user who
-    keeps it off behind pgbouncer says so there); otherwise psycopg's default."""
+    without its cursor class and adapters. ``prepare_threshold`` is the alias's: Django's
+    default, None, prepares nothing (transaction poolers such as pgbouncer work)."""
     from django.db import connections
 
-    conf = connections.settings[alias]
     params = dict(connections[alias].get_connection_params())
     for name in _DJANGO_ONLY:
         params.pop(name, None)
-    if "prepare_threshold" not in conf.get("OPTIONS", {}):
-        params.pop("prepare_threshold", None)
     return params
+
+
+def _threshold(value: str) -> int | None:
+    """A URL's ``prepare_threshold``: a whole number, or ``none`` (never prepare)."""
+    if value.lower() in ("none", "null", ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"prepare_threshold must be a whole number or none, not {value!r}"
+        ) from None
 
 
 class DjangoPostgresStore(DjangoStore, PostgresStore):  # type: ignore[misc]  # (its acompletion_transaction refuses)
@@ -63,16 +72,25 @@ class DjangoPostgresStore(DjangoStore, PostgresStore):  # type: ignore[misc]  # 
 
         if not is_psycopg3:
             raise ValueError(f"django://{using}: the Django store needs psycopg 3, not psycopg2")
+        pairs = parse_qsl(query, keep_blank_values=True)
+        given = {name: value for name, value in pairs if name == "prepare_threshold"}
+        query = urlencode([(name, value) for name, value in pairs if name not in given])
         # The native options (table, pool sizes, ...) as the native store reads them; the
         # connection itself is Django's (the URL's host and database are never used).
         PostgresStore.__init__(self, with_query("postgresql://django", query), **options)
         params = connect_kwargs(using)
         kwargs = self._conn_kwargs
-        if "connect_timeout" in params:
+        # The URL's libpq parameters (sslmode, connect_timeout, application_name, ...)
+        # win over the alias's, as in a postgresql:// URL.
+        url = psycopg.conninfo.conninfo_to_dict(self._conninfo)
+        if url.get("host") == "django":
+            del url["host"]
+        if "connect_timeout" not in url and "connect_timeout" in params:
             self.connect_timeout = float(params["connect_timeout"])
-            kwargs.pop("connect_timeout", None)
+        if given:
+            url["prepare_threshold"] = _threshold(given["prepare_threshold"])
         self._conninfo = ""
-        self._conn_kwargs = {**kwargs, **params, "autocommit": True}
+        self._conn_kwargs = params = {**kwargs, **params, **url, "autocommit": True}
         self._role = connections.settings[using].get("OPTIONS", {}).get("assume_role")
         host = params.get("host") or "localhost"
         where = f"{host}:{params.get('port') or 5432}/{params.get('dbname') or ''}"
@@ -99,6 +117,8 @@ class DjangoPostgresStore(DjangoStore, PostgresStore):  # type: ignore[misc]  # 
     def _in_transaction(self, raw: Any, op: Any) -> bool:
         try:
             cur = psycopg.Cursor(raw).execute(op.query, op.params)
+        except psycopg.errors.InFailedSqlTransaction:
+            raise  # the application's error (caught without a savepoint), not the store's
         except UNAVAILABLE_ERRORS as exc:
             raise completion_failed(exc) from exc
         return bool(op.parse(cur.rowcount, None))
