@@ -142,3 +142,22 @@ def test_a_postgres_engine_on_a_pool_of_one_connection_is_refused(pool: str) -> 
         with pytest.raises(ValueError, match=pool):
             SQLAlchemyStore(aengine)
     sync.dispose()
+
+
+def test_the_store_is_a_class_of_which_each_dialects_store_is_a_kind(
+    db: Db,  # noqa: F811 (test_sqlalchemy's fixture)
+) -> None:
+    kind = "SQLAlchemySQLiteStore" if db.sqlite else "SQLAlchemyPostgresStore"
+    engine = db.engine()
+    store = SQLAlchemyStore(engine, **db.spec.options)
+    assert isinstance(store, SQLAlchemyStore) and type(store).__name__ == kind
+    store.close()
+    engine.dispose()
+
+    async def build() -> None:
+        aengine = create_async_engine(db.async_url)
+        astore = SQLAlchemyStore(aengine, **db.spec.options)
+        assert isinstance(astore, SQLAlchemyStore) and type(astore).__name__ == kind
+        await aengine.dispose()
+
+    asyncio.run(build())

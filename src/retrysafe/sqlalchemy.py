@@ -19,7 +19,7 @@ the application's ORM transaction.
             att.outcome = Outcome.json({"cart_mandate_id": mandate_id})
         # committed: the order row and the completed record, together
 
-:func:`SQLAlchemyStore` takes an ``Engine`` or an ``AsyncEngine`` (SQLite through
+:class:`SQLAlchemyStore` takes an ``Engine`` or an ``AsyncEngine`` (SQLite through
 pysqlite or aiosqlite, PostgreSQL through psycopg 3) and borrows its connections
 from the engine's pool. :func:`create_tables` creates the records' tables for
 applications (and Alembic migrations) that create their schema explicitly.
@@ -28,7 +28,11 @@ See docs/sqlalchemy.md.
 
 from __future__ import annotations
 
-from retrysafe.stores.sqlalchemy import SQLAlchemySQLiteStore, acreate_tables, create_tables
-from retrysafe.stores.sqlalchemy import sqlalchemy_store as SQLAlchemyStore
+from retrysafe.stores.sqlalchemy import (
+    SQLAlchemySQLiteStore,
+    SQLAlchemyStore,
+    acreate_tables,
+    create_tables,
+)
 
 __all__ = ["SQLAlchemySQLiteStore", "SQLAlchemyStore", "acreate_tables", "create_tables"]

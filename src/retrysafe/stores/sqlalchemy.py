@@ -1,6 +1,6 @@
 """Stores on a SQLAlchemy 2.x engine: the records in the application's own database.
 
-:func:`sqlalchemy_store` picks the store for the engine's dialect: SQLite (pysqlite,
+:class:`SQLAlchemyStore` is the store for the engine's dialect: SQLite (pysqlite,
 aiosqlite) or PostgreSQL (psycopg 3, sync or async). Each is the native store
 (:class:`~retrysafe.stores.sqlite.SQLiteStore`,
 :class:`~retrysafe.stores.postgres.PostgresStore`) with one change: it borrows its
@@ -44,14 +44,14 @@ from retrysafe.stores._base import AsyncTransaction, Transaction
 from retrysafe.stores.sqlite import _FIRST_WAIT, _LONGEST_WAIT, SQLiteStore, _busy
 
 if TYPE_CHECKING:
-    from retrysafe.stores.sqlalchemy_postgres import SQLAlchemyPostgresStore
+    pass
 
 __all__ = [
     "SQLAlchemySQLiteStore",
+    "SQLAlchemyStore",
     "SessionTransactions",
     "acreate_tables",
     "create_tables",
-    "sqlalchemy_store",
     "sync_engine",
 ]
 
@@ -80,28 +80,6 @@ def _dialect(engine: Engine) -> str:
             "create_async_engine)"
         )
     raise TypeError(f"no SQLAlchemy store for the {name}+{driver} dialect; supported: {_SUPPORTED}")
-
-
-def sqlalchemy_store(
-    engine: AnyEngine, **options: Any
-) -> SQLAlchemySQLiteStore | SQLAlchemyPostgresStore:
-    """The store for ``engine``'s dialect, on the engine's own pool.
-
-    ``engine`` is an :class:`Engine` or an :class:`AsyncEngine`; ``options`` go to
-    the native store (``timeout`` for SQLite; ``table``, ``auto_migrate``,
-    ``partitioned``… for PostgreSQL). An unsupported dialect or driver raises
-    :class:`TypeError` naming the supported ones.
-    """
-    if not isinstance(engine, Engine | AsyncEngine):
-        raise TypeError(f"expected a SQLAlchemy Engine or AsyncEngine, not {type(engine).__name__}")
-    sync = sync_engine(engine)
-    if isinstance(engine, Engine) and sync.dialect.is_async:
-        raise TypeError("an engine with an async driver: pass the AsyncEngine itself")
-    if _dialect(sync) == "sqlite":
-        return SQLAlchemySQLiteStore(engine, **options)
-    from retrysafe.stores.sqlalchemy_postgres import SQLAlchemyPostgresStore
-
-    return SQLAlchemyPostgresStore(engine, **options)
 
 
 def _same_database(ours: Engine, theirs: Engine) -> bool:
@@ -436,7 +414,36 @@ class SessionTransactions:
 _SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
 
 
-class SQLAlchemySQLiteStore(SessionTransactions, SQLiteStore):
+class SQLAlchemyStore(SessionTransactions):
+    """The store of a SQLAlchemy engine: ``SQLAlchemyStore(engine, **options)``.
+
+    It is a :class:`SQLAlchemySQLiteStore` or a
+    :class:`~retrysafe.stores.sqlalchemy_postgres.SQLAlchemyPostgresStore` (by the
+    engine's dialect), on the engine's own pool. ``engine`` is an :class:`Engine` or
+    an :class:`AsyncEngine`; ``options`` go to the native store (``timeout`` for
+    SQLite; ``table``, ``auto_migrate``, ``partitioned``… for PostgreSQL). An
+    unsupported dialect or driver raises :class:`TypeError` naming the supported ones.
+    """
+
+    def __new__(cls, engine: AnyEngine, **options: Any) -> Any:
+        if cls is SQLAlchemyStore:
+            if not isinstance(engine, Engine | AsyncEngine):
+                raise TypeError(
+                    f"expected a SQLAlchemy Engine or AsyncEngine, not {type(engine).__name__}"
+                )
+            sync = sync_engine(engine)
+            if isinstance(engine, Engine) and sync.dialect.is_async:
+                raise TypeError("an engine with an async driver: pass the AsyncEngine itself")
+            if _dialect(sync) == "sqlite":
+                cls = SQLAlchemySQLiteStore
+            else:
+                from retrysafe.stores.sqlalchemy_postgres import SQLAlchemyPostgresStore
+
+                cls = SQLAlchemyPostgresStore
+        return object.__new__(cls)
+
+
+class SQLAlchemySQLiteStore(SQLAlchemyStore, SQLiteStore):
     """The SQLite store on a SQLAlchemy engine's pool (pysqlite, or aiosqlite's AsyncEngine).
 
     Each operation borrows a connection and gives it back. With a sync engine the

@@ -1,6 +1,6 @@
 """The PostgreSQL store on a SQLAlchemy engine (``postgresql+psycopg://``, sync or async).
 
-Imported by :func:`retrysafe.stores.sqlalchemy.sqlalchemy_store` when the engine is
+Imported by :class:`retrysafe.stores.sqlalchemy.SQLAlchemyStore` when the engine is
 PostgreSQL, so that the SQLite store needs no psycopg.
 """
 
@@ -18,7 +18,7 @@ from retrysafe.stores.postgres.connection import UNAVAILABLE_ERRORS
 from retrysafe.stores.postgres.transactions import completion_failed
 from retrysafe.stores.sqlalchemy import (
     AnyEngine,
-    SessionTransactions,
+    SQLAlchemyStore,
     _dialect,
     _one_connection_pool,
     sync_engine,
@@ -51,7 +51,7 @@ def _drive(conn: Connection, flow: _Flow) -> int:
         return int(stop.value)
 
 
-class SQLAlchemyPostgresStore(SessionTransactions, PostgresStore):
+class SQLAlchemyPostgresStore(SQLAlchemyStore, PostgresStore):
     """The PostgreSQL store on a SQLAlchemy engine's pool (psycopg 3).
 
     Each operation borrows a connection from the engine (``engine.connect()``; for an
