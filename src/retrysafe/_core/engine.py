@@ -602,7 +602,8 @@ class Attempt:
             await asyncio.shield(started)
 
     def transaction(self, connection: Any = None) -> contextlib.AbstractContextManager[Any]:
-        """Complete inside the application's own database transaction (SQLite, PostgreSQL).
+        """Complete inside the application's own database transaction (SQLite, PostgreSQL,
+        a SQLAlchemy ``Session``, the Django ORM).
 
         ::
 
@@ -613,20 +614,24 @@ class Attempt:
                     conn.execute("INSERT INTO orders (cart_mandate_id) VALUES (?)", (mid,))
                     att.outcome = Outcome.json({"order": mid})
 
-        Yields ``connection`` (a ``sqlite3`` connection to the store's file or a
-        psycopg connection to the store's database, not inside a transaction)
-        or, by default, a connection of the store's own. On leaving the block the
-        completion is written by that connection and committed with the block's
-        writes: both or neither. An exception, or a lost lease
-        (:class:`LeaseLostError`), rolls everything back and the attempt fails as
-        usual. :class:`TypeError` for any other store.
+        Yields ``connection`` or, by default, a connection of the store's own:
+        with the SQLite and PostgreSQL stores a ``sqlite3`` connection to the
+        store's file or a psycopg connection to its database, not inside a
+        transaction; with ``SQLAlchemyStore`` a ``Session`` or ``Connection`` of
+        its engine; with a ``django://`` store, ``transaction.atomic(using=alias)``
+        on the thread's connection. On leaving the block the completion is written
+        in that transaction and committed with the block's writes: both or
+        neither. An exception, or a lost lease (:class:`LeaseLostError`), rolls
+        everything back and the attempt fails as usual. :class:`TypeError` for a
+        store outside the application's database (Redis, memory).
         """
         from retrysafe._core.transactions import transaction
 
         return transaction(self, connection)
 
     def atransaction(self, connection: Any = None) -> contextlib.AbstractAsyncContextManager[Any]:
-        """Async :meth:`transaction` with a psycopg ``AsyncConnection`` (PostgreSQL only)."""
+        """Async :meth:`transaction`: a psycopg ``AsyncConnection`` (PostgreSQL), or an
+        ``AsyncSession``/``AsyncConnection`` (``SQLAlchemyStore`` on an AsyncEngine)."""
         from retrysafe._core.transactions import atransaction
 
         return atransaction(self, connection)

@@ -786,8 +786,9 @@ class SQLiteStore(Store[_Op]):
         self, connection: Any = None
     ) -> AbstractAsyncContextManager[AsyncTransaction[_Op]]:
         raise TypeError(
-            "atransaction() needs a PostgreSQL store; with SQLite, run the sync "
-            "transaction() in a thread (asyncio.to_thread)"
+            "atransaction() needs a PostgreSQL store, or a SQLAlchemy store on an "
+            "AsyncEngine; with this SQLite store, run the sync transaction() in a thread "
+            "(asyncio.to_thread)"
         )
 
     def _same_file(self, conn: sqlite3.Connection) -> None:
