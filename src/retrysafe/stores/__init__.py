@@ -37,6 +37,7 @@ def open_store(url: str | None = None, **options: Any) -> Store[Any]:
 
     ``memory://``, ``sqlite:///path/to.db``, ``redis://host:port/db``,
     ``rediss://…``, ``redis+cluster://host:port``, ``postgresql://user@host:port/db``,
+    ``mysql://user@host:port/db`` (or ``mariadb://``),
     ``django://alias`` (the records in the tables of a Django database, see
     :class:`retrysafe.stores.django.DjangoStore`).
     Without ``url``, ``RETRYSAFE_STORE`` or :data:`DEFAULT_STORE_URL` is used.
@@ -60,6 +61,10 @@ def open_store(url: str | None = None, **options: Any) -> Store[Any]:
         from retrysafe.stores.postgres import PostgresStore
 
         return PostgresStore(url, **options)
+    if scheme in {"mysql", "mariadb"}:
+        from retrysafe.stores.mysql import MySQLStore
+
+        return MySQLStore(url, **options)
     if scheme == "django":
         from retrysafe.stores.django import DjangoStore, alias_of
 
@@ -67,5 +72,5 @@ def open_store(url: str | None = None, **options: Any) -> Store[Any]:
         return cast("Store[Any]", DjangoStore(alias, query=query, **options))
     raise ValueError(
         f"unknown store URL {redact(url)!r}: use memory://, sqlite:///path, redis://, "
-        "rediss://, redis+cluster://, postgresql:// or django://alias"
+        "rediss://, redis+cluster://, postgresql://, mysql://, mariadb:// or django://alias"
     )
