@@ -49,6 +49,11 @@ if ! command -v chromium >/dev/null 2>&1; then
     apt_install chromium
 fi
 
+# The MySQL store's tests run on Debian's MariaDB (tests/_servers.py starts its own).
+if ! command -v mariadbd >/dev/null 2>&1 && [ ! -x /usr/sbin/mariadbd ]; then
+    apt_install mariadb-server
+fi
+
 if ! command -v initdb >/dev/null 2>&1; then
     if [ -z "$(pg_bin_dir)" ]; then
         apt_install postgresql

@@ -1,4 +1,4 @@
-"""Start and stop real Redis and PostgreSQL servers on loopback for tests.
+"""Start and stop real Redis, PostgreSQL and MariaDB servers on loopback for tests.
 
 Stdlib only. Every server started by this process is stopped (and its
 temporary directory removed) at interpreter exit or on SIGTERM.
@@ -22,12 +22,23 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Protocol, Self
 
-__all__ = ["PostgresServer", "RedisCluster", "RedisServer", "ServerError", "free_port"]
+__all__ = [
+    "MySQLServer",
+    "PostgresServer",
+    "RedisCluster",
+    "RedisServer",
+    "ServerError",
+    "free_port",
+]
 
 _HOST = "127.0.0.1"
 _START_TIMEOUT = 10.0
 _STOP_TIMEOUT = 5.0
 _PG_USER_CANDIDATES = ("postgres", "retrysafe-pg")
+# The last name is created when none exists (one fallback account for both servers).
+_MYSQL_USER_CANDIDATES = ("mysql", "retrysafe-pg")
+_MYSQL_START_TIMEOUT = 60.0  # mariadbd on a busy 2-core machine: InnoDB recovery, no cache
+_MYSQL_STOP_TIMEOUT = 60.0  # a clean InnoDB shutdown flushes the buffer pool
 
 
 class ServerError(RuntimeError):
@@ -429,15 +440,21 @@ def _pg_bin(name: str) -> str:
 
 def _pg_os_user() -> str | None:
     """Unprivileged user to run PostgreSQL as, or None when not root."""
+    return _os_user(_PG_USER_CANDIDATES)
+
+
+def _os_user(candidates: Sequence[str]) -> str | None:
+    """The first of ``candidates`` that exists (the last one is created if none does),
+    to run a server as when we are root; None when we are not root."""
     if os.geteuid() != 0:
         return None
-    for name in _PG_USER_CANDIDATES:
+    for name in candidates:
         try:
             pwd.getpwnam(name)
         except KeyError:
             continue
         return name
-    name = _PG_USER_CANDIDATES[-1]
+    name = candidates[-1]
     subprocess.run(
         ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
         check=True,
@@ -612,6 +629,275 @@ class PostgresServer(_Server):
                 shutil.rmtree(self._base, ignore_errors=True)
                 self._base = None
             self._has_cluster = self._has_database = False
+            _untrack(self)
+
+
+def _mysql_bin(name: str) -> str:
+    """Locate a MariaDB binary on PATH or in /usr/sbin (where Debian puts mariadbd)."""
+    found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/local/sbin")
+    if found is None:
+        raise ServerError(f"MariaDB binary {name!r} not found (apt-get install mariadb-server)")
+    return found
+
+
+class MySQLServer(_Server):
+    """A throwaway MariaDB server (Debian's ``mariadbd``) on 127.0.0.1.
+
+    Its data directory and socket live in a fresh directory under /tmp; no system
+    configuration file is read (``--no-defaults``). When run as root the server runs
+    as an unprivileged OS user (``mysql`` or ``retrysafe-pg``). User ``retrysafe``
+    (no password, every privilege) and database ``retrysafe`` are created at first
+    start; ``root`` has no password either.
+
+    ``isolation`` is the server's default transaction isolation (``READ-COMMITTED``,
+    ...; None: InnoDB's REPEATABLE READ). ``durable=False`` writes the redo log to the
+    OS at each commit and fsyncs it once a second (a SIGKILL of the server loses
+    nothing; a crash of the machine could), and turns the doublewrite buffer off;
+    ``durable=True`` keeps InnoDB's defaults (an fsync per commit). ``extra`` adds
+    more ``mariadbd`` options.
+    """
+
+    user = "retrysafe"
+    database = "retrysafe"
+
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        isolation: str | None = None,
+        durable: bool = False,
+        extra: Sequence[str] = (),
+    ) -> None:
+        super().__init__(port)
+        self.isolation = None if isolation is None else isolation.upper().replace(" ", "-")
+        self.durable = durable
+        self.extra = list(extra)
+        self._base: Path | None = None
+        self._os_user: str | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._has_database = False
+
+    @property
+    def url(self) -> str:
+        """Connection URL of user ``retrysafe`` on database ``retrysafe``."""
+        return f"mysql://{self.user}@{_HOST}:{self._port}/{self.database}"
+
+    @property
+    def os_user(self) -> str | None:
+        """OS user the server runs as when started by root, else None."""
+        return self._os_user
+
+    @property
+    def running(self) -> bool:
+        """Whether the server process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the running server, else None."""
+        return self._proc.pid if self.running and self._proc is not None else None
+
+    @property
+    def log_path(self) -> Path | None:
+        """Path of the server's log (its stderr), once created."""
+        return None if self._base is None else self._base / "mariadb.log"
+
+    def sql(self, statements: str, *, timeout: float = 30.0) -> str:
+        """Run ``statements`` as ``root`` over TCP with the ``mariadb`` client; its
+        output (tab-separated, no column names)."""
+        done = self._client(statements, timeout)
+        if done.returncode:
+            raise ServerError(
+                f"mariadb client on port {self._port} failed with exit code "
+                f"{done.returncode}: {done.stderr.strip()}"
+            )
+        return done.stdout
+
+    def _client(self, statements: str, timeout: float) -> subprocess.CompletedProcess[str]:
+        cmd = [
+            _mysql_bin("mariadb"),
+            "--no-defaults",
+            "--protocol=TCP",
+            f"--host={_HOST}",
+            f"--port={self._port}",
+            "--user=root",
+            "--connect-timeout=5",
+            "--batch",
+            "--skip-column-names",
+            "--execute",
+            statements,
+        ]
+        return subprocess.run(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def _init_datadir(self) -> None:
+        self._os_user = _os_user(_MYSQL_USER_CANDIDATES)
+        # mkdtemp gives 0700; the unprivileged user must own and traverse it.
+        base = Path(tempfile.mkdtemp(prefix="retrysafe-mysql-", dir="/tmp"))
+        self._base = base
+        base.chmod(0o755)
+        (base / "data").mkdir()
+        (base / "tmp").mkdir()
+        as_user: list[str] = []
+        if self._os_user is not None:
+            pw = pwd.getpwnam(self._os_user)
+            for p in (base, base / "data", base / "tmp"):
+                os.chown(p, pw.pw_uid, pw.pw_gid)
+            as_user = [f"--user={self._os_user}"]
+        mariadbd = Path(_mysql_bin("mariadbd")).resolve()
+        cmd = [
+            _mysql_bin("mariadb-install-db"),
+            "--no-defaults",
+            f"--basedir={mariadbd.parent.parent}",
+            f"--datadir={base / 'data'}",
+            "--auth-root-authentication-method=normal",
+            "--skip-test-db",
+            "--skip-name-resolve",
+            *as_user,
+        ]
+        done = subprocess.run(
+            cmd,
+            cwd=base,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if done.returncode:
+            raise ServerError(
+                f"{' '.join(cmd)} failed with exit code {done.returncode}:\n"
+                f"{done.stdout[-3000:]}{done.stderr[-3000:]}"
+            )
+
+    def _argv(self) -> list[str]:
+        assert self._base is not None
+        argv = [
+            _mysql_bin("mariadbd"),
+            "--no-defaults",  # first: no /etc/mysql, no ~/.my.cnf
+            f"--datadir={self._base / 'data'}",
+            f"--tmpdir={self._base / 'tmp'}",
+            f"--socket={self._base / 'mysqld.sock'}",
+            f"--pid-file={self._base / 'mysqld.pid'}",
+            f"--port={self._port}",
+            f"--bind-address={_HOST}",
+            "--skip-name-resolve",
+            "--skip-log-bin",
+            "--max-connections=500",  # the race tests open many
+            "--innodb-buffer-pool-size=64M",
+            "--innodb-log-buffer-size=8M",
+            # What Debian's own configuration sets (the compiled default is latin1).
+            "--character-set-server=utf8mb4",
+            "--collation-server=utf8mb4_general_ci",
+        ]
+        if not self.durable:
+            argv += ["--innodb-flush-log-at-trx-commit=2", "--innodb-doublewrite=0"]
+        if self.isolation is not None:
+            argv.append(f"--transaction-isolation={self.isolation}")
+        if self._os_user is not None:
+            argv.append(f"--user={self._os_user}")  # mariadbd refuses to run as root
+        return [*argv, *self.extra]
+
+    def start(self) -> None:
+        """Start the server and wait until root can connect; create the data directory,
+        user and database on first use. A restart keeps the port and the data."""
+        if self.running:
+            return
+        _track(self)
+        if self._base is None:
+            self._init_datadir()
+        # An automatically chosen port may be taken between free_port() and
+        # bind(); retry with a fresh one, but only before the first success.
+        attempts = 3 if self._auto_port else 1
+        for attempt in range(attempts):
+            try:
+                self._spawn()
+                break
+            except ServerError:
+                if attempt == attempts - 1:
+                    raise
+                self._port = free_port()
+        self._auto_port = False
+        if not self._has_database:
+            self.sql(
+                f"CREATE USER IF NOT EXISTS '{self.user}'@'{_HOST}';"
+                f" GRANT ALL PRIVILEGES ON *.* TO '{self.user}'@'{_HOST}' WITH GRANT OPTION;"
+                f" CREATE DATABASE IF NOT EXISTS `{self.database}`;"
+            )
+            self._has_database = True
+
+    def _spawn(self) -> None:
+        assert self._base is not None
+        log_path = self._base / "mariadb.log"
+        with open(log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                self._argv(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self._base,
+            )
+        deadline = time.monotonic() + _MYSQL_START_TIMEOUT
+        error = ""
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                error = f"mariadbd exited with code {self._proc.returncode}"
+                break
+            try:
+                done = self._client("SELECT 1", timeout=10)
+            except subprocess.TimeoutExpired:
+                continue
+            if done.returncode == 0:
+                return
+            error = done.stderr.strip()
+            time.sleep(0.05)
+        else:
+            error = f"no connection within {_MYSQL_START_TIMEOUT:.0f}s ({error})"
+        self._terminate()
+        raise ServerError(
+            f"mariadbd on port {self._port} did not start: {error}; log tail:\n"
+            f"{_log_tail(log_path)}"
+        )
+
+    def _terminate(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=_MYSQL_STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM: a clean shutdown; SIGKILL after 60 s); keep its data."""
+        self._terminate()
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would; :meth:`start` recovers its data (InnoDB
+        crash recovery) on the same port."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def close(self) -> None:
+        """Stop the server and remove its temporary directory."""
+        try:
+            self._terminate()
+        finally:
+            if self._base is not None:
+                shutil.rmtree(self._base, ignore_errors=True)
+                self._base = None
+            self._has_database = False
             _untrack(self)
 
 

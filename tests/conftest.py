@@ -1,4 +1,4 @@
-"""Shared fixtures: real Redis and PostgreSQL servers, one store per test, a fake clock."""
+"""Shared fixtures: real Redis, PostgreSQL and MariaDB servers, one store per test, a fake clock."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from _doors import DOORS, Door
 from _http_apps import Counter
 from _http_servers import Process, free_port, uvicorn_argv
-from _servers import PostgresServer, RedisCluster, RedisServer
+from _servers import MySQLServer, PostgresServer, RedisCluster, RedisServer
 
 from retrysafe import Engine, Store, open_store
 
@@ -37,6 +37,20 @@ def redis_cluster() -> Iterator[RedisCluster]:
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[PostgresServer]:
     with PostgresServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def mysql_server() -> Iterator[MySQLServer]:
+    """MariaDB at InnoDB's default isolation, REPEATABLE READ."""
+    with MySQLServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def mysql_rc_server() -> Iterator[MySQLServer]:
+    """A second MariaDB whose default isolation is READ COMMITTED."""
+    with MySQLServer(isolation="READ-COMMITTED") as server:
         yield server
 
 
