@@ -17,8 +17,8 @@ from _servers import MySQLServer, PostgresServer, RedisCluster, RedisServer
 
 from retrysafe import Engine, Store, open_store
 
-STORES = ["memory", "sqlite", "redis", "postgres"]
-SHARED_STORES = ["sqlite", "redis", "postgres"]  # visible to several processes
+STORES = ["memory", "sqlite", "redis", "postgres", "mysql"]
+SHARED_STORES = ["sqlite", "redis", "postgres", "mysql"]  # visible to several processes
 
 
 @pytest.fixture(scope="session")
@@ -140,6 +140,9 @@ def make_spec(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> Stor
     if name == "postgres":
         server = request.getfixturevalue("postgres_server")
         return StoreSpec(name, server.url, {"table": f"t_{tag}", **POOL_WAIT})
+    if name == "mysql":
+        server = request.getfixturevalue("mysql_server")
+        return StoreSpec(name, server.url, {"table": f"t_{tag}", **POOL_WAIT})
     if name == "postgres-partitioned":
         # Not in STORES: tests/test_postgres_partitioned.py runs the shared suites on it.
         # Partitions of 30 minutes, so that the tests' clock (moved by hours) makes
@@ -173,6 +176,8 @@ def store_url(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path}/shared.db"
     if name == "redis":
         return f"{request.getfixturevalue('redis_server').url}?prefix=t{tag}:"
+    if name == "mysql":
+        return f"{request.getfixturevalue('mysql_server').url}?table=t_{tag}"
     return f"{request.getfixturevalue('postgres_server').url}?table=t_{tag}"
 
 
