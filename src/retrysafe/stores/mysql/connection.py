@@ -13,6 +13,7 @@ import contextlib
 import os
 import re
 import select
+import ssl
 import threading
 import weakref
 from collections.abc import Callable, Generator, Sequence
@@ -23,7 +24,7 @@ import pymysql
 from pymysql.constants import CLIENT
 
 from retrysafe.errors import StoreUnavailableError
-from retrysafe.stores._redact import redact
+from retrysafe.stores._redact import redact, redact_in
 
 __all__ = [
     "CONNECTION_LOST",
@@ -172,7 +173,8 @@ async def aexecute(conn: Any, op: Op) -> tuple[int, Row | None]:
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,47}")
 #: The store's own options in the URL's query; the rest are the connection's.
 OWN_OPTIONS = ("table", "min_size", "max_size", "auto_migrate", "connect_timeout")
-_CONNECT_OPTIONS = ("unix_socket", "ssl_ca", "ssl_cert", "ssl_key", "ssl_verify_cert", "charset")
+_SSL_OPTIONS = ("ssl", "ssl_ca", "ssl_cert", "ssl_key", "ssl_verify_cert")
+_CONNECT_OPTIONS = ("unix_socket", "charset", *_SSL_OPTIONS)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -217,7 +219,7 @@ def parse_url(url: str) -> tuple[dict[str, Any], dict[str, str]]:
         "database": database,
     }
     ours: dict[str, str] = {}
-    ssl: dict[str, Any] = {}
+    tls: dict[str, str] = {}
     for item in parts.query.split("&"):
         if not item:
             continue
@@ -225,10 +227,8 @@ def parse_url(url: str) -> tuple[dict[str, Any], dict[str, str]]:
         name, value = unquote(name), unquote(value)
         if name in OWN_OPTIONS:
             ours[name] = value
-        elif name in {"ssl_ca", "ssl_cert", "ssl_key"}:
-            ssl[name.removeprefix("ssl_")] = value
-        elif name == "ssl_verify_cert":
-            ssl["verify_cert"] = to_bool(value)
+        elif name in _SSL_OPTIONS:
+            tls[name] = value
         elif name in _CONNECT_OPTIONS:
             kwargs[name] = value
         else:
@@ -236,9 +236,29 @@ def parse_url(url: str) -> tuple[dict[str, Any], dict[str, str]]:
             raise ValueError(
                 f"unknown option {name!r} in the store URL {redact(url)!r} (known: {known})"
             )
-    if ssl:
-        kwargs["ssl"] = ssl
+    if tls:
+        try:
+            kwargs["ssl"] = _tls_context(tls)
+        except (ValueError, OSError) as exc:
+            raise ValueError(
+                f"invalid TLS options in the store URL {redact(url)!r}: {exc}"
+            ) from None
     return kwargs, ours
+
+
+def _tls_context(options: dict[str, str]) -> ssl.SSLContext | None:
+    """The TLS context of ``ssl=true`` or any ``ssl_*`` option: the server's certificate
+    and host name are verified (against ``ssl_ca``, else the system's CAs) unless
+    ``ssl_verify_cert=false``; ``ssl_cert`` and ``ssl_key`` present a client certificate."""
+    if "ssl" in options and not to_bool(options["ssl"]) and len(options) == 1:
+        return None
+    context = ssl.create_default_context(cafile=options.get("ssl_ca"))
+    if not to_bool(options.get("ssl_verify_cert", "true")):
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    if "ssl_cert" in options:
+        context.load_cert_chain(options["ssl_cert"], options.get("ssl_key"))
+    return context
 
 
 def option(name: str, given: Any, default: Any, url_value: str | None, convert: Any) -> Any:
@@ -378,6 +398,7 @@ class MySQLConnections:
     """The connection half of :class:`~retrysafe.stores.mysql.MySQLStore`: pools,
     checkout and the two executors."""
 
+    url: str
     connect_timeout: float
     max_size: int
     _where: str
@@ -406,7 +427,7 @@ class MySQLConnections:
                 f"or all {self.max_size} pooled connections busy)"
             )
         else:
-            reason = str(exc).strip() or type(exc).__name__
+            reason = redact_in(str(exc).strip() or type(exc).__name__, self.url)
         return StoreUnavailableError(
             f"MySQL store at {self._where} is unavailable: {reason}",
             retry_after=max(1.0, self.connect_timeout),
