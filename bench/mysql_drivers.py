@@ -272,44 +272,29 @@ def parse_url(url: str) -> Target:
     )
 
 
+def module_of(driver: str) -> ModuleType:
+    """The module a driver is imported as."""
+    name = {"mysqlclient": "MySQLdb"}.get(driver, driver.removesuffix("-hex"))
+    return importlib.import_module(name)
+
+
+def connect_args(t: Target) -> dict[str, Any]:
+    """Keywords every driver's ``connect`` takes (``db``: aiomysql knows no ``database``)."""
+    return {
+        "host": t.host,
+        "port": t.port,
+        "user": t.user,
+        "password": t.password,
+        "db": t.database,
+        "autocommit": True,
+        "client_flag": MULTI_STATEMENTS | FOUND_ROWS,
+    }
+
+
 def connect_sync(driver: str, t: Target) -> Any:
-    flags = MULTI_STATEMENTS | FOUND_ROWS
-    if driver == "pymysql":
-        import pymysql
-
-        return pymysql.connect(
-            host=t.host,
-            port=t.port,
-            user=t.user,
-            password=t.password,
-            database=t.database,
-            autocommit=True,
-            client_flag=flags,
-        )
-    if driver == "mysqlclient":
-        import MySQLdb
-
-        return MySQLdb.connect(
-            host=t.host,
-            port=t.port,
-            user=t.user,
-            password=t.password,
-            database=t.database,
-            autocommit=True,
-            client_flag=flags,
-        )
-    import mariadb
-
-    conn = mariadb.connect(
-        host=t.host,
-        port=t.port,
-        user=t.user,
-        password=t.password,
-        database=t.database,
-        autocommit=True,
-        client_flag=flags,
-    )
-    return conn
+    args = connect_args(t)
+    args["database"] = args.pop("db")  # mariadb knows no ``db``
+    return module_of(driver).connect(**args)
 
 
 def patch_aiomysql() -> str:
@@ -331,21 +316,10 @@ def patch_aiomysql() -> str:
 
 
 async def connect_async(driver: str, t: Target) -> Any:
-    flags = MULTI_STATEMENTS | FOUND_ROWS
-    module = importlib.import_module(driver.removesuffix("-hex"))
-    extra: dict[str, Any] = {}
+    module, args = module_of(driver), connect_args(t)
     if driver == "asyncmy-hex":
-        extra["conv"] = {**module.converters.conversions, Blob: hex_literal}
-    return await module.connect(
-        **extra,
-        host=t.host,
-        port=t.port,
-        user=t.user,
-        password=t.password,
-        db=t.database,
-        autocommit=True,
-        client_flag=flags,
-    )
+        args["conv"] = {**module.converters.conversions, Blob: hex_literal}
+    return await module.connect(**args)
 
 
 class SyncOps:
@@ -651,9 +625,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--drivers from {', '.join(DRIVERS)}; --rounds >= 1, --seconds > 0")
     missing = []
     for driver in chosen:
-        module = "MySQLdb" if driver == "mysqlclient" else driver.removesuffix("-hex")
         try:
-            importlib.import_module(module)
+            module_of(driver)
         except ImportError as exc:
             missing.append(driver)
             print(f"skipping {driver}: {exc}", flush=True)
