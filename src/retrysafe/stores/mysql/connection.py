@@ -151,12 +151,30 @@ def execute(conn: Any, op: Op) -> tuple[int, Row | None]:
     return (rowcount or 0), row
 
 
+class _Hex:
+    """Bytes that the store's asyncmy connections send as a hex literal."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+def _hex_literal(value: _Hex, mapping: Any = None) -> str:
+    return "_binary X'" + value.data.hex() + "'"
+
+
 async def aexecute(conn: Any, op: Op) -> tuple[int, Row | None]:
     """:func:`execute` on an asyncmy connection."""
     rowcount: int | None = None
     row: Row | None = None
+    # asyncmy escapes bytes a character at a time (about 17 ms per MiB, on the event
+    # loop); the store's own connections take them as hex literals (under 3 ms).
+    hexed = getattr(conn, "sends_hex", False)
     async with conn.cursor() as cur:
         for query, params in _statements(op, _multi(conn)):
+            if hexed:
+                params = [_Hex(p) if p.__class__ is bytes else p for p in params]
             await cur.execute(query, params)
             while True:
                 if rowcount is None:
@@ -394,6 +412,24 @@ class _AsyncPool:
             conn.close()
 
 
+def _async_connector(kwargs: dict[str, Any]) -> Callable[[], Any]:
+    """What opens one of the store's asyncmy connections (bytes sent as hex literals)."""
+    import asyncmy.connection
+    import asyncmy.converters
+
+    class HexConnection(asyncmy.connection.Connection):
+        sends_hex = True
+
+    conv = {**asyncmy.converters.conversions, _Hex: _hex_literal}
+
+    async def connect() -> Any:
+        conn = HexConnection(**kwargs, conv=conv)
+        await conn.connect()
+        return conn
+
+    return connect
+
+
 class MySQLConnections:
     """The connection half of :class:`~retrysafe.stores.mysql.MySQLStore`: pools,
     checkout and the two executors."""
@@ -462,11 +498,8 @@ class MySQLConnections:
         loop = asyncio.get_running_loop()
         pool = self._apools.get(loop)
         if pool is None:
-            import asyncmy  # the async driver: an extra of its own
-
-            kwargs = self._driver_kwargs()
             pool = _AsyncPool(
-                lambda: asyncmy.connect(**kwargs), self.max_size, self.connect_timeout
+                _async_connector(self._driver_kwargs()), self.max_size, self.connect_timeout
             )
             self._apools[loop] = pool
         return pool
