@@ -334,6 +334,7 @@ class _SyncPool:
         self._idle: list[Any] = []
         self._free = threading.BoundedSemaphore(size)
         self._lock = threading.Lock()
+        self._closed = False
 
     def take(self) -> Any:
         if not self._free.acquire(timeout=self._timeout):
@@ -353,17 +354,19 @@ class _SyncPool:
 
     def give(self, conn: Any, broken: bool) -> None:
         try:
-            if broken:
-                _close(conn)
-            else:
-                with self._lock:
+            with self._lock:
+                keep = not (broken or self._closed)
+                if keep:
                     self._idle.append(conn)
+            if not keep:
+                _close(conn)
         finally:
             self._free.release()
 
     def close(self) -> None:
+        """Close the idle connections, and each busy one when it comes back."""
         with self._lock:
-            idle, self._idle = self._idle, []
+            idle, self._idle, self._closed = self._idle, [], True
         for conn in idle:
             _close(conn)
 
@@ -382,6 +385,7 @@ class _AsyncPool:
         self._timeout = timeout
         self._idle: list[Any] = []
         self._free = asyncio.Semaphore(size)
+        self._closed = False
 
     async def take(self) -> Any:
         try:
@@ -400,14 +404,15 @@ class _AsyncPool:
             raise
 
     def give(self, conn: Any, broken: bool) -> None:
-        if broken:
+        if broken or self._closed:
             conn.close()  # asyncmy's close() drops the transport: nothing to await
         else:
             self._idle.append(conn)
         self._free.release()
 
     def close(self) -> None:
-        idle, self._idle = self._idle, []
+        """Close the idle connections, and each busy one when it comes back."""
+        idle, self._idle, self._closed = self._idle, [], True
         for conn in idle:
             conn.close()
 
