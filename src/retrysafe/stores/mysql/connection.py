@@ -48,8 +48,8 @@ class Op(NamedTuple):
     holds each one's parameters): ``rowcount`` is the first statement's, ``row`` the
     first row of the last statement that returned rows. ``parse`` may return another
     op, which runs next on the same connection. ``recover(op, error)`` gives the op
-    to run instead of a failed one, or raises; by default a deadlock or a lock wait
-    timeout (nothing written) runs the op again, a few times. Either may also give
+    to run instead of a failed one, or raises; by default a deadlock (nothing
+    written) runs the op again, a few times. Either may also give
     the op's result instead of another op.
     """
 
@@ -70,8 +70,10 @@ def errno_of(exc: BaseException) -> int | None:
     return None
 
 
-#: Deadlock found, lock wait timeout: the statement was rolled back, nothing written.
-_LOCK_ERRORS = frozenset({1213, 1205})
+#: A deadlock: InnoDB rolled the statement back, nothing was written, and running it
+#: again is what the server asks. A lock wait timeout (1205) is not retried: it already
+#: waited the server's innodb_lock_wait_timeout, and becomes StoreUnavailableError.
+_LOCK_ERRORS = frozenset({1213})
 #: Errors after which a connection is not reused: the server went away, the query was
 #: interrupted, the connection was killed or shut down, or it never connected.
 CONNECTION_LOST = frozenset({1053, 1927, 2003, 2006, 2013, 2055, 4031})
