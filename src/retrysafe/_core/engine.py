@@ -279,6 +279,13 @@ class Engine:
                 expires_at = claim.settled_expiry(now)
                 ok = _settle(write, claim, now, expires_at, outcome)
         except StoreUnavailableError as exc:
+            if not exc.transient:
+                # The store refuses this answer for good (larger than the server
+                # takes, say): the handler ran, so the attempt fails finally without
+                # it, as an answer over max_body does, and a retry gets the failure.
+                with contextlib.suppress(StoreUnavailableError, LeaseLostError):
+                    self.fail(claim, final=True)
+                raise
             ok, expires_at = self._resend(claim, "completion", exc, write, True, outcome)
         self._finished(claim, ok, started, expires_at=expires_at)
 
@@ -382,6 +389,10 @@ class Engine:
                 expires_at = claim.settled_expiry(now)
                 ok = await _settle(write, claim, now, expires_at, outcome)
         except StoreUnavailableError as exc:
+            if not exc.transient:
+                with contextlib.suppress(StoreUnavailableError, LeaseLostError):
+                    await self.afail(claim, final=True)  # as complete() does
+                raise
             ok, expires_at = await self._aresend(claim, "completion", exc, write, True, outcome)
         self._finished(claim, ok, started, expires_at=expires_at)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import re
 import select
@@ -23,7 +24,7 @@ from urllib.parse import unquote, urlsplit
 import pymysql
 from pymysql.constants import CLIENT
 
-from retrysafe.errors import StoreUnavailableError
+from retrysafe.errors import MissingExtraError, StoreUnavailableError
 from retrysafe.stores._redact import redact, redact_in
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "MySQLConnections",
     "Op",
     "aexecute",
+    "classify",
     "errno_of",
     "execute",
     "play",
@@ -136,7 +138,12 @@ def _statements(op: Op, multi: bool) -> list[tuple[str, Sequence[Any]]]:
 
 
 def _multi(conn: Any) -> bool:
-    return bool(getattr(conn, "client_flag", 0) & CLIENT.MULTI_STATEMENTS)
+    """Whether ``conn`` was opened with ``CLIENT.MULTI_STATEMENTS`` (PyMySQL keeps its
+    flags in ``client_flag``, asyncmy in ``_client_flag``)."""
+    flags = getattr(conn, "client_flag", None)
+    if flags is None:
+        flags = getattr(conn, "_client_flag", 0)
+    return bool(flags & CLIENT.MULTI_STATEMENTS)
 
 
 def execute(conn: Any, op: Op) -> tuple[int, Row | None]:
@@ -200,7 +207,7 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,47}")
 #: The store's own options in the URL's query; the rest are the connection's.
 OWN_OPTIONS = ("table", "min_size", "max_size", "auto_migrate", "connect_timeout")
 _SSL_OPTIONS = ("ssl", "ssl_ca", "ssl_cert", "ssl_key", "ssl_verify_cert")
-_CONNECT_OPTIONS = ("unix_socket", "charset", *_SSL_OPTIONS)
+_CONNECT_OPTIONS = ("unix_socket", *_SSL_OPTIONS)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -334,7 +341,9 @@ def _idle_broken(conn: Any) -> bool:
 
 
 class _SyncPool:
-    """At most ``size`` PyMySQL connections; a caller waits ``timeout`` for one."""
+    """At most ``size`` PyMySQL connections; a caller waits ``timeout`` for one. Each
+    connection it makes knows its pool (``home``), so it comes back there even after
+    the store replaced the pool (``close()``)."""
 
     def __init__(self, connect: Callable[[], Any], size: int, timeout: float) -> None:
         self._connect = connect
@@ -352,7 +361,9 @@ class _SyncPool:
                 with self._lock:
                     conn = self._idle.pop() if self._idle else None
                 if conn is None:
-                    return self._connect()
+                    conn = self._connect()
+                    conn.home = self
+                    return conn
                 if not _idle_broken(conn):
                     return conn
                 _close(conn)
@@ -406,7 +417,9 @@ class _AsyncPool:
                 if not _idle_broken(conn):
                     return conn
                 conn.close()
-            return await self._connect()
+            conn = await self._connect()
+            conn.home = self
+            return conn
         except BaseException:
             self._free.release()
             raise
@@ -425,22 +438,57 @@ class _AsyncPool:
             conn.close()
 
 
-def _async_connector(kwargs: dict[str, Any]) -> Callable[[], Any]:
-    """What opens one of the store's asyncmy connections (bytes sent as hex literals)."""
-    import asyncmy.connection
-    import asyncmy.converters
+class _StoreConnection(pymysql.connections.Connection):  # type: ignore[misc]
+    """One of the store's own PyMySQL connections (it knows its pool)."""
 
-    class HexConnection(asyncmy.connection.Connection):
-        sends_hex = True
+    home: _SyncPool | None = None
 
-    conv = {**asyncmy.converters.conversions, _Hex: _hex_literal}
 
-    async def connect() -> Any:
-        conn = HexConnection(**kwargs, conv=conv)
-        await conn.connect()
-        return conn
+@functools.cache
+def _async_driver() -> tuple[type[Any], dict[Any, Any]]:
+    """The class of the store's asyncmy connections (they send bytes as hex literals
+    and know their pool) and their encoders."""
+    try:
+        import asyncmy.connection
+        import asyncmy.converters
+    except ImportError as exc:
+        raise MissingExtraError("mysql", "the MySQL store's async calls", name="asyncmy") from exc
+    connection_class = type(
+        "HexConnection", (asyncmy.connection.Connection,), {"sends_hex": True, "home": None}
+    )
+    return connection_class, {**asyncmy.converters.conversions, _Hex: _hex_literal}
 
-    return connect
+
+#: The server errors that sending again cannot cure: a value that does not fit (too
+#: long, not in the column's charset, out of range, NULL where none may be, a packet
+#: over max_allowed_packet), a missing table, a refused permission. The engine gives
+#: up a completion at once on them instead of resending it for the whole lease.
+_PERMANENT = frozenset({1044, 1045, 1048, 1142, 1143, 1146, 1153, 1264, 1292, 1366, 1406})
+#: Bytes a parameter may take on the wire per byte: both drivers send bytes as hex.
+_BYTES_FACTOR = 2
+#: Room for the statement's own text and the escaping of its texts.
+_STATEMENT_ROOM = 64 * 1024
+
+
+def _size(op: Op) -> int:
+    """About how many bytes ``op``'s statements take on the wire (bytes as hex)."""
+    params = op.params if isinstance(op.query, str) else [p for ps in op.params for p in ps]
+    size = _STATEMENT_ROOM
+    for value in params:
+        if value.__class__ is bytes:
+            size += _BYTES_FACTOR * len(value)
+        elif value.__class__ is str:
+            size += len(value)
+    return size
+
+
+def classify(exc: BaseException) -> BaseException:
+    """``exc`` when an op's ``recover`` may see it (a server error, the connection
+    intact); else raise it (the connection is lost, or its state unknown)."""
+    errno = errno_of(exc)
+    if not errno or errno in CONNECTION_LOST:
+        raise exc
+    return exc
 
 
 class MySQLConnections:
@@ -460,6 +508,8 @@ class MySQLConnections:
             weakref.WeakKeyDictionary()
         )
         self._pool_lock = threading.Lock()
+        #: The server's max_allowed_packet, read by the first connection made.
+        self._max_packet: int | None = None
         # A pool must not cross a fork: the child would share the parent's sockets.
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _forget_pools(ref))
@@ -480,17 +530,22 @@ class MySQLConnections:
         return StoreUnavailableError(
             f"MySQL store at {self._where} is unavailable: {reason}",
             retry_after=max(1.0, self.connect_timeout),
+            transient=errno_of(exc) not in _PERMANENT,
         )
 
     def _driver_kwargs(self) -> dict[str, Any]:
         return {
             **self._connect_kwargs,
             "autocommit": True,
-            "charset": self._connect_kwargs.get("charset", "utf8mb4"),
+            # The tables are utf8mb4: a narrower connection charset cannot carry
+            # every text a record holds.
+            "charset": "utf8mb4",
             "connect_timeout": self.connect_timeout,
             "client_flag": CLIENT.MULTI_STATEMENTS | CLIENT.FOUND_ROWS,
             "init_command": SESSION_SETUP,
-            # Bytes go as _binary'…' literals: never read in the connection's charset.
+            # asyncmy sends bytes as _binary'…' literals, never read in the connection's
+            # charset (the store's own asyncmy connections send hex, see _Hex); PyMySQL
+            # always sends them as _binary X'…' hex.
             "binary_prefix": True,
         }
 
@@ -500,20 +555,43 @@ class MySQLConnections:
             with self._pool_lock:
                 pool = self._pool
                 if pool is None:
-                    kwargs = self._driver_kwargs()
-                    pool = _SyncPool(
-                        lambda: pymysql.connect(**kwargs), self.max_size, self.connect_timeout
-                    )
+                    pool = _SyncPool(self._connect, self.max_size, self.connect_timeout)
                     self._pool = pool
         return pool
+
+    def _connect(self) -> Any:
+        """A new PyMySQL connection whose greeting, login and session setup each get
+        ``connect_timeout`` (PyMySQL bounds only the TCP connect: a server that takes
+        the connection and never greets would hold the caller forever); its
+        statements then wait as long as the server takes (a lock wait may be long)."""
+        timeout = self.connect_timeout
+        conn = _StoreConnection(
+            **self._driver_kwargs(), read_timeout=timeout, write_timeout=timeout
+        )
+        conn._read_timeout = conn._write_timeout = None  # PyMySQL applies them per read
+        if self._max_packet is None:
+            with conn.cursor() as cur:
+                cur.execute("SELECT @@max_allowed_packet")
+                self._max_packet = int(cur.fetchone()[0])
+        return conn
+
+    async def _aconnect(self) -> Any:
+        """:meth:`_connect` for asyncio: an asyncmy connection that sends bytes as hex
+        literals, the whole connection bounded by ``connect_timeout``."""
+        connection_class, conv = _async_driver()
+        conn = connection_class(**self._driver_kwargs(), conv=conv)
+        await asyncio.wait_for(conn.connect(), self.connect_timeout)
+        if self._max_packet is None:
+            async with conn.cursor() as cur:
+                await cur.execute("SELECT @@max_allowed_packet")
+                self._max_packet = int((await cur.fetchone())[0])
+        return conn
 
     def _loop_pool(self) -> _AsyncPool:
         loop = asyncio.get_running_loop()
         pool = self._apools.get(loop)
         if pool is None:
-            pool = _AsyncPool(
-                _async_connector(self._driver_kwargs()), self.max_size, self.connect_timeout
-            )
+            pool = _AsyncPool(self._aconnect, self.max_size, self.connect_timeout)
             self._apools[loop] = pool
         return pool
 
@@ -524,13 +602,13 @@ class MySQLConnections:
         return self._sync_pool().take()
 
     def _give(self, conn: Any, broken: bool = False) -> None:
-        self._sync_pool().give(conn, broken)
+        (getattr(conn, "home", None) or self._sync_pool()).give(conn, broken)
 
     async def _atake(self) -> Any:
         return await self._loop_pool().take()
 
     async def _agive(self, conn: Any, broken: bool = False) -> None:
-        self._loop_pool().give(conn, broken)
+        (getattr(conn, "home", None) or self._loop_pool()).give(conn, broken)
 
     def _ensure_migrated(self) -> None:
         if not self._migrated:
@@ -544,6 +622,19 @@ class MySQLConnections:
         """``op``, after the schema's migration while it is due."""
         return op if self._migrated else self._migration_op(op)
 
+    def _check_size(self, op: Op) -> None:
+        """Refuse, before sending, a statement over the server's ``max_allowed_packet``:
+        the server would close the connection, which looks like an outage and would be
+        resent until the lease ends. Nothing is written; the engine gives up at once."""
+        limit = self._max_packet
+        if limit is not None and _size(op) > limit:
+            raise StoreUnavailableError(
+                f"MySQL store at {self._where}: a statement of about {_size(op)} bytes "
+                f"exceeds the server's max_allowed_packet ({limit}); store a smaller answer "
+                "or raise max_allowed_packet",
+                transient=False,
+            )
+
     def _run(self, op: Op) -> Any:
         try:
             conn = self._take()
@@ -552,12 +643,11 @@ class MySQLConnections:
                 flow = play(self._first(op))
                 step = next(flow)
                 while True:
+                    self._check_size(step)
                     try:
                         answer: tuple[int, Row | None] | BaseException = execute(conn, step)
                     except DRIVER_ERRORS as exc:
-                        if errno_of(exc) in CONNECTION_LOST or not errno_of(exc):
-                            raise
-                        answer = exc
+                        answer = classify(exc)
                     step = flow.send(answer)
             except StopIteration as stop:
                 broken = False
@@ -575,12 +665,11 @@ class MySQLConnections:
                 flow = play(self._first(op))
                 step = next(flow)
                 while True:
+                    self._check_size(step)
                     try:
                         answer: tuple[int, Row | None] | BaseException = await aexecute(conn, step)
                     except DRIVER_ERRORS as exc:
-                        if errno_of(exc) in CONNECTION_LOST or not errno_of(exc):
-                            raise
-                        answer = exc
+                        answer = classify(exc)
                     step = flow.send(answer)
             except StopIteration as stop:
                 broken = False
