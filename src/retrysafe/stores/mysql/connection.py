@@ -407,10 +407,15 @@ class _AsyncPool:
         self._closed = False
 
     async def take(self) -> Any:
-        try:
-            await asyncio.wait_for(self._free.acquire(), self._timeout)
-        except TimeoutError:
-            raise TimeoutError(f"no pooled connection within {self._timeout:g}s") from None
+        if self._free.locked():
+            try:
+                await asyncio.wait_for(self._free.acquire(), self._timeout)
+            except TimeoutError:
+                raise TimeoutError(f"no pooled connection within {self._timeout:g}s") from None
+        else:
+            # Free: acquire() returns without suspending. wait_for would wrap it in a
+            # task and a timer, three more turns of the loop on every store call.
+            await self._free.acquire()
         try:
             while self._idle:
                 conn = self._idle.pop()
