@@ -10,19 +10,24 @@ For every store, one thread measures operations per second of:
 and, in the same run, the store's **floor**: the fewest raw commands that do the
 same work through the same client library (Redis: ``SET NX`` + ``SET``, then
 ``GET``; PostgreSQL: ``INSERT ... ON CONFLICT DO NOTHING`` + ``UPDATE``, then
-``SELECT``; SQLite: ``INSERT`` + ``UPDATE``, then ``SELECT``; memory: a dict
-behind a lock). On the same Redis server, ``@retrysafe.idempotent`` is compared
-with Powertools for AWS Lambda's ``idempotent_function`` and its Redis
-persistence layer, and the Redis round trips of every contender are counted.
+``SELECT``; MySQL/MariaDB, sync (PyMySQL) and async (asyncmy): ``INSERT ... ON
+DUPLICATE KEY UPDATE`` + ``SELECT`` in one round trip + ``UPDATE``, then the same
+``INSERT`` + ``SELECT`` on a completed row; SQLite: ``INSERT`` + ``UPDATE``, then
+``SELECT``; memory: a dict behind a lock). On the same Redis server,
+``@retrysafe.idempotent`` is compared with Powertools for AWS Lambda's
+``idempotent_function`` and its Redis persistence layer, and the Redis round trips
+of every contender are counted.
 
 Contenders run interleaved in rounds (retrysafe, floor, retrysafe, floor, ...;
 the order flips every round), after a warm-up; the figure of a contender is the
 median over the rounds. This is a benchmark, not a test (pytest does not run it).
 
-    python bench/stores.py [--seconds S] [--rounds R] [--stores memory,sqlite,redis,postgres]
-                           [--redis-url URL] [--postgres-url URL] [--write docs/performance.md]
+    python bench/stores.py [--seconds S] [--rounds R]
+                           [--stores memory,sqlite,redis,postgres,mysql]
+                           [--redis-url URL] [--postgres-url URL] [--mysql-url URL]
+                           [--write docs/performance.md]
 
-Without URLs it starts its own redis-server and PostgreSQL (tests/_servers.py)
+Without URLs it starts its own redis-server, PostgreSQL and MariaDB (tests/_servers.py)
 and stops them at the end.
 
     python bench/stores.py --redis-instructions [CALLS] [--redis-url URL] [--redis-py-path]
@@ -50,6 +55,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import argparse
+import asyncio
 import contextlib
 import cProfile
 import functools
@@ -70,7 +76,7 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,7 +85,7 @@ from retrysafe import Claim, Engine, Outcome, Replay, open_store
 from retrysafe.stores.memory import MemoryStore
 
 ROOT = Path(__file__).resolve().parents[1]
-STORES = ("memory", "sqlite", "redis", "postgres")
+STORES = ("memory", "sqlite", "redis", "postgres", "mysql")
 FIRST, REPLAY = "first call", "replay"
 SUBJECT, FLOOR, PEER = "retrysafe", "floor", "Powertools"
 DECORATOR = "@idempotent (redis)"
@@ -200,19 +206,37 @@ def run_rounds(contenders: Sequence[Contender], rounds: int, seconds: float, war
 # -- retrysafe's side -----------------------------------------------------------------
 
 
-def engine_contenders(section: str, engine: Engine, detail: str) -> list[Contender]:
-    """First calls and replays through ``engine`` (sync API)."""
+def engine_contenders(
+    section: str, engine: Engine, detail: str, loop: asyncio.AbstractEventLoop | None = None
+) -> list[Contender]:
+    """First calls and replays through ``engine``: its sync API, or with ``loop`` its
+    async one (``abegin``/``acomplete``, each batch one coroutine on ``loop``)."""
     tag = secrets.token_hex(4)
     seq = itertools.count()
     replay_key = [""]
+
+    def claimed(claim: Any) -> Claim:
+        if type(claim) is not Claim:
+            raise BenchError(f"{section}: a new key was not claimed: {claim!r}")
+        return claim
+
+    def replayed(result: Any) -> None:
+        if type(result) is not Replay:
+            raise BenchError(f"{section}: a completed key did not replay: {result!r}")
 
     def first(n: int) -> None:
         begin, complete, outcome = engine.begin, engine.complete, RESULT_OUTCOME
         for _ in range(n):
             claim = begin(f"first-{tag}-{next(seq)}", operation=OPERATION, fingerprint=FINGERPRINT)
-            if type(claim) is not Claim:
-                raise BenchError(f"{section}: a new key was not claimed: {claim!r}")
-            complete(claim, outcome)
+            complete(claimed(claim), outcome)
+
+    async def afirst(n: int) -> None:
+        begin, complete, outcome = engine.abegin, engine.acomplete, RESULT_OUTCOME
+        for _ in range(n):
+            claim = await begin(
+                f"first-{tag}-{next(seq)}", operation=OPERATION, fingerprint=FINGERPRINT
+            )
+            await complete(claimed(claim), outcome)
 
     def prepare_replay() -> None:
         key = f"replay-{tag}-{next(seq)}"
@@ -226,25 +250,47 @@ def engine_contenders(section: str, engine: Engine, detail: str) -> list[Contend
         result: Any = None
         for _ in range(n):
             result = begin(key, operation=OPERATION, fingerprint=FINGERPRINT)
-            if type(result) is not Replay:
-                raise BenchError(f"{section}: a completed key did not replay: {result!r}")
+            replayed(result)
+        check_replay(result)
+
+    async def areplay(n: int) -> None:
+        begin, key = engine.abegin, replay_key[0]
+        result: Any = None
+        for _ in range(n):
+            result = await begin(key, operation=OPERATION, fingerprint=FINGERPRINT)
+            replayed(result)
+        check_replay(result)
+
+    def check_replay(result: Any) -> None:
         if result is not None and result.outcome.value != RESULT:
             raise BenchError(f"{section}: the replay returned {result.outcome!r}")
 
+    if loop is not None:
+        first, replay = _on_loop(loop, afirst), _on_loop(loop, areplay)
     return [
         Contender(section, SUBJECT, FIRST, first, detail=detail),
         Contender(section, SUBJECT, REPLAY, replay, prepare_replay, detail=detail),
     ]
 
 
+def _on_loop(
+    loop: asyncio.AbstractEventLoop, batch: Callable[[int], Coroutine[Any, Any, None]]
+) -> Callable[[int], None]:
+    """``batch`` (a coroutine function of ``n``) as a plain ``run(n)`` on ``loop``."""
+    return lambda n: loop.run_until_complete(batch(n))
+
+
 def floor_contenders(
     section: str,
-    first_call: Callable[[str], None],
-    replay_call: Callable[[str], None],
+    first_call: Callable[[str], Any],
+    replay_call: Callable[[str], Any],
     write_replay: Callable[[str], None],
     detail: str,
+    loop: asyncio.AbstractEventLoop | None = None,
 ) -> list[Contender]:
-    """Floors built from one-key callables: a first call, a replay, and a setup write."""
+    """Floors built from one-key callables: a first call, a replay, and a setup write.
+    With ``loop``, ``first_call`` and ``replay_call`` are coroutine functions, each batch
+    one coroutine on ``loop``."""
     tag = secrets.token_hex(4)
     seq = itertools.count()
     replay_key = [""]
@@ -252,6 +298,10 @@ def floor_contenders(
     def first(n: int) -> None:
         for _ in range(n):
             first_call(f"floor:first-{tag}-{next(seq)}")
+
+    async def afirst(n: int) -> None:
+        for _ in range(n):
+            await first_call(f"floor:first-{tag}-{next(seq)}")
 
     def prepare_replay() -> None:
         replay_key[0] = f"floor:replay-{tag}-{next(seq)}"
@@ -262,6 +312,13 @@ def floor_contenders(
         for _ in range(n):
             replay_call(key)
 
+    async def areplay(n: int) -> None:
+        key = replay_key[0]
+        for _ in range(n):
+            await replay_call(key)
+
+    if loop is not None:
+        first, replay = _on_loop(loop, afirst), _on_loop(loop, areplay)
     return [
         Contender(section, FLOOR, FIRST, first, detail=detail),
         Contender(section, FLOOR, REPLAY, replay, prepare_replay, detail=detail),
@@ -735,6 +792,154 @@ def postgres_section(
     )
 
 
+# -- MySQL / MariaDB --------------------------------------------------------------------------
+
+_MYSQL_FLOOR_SCHEMA = """
+CREATE TABLE {table} (
+    k VARCHAR(191) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY,
+    status VARCHAR(10) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+    token VARBINARY(1024) NOT NULL,
+    updated_at DOUBLE NOT NULL,
+    body LONGBLOB
+) ENGINE=InnoDB
+"""
+#: The floor's round trips (each one ``execute``), the store's in kind: a claim is the
+#: insert and the read of the key's row sent together; a completion one UPDATE.
+_MYSQL_FLOOR_CLAIM = (
+    "INSERT INTO {table} (k, status, token, updated_at) VALUES (%s, 'processing', %s, %s) "
+    "ON DUPLICATE KEY UPDATE k = k; SELECT k, status, token, updated_at, body FROM {table} "
+    "WHERE k = %s"
+)
+_MYSQL_FLOOR_COMPLETE = (
+    "UPDATE {table} SET status = 'completed', body = %s, updated_at = %s "
+    "WHERE k = %s AND token = %s AND status = 'processing'"
+)
+MYSQL_FLOOR_DETAIL = (
+    "{driver}, one connection with the store's settings (autocommit, utf8mb4, "
+    "MULTI_STATEMENTS | FOUND_ROWS, the store's session setup, binary_prefix), one cursor: "
+    "a claim is `INSERT ... ON DUPLICATE KEY UPDATE k = k; SELECT ... WHERE k = %s` in one "
+    "round trip, a completion `UPDATE ... WHERE k = %s AND token = %s AND status = "
+    "'processing'`, a replay the claim's round trip on a completed row (table: ascii "
+    "primary key, 3 columns and a blob)"
+)
+
+
+def _claimed_row(row: Any, key: str, status: str) -> None:
+    if row is None or row[0] != key or row[1] != status:
+        raise BenchError(f"mysql floor: {key} reads {row!r}, expected {status}")
+
+
+def mysql_section(
+    url: str, tag: str, own_server: bool, stack: contextlib.ExitStack, info: dict[str, str]
+) -> list[Contender]:
+    """The MySQL store's sync API (PyMySQL) against raw PyMySQL statements."""
+    import pymysql
+
+    store = open_store(url, table=f"rsbench_{tag}")
+    engine = Engine(store)
+    stack.callback(engine.close)
+    kwargs = store._driver_kwargs()  # type: ignore[attr-defined]  # the store's settings
+    conn = pymysql.connect(**kwargs)
+    stack.callback(conn.close)
+    cur = conn.cursor()
+    floor = f"rsbench_floor_{tag}"
+    cur.execute(_MYSQL_FLOOR_SCHEMA.format(table=floor))
+    if not own_server:
+        stack.callback(_mysql_drop, conn, tag)
+    cur.execute("SELECT VERSION(), @@innodb_flush_log_at_trx_commit")
+    version, flush = cur.fetchone()
+    # tx_isolation in MariaDB before 11.1, transaction_isolation in MySQL 8
+    cur.execute("SHOW VARIABLES WHERE Variable_name IN ('tx_isolation', 'transaction_isolation')")
+    isolation = cur.fetchone()[1]
+    info["MySQL/MariaDB"] = (
+        f"{version} (innodb_flush_log_at_trx_commit={flush}, {isolation}); "
+        f"PyMySQL {_version('pymysql')}, asyncmy {_version('asyncmy')}"
+    )
+    claim_sql = _MYSQL_FLOOR_CLAIM.format(table=floor)
+    complete_sql = _MYSQL_FLOOR_COMPLETE.format(table=floor)
+    token, now = b"t" * 32, time.time()
+
+    def claim(key: str, status: str) -> None:
+        cur.execute(claim_sql, (key, token, now, key))
+        cur.nextset()
+        _claimed_row(cur.fetchone(), key, status)
+
+    def first_call(key: str) -> None:
+        claim(key, "processing")
+        if cur.execute(complete_sql, (RESULT_BYTES, now, key, token)) != 1:
+            raise BenchError("mysql floor: the completion changed no row")
+
+    return _interleave(
+        engine_contenders("mysql", engine, "MySQLStore (PyMySQL), default options"),
+        floor_contenders(
+            "mysql",
+            first_call,
+            lambda key: claim(key, "completed"),
+            first_call,
+            MYSQL_FLOOR_DETAIL.format(driver=f"PyMySQL {_version('pymysql')}"),
+        ),
+    )
+
+
+def mysql_async_section(url: str, tag: str, stack: contextlib.ExitStack) -> list[Contender]:
+    """The MySQL store's async API (asyncmy) against raw asyncmy statements, every batch
+    of calls one coroutine on one event loop."""
+    import asyncmy
+
+    loop = asyncio.new_event_loop()
+    stack.callback(loop.close)
+    store = open_store(url, table=f"rsbench_{tag}")
+    engine = Engine(store)
+    stack.callback(lambda: loop.run_until_complete(engine.aclose()))
+    conn = loop.run_until_complete(
+        asyncmy.connect(**store._driver_kwargs())  # type: ignore[attr-defined]
+    )
+    stack.callback(conn.close)
+    cur = conn.cursor()
+    floor = f"rsbench_floor_{tag}"
+    claim_sql = _MYSQL_FLOOR_CLAIM.format(table=floor)
+    complete_sql = _MYSQL_FLOOR_COMPLETE.format(table=floor)
+    token, now = b"t" * 32, time.time()
+
+    async def claim(key: str, status: str) -> None:
+        await cur.execute(claim_sql, (key, token, now, key))
+        await cur.nextset()
+        _claimed_row(await cur.fetchone(), key, status)
+
+    async def first_call(key: str) -> None:
+        await claim(key, "processing")
+        if await cur.execute(complete_sql, (RESULT_BYTES, now, key, token)) != 1:
+            raise BenchError("mysql floor: the completion changed no row")
+
+    async def replay_call(key: str) -> None:
+        await claim(key, "completed")
+
+    def sync(call: Callable[[str], Any]) -> Callable[[str], None]:
+        return lambda key: loop.run_until_complete(call(key))
+
+    return _interleave(
+        engine_contenders(
+            "mysql async", engine, "MySQLStore (asyncmy), default options", loop=loop
+        ),
+        floor_contenders(
+            "mysql async",
+            first_call,
+            replay_call,
+            sync(first_call),
+            MYSQL_FLOOR_DETAIL.format(driver="asyncmy"),
+            loop=loop,
+        ),
+    )
+
+
+def _mysql_drop(conn: Any, tag: str) -> None:
+    """Drop this run's tables (on a server that is not ours)."""
+    with conn.cursor() as cur:
+        for suffix in ("", "_archive", "_state", "_schema"):
+            cur.execute(f"DROP TABLE IF EXISTS rsbench_{tag}{suffix}")
+        cur.execute(f"DROP TABLE IF EXISTS rsbench_floor_{tag}")
+
+
 # -- Redis: client instructions per call (valgrind) ------------------------------------------
 
 #: ``--redis-instructions``: the Redis contenders measured, by label.
@@ -831,8 +1036,15 @@ def _servers_module() -> Any:
 
 
 def start_server(kind: str, stack: contextlib.ExitStack) -> str:
+    """Start a throwaway server of ``kind`` (redis, postgres, mysql: a MariaDB) as the
+    tests do; it stops when ``stack`` closes. Its URL."""
     servers = _servers_module()
-    server = servers.RedisServer() if kind == "redis" else servers.PostgresServer()
+    make = {
+        "redis": servers.RedisServer,
+        "postgres": servers.PostgresServer,
+        "mysql": servers.MySQLServer,
+    }
+    server = make[kind]()
     t0 = time.monotonic()
     stack.enter_context(server)
     print(f"started {kind} at {server.url} in {time.monotonic() - t0:.1f}s", flush=True)
@@ -1105,6 +1317,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stores", default=",".join(STORES), help="comma-separated subset")
     p.add_argument("--redis-url", help="use this Redis instead of starting one")
     p.add_argument("--postgres-url", help="use this PostgreSQL instead of starting one")
+    p.add_argument("--mysql-url", help="use this MySQL/MariaDB instead of starting one")
     p.add_argument("--write", metavar="PATH", help="write the results as Markdown here")
     p.add_argument(
         "--profile", action="store_true", help="cProfile retrysafe's contenders after the rounds"
@@ -1170,6 +1383,10 @@ def build_sections(
     if "postgres" in args.stores:
         url = args.postgres_url or start_server("postgres", stack)
         yield "postgres", postgres_section(url, tag, args.postgres_url is None, stack, info)
+    if "mysql" in args.stores:
+        url = args.mysql_url or start_server("mysql", stack)
+        yield "mysql", mysql_section(url, tag, args.mysql_url is None, stack, info)
+        yield "mysql async", mysql_async_section(url, tag, stack)
 
 
 def preflight(args: argparse.Namespace) -> None:
@@ -1177,6 +1394,7 @@ def preflight(args: argparse.Namespace) -> None:
     needs = {
         "redis": ["redis", "aws_lambda_powertools.utilities.idempotency"],
         "postgres": ["psycopg", "psycopg_pool"],
+        "mysql": ["pymysql", "asyncmy"],
     }
     for store in args.stores:
         for module in needs.get(store, []):
@@ -1264,7 +1482,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.write:
         libraries = library_info(
-            ["redis", "hiredis", "psycopg", "psycopg-pool", "aws-lambda-powertools"]
+            [
+                *("redis", "hiredis", "psycopg", "psycopg-pool", "pymysql", "asyncmy"),
+                "aws-lambda-powertools",
+            ]
         )
         doc = render(args, command, info, libraries, all_contenders, comps, trips, elapsed)
         path = Path(args.write)
