@@ -830,9 +830,15 @@ def _claimed_row(row: Any, key: str, status: str) -> None:
 
 
 def mysql_section(
-    url: str, tag: str, own_server: bool, stack: contextlib.ExitStack, info: dict[str, str]
+    url: str,
+    tag: str,
+    own_server: bool,
+    stack: contextlib.ExitStack,
+    info: dict[str, str],
+    clients: list[Any],
 ) -> list[Contender]:
-    """The MySQL store's sync API (PyMySQL) against raw PyMySQL statements."""
+    """The MySQL store's sync API (PyMySQL) against raw PyMySQL statements; the floor's
+    connection goes to ``clients`` (for :func:`count_mysql_statements`)."""
     import pymysql
 
     store = open_store(url, table=f"rsbench_{tag}")
@@ -841,6 +847,7 @@ def mysql_section(
     kwargs = store._driver_kwargs()  # type: ignore[attr-defined]  # the store's settings
     conn = pymysql.connect(**kwargs)
     stack.callback(conn.close)
+    clients.append(conn)
     cur = conn.cursor()
     floor = f"rsbench_floor_{tag}"
     cur.execute(_MYSQL_FLOOR_SCHEMA.format(table=floor))
@@ -930,6 +937,58 @@ def mysql_async_section(url: str, tag: str, stack: contextlib.ExitStack) -> list
             loop=loop,
         ),
     )
+
+
+#: The server's counters read around a contender's calls (``SHOW GLOBAL STATUS``).
+MYSQL_COUNTERS = (
+    "Questions",
+    "Com_insert",
+    "Com_select",
+    "Com_update",
+    "Bytes_received",
+    "Bytes_sent",
+)
+
+
+def _mysql_status(conn: Any) -> Counter[str]:
+    names = ", ".join(f"'{n}'" for n in MYSQL_COUNTERS)
+    with conn.cursor() as cur:
+        cur.execute(f"SHOW GLOBAL STATUS WHERE Variable_name IN ({names})")
+        return Counter({name: int(value) for name, value in cur.fetchall()})
+
+
+def count_mysql_statements(
+    contender: Contender, conn: Any, calls: int = COUNT_CALLS
+) -> dict[str, float]:
+    """Per call of ``contender``: statements the server ran (``Questions``, by kind) and
+    bytes it received and sent, from the server's global counters read before and
+    after ``calls`` calls, less what a read of the counters itself adds (nothing else
+    may use the server meanwhile)."""
+    contender.prepare()
+    contender.run(10)  # connections made
+    a, b = _mysql_status(conn), _mysql_status(conn)
+    own = b - a  # what one read of the counters adds
+    before = _mysql_status(conn)
+    contender.run(calls)
+    after = _mysql_status(conn)
+    after.subtract(before)
+    after.subtract(own)
+    return {name: after[name] / calls for name in MYSQL_COUNTERS}
+
+
+def mysql_statement_table(counts: dict[tuple[str, str, str], dict[str, float]]) -> list[str]:
+    lines = [
+        "| contender | workload | statements per call | INSERT | SELECT | UPDATE "
+        "| bytes to the server | bytes from the server |",
+        "|---|---|--:|--:|--:|--:|--:|--:|",
+    ]
+    for (section, name, workload), n in counts.items():
+        lines.append(
+            f"| {section} / {name} | {workload} | {_count(n['Questions'])} "
+            f"| {_count(n['Com_insert'])} | {_count(n['Com_select'])} "
+            f"| {_count(n['Com_update'])} | {n['Bytes_received']:,.0f} | {n['Bytes_sent']:,.0f} |"
+        )
+    return lines
 
 
 def _mysql_drop(conn: Any, tag: str) -> None:
@@ -1365,6 +1424,7 @@ def build_sections(
     info: dict[str, str],
     tag: str,
     redis_client: list[Any],
+    mysql_client: list[Any] | None = None,
 ) -> Iterator[tuple[str, list[Contender]]]:
     """Yield each section's contenders, starting servers and opening stores on the way."""
     if "memory" in args.stores:
@@ -1385,7 +1445,8 @@ def build_sections(
         yield "postgres", postgres_section(url, tag, args.postgres_url is None, stack, info)
     if "mysql" in args.stores:
         url = args.mysql_url or start_server("mysql", stack)
-        yield "mysql", mysql_section(url, tag, args.mysql_url is None, stack, info)
+        clients = [] if mysql_client is None else mysql_client
+        yield "mysql", mysql_section(url, tag, args.mysql_url is None, stack, info, clients)
         yield "mysql async", mysql_async_section(url, tag, stack)
 
 
@@ -1445,10 +1506,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     all_contenders: list[Contender] = []
     trips: dict[tuple[str, str], RoundTrips] = {}
     redis_client: list[Any] = []
+    mysql_client: list[Any] = []
+    statements: dict[tuple[str, str, str], dict[str, float]] = {}
 
     with contextlib.ExitStack() as stack:
         tag = secrets.token_hex(4)
-        for name, contenders in build_sections(args, stack, info, tag, redis_client):
+        sections = build_sections(args, stack, info, tag, redis_client, mysql_client)
+        for name, contenders in sections:
             print(
                 f"\n[{name}] {len(contenders)} contenders, {args.rounds} rounds of "
                 f"{args.seconds:g}s",
@@ -1458,6 +1522,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if name in ("redis", DECORATOR):
                 for c in contenders:
                     trips[(trip_label(c), c.workload)] = count_round_trips(c, redis_client[0])
+            if name.startswith("mysql"):
+                for c in contenders:
+                    statements[(c.section, c.name, c.workload)] = count_mysql_statements(
+                        c, mysql_client[0]
+                    )
             if args.profile:
                 profile(contenders, args.seconds, 25)
             all_contenders += contenders
@@ -1476,6 +1545,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if trips:
         print("\n== Redis round trips per call ==")
         print(plain(round_trip_table(trips)))
+    if statements:
+        print("\n== MySQL statements per call (server counters) ==")
+        print(plain(mysql_statement_table(statements)))
     print("\n== targets ==")
     print(plain(targets_table(comps)))
     print(f"\n(total {elapsed:.0f}s)")
@@ -1487,16 +1559,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "aws-lambda-powertools",
             ]
         )
-        doc = render(args, command, info, libraries, all_contenders, comps, trips, elapsed)
+        extra = mysql_render(statements) if statements else []
+        doc = render(args, command, info, libraries, all_contenders, comps, trips, elapsed, extra)
+        marks, heading = (BEGIN_MARK, END_MARK), ""
+        if args.stores == ["mysql"]:  # a block of its own, one heading level down
+            marks, heading = MYSQL_MARKS, MYSQL_HEADING
+            doc = "\n".join(
+                f"#{line}" if line.startswith("#") else line for line in doc.split("\n")
+            )
         path = Path(args.write)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(splice(path, doc))
+        path.write_text(splice(path, doc, marks, heading))
         print(f"wrote {path}")
     return 0
 
 
 BEGIN_MARK = "<!-- bench/stores.py: generated from here -->"
 END_MARK = "<!-- bench/stores.py: generated up to here -->"
+#: ``--stores mysql --write``: the MySQL store's block, apart from the other stores'.
+MYSQL_MARKS = (
+    "<!-- bench/stores.py --stores mysql: generated from here -->",
+    "<!-- bench/stores.py --stores mysql: generated up to here -->",
+)
+MYSQL_HEADING = "## MySQL/MariaDB: the store against its floor"
 
 
 def splice(
@@ -1517,6 +1602,20 @@ def splice(
     return f"{old.rstrip()}\n\n{block}" if old else block
 
 
+def mysql_render(statements: dict[tuple[str, str, str], dict[str, float]]) -> list[str]:
+    return [
+        "#### MySQL statements per call",
+        "",
+        f"Counted over {COUNT_CALLS} calls per contender from the server's `SHOW GLOBAL STATUS`",
+        "(`Questions`, `Com_insert`, `Com_select`, `Com_update`, `Bytes_received`,",
+        "`Bytes_sent`), less what reading the counters adds. A claim's `INSERT` and `SELECT`",
+        "go in one round trip (one multi-statement query), on both sides.",
+        "",
+        *mysql_statement_table(statements),
+        "",
+    ]
+
+
 def trip_label(c: Contender) -> str:
     if c.section == DECORATOR:
         return "@retrysafe.idempotent" if c.name == SUBJECT else "Powertools idempotent_function"
@@ -1532,7 +1631,9 @@ def render(
     comps: Sequence[Comparison],
     trips: dict[tuple[str, str], RoundTrips],
     elapsed: float,
+    extra: Sequence[str] = (),
 ) -> str:
+    """The generated block; ``extra`` (Markdown lines) goes after the results."""
     store_comps = [c for c in comps if c.section != DECORATOR]
     peer_comps = [c for c in comps if c.section == DECORATOR]
     out = [
@@ -1544,8 +1645,17 @@ def render(
         "operation=..., fingerprint=...)` + `engine.complete(claim, outcome)` (the outcome,",
         "a small JSON dict, built once, as the floors write prebuilt bytes);",
         "a replay is `engine.begin(key_of_a_completed_record, ...)` returning a `Replay`",
-        "(sync API, default engine options). On the same Redis server, `@retrysafe.idempotent`",
-        "is compared with the idempotency utility of Powertools for AWS Lambda.",
+        "(sync API, default engine options; a store named `... async` runs `abegin` and",
+        "`acomplete` instead, each batch of calls one coroutine on one event loop, its",
+        "floor likewise).",
+        *(
+            [
+                "On the same Redis server, `@retrysafe.idempotent` is compared with the",
+                "idempotency utility of Powertools for AWS Lambda.",
+            ]
+            if peer_comps
+            else []
+        ),
         "",
         f"Contenders run interleaved in {args.rounds} rounds of {args.seconds:g} s each (the order",
         "flips every round) after a warm-up; every figure is the median over the rounds and",
@@ -1617,13 +1727,10 @@ def render(
             "",
             *round_trip_table(trips),
         ]
-    out += [
-        "",
-        "### Targets",
-        "",
-        *targets_table(comps),
-        "",
-    ]
+    out += ["", *extra]
+    targets = targets_table(comps)
+    if len(targets) > 2:  # a header and a rule, then a row per target
+        out += ["", "### Targets", "", *targets, ""]
     return "\n".join(out)
 
 
