@@ -59,6 +59,7 @@ import asyncio
 import contextlib
 import cProfile
 import functools
+import hashlib
 import importlib
 import importlib.metadata
 import itertools
@@ -265,11 +266,12 @@ def engine_contenders(
         if result is not None and result.outcome.value != RESULT:
             raise BenchError(f"{section}: the replay returned {result.outcome!r}")
 
+    runs: tuple[Callable[[int], None], ...] = (first, replay)
     if loop is not None:
-        first, replay = _on_loop(loop, afirst), _on_loop(loop, areplay)
+        runs = (_on_loop(loop, afirst), _on_loop(loop, areplay))
     return [
-        Contender(section, SUBJECT, FIRST, first, detail=detail),
-        Contender(section, SUBJECT, REPLAY, replay, prepare_replay, detail=detail),
+        Contender(section, SUBJECT, FIRST, runs[0], detail=detail),
+        Contender(section, SUBJECT, REPLAY, runs[1], prepare_replay, detail=detail),
     ]
 
 
@@ -287,6 +289,7 @@ def floor_contenders(
     write_replay: Callable[[str], None],
     detail: str,
     loop: asyncio.AbstractEventLoop | None = None,
+    name: str = FLOOR,
 ) -> list[Contender]:
     """Floors built from one-key callables: a first call, a replay, and a setup write.
     With ``loop``, ``first_call`` and ``replay_call`` are coroutine functions, each batch
@@ -317,11 +320,12 @@ def floor_contenders(
         for _ in range(n):
             await replay_call(key)
 
+    runs: tuple[Callable[[int], None], ...] = (first, replay)
     if loop is not None:
-        first, replay = _on_loop(loop, afirst), _on_loop(loop, areplay)
+        runs = (_on_loop(loop, afirst), _on_loop(loop, areplay))
     return [
-        Contender(section, FLOOR, FIRST, first, detail=detail),
-        Contender(section, FLOOR, REPLAY, replay, prepare_replay, detail=detail),
+        Contender(section, name, FIRST, runs[0], detail=detail),
+        Contender(section, name, REPLAY, runs[1], prepare_replay, detail=detail),
     ]
 
 
@@ -814,6 +818,15 @@ _MYSQL_FLOOR_COMPLETE = (
     "UPDATE {table} SET status = 'completed', body = %s, updated_at = %s "
     "WHERE k = %s AND token = %s AND status = 'processing'"
 )
+#: The third MySQL contender: the store's own statements, sent raw.
+RAW = "store's SQL, raw"
+RAW_DETAIL = (
+    "{driver}, the floor's connection and cursor: the store's own statements "
+    "(`INSERT ... ON DUPLICATE KEY UPDATE key_hash = key_hash; SELECT <21 columns>`, "
+    "then its compare-and-set `UPDATE`) with the parameters the engine gave it on one "
+    "first call (21 of them), a new key hash per key; no engine, no pool, no decoding "
+    "beyond the driver's"
+)
 MYSQL_FLOOR_DETAIL = (
     "{driver}, one connection with the store's settings (autocommit, utf8mb4, "
     "MULTI_STATEMENTS | FOUND_ROWS, the store's session setup, binary_prefix), one cursor: "
@@ -824,9 +837,145 @@ MYSQL_FLOOR_DETAIL = (
 )
 
 
-def _claimed_row(row: Any, key: str, status: str) -> None:
-    if row is None or row[0] != key or row[1] != status:
-        raise BenchError(f"mysql floor: {key} reads {row!r}, expected {status}")
+#: One statement of a MySQL floor: (query, parameters, check(rowcount, first row)).
+MySQLStep = tuple[str, Sequence[Any], Callable[[int, Any], None]]
+
+
+def _mysql_execute(cur: Any, step: MySQLStep) -> None:
+    """One round trip through a PyMySQL cursor: the query, then the row of its last
+    result (a claim's ``SELECT``), then the check."""
+    query, params, check = step
+    rowcount, row = cur.execute(query, params), None
+    while cur.nextset():
+        row = cur.fetchone()
+    check(rowcount, row)
+
+
+async def _amysql_execute(cur: Any, step: MySQLStep) -> None:
+    """:func:`_mysql_execute` through an asyncmy cursor."""
+    query, params, check = step
+    rowcount, row = await cur.execute(query, params), None
+    while await cur.nextset():
+        row = await cur.fetchone()
+    check(rowcount, row)
+
+
+def _changed_one(rowcount: int, row: Any) -> None:
+    if rowcount != 1:
+        raise BenchError(f"mysql floor: a completion changed {rowcount} rows")
+
+
+def _row_is(status: str) -> Callable[[int, Any], None]:
+    def check(rowcount: int, row: Any) -> None:
+        if row is None or status not in row:
+            raise BenchError(f"mysql floor: the claim read {row!r}, expected {status}")
+
+    return check
+
+
+class MySQLFloor:
+    """The floor's statements for a key: a first call (claim, completion) and a replay
+    (the claim on a completed row). ``table`` is the floor's own narrow table."""
+
+    def __init__(self, table: str) -> None:
+        self.claim = _MYSQL_FLOOR_CLAIM.format(table=table)
+        self.complete = _MYSQL_FLOOR_COMPLETE.format(table=table)
+        self.token, self.now = b"t" * 32, time.time()
+
+    def first(self, key: str) -> list[MySQLStep]:
+        t, now = self.token, self.now
+        return [
+            (self.claim, (key, t, now, key), _row_is("processing")),
+            (self.complete, (RESULT_BYTES, now, key, t), _changed_one),
+        ]
+
+    def replay(self, key: str) -> list[MySQLStep]:
+        return [(self.claim, (key, self.token, self.now, key), _row_is("completed"))]
+
+
+class StoreStatements(MySQLFloor):
+    """The store's own statements with the parameters the engine gave it (caught from
+    one first call), sent raw: the store's row (21 columns, the record's parameters)
+    without the engine, the store's Python and its pool. The key's hash is the one
+    parameter changed per key."""
+
+    def __init__(self, engine: Engine, store: Any) -> None:
+        ops: dict[str, Any] = {}
+        claim, complete = store._claim, store._complete
+        store._claim = lambda *a, **k: ops.setdefault("claim", claim(*a, **k))
+        store._complete = lambda *a, **k: ops.setdefault("complete", complete(*a, **k))
+        try:
+            prepared = engine.begin(f"probe-{secrets.token_hex(4)}", operation=OPERATION)
+            assert isinstance(prepared, Claim)
+            engine.complete(prepared, RESULT_OUTCOME)
+        finally:
+            del store._claim, store._complete
+        self.claim = "; ".join(ops["claim"].query)
+        self.claim_params = [p for params in ops["claim"].params for p in params]
+        self.complete = ops["complete"].query
+        self.complete_params = list(ops["complete"].params)
+        self.hash_of = functools.lru_cache(maxsize=4)(
+            lambda key: hashlib.sha256(key.encode()).hexdigest()
+        )
+
+    def first(self, key: str) -> list[MySQLStep]:
+        h = self.hash_of(key)
+        claim, complete = list(self.claim_params), list(self.complete_params)
+        claim[0] = claim[-1] = complete[-2] = h  # the insert's and the select's key; the CAS's
+        return [
+            (self.claim, claim, _row_is("processing")),
+            (self.complete, complete, _changed_one),
+        ]
+
+    def replay(self, key: str) -> list[MySQLStep]:
+        claim = list(self.claim_params)
+        claim[0] = claim[-1] = self.hash_of(key)
+        return [(self.claim, claim, _row_is("completed"))]
+
+
+def mysql_floors(
+    section: str,
+    floors: Sequence[tuple[str, MySQLFloor, str]],
+    cur: Any,
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> list[list[Contender]]:
+    """Contenders for each (name, statements, detail) of ``floors`` on ``cur`` (an
+    asyncmy cursor driven on ``loop``, if given, else a PyMySQL one)."""
+
+    def sync_calls(floor: MySQLFloor) -> tuple[Callable[[str], None], Callable[[str], None]]:
+        def first(key: str) -> None:
+            for step in floor.first(key):
+                _mysql_execute(cur, step)
+
+        def replay(key: str) -> None:
+            _mysql_execute(cur, floor.replay(key)[0])
+
+        return first, replay
+
+    def async_calls(floor: MySQLFloor) -> tuple[Callable[[str], Any], Callable[[str], Any]]:
+        async def first(key: str) -> None:
+            for step in floor.first(key):
+                await _amysql_execute(cur, step)
+
+        async def replay(key: str) -> None:
+            await _amysql_execute(cur, floor.replay(key)[0])
+
+        return first, replay
+
+    out = []
+    for name, floor, detail in floors:
+        if loop is None:
+            first, replay = sync_calls(floor)
+            write = first
+        else:
+            first, replay = async_calls(floor)
+            write = functools.partial(_run_on, loop, first)
+        out.append(floor_contenders(section, first, replay, write, detail, loop, name))
+    return out
+
+
+def _run_on(loop: asyncio.AbstractEventLoop, call: Callable[[str], Any], key: str) -> None:
+    loop.run_until_complete(call(key))
 
 
 def mysql_section(
@@ -844,8 +993,7 @@ def mysql_section(
     store = open_store(url, table=f"rsbench_{tag}")
     engine = Engine(store)
     stack.callback(engine.close)
-    kwargs = store._driver_kwargs()  # type: ignore[attr-defined]  # the store's settings
-    conn = pymysql.connect(**kwargs)
+    conn = pymysql.connect(**store._driver_kwargs())  # type: ignore[attr-defined]
     stack.callback(conn.close)
     clients.append(conn)
     cur = conn.cursor()
@@ -858,39 +1006,14 @@ def mysql_section(
     # tx_isolation in MariaDB before 11.1, transaction_isolation in MySQL 8
     cur.execute("SHOW VARIABLES WHERE Variable_name IN ('tx_isolation', 'transaction_isolation')")
     isolation = cur.fetchone()[1]
-    info["MySQL/MariaDB"] = (
-        f"{version} (innodb_flush_log_at_trx_commit={flush}, {isolation}); "
-        f"PyMySQL {_version('pymysql')}, asyncmy {_version('asyncmy')}"
-    )
-    claim_sql = _MYSQL_FLOOR_CLAIM.format(table=floor)
-    complete_sql = _MYSQL_FLOOR_COMPLETE.format(table=floor)
-    token, now = b"t" * 32, time.time()
-
-    def claim(key: str, status: str) -> None:
-        cur.execute(claim_sql, (key, token, now, key))
-        cur.nextset()
-        _claimed_row(cur.fetchone(), key, status)
-
-    def first_call(key: str) -> None:
-        claim(key, "processing")
-        if cur.execute(complete_sql, (RESULT_BYTES, now, key, token)) != 1:
-            raise BenchError("mysql floor: the completion changed no row")
-
-    return _interleave(
-        engine_contenders("mysql", engine, "MySQLStore (PyMySQL), default options"),
-        floor_contenders(
-            "mysql",
-            first_call,
-            lambda key: claim(key, "completed"),
-            first_call,
-            MYSQL_FLOOR_DETAIL.format(driver=f"PyMySQL {_version('pymysql')}"),
-        ),
-    )
+    info["MySQL/MariaDB"] = f"{version} (innodb_flush_log_at_trx_commit={flush}, {isolation})"
+    return _mysql_contenders("mysql", engine, store, cur, floor, f"PyMySQL {_version('pymysql')}")
 
 
 def mysql_async_section(url: str, tag: str, stack: contextlib.ExitStack) -> list[Contender]:
     """The MySQL store's async API (asyncmy) against raw asyncmy statements, every batch
-    of calls one coroutine on one event loop."""
+    of calls one coroutine on one event loop (the floor's table made by
+    :func:`mysql_section`)."""
     import asyncmy
 
     loop = asyncio.new_event_loop()
@@ -902,41 +1025,33 @@ def mysql_async_section(url: str, tag: str, stack: contextlib.ExitStack) -> list
         asyncmy.connect(**store._driver_kwargs())  # type: ignore[attr-defined]
     )
     stack.callback(conn.close)
-    cur = conn.cursor()
+    driver = f"asyncmy {_version('asyncmy')}"
     floor = f"rsbench_floor_{tag}"
-    claim_sql = _MYSQL_FLOOR_CLAIM.format(table=floor)
-    complete_sql = _MYSQL_FLOOR_COMPLETE.format(table=floor)
-    token, now = b"t" * 32, time.time()
+    return _mysql_contenders("mysql async", engine, store, conn.cursor(), floor, driver, loop)
 
-    async def claim(key: str, status: str) -> None:
-        await cur.execute(claim_sql, (key, token, now, key))
-        await cur.nextset()
-        _claimed_row(await cur.fetchone(), key, status)
 
-    async def first_call(key: str) -> None:
-        await claim(key, "processing")
-        if await cur.execute(complete_sql, (RESULT_BYTES, now, key, token)) != 1:
-            raise BenchError("mysql floor: the completion changed no row")
-
-    async def replay_call(key: str) -> None:
-        await claim(key, "completed")
-
-    def sync(call: Callable[[str], Any]) -> Callable[[str], None]:
-        return lambda key: loop.run_until_complete(call(key))
-
-    return _interleave(
-        engine_contenders(
-            "mysql async", engine, "MySQLStore (asyncmy), default options", loop=loop
-        ),
-        floor_contenders(
-            "mysql async",
-            first_call,
-            replay_call,
-            sync(first_call),
-            MYSQL_FLOOR_DETAIL.format(driver="asyncmy"),
-            loop=loop,
-        ),
+def _mysql_contenders(
+    section: str,
+    engine: Engine,
+    store: Any,
+    cur: Any,
+    floor_table: str,
+    driver: str,
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> list[Contender]:
+    """The engine, its floor and the store's statements sent raw, interleaved."""
+    api = "async API, asyncmy" if loop else "sync API, PyMySQL"
+    ours = engine_contenders(section, engine, f"MySQLStore ({api}), default options", loop)
+    floor, raw = mysql_floors(
+        section,
+        [
+            (FLOOR, MySQLFloor(floor_table), MYSQL_FLOOR_DETAIL.format(driver=driver)),
+            (RAW, StoreStatements(engine, store), RAW_DETAIL.format(driver=driver)),
+        ],
+        cur,
+        loop,
     )
+    return [c for trio in zip(ours, floor, raw, strict=True) for c in trio]
 
 
 #: The server's counters read around a contender's calls (``SHOW GLOBAL STATUS``).
@@ -974,6 +1089,29 @@ def count_mysql_statements(
     after.subtract(before)
     after.subtract(own)
     return {name: after[name] / calls for name in MYSQL_COUNTERS}
+
+
+def mysql_breakdown_table(contenders: Sequence[Contender]) -> list[str]:
+    """Per MySQL section and workload: the floor, the store's statements sent raw, and
+    the engine; what the row costs (raw / floor) and what the engine, the store's
+    Python and its pool cost (retrysafe / raw), in rate and in client CPU."""
+    by = {(c.section, c.name, c.workload): c for c in contenders}
+    lines = [
+        "| store | workload | floor ops/s | store's SQL raw ops/s | retrysafe ops/s "
+        "| raw / floor | retrysafe / raw | client CPU us/call: floor / raw / retrysafe |",
+        "|---|---|--:|--:|--:|--:|--:|--:|",
+    ]
+    for (section, name, workload), raw in by.items():
+        if name != RAW:
+            continue
+        floor, ours = by[(section, FLOOR, workload)], by[(section, SUBJECT, workload)]
+        lines.append(
+            f"| {section} | {workload} | {floor.median:,.0f} | {raw.median:,.0f} "
+            f"| {ours.median:,.0f} | {raw.median / floor.median:.2f}x "
+            f"| {ours.median / raw.median:.2f}x "
+            f"| {floor.cpu:.1f} / {raw.cpu:.1f} / {ours.cpu:.1f} |"
+        )
+    return lines
 
 
 def mysql_statement_table(counts: dict[tuple[str, str, str], dict[str, float]]) -> list[str]:
@@ -1546,6 +1684,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n== Redis round trips per call ==")
         print(plain(round_trip_table(trips)))
     if statements:
+        print("\n== MySQL: floor, the store's statements raw, the engine ==")
+        print(plain(mysql_breakdown_table(all_contenders)))
         print("\n== MySQL statements per call (server counters) ==")
         print(plain(mysql_statement_table(statements)))
     print("\n== targets ==")
@@ -1559,7 +1699,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "aws-lambda-powertools",
             ]
         )
-        extra = mysql_render(statements) if statements else []
+        extra = mysql_render(statements, all_contenders) if statements else []
         doc = render(args, command, info, libraries, all_contenders, comps, trips, elapsed, extra)
         marks, heading = (BEGIN_MARK, END_MARK), ""
         if args.stores == ["mysql"]:  # a block of its own, one heading level down
@@ -1602,8 +1742,19 @@ def splice(
     return f"{old.rstrip()}\n\n{block}" if old else block
 
 
-def mysql_render(statements: dict[tuple[str, str, str], dict[str, float]]) -> list[str]:
+def mysql_render(
+    statements: dict[tuple[str, str, str], dict[str, float]], contenders: Sequence[Contender]
+) -> list[str]:
     return [
+        "#### MySQL: the floor, the store's statements sent raw, and the engine",
+        "",
+        "The same run's medians. *raw / floor* is what the store's row costs (21 columns",
+        "to bind, send, store and read back, against the floor's 5); *retrysafe / raw* is",
+        "what the engine, the store's Python (ops, decoding the row into a record) and",
+        "its pool cost on top.",
+        "",
+        *mysql_breakdown_table(contenders),
+        "",
         "#### MySQL statements per call",
         "",
         f"Counted over {COUNT_CALLS} calls per contender from the server's `SHOW GLOBAL STATUS`",
