@@ -822,9 +822,9 @@ _MYSQL_FLOOR_COMPLETE = (
 RAW = "store's SQL, raw"
 RAW_DETAIL = (
     "{driver}, the floor's connection and cursor: the store's own statements "
-    "(`INSERT ... ON DUPLICATE KEY UPDATE key_hash = key_hash; SELECT <21 columns>`, "
+    "(`INSERT ... ON DUPLICATE KEY UPDATE key_hash = key_hash; SELECT <22 columns>`, "
     "then its compare-and-set `UPDATE`) with the parameters the engine gave it on one "
-    "first call (21 of them), a new key hash per key; no engine, no pool, no decoding "
+    "first call (22 of them), a new key hash per key; no engine, no pool, no decoding "
     "beyond the driver's"
 )
 MYSQL_FLOOR_DETAIL = (
@@ -895,7 +895,7 @@ class MySQLFloor:
 
 class StoreStatements(MySQLFloor):
     """The store's own statements with the parameters the engine gave it (caught from
-    one first call), sent raw: the store's row (21 columns, the record's parameters)
+    one first call), sent raw: the store's row (22 columns, the record's parameters)
     without the engine, the store's Python and its pool. The key's hash is the one
     parameter changed per key."""
 
@@ -1748,7 +1748,7 @@ def mysql_render(
     return [
         "#### MySQL: the floor, the store's statements sent raw, and the engine",
         "",
-        "The same run's medians. *raw / floor* is what the store's row costs (21 columns",
+        "The same run's medians. *raw / floor* is what the store's row costs (22 columns",
         "to bind, send, store and read back, against the floor's 5); *retrysafe / raw* is",
         "what the engine, the store's Python (ops, decoding the row into a record) and",
         "its pool cost on top.",
