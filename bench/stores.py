@@ -1041,6 +1041,10 @@ def _mysql_contenders(
 ) -> list[Contender]:
     """The engine, its floor and the store's statements sent raw, interleaved."""
     api = "async API, asyncmy" if loop else "sync API, PyMySQL"
+    if loop:  # the store's asyncmy connections send bytes as hex literals; the floor's not
+        driver += (
+            " (its own escaping of bytes; they are small here: a 56-byte body, a 32-byte token)"
+        )
     ours = engine_contenders(section, engine, f"MySQLStore ({api}), default options", loop)
     floor, raw = mysql_floors(
         section,
