@@ -2,10 +2,11 @@
 
 ``uvicorn --workers N`` serves a small ASGI endpoint behind
 ``retrysafe.asgi.IdempotencyMiddleware``, every worker on the same store: SQLite (a
-file), Redis, Redis Cluster (3 primaries + 3 replicas) or PostgreSQL, each server
-started here on loopback and stopped at the end. The endpoint's side effect is one
-line per execution appended to a file of the worker's own (``O_APPEND``), so the
-count crosses processes and costs no store round trip.
+file), Redis, Redis Cluster (3 primaries + 3 replicas), PostgreSQL or MySQL (``mysql``:
+a private MariaDB, started as the tests start it), each server started here on
+loopback and stopped at the end. The endpoint's side effect is one line per
+execution appended to a file of the worker's own (``O_APPEND``), so the count crosses
+processes and costs no store round trip.
 
 The storm: ``--requests`` POSTs (100,000 by default) with an ``Idempotency-Key``, of
 which ``--duplicates`` (30 %) are extra copies of a key (one to a few per key). Every
@@ -24,7 +25,7 @@ latency of an answer, the status counts, executions against distinct keys, keys 
 more than once (must be 0), keys whose answers differ (must be 0), and exits 1 if
 either is not 0. This is a benchmark, not a test (pytest does not run it).
 
-    python bench/load.py [--stores sqlite,redis,cluster,postgres] [--requests N]
+    python bench/load.py [--stores sqlite,redis,cluster,postgres,mysql] [--requests N]
                          [--duplicates F] [--workers N] [--connections C] [--clients P]
                          [--work SECONDS] [--write [docs/performance.md]]
 """
@@ -228,7 +229,7 @@ def start_store(kind: str, tmp: Path, stack: contextlib.ExitStack) -> str:
     if kind == "cluster":
         cluster = stack.enter_context(servers.RedisCluster(3, 1))
         return str(cluster.url)
-    return bs.start_server("redis" if kind == "redis" else "postgres", stack)
+    return bs.start_server(kind, stack)  # redis, postgres, mysql (a MariaDB)
 
 
 def serve(
@@ -362,7 +363,7 @@ def render(results: Sequence[dict[str, Any]], command: str, info: dict[str, str]
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stores", default="sqlite,redis,cluster,postgres")
+    p.add_argument("--stores", default="sqlite,redis,cluster,postgres,mysql")
     p.add_argument("--requests", type=int, default=100_000)
     p.add_argument("--duplicates", type=float, default=0.3)
     p.add_argument("--workers", type=int, default=4)

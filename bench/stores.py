@@ -10,19 +10,24 @@ For every store, one thread measures operations per second of:
 and, in the same run, the store's **floor**: the fewest raw commands that do the
 same work through the same client library (Redis: ``SET NX`` + ``SET``, then
 ``GET``; PostgreSQL: ``INSERT ... ON CONFLICT DO NOTHING`` + ``UPDATE``, then
-``SELECT``; SQLite: ``INSERT`` + ``UPDATE``, then ``SELECT``; memory: a dict
-behind a lock). On the same Redis server, ``@retrysafe.idempotent`` is compared
-with Powertools for AWS Lambda's ``idempotent_function`` and its Redis
-persistence layer, and the Redis round trips of every contender are counted.
+``SELECT``; MySQL/MariaDB, sync (PyMySQL) and async (asyncmy): ``INSERT ... ON
+DUPLICATE KEY UPDATE`` + ``SELECT`` in one round trip + ``UPDATE``, then the same
+``INSERT`` + ``SELECT`` on a completed row, in bench/_stores_mysql.py; SQLite:
+``INSERT`` + ``UPDATE``, then ``SELECT``; memory: a dict behind a lock). On the same
+Redis server, ``@retrysafe.idempotent`` is compared with Powertools for AWS Lambda's
+``idempotent_function`` and its Redis persistence layer, and the Redis round trips
+of every contender are counted.
 
 Contenders run interleaved in rounds (retrysafe, floor, retrysafe, floor, ...;
 the order flips every round), after a warm-up; the figure of a contender is the
 median over the rounds. This is a benchmark, not a test (pytest does not run it).
 
-    python bench/stores.py [--seconds S] [--rounds R] [--stores memory,sqlite,redis,postgres]
-                           [--redis-url URL] [--postgres-url URL] [--write docs/performance.md]
+    python bench/stores.py [--seconds S] [--rounds R]
+                           [--stores memory,sqlite,redis,postgres,mysql]
+                           [--redis-url URL] [--postgres-url URL] [--mysql-url URL]
+                           [--write docs/performance.md]
 
-Without URLs it starts its own redis-server and PostgreSQL (tests/_servers.py)
+Without URLs it starts its own redis-server, PostgreSQL and MariaDB (tests/_servers.py)
 and stops them at the end.
 
     python bench/stores.py --redis-instructions [CALLS] [--redis-url URL] [--redis-py-path]
@@ -50,11 +55,13 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import argparse
+import asyncio
 import contextlib
 import cProfile
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import itertools
 import os
 import platform
@@ -70,7 +77,7 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,7 +86,7 @@ from retrysafe import Claim, Engine, Outcome, Replay, open_store
 from retrysafe.stores.memory import MemoryStore
 
 ROOT = Path(__file__).resolve().parents[1]
-STORES = ("memory", "sqlite", "redis", "postgres")
+STORES = ("memory", "sqlite", "redis", "postgres", "mysql")
 FIRST, REPLAY = "first call", "replay"
 SUBJECT, FLOOR, PEER = "retrysafe", "floor", "Powertools"
 DECORATOR = "@idempotent (redis)"
@@ -200,19 +207,37 @@ def run_rounds(contenders: Sequence[Contender], rounds: int, seconds: float, war
 # -- retrysafe's side -----------------------------------------------------------------
 
 
-def engine_contenders(section: str, engine: Engine, detail: str) -> list[Contender]:
-    """First calls and replays through ``engine`` (sync API)."""
+def engine_contenders(
+    section: str, engine: Engine, detail: str, loop: asyncio.AbstractEventLoop | None = None
+) -> list[Contender]:
+    """First calls and replays through ``engine``: its sync API, or with ``loop`` its
+    async one (``abegin``/``acomplete``, each batch one coroutine on ``loop``)."""
     tag = secrets.token_hex(4)
     seq = itertools.count()
     replay_key = [""]
+
+    def claimed(claim: Any) -> Claim:
+        if type(claim) is not Claim:
+            raise BenchError(f"{section}: a new key was not claimed: {claim!r}")
+        return claim
+
+    def replayed(result: Any) -> None:
+        if type(result) is not Replay:
+            raise BenchError(f"{section}: a completed key did not replay: {result!r}")
 
     def first(n: int) -> None:
         begin, complete, outcome = engine.begin, engine.complete, RESULT_OUTCOME
         for _ in range(n):
             claim = begin(f"first-{tag}-{next(seq)}", operation=OPERATION, fingerprint=FINGERPRINT)
-            if type(claim) is not Claim:
-                raise BenchError(f"{section}: a new key was not claimed: {claim!r}")
-            complete(claim, outcome)
+            complete(claimed(claim), outcome)
+
+    async def afirst(n: int) -> None:
+        begin, complete, outcome = engine.abegin, engine.acomplete, RESULT_OUTCOME
+        for _ in range(n):
+            claim = await begin(
+                f"first-{tag}-{next(seq)}", operation=OPERATION, fingerprint=FINGERPRINT
+            )
+            await complete(claimed(claim), outcome)
 
     def prepare_replay() -> None:
         key = f"replay-{tag}-{next(seq)}"
@@ -226,25 +251,49 @@ def engine_contenders(section: str, engine: Engine, detail: str) -> list[Contend
         result: Any = None
         for _ in range(n):
             result = begin(key, operation=OPERATION, fingerprint=FINGERPRINT)
-            if type(result) is not Replay:
-                raise BenchError(f"{section}: a completed key did not replay: {result!r}")
+            replayed(result)
+        check_replay(result)
+
+    async def areplay(n: int) -> None:
+        begin, key = engine.abegin, replay_key[0]
+        result: Any = None
+        for _ in range(n):
+            result = await begin(key, operation=OPERATION, fingerprint=FINGERPRINT)
+            replayed(result)
+        check_replay(result)
+
+    def check_replay(result: Any) -> None:
         if result is not None and result.outcome.value != RESULT:
             raise BenchError(f"{section}: the replay returned {result.outcome!r}")
 
+    runs: tuple[Callable[[int], None], ...] = (first, replay)
+    if loop is not None:
+        runs = (_on_loop(loop, afirst), _on_loop(loop, areplay))
     return [
-        Contender(section, SUBJECT, FIRST, first, detail=detail),
-        Contender(section, SUBJECT, REPLAY, replay, prepare_replay, detail=detail),
+        Contender(section, SUBJECT, FIRST, runs[0], detail=detail),
+        Contender(section, SUBJECT, REPLAY, runs[1], prepare_replay, detail=detail),
     ]
+
+
+def _on_loop(
+    loop: asyncio.AbstractEventLoop, batch: Callable[[int], Coroutine[Any, Any, None]]
+) -> Callable[[int], None]:
+    """``batch`` (a coroutine function of ``n``) as a plain ``run(n)`` on ``loop``."""
+    return lambda n: loop.run_until_complete(batch(n))
 
 
 def floor_contenders(
     section: str,
-    first_call: Callable[[str], None],
-    replay_call: Callable[[str], None],
+    first_call: Callable[[str], Any],
+    replay_call: Callable[[str], Any],
     write_replay: Callable[[str], None],
     detail: str,
+    loop: asyncio.AbstractEventLoop | None = None,
+    name: str = FLOOR,
 ) -> list[Contender]:
-    """Floors built from one-key callables: a first call, a replay, and a setup write."""
+    """Floors built from one-key callables: a first call, a replay, and a setup write.
+    With ``loop``, ``first_call`` and ``replay_call`` are coroutine functions, each batch
+    one coroutine on ``loop``."""
     tag = secrets.token_hex(4)
     seq = itertools.count()
     replay_key = [""]
@@ -252,6 +301,10 @@ def floor_contenders(
     def first(n: int) -> None:
         for _ in range(n):
             first_call(f"floor:first-{tag}-{next(seq)}")
+
+    async def afirst(n: int) -> None:
+        for _ in range(n):
+            await first_call(f"floor:first-{tag}-{next(seq)}")
 
     def prepare_replay() -> None:
         replay_key[0] = f"floor:replay-{tag}-{next(seq)}"
@@ -262,9 +315,17 @@ def floor_contenders(
         for _ in range(n):
             replay_call(key)
 
+    async def areplay(n: int) -> None:
+        key = replay_key[0]
+        for _ in range(n):
+            await replay_call(key)
+
+    runs: tuple[Callable[[int], None], ...] = (first, replay)
+    if loop is not None:
+        runs = (_on_loop(loop, afirst), _on_loop(loop, areplay))
     return [
-        Contender(section, FLOOR, FIRST, first, detail=detail),
-        Contender(section, FLOOR, REPLAY, replay, prepare_replay, detail=detail),
+        Contender(section, name, FIRST, runs[0], detail=detail),
+        Contender(section, name, REPLAY, runs[1], prepare_replay, detail=detail),
     ]
 
 
@@ -823,6 +884,21 @@ def redis_instructions(calls: int, url: str | None, redis_py: bool = False) -> i
 # -- servers ------------------------------------------------------------------------------
 
 
+@functools.cache
+def mysql_module() -> Any:
+    """bench/_stores_mysql.py (the MySQL sections), loaded by path: this folder stays off
+    sys.path. It reads this module's helpers under the name ``_rsbench_stores``."""
+    sys.modules.setdefault("_rsbench_stores", sys.modules[__name__])
+    spec = importlib.util.spec_from_file_location(
+        "_rsbench_stores_mysql", _HERE / "_stores_mysql.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def _servers_module() -> Any:
     tests = str(ROOT / "tests")
     if tests not in sys.path:
@@ -831,8 +907,15 @@ def _servers_module() -> Any:
 
 
 def start_server(kind: str, stack: contextlib.ExitStack) -> str:
+    """Start a throwaway server of ``kind`` (redis, postgres, mysql: a MariaDB) as the
+    tests do; it stops when ``stack`` closes. Its URL."""
     servers = _servers_module()
-    server = servers.RedisServer() if kind == "redis" else servers.PostgresServer()
+    make = {
+        "redis": servers.RedisServer,
+        "postgres": servers.PostgresServer,
+        "mysql": servers.MySQLServer,
+    }
+    server = make[kind]()
     t0 = time.monotonic()
     stack.enter_context(server)
     print(f"started {kind} at {server.url} in {time.monotonic() - t0:.1f}s", flush=True)
@@ -1105,6 +1188,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stores", default=",".join(STORES), help="comma-separated subset")
     p.add_argument("--redis-url", help="use this Redis instead of starting one")
     p.add_argument("--postgres-url", help="use this PostgreSQL instead of starting one")
+    p.add_argument("--mysql-url", help="use this MySQL/MariaDB instead of starting one")
     p.add_argument("--write", metavar="PATH", help="write the results as Markdown here")
     p.add_argument(
         "--profile", action="store_true", help="cProfile retrysafe's contenders after the rounds"
@@ -1152,6 +1236,7 @@ def build_sections(
     info: dict[str, str],
     tag: str,
     redis_client: list[Any],
+    mysql_client: list[Any] | None = None,
 ) -> Iterator[tuple[str, list[Contender]]]:
     """Yield each section's contenders, starting servers and opening stores on the way."""
     if "memory" in args.stores:
@@ -1170,6 +1255,12 @@ def build_sections(
     if "postgres" in args.stores:
         url = args.postgres_url or start_server("postgres", stack)
         yield "postgres", postgres_section(url, tag, args.postgres_url is None, stack, info)
+    if "mysql" in args.stores:
+        url = args.mysql_url or start_server("mysql", stack)
+        clients = [] if mysql_client is None else mysql_client
+        my = mysql_module()
+        yield "mysql", my.mysql_section(url, tag, args.mysql_url is None, stack, info, clients)
+        yield "mysql async", my.mysql_async_section(url, tag, stack)
 
 
 def preflight(args: argparse.Namespace) -> None:
@@ -1177,6 +1268,7 @@ def preflight(args: argparse.Namespace) -> None:
     needs = {
         "redis": ["redis", "aws_lambda_powertools.utilities.idempotency"],
         "postgres": ["psycopg", "psycopg_pool"],
+        "mysql": ["pymysql", "asyncmy"],
     }
     for store in args.stores:
         for module in needs.get(store, []):
@@ -1227,10 +1319,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     all_contenders: list[Contender] = []
     trips: dict[tuple[str, str], RoundTrips] = {}
     redis_client: list[Any] = []
+    mysql_client: list[Any] = []
+    statements: dict[tuple[str, str, str], dict[str, float]] = {}
 
     with contextlib.ExitStack() as stack:
         tag = secrets.token_hex(4)
-        for name, contenders in build_sections(args, stack, info, tag, redis_client):
+        sections = build_sections(args, stack, info, tag, redis_client, mysql_client)
+        for name, contenders in sections:
             print(
                 f"\n[{name}] {len(contenders)} contenders, {args.rounds} rounds of "
                 f"{args.seconds:g}s",
@@ -1240,6 +1335,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if name in ("redis", DECORATOR):
                 for c in contenders:
                     trips[(trip_label(c), c.workload)] = count_round_trips(c, redis_client[0])
+            if name.startswith("mysql"):
+                for c in contenders:
+                    statements[(c.section, c.name, c.workload)] = (
+                        mysql_module().count_mysql_statements(c, mysql_client[0])
+                    )
             if args.profile:
                 profile(contenders, args.seconds, 25)
             all_contenders += contenders
@@ -1258,18 +1358,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     if trips:
         print("\n== Redis round trips per call ==")
         print(plain(round_trip_table(trips)))
+    if statements:
+        print("\n== MySQL: floor, the store's statements raw, the engine ==")
+        print(plain(mysql_module().mysql_breakdown_table(all_contenders)))
+        print("\n== MySQL statements per call (server counters) ==")
+        print(plain(mysql_module().mysql_statement_table(statements)))
     print("\n== targets ==")
     print(plain(targets_table(comps)))
     print(f"\n(total {elapsed:.0f}s)")
 
     if args.write:
         libraries = library_info(
-            ["redis", "hiredis", "psycopg", "psycopg-pool", "aws-lambda-powertools"]
+            [
+                *("redis", "hiredis", "psycopg", "psycopg-pool", "pymysql", "asyncmy"),
+                "aws-lambda-powertools",
+            ]
         )
-        doc = render(args, command, info, libraries, all_contenders, comps, trips, elapsed)
+        extra = mysql_module().mysql_render(statements, all_contenders) if statements else []
+        doc = render(args, command, info, libraries, all_contenders, comps, trips, elapsed, extra)
+        marks, heading = (BEGIN_MARK, END_MARK), ""
+        if args.stores == ["mysql"]:  # a block of its own, one heading level down
+            marks, heading = mysql_module().MYSQL_MARKS, mysql_module().MYSQL_HEADING
+            doc = "\n".join(
+                f"#{line}" if line.startswith("#") else line for line in doc.split("\n")
+            )
         path = Path(args.write)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(splice(path, doc))
+        path.write_text(splice(path, doc, marks, heading))
         print(f"wrote {path}")
     return 0
 
@@ -1311,7 +1426,9 @@ def render(
     comps: Sequence[Comparison],
     trips: dict[tuple[str, str], RoundTrips],
     elapsed: float,
+    extra: Sequence[str] = (),
 ) -> str:
+    """The generated block; ``extra`` (Markdown lines) goes after the results."""
     store_comps = [c for c in comps if c.section != DECORATOR]
     peer_comps = [c for c in comps if c.section == DECORATOR]
     out = [
@@ -1323,8 +1440,17 @@ def render(
         "operation=..., fingerprint=...)` + `engine.complete(claim, outcome)` (the outcome,",
         "a small JSON dict, built once, as the floors write prebuilt bytes);",
         "a replay is `engine.begin(key_of_a_completed_record, ...)` returning a `Replay`",
-        "(sync API, default engine options). On the same Redis server, `@retrysafe.idempotent`",
-        "is compared with the idempotency utility of Powertools for AWS Lambda.",
+        "(sync API, default engine options; a store named `... async` runs `abegin` and",
+        "`acomplete` instead, each batch of calls one coroutine on one event loop, its",
+        "floor likewise).",
+        *(
+            [
+                "On the same Redis server, `@retrysafe.idempotent` is compared with the",
+                "idempotency utility of Powertools for AWS Lambda.",
+            ]
+            if peer_comps
+            else []
+        ),
         "",
         f"Contenders run interleaved in {args.rounds} rounds of {args.seconds:g} s each (the order",
         "flips every round) after a warm-up; every figure is the median over the rounds and",
@@ -1396,13 +1522,10 @@ def render(
             "",
             *round_trip_table(trips),
         ]
-    out += [
-        "",
-        "### Targets",
-        "",
-        *targets_table(comps),
-        "",
-    ]
+    out += ["", *extra]
+    targets = targets_table(comps)
+    if len(targets) > 2:  # a header and a rule, then a row per target
+        out += ["", "### Targets", "", *targets, ""]
     return "\n".join(out)
 
 
