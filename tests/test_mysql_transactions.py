@@ -11,6 +11,7 @@ are real MariaDB processes at REPEATABLE READ (``mysql_server``) and READ COMMIT
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -165,7 +166,11 @@ def create_order(
 ) -> dict[str, Any]:
     """Order creation: once per cart mandate, the record committed with the row."""
     with engine.attempt(
-        order_key(mandate, user), operation="order", scope=user, fingerprint=str(amount), lease=lease
+        order_key(mandate, user),
+        operation="order",
+        scope=user,
+        fingerprint=str(amount),
+        lease=lease,
     ) as att:
         if att.replay is not None:
             return att.replay.outcome.value  # type: ignore[union-attr,no-any-return]
@@ -417,7 +422,11 @@ def check_race(orders: Orders, answers: list[Any]) -> None:
     for answer in answers:
         if isinstance(answer, dict):  # the owner's answer, identical for every duplicate
             owner = rows[answer["cart_mandate_id"]][0]
-            assert answer == {"cart_mandate_id": answer["cart_mandate_id"], "user_id": owner, "amount": 3}
+            assert answer == {
+                "cart_mandate_id": answer["cart_mandate_id"],
+                "user_id": owner,
+                "amount": 3,
+            }
         else:  # the rival user: refused by the unique key, no second order
             mandate, user, message = answer
             assert rows[mandate][0] != user and "another user" in message
@@ -435,7 +444,9 @@ def test_racing_threads_create_one_order_per_mandate(store: Store[Any], orders: 
         answers = list(pool.map(racer, range(32)))
     check_race(orders, answers)
     for n in range(MANDATES):  # the winner's key: one attempt, then replays
-        owner = orders.sql(f"SELECT user_id FROM {orders.table} WHERE cart_mandate_id = %s", (f"m{n}",))
+        owner = orders.sql(
+            f"SELECT user_id FROM {orders.table} WHERE cart_mandate_id = %s", (f"m{n}",)
+        )
         assert record(store, f"m{n}", owner[0][0]).attempts == 1
 
 
@@ -515,12 +526,15 @@ def test_the_compare_and_set_reads_the_latest_row_at_either_isolation(
             assert cur.fetchone() == (level.upper(),)
         # The owner: its snapshot shows its claim; the completion lands.
         key = order_key("m1", "u")
-        with engine.attempt(key, operation="order", scope="u", fingerprint="1") as att:
-            with att.transaction(conn), conn.cursor() as cur:
-                cur.execute(read, (key_hash("u", "order", key),))
-                assert cur.fetchone() == (att.claim.token.encode(),)  # type: ignore[union-attr]
-                cur.execute(orders.insert_sql(), ("m1", "u", 1))
-                att.outcome = Outcome.json(1)
+        with (
+            engine.attempt(key, operation="order", scope="u", fingerprint="1") as att,
+            att.transaction(conn),
+            conn.cursor() as cur,
+        ):
+            cur.execute(read, (key_hash("u", "order", key),))
+            assert cur.fetchone() == (att.claim.token.encode(),)  # type: ignore[union-attr]
+            cur.execute(orders.insert_sql(), ("m1", "u", 1))
+            att.outcome = Outcome.json(1)
         assert record(store, "m1", "u").status is Status.COMPLETED
         # The stale worker: its snapshot predates the takeover.
         key = order_key("m2", "u")
@@ -621,7 +635,11 @@ def test_session_settings_do_not_outlive_the_block(
     connection goes back to the pool, committed or rolled back."""
     store = open_one(spec)
     engine = Engine(store)
-    with engine.attempt("probe", operation="o") as att, att.transaction() as conn, conn.cursor() as cur:
+    with (
+        engine.attempt("probe", operation="o") as att,
+        att.transaction() as conn,
+        conn.cursor() as cur,
+    ):
         cur.execute(SESSION)
         clean = cur.fetchone()
         att.outcome = Outcome.json(0)
@@ -634,14 +652,17 @@ def test_session_settings_do_not_outlive_the_block(
     for n, fails in enumerate([False, True]):
         if fails:  # (a completion outside the store's database would fail: see below)
             spoil.append("USE mysql")
-        with pytest.raises(KeyError) if fails else _nothing():
-            with engine.attempt(f"k{n}", operation="o") as att, att.transaction() as conn:
-                with conn.cursor() as cur:
-                    for statement in spoil:
-                        cur.execute(statement)
-                att.outcome = Outcome.json(n)
-                if fails:
-                    raise KeyError("rolled back")
+        with (
+            pytest.raises(KeyError) if fails else contextlib.nullcontext(),
+            engine.attempt(f"k{n}", operation="o") as att,
+            att.transaction() as conn,
+        ):
+            with conn.cursor() as cur:
+                for statement in spoil:
+                    cur.execute(statement)
+            att.outcome = Outcome.json(n)
+            if fails:
+                raise KeyError("rolled back")
         with engine.attempt(f"after{n}", operation="o") as att, att.transaction() as conn:
             with conn.cursor() as cur:
                 cur.execute(SESSION)
@@ -649,18 +670,14 @@ def test_session_settings_do_not_outlive_the_block(
             att.outcome = Outcome.json(n)
     # The store's own calls on that connection commit: another pool sees them.
     other = spec.open()
-    for name, status in [("k0", Status.COMPLETED), ("k1", Status.FAILED), ("after1", Status.COMPLETED)]:
+    for name, status in [
+        ("k0", Status.COMPLETED),
+        ("k1", Status.FAILED),
+        ("after1", Status.COMPLETED),
+    ]:
         assert other.get(key_hash("", "o", name)).status is status
     other.close()
     store.close()
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 # -- async: asyncmy -------------------------------------------------------------------------
@@ -698,6 +715,10 @@ def test_async_transactions(spec: StoreSpec, orders: Orders, clock: Clock) -> No
                         att.outcome = Outcome.json(1)
             stale = store.get(key_hash("", "order", key))
             assert stale.token == taker.token  # type: ignore[union-attr]
+        async with own_off.cursor() as cur:  # committed by a statement: idle again
+            await cur.execute(orders.insert_sql(), ("by-sql", "u", 1))
+            await cur.execute("COMMIT")  # (asyncmy keeps a stale in-transaction flag)
+        assert (await acreate_order(engine, orders, "after-sql", "u", 1, own_off))["amount"] == 1
         async with own_off.cursor() as cur:  # autocommit off, a write pending: refused
             await cur.execute(orders.insert_sql(), ("pending", "u", 1))
         with pytest.raises(ValueError, match="inside a transaction"):
@@ -708,7 +729,13 @@ def test_async_transactions(spec: StoreSpec, orders: Orders, clock: Clock) -> No
         await store.aclose()
 
     asyncio.run(main())
-    assert orders.rows() == [("m0", "u", 0), ("m1", "u", 1), ("m2", "u", 2)]
+    assert orders.rows() == [
+        ("after-sql", "u", 1),
+        ("by-sql", "u", 1),
+        ("m0", "u", 0),
+        ("m1", "u", 1),
+        ("m2", "u", 2),
+    ]
     for n in range(3):
         assert store.get(key_hash("", "order", f"boom{n}")).status is Status.FAILED
     assert record(store, "refused", "u").status is Status.FAILED
@@ -728,7 +755,9 @@ def test_a_cancelled_async_block_rolls_back(spec: StoreSpec, orders: Orders, own
 
         async def handler() -> None:
             async with (
-                engine.attempt(order_key("m", "u"), operation="order", scope="u", fingerprint="1") as att,
+                engine.attempt(
+                    order_key("m", "u"), operation="order", scope="u", fingerprint="1"
+                ) as att,
                 att.atransaction(conn) as tx,
             ):
                 await ainsert_once(orders, tx, "m", "u", 1)
