@@ -104,6 +104,18 @@ def _log_tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _end(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
+    """SIGTERM ``proc`` if it runs, and SIGKILL it if it is still there after ``timeout``."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class _Server:
     """What both servers share: a port, start/stop/close, and ``with`` to start and close."""
 
@@ -253,15 +265,7 @@ class RedisServer(_Server):
 
     def _terminate(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=_STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _end(proc, _STOP_TIMEOUT)
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, SIGKILL after 5s); keep its directory."""
@@ -867,15 +871,7 @@ class MySQLServer(_Server):
 
     def _terminate(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=_MYSQL_STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _end(proc, _MYSQL_STOP_TIMEOUT)
 
     def stop(self) -> None:
         """Stop the server (SIGTERM: a clean shutdown; SIGKILL after 60 s); keep its data."""

@@ -127,7 +127,10 @@ def test_kill_then_start_keeps_committed_rows(private_server: MySQLServer) -> No
     assert scalar(server, "SELECT COUNT(*) FROM t WHERE k < 100") == 100
     assert scalar(server, "SELECT COUNT(*) FROM t WHERE k = 1000") == 0
     assert server.log_path is not None
-    assert "crash recovery" in server.log_path.read_text()  # InnoDB saw the crash
+    log = server.log_path.read_text()
+    # InnoDB saw the crash: it recovered from its redo log, or rolled back the open
+    # transaction that the log recorded.
+    assert "crash recovery" in log or "recovered transaction" in log, log[-3000:]
     server.restart()  # a clean stop and start: same port, same rows
     assert server.port == port
     assert scalar(server, "SELECT GROUP_CONCAT(v ORDER BY k) FROM t WHERE k < 3") == "v0,v1,v2"

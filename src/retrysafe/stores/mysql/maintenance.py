@@ -110,21 +110,27 @@ class MySQLMaintenance:
             try:
                 cur.execute(self._q_expired, (now, limit))
                 keys = [row[0] for row in cur.fetchall()]
-                archived = 0
+                archived = deleted = 0
                 if keys:
                     marks = ", ".join(["%s"] * len(keys))
+                    # The rows are locked; expires_at is checked again all the same.
                     cur.execute(
                         f"INSERT IGNORE INTO {a} ({ARCHIVE_SELECT}) SELECT {SELECT_COLUMNS}, %s "
-                        f"FROM {t} WHERE key_hash IN ({marks}) AND retention = 'financial'",
-                        (now, *keys),
+                        f"FROM {t} WHERE key_hash IN ({marks}) AND expires_at <= %s "
+                        "AND retention = 'financial'",
+                        (now, *keys, now),
                     )
                     archived = cur.rowcount
-                    cur.execute(f"DELETE FROM {t} WHERE key_hash IN ({marks})", keys)
+                    cur.execute(
+                        f"DELETE FROM {t} WHERE key_hash IN ({marks}) AND expires_at <= %s",
+                        (*keys, now),
+                    )
+                    deleted = cur.rowcount
                 conn.commit()
             except BaseException:
                 conn.rollback()
                 raise
-            return SweepBatch(len(keys), max(archived, 0), done=len(keys) < limit)
+            return SweepBatch(deleted, max(archived, 0), done=len(keys) < limit)
 
     def sweep_cells(self, now: float, limit: int = 1000) -> int:
         with self._ops_connection() as conn, conn.cursor() as cur:

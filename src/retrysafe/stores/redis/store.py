@@ -214,7 +214,7 @@ async def _asend_cluster(client: Any, op: _Op) -> Any:
 #: Archive URLs: durable stores only. A memory:// archive would lose every record the
 #: sweep deletes from Redis when the process ends (a MemoryStore object is accepted,
 #: for tests that read it in the same process).
-_ARCHIVE_SCHEMES = frozenset({"sqlite", "postgresql", "postgres"})
+_ARCHIVE_SCHEMES = frozenset({"sqlite", "postgresql", "postgres", "mysql", "mariadb"})
 
 
 def _check_archive(archive: object) -> None:
@@ -224,12 +224,13 @@ def _check_archive(archive: object) -> None:
     if isinstance(archive, str):
         if urlsplit(archive).scheme.lower() not in _ARCHIVE_SCHEMES:
             raise ValueError(
-                f"archive must be a sqlite:/// or postgresql:// store URL, not {redact(archive)!r}"
+                "archive must be a sqlite:///, postgresql:// or mysql:// store URL, "
+                f"not {redact(archive)!r}"
             )
         return
     if isinstance(archive, RedisStore) or not isinstance(archive, Store):
         raise TypeError(
-            "archive must be a SQLite, PostgreSQL or memory Store or its URL, "
+            "archive must be a SQLite, PostgreSQL, MySQL or memory Store or its URL, "
             f"not {type(archive).__name__}"
         )
 
