@@ -450,6 +450,29 @@ def test_racing_threads_create_one_order_per_mandate(store: Store[Any], orders: 
         assert record(store, f"m{n}", owner[0][0]).attempts == 1
 
 
+def test_racing_tasks_create_one_order_per_mandate(store: Store[Any], orders: Orders) -> None:
+    engine = Engine(store, wait=60)
+
+    async def racer(i: int, start: asyncio.Event) -> Any:
+        await start.wait()
+        mandate, user = racer_args(i)
+        try:
+            return await acreate_order(engine, orders, mandate, user, 3)
+        except ValueError as exc:
+            return (mandate, user, str(exc))
+
+    async def main() -> list[Any]:
+        start = asyncio.Event()
+        tasks = [asyncio.create_task(racer(i, start)) for i in range(32)]
+        await asyncio.sleep(0)  # every task waits on the event
+        start.set()
+        answers = await asyncio.gather(*tasks)
+        await store.aclose()
+        return answers
+
+    check_race(orders, asyncio.run(main()))
+
+
 def _setup_race(store: Store[Any], spec: StoreSpec, table: str) -> Any:
     engine, orders = Engine(store, wait=60), Orders(spec, table)
     return lambda who: race_once(engine, orders, int(who.rsplit("-", 1)[1]) + os.getpid())
@@ -495,6 +518,30 @@ def test_a_crash_leaves_both_or_neither(spec: StoreSpec, orders: Orders, crash: 
     assert retried == {"cart_mandate_id": "m", "user_id": "u", "amount": 11}
     assert orders.rows() == [("m", "u", 11)]
     store.close()
+
+
+def test_a_connection_to_another_database_rolls_back(
+    store: Store[Any], orders: Orders, spec: StoreSpec
+) -> None:
+    """The completion's UPDATE names the store's table unqualified: on a connection to
+    another database it fails, and the block's write rolls back with it."""
+    engine = Engine(store)
+    store.migrate()
+    here = params(spec.url)["database"]
+    conn = pymysql.connect(**{**params(spec.url), "database": "mysql", "autocommit": True})
+    try:
+        with (
+            pytest.raises(StoreUnavailableError, match="store's database"),
+            engine.attempt("k", operation="order") as att,
+            att.transaction(conn),
+            conn.cursor() as cur,
+        ):
+            cur.execute(f"INSERT INTO `{here}`.{orders.table} VALUES ('m', 'u', 1)")
+            att.outcome = Outcome.json(1)
+    finally:
+        conn.close()
+    assert orders.rows() == []
+    assert store.get(key_hash("", "order", "k")).status is Status.FAILED
 
 
 # -- isolation: REPEATABLE READ and READ COMMITTED --------------------------------------
@@ -742,44 +789,61 @@ def test_async_transactions(spec: StoreSpec, orders: Orders, clock: Clock) -> No
     store.close()
 
 
+@pytest.mark.parametrize("during", ["await", "query"])
 @pytest.mark.parametrize("own", [True, False], ids=["store-connection", "app-connection"])
-def test_a_cancelled_async_block_rolls_back(spec: StoreSpec, orders: Orders, own: bool) -> None:
-    """A task cancelled inside the block (its client went away): the write rolls back,
-    the attempt stays retryable, and the connection is usable again."""
+def test_a_cancelled_async_block_rolls_back(
+    spec: StoreSpec, orders: Orders, own: bool, during: str
+) -> None:
+    """A task cancelled inside the block (its client went away), between statements or
+    with a statement in flight (asyncmy then closes the connection): the write rolls
+    back, the CancelledError is what the task ends with, the attempt stays retryable,
+    and the store's one pooled connection serves again."""
     store = open_one(spec)
     engine = Engine(store)
+    blocker = orders.connect()
+    with blocker.cursor() as cur:  # holds the named lock the in-flight statement waits for
+        cur.execute("SELECT GET_LOCK('tx-cancel', 0)")
+        assert cur.fetchone() == (1,)
 
     async def main() -> None:
         conn = None if own else await orders.aconnect()
         written, never = asyncio.Event(), asyncio.Event()
 
         async def handler() -> None:
+            key = order_key("m", "u")
             async with (
-                engine.attempt(
-                    order_key("m", "u"), operation="order", scope="u", fingerprint="1"
-                ) as att,
+                engine.attempt(key, operation="order", scope="u", fingerprint="1") as att,
                 att.atransaction(conn) as tx,
             ):
                 await ainsert_once(orders, tx, "m", "u", 1)
                 written.set()
-                await never.wait()
+                if during == "await":
+                    await never.wait()
+                async with tx.cursor() as cur:  # sent; the task waits for its answer
+                    await cur.execute("SELECT GET_LOCK('tx-cancel', 60)")
 
         task = asyncio.create_task(handler())
         await written.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        blocker.close()  # the lock is free: a statement still running on the server ends
         assert orders.rows() == []
         assert record(store, "m", "u").status is Status.FAILED
-        assert await acreate_order(engine, orders, "m", "u", 1, conn) == {
-            "cart_mandate_id": "m",
-            "user_id": "u",
-            "amount": 1,
-        }
+        if conn is not None and during == "query":
+            assert not conn.connected  # asyncmy closed it: its stream was cut mid-answer
+            conn = await orders.aconnect()
+        answer = await acreate_order(engine, orders, "m", "u", 1, conn)
+        assert answer == {"cart_mandate_id": "m", "user_id": "u", "amount": 1}
         if conn is not None:
             conn.close()
         await store.aclose()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        if blocker.open:
+            blocker.close()
     assert orders.rows() == [("m", "u", 1)]
+    assert record(store, "m", "u").attempts == 2
     store.close()
