@@ -207,11 +207,22 @@ def spec(mysql_server: MySQLServer) -> StoreSpec:
     return spec_on(mysql_server)
 
 
-@pytest.fixture
-def orders(spec: StoreSpec) -> Orders:
+def new_orders(spec: StoreSpec) -> Orders:
     o = Orders(spec, f"orders_{uuid.uuid4().hex[:10]}")
     o.create_table()
     return o
+
+
+@pytest.fixture
+def orders(spec: StoreSpec) -> Orders:
+    return new_orders(spec)
+
+
+@pytest.fixture(params=["repeatable-read", "read-committed"])
+def isolated(request: pytest.FixtureRequest) -> tuple[str, StoreSpec]:
+    """A store on the server whose default isolation is the param."""
+    fixture = "mysql_server" if request.param == "repeatable-read" else "mysql_rc_server"
+    return request.param, spec_on(request.getfixturevalue(fixture))
 
 
 @pytest.fixture
@@ -432,7 +443,10 @@ def check_race(orders: Orders, answers: list[Any]) -> None:
             assert rows[mandate][0] != user and "another user" in message
 
 
-def test_racing_threads_create_one_order_per_mandate(store: Store[Any], orders: Orders) -> None:
+def test_racing_threads_create_one_order_per_mandate(isolated: tuple[str, StoreSpec]) -> None:
+    """At REPEATABLE READ and at READ COMMITTED."""
+    orders = new_orders(isolated[1])
+    store = isolated[1].open()
     engine = Engine(store, wait=60)
     barrier = threading.Barrier(32)
 
@@ -448,6 +462,7 @@ def test_racing_threads_create_one_order_per_mandate(store: Store[Any], orders: 
             f"SELECT user_id FROM {orders.table} WHERE cart_mandate_id = %s", (f"m{n}",)
         )
         assert record(store, f"m{n}", owner[0][0]).attempts == 1
+    store.close()
 
 
 def test_racing_tasks_create_one_order_per_mandate(store: Store[Any], orders: Orders) -> None:
@@ -547,12 +562,6 @@ def test_a_connection_to_another_database_rolls_back(
 # -- isolation: REPEATABLE READ and READ COMMITTED --------------------------------------
 
 
-@pytest.fixture(params=["repeatable-read", "read-committed"])
-def isolated(request: pytest.FixtureRequest) -> tuple[str, StoreSpec]:
-    fixture = "mysql_server" if request.param == "repeatable-read" else "mysql_rc_server"
-    return request.param, spec_on(request.getfixturevalue(fixture))
-
-
 def test_the_compare_and_set_reads_the_latest_row_at_either_isolation(
     isolated: tuple[str, StoreSpec], clock: Clock
 ) -> None:
@@ -560,8 +569,7 @@ def test_the_compare_and_set_reads_the_latest_row_at_either_isolation(
     UPDATE is a locking read of the latest row, so it lands for its owner and is refused
     to a worker whose key was taken over meanwhile."""
     level, spec = isolated
-    orders = Orders(spec, f"orders_{uuid.uuid4().hex[:10]}")
-    orders.create_table()
+    orders = new_orders(spec)
     store = spec.open()
     engine = Engine(store, lease=5, clock=clock)
     table = spec.options["table"]
