@@ -679,7 +679,8 @@ def open_one(spec: StoreSpec) -> Store[Any]:
 
 SESSION = (
     "SELECT @@session.autocommit, @@session.sql_mode, @@session.time_zone, "
-    "@@session.tx_isolation, @@session.character_set_client, DATABASE()"
+    "@@session.tx_isolation, @@session.tx_read_only, @@session.innodb_lock_wait_timeout, "
+    "@@session.sql_safe_updates, @@session.character_set_client, DATABASE()"
 )
 
 
@@ -698,10 +699,11 @@ def test_session_settings_do_not_outlive_the_block(
         cur.execute(SESSION)
         clean = cur.fetchone()
         att.outcome = Outcome.json(0)
-    assert clean is not None and clean[0] == 1 and clean[5] == "retrysafe"
+    assert clean is not None and clean[0] == 1 and clean[-1] == "retrysafe"
     spoil = [
         "SET SESSION autocommit = 0, sql_mode = '', time_zone = '+05:00', "
-        "tx_isolation = 'READ-UNCOMMITTED'",
+        "tx_isolation = 'READ-UNCOMMITTED', tx_read_only = 1, innodb_lock_wait_timeout = 1, "
+        "sql_safe_updates = 1",
         "SET NAMES latin1",
     ]
     for n, fails in enumerate([False, True]):

@@ -11,7 +11,7 @@ PostgreSQL:
   drivers' cached status flag cannot tell: a result set's status misses a read-only
   transaction, and asyncmy never records a status of 0 (autocommit off, idle);
 - the session is the connection's: what the block sets (``SET autocommit = 0``,
-  ``sql_mode``, ``time_zone``, the isolation level, ``SET NAMES``, ``USE``) is undone,
+  ``sql_mode``, ``time_zone``, the isolation level, ``SET NAMES``, ``USE``, ...) is undone,
   in the round trip of the ``COMMIT`` or ``ROLLBACK``, before a pooled connection goes
   back; a connection that cannot be restored is closed;
 - a failed ``ROLLBACK`` (the server dropped the connection, which rolls back) never
@@ -97,15 +97,15 @@ _MARIADB = re.compile(r"(\d+)\.(\d+)\.\d+-MariaDB")
 def session_restore(server_info: str, charset: str, database: str) -> str:
     """The statements that put a pooled connection's session back as the pool made it
     (the store's statements rely on it): autocommit, ``sql_mode``, ``time_zone``, the
-    server's default isolation, the character set and the database."""
+    server's default isolation, access mode, lock wait and safe-updates mode, the
+    character set and the database."""
     mariadb = _MARIADB.search(server_info)
     old_mariadb = mariadb is not None and (int(mariadb[1]), int(mariadb[2])) < (11, 1)
-    isolation = "tx_isolation" if old_mariadb else "transaction_isolation"
+    tx = "tx_" if old_mariadb else "transaction_"  # MariaDB before 11.1: tx_isolation
+    defaults = (f"{tx}isolation", f"{tx}read_only", "innodb_lock_wait_timeout", "sql_safe_updates")
+    reset = "".join(f", SESSION {name} = DEFAULT" for name in defaults)
     quoted = database.replace("`", "``")
-    return (
-        f"{SESSION_SETUP}, SESSION autocommit = 1, SESSION {isolation} = DEFAULT; "
-        f"SET NAMES {charset}; USE `{quoted}`"
-    )
+    return f"{SESSION_SETUP}, SESSION autocommit = 1{reset}; SET NAMES {charset}; USE `{quoted}`"
 
 
 def _runner(conn: Any) -> Transaction[Op]:
