@@ -185,16 +185,33 @@ def create_order(
 
 
 async def acreate_order(
-    engine: Engine, orders: Orders, mandate: str, user: str, amount: int, connection: Any = None
+    engine: Engine,
+    orders: Orders,
+    mandate: str,
+    user: str,
+    amount: int,
+    connection: Any = None,
+    *,
+    crash: str = "",
+    lease: float | None = None,
 ) -> dict[str, Any]:
+    """:func:`create_order` with asyncmy."""
     async with engine.attempt(
-        order_key(mandate, user), operation="order", scope=user, fingerprint=str(amount)
+        order_key(mandate, user),
+        operation="order",
+        scope=user,
+        fingerprint=str(amount),
+        lease=lease,
     ) as att:
         if att.replay is not None:
             return att.replay.outcome.value  # type: ignore[union-attr,no-any-return]
         async with att.atransaction(connection) as conn:
             order = await ainsert_once(orders, conn, mandate, user, amount)
+            if crash == "before_commit":
+                os.kill(os.getpid(), signal.SIGKILL)
             att.outcome = Outcome.json(order)
+        if crash == "after_commit":
+            os.kill(os.getpid(), signal.SIGKILL)
         return order
 
 
@@ -502,15 +519,21 @@ def test_racing_processes_create_one_order_per_mandate(spec: StoreSpec, orders: 
 # -- crashes ---------------------------------------------------------------------------
 
 
-def _crashing_worker(spec: StoreSpec, table: str, crash: str) -> None:
-    create_order(Engine(spec.open()), Orders(spec, table), "m", "u", 11, crash=crash, lease=30)
+def _crashing_worker(spec: StoreSpec, table: str, crash: str, mode: str) -> None:
+    engine, orders = Engine(spec.open()), Orders(spec, table)
+    if mode == "async":
+        asyncio.run(acreate_order(engine, orders, "m", "u", 11, crash=crash, lease=30))
+    create_order(engine, orders, "m", "u", 11, crash=crash, lease=30)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("crash", ["before_commit", "after_commit"])
-def test_a_crash_leaves_both_or_neither(spec: StoreSpec, orders: Orders, crash: str) -> None:
+def test_a_crash_leaves_both_or_neither(
+    spec: StoreSpec, orders: Orders, crash: str, mode: str
+) -> None:
     """SIGKILL between the business write and COMMIT leaves neither; after it, both."""
     worker = mp.get_context("spawn").Process(
-        target=_crashing_worker, args=(spec, orders.table, crash)
+        target=_crashing_worker, args=(spec, orders.table, crash, mode)
     )
     worker.start()
     worker.join(timeout=60)
