@@ -46,6 +46,7 @@ from retrysafe import (
 )
 from retrysafe._model.hashing import key_hash
 from retrysafe._model.record import Status
+from retrysafe.stores.mysql.transactions import session_restore
 
 IMAP = IdempotencyMap.default()
 #: How the application connects: nothing (the store's pooled connection), or a
@@ -880,3 +881,22 @@ def test_a_cancelled_async_block_rolls_back(
     assert orders.rows() == [("m", "u", 1)]
     assert record(store, "m", "u").attempts == 2
     store.close()
+
+
+@pytest.mark.parametrize(
+    ("server_info", "prefix"),
+    [
+        ("5.5.5-10.11.19-MariaDB-0+deb12u1", "tx_"),  # MariaDB as the drivers see it
+        ("10.6.18-MariaDB", "tx_"),
+        ("11.1.2-MariaDB", "transaction_"),  # renamed in 11.1
+        ("11.4.3-MariaDB-ubu2404", "transaction_"),
+        ("8.0.36", "transaction_"),  # MySQL
+        ("8.4.0-commercial", "transaction_"),
+    ],
+)
+def test_the_session_restore_names_the_servers_variables(server_info: str, prefix: str) -> None:
+    restore = session_restore(server_info, "utf8mb4", "sh`op")
+    assert f"SESSION {prefix}isolation = DEFAULT" in restore
+    assert f"SESSION {prefix}read_only = DEFAULT" in restore
+    assert "SESSION autocommit = 1" in restore and "STRICT_TRANS_TABLES" in restore
+    assert restore.endswith("SET NAMES utf8mb4; USE `sh``op`")
