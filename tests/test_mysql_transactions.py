@@ -900,3 +900,17 @@ def test_the_session_restore_names_the_servers_variables(server_info: str, prefi
     assert f"SESSION {prefix}read_only = DEFAULT" in restore
     assert "SESSION autocommit = 1" in restore and "STRICT_TRANS_TABLES" in restore
     assert restore.endswith("SET NAMES utf8mb4; USE `sh``op`")
+
+
+def test_a_transactional_completion_sets_the_expiry_from_completion(
+    store: Store[Any], clock: Clock
+) -> None:
+    """``ttl_from="completion"``: the completion's UPDATE in the block moves the record's
+    expiry to the completion time plus the TTL, as a plain completion does."""
+    engine = Engine(store, clock=clock, ttl=3600, lease=120)
+    with engine.attempt("k", operation="order", ttl_from="completion") as att:
+        clock.advance(60)
+        with att.transaction():
+            att.outcome = Outcome.json("done")
+    found = store.get(key_hash("", "order", "k"))
+    assert found.status is Status.COMPLETED and found.expires_at == clock.now + 3600
