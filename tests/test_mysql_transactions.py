@@ -437,8 +437,10 @@ def racer_args(i: int) -> tuple[str, str]:
     return f"m{i % MANDATES}", "bob" if (i // MANDATES) % 4 == 0 else "alice"
 
 
-def race_once(engine: Engine, orders: Orders, i: int) -> Any:
+def race_once(engine: Engine, orders: Orders, i: int, shift: int = 0) -> Any:
+    """Racer ``i`` (its mandate moved by ``shift``): its answer, or its refusal."""
     mandate, user = racer_args(i)
+    mandate = f"m{(int(mandate[1:]) + shift) % MANDATES}"
     try:
         return create_order(engine, orders, mandate, user, 3)
     except ValueError as exc:
@@ -448,6 +450,9 @@ def race_once(engine: Engine, orders: Orders, i: int) -> Any:
 def check_race(orders: Orders, answers: list[Any]) -> None:
     rows = {m: (u, a) for m, u, a in orders.rows()}
     assert sorted(rows) == [f"m{n}" for n in range(MANDATES)]  # one order per mandate
+    won = {a["cart_mandate_id"] for a in answers if isinstance(a, dict)}
+    assert won == set(rows)  # each order's creator, and its duplicates, got it back
+    assert any(not isinstance(a, dict) for a in answers)  # a rival user was refused
     for answer in answers:
         if isinstance(answer, dict):  # the owner's answer, identical for every duplicate
             owner = rows[answer["cart_mandate_id"]][0]
@@ -508,7 +513,9 @@ def test_racing_tasks_create_one_order_per_mandate(store: Store[Any], orders: Or
 
 def _setup_race(store: Store[Any], spec: StoreSpec, table: str) -> Any:
     engine, orders = Engine(store, wait=60), Orders(spec, table)
-    return lambda who: race_once(engine, orders, int(who.rsplit("-", 1)[1]) + os.getpid())
+    # Each process's 8 racers: every mandate twice, one of them by the rival user (bob),
+    # the mandates shifted per process.
+    return lambda who: race_once(engine, orders, int(who.rsplit("-", 1)[1]), os.getpid())
 
 
 def test_racing_processes_create_one_order_per_mandate(spec: StoreSpec, orders: Orders) -> None:
