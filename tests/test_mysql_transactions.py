@@ -34,6 +34,7 @@ import pytest
 from _racing import race_processes
 from _servers import MySQLServer
 from conftest import Clock, StoreSpec
+from test_transactions import create_order
 
 from retrysafe import (
     Engine,
@@ -106,6 +107,25 @@ class Orders:
     def insert_sql(self) -> str:
         return f"INSERT INTO {self.table} VALUES (%s, %s, %s)"
 
+    def insert_once(self, conn: Any, mandate: str, user: str, amount: int) -> bool:
+        """Insert the order; False on a duplicate key (the mandate has its order), which
+        rolls back that statement only, not the transaction."""
+        with conn.cursor() as cur:
+            try:
+                cur.execute(self.insert_sql(), (mandate, user, amount))
+            except pymysql.IntegrityError as exc:
+                if exc.args[0] != DUPLICATE_KEY:
+                    raise
+                return False
+        return True
+
+    def find(self, conn: Any, mandate: str) -> tuple[Any, ...] | None:
+        """The mandate's order, (mandate, user, amount), by a locking read."""
+        with conn.cursor() as cur:
+            cur.execute(self.find_sql(), (mandate,))
+            row = cur.fetchone()
+        return None if row is None else (mandate, *row)
+
     def find_sql(self) -> str:
         # A locking read: the latest committed row, whatever the transaction's
         # REPEATABLE READ snapshot holds.
@@ -120,20 +140,6 @@ def order_of(mandate: str, user: str, existing: tuple[Any, ...] | None) -> dict[
     if existing is None or existing[0] != user:
         raise ValueError("this cart mandate belongs to another user's order")
     return {"cart_mandate_id": mandate, "user_id": user, "amount": existing[1]}
-
-
-def insert_once(orders: Orders, conn: Any, mandate: str, user: str, amount: int) -> dict[str, Any]:
-    """Insert the order; a duplicate key (which rolls back that statement only, not the
-    transaction) means the mandate has its order already."""
-    with conn.cursor() as cur:
-        try:
-            cur.execute(orders.insert_sql(), (mandate, user, amount))
-        except pymysql.IntegrityError as exc:
-            if exc.args[0] != DUPLICATE_KEY:
-                raise
-            cur.execute(orders.find_sql(), (mandate,))
-            return order_of(mandate, user, cur.fetchone())
-    return {"cart_mandate_id": mandate, "user_id": user, "amount": amount}
 
 
 async def ainsert_once(
@@ -154,37 +160,6 @@ def order_key(mandate: str, user: str) -> str:
     return IMAP.key("order", cart_mandate_id=mandate, user_id=user)
 
 
-def create_order(
-    engine: Engine,
-    orders: Orders,
-    mandate: str,
-    user: str,
-    amount: int,
-    *,
-    crash: str = "",
-    connection: Any = None,
-    lease: float | None = None,
-) -> dict[str, Any]:
-    """Order creation: once per cart mandate, the record committed with the row."""
-    with engine.attempt(
-        order_key(mandate, user),
-        operation="order",
-        scope=user,
-        fingerprint=str(amount),
-        lease=lease,
-    ) as att:
-        if att.replay is not None:
-            return att.replay.outcome.value  # type: ignore[union-attr,no-any-return]
-        with att.transaction(connection) as conn:
-            order = insert_once(orders, conn, mandate, user, amount)
-            if crash == "before_commit":
-                os.kill(os.getpid(), signal.SIGKILL)
-            att.outcome = Outcome.json(order)
-        if crash == "after_commit":
-            os.kill(os.getpid(), signal.SIGKILL)
-        return order
-
-
 async def acreate_order(
     engine: Engine,
     orders: Orders,
@@ -196,7 +171,7 @@ async def acreate_order(
     crash: str = "",
     lease: float | None = None,
 ) -> dict[str, Any]:
-    """:func:`create_order` with asyncmy."""
+    """test_transactions.create_order with asyncmy: the order once per cart mandate."""
     async with engine.attempt(
         order_key(mandate, user),
         operation="order",
@@ -285,7 +260,7 @@ def test_an_error_after_the_write_rolls_both_back(
         engine.attempt(order_key("m", "u"), operation="order", scope="u", fingerprint="1") as att,
         att.transaction(connection) as conn,
     ):
-        insert_once(orders, conn, "m", "u", 1)
+        orders.insert_once(conn, "m", "u", 1)
         _ = 1 / 0
     assert orders.rows() == []
     failed = record(store, "m", "u")
@@ -308,7 +283,7 @@ def test_a_stale_worker_gets_lease_lost_and_rolls_back(
         taker = engine.begin(key, operation="order", scope="u", fingerprint="1")
         assert taker.attempts == 2  # type: ignore[union-attr]
         with att.transaction(connection) as conn:
-            insert_once(orders, conn, "m", "u", 1)
+            orders.insert_once(conn, "m", "u", 1)
             att.outcome = Outcome.json({"late": True})
     assert orders.rows() == []
     now = record(store, "m", "u")
@@ -670,7 +645,7 @@ def test_a_lost_connection_keeps_the_applications_error(spec: StoreSpec, orders:
         engine.attempt("k", operation="order") as att,
         att.transaction() as conn,
     ):
-        insert_once(orders, conn, "m", "u", 1)
+        orders.insert_once(conn, "m", "u", 1)
         kill(spec, conn.thread_id())
         raise KeyError("business")
     assert orders.rows() == []
