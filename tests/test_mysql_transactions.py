@@ -663,6 +663,11 @@ class DyingAtCommit(pymysql.connections.Connection):  # type: ignore[type-arg]
         kill(self.spec, self.thread_id())
         super().commit()
 
+    def query(self, sql: Any, unbuffered: bool = False) -> int:
+        if sql == "COMMIT":
+            kill(self.spec, self.thread_id())
+        return super().query(sql, unbuffered)  # type: ignore[no-any-return]
+
 
 def test_a_failed_commit_is_unavailable_and_retryable(spec: StoreSpec, orders: Orders) -> None:
     store = spec.open()
@@ -877,11 +882,14 @@ def test_a_cancelled_async_block_rolls_back(
     ],
 )
 def test_the_session_restore_names_the_servers_variables(server_info: str, prefix: str) -> None:
-    restore = session_restore(server_info, "utf8mb4", "sh`op")
-    assert f"SESSION {prefix}isolation = DEFAULT" in restore
-    assert f"SESSION {prefix}read_only = DEFAULT" in restore
-    assert "SESSION autocommit = 1" in restore and "STRICT_TRANS_TABLES" in restore
-    assert restore.endswith("SET NAMES utf8mb4; USE `sh``op`")
+    names, use, session = session_restore(server_info, "utf8mb4", "sh`op")
+    assert (names, use) == ("SET NAMES utf8mb4", "USE `sh``op`")
+    # One SET, last: it changes every variable or none, and turning autocommit back on
+    # (which commits) comes after everything that could fail.
+    assert session.startswith("SET SESSION sql_mode = 'STRICT_TRANS_TABLES")
+    assert f"SESSION {prefix}isolation = DEFAULT" in session
+    assert f"SESSION {prefix}read_only = DEFAULT" in session
+    assert "SESSION autocommit = 1" in session
 
 
 def test_a_transactional_completion_sets_the_expiry_from_completion(

@@ -94,18 +94,41 @@ def completion_failed(exc: BaseException) -> StoreUnavailableError:
 _MARIADB = re.compile(r"(\d+)\.(\d+)\.\d+-MariaDB")
 
 
-def session_restore(server_info: str, charset: str, database: str) -> str:
+def session_restore(server_info: str, charset: str, database: str) -> tuple[str, ...]:
     """The statements that put a pooled connection's session back as the pool made it
-    (the store's statements rely on it): autocommit, ``sql_mode``, ``time_zone``, the
-    server's default isolation, access mode, lock wait and safe-updates mode, the
-    character set and the database."""
+    (the store's statements rely on it): the character set, the database, and, last,
+    ``sql_mode``, ``time_zone``, autocommit, the server's default isolation, access
+    mode, lock wait and safe-updates mode in one ``SET`` (which changes all or none)."""
     mariadb = _MARIADB.search(server_info)
     old_mariadb = mariadb is not None and (int(mariadb[1]), int(mariadb[2])) < (11, 1)
     tx = "tx_" if old_mariadb else "transaction_"  # MariaDB before 11.1: tx_isolation
     defaults = (f"{tx}isolation", f"{tx}read_only", "innodb_lock_wait_timeout", "sql_safe_updates")
     reset = "".join(f", SESSION {name} = DEFAULT" for name in defaults)
     quoted = database.replace("`", "``")
-    return f"{SESSION_SETUP}, SESSION autocommit = 1{reset}; SET NAMES {charset}; USE `{quoted}`"
+    return (
+        f"SET NAMES {charset}",
+        f"USE `{quoted}`",
+        f"{SESSION_SETUP}, SESSION autocommit = 1{reset}",
+    )
+
+
+def _ops(*statements: str) -> Op:
+    """``statements`` in one round trip (one each on a connection without
+    ``MULTI_STATEMENTS``): the first error stops them and is raised."""
+    return Op(statements, [()] * len(statements), _nothing)
+
+
+def _commit(restore: tuple[str, ...]) -> Op:
+    """``COMMIT``, after the session's restore: a restore that fails stops before it
+    (nothing committed). Turning autocommit back on commits the transaction itself, if
+    the block had turned it off, with everything it wrote."""
+    return _ops(*restore, "COMMIT")
+
+
+def _rollback(restore: tuple[str, ...]) -> Op:
+    """``ROLLBACK``, then the session's restore (before it, ``autocommit = 1`` would
+    commit what the block wrote with autocommit off)."""
+    return _ops("ROLLBACK", *restore)
 
 
 def _runner(conn: Any) -> Transaction[Op]:
@@ -130,74 +153,24 @@ def _arunner(conn: Any) -> AsyncTransaction[Op]:
     return AsyncTransaction(conn, run)
 
 
-def _end(conn: Any, verb: str, restore: str | None) -> bool:
-    """``verb`` (``COMMIT``, ``ROLLBACK``), then ``restore`` in the same round trip:
-    raises if ``verb`` failed; False if the session could not be restored. Without
-    ``restore`` (the application's connection), the driver's own ``commit()`` or
-    ``rollback()``."""
-    if restore is None:
-        getattr(conn, verb.lower())()
-        return True
-    cur = conn.cursor()
-    try:
-        cur.execute(f"{verb}; {restore}")
-        try:
-            while cur.nextset():
-                pass
-        except DRIVER_ERRORS:
-            return False
-        return True
-    finally:
-        with contextlib.suppress(*DRIVER_ERRORS):
-            cur.close()
-
-
-async def _aend(conn: Any, verb: str, restore: str | None) -> bool:
-    """:func:`_end` on an asyncmy connection."""
-    if restore is None:
-        await getattr(conn, verb.lower())()
-        return True
-    cur = conn.cursor()
-    try:
-        await cur.execute(f"{verb}; {restore}")
-        try:
-            while await cur.nextset():
-                pass
-        except DRIVER_ERRORS:
-            return False
-        return True
-    finally:
-        with contextlib.suppress(*DRIVER_ERRORS):
-            await cur.close()
-
-
-def _rolled_back(conn: Any, restore: str | None) -> bool:
-    """Roll back; False if that failed (the server rolls back a connection it lost) or
-    the session could not be restored: the connection must not be reused."""
-    try:
-        return _end(conn, "ROLLBACK", restore)
-    except DRIVER_ERRORS:
-        return False
-
-
-async def _arolled_back(conn: Any, restore: str | None) -> bool:
-    try:
-        return await _aend(conn, "ROLLBACK", restore)
-    except DRIVER_ERRORS:
-        return False
-
-
 class MySQLTransactions(MySQLConnections):
     """The transaction half of :class:`~retrysafe.stores.mysql.MySQLStore`: the
     application's block runs between ``BEGIN`` and ``COMMIT`` on a pooled connection,
     or on the caller's (PyMySQL sync, asyncmy async)."""
 
-    def _restore(self, conn: Any, own: bool) -> str | None:
+    def _restore(self, conn: Any, own: bool) -> tuple[str, ...]:
         """What puts ``conn``'s session back after a block: only a pooled connection's."""
         if not own:
-            return None
+            return ()
         kwargs = self._driver_kwargs()
         return session_restore(conn.get_server_info(), kwargs["charset"], kwargs["database"])
+
+    @staticmethod
+    def _opening(own: bool) -> tuple[Op, ...]:
+        """``BEGIN``; on the application's connection, after asking the server that it is
+        idle (two round trips: the connection may not take several statements at once)."""
+        begin = _ops("BEGIN")
+        return (begin,) if own else (_ops(_IDLE_CHECK), begin)
 
     @contextmanager
     def completion_transaction(self, connection: Any = None) -> Iterator[Transaction[Op]]:
@@ -210,25 +183,30 @@ class MySQLTransactions(MySQLConnections):
                 raise self._unavailable(exc) from exc
         else:
             conn = checked_connection(connection, asynchronous=False)
-        broken = own
+        broken = own  # a pooled connection goes back only once its session is restored
         try:
             try:
-                if not own:
-                    execute(conn, Op(_IDLE_CHECK, (), _nothing))
-                execute(conn, Op("BEGIN", (), _nothing))
+                for op in self._opening(own):
+                    execute(conn, op)
             except DRIVER_ERRORS as exc:
                 raise opening_failed(exc, self) from exc
             restore = self._restore(conn, own)
             try:
                 yield _runner(conn)
             except BaseException:
-                broken = not _rolled_back(conn, restore)
+                # A ROLLBACK that cannot be sent (the server dropped the connection,
+                # which rolls back) never hides the block's own exception.
+                with contextlib.suppress(*DRIVER_ERRORS):
+                    execute(conn, _rollback(restore))
+                    broken = False
                 raise
             try:
-                broken = not _end(conn, "COMMIT", restore)
+                execute(conn, _commit(restore))
             except DRIVER_ERRORS as exc:
-                _rolled_back(conn, None)
+                with contextlib.suppress(*DRIVER_ERRORS):
+                    execute(conn, _rollback(()))
                 raise completion_failed(exc) from exc
+            broken = False
         finally:
             if own:
                 self._give(conn, broken)
@@ -249,22 +227,25 @@ class MySQLTransactions(MySQLConnections):
         broken = own
         try:
             try:
-                if not own:
-                    await aexecute(conn, Op(_IDLE_CHECK, (), _nothing))
-                await aexecute(conn, Op("BEGIN", (), _nothing))
+                for op in self._opening(own):
+                    await aexecute(conn, op)
             except DRIVER_ERRORS as exc:
                 raise opening_failed(exc, self) from exc
             restore = self._restore(conn, own)
             try:
                 yield _arunner(conn)
             except BaseException:
-                broken = not await _arolled_back(conn, restore)
+                with contextlib.suppress(*DRIVER_ERRORS):
+                    await aexecute(conn, _rollback(restore))
+                    broken = False
                 raise
             try:
-                broken = not await _aend(conn, "COMMIT", restore)
+                await aexecute(conn, _commit(restore))
             except DRIVER_ERRORS as exc:
-                await _arolled_back(conn, None)
+                with contextlib.suppress(*DRIVER_ERRORS):
+                    await aexecute(conn, _rollback(()))
                 raise completion_failed(exc) from exc
+            broken = False
         finally:
             if own:
                 await self._agive(conn, broken)
