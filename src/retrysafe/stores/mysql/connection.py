@@ -36,6 +36,7 @@ __all__ = [
     "errno_of",
     "execute",
     "play",
+    "retry_locked",
 ]
 
 Row = Sequence[Any]
@@ -98,9 +99,14 @@ DRIVER_ERRORS: tuple[type[BaseException], ...] = _driver_errors()
 UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (*DRIVER_ERRORS, TimeoutError)
 
 
-def _retry_locked(tries: int, op: Op, exc: BaseException) -> Op:
+def retry_locked(op: Op, exc: BaseException, tries: int = 0) -> Op:
+    """``op`` again after a deadlock (InnoDB rolled its statement back), at most
+    :data:`_MAX_LOCK_RETRIES` times; any other error is raised."""
     if errno_of(exc) in _LOCK_ERRORS and tries < _MAX_LOCK_RETRIES:
-        return op._replace(recover=lambda o, e: _retry_locked(tries + 1, o, e))
+        recover = op.recover
+        if recover is None:
+            return op._replace(recover=lambda o, e: retry_locked(o, e, tries + 1))
+        return op  # its own recover brought it here, and counts on
     raise exc
 
 
@@ -111,7 +117,7 @@ def play(op: Op) -> Generator[Op, tuple[int, Row | None] | BaseException, Any]:
         answer = yield op
         if isinstance(answer, BaseException):
             recover = op.recover
-            result = recover(op, answer) if recover is not None else _retry_locked(0, op, answer)
+            result = recover(op, answer) if recover is not None else retry_locked(op, answer)
         else:
             result = op.parse(*answer)
         if result.__class__ is not Op:

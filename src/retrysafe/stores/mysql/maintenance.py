@@ -4,10 +4,11 @@ counting and the archive. Sync, never on the request path."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 from retrysafe._model.record import Record
+from retrysafe.errors import StoreUnavailableError
 from retrysafe.stores._base import ArchivedRecord, RecordQuery, StoreStats, SweepBatch
 from retrysafe.stores._sql import list_clause, record_params
 from retrysafe.stores.mysql.connection import DRIVER_ERRORS, UNAVAILABLE_ERRORS, Op, errno_of
@@ -19,13 +20,44 @@ from retrysafe.stores.mysql.schema import (
     row_record,
 )
 
-if TYPE_CHECKING:
-    from retrysafe.errors import StoreUnavailableError
-
 __all__ = ["MySQLMaintenance"]
 
 #: Times a sweep batch runs again after InnoDB chose it as a deadlock's victim.
 _SWEEP_TRIES = 5
+_DEADLOCK = 1213
+#: Warnings an archive insert may raise: a duplicate key (the record is archived
+#: already), and, under statement-based binary logging, the note that INSERT IGNORE …
+#: SELECT is "unsafe" to replay (the archive's key makes it deterministic).
+_HARMLESS = frozenset({1062, 1592})
+#: "Binary logging not possible": statement-based logging at READ COMMITTED.
+_ROW_LOGGING_ONLY = 1665
+
+
+@contextmanager
+def _transaction(conn: Any) -> Iterator[None]:
+    """``BEGIN`` … ``COMMIT`` on ``conn``; ``ROLLBACK`` on an error (whose own failure,
+    on a connection that died, leaves the first error standing)."""
+    conn.begin()
+    try:
+        yield
+    except BaseException:
+        with suppress(*DRIVER_ERRORS):
+            conn.rollback()
+        raise
+    conn.commit()
+
+
+def _check_ignored(conn: Any, cur: Any) -> None:
+    """Refuse an ``INSERT IGNORE`` that ignored more than duplicate keys (a value too
+    long, say, which strict mode would have refused): the transaction rolls back."""
+    if not cur.warning_count:
+        return
+    for _level, code, message in conn.show_warnings():
+        if int(code) not in _HARMLESS:
+            raise StoreUnavailableError(
+                f"MySQL store: a record could not be archived as it is: {message}",
+                transient=False,
+            )
 
 
 class MySQLMaintenance:
@@ -44,6 +76,8 @@ class MySQLMaintenance:
 
     def _build_maintenance_sql(self, names: Names) -> None:
         t, a = names.table, names.archive
+        #: Set before each sweep batch (emptied on a server that logs statements).
+        self._sweep_isolation = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED"
         self._q_expired = (
             f"SELECT key_hash FROM {t} WHERE expires_at <= %s ORDER BY expires_at LIMIT %s "
             "FOR UPDATE SKIP LOCKED"
@@ -53,8 +87,8 @@ class MySQLMaintenance:
         self._q_list_archive = f"SELECT {ARCHIVE_SELECT} FROM {a} AS t"
         marks = ", ".join(["%s"] * (len(SELECT_COLUMNS.split(", ")) + 1))
         # The archive is keyed on (key hash, token): a record archived twice is one row.
-        # IGNORE skips only those duplicates here: the rows come from a table of the
-        # same column types, so no value can be cut.
+        # IGNORE also turns a value that does not fit into a warning: _check_ignored
+        # refuses the batch then.
         self._q_archive = f"INSERT IGNORE INTO {a} ({ARCHIVE_SELECT}) VALUES ({marks})"
         self._q_stats = (
             "SELECT operation, status, COUNT(*) FROM "
@@ -90,24 +124,31 @@ class MySQLMaintenance:
     def sweep(self, now: float, limit: int = 1000) -> SweepBatch:
         """One bounded sweep batch (see :meth:`Store.sweep`), in one transaction at READ
         COMMITTED: the oldest ``limit`` expired rows are locked (``SKIP LOCKED``: a row a
-        claim holds is left for the next sweep, and no gap is locked, so claims never
-        wait on the sweep), their financial records copied to the archive, then
-        deleted. Killed at any point, the batch rolls back whole."""
+        claim holds is left for the next sweep, and no gap is locked, so only claims of
+        the batch's own keys wait for it), their financial records copied to the
+        archive, then deleted. Killed at any point, the batch rolls back whole.
+
+        A server that logs statements (``binlog_format=STATEMENT``) refuses InnoDB
+        writes at READ COMMITTED: the batch then runs at the session's own level,
+        which the locked key list keeps as correct (it only adds gap locks)."""
         for attempt in range(_SWEEP_TRIES):
             try:
                 return self._sweep_batch(now, limit)
-            except Exception as exc:
-                cause = exc.__cause__
-                if errno_of(cause or exc) != 1213 or attempt == _SWEEP_TRIES - 1:
+            except StoreUnavailableError as exc:
+                errno = errno_of(exc.__cause__) if exc.__cause__ is not None else None
+                if errno == _ROW_LOGGING_ONLY and self._sweep_isolation:
+                    self._sweep_isolation = ""
+                    continue
+                if errno != _DEADLOCK or attempt == _SWEEP_TRIES - 1:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _sweep_batch(self, now: float, limit: int) -> SweepBatch:
         t, a = self._names.table, self._names.archive
         with self._ops_connection() as conn, conn.cursor() as cur:
-            cur.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-            conn.begin()
-            try:
+            if self._sweep_isolation:
+                cur.execute(self._sweep_isolation)
+            with _transaction(conn):
                 cur.execute(self._q_expired, (now, limit))
                 keys = [row[0] for row in cur.fetchall()]
                 archived = deleted = 0
@@ -120,16 +161,13 @@ class MySQLMaintenance:
                         "AND retention = 'financial'",
                         (now, *keys, now),
                     )
+                    _check_ignored(conn, cur)
                     archived = cur.rowcount
                     cur.execute(
                         f"DELETE FROM {t} WHERE key_hash IN ({marks}) AND expires_at <= %s",
                         (*keys, now),
                     )
                     deleted = cur.rowcount
-                conn.commit()
-            except BaseException:
-                conn.rollback()
-                raise
             return SweepBatch(deleted, max(archived, 0), done=len(keys) < limit)
 
     def sweep_cells(self, now: float, limit: int = 1000) -> int:
@@ -160,23 +198,18 @@ class MySQLMaintenance:
                 cur.execute(archived_q)
                 stats.archived = int(cur.fetchone()[0])
             finally:
-                conn.rollback()
+                with suppress(*DRIVER_ERRORS):
+                    conn.rollback()
         return stats
 
     def archive_records(self, records: Sequence[Record], archived_at: float) -> int:
         rows = [(*record_params(r), archived_at) for r in records]
         if not rows:
             return 0
-        with self._ops_connection() as conn, conn.cursor() as cur:
-            conn.begin()
-            try:
-                cur.executemany(self._q_archive, rows)  # one multi-row INSERT
-                count = cur.rowcount
-                conn.commit()
-            except BaseException:
-                conn.rollback()
-                raise
-            return int(count)
+        with self._ops_connection() as conn, conn.cursor() as cur, _transaction(conn):
+            cur.executemany(self._q_archive, rows)  # one multi-row INSERT
+            _check_ignored(conn, cur)
+            return int(cur.rowcount)
 
     def archived_records(
         self, *, operation: str | None = None, limit: int = 100

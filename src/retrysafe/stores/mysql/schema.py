@@ -101,21 +101,21 @@ def schema_statements(names: Names) -> list[str]:
     return [
         f"CREATE TABLE IF NOT EXISTS {names.table} (\n    {columns},\n"
         f"    PRIMARY KEY (key_hash),\n"
-        f"    KEY {quote(names.base + '_expires_at')} (expires_at),\n"
+        f"    KEY {quote(names.base + '_exp')} (expires_at),\n"
         f"    CONSTRAINT {quote(names.base + '_status')} "
         "CHECK (status IN ('processing', 'completed', 'failed'))\n"
         ") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
         f"CREATE TABLE IF NOT EXISTS {names.archive} (\n    {columns},\n"
         "    archived_at DOUBLE NOT NULL,\n"
         "    PRIMARY KEY (key_hash, token),\n"
-        f"    KEY {quote(names.base + '_archived_at')} (archived_at)\n"
+        f"    KEY {quote(names.base + '_arch')} (archived_at)\n"
         ") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
         f"CREATE TABLE IF NOT EXISTS {names.cells} (\n"
         "    cell_key VARCHAR(768) NOT NULL PRIMARY KEY,\n"
         "    version BIGINT NOT NULL,\n"
         "    value MEDIUMTEXT NOT NULL,\n"
         "    expires_at DOUBLE NULL,\n"
-        f"    KEY {quote(names.base + '_state_expires_at')} (expires_at)\n"
+        f"    KEY {quote(names.base + '_state_exp')} (expires_at)\n"
         ") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
     ]
 

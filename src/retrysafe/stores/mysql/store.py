@@ -28,6 +28,7 @@ from retrysafe.stores.mysql.connection import (
     errno_of,
     option,
     parse_url,
+    retry_locked,
     table_parts,
     to_bool,
 )
@@ -70,11 +71,14 @@ def _cell_or_none(rowcount: int, row: Row | None) -> Any:
     return None if row is None else (int(row[0]), row[1], row[2])
 
 
-def _cell_taken(op: Op, exc: BaseException) -> Any:
-    """A cell's first write lost to a concurrent one (duplicate key): not written."""
+def _cell_taken(op: Op, exc: BaseException, tries: int = 0) -> Any:
+    """A cell's first write that failed: lost to a concurrent one (duplicate key: not
+    written), or chosen as a deadlock's victim among concurrent first writers (run
+    again, a few times)."""
     if errno_of(exc) == 1062:
         return False
-    raise exc
+    again = retry_locked(op, exc, tries)
+    return again._replace(recover=lambda o, e: _cell_taken(o, e, tries + 1))
 
 
 class MySQLStore(MySQLTransactions, MySQLMaintenance, Store[Op]):
