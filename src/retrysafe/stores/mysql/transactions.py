@@ -1,40 +1,84 @@
 """The MySQL store's application transactions: a completion that commits with the
-application's own writes in InnoDB (see retrysafe._core.transactions)."""
+application's own writes in InnoDB (see retrysafe._core.transactions).
+
+The block runs between ``BEGIN`` and ``COMMIT`` on a connection of the store's pool
+(PyMySQL sync, asyncmy async) or on the application's own. Three things differ from
+PostgreSQL:
+
+- ``BEGIN`` silently commits a transaction that is open already, so the application's
+  connection is asked first, by the server: ``SET TRANSACTION READ WRITE`` (the next
+  transaction's mode) is refused inside a transaction, read-only ones included. The
+  drivers' cached status flag cannot tell: a result set's status misses a read-only
+  transaction, and asyncmy never records a status of 0 (autocommit off, idle);
+- the session is the connection's: what the block sets (``SET autocommit = 0``,
+  ``sql_mode``, ``time_zone``, the isolation level, ``SET NAMES``, ``USE``, ...) is undone,
+  in the round trip of the ``COMMIT`` or ``ROLLBACK``, before a pooled connection goes
+  back; a connection that cannot be restored is closed;
+- a failed ``ROLLBACK`` (the server dropped the connection, which rolls back) never
+  hides the block's own exception.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
+
+import pymysql.connections
 
 from retrysafe.errors import StoreUnavailableError
 from retrysafe.stores._base import AsyncTransaction, Transaction
 from retrysafe.stores.mysql.connection import (
     DRIVER_ERRORS,
+    SESSION_SETUP,
     UNAVAILABLE_ERRORS,
     MySQLConnections,
     Op,
     aexecute,
+    errno_of,
     execute,
 )
 
-__all__ = ["MySQLTransactions", "completion_failed", "require_idle"]
+__all__ = [
+    "MySQLTransactions",
+    "checked_connection",
+    "completion_failed",
+    "opening_failed",
+    "session_restore",
+]
 
-#: The server's status flag for an open transaction (SERVER_STATUS_IN_TRANS).
-_IN_TRANS = 1
+#: Sets the next transaction's access mode, which the server refuses inside a
+#: transaction (ER_CANT_CHANGE_TX_CHARACTERISTICS): the check that a connection is idle.
+_IDLE_CHECK = "SET TRANSACTION READ WRITE"
+_IN_TRANSACTION = 1568
 
 
-def require_idle(conn: Any) -> None:
-    """ValueError unless ``conn`` is outside any transaction: MySQL's ``BEGIN`` would
-    silently commit what it holds."""
-    status = getattr(conn, "server_status", None)
-    if status is None:
-        raise TypeError(
-            f"a MySQL store's transaction takes a PyMySQL or asyncmy connection, "
-            f"not {type(conn).__name__}"
-        )
-    if status & _IN_TRANS:
-        raise ValueError("the connection is inside a transaction already; commit it first")
+def opening_failed(exc: BaseException, store: MySQLConnections) -> Exception:
+    """What the caller gets when the check or ``BEGIN`` failed: ValueError for a
+    connection inside a transaction (``BEGIN`` would silently commit what it holds),
+    else StoreUnavailableError."""
+    if errno_of(exc) == _IN_TRANSACTION:
+        return ValueError("the connection is inside a transaction already; commit it first")
+    return store._unavailable(exc)
+
+
+def checked_connection(conn: Any, asynchronous: bool) -> Any:
+    """``conn`` if it is a connection of the driver the store's transactions drive
+    (PyMySQL sync, asyncmy async), else TypeError."""
+    if asynchronous:
+        import asyncmy.connection  # the async driver: an extra of its own
+
+        expected: type[Any] = asyncmy.connection.Connection
+        wanted = "att.atransaction() takes an asyncmy connection (att.transaction(): PyMySQL)"
+    else:
+        expected = pymysql.connections.Connection
+        wanted = "att.transaction() takes a PyMySQL connection (att.atransaction(): asyncmy)"
+    if not isinstance(conn, expected):
+        kind = type(conn)
+        raise TypeError(f"a MySQL store's {wanted}, not {kind.__module__}.{kind.__qualname__}")
+    return conn
 
 
 def completion_failed(exc: BaseException) -> StoreUnavailableError:
@@ -45,6 +89,46 @@ def completion_failed(exc: BaseException) -> StoreUnavailableError:
         f"({type(exc).__name__}: {exc}); nothing was committed. A connection you pass "
         "must be to the store's database"
     )
+
+
+_MARIADB = re.compile(r"(\d+)\.(\d+)\.\d+-MariaDB")
+
+
+def session_restore(server_info: str, charset: str, database: str) -> tuple[str, ...]:
+    """The statements that put a pooled connection's session back as the pool made it
+    (the store's statements rely on it): the character set, the database, and, last,
+    ``sql_mode``, ``time_zone``, autocommit, the server's default isolation, access
+    mode, lock wait and safe-updates mode in one ``SET`` (which changes all or none)."""
+    mariadb = _MARIADB.search(server_info)
+    old_mariadb = mariadb is not None and (int(mariadb[1]), int(mariadb[2])) < (11, 1)
+    tx = "tx_" if old_mariadb else "transaction_"  # MariaDB before 11.1: tx_isolation
+    defaults = (f"{tx}isolation", f"{tx}read_only", "innodb_lock_wait_timeout", "sql_safe_updates")
+    reset = "".join(f", SESSION {name} = DEFAULT" for name in defaults)
+    quoted = database.replace("`", "``")
+    return (
+        f"SET NAMES {charset}",
+        f"USE `{quoted}`",
+        f"{SESSION_SETUP}, SESSION autocommit = 1{reset}",
+    )
+
+
+def _ops(*statements: str) -> Op:
+    """``statements`` in one round trip (one each on a connection without
+    ``MULTI_STATEMENTS``): the first error stops them and is raised."""
+    return Op(statements, [()] * len(statements), _nothing)
+
+
+def _commit(restore: tuple[str, ...]) -> Op:
+    """``COMMIT``, after the session's restore: a restore that fails stops before it
+    (nothing committed). Turning autocommit back on commits the transaction itself, if
+    the block had turned it off, with everything it wrote."""
+    return _ops(*restore, "COMMIT")
+
+
+def _rollback(restore: tuple[str, ...]) -> Op:
+    """``ROLLBACK``, then the session's restore (before it, ``autocommit = 1`` would
+    commit what the block wrote with autocommit off)."""
+    return _ops("ROLLBACK", *restore)
 
 
 def _runner(conn: Any) -> Transaction[Op]:
@@ -74,6 +158,20 @@ class MySQLTransactions(MySQLConnections):
     application's block runs between ``BEGIN`` and ``COMMIT`` on a pooled connection,
     or on the caller's (PyMySQL sync, asyncmy async)."""
 
+    def _restore(self, conn: Any, own: bool) -> tuple[str, ...]:
+        """What puts ``conn``'s session back after a block: only a pooled connection's."""
+        if not own:
+            return ()
+        kwargs = self._driver_kwargs()
+        return session_restore(conn.get_server_info(), kwargs["charset"], kwargs["database"])
+
+    @staticmethod
+    def _opening(own: bool) -> tuple[Op, ...]:
+        """``BEGIN``; on the application's connection, after asking the server that it is
+        idle (two round trips: the connection may not take several statements at once)."""
+        begin = _ops("BEGIN")
+        return (begin,) if own else (_ops(_IDLE_CHECK), begin)
+
     @contextmanager
     def completion_transaction(self, connection: Any = None) -> Iterator[Transaction[Op]]:
         own = connection is None
@@ -84,19 +182,29 @@ class MySQLTransactions(MySQLConnections):
             except UNAVAILABLE_ERRORS as exc:
                 raise self._unavailable(exc) from exc
         else:
-            require_idle(connection)
-            conn = connection
-        broken = own
+            conn = checked_connection(connection, asynchronous=False)
+        broken = own  # a pooled connection goes back only once its session is restored
         try:
-            conn.begin()
+            try:
+                for op in self._opening(own):
+                    execute(conn, op)
+            except DRIVER_ERRORS as exc:
+                raise opening_failed(exc, self) from exc
+            restore = self._restore(conn, own)
             try:
                 yield _runner(conn)
             except BaseException:
-                conn.rollback()
+                # A ROLLBACK that cannot be sent (the server dropped the connection,
+                # which rolls back) never hides the block's own exception.
+                with contextlib.suppress(*DRIVER_ERRORS):
+                    execute(conn, _rollback(restore))
+                    broken = False
                 raise
             try:
-                conn.commit()
+                execute(conn, _commit(restore))
             except DRIVER_ERRORS as exc:
+                with contextlib.suppress(*DRIVER_ERRORS):
+                    execute(conn, _rollback(()))
                 raise completion_failed(exc) from exc
             broken = False
         finally:
@@ -115,21 +223,33 @@ class MySQLTransactions(MySQLConnections):
             except UNAVAILABLE_ERRORS as exc:
                 raise self._unavailable(exc) from exc
         else:
-            require_idle(connection)
-            conn = connection
+            conn = checked_connection(connection, asynchronous=True)
         broken = own
         try:
-            await conn.begin()
+            try:
+                for op in self._opening(own):
+                    await aexecute(conn, op)
+            except DRIVER_ERRORS as exc:
+                raise opening_failed(exc, self) from exc
+            restore = self._restore(conn, own)
             try:
                 yield _arunner(conn)
             except BaseException:
-                await conn.rollback()
+                with contextlib.suppress(*DRIVER_ERRORS):
+                    await aexecute(conn, _rollback(restore))
+                    broken = False
                 raise
             try:
-                await conn.commit()
+                await aexecute(conn, _commit(restore))
             except DRIVER_ERRORS as exc:
+                with contextlib.suppress(*DRIVER_ERRORS):
+                    await aexecute(conn, _rollback(()))
                 raise completion_failed(exc) from exc
             broken = False
         finally:
             if own:
                 await self._agive(conn, broken)
+
+
+def _nothing(rowcount: int, row: Any) -> None:
+    return None
