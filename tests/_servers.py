@@ -763,6 +763,9 @@ class MySQLServer(_Server):
             "--auth-root-authentication-method=normal",
             "--skip-test-db",
             "--skip-name-resolve",
+            # Its bootstrap server's temporary tables go in the private dir, not in a
+            # shared /tmp (it failed there twice on a busy machine).
+            f"--tmpdir={base / 'tmp'}",
             *as_user,
         ]
         done = subprocess.run(

@@ -614,7 +614,7 @@ class Attempt:
 
     def transaction(self, connection: Any = None) -> contextlib.AbstractContextManager[Any]:
         """Complete inside the application's own database transaction (SQLite, PostgreSQL,
-        a SQLAlchemy ``Session``, the Django ORM).
+        MySQL/MariaDB, a SQLAlchemy ``Session``, the Django ORM).
 
         ::
 
@@ -626,15 +626,16 @@ class Attempt:
                     att.outcome = Outcome.json({"order": mid})
 
         Yields ``connection`` or, by default, a connection of the store's own:
-        with the SQLite and PostgreSQL stores a ``sqlite3`` connection to the
-        store's file or a psycopg connection to its database, not inside a
-        transaction; with ``SQLAlchemyStore`` a ``Session`` or ``Connection`` of
-        its engine; with a ``django://`` store, ``transaction.atomic(using=alias)``
-        on the thread's connection. On leaving the block the completion is written
-        in that transaction and committed with the block's writes: both or
-        neither. An exception, or a lost lease (:class:`LeaseLostError`), rolls
-        everything back and the attempt fails as usual. :class:`TypeError` for a
-        store outside the application's database (Redis, memory).
+        with the SQLite, PostgreSQL and MySQL stores a ``sqlite3`` connection to
+        the store's file, a psycopg connection or a PyMySQL connection to its
+        database, not inside a transaction; with ``SQLAlchemyStore`` a ``Session``
+        or ``Connection`` of its engine; with a ``django://`` store,
+        ``transaction.atomic(using=alias)`` on the thread's connection. On leaving
+        the block the completion is written in that transaction and committed
+        with the block's writes: both or neither. An exception, or a lost lease
+        (:class:`LeaseLostError`), rolls everything back and the attempt fails as
+        usual. :class:`TypeError` for a store outside the application's database
+        (Redis, memory).
         """
         from retrysafe._core.transactions import transaction
 

@@ -1,6 +1,6 @@
 """Transactional completion: the application's writes and the record's completion commit together.
 
-With a store that lives in the application's database (SQLite, PostgreSQL, the
+With a store that lives in the application's database (SQLite, PostgreSQL, MySQL, the
 SQLAlchemy and Django stores), :meth:`Attempt.transaction` runs the
 completion's compare-and-set ``UPDATE`` inside the transaction that holds the
 business writes. Either both commit or neither does: a crash between the

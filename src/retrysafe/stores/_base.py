@@ -151,7 +151,7 @@ class AsyncTransaction(Generic[OpT]):
 def _not_transactional(store: Store[Any]) -> TypeError:
     return TypeError(
         "transactional completion needs a store in the application's database "
-        f"(SQLite, PostgreSQL, SQLAlchemy or Django), not {type(store).__name__}"
+        f"(SQLite, PostgreSQL, MySQL, SQLAlchemy or Django), not {type(store).__name__}"
     )
 
 
