@@ -136,10 +136,13 @@ def test_bytes_times_and_too_long_values_need_no_session_settings(url: str) -> N
     replayed = engine.begin("body", operation="o")
     assert replayed is not None and replayed.record.outcome.body == BODY  # type: ignore[union-attr]
     assert abs(replayed.record.created_at - time.time()) < 60  # type: ignore[union-attr]
-    with engine.attempt("session", operation="o") as att, Session(db) as session:
-        with att.transaction(session):
-            session.add(Blob(name="session", data=BODY))
-            att.outcome = Outcome(body=BODY)
+    with (
+        engine.attempt("session", operation="o") as att,
+        Session(db) as session,
+        att.transaction(session),
+    ):
+        session.add(Blob(name="session", data=BODY))
+        att.outcome = Outcome(body=BODY)
     with Session(db) as session:
         assert session.query(Blob).filter_by(name="session").one().data == BODY
     native = open_store(url.replace("+pymysql", "", 1), **table)
@@ -155,10 +158,13 @@ def test_bytes_times_and_too_long_values_need_no_session_settings(url: str) -> N
         aengine = create_async_engine(url.replace("+pymysql", "+asyncmy", 1), **tz)
         astore = SQLAlchemyStore(aengine, **table)
         try:
-            async with Engine(astore).attempt("abody", operation="o") as att:
-                async with AsyncSession(aengine) as session, att.atransaction(session):
-                    session.add(Blob(name="async", data=BODY))
-                    att.outcome = Outcome(body=BODY)
+            async with (
+                Engine(astore).attempt("abody", operation="o") as att,
+                AsyncSession(aengine) as session,
+                att.atransaction(session),
+            ):
+                session.add(Blob(name="async", data=BODY))
+                att.outcome = Outcome(body=BODY)
             again = await Engine(astore).abegin("abody", operation="o")
             return again.record.outcome.body  # type: ignore[union-attr,no-any-return]
         finally:
