@@ -433,3 +433,28 @@ def marked(native_url: str) -> dict[str, Any]:
     seen["hook_after"] = (rows("k2"), sorted(r.status_name for r in Record.objects.all()))
     seen["logged"] = [m for m in logged if "stale" in m or "could not mark" in m]
     return seen
+
+
+def binary(native_url: str, name: str) -> dict[str, Any]:
+    """A 1 MiB answer of every byte value completed in ``att.transaction()`` (on Django's
+    own connection), read back through the native store; or the refusal of a Django
+    connection whose session the completion cannot run in."""
+    body = bytes(range(256)) * 4096
+    engine = Engine("django://default")
+    try:
+        with engine.attempt(name, operation="o") as att, att.transaction():
+            Order.objects.create(cart_mandate_id=name, user_id="u", total=1)
+            att.outcome = Outcome(body=body)
+    except Exception as exc:
+        refused = f"{type(exc).__name__}: {exc}"
+    else:
+        refused = ""
+    native = open_store(native_url)
+    record = native.get(key_hash("", "o", name))
+    assert record is not None
+    return {
+        "refused": refused,
+        "status": record.status.value,
+        "same": record.outcome is not None and record.outcome.body == body,
+        "rows": rows(name),
+    }

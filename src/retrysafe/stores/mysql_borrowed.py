@@ -11,9 +11,10 @@ checked instead:
   connection (one round trip in its lifetime), refused otherwise;
 * no ``NO_BACKSLASH_ESCAPES``: the drivers escape with backslashes;
 * bytes: PyMySQL sends them as ``X'…'`` and asyncmy as ``_binary'…'``, whatever the
-  connection's ``binary_prefix`` and character set; mysqlclient (Django's) follows
-  its connection's ``binary_prefix``, which the store sets while it runs a statement
-  (a client-side flag: nothing is sent);
+  connection's ``binary_prefix`` and character set; mysqlclient (Django's) sends a
+  quoted string unless its ``binary_prefix`` is set, which the store sets while it
+  runs a statement (a client-side flag: nothing is sent; the bytes arrive intact
+  either way, the prefix spares MySQL 8's invalid-string warning);
 * the time zone: every time is a ``DOUBLE`` of Unix seconds the store binds, so the
   session's ``time_zone`` changes nothing.
 """
@@ -37,9 +38,11 @@ MigrationFlow = Generator[tuple[str, Sequence[Any]], Sequence[Any] | None, None]
 def session_refusal(sql_mode: str | Sequence[str], where: str) -> StoreUnavailableError | None:
     """The error for a borrowed connection whose ``sql_mode`` the store's statements
     cannot run in, or None. Not transient: the application's configuration."""
-    modes = {m.strip().upper() for m in sql_mode.split(",")} if isinstance(sql_mode, str) else {
-        m.upper() for m in sql_mode
-    }
+    modes = (
+        {m.strip().upper() for m in sql_mode.split(",")}
+        if isinstance(sql_mode, str)
+        else {m.upper() for m in sql_mode}
+    )
     if not modes & _STRICT:
         why = "is not strict: a value too long for its column would be cut, not refused"
     elif "NO_BACKSLASH_ESCAPES" in modes:
