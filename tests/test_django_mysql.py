@@ -73,7 +73,8 @@ def test_migrate_creates_the_native_tables_and_plain_code_commits_together(
 ) -> None:
     """The native store's InnoDB tables and version; ``att.transaction()`` in plain code:
     commit together, replay, roll back together (outside and inside an outer atomic),
-    a stale worker's write rolled back; the CLI and the commands read the records."""
+    a stale worker's write rolled back; the CLI, the commands and the model read the
+    records."""
     tables = _tables(project)
     assert tables["retrysafe_records"] == "InnoDB" and tables["version"] == SCHEMA_VERSION
     assert "django_orm_app_order" in tables
@@ -101,6 +102,9 @@ def test_migrate_creates_the_native_tables_and_plain_code_commits_together(
     by_status = json.loads(cli.stdout)["by_status"]
     assert by_status.get("completed") == 3  # p1, p2 (retried), o1
     assert project.run("manage", "retrysafe_stats", "--json")["by_status"] == by_status
+    model = project.run("scenario", "records")  # the app's model reads MySQL's text columns
+    assert ["order", "completed", "order:p1:u", True] in model
+    assert len(model) == sum(by_status.values())
     assert project.run("manage", "retrysafe_sweep", "--json")["deleted"] == 0
 
 
