@@ -32,7 +32,7 @@ def mysql_connect_kwargs(alias: str) -> dict[str, Any]:
 def _mysql_errors() -> tuple[type[BaseException], ...]:
     """The drivers' errors, with mysqlclient's (Django's driver)."""
     try:
-        import MySQLdb
+        import MySQLdb  # type: ignore[import-untyped]  # (mysqlclient ships no types)
     except ImportError:  # pragma: no cover - Django's MySQL backend needs it
         return DRIVER_ERRORS
     return (*DRIVER_ERRORS, MySQLdb.MySQLError)

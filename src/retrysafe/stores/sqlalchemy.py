@@ -204,7 +204,8 @@ def _autocommit(conn: Connection) -> str | None:
             return "its sqlite3 driver has isolation_level=None and began no transaction"
         return None
     if conn.dialect.name in ("mysql", "mariadb"):
-        if fairy.driver_connection.get_autocommit():  # (read locally: the server's status)
+        mysql: Any = fairy.driver_connection
+        if mysql.get_autocommit():  # (read locally: the server's status)
             return "its MySQL driver has autocommit on"
         return None
     if getattr(fairy.dbapi_connection, "autocommit", False):
