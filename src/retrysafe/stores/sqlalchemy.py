@@ -53,6 +53,7 @@ __all__ = [
     "SessionTransactions",
     "acreate_tables",
     "create_tables",
+    "lending_engine",
     "sync_engine",
 ]
 
@@ -228,6 +229,24 @@ def _held_connections(session: Session) -> Iterable[Connection]:
     if held is None:
         held = [entry[0] for entry in transaction._connections.values()]
     return cast(Iterable[Connection], held)
+
+
+def lending_engine(engine: AnyEngine, dialect: str, name: str) -> Engine:
+    """The sync engine of ``engine``, checked for a server store (``dialect`` of
+    :func:`_dialect`, ``name`` for messages): TypeError for another dialect, ValueError
+    for a pool that shares one connection. The store could not borrow from such a pool
+    (it would lend the Session's own connection), and a pool of its own from the URL
+    alone would drop the engine's ``connect_args`` (search_path, sslmode, password)."""
+    sync = sync_engine(engine)
+    if _dialect(sync) != dialect:
+        raise TypeError(f"not a {name} engine: {sync.url!r}")
+    if _one_connection_pool(sync):
+        raise ValueError(
+            f"the SQLAlchemy {name} store needs an engine whose pool lends distinct "
+            f"connections, not a {type(sync.pool).__name__}: use the default QueuePool "
+            "(or NullPool)"
+        )
+    return sync
 
 
 def _borrowed_error(store: Any, exc: SQLAlchemyError) -> StoreUnavailableError:

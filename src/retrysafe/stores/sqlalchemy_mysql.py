@@ -28,8 +28,7 @@ from retrysafe.stores.sqlalchemy import (
     AnyEngine,
     SQLAlchemyStore,
     _borrowed_error,
-    _dialect,
-    _one_connection_pool,
+    lending_engine,
     sync_engine,
 )
 
@@ -75,15 +74,7 @@ class SQLAlchemyMySQLStore(SQLAlchemyStore, MySQLStore):
     """
 
     def __init__(self, engine: AnyEngine, **options: Any) -> None:
-        sync = sync_engine(engine)
-        if _dialect(sync) != "mysql":
-            raise TypeError(f"not a MySQL or MariaDB engine: {sync.url!r}")
-        if _one_connection_pool(sync):
-            raise ValueError(
-                f"the SQLAlchemy MySQL store needs an engine whose pool lends distinct "
-                f"connections, not a {type(sync.pool).__name__}: use the default QueuePool "
-                "(or NullPool)"
-            )
+        sync = lending_engine(engine, "mysql", "MySQL")
         url = sync.url.set(drivername="mysql", query={})
         charset = sync.url.query.get("charset")
         native = url.render_as_string(hide_password=False)
