@@ -53,7 +53,7 @@ class DjangoMySQLStore(DjangoStore, MySQLStore):  # type: ignore[misc]  # (its a
         from django.db import connections
 
         params = connections[using].get_connection_params()
-        if "connect_timeout" in params:  # (the URL's, if it gives one, was applied above)
+        if "connect_timeout" in params and "connect_timeout=" not in query:  # (the URL's wins)
             self.connect_timeout = float(params["connect_timeout"])
         self._connect_kwargs = kwargs = mysql_connect_kwargs(using)
         where = kwargs.get("unix_socket") or (
