@@ -67,3 +67,20 @@ def test_binary_answers_and_a_session_that_is_not_strict(project: Project) -> No
     seen = project.run("scenario", "binary", project.native_url, "lax", db_options=lax)
     assert seen["refused"].startswith("StoreUnavailableError: ") and "not strict" in seen["refused"]
     assert (seen["status"], seen["rows"]) == ("failed", 0)
+
+
+def test_the_stores_connections_take_the_aliass_address_not_its_session(
+    project: Project,
+) -> None:
+    """Host, port, user, database (and ``ssl``, ``connect_timeout``) come from the alias;
+    Django's own session settings (``init_command``, ``charset``, its converters) do not:
+    the store's connections run in the native store's session."""
+    options = {"connect_timeout": 7, "charset": "utf8", "init_command": "SET @x = 1"}
+    seen = project.run("scenario", "mysql_params", db_options=options)
+    assert seen["kwargs"] == ["database", "host", "port", "user"]
+    assert seen["timeout"] == 7.0 and seen["table"] == "retrysafe_records"
+    assert seen["repr"] == "<DjangoStore django://default mysql table=retrysafe_records>"
+    by_url = project.run(
+        "scenario", "mysql_params", "connect_timeout=3&table=idem", db_options=options
+    )
+    assert (by_url["timeout"], by_url["table"]) == (3.0, "idem")

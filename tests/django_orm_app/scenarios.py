@@ -463,3 +463,19 @@ def binary(native_url: str, name: str) -> dict[str, Any]:
         "same": record.outcome is not None and record.outcome.body == body,
         "rows": rows(name),
     }
+
+
+def mysql_params(query: str = "") -> dict[str, Any]:
+    """What the MySQL store's own connections take of the alias (and of its URL's query),
+    and that they connect."""
+    store: Any = open_store(f"django://default?{query}" if query else "django://default")
+    try:
+        assert store.get("00" * 32) is None  # (its own connection, migrated)
+        return {
+            "kwargs": sorted(store._connect_kwargs),
+            "timeout": store.connect_timeout,
+            "table": store.table,
+            "repr": repr(store),
+        }
+    finally:
+        store.close()
