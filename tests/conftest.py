@@ -111,6 +111,8 @@ SQLALCHEMY_STORES = [
     "sqlalchemy-postgres",
     "sqlalchemy-sqlite-async",
     "sqlalchemy-postgres-async",
+    "sqlalchemy-mysql",
+    "sqlalchemy-mysql-async",
 ]
 #: Room for the race tests' 64 threads (the default pool has 5 + 10 overflow).
 SQLALCHEMY_POOL = {"pool_size": 10, "max_overflow": 20, "pool_timeout": 60}
@@ -164,6 +166,11 @@ def make_spec(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> Stor
     if name.startswith("sqlalchemy-postgres"):
         server = request.getfixturevalue("postgres_server")
         url = server.url.replace("postgresql://", "postgresql+psycopg://", 1)
+        return StoreSpec(name, url, {"table": f"t_{tag}"}, engine_options=SQLALCHEMY_POOL)
+    if name.startswith("sqlalchemy-mysql"):
+        server = request.getfixturevalue("mysql_server")
+        driver = "mysql+asyncmy" if name.endswith("-async") else "mysql+pymysql"
+        url = server.url.replace("mysql://", f"{driver}://", 1)
         return StoreSpec(name, url, {"table": f"t_{tag}"}, engine_options=SQLALCHEMY_POOL)
     raise AssertionError(name)
 

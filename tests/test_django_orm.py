@@ -1,5 +1,6 @@
 """The Django app and store: records in Django's own database, completed in the view's
-transaction, on a SQLite file and on the real PostgreSQL server.
+transaction, on a SQLite file and on the real PostgreSQL server (and, the tests that
+tests/test_django_mysql.py imports, on a real MariaDB).
 
 Django's settings are process-wide (another test module configures them in this
 process), so every Django project here runs in processes of its own:
@@ -23,12 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import psycopg
+import pymysql
 import pytest
 
 from retrysafe import IdempotencyMap, Status, open_store
+from retrysafe.stores.mysql import SCHEMA_VERSION as MYSQL_VERSION
 from retrysafe.stores.sqlite import SCHEMA_VERSION
 
 RUN = Path(__file__).resolve().parent / "django_orm_app" / "run.py"
@@ -129,6 +133,26 @@ def project(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Project]
         conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
 
 
+def mysql_tables(url: str) -> dict[str, Any]:
+    """The tables of a ``mysql://user@host:port/db`` database (name: engine) and the
+    records' schema version (``version``)."""
+    parts = urlsplit(url)
+    database = parts.path.lstrip("/")
+    conn = pymysql.connect(
+        host=parts.hostname, port=parts.port, user=parts.username, database=database
+    )
+    try:
+        cur = conn.cursor()
+        query = "SELECT table_name, engine FROM information_schema.tables WHERE table_schema = %s"
+        cur.execute(query, (database,))
+        found: dict[str, Any] = dict(cur.fetchall())
+        cur.execute("SELECT MAX(version) FROM retrysafe_records_schema")
+        found["version"] = cur.fetchone()[0]  # type: ignore[index]
+        return found
+    finally:
+        conn.close()
+
+
 def _order(
     base: str, mandate: str, *, path: str = "/orders", user: str = "u", **headers: str
 ) -> Any:
@@ -157,6 +181,10 @@ def test_migrate_creates_the_native_table(project: Project) -> None:
         with sqlite3.connect(project.db) as conn:
             assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
             assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    elif project.vendor == "mysql":
+        tables = mysql_tables(project.db)
+        assert tables["retrysafe_records"] == "InnoDB" and tables["version"] == MYSQL_VERSION
+        assert "django_orm_app_order" in tables
     else:
         with psycopg.connect(project.db) as conn:
             tables = {r[0] for r in conn.execute("SELECT tablename FROM pg_tables")}
@@ -203,7 +231,7 @@ def test_transaction_in_plain_code(project: Project) -> None:
     outer = seen["outer"]
     # the completion commits with the outermost block; another connection sees it only then
     assert outer["committed"] == [1, "completed"]
-    if project.vendor == "postgresql":  # the claim committed on its own
+    if project.vendor != "sqlite":  # the claim committed on its own
         assert outer["inside"] == [1, "processing"]
         assert outer["rolled_back"] == [0, "processing"]  # retried once its lease runs out
     else:  # SQLite: the claim joined the outer block's transaction (one writer)

@@ -30,7 +30,9 @@ def store_spec(request: pytest.FixtureRequest, tmp_path: Path) -> StoreSpec:
     return make_spec(request.param, request, tmp_path)
 
 
-@pytest.fixture(params=[*SHARED_STORES, "sqlalchemy-sqlite", "sqlalchemy-postgres"])
+@pytest.fixture(
+    params=[*SHARED_STORES, "sqlalchemy-sqlite", "sqlalchemy-postgres", "sqlalchemy-mysql"]
+)
 def shared_spec(request: pytest.FixtureRequest, tmp_path: Path) -> StoreSpec:
     """The stores several processes share, the SQLAlchemy ones on a sync Engine too."""
     return make_spec(request.param, request, tmp_path)

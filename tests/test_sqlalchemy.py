@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ from retrysafe._model.record import Status
 from retrysafe.sqlalchemy import SQLAlchemyStore, acreate_tables, create_tables
 
 IMAP = IdempotencyMap.default()
-DATABASES = ["sqlite", "postgres"]
+DATABASES = ["sqlite", "postgres", "mysql"]
 
 
 def order_model(table: str) -> Any:
@@ -107,9 +108,10 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Db:
     if request.param == "sqlite":
         path = spec.url.split("///", 1)[1]
         async_url, native = f"sqlite+aiosqlite:///{path}", f"sqlite:///{path}"
-    else:
-        async_url = spec.url
-        native = spec.url.replace("+psycopg", "", 1) + f"?table={spec.options['table']}"
+    else:  # (PostgreSQL: psycopg for both; MySQL: PyMySQL, asyncmy)
+        async_url = spec.url.replace("+pymysql", "+asyncmy", 1)
+        native = spec.url.replace("+psycopg", "", 1).replace("+pymysql", "", 1)
+        native += f"?table={spec.options['table']}"
     d = Db(spec, async_url, native, f"orders_{uuid.uuid4().hex[:10]}")
     engine = d.engine()
     d.model().metadata.create_all(engine)
@@ -214,6 +216,8 @@ def _record(store: Store[Any], mandate: str, user: str) -> Any:
 def sync_store(db: Db) -> Any:
     engine = db.engine()
     store = db.store(engine)
+    if db.spec.name == "sqlalchemy-mysql":  # InnoDB: no table newer than a snapshot (1412)
+        store.migrate()
     yield store
     store.close()
     engine.dispose()
@@ -519,8 +523,10 @@ def test_create_tables_in_the_callers_transaction(db: Db) -> None:
         assert "retrysafe_records" not in names
     else:
         assert native is not None
-        with pytest.raises(StoreUnavailableError):  # no table: created by nothing
-            native.get("00" * 32)
+        with (
+            pytest.raises(StoreUnavailableError) if db.native_url[:5] == "postg" else nullcontext()
+        ):
+            native.get("00" * 32)  # PostgreSQL: no table; MySQL: its DDL commits at once
         native.close()
     version = create_tables(engine, **db.spec.options)  # the engine: committed
     store = open_store(db.native_url, **({} if db.sqlite else {"auto_migrate": False}))
@@ -594,7 +600,7 @@ def test_unsupported_drivers_and_dialects_are_refused() -> None:
     with pytest.raises(TypeError, match=r"postgresql\+psycopg://"):
         SQLAlchemyStore(create_async_engine("postgresql+asyncpg://u@localhost/db"))
     with pytest.raises(TypeError, match=r"sqlite:// .*postgresql"):
-        SQLAlchemyStore(sqlalchemy.create_engine("mysql+pymysql://u@h/db", module=sqlite3))
+        SQLAlchemyStore(sqlalchemy.create_engine("mssql+pymssql://u@h/db", module=sqlite3))
     with pytest.raises(TypeError, match="Engine or AsyncEngine"):
         SQLAlchemyStore("sqlite:///x.db")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="database file"):

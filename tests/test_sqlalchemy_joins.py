@@ -147,7 +147,9 @@ def test_a_postgres_engine_on_a_pool_of_one_connection_is_refused(pool: str) -> 
 def test_the_store_is_a_class_of_which_each_dialects_store_is_a_kind(
     db: Db,  # noqa: F811 (test_sqlalchemy's fixture)
 ) -> None:
-    kind = "SQLAlchemySQLiteStore" if db.sqlite else "SQLAlchemyPostgresStore"
+    kind = {"sqlite": "SQLAlchemySQLiteStore", "postgres": "SQLAlchemyPostgresStore"}.get(
+        db.spec.name.removeprefix("sqlalchemy-"), "SQLAlchemyMySQLStore"
+    )
     engine = db.engine()
     store = SQLAlchemyStore(engine, **db.spec.options)
     assert isinstance(store, SQLAlchemyStore) and type(store).__name__ == kind

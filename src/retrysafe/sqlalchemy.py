@@ -20,7 +20,8 @@ the application's ORM transaction.
         # committed: the order row and the completed record, together
 
 :class:`SQLAlchemyStore` takes an ``Engine`` or an ``AsyncEngine`` (SQLite through
-pysqlite or aiosqlite, PostgreSQL through psycopg 3) and borrows its connections
+pysqlite or aiosqlite, PostgreSQL through psycopg 3, MySQL and MariaDB through
+PyMySQL or asyncmy) and borrows its connections
 from the engine's pool. :func:`create_tables` creates the records' tables for
 applications (and Alembic migrations) that create their schema explicitly.
 See docs/sqlalchemy.md.

@@ -1,7 +1,7 @@
 """A Django process for tests/test_django_orm.py: ``python run.py COMMAND [ARGS]``.
 
-The database and options come from the environment: ``RS_DB`` (a SQLite path or a
-``postgresql://`` URL), ``RS_ATOMIC`` (``1``: ``ATOMIC_REQUESTS``), ``RS_OPTIONS``
+The database and options come from the environment: ``RS_DB`` (a SQLite path, a
+``postgresql://`` or a ``mysql://`` URL), ``RS_ATOMIC`` (``1``: ``ATOMIC_REQUESTS``), ``RS_OPTIONS``
 (JSON, merged into ``settings.RETRYSAFE``), ``RS_DB_OPTIONS`` (JSON, merged into the
 database's ``OPTIONS``: Django's ``pool``). Commands: ``migrate``, ``serve wsgi|asgi``
 (prints ``READY <port>`` once listening), ``scenario NAME [ARGS]`` (prints one JSON
@@ -22,11 +22,12 @@ sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent / "src")]
 
 
 def database(db: str) -> dict[str, Any]:
-    """Django's ``DATABASES["default"]`` for a SQLite path or a PostgreSQL URL."""
-    if db.startswith("postgresql://"):
+    """Django's ``DATABASES["default"]`` for a SQLite path, a PostgreSQL or a MySQL URL
+    (mysqlclient, on MySQL or MariaDB)."""
+    if db.startswith(("postgresql://", "mysql://")):
         url = urlsplit(db)
         return {
-            "ENGINE": "django.db.backends.postgresql",
+            "ENGINE": f"django.db.backends.{url.scheme}",
             "NAME": url.path.lstrip("/"),
             "USER": url.username or "",
             "HOST": url.hostname or "",

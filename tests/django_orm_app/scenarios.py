@@ -257,6 +257,11 @@ def statements(path: str) -> dict[str, Any]:
         return execute(sql, params, many, context)
 
     body = json.dumps({"cart_mandate_id": "st1", "user_id": "u", "total": 5})
+    # A new connection's own statements aside (MySQL: Django's session setup, and its
+    # sql_mode, which the store's completion checks once per connection)
+    connection.ensure_connection()
+    if connection.vendor == "mysql":
+        assert "STRICT_TRANS_TABLES" in connection.sql_mode
     with connection.execute_wrapper(wrap):
         answer = Client().post(
             path,
@@ -433,3 +438,44 @@ def marked(native_url: str) -> dict[str, Any]:
     seen["hook_after"] = (rows("k2"), sorted(r.status_name for r in Record.objects.all()))
     seen["logged"] = [m for m in logged if "stale" in m or "could not mark" in m]
     return seen
+
+
+def binary(native_url: str, name: str) -> dict[str, Any]:
+    """A 1 MiB answer of every byte value completed in ``att.transaction()`` (on Django's
+    own connection), read back through the native store; or the refusal of a Django
+    connection whose session the completion cannot run in."""
+    body = bytes(range(256)) * 4096
+    engine = Engine("django://default")
+    try:
+        with engine.attempt(name, operation="o") as att, att.transaction():
+            Order.objects.create(cart_mandate_id=name, user_id="u", total=1)
+            att.outcome = Outcome(body=body)
+    except Exception as exc:
+        refused = f"{type(exc).__name__}: {exc}"
+    else:
+        refused = ""
+    native = open_store(native_url)
+    record = native.get(key_hash("", "o", name))
+    assert record is not None
+    return {
+        "refused": refused,
+        "status": record.status.value,
+        "same": record.outcome is not None and record.outcome.body == body,
+        "rows": rows(name),
+    }
+
+
+def mysql_params(query: str = "") -> dict[str, Any]:
+    """What the MySQL store's own connections take of the alias (and of its URL's query),
+    and that they connect."""
+    store: Any = open_store(f"django://default?{query}" if query else "django://default")
+    try:
+        assert store.get("00" * 32) is None  # (its own connection, migrated)
+        return {
+            "kwargs": sorted(store._connect_kwargs),
+            "timeout": store.connect_timeout,
+            "table": store.table,
+            "repr": repr(store),
+        }
+    finally:
+        store.close()

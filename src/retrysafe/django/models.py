@@ -2,9 +2,11 @@
 
 The table is the native store's (``managed = False``: Django never creates,
 alters or drops it; the migration runs the native store's own migration). Its
-columns hold the native store's packed forms, so :meth:`Record.record` decodes a
-row through the store; ``operation``, ``status`` and the timestamps (seconds
-since the epoch) read as they are.
+columns hold the native store's forms, so :meth:`Record.record` decodes a row
+through the store; ``operation`` and the timestamps (seconds since the epoch) read
+as they are. ``key_hash`` and ``status`` are packed on SQLite and PostgreSQL (bytes,
+a code) and text on MySQL (hex, the status's name): :meth:`RecordRow.key_hex` and
+:attr:`RecordRow.status_name` read either.
 """
 
 from __future__ import annotations
@@ -36,12 +38,20 @@ class RecordRow:
     _state: Any
 
     def __str__(self) -> str:
-        return f"{self.operation or '(none)'} {self.status_name} {bytes(self.key_hash).hex()[:16]}"
+        return f"{self.operation or '(none)'} {self.status_name} {self.key_hex()[:16]}"
+
+    def key_hex(self) -> str:
+        """The record's key hash in hex (the column's bytes, or MySQL's text)."""
+        key_hash = self.key_hash
+        return key_hash if isinstance(key_hash, str) else bytes(key_hash).hex()
 
     @property
     def status_name(self) -> str:
         """``processing``, ``completed`` or ``failed``."""
-        return str(status_of(self.status).value)
+        status: Any = self.status
+        if isinstance(status, str):  # MySQL keeps the name
+            return status
+        return str(status_of(status).value)
 
     @property
     def created(self) -> datetime | None:
@@ -65,7 +75,7 @@ class RecordRow:
 
         store = DjangoStore(self._state.db or "default")
         try:
-            return store.get(bytes(self.key_hash).hex())
+            return store.get(self.key_hex())
         finally:
             store.close()
 

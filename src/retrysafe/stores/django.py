@@ -1,16 +1,17 @@
 """``django://alias``: records in a Django project's own database.
 
-:class:`DjangoStore` is the SQLite or PostgreSQL store, whichever the alias's
+:class:`DjangoStore` is the SQLite, PostgreSQL or MySQL store, whichever the alias's
 database is, with every statement, the table, its migration, sweeps, stats and
 the archive the native store's: the CLI pointed at the same database
-(``sqlite:///same.db``, ``postgresql://…``) reads and writes the same records.
+(``sqlite:///same.db``, ``postgresql://…``, ``mysql://…``) reads and writes the same
+records.
 
 Two kinds of connection:
 
 * the store's own operations (claims, failures, replays, sweeps) commit on their
   own, on connections the store opens from the alias's settings (never Django's
-  ``connections[alias]``, nor a connection of Django's pool): on PostgreSQL the
-  native store's bounded pool, on SQLite a connection per thread, closed when the
+  ``connections[alias]``, nor a connection of Django's pool): on PostgreSQL and
+  MySQL the native store's bounded pool, on SQLite a connection per thread, closed when the
   thread ends;
 * the completion of :meth:`Attempt.transaction` runs on the thread's own
   ``django.db.connections[alias]`` (the one the ORM writes through) inside
@@ -49,7 +50,7 @@ __all__ = [
 ]
 
 #: The Django database vendors a store can live in, and the native store of each.
-VENDORS = ("sqlite", "postgresql")
+VENDORS = ("sqlite", "postgresql", "mysql")
 
 
 def status_of(code: int) -> Status:
@@ -83,7 +84,8 @@ def vendor_of(alias: str) -> str:
 def _unsupported(alias: str, vendor: str) -> ValueError:
     return ValueError(
         f"django://{alias}: the database is {vendor}; the Django store keeps its records in "
-        "SQLite or PostgreSQL (with psycopg 3). Use another store (RETRYSAFE['store'], "
+        "SQLite, PostgreSQL (with psycopg 3) or MySQL/MariaDB. Use another store "
+        "(RETRYSAFE['store'], "
         "e.g. redis://) for this database"
     )
 
@@ -211,13 +213,14 @@ class ViewBlock:
 class DjangoStore:
     """The store of a Django database alias: ``DjangoStore(using="default")``.
 
-    It is a :class:`~retrysafe.stores.sqlite.SQLiteStore` or a
-    :class:`~retrysafe.stores.postgres.PostgresStore` (whichever the alias's
-    database is), connected from the alias's settings; keyword ``options`` go to that
-    store (``timeout``, ``synchronous``; ``table``, ``max_size``, ``auto_migrate``,
-    ``partitioned``, …), and ``query`` is that store's URL query
-    (``django://default?table=name`` gives ``table=name``). Opening it never
-    connects. Another vendor (MySQL, Oracle, …) is a ValueError.
+    It is a :class:`~retrysafe.stores.sqlite.SQLiteStore`, a
+    :class:`~retrysafe.stores.postgres.PostgresStore` or a
+    :class:`~retrysafe.stores.mysql.MySQLStore` (whichever the alias's database is:
+    MySQL and MariaDB are Django's ``mysql`` vendor), connected from the alias's
+    settings; keyword ``options`` go to that store (``timeout``, ``synchronous``;
+    ``table``, ``max_size``, ``auto_migrate``, ``partitioned``, …), and ``query`` is
+    that store's URL query (``django://default?table=name`` gives ``table=name``).
+    Opening it never connects. Another vendor (Oracle, …) is a ValueError.
 
     :meth:`completion_transaction` is ``transaction.atomic(using=alias)`` on the
     thread's connection: ``att.transaction()`` commits the record's completion
@@ -237,6 +240,10 @@ class DjangoStore:
                 from retrysafe.stores.django_postgres import DjangoPostgresStore
 
                 cls = DjangoPostgresStore
+            elif vendor == "mysql":  # MySQL and MariaDB (PyMySQL for the store's own)
+                from retrysafe.stores.django_mysql import DjangoMySQLStore
+
+                cls = DjangoMySQLStore
             else:
                 raise _unsupported(using, vendor)
         return object.__new__(cls)

@@ -1,9 +1,10 @@
 """Stores on a SQLAlchemy 2.x engine: the records in the application's own database.
 
 :class:`SQLAlchemyStore` is the store for the engine's dialect: SQLite (pysqlite,
-aiosqlite) or PostgreSQL (psycopg 3, sync or async). Each is the native store
-(:class:`~retrysafe.stores.sqlite.SQLiteStore`,
-:class:`~retrysafe.stores.postgres.PostgresStore`) with one change: it borrows its
+aiosqlite), PostgreSQL (psycopg 3, sync or async) or MySQL/MariaDB (PyMySQL, asyncmy).
+Each is the native store (:class:`~retrysafe.stores.sqlite.SQLiteStore`,
+:class:`~retrysafe.stores.postgres.PostgresStore`,
+:class:`~retrysafe.stores.mysql.MySQLStore`) with one change: it borrows its
 connections from the engine's pool, one per operation, and gives them back. Every
 statement, the migration, sweeps, stats and listings are the native ones, on the
 native tables, so ``retrysafe stats --store sqlite:///same.db`` (or
@@ -52,12 +53,18 @@ __all__ = [
     "SessionTransactions",
     "acreate_tables",
     "create_tables",
+    "lending_engine",
     "sync_engine",
 ]
 
 AnyEngine = Engine | AsyncEngine
 _SQLITE_DRIVERS = ("pysqlite", "aiosqlite")
-_SUPPORTED = "sqlite:// (pysqlite), sqlite+aiosqlite://, postgresql+psycopg:// (sync or async)"
+#: MySQL/MariaDB drivers: PyMySQL for an Engine, asyncmy for an AsyncEngine.
+_MYSQL_DRIVERS = ("pymysql", "asyncmy")
+_SUPPORTED = (
+    "sqlite:// (pysqlite), sqlite+aiosqlite://, postgresql+psycopg:// (sync or async), "
+    "mysql+pymysql:// or mariadb+pymysql://, mysql+asyncmy:// or mariadb+asyncmy://"
+)
 
 
 def sync_engine(engine: AnyEngine) -> Engine:
@@ -66,13 +73,22 @@ def sync_engine(engine: AnyEngine) -> Engine:
 
 
 def _dialect(engine: Engine) -> str:
-    """``"sqlite"`` or ``"postgresql"``; TypeError for any other dialect or driver."""
+    """``"sqlite"``, ``"postgresql"`` or ``"mysql"`` (MySQL or MariaDB); TypeError for any
+    other dialect or driver."""
     dialect = engine.dialect
     name, driver = dialect.name, dialect.driver
     if name == "sqlite" and driver in _SQLITE_DRIVERS:
         return name
     if name == "postgresql" and driver == "psycopg":
         return name
+    if name in ("mysql", "mariadb"):
+        if driver in _MYSQL_DRIVERS:
+            return "mysql"
+        raise TypeError(
+            f"the SQLAlchemy store on {name} needs the PyMySQL driver (asyncmy for an "
+            f"AsyncEngine), not {driver!r}: create the engine with a {name}+pymysql:// URL "
+            f"(create_engine) or a {name}+asyncmy:// URL (create_async_engine)"
+        )
     if name == "postgresql":
         raise TypeError(
             f"the SQLAlchemy store on PostgreSQL needs the psycopg 3 driver, not {driver!r}: "
@@ -188,6 +204,11 @@ def _autocommit(conn: Connection) -> str | None:
         if driver.isolation_level is None and not driver.in_transaction:
             return "its sqlite3 driver has isolation_level=None and began no transaction"
         return None
+    if conn.dialect.name in ("mysql", "mariadb"):
+        mysql: Any = fairy.driver_connection
+        if mysql.get_autocommit():  # (read locally: the server's status)
+            return "its MySQL driver has autocommit on"
+        return None
     if getattr(fairy.dbapi_connection, "autocommit", False):
         return "its psycopg driver has autocommit on"
     return None
@@ -208,6 +229,24 @@ def _held_connections(session: Session) -> Iterable[Connection]:
     if held is None:
         held = [entry[0] for entry in transaction._connections.values()]
     return cast(Iterable[Connection], held)
+
+
+def lending_engine(engine: AnyEngine, dialect: str, name: str) -> Engine:
+    """The sync engine of ``engine``, checked for a server store (``dialect`` of
+    :func:`_dialect`, ``name`` for messages): TypeError for another dialect, ValueError
+    for a pool that shares one connection. The store could not borrow from such a pool
+    (it would lend the Session's own connection), and a pool of its own from the URL
+    alone would drop the engine's ``connect_args`` (search_path, sslmode, password)."""
+    sync = sync_engine(engine)
+    if _dialect(sync) != dialect:
+        raise TypeError(f"not a {name} engine: {sync.url!r}")
+    if _one_connection_pool(sync):
+        raise ValueError(
+            f"the SQLAlchemy {name} store needs an engine whose pool lends distinct "
+            f"connections, not a {type(sync.pool).__name__}: use the default QueuePool "
+            "(or NullPool)"
+        )
+    return sync
 
 
 def _borrowed_error(store: Any, exc: SQLAlchemyError) -> StoreUnavailableError:
@@ -417,11 +456,13 @@ _SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
 class SQLAlchemyStore(SessionTransactions):
     """The store of a SQLAlchemy engine: ``SQLAlchemyStore(engine, **options)``.
 
-    It is a :class:`SQLAlchemySQLiteStore` or a
-    :class:`~retrysafe.stores.sqlalchemy_postgres.SQLAlchemyPostgresStore` (by the
-    engine's dialect), on the engine's own pool. ``engine`` is an :class:`Engine` or
-    an :class:`AsyncEngine`; ``options`` go to the native store (``timeout`` for
-    SQLite; ``table``, ``auto_migrate``, ``partitioned``… for PostgreSQL). An
+    It is a :class:`SQLAlchemySQLiteStore`, a
+    :class:`~retrysafe.stores.sqlalchemy_postgres.SQLAlchemyPostgresStore` or a
+    :class:`~retrysafe.stores.sqlalchemy_mysql.SQLAlchemyMySQLStore` (by the engine's
+    dialect), on the engine's own pool. ``engine`` is an :class:`Engine` or an
+    :class:`AsyncEngine`; ``options`` go to the native store (``timeout`` for SQLite;
+    ``table``, ``auto_migrate``, ``partitioned``… for PostgreSQL; ``table``,
+    ``auto_migrate`` for MySQL). An
     unsupported dialect or driver raises :class:`TypeError` naming the supported ones.
     """
 
@@ -434,12 +475,7 @@ class SQLAlchemyStore(SessionTransactions):
             sync = sync_engine(engine)
             if isinstance(engine, Engine) and sync.dialect.is_async:
                 raise TypeError("an engine with an async driver: pass the AsyncEngine itself")
-            if _dialect(sync) == "sqlite":
-                cls = SQLAlchemySQLiteStore
-            else:
-                from retrysafe.stores.sqlalchemy_postgres import SQLAlchemyPostgresStore
-
-                cls = SQLAlchemyPostgresStore
+            cls = _store_class(_dialect(sync))
         return object.__new__(cls)
 
 
@@ -579,6 +615,19 @@ class SQLAlchemySQLiteStore(SQLAlchemyStore, SQLiteStore):
         return int(view.execute("PRAGMA user_version").fetchone()[0])
 
 
+def _store_class(dialect: str) -> type[Any]:
+    """The store class of a dialect of :func:`_dialect` (each imports its own driver)."""
+    if dialect == "sqlite":
+        return SQLAlchemySQLiteStore
+    if dialect == "mysql":
+        from retrysafe.stores.sqlalchemy_mysql import SQLAlchemyMySQLStore
+
+        return SQLAlchemyMySQLStore
+    from retrysafe.stores.sqlalchemy_postgres import SQLAlchemyPostgresStore
+
+    return SQLAlchemyPostgresStore
+
+
 # -- create_tables ---------------------------------------------------------------------------
 
 
@@ -596,11 +645,7 @@ def create_tables(bind: Engine | Connection, **options: Any) -> int:
             return create_tables(conn, **options)
     if not isinstance(bind, Connection):
         raise TypeError(f"expected a SQLAlchemy Engine or Connection, not {type(bind).__name__}")
-    if _dialect(bind.engine) == "sqlite":
-        return SQLAlchemySQLiteStore(bind.engine, **options).create_on(bind)
-    from retrysafe.stores.sqlalchemy_postgres import SQLAlchemyPostgresStore
-
-    return SQLAlchemyPostgresStore(bind.engine, **options).create_on(bind)
+    return int(_store_class(_dialect(bind.engine))(bind.engine, **options).create_on(bind))
 
 
 async def acreate_tables(bind: AsyncEngine | AsyncConnection, **options: Any) -> int:

@@ -16,13 +16,7 @@ from sqlalchemy.engine import Connection
 from retrysafe.stores.postgres import PostgresStore
 from retrysafe.stores.postgres.connection import UNAVAILABLE_ERRORS
 from retrysafe.stores.postgres.transactions import completion_failed
-from retrysafe.stores.sqlalchemy import (
-    AnyEngine,
-    SQLAlchemyStore,
-    _dialect,
-    _one_connection_pool,
-    sync_engine,
-)
+from retrysafe.stores.sqlalchemy import AnyEngine, SQLAlchemyStore, lending_engine, sync_engine
 
 __all__ = ["SQLAlchemyPostgresStore"]
 
@@ -64,18 +58,7 @@ class SQLAlchemyPostgresStore(SQLAlchemyStore, PostgresStore):
     """
 
     def __init__(self, engine: AnyEngine, **options: Any) -> None:
-        sync = sync_engine(engine)
-        if _dialect(sync) != "postgresql":
-            raise TypeError(f"not a PostgreSQL engine: {sync.url!r}")
-        if _one_connection_pool(sync):
-            # the store could not borrow from it (it would lend the Session's own
-            # connection), and a pool of its own from the URL alone would drop the
-            # engine's connect_args (search_path, sslmode, password): refused
-            raise ValueError(
-                f"the SQLAlchemy PostgreSQL store needs an engine whose pool lends distinct "
-                f"connections, not a {type(sync.pool).__name__}: use the default QueuePool "
-                "(or NullPool)"
-            )
+        sync = lending_engine(engine, "postgresql", "PostgreSQL")
         libpq = sync.url.set(drivername="postgresql").render_as_string(hide_password=False)
         super().__init__(libpq, **options)
         self._on_engine(engine)

@@ -1,11 +1,12 @@
 """The records table: the native store's own migration, run on the database migrated.
 
 SQLite gets the SQLite store's tables and ``PRAGMA user_version``, PostgreSQL the
-PostgreSQL store's table and its schema version table, exactly as
-``retrysafe migrate --store …`` would create them, so the native statements and
-the CLI work on them. Another database vendor stops ``migrate`` with an error
-(keep it out with a database router's ``allow_migrate``). Not atomic: the native
-migration is its own transaction. Reversing it keeps the records (drop the
+PostgreSQL store's table and its schema version table, MySQL and MariaDB the MySQL
+store's InnoDB tables and theirs, exactly as ``retrysafe migrate --store …`` would
+create them, so the native statements and the CLI work on them. Another database
+vendor stops ``migrate`` with an error (keep it out with a database router's
+``allow_migrate``). Not atomic: the native migration is its own transaction (MySQL
+commits each DDL statement by itself). Reversing it keeps the records (drop the
 tables by hand).
 """
 
