@@ -27,6 +27,7 @@ from urllib.parse import unquote, urlsplit
 
 import pymysql
 import pytest
+from _mysql_children import open_and_claim
 from _mysql_wire import COM_QUERY, COM_QUIT, CommandCounter
 from _servers import MySQLServer, free_port
 from conftest import POOL_WAIT, StoreSpec
@@ -232,3 +233,122 @@ def test_takeover_races_a_stale_completion(isolation_server: MySQLServer) -> Non
     finally:
         store.close()
     assert sum(outcomes.values()) == 6, outcomes
+
+
+# -- URLs, a server that is down, the schema -------------------------------------------
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    """A loopback port that takes connections into its backlog and never answers."""
+    sock = socket.create_server(("127.0.0.1", 0), backlog=64)
+    sock.setblocking(False)
+    yield sock
+    sock.close()
+
+
+def test_bad_urls_are_refused_before_connecting(listener: socket.socket) -> None:
+    port = listener.getsockname()[1]
+    base = f"mysql://u:s3cret@127.0.0.1:{port}"
+    bad = [
+        f"{base}/db?bogus=1",  # unknown option
+        f"{base}/db?table=x&tabel=y",
+        base,  # no database
+        f"{base}/",
+        f"{base}/a/b",
+        "mysql://u:s3cret@127.0.0.1:99999/db",  # bad port
+        "mysql://u:s3cret@127.0.0.1:port/db",
+        f"{base}/db?table=bad-name",  # bad table name
+        f"{base}/db?table=a.b.c",
+        f"{base}/db?table=x%3BDROP%20TABLE%20y",
+        f"{base}/db?table=" + "x" * 49,
+        f"{base}/db?max_size=0",
+        f"{base}/db?connect_timeout=soon",
+        f"{base}/db?auto_migrate=maybe",
+    ]
+    for url in bad:
+        for opener in (open_store, MySQLStore):
+            with pytest.raises(ValueError) as err:
+                opener(url)
+            assert "s3cret" not in str(err.value), err.value
+    for table in ("1; DROP TABLE t", "t`", "db.t.u", ""):
+        with pytest.raises(ValueError):
+            MySQLStore(f"{base}/db", table=table)
+    with pytest.raises(BlockingIOError):
+        listener.accept()  # nobody connected
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("down", ["refused", "silent"])
+def test_a_server_that_is_down(listener: socket.socket, mode: str, down: str) -> None:
+    """Nothing listens (refused), or a server takes the connection and never greets
+    (a hung server, a full backlog): StoreUnavailableError within connect_timeout."""
+    port = free_port() if down == "refused" else listener.getsockname()[1]
+    store = open_store(f"mysql://u:s3cret@127.0.0.1:{port}/db?connect_timeout=1")
+    engine = Engine(store)
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailableError) as err:
+        if mode == "sync":
+            engine.begin("k", operation=OP)
+        else:
+            asyncio.run(asyncio.wait_for(engine.abegin("k", operation=OP), 30))
+    assert time.monotonic() - started < 1 + 1.5  # the timeout, and scheduling slack
+    assert err.value.code == "idempotency_store_unavailable"
+    assert "s3cret" not in str(err.value) and f"127.0.0.1:{port}/db" in str(err.value)
+    store.close()
+
+
+def test_connect_timeout_bounds_connecting_only(mysql_server: MySQLServer) -> None:
+    """Statements on an open connection wait as long as the server takes."""
+    store = MySQLStore(mysql_server.url, table=f"t_{uuid.uuid4().hex[:12]}", connect_timeout=0.2)
+    with store.completion_transaction() as tx, tx.connection.cursor() as cur:
+        cur.execute("SELECT SLEEP(0.6), 7")
+        assert cur.fetchone()[1] == 7
+    store.close()
+
+
+def test_processes_migrate_a_fresh_table_at_once(mysql_server: MySQLServer) -> None:
+    """Six processes open a table that does not exist yet and claim one key at the same
+    moment: one set of tables, at version 1, and one claim."""
+    table = f"t_{uuid.uuid4().hex[:12]}"
+    processes = 6
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(processes), ctx.Queue()
+    procs = [
+        ctx.Process(target=open_and_claim, args=(mysql_server.url, table, barrier, queue))
+        for _ in range(processes)
+    ]
+    for p in procs:
+        p.start()
+    answers = sorted(queue.get(timeout=90) for _ in procs)
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert answers == ["claim"] + ["in progress"] * (processes - 1), answers
+    assert rows(mysql_server, f"SELECT version FROM `{table}_schema`") == [(SCHEMA_VERSION,)]
+    tables = rows(
+        mysql_server,
+        "SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE()"
+        " AND table_name LIKE %s ORDER BY table_name",
+        f"{table}%",
+    )
+    suffixes = ["", "_archive", "_schema", "_state"]
+    assert [t[0] for t in tables] == [table + s for s in suffixes]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_newer_schema_is_refused(mysql_server: MySQLServer, mode: str) -> None:
+    table = f"t_{uuid.uuid4().hex[:12]}"
+    assert MySQLStore(mysql_server.url, table=table).migrate() == SCHEMA_VERSION
+    rows(mysql_server, f"INSERT INTO `{table}_schema` VALUES ({SCHEMA_VERSION + 1}, 0)")
+    store = MySQLStore(mysql_server.url, table=table)
+    engine = Engine(store)
+    with pytest.raises(SchemaVersionError, match="newer"):
+        if mode == "sync":
+            engine.begin("k", operation=OP)
+        else:
+            asyncio.run(engine.abegin("k", operation=OP))
+    with pytest.raises(SchemaVersionError):
+        store.migrate()
+    assert rows(mysql_server, f"SELECT COUNT(*) FROM `{table}`") == [(0,)]  # nothing written
+    store.close()

@@ -335,6 +335,16 @@ class _SyncPool:
             _close(conn)
 
 
+def _connect(kwargs: dict[str, Any], timeout: float) -> Any:
+    """A PyMySQL connection whose greeting, login and session setup each get ``timeout``
+    (PyMySQL bounds only the TCP connect: a server that takes the connection and never
+    greets, hung or with a full backlog, would hold the caller forever). Its statements
+    then wait as long as the server takes (a lock wait may be long)."""
+    conn = pymysql.connect(**kwargs, read_timeout=timeout, write_timeout=timeout)
+    conn._read_timeout = conn._write_timeout = None  # PyMySQL applies them per read/write
+    return conn
+
+
 def _close(conn: Any) -> None:
     # Closing a connection the server dropped may fail: it is gone either way.
     with contextlib.suppress(Exception):
@@ -436,9 +446,8 @@ class MySQLConnections:
                 pool = self._pool
                 if pool is None:
                     kwargs = self._driver_kwargs()
-                    pool = _SyncPool(
-                        lambda: pymysql.connect(**kwargs), self.max_size, self.connect_timeout
-                    )
+                    timeout = self.connect_timeout
+                    pool = _SyncPool(lambda: _connect(kwargs, timeout), self.max_size, timeout)
                     self._pool = pool
         return pool
 
@@ -449,8 +458,13 @@ class MySQLConnections:
             import asyncmy  # the async driver: an extra of its own
 
             kwargs = self._driver_kwargs()
+            timeout = self.connect_timeout
+            # The whole connection, its greeting and login included, in connect_timeout:
+            # asyncmy bounds only the TCP connect.
             pool = _AsyncPool(
-                lambda: asyncmy.connect(**kwargs), self.max_size, self.connect_timeout
+                lambda: asyncio.wait_for(asyncmy.connect(**kwargs), timeout),
+                self.max_size,
+                timeout,
             )
             self._apools[loop] = pool
         return pool
