@@ -352,3 +352,73 @@ def test_a_newer_schema_is_refused(mysql_server: MySQLServer, mode: str) -> None
         store.migrate()
     assert rows(mysql_server, f"SELECT COUNT(*) FROM `{table}`") == [(0,)]  # nothing written
     store.close()
+
+
+# -- bodies and texts ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_large_and_binary_bodies_round_trip(mysql_server: MySQLServer, mode: str) -> None:
+    """A body as large as the server's ``max_allowed_packet`` lets one statement carry,
+    a body of every byte value, and a binary request payload come back byte for byte.
+
+    PyMySQL sends bytes as hexadecimal (``X'…'``, two bytes a byte), asyncmy escaped
+    (``_binary'…'``): what both carry is half the packet, less room for the rest of
+    the statement (1 MiB here: the request payload and the other columns)."""
+    ((packet,),) = rows(mysql_server, "SELECT @@max_allowed_packet")
+    size = min(int(packet) // 2 - MiB, 32 * MiB)
+    assert size >= 4 * MiB, packet
+    big = os.urandom(size)
+    every = bytes(range(256)) * 4096  # 1 MiB; NUL, quotes, backslashes, 0x1a, ...
+    store = _spec(mysql_server).open()
+    engine = Engine(store, max_body=size)
+    loop = asyncio.new_event_loop() if mode == "async" else None
+
+    def call(name: str, *args: Any, **kwargs: Any) -> Any:
+        if loop is None:
+            return getattr(engine, name)(*args, **kwargs)
+        return loop.run_until_complete(getattr(engine, "a" + name)(*args, **kwargs))
+
+    try:
+        for key, body in (("big", big), ("every", every)):
+            claim = call("begin", key, operation=OP, request_payload=every)
+            assert isinstance(claim, Claim)
+            call("complete", claim, Outcome(body, media_type="application/octet-stream"))
+            replay = call("begin", key, operation=OP)
+            assert isinstance(replay, Replay) and replay.outcome.body == body
+            record = store.get(claim.key_hash)
+            assert record is not None and record.request_payload == every
+    finally:
+        if loop is not None:
+            loop.run_until_complete(store.aclose())
+            loop.close()
+        store.close()
+
+
+def test_non_ascii_texts_round_trip(mysql_server: MySQLServer) -> None:
+    """Keys, scopes, operations, fingerprints, metadata and answers outside ASCII (four-
+    byte UTF-8 too) come back as they were, and keys that differ only in case or accent
+    are different keys (the columns compare byte for byte)."""
+    store = _spec(mysql_server).open()
+    engine = Engine(store)
+    operation = "opération-支払い-💳"
+    metadata = {"note": "naïve ☃ 𝄞 😀", "€": ["ß", "ǅ"]}
+    claim = engine.begin(
+        "k", operation=operation, scope="tenant-ü", fingerprint="fp-Ω", metadata=metadata
+    )
+    assert isinstance(claim, Claim)
+    engine.complete(claim, Outcome.json({"answer": "ok ✓ 🚀"}))
+    record = store.get(claim.key_hash)
+    assert record is not None
+    assert (record.operation, record.scope, record.fingerprint) == (operation, "tenant-ü", "fp-Ω")
+    assert record.metadata == metadata and record.outcome is not None
+    assert record.outcome.value == {"answer": "ok ✓ 🚀"}
+    # The store keeps whatever key it is given (the engine takes printable ASCII).
+    for key in ("ключ-🔑-鍵", "Ключ-🔑-鍵", "клЮч-🔑-鍵", "cafe", "café", "cafe\u0301"):
+        copy = record.copy()
+        copy.key, copy.key_hash, copy.token = key, uuid.uuid4().hex * 2, uuid.uuid4().hex
+        copy.status, copy.outcome = Status.PROCESSING, None
+        assert store.claim(copy).claimed
+        found = store.get(copy.key_hash)
+        assert found is not None and found.key == key and found.metadata == metadata
+    store.close()

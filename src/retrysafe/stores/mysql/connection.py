@@ -435,7 +435,9 @@ class MySQLConnections:
             "connect_timeout": self.connect_timeout,
             "client_flag": CLIENT.MULTI_STATEMENTS | CLIENT.FOUND_ROWS,
             "init_command": SESSION_SETUP,
-            # Bytes go as _binary'…' literals: never read in the connection's charset.
+            # asyncmy sends bytes as _binary'…' literals, never read in the connection's
+            # charset; PyMySQL (which ignores this) always sends them as X'…' hex, twice
+            # their size: a sync store's statement carries half as many bytes.
             "binary_prefix": True,
         }
 
