@@ -8,7 +8,7 @@ from typing import Any
 from retrysafe import Claim, Engine, InProgressError
 from retrysafe.stores.mysql import MySQLStore
 
-__all__ = ["open_and_claim"]
+__all__ = ["open_and_claim", "use_after_fork"]
 
 
 def open_and_claim(url: str, table: str, barrier: Any, queue: Any) -> None:
@@ -24,3 +24,28 @@ def open_and_claim(url: str, table: str, barrier: Any, queue: Any) -> None:
     except Exception as exc:  # reported to the test, which fails on it
         queue.put(f"{type(exc).__name__}: {exc}")
     store.close()
+
+
+def use_after_fork(store: Any, queue: Any) -> None:
+    """In a forked child: claim and complete key ``child`` on ``store``, the parent's
+    (sync), then key ``child-async`` (async); put "ok" or the error on ``queue``."""
+    import asyncio
+
+    from retrysafe import Outcome
+
+    try:
+        engine = Engine(store)
+        claim = engine.begin("child", operation="op")
+        assert isinstance(claim, Claim), claim
+        engine.complete(claim, Outcome.json("child"))
+
+        async def use() -> None:
+            claim = await engine.abegin("child-async", operation="op")
+            assert isinstance(claim, Claim), claim
+            await engine.acomplete(claim, Outcome.json("child"))
+            await store.aclose()
+
+        asyncio.run(use())
+        queue.put("ok")
+    except BaseException as exc:  # reported to the test, which fails on it
+        queue.put(f"{type(exc).__name__}: {exc}")

@@ -27,7 +27,7 @@ from urllib.parse import unquote, urlsplit
 
 import pymysql
 import pytest
-from _mysql_children import open_and_claim
+from _mysql_children import open_and_claim, use_after_fork
 from _mysql_wire import COM_QUERY, COM_QUIT, CommandCounter
 from _servers import MySQLServer, free_port
 from conftest import POOL_WAIT, StoreSpec
@@ -422,3 +422,128 @@ def test_non_ascii_texts_round_trip(mysql_server: MySQLServer) -> None:
         found = store.get(copy.key_hash)
         assert found is not None and found.key == key and found.metadata == metadata
     store.close()
+
+
+# -- pooled connections: a restart, a cancelled claim, a fork --------------------------
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("how", ["restart", "kill"])
+def test_stale_pooled_connections_after_a_restart(
+    own_server: MySQLServer, mode: str, how: str
+) -> None:
+    """Three idle pooled connections, then the server restarts (or is SIGKILLed and
+    started): the next calls work, on fresh connections, none reported as an outage."""
+    store = _spec(own_server, max_size=3).open()
+    engine = Engine(store)
+    loop = asyncio.new_event_loop() if mode == "async" else None
+
+    def claim_all(keys: list[str]) -> list[Any]:
+        if loop is None:
+            with ThreadPoolExecutor(len(keys)) as pool:
+                return list(pool.map(lambda k: engine.begin(k, operation=OP), keys))
+
+        async def claim() -> list[Any]:
+            return list(await asyncio.gather(*(engine.abegin(k, operation=OP) for k in keys)))
+
+        return loop.run_until_complete(claim())
+
+    try:
+        assert all(isinstance(c, Claim) for c in claim_all(["a", "b", "c"]))
+        if how == "restart":
+            own_server.restart()
+        else:
+            own_server.kill()
+            own_server.start()
+        for keys in (["d"], ["e", "f", "g"]):  # one, then the whole pool at once
+            assert all(isinstance(c, Claim) for c in claim_all(keys))
+        with pytest.raises(InProgressError):  # what was written before is still there
+            engine.begin("a", operation=OP)
+    finally:
+        if loop is not None:
+            loop.run_until_complete(store.aclose())
+            loop.close()
+        store.close()
+
+
+async def test_a_cancelled_claim_leaves_the_pool_usable(mysql_server: MySQLServer) -> None:
+    """A claim cancelled while the server runs it (it waits on a row lock): its
+    connection is not given back mid-statement (the pool's only one here: the next
+    call works at once, with its own answer), and the key keeps its owner."""
+    spec = _spec(mysql_server, max_size=1)
+    table = spec.options["table"]
+    store = spec.open()
+    engine = Engine(store, lease=60)
+    first = await engine.abegin("k", operation=OP)
+    assert isinstance(first, Claim)
+    blocker = admin(mysql_server)
+    try:
+        with blocker.cursor() as cur:
+            cur.execute("BEGIN")
+            cur.execute(f"SELECT 1 FROM `{table}` WHERE key_hash = %s FOR UPDATE", (first.key_hash,))
+        task = asyncio.create_task(Engine(store).abegin("k", operation=OP))
+        # The claim's statement runs on the server: it waits for the blocker's lock.
+        waiting = (
+            "SELECT COUNT(*) FROM information_schema.processlist"
+            " WHERE command = 'Query' AND info LIKE %s"
+        )
+        deadline = time.monotonic() + 30
+        while rows(mysql_server, waiting, f"INSERT INTO `{table}`%") != [(1,)]:
+            assert time.monotonic() < deadline, "the claim never waited on the lock"
+            await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # While the cancelled statement still waits on the server: another key.
+        other = await asyncio.wait_for(engine.abegin("other", operation=OP), 10)
+        assert isinstance(other, Claim) and other.key == "other"
+    finally:
+        blocker.rollback()
+        blocker.close()
+    record = await store.aget(first.key_hash)
+    assert record is not None and record.status is Status.PROCESSING
+    assert record.token == first.token
+    await engine.acomplete(first, Outcome.json("one"))
+    replay = await engine.abegin("k", operation=OP)
+    assert isinstance(replay, Replay) and replay.outcome.value == "one"
+    await store.aclose()
+
+
+def test_a_store_used_before_fork_works_in_the_child(
+    wire: CommandCounter, mysql_server: MySQLServer
+) -> None:
+    """The child of a ``fork()`` gets pools of its own: it connects anew, and never
+    uses, nor ends, the parent's connection (no command from the child on it, no
+    ``COM_QUIT``); the parent goes on on the same connection."""
+    store = MySQLStore(wire.url(mysql_server.url), table=f"t_{uuid.uuid4().hex[:12]}", max_size=1)
+    engine = Engine(store)
+    loop = asyncio.new_event_loop()
+    try:
+        claim = engine.begin("parent", operation=OP)
+        assert isinstance(claim, Claim)
+        engine.complete(claim, Outcome.json("parent"))
+        loop.run_until_complete(engine.abegin("parent-async", operation=OP))
+        assert len(wire.links) == 2  # the sync pool's connection, the loop's
+        before = [len(link.commands) for link in wire.links]
+        ctx = mp.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=use_after_fork, args=(store, queue))
+        child.start()
+        assert queue.get(timeout=60) == "ok"
+        child.join(30)
+        assert child.exitcode == 0
+        assert [len(link.commands) for link in wire.links[:2]] == before  # untouched
+        assert len(wire.links) == 4  # the child's own two
+        replay = engine.begin("child", operation=OP)
+        assert isinstance(replay, Replay) and replay.outcome.value == "child"
+        done = loop.run_until_complete(engine.abegin("child-async", operation=OP))
+        assert isinstance(done, Replay)
+        assert len(wire.links) == 4, "the parent had to reconnect"
+        parents = wire.links[:2]
+        assert [len(link.commands) for link in parents] == [n + 1 for n in before]
+        assert not any(link.closed for link in parents)
+        assert not any(c[0] == COM_QUIT for link in parents for c in link.commands)
+    finally:
+        loop.run_until_complete(store.aclose())
+        loop.close()
+        store.close()
