@@ -25,12 +25,25 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+import httpx
 import pymysql
 import pytest
+from _hangup import CALLER
+from _http_apps import Counter
 from _mysql_children import open_and_claim, use_after_fork
 from _mysql_wire import COM_QUERY, COM_QUIT, CommandCounter
 from _servers import MySQLServer, free_port
 from conftest import POOL_WAIT, StoreSpec
+from test_cli import Serving
+from test_cli_ops import (  # noqa: F401 (test_cli_ops' tests, collected again on MySQL)
+    output,
+    populate,
+    run,
+    test_inspect_json,
+    test_list_filters_and_json,
+    test_stats,
+    test_sweep_then_archive_list,
+)
 
 # The race suite, collected again in this module, on the READ COMMITTED server.
 from test_races import test_processes_race, test_tasks_race, test_threads_race  # noqa: F401
@@ -547,3 +560,60 @@ def test_a_store_used_before_fork_works_in_the_child(
         loop.run_until_complete(store.aclose())
         loop.close()
         store.close()
+
+
+# -- the CLI on MySQL ----------------------------------------------------------------
+
+
+@pytest.fixture
+def url(mysql_server: MySQLServer) -> str:
+    """test_cli_ops' store (its tests below run on it), in a fresh MariaDB table."""
+    return populate(f"{mysql_server.url}?table=t_{uuid.uuid4().hex[:12]}")
+
+
+def test_cli_migrate(mysql_server: MySQLServer, capsys: Any) -> None:
+    table = f"t_{uuid.uuid4().hex[:12]}"
+    url = f"{mysql_server.url}?table={table}"
+    for _ in range(2):  # creates, then finds the tables at the version
+        out = output(capsys, "migrate", "--store", url)
+        assert out.strip().endswith(f"schema at version {SCHEMA_VERSION}"), out
+    assert rows(mysql_server, f"SELECT version FROM `{table}_schema`") == [(SCHEMA_VERSION,)]
+
+
+def test_cli_on_a_server_that_is_down(tmp_path: Path) -> None:
+    down = f"mysql://u:s3cret@127.0.0.1:{free_port()}/db?connect_timeout=1"
+    for command in ("migrate", "sweep", "stats", "list"):
+        result = run(command, "--store", down, cwd=tmp_path)
+        assert result.returncode == 2, (command, result.stdout, result.stderr)
+        err = result.stderr.strip()
+        assert err.startswith(f"retrysafe {command}: error: MySQL store at 127.0.0.1:"), err
+        assert "unavailable" in err and len(err.splitlines()) == 1, err
+        assert "Traceback" not in err and "s3cret" not in err
+
+
+def test_cli_gateway_on_mysql(
+    mysql_server: MySQLServer, upstream: str, counter: Counter, tmp_path: Path
+) -> None:
+    """``retrysafe gateway --store mysql://…`` in front of the test API: a keyed POST
+    runs once, its retries are replayed."""
+    store = f"{mysql_server.url}?table=t_{uuid.uuid4().hex[:12]}"
+    gw = Serving(
+        "gateway", "--upstream", upstream, "--listen", "127.0.0.1:0", "--store", store, cwd=tmp_path
+    )
+    try:
+        address = gw.read_until("listening on").split()[-1]
+        assert "mysql://retrysafe@127.0.0.1" in gw.read_until("store")
+        gw.ready(address)
+        test_id = uuid.uuid4().hex
+        headers = {"Idempotency-Key": f"gw-{test_id}", "X-Test-Id": test_id, **CALLER}
+        answers = [
+            httpx.post(address + "/orders", json={"n": 1}, headers=headers, timeout=30)
+            for _ in range(3)
+        ]
+        assert [r.status_code for r in answers] == [201] * 3
+        assert [r.headers.get("idempotent-replayed") for r in answers] == [None, "true", "true"]
+        assert {r.content for r in answers} == {answers[0].content}
+        assert counter.count(test_id) == 1
+        gw.interrupt()
+    finally:
+        gw.kill()
