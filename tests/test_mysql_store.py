@@ -201,19 +201,17 @@ def test_takeover_races_a_stale_completion(isolation_server: MySQLServer) -> Non
             late = Engine(store, lease=10, clock=lambda: T0 + 11)
             barrier = threading.Barrier(racers + 1)
 
-            def take(i: int, key: str = key, late: Engine = late) -> Any:
+            def take(i: int, key: str = key, late: Engine = late, barrier: Any = barrier) -> Any:
                 barrier.wait()
                 try:
                     return late.begin(key, operation=OP)
                 except InProgressError as exc:
                     return exc
 
-            def finish(first: Claim = first) -> bool:
+            def finish(first: Claim = first, barrier: Any = barrier) -> bool:
                 barrier.wait()
                 try:
-                    Engine(store, lease=10, clock=lambda: T0).complete(
-                        first, Outcome.json("first")
-                    )
+                    Engine(store, lease=10, clock=lambda: T0).complete(first, Outcome.json("first"))
                 except LeaseLostError:
                     return False
                 return True
@@ -493,7 +491,9 @@ async def test_a_cancelled_claim_leaves_the_pool_usable(mysql_server: MySQLServe
     try:
         with blocker.cursor() as cur:
             cur.execute("BEGIN")
-            cur.execute(f"SELECT 1 FROM `{table}` WHERE key_hash = %s FOR UPDATE", (first.key_hash,))
+            cur.execute(
+                f"SELECT 1 FROM `{table}` WHERE key_hash = %s FOR UPDATE", (first.key_hash,)
+            )
         task = asyncio.create_task(Engine(store).abegin("k", operation=OP))
         # The claim's statement runs on the server: it waits for the blocker's lock.
         waiting = (

@@ -186,7 +186,8 @@ class MySQLStore(MySQLTransactions, MySQLMaintenance, Store[Op]):
             "applied_at DOUBLE NOT NULL) ENGINE=InnoDB"
         )
         self._q_set_version = (
-            f"INSERT INTO {names.versions} (version, applied_at) VALUES (%s, UNIX_TIMESTAMP(NOW(6)))"
+            f"INSERT INTO {names.versions} (version, applied_at) "
+            "VALUES (%s, UNIX_TIMESTAMP(NOW(6)))"
         )
         self._schema = schema_statements(names)
         self._build_maintenance_sql(names)
