@@ -33,7 +33,7 @@ from _http_apps import Counter
 from _mysql_children import open_and_claim, use_after_fork
 from _mysql_wire import COM_QUERY, COM_QUIT, CommandCounter
 from _servers import MySQLServer, free_port
-from conftest import POOL_WAIT, StoreSpec
+from conftest import POOL_WAIT, Api, StoreSpec
 from test_cli import Serving
 from test_cli_ops import (  # noqa: F401 (test_cli_ops' tests, collected again on MySQL)
     output,
@@ -145,38 +145,28 @@ def test_one_round_trip_per_claim_completion_and_replay(
     table = f"t_{uuid.uuid4().hex[:12]}"
     store = MySQLStore(wire.url(mysql_server.url), table=table, max_size=1)
     now = [T0]
-    engine = Engine(store, lease=10, clock=lambda: now[0])
-    loop = asyncio.new_event_loop() if mode == "async" else None
-
-    def call(name: str, *args: Any, **kwargs: Any) -> Any:
-        if loop is None:
-            return lambda: getattr(engine, name)(*args, **kwargs)
-        method = getattr(engine, "a" + name)
-        return lambda: loop.run_until_complete(method(*args, **kwargs))
-
+    api = Api(Engine(store, lease=10, clock=lambda: now[0]), mode)
     try:
-        call("begin", "warm-up", operation=OP)()  # connects and creates the tables
-        claim, sent = _count(wire, call("begin", "k", operation=OP))
+        api.begin("warm-up", operation=OP)  # connects and creates the tables
+        claim, sent = _count(wire, lambda: api.begin("k", operation=OP))
         assert isinstance(claim, Claim) and len(sent) == 1, sent
         assert sent[0][0] == COM_QUERY and b"INSERT" in sent[0] and b"SELECT" in sent[0]
-        _, sent = _count(wire, call("complete", claim, Outcome.json("done")))
+        _, sent = _count(wire, lambda: api.complete(claim, Outcome.json("done")))
         assert len(sent) == 1 and sent[0].startswith(bytes([COM_QUERY]) + b"UPDATE"), sent
-        replay, sent = _count(wire, call("begin", "k", operation=OP))
+        replay, sent = _count(wire, lambda: api.begin("k", operation=OP))
         assert isinstance(replay, Replay) and replay.outcome.value == "done"
         assert len(sent) == 1, sent
-        failing, _ = _count(wire, call("begin", "f", operation=OP))
-        _, sent = _count(wire, call("fail", failing, Outcome.json("no")))
+        failing, _ = _count(wire, lambda: api.begin("f", operation=OP))
+        _, sent = _count(wire, lambda: api.fail(failing, Outcome.json("no")))
         assert len(sent) == 1, sent
-        held, _ = _count(wire, call("begin", "lease", operation=OP))
+        held, _ = _count(wire, lambda: api.begin("lease", operation=OP))
         assert isinstance(held, Claim)
         now[0] += 11  # the lease ran out
-        took, sent = _count(wire, call("begin", "lease", operation=OP))
+        took, sent = _count(wire, lambda: api.begin("lease", operation=OP))
         assert isinstance(took, Claim) and took.took_over is Status.PROCESSING
         assert len(sent) == 2 and sent[1].startswith(bytes([COM_QUERY]) + b"UPDATE"), sent
     finally:
-        if loop is not None:
-            loop.run_until_complete(store.aclose())
-            loop.close()
+        api.close()
         store.close()
 
 
@@ -382,27 +372,18 @@ def test_large_and_binary_bodies_round_trip(mysql_server: MySQLServer, mode: str
     big = os.urandom(size)
     every = bytes(range(256)) * 4096  # 1 MiB; NUL, quotes, backslashes, 0x1a, ...
     store = _spec(mysql_server).open()
-    engine = Engine(store, max_body=size)
-    loop = asyncio.new_event_loop() if mode == "async" else None
-
-    def call(name: str, *args: Any, **kwargs: Any) -> Any:
-        if loop is None:
-            return getattr(engine, name)(*args, **kwargs)
-        return loop.run_until_complete(getattr(engine, "a" + name)(*args, **kwargs))
-
+    api = Api(Engine(store, max_body=size), mode)
     try:
         for key, body in (("big", big), ("every", every)):
-            claim = call("begin", key, operation=OP, request_payload=every)
+            claim = api.begin(key, operation=OP, request_payload=every)
             assert isinstance(claim, Claim)
-            call("complete", claim, Outcome(body, media_type="application/octet-stream"))
-            replay = call("begin", key, operation=OP)
+            api.complete(claim, Outcome(body, media_type="application/octet-stream"))
+            replay = api.begin(key, operation=OP)
             assert isinstance(replay, Replay) and replay.outcome.body == body
             record = store.get(claim.key_hash)
             assert record is not None and record.request_payload == every
     finally:
-        if loop is not None:
-            loop.run_until_complete(store.aclose())
-            loop.close()
+        api.close()
         store.close()
 
 
@@ -447,17 +428,17 @@ def test_stale_pooled_connections_after_a_restart(
     started): the next calls work, on fresh connections, none reported as an outage."""
     store = _spec(own_server, max_size=3).open()
     engine = Engine(store)
-    loop = asyncio.new_event_loop() if mode == "async" else None
+    api = Api(engine, mode)
 
     def claim_all(keys: list[str]) -> list[Any]:
-        if loop is None:
+        if api.loop is None:
             with ThreadPoolExecutor(len(keys)) as pool:
                 return list(pool.map(lambda k: engine.begin(k, operation=OP), keys))
 
         async def claim() -> list[Any]:
             return list(await asyncio.gather(*(engine.abegin(k, operation=OP) for k in keys)))
 
-        return loop.run_until_complete(claim())
+        return api.loop.run_until_complete(claim())
 
     try:
         assert all(isinstance(c, Claim) for c in claim_all(["a", "b", "c"]))
@@ -471,9 +452,7 @@ def test_stale_pooled_connections_after_a_restart(
         with pytest.raises(InProgressError):  # what was written before is still there
             engine.begin("a", operation=OP)
     finally:
-        if loop is not None:
-            loop.run_until_complete(store.aclose())
-            loop.close()
+        api.close()
         store.close()
 
 
