@@ -596,3 +596,90 @@ def test_cli_gateway_on_mysql(
         gw.interrupt()
     finally:
         gw.kill()
+
+
+def _block(server: MySQLServer, table: str, key_hash: str) -> Any:
+    """A connection whose open transaction holds ``key_hash``'s row lock."""
+    blocker = admin(server)
+    with blocker.cursor() as cur:
+        cur.execute("BEGIN")
+        cur.execute(f"SELECT 1 FROM `{table}` WHERE key_hash = %s FOR UPDATE", (key_hash,))
+    return blocker
+
+
+def _on_the_server(server: MySQLServer, statement: str) -> bool:
+    """Whether a statement that starts so runs on ``server`` (waits on a lock, here)."""
+    running = rows(
+        server,
+        "SELECT COUNT(*) FROM information_schema.processlist"
+        " WHERE command = 'Query' AND info LIKE %s",
+        statement + "%",
+    )
+    return running == [(1,)]
+
+
+def test_close_while_a_call_is_in_flight(mysql_server: MySQLServer) -> None:
+    """``close()`` while a completion waits on the server (on a row lock): the completion
+    lands, and the store goes on working with the pool's size (max_size=1 here: one
+    call at a time, however often it was closed)."""
+    spec = _spec(mysql_server, max_size=1)
+    store = spec.open()
+    engine = Engine(store)
+    claim = engine.begin("k", operation=OP)
+    assert isinstance(claim, Claim)
+    blocker = _block(mysql_server, spec.options["table"], claim.key_hash)
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(engine.complete, claim, Outcome.json("done"))
+        deadline = time.monotonic() + 30
+        while not _on_the_server(mysql_server, f"UPDATE `{spec.options['table']}`"):
+            assert time.monotonic() < deadline, "the completion never reached the server"
+            time.sleep(0.02)
+        store.close()
+        blocker.rollback()
+        blocker.close()
+        done.result(timeout=30)
+    for i in range(3):
+        assert isinstance(engine.begin(f"after-{i}", operation=OP), Claim)
+    replay = engine.begin("k", operation=OP)
+    assert isinstance(replay, Replay) and replay.outcome.value == "done"
+    store.close()
+
+
+async def test_aclose_while_a_call_is_in_flight(mysql_server: MySQLServer) -> None:
+    """:func:`test_close_while_a_call_is_in_flight` with ``aclose()``: afterwards the
+    pool still lends one connection at a time (a second call waits for the first)."""
+    spec = _spec(mysql_server, max_size=1, connect_timeout=0.5)
+    table = spec.options["table"]
+    store = spec.open()
+    engine = Engine(store)
+    claim = await engine.abegin("k", operation=OP)
+    assert isinstance(claim, Claim)
+    blocker = _block(mysql_server, table, claim.key_hash)
+    try:
+        done = asyncio.create_task(engine.acomplete(claim, Outcome.json("done")))
+        deadline = time.monotonic() + 30
+        while not _on_the_server(mysql_server, f"UPDATE `{table}`"):
+            assert time.monotonic() < deadline, "the completion never reached the server"
+            await asyncio.sleep(0.02)
+        await store.aclose()
+    finally:
+        blocker.rollback()
+        blocker.close()
+    await asyncio.wait_for(done, 30)
+    # One connection at a time still: while one call waits on the lock, a second one
+    # gets none within connect_timeout.
+    blocker = _block(mysql_server, table, claim.key_hash)
+    try:
+        held = asyncio.create_task(engine.abegin("k", operation=OP))
+        deadline = time.monotonic() + 30
+        while not _on_the_server(mysql_server, f"INSERT INTO `{table}`"):
+            assert time.monotonic() < deadline, "the claim never reached the server"
+            await asyncio.sleep(0.02)
+        with pytest.raises(StoreUnavailableError, match="pooled connections busy"):
+            await engine.abegin("other", operation=OP)
+    finally:
+        blocker.rollback()
+        blocker.close()
+    replay = await asyncio.wait_for(held, 30)
+    assert isinstance(replay, Replay) and replay.outcome.value == "done"
+    await store.aclose()

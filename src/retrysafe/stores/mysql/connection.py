@@ -293,7 +293,11 @@ def _idle_broken(conn: Any) -> bool:
 
 
 class _SyncPool:
-    """At most ``size`` PyMySQL connections; a caller waits ``timeout`` for one."""
+    """At most ``size`` PyMySQL connections; a caller waits ``timeout`` for one.
+
+    A pool lives as long as its store: :meth:`close` closes the idle connections, and
+    those lent meanwhile as they come back, until the next :meth:`take` reopens it.
+    """
 
     def __init__(self, connect: Callable[[], Any], size: int, timeout: float) -> None:
         self._connect = connect
@@ -301,10 +305,12 @@ class _SyncPool:
         self._idle: list[Any] = []
         self._free = threading.BoundedSemaphore(size)
         self._lock = threading.Lock()
+        self._closed = False
 
     def take(self) -> Any:
         if not self._free.acquire(timeout=self._timeout):
             raise TimeoutError(f"no pooled connection within {self._timeout:g}s")
+        self._closed = False
         try:
             while True:
                 with self._lock:
@@ -320,7 +326,7 @@ class _SyncPool:
 
     def give(self, conn: Any, broken: bool) -> None:
         try:
-            if broken:
+            if broken or self._closed:
                 _close(conn)
             else:
                 with self._lock:
@@ -331,6 +337,7 @@ class _SyncPool:
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
+            self._closed = True
         for conn in idle:
             _close(conn)
 
@@ -359,12 +366,14 @@ class _AsyncPool:
         self._timeout = timeout
         self._idle: list[Any] = []
         self._free = asyncio.Semaphore(size)
+        self._closed = False
 
     async def take(self) -> Any:
         try:
             await asyncio.wait_for(self._free.acquire(), self._timeout)
         except TimeoutError:
             raise TimeoutError(f"no pooled connection within {self._timeout:g}s") from None
+        self._closed = False
         try:
             while self._idle:
                 conn = self._idle.pop()
@@ -377,7 +386,7 @@ class _AsyncPool:
             raise
 
     def give(self, conn: Any, broken: bool) -> None:
-        if broken:
+        if broken or self._closed:
             conn.close()  # asyncmy's close() drops the transport: nothing to await
         else:
             self._idle.append(conn)
@@ -385,6 +394,7 @@ class _AsyncPool:
 
     def close(self) -> None:
         idle, self._idle = self._idle, []
+        self._closed = True
         for conn in idle:
             conn.close()
 
@@ -545,17 +555,19 @@ class MySQLConnections:
             raise self._unavailable(exc) from exc
 
     def close(self) -> None:
-        """Close the idle connections of the sync pool; reopens on use."""
-        with self._pool_lock:
-            pool, self._pool = self._pool, None
+        """Close the idle connections of the sync pool, and those in use as they come
+        back; reopens on use. (The pool itself stays: a call under way gives its
+        connection back to the pool it took it from.)"""
+        pool = self._pool
         if pool is not None:
             pool.close()
         for loop in [loop for loop in self._apools if loop.is_closed()]:
             self._apools.pop(loop, None)
 
     async def aclose(self) -> None:
-        """Close the running loop's idle connections and the sync pool's; reopens on use."""
-        pool = self._apools.pop(asyncio.get_running_loop(), None)
+        """Close the running loop's idle connections and the sync pool's (see
+        :meth:`close`); reopens on use."""
+        pool = self._apools.get(asyncio.get_running_loop())
         if pool is not None:
             pool.close()
         self.close()
