@@ -110,9 +110,9 @@ def test_store_killed_and_restarted(
     the restart every key is answered 201, each ran exactly once, and every answer
     given before the kill replays byte for byte (Redis with appendfsync always,
     PostgreSQL with its defaults, MariaDB with an fsync of InnoDB's redo log per
-    commit). The lease (8 s) outlasts the outage, so every
-    completion that failed while the store was down is sent again until it lands
-    (``settle_retry``): no answer goes unrecorded, so none may run twice.
+    commit). The lease (8 s) outlasts the outage, so every completion that failed
+    while the store was down is sent again until it lands (``settle_retry``): no
+    answer goes unrecorded, so none may run twice.
     """
     name = request.node.callspec.params["crashable"]
     url = crashable.url + _NAMESPACE[name].format("kill")
@@ -193,12 +193,11 @@ def test_connections_cut(name: str, request: pytest.FixtureRequest, tmp_path: Pa
     Redis: ``CLIENT KILL TYPE normal``; PostgreSQL: ``pg_terminate_backend`` of
     every client backend; MariaDB: ``KILL CONNECTION`` of every other session of
     the store's user, from a session of its own; each every 0.2 s while the load
-    runs. What clients see:
-    201, or for a request whose store call was on a cut connection 503
-    ``idempotency_store_unavailable`` with ``Retry-After`` (never a 500), or 409
-    while a claim whose answer was lost holds its lease; in the end every key is
-    answered, ran exactly once (a completion on a cut connection is sent again on
-    a new one, so none goes unrecorded), and replays.
+    runs. What clients see: 201, or for a request whose store call was on a cut
+    connection 503 ``idempotency_store_unavailable`` with ``Retry-After`` (never
+    a 500), or 409 while a claim whose answer was lost holds its lease; in the end
+    every key is answered, ran exactly once (a completion on a cut connection is
+    sent again on a new one, so none goes unrecorded), and replays.
     """
     server = request.getfixturevalue(f"{name}_server")
     tag = uuid.uuid4().hex[:8]
