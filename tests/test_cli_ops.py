@@ -45,9 +45,12 @@ def output(capsys: Any, *argv: str, status: int = 0) -> str:
 
 @pytest.fixture
 def url(tmp_path: Path) -> str:
-    """A store with, as of now: 3 live completed payments, 1 live processing order
-    (claimed 10 minutes ago), 4 expired standard and 2 expired financial records."""
-    url = f"sqlite:///{tmp_path}/ops.db"
+    return populate(f"sqlite:///{tmp_path}/ops.db")
+
+
+def populate(url: str) -> str:
+    """``url``'s store, with, as of now: 3 live completed payments, 1 live processing
+    order (claimed 10 minutes ago), 4 expired standard and 2 expired financial records."""
     store = open_store(url)
     now = time.time()
 
@@ -194,6 +197,7 @@ def test_errors_are_one_line(tmp_path: Path, url: str) -> None:
         ("sweep", "--store", url, "--batch-size", "0"),
         ("sweep", "--store", f"sqlite:///{tmp_path}/nodir/x.db"),
         ("archive", "list", "--store", "postgresql://u:s3cret@127.0.0.1:1/db"),
+        ("stats", "--store", "mysql://u:s3cret@127.0.0.1:1/db"),
         (
             "stats",
             "--store",

@@ -1,6 +1,6 @@
 """A store that goes away: StoreUnavailableError, nothing half-written, and back to work.
 
-Redis and PostgreSQL are really stopped and started again on the same port;
+Redis, PostgreSQL and MariaDB are really stopped and started again on the same port;
 SQLite is made unavailable by another process's exclusive lock and by a file
 that is not a database.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _servers import PostgresServer, RedisServer
+from _servers import MySQLServer, PostgresServer, RedisServer
 
 from retrysafe import (
     Claim,
@@ -31,10 +31,14 @@ from retrysafe import (
 from retrysafe.stores.sqlite import SQLiteStore
 
 
-@pytest.fixture(params=["redis", "postgres"])
+@pytest.fixture(params=["redis", "postgres", "mysql"])
 def server(request: pytest.FixtureRequest) -> Iterator[Any]:
-    srv = RedisServer(durable=True) if request.param == "redis" else PostgresServer()
-    with srv:
+    servers = {
+        "redis": lambda: RedisServer(durable=True),
+        "postgres": PostgresServer,
+        "mysql": lambda: MySQLServer(durable=True),
+    }
+    with servers[request.param]() as srv:
         yield srv
 
 
@@ -94,6 +98,7 @@ def test_opening_never_connects() -> None:
     for url in (
         f"redis://:s3cret@127.0.0.1:{port}/0",
         f"postgresql://u:s3cret@127.0.0.1:{port}/db",
+        f"mysql://u:s3cret@127.0.0.1:{port}/db",
     ):
         store = open_store(url)  # must not raise
         with pytest.raises(StoreUnavailableError) as err:

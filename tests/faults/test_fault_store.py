@@ -18,8 +18,10 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import psycopg
+import pymysql
 import pytest
 import redis
 from _faults import (
@@ -36,6 +38,7 @@ from _faults import (
     wait_for,
     work_server,
 )
+from _servers import MySQLServer
 
 LEASE = 2.0
 
@@ -79,15 +82,26 @@ def _503s_since(load: Load, t: float) -> int:
     return sum(a.status == 503 and a.sent >= t for a in load.snapshot())
 
 
+#: The query each store's URL takes to give the test a namespace of its own.
+_NAMESPACE = {"redis": "?prefix={}:", "postgres": "?table={}", "mysql": "?table={}"}
+
+
 @pytest.fixture
 def crashable(request: pytest.FixtureRequest) -> Iterator[Any]:
-    server = CrashableRedis(durable=True) if request.param == "redis" else CrashablePostgres()
-    with server:
+    servers = {
+        "redis": lambda: CrashableRedis(durable=True),
+        "postgres": CrashablePostgres,
+        # MySQLServer.kill() SIGKILLs mariadbd; durable: an fsync of the redo log per commit.
+        "mysql": lambda: MySQLServer(durable=True),
+    }
+    with servers[request.param]() as server:
         yield server
 
 
-@pytest.mark.parametrize("crashable", ["redis", "postgres"], indirect=True)
-def test_store_killed_and_restarted(crashable: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("crashable", ["redis", "postgres", "mysql"], indirect=True)
+def test_store_killed_and_restarted(
+    crashable: Any, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     """The store server SIGKILLed under load, then started again on its data.
 
     What clients see: while it is down, 503 ``idempotency_store_unavailable``
@@ -95,12 +109,13 @@ def test_store_killed_and_restarted(crashable: Any, tmp_path: Path) -> None:
     the kill answers 409 ``idempotency_in_flight`` until its lease runs out; after
     the restart every key is answered 201, each ran exactly once, and every answer
     given before the kill replays byte for byte (Redis with appendfsync always,
-    PostgreSQL with its defaults). The lease (8 s) outlasts the outage, so every
-    completion that failed while the store was down is sent again until it lands
-    (``settle_retry``): no answer goes unrecorded, so none may run twice.
+    PostgreSQL with its defaults, MariaDB with an fsync of InnoDB's redo log per
+    commit). The lease (8 s) outlasts the outage, so every completion that failed
+    while the store was down is sent again until it lands (``settle_retry``): no
+    answer goes unrecorded, so none may run twice.
     """
-    name = "redis" if isinstance(crashable, CrashableRedis) else "postgres"
-    url = crashable.url + ("?prefix=kill:" if name == "redis" else "?table=kill")
+    name = request.node.callspec.params["crashable"]
+    url = crashable.url + _NAMESPACE[name].format("kill")
 
     def fault(load: Load) -> None:
         crashable.kill()
@@ -136,22 +151,58 @@ def _cut_postgres(url: str, request: pytest.FixtureRequest) -> Callable[[], int]
     return cut
 
 
-@pytest.mark.parametrize("name", ["redis", "postgres"])
+def _cut_mysql(url: str, request: pytest.FixtureRequest) -> Callable[[], int]:
+    parts = urlsplit(url)
+    admin = pymysql.connect(
+        host=parts.hostname,
+        port=parts.port or 3306,
+        user=unquote(parts.username or ""),
+        database=parts.path.lstrip("/"),
+        autocommit=True,
+    )
+    request.addfinalizer(admin.close)
+    sessions = (
+        "SELECT id FROM information_schema.processlist WHERE id <> CONNECTION_ID()"
+        " AND user = SUBSTRING_INDEX(CURRENT_USER(), '@', 1) AND command <> 'Daemon'"
+    )
+
+    def cut() -> int:
+        killed = 0
+        with admin.cursor() as cur:
+            cur.execute(sessions)
+            for (session,) in cur.fetchall():
+                try:
+                    cur.execute("KILL CONNECTION %s", (int(session),))
+                except pymysql.err.OperationalError as exc:
+                    if exc.args[0] != 1094:  # unknown thread id: it ended meanwhile
+                        raise
+                else:
+                    killed += 1
+        return killed
+
+    return cut
+
+
+_CUT = {"redis": _cut_redis, "postgres": _cut_postgres, "mysql": _cut_mysql}
+
+
+@pytest.mark.parametrize("name", ["redis", "postgres", "mysql"])
 def test_connections_cut(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """Every client connection to the store cut, again and again, under load.
 
     Redis: ``CLIENT KILL TYPE normal``; PostgreSQL: ``pg_terminate_backend`` of
-    every client backend, each every 0.2 s while the load runs. What clients see:
-    201, or for a request whose store call was on a cut connection 503
-    ``idempotency_store_unavailable`` with ``Retry-After`` (never a 500), or 409
-    while a claim whose answer was lost holds its lease; in the end every key is
-    answered, ran exactly once (a completion on a cut connection is sent again on
-    a new one, so none goes unrecorded), and replays.
+    every client backend; MariaDB: ``KILL CONNECTION`` of every other session of
+    the store's user, from a session of its own; each every 0.2 s while the load
+    runs. What clients see: 201, or for a request whose store call was on a cut
+    connection 503 ``idempotency_store_unavailable`` with ``Retry-After`` (never
+    a 500), or 409 while a claim whose answer was lost holds its lease; in the end
+    every key is answered, ran exactly once (a completion on a cut connection is
+    sent again on a new one, so none goes unrecorded), and replays.
     """
     server = request.getfixturevalue(f"{name}_server")
     tag = uuid.uuid4().hex[:8]
-    url = f"{server.url}?prefix=cut{tag}:" if name == "redis" else f"{server.url}?table=cut{tag}"
-    cut = (_cut_redis if name == "redis" else _cut_postgres)(server.url, request)
+    url = server.url + _NAMESPACE[name].format(f"cut{tag}")
+    cut = _CUT[name](server.url, request)
     cuts: list[int] = []
 
     def fault(load: Load) -> None:

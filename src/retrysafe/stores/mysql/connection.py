@@ -341,9 +341,11 @@ def _idle_broken(conn: Any) -> bool:
 
 
 class _SyncPool:
-    """At most ``size`` PyMySQL connections; a caller waits ``timeout`` for one. Each
-    connection it makes knows its pool (``home``), so it comes back there even after
-    the store replaced the pool (``close()``)."""
+    """At most ``size`` PyMySQL connections; a caller waits ``timeout`` for one.
+
+    A pool lives as long as its store: :meth:`close` closes the idle connections, and
+    those lent meanwhile as they come back, until the next :meth:`take` reopens it.
+    """
 
     def __init__(self, connect: Callable[[], Any], size: int, timeout: float) -> None:
         self._connect = connect
@@ -356,14 +358,13 @@ class _SyncPool:
     def take(self) -> Any:
         if not self._free.acquire(timeout=self._timeout):
             raise TimeoutError(f"no pooled connection within {self._timeout:g}s")
+        self._closed = False
         try:
             while True:
                 with self._lock:
                     conn = self._idle.pop() if self._idle else None
                 if conn is None:
-                    conn = self._connect()
-                    conn.home = self
-                    return conn
+                    return self._connect()
                 if not _idle_broken(conn):
                     return conn
                 _close(conn)
@@ -385,7 +386,8 @@ class _SyncPool:
     def close(self) -> None:
         """Close the idle connections, and each busy one when it comes back."""
         with self._lock:
-            idle, self._idle, self._closed = self._idle, [], True
+            idle, self._idle = self._idle, []
+            self._closed = True
         for conn in idle:
             _close(conn)
 
@@ -416,15 +418,14 @@ class _AsyncPool:
             # Free: acquire() returns without suspending. wait_for would wrap it in a
             # task and a timer, three more turns of the loop on every store call.
             await self._free.acquire()
+        self._closed = False
         try:
             while self._idle:
                 conn = self._idle.pop()
                 if not _idle_broken(conn):
                     return conn
                 conn.close()
-            conn = await self._connect()
-            conn.home = self
-            return conn
+            return await self._connect()
         except BaseException:
             self._free.release()
             raise
@@ -437,30 +438,26 @@ class _AsyncPool:
         self._free.release()
 
     def close(self) -> None:
-        """Close the idle connections, and each busy one when it comes back."""
-        idle, self._idle, self._closed = self._idle, [], True
+        idle, self._idle = self._idle, []
+        self._closed = True
         for conn in idle:
             conn.close()
 
 
 class _StoreConnection(pymysql.connections.Connection):  # type: ignore[misc]
-    """One of the store's own PyMySQL connections (it knows its pool)."""
-
-    home: _SyncPool | None = None
+    """One of the store's own PyMySQL connections."""
 
 
 @functools.cache
 def _async_driver() -> tuple[type[Any], dict[Any, Any]]:
-    """The class of the store's asyncmy connections (they send bytes as hex literals
-    and know their pool) and their encoders."""
+    """The class of the store's asyncmy connections (they send bytes as hex literals)
+    and their encoders."""
     try:
         import asyncmy.connection
         import asyncmy.converters
     except ImportError as exc:
         raise MissingExtraError("mysql", "the MySQL store's async calls", name="asyncmy") from exc
-    connection_class = type(
-        "HexConnection", (asyncmy.connection.Connection,), {"sends_hex": True, "home": None}
-    )
+    connection_class = type("HexConnection", (asyncmy.connection.Connection,), {"sends_hex": True})
     return connection_class, {**asyncmy.converters.conversions, _Hex: _hex_literal}
 
 
@@ -607,13 +604,13 @@ class MySQLConnections:
         return self._sync_pool().take()
 
     def _give(self, conn: Any, broken: bool = False) -> None:
-        (getattr(conn, "home", None) or self._sync_pool()).give(conn, broken)
+        self._sync_pool().give(conn, broken)
 
     async def _atake(self) -> Any:
         return await self._loop_pool().take()
 
     async def _agive(self, conn: Any, broken: bool = False) -> None:
-        (getattr(conn, "home", None) or self._loop_pool()).give(conn, broken)
+        self._loop_pool().give(conn, broken)
 
     def _ensure_migrated(self) -> None:
         if not self._migrated:
@@ -685,17 +682,19 @@ class MySQLConnections:
             raise self._unavailable(exc) from exc
 
     def close(self) -> None:
-        """Close the idle connections of the sync pool; reopens on use."""
-        with self._pool_lock:
-            pool, self._pool = self._pool, None
+        """Close the idle connections of the sync pool, and those in use as they come
+        back; reopens on use. (The pool itself stays: a call under way gives its
+        connection back to the pool it took it from.)"""
+        pool = self._pool
         if pool is not None:
             pool.close()
         for loop in [loop for loop in self._apools if loop.is_closed()]:
             self._apools.pop(loop, None)
 
     async def aclose(self) -> None:
-        """Close the running loop's idle connections and the sync pool's; reopens on use."""
-        pool = self._apools.pop(asyncio.get_running_loop(), None)
+        """Close the running loop's idle connections and the sync pool's (see
+        :meth:`close`); reopens on use."""
+        pool = self._apools.get(asyncio.get_running_loop())
         if pool is not None:
             pool.close()
         self.close()
