@@ -266,6 +266,7 @@ def test_bad_urls_are_refused_before_connecting(listener: socket.socket) -> None
         f"{base}/db?max_size=0",
         f"{base}/db?connect_timeout=soon",
         f"{base}/db?auto_migrate=maybe",
+        f"{base}/db?charset=latin1",  # the tables are utf8mb4: always the connection's
     ]
     for url in bad:
         for opener in (open_store, MySQLStore):
@@ -363,9 +364,9 @@ def test_large_and_binary_bodies_round_trip(mysql_server: MySQLServer, mode: str
     """A body as large as the server's ``max_allowed_packet`` lets one statement carry,
     a body of every byte value, and a binary request payload come back byte for byte.
 
-    PyMySQL sends bytes as hexadecimal (``X'…'``, two bytes a byte), asyncmy escaped
-    (``_binary'…'``): what both carry is half the packet, less room for the rest of
-    the statement (1 MiB here: the request payload and the other columns)."""
+    Both drivers send bytes as hexadecimal (``X'…'``, two bytes a byte; the store's
+    asyncmy connections do so too): what they carry is half the packet, less room for
+    the rest of the statement (1 MiB here: the request payload and the other columns)."""
     ((packet,),) = rows(mysql_server, "SELECT @@max_allowed_packet")
     size = min(int(packet) // 2 - MiB, 32 * MiB)
     assert size >= 4 * MiB, packet
@@ -385,6 +386,56 @@ def test_large_and_binary_bodies_round_trip(mysql_server: MySQLServer, mode: str
     finally:
         api.close()
         store.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_answer_over_the_packet_fails_finally(mysql_server: MySQLServer, mode: str) -> None:
+    """An answer larger than ``max_allowed_packet`` carries is refused before it is sent
+    (the server would close the connection, which looks like an outage and was resent
+    until the lease ended, leaving the key to run again): the handler ran, so the
+    attempt fails finally at once and a retry gets the failure; the pool still works."""
+    ((packet,),) = rows(mysql_server, "SELECT @@max_allowed_packet")
+    body = b"\x00" * (int(packet) // 2 + 1)
+    store = _spec(mysql_server).open()
+    api = Api(Engine(store, max_body=len(body), lease=60), mode)
+    try:
+        claim = api.begin("too-big", operation=OP)
+        assert isinstance(claim, Claim)
+        api.begin("warm-up", operation=OP)  # the store has read the server's limit
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailableError) as err:
+            api.complete(claim, Outcome(body))
+        assert not err.value.transient and "max_allowed_packet" in str(err.value)
+        assert time.monotonic() - started < 10  # not resent for the 60 s lease
+        record = store.get(claim.key_hash)
+        assert record is not None and record.status is Status.FAILED and record.final
+        again = api.begin("too-big", operation=OP)
+        assert isinstance(again, Replay) and again.failed
+    finally:
+        api.close()
+        store.close()
+
+
+def test_errors_that_resending_cannot_cure_are_not_transient(mysql_server: MySQLServer) -> None:
+    """A table dropped under the store (error 1146) is not an outage: not transient, so
+    the engine does not resend into it; a server that is down stays transient."""
+    spec = _spec(mysql_server)
+    store = spec.open()
+    try:
+        engine = Engine(store)
+        claim = engine.begin("dropped", operation=OP)
+        assert isinstance(claim, Claim)
+        table = spec.options["table"]
+        rows(mysql_server, f"DROP TABLE `{table}`")
+        with pytest.raises(StoreUnavailableError) as err:
+            store.get(claim.key_hash)
+        assert not err.value.transient
+    finally:
+        store.close()
+    down = open_store(f"mysql://u@127.0.0.1:{free_port()}/db?connect_timeout=1")
+    with pytest.raises(StoreUnavailableError) as err:
+        down.get("0" * 64)
+    assert err.value.transient
 
 
 def test_non_ascii_texts_round_trip(mysql_server: MySQLServer) -> None:
