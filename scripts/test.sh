@@ -54,6 +54,12 @@ if ! command -v mariadbd >/dev/null 2>&1 && [ ! -x /usr/sbin/mariadbd ]; then
     apt_install mariadb-server
 fi
 
+# mysqlclient (Django's MySQL backend, in the test extra) has no Linux wheel: pip
+# builds it against MariaDB's client library, found by pkg-config.
+if ! { command -v pkg-config >/dev/null 2>&1 && pkg-config --exists mariadb; }; then
+    apt_install libmariadb-dev pkg-config
+fi
+
 if ! command -v initdb >/dev/null 2>&1; then
     if [ -z "$(pg_bin_dir)" ]; then
         apt_install postgresql
