@@ -279,14 +279,13 @@ class Engine:
                 expires_at = claim.settled_expiry(now)
                 ok = _settle(write, claim, now, expires_at, outcome)
         except StoreUnavailableError as exc:
-            if not exc.transient:
-                # The store refuses this answer for good (larger than the server
-                # takes, say): the handler ran, so the attempt fails finally without
-                # it, as an answer over max_body does, and a retry gets the failure.
-                with contextlib.suppress(StoreUnavailableError, LeaseLostError):
-                    self.fail(claim, final=True)
+            try:
+                ok, expires_at = self._resend(claim, "completion", exc, write, True, outcome)
+            except StoreUnavailableError as last:
+                if not last.transient:
+                    with contextlib.suppress(StoreUnavailableError):
+                        _settle(self.store.fail, claim, *self._refusal(claim))
                 raise
-            ok, expires_at = self._resend(claim, "completion", exc, write, True, outcome)
         self._finished(claim, ok, started, expires_at=expires_at)
 
     def fail(
@@ -303,6 +302,17 @@ class Engine:
         except StoreUnavailableError as exc:
             ok, expires_at = self._resend(claim, "failure", exc, write, final, outcome, final)
         self._finished(claim, ok, started, final, expires_at)
+
+    def _refusal(self, claim: Claim) -> tuple[float, float | None, None, bool]:
+        """After the store refused a completion for good (``transient`` false: an answer
+        larger than the server takes, say), on its first send or on a resend: the
+        handler ran, so the attempt fails finally without its answer, as an answer over
+        ``max_body`` does, and a retry gets the failure. These are the arguments of
+        that one ``_settle`` of the store's ``fail``; its own errors are swallowed (the
+        caller raises the refusal), and if it fails the record stays in flight until
+        its lease ends."""
+        now = self.clock()
+        return now, claim.settled_expiry(now), None, True
 
     def _resend(
         self,
@@ -389,11 +399,13 @@ class Engine:
                 expires_at = claim.settled_expiry(now)
                 ok = await _settle(write, claim, now, expires_at, outcome)
         except StoreUnavailableError as exc:
-            if not exc.transient:
-                with contextlib.suppress(StoreUnavailableError, LeaseLostError):
-                    await self.afail(claim, final=True)  # as complete() does
+            try:
+                ok, expires_at = await self._aresend(claim, "completion", exc, write, True, outcome)
+            except StoreUnavailableError as last:
+                if not last.transient:
+                    with contextlib.suppress(StoreUnavailableError):
+                        await _settle(self.store.afail, claim, *self._refusal(claim))
                 raise
-            ok, expires_at = await self._aresend(claim, "completion", exc, write, True, outcome)
         self._finished(claim, ok, started, expires_at=expires_at)
 
     async def afail(

@@ -37,8 +37,11 @@ __all__ = [
     "classify",
     "errno_of",
     "execute",
+    "note_packet_limit",
+    "packet_limit",
     "play",
     "retry_locked",
+    "wire_size",
 ]
 
 Row = Sequence[Any]
@@ -466,22 +469,49 @@ def _async_driver() -> tuple[type[Any], dict[Any, Any]]:
 #: over max_allowed_packet), a missing table, a refused permission. The engine gives
 #: up a completion at once on them instead of resending it for the whole lease.
 _PERMANENT = frozenset({1044, 1045, 1048, 1142, 1143, 1146, 1153, 1264, 1292, 1366, 1406})
-#: Bytes a parameter may take on the wire per byte: both drivers send bytes as hex.
-_BYTES_FACTOR = 2
-#: Room for the statement's own text and the escaping of its texts.
-_STATEMENT_ROOM = 64 * 1024
+#: The attribute where a connection keeps its server's ``max_allowed_packet``.
+_PACKET_LIMIT = "retrysafe_max_packet"
+#: What a parameter adds beyond its own bytes at most: a literal's prefix and quotes
+#: (``_binary X'…'``), the separators of a multi-statement packet, the command byte.
+_LITERAL_ROOM = 16
+#: The characters the drivers escape with a backslash in a text literal.
+_ESCAPED = (b"\\", b"'", b'"', b"\0", b"\n", b"\r", b"\x1a")
 
 
-def _size(op: Op) -> int:
-    """About how many bytes ``op``'s statements take on the wire (bytes as hex)."""
-    params = op.params if isinstance(op.query, str) else [p for ps in op.params for p in ps]
-    size = _STATEMENT_ROOM
+def packet_limit(conn: Any) -> int | None:
+    """The ``max_allowed_packet`` noted on ``conn`` (:func:`note_packet_limit`), if any."""
+    return getattr(conn, _PACKET_LIMIT, None)
+
+
+def note_packet_limit(conn: Any, limit: Any) -> None:
+    """Keep ``conn``'s server's ``max_allowed_packet`` on it: the executors then refuse a
+    larger statement before sending it (see ``MySQLConnections._check_size``)."""
+    setattr(conn, _PACKET_LIMIT, int(limit))
+
+
+def wire_size(op: Op) -> int:
+    """How many bytes ``op``'s statements take on the wire, at most: bytes as hex
+    literals (both drivers send them so), texts in UTF-8 with their escapes."""
+    if isinstance(op.query, str):
+        size, params = len(op.query), op.params
+    else:
+        size = sum(map(len, op.query))
+        params = [p for ps in op.params for p in ps]
     for value in params:
+        size += _LITERAL_ROOM
         if value.__class__ is bytes:
-            size += _BYTES_FACTOR * len(value)
+            size += 2 * len(value)
         elif value.__class__ is str:
-            size += len(value)
+            data = value.encode("utf-8", "surrogatepass")
+            size += len(data)
+            if len(data) > 4096:
+                size += sum(data.count(c) for c in _ESCAPED)
+            else:
+                size += len(data)  # at most every byte escaped; cheaper than counting
     return size
+
+
+_READ_LIMIT = "SELECT @@max_allowed_packet"
 
 
 def classify(exc: BaseException) -> BaseException:
@@ -510,8 +540,6 @@ class MySQLConnections:
             weakref.WeakKeyDictionary()
         )
         self._pool_lock = threading.Lock()
-        #: The server's max_allowed_packet, read by the first connection made.
-        self._max_packet: int | None = None
         # A pool must not cross a fork: the child would share the parent's sockets.
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _forget_pools(ref))
@@ -570,11 +598,16 @@ class MySQLConnections:
         conn = _StoreConnection(
             **self._driver_kwargs(), read_timeout=timeout, write_timeout=timeout
         )
-        conn._read_timeout = conn._write_timeout = None  # PyMySQL applies them per read
-        if self._max_packet is None:
+        try:
+            # Each connection reads its server's limit (it may change, or differ after a
+            # failover), still within connect_timeout.
             with conn.cursor() as cur:
-                cur.execute("SELECT @@max_allowed_packet")
-                self._max_packet = int(cur.fetchone()[0])
+                cur.execute(_READ_LIMIT)
+                note_packet_limit(conn, cur.fetchone()[0])
+        except BaseException:
+            _close(conn)
+            raise
+        conn._read_timeout = conn._write_timeout = None  # PyMySQL applies them per read
         return conn
 
     async def _aconnect(self) -> Any:
@@ -582,11 +615,18 @@ class MySQLConnections:
         literals, the whole connection bounded by ``connect_timeout``."""
         connection_class, conv = _async_driver()
         conn = connection_class(**self._driver_kwargs(), conv=conv)
-        await asyncio.wait_for(conn.connect(), self.connect_timeout)
-        if self._max_packet is None:
+
+        async def connect() -> None:
+            await conn.connect()
             async with conn.cursor() as cur:
-                await cur.execute("SELECT @@max_allowed_packet")
-                self._max_packet = int((await cur.fetchone())[0])
+                await cur.execute(_READ_LIMIT)
+                note_packet_limit(conn, (await cur.fetchone())[0])
+
+        try:
+            await asyncio.wait_for(connect(), self.connect_timeout)
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     def _loop_pool(self) -> _AsyncPool:
@@ -624,16 +664,17 @@ class MySQLConnections:
         """``op``, after the schema's migration while it is due."""
         return op if self._migrated else self._migration_op(op)
 
-    def _check_size(self, op: Op) -> None:
-        """Refuse, before sending, a statement over the server's ``max_allowed_packet``:
-        the server would close the connection, which looks like an outage and would be
-        resent until the lease ends. Nothing is written; the engine gives up at once."""
-        limit = self._max_packet
-        if limit is not None and _size(op) > limit:
+    def _check_size(self, conn: Any, op: Op) -> None:
+        """Refuse, before sending, a statement over ``conn``'s server's
+        ``max_allowed_packet``: the server would close the connection, which looks like
+        an outage and would be resent until the lease ends. Nothing is written; the
+        engine gives up at once. A connection whose limit is not noted is not checked."""
+        limit = packet_limit(conn)
+        if limit is not None and (size := wire_size(op)) > limit:
             raise StoreUnavailableError(
-                f"MySQL store at {self._where}: a statement of about {_size(op)} bytes "
-                f"exceeds the server's max_allowed_packet ({limit}); store a smaller answer "
-                "or raise max_allowed_packet",
+                f"MySQL store at {self._where}: a statement of {size} bytes exceeds the "
+                f"server's max_allowed_packet ({limit}); store a smaller answer or raise "
+                "max_allowed_packet (new connections read it)",
                 transient=False,
             )
 
@@ -645,7 +686,7 @@ class MySQLConnections:
                 flow = play(self._first(op))
                 step = next(flow)
                 while True:
-                    self._check_size(step)
+                    self._check_size(conn, step)
                     try:
                         answer: tuple[int, Row | None] | BaseException = execute(conn, step)
                     except DRIVER_ERRORS as exc:
@@ -667,7 +708,7 @@ class MySQLConnections:
                 flow = play(self._first(op))
                 step = next(flow)
                 while True:
-                    self._check_size(step)
+                    self._check_size(conn, step)
                     try:
                         answer: tuple[int, Row | None] | BaseException = await aexecute(conn, step)
                     except DRIVER_ERRORS as exc:
