@@ -15,7 +15,13 @@ PostgreSQL:
   in the round trip of the ``COMMIT`` or ``ROLLBACK``, before a pooled connection goes
   back; a connection that cannot be restored is closed;
 - a failed ``ROLLBACK`` (the server dropped the connection, which rolls back) never
-  hides the block's own exception.
+  hides the block's own exception;
+- InnoDB rolls back a deadlock victim's whole transaction, and DDL, ``LOCK TABLES`` or a
+  ``BEGIN`` commit it: the session is then outside the block's transaction, and the
+  completion's ``UPDATE`` would commit on its own. ``BEGIN`` is followed by a savepoint,
+  released in the completion's round trip before the ``UPDATE``: once the transaction
+  has ended, the savepoint is gone, the release fails (1305) and the completion is
+  refused (everything rolled back, the attempt retryable).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from retrysafe.stores.mysql.connection import (
     UNAVAILABLE_ERRORS,
     MySQLConnections,
     Op,
+    _multi,
     aexecute,
     errno_of,
     execute,
@@ -53,6 +60,9 @@ __all__ = [
 #: transaction (ER_CANT_CHANGE_TX_CHARACTERISTICS): the check that a connection is idle.
 _IDLE_CHECK = "SET TRANSACTION READ WRITE"
 _IN_TRANSACTION = 1568
+#: Taken right after ``BEGIN``: it exists as long as the transaction ``BEGIN`` opened.
+_SAVEPOINT = "SAVEPOINT retrysafe_tx"
+_RELEASE = "RELEASE SAVEPOINT retrysafe_tx"
 
 
 def opening_failed(exc: BaseException, store: MySQLConnections) -> Exception:
@@ -131,13 +141,25 @@ def _rollback(restore: tuple[str, ...]) -> Op:
     return _ops("ROLLBACK", *restore)
 
 
+def _guarded(conn: Any, op: Op) -> tuple[Op, ...]:
+    """The completion ``op`` (one statement), after the release of the savepoint
+    ``BEGIN`` took: an error (1305) stops it before the ``UPDATE`` when the block's
+    transaction has ended. One round trip on a connection that takes several statements
+    (``ROW_COUNT()`` then gives the ``UPDATE``'s count), else two."""
+    if not _multi(conn):
+        return _ops(_RELEASE), op
+    query = (_RELEASE, op.query, "SELECT ROW_COUNT()")
+    return (Op(query, [(), op.params, ()], lambda _, row: op.parse(int(row[0]), None)),)
+
+
 def _runner(conn: Any) -> Transaction[Op]:
     def run(op: Op) -> bool:
         try:
-            rowcount, _ = execute(conn, op)
+            for step in _guarded(conn, op):
+                rowcount, row = execute(conn, step)
         except DRIVER_ERRORS as exc:
             raise completion_failed(exc) from exc
-        return bool(op.parse(rowcount, None))
+        return bool(step.parse(rowcount, row))
 
     return Transaction(conn, run)
 
@@ -145,10 +167,11 @@ def _runner(conn: Any) -> Transaction[Op]:
 def _arunner(conn: Any) -> AsyncTransaction[Op]:
     async def run(op: Op) -> bool:
         try:
-            rowcount, _ = await aexecute(conn, op)
+            for step in _guarded(conn, op):
+                rowcount, row = await aexecute(conn, step)
         except DRIVER_ERRORS as exc:
             raise completion_failed(exc) from exc
-        return bool(op.parse(rowcount, None))
+        return bool(step.parse(rowcount, row))
 
     return AsyncTransaction(conn, run)
 
@@ -167,9 +190,10 @@ class MySQLTransactions(MySQLConnections):
 
     @staticmethod
     def _opening(own: bool) -> tuple[Op, ...]:
-        """``BEGIN``; on the application's connection, after asking the server that it is
-        idle (two round trips: the connection may not take several statements at once)."""
-        begin = _ops("BEGIN")
+        """``BEGIN`` and the savepoint; on the application's connection, after asking the
+        server that it is idle (round trips of their own: the connection may not take
+        several statements at once)."""
+        begin = _ops("BEGIN", _SAVEPOINT)
         return (begin,) if own else (_ops(_IDLE_CHECK), begin)
 
     @contextmanager
