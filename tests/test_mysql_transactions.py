@@ -1025,3 +1025,35 @@ def test_async_a_deadlock_or_an_implicit_commit_refuses_the_completion(
     asyncio.run(main())
     assert orders.sql(f"SELECT v FROM {t} WHERE id = 1") == [(0,)]
     store.close()
+
+
+def test_locks_and_time_limits_do_not_outlive_the_block(spec: StoreSpec, orders: Orders) -> None:
+    """``LOCK TABLES``, ``GET_LOCK`` and a statement time limit that a block leaves on a
+    pooled connection are undone before it goes back: committed, refused or rolled back."""
+    store = open_one(spec)
+    engine = Engine(store)
+    hold = ["SELECT GET_LOCK('rs_held', 0)", "SET SESSION max_statement_time = 5"]
+    tables = [f"LOCK TABLES {orders.table} WRITE", *hold]
+    for n, (spoil, fails) in enumerate(
+        [(hold, None), (tables, StoreUnavailableError), (tables, KeyError)]
+    ):
+        with (
+            pytest.raises(fails) if fails else contextlib.nullcontext(),
+            engine.attempt(f"k{n}", operation="o") as att,
+            att.transaction() as conn,
+        ):
+            with conn.cursor() as cur:
+                for statement in spoil:
+                    cur.execute(statement)
+            att.outcome = Outcome.json(n)
+            if fails is KeyError:
+                raise KeyError("rolled back")
+        assert orders.sql("SELECT IS_USED_LOCK('rs_held')") == [(None,)]
+        assert store.get(key_hash("", "o", f"k{n}")) is not None  # no 1100: tables unlocked
+        with engine.attempt(f"after{n}", operation="o") as att, att.transaction() as conn:
+            with conn.cursor() as cur:
+                cur.execute("SELECT @@session.max_statement_time")
+                assert cur.fetchone() == (0,)
+            att.outcome = Outcome.json(n)
+    assert store.get(key_hash("", "o", "k0")).status is Status.COMPLETED
+    store.close()
