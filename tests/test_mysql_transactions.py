@@ -882,8 +882,12 @@ def test_a_cancelled_async_block_rolls_back(
     ],
 )
 def test_the_session_restore_names_the_servers_variables(server_info: str, prefix: str) -> None:
-    names, use, session = session_restore(server_info, "utf8mb4", "sh`op")
-    assert (names, use) == ("SET NAMES utf8mb4", "USE `sh``op`")
+    restore = session_restore(server_info, "utf8mb4", "sh`op")
+    assert restore[:3] == ("SET NAMES utf8mb4", "USE `sh``op`", "UNLOCK TABLES")
+    assert "SELECT RELEASE_ALL_LOCKS()" in restore[3:-1]
+    session = restore[-1]
+    limit = "max_statement_time" if "MariaDB" in server_info else "max_execution_time"
+    assert f"SESSION {limit} = DEFAULT" in session
     # One SET, last: it changes every variable or none, and turning autocommit back on
     # (which commits) comes after everything that could fail.
     assert session.startswith("SET SESSION sql_mode = 'STRICT_TRANS_TABLES")

@@ -11,9 +11,10 @@ PostgreSQL:
   drivers' cached status flag cannot tell: a result set's status misses a read-only
   transaction, and asyncmy never records a status of 0 (autocommit off, idle);
 - the session is the connection's: what the block sets (``SET autocommit = 0``,
-  ``sql_mode``, ``time_zone``, the isolation level, ``SET NAMES``, ``USE``, ...) is undone,
-  in the round trip of the ``COMMIT`` or ``ROLLBACK``, before a pooled connection goes
-  back; a connection that cannot be restored is closed;
+  ``sql_mode``, ``time_zone``, the isolation level, ``SET NAMES``, ``USE``, a statement
+  time limit, ``LOCK TABLES``, ``GET_LOCK``, ...) is undone, in the round trip of the
+  ``COMMIT`` or ``ROLLBACK``, before a pooled connection goes back; a connection that
+  cannot be restored is closed. Temporary tables and ``@`` variables are not;
 - a failed ``ROLLBACK`` (the server dropped the connection, which rolls back) never
   hides the block's own exception;
 - InnoDB rolls back a deadlock victim's whole transaction, and DDL, ``LOCK TABLES`` or a
@@ -106,18 +107,35 @@ _MARIADB = re.compile(r"(\d+)\.(\d+)\.\d+-MariaDB")
 
 def session_restore(server_info: str, charset: str, database: str) -> tuple[str, ...]:
     """The statements that put a pooled connection's session back as the pool made it
-    (the store's statements rely on it): the character set, the database, and, last,
-    ``sql_mode``, ``time_zone``, autocommit, the server's default isolation, access
-    mode, lock wait and safe-updates mode in one ``SET`` (which changes all or none)."""
+    (the store's statements rely on it): the character set, the database, the table
+    locks and user-level locks (``GET_LOCK``) the block left, and, last, ``sql_mode``,
+    ``time_zone``, autocommit, the server's default isolation, access mode, lock wait,
+    safe-updates mode and statement time limit in one ``SET`` (which changes all or
+    none).
+
+    ``UNLOCK TABLES`` commits a transaction only under ``LOCK TABLES``, which has ended
+    the block's transaction already (its completion is refused): before the ``COMMIT``
+    of a completed block it holds no table lock and commits nothing."""
     mariadb = _MARIADB.search(server_info)
-    old_mariadb = mariadb is not None and (int(mariadb[1]), int(mariadb[2])) < (11, 1)
-    tx = "tx_" if old_mariadb else "transaction_"  # MariaDB before 11.1: tx_isolation
-    defaults = (f"{tx}isolation", f"{tx}read_only", "innodb_lock_wait_timeout", "sql_safe_updates")
+    version = (int(mariadb[1]), int(mariadb[2])) if mariadb else None
+    tx = "tx_" if version and version < (11, 1) else "transaction_"  # MariaDB < 11.1
+    limit = "max_statement_time" if version else "max_execution_time"  # MySQL's name
+    defaults = (
+        f"{tx}isolation",
+        f"{tx}read_only",
+        "innodb_lock_wait_timeout",
+        "sql_safe_updates",
+        limit,
+    )
     reset = "".join(f", SESSION {name} = DEFAULT" for name in defaults)
     quoted = database.replace("`", "``")
+    # RELEASE_ALL_LOCKS(): MariaDB 10.5 and MySQL 5.7 on.
+    locks = () if version and version < (10, 5) else ("SELECT RELEASE_ALL_LOCKS()",)
     return (
         f"SET NAMES {charset}",
         f"USE `{quoted}`",
+        "UNLOCK TABLES",
+        *locks,
         f"{SESSION_SETUP}, SESSION autocommit = 1{reset}",
     )
 
