@@ -51,10 +51,13 @@ from retrysafe.stores.mysql.connection import (
 
 __all__ = [
     "MySQLTransactions",
+    "arun_guarded",
     "checked_connection",
     "completion_failed",
     "opening_failed",
+    "run_guarded",
     "session_restore",
+    "take_savepoint",
 ]
 
 #: Sets the next transaction's access mode, which the server refuses inside a
@@ -159,6 +162,12 @@ def _rollback(restore: tuple[str, ...]) -> Op:
     return _ops("ROLLBACK", *restore)
 
 
+def take_savepoint() -> Op:
+    """The savepoint taken as the block's transaction begins: it exists as long as that
+    transaction does, and :func:`run_guarded` releases it before the completion."""
+    return _ops(_SAVEPOINT)
+
+
 def _guarded(conn: Any, op: Op) -> tuple[Op, ...]:
     """The completion ``op`` (one statement), after the release of the savepoint
     ``BEGIN`` took: an error (1305) stops it before the ``UPDATE`` when the block's
@@ -170,14 +179,28 @@ def _guarded(conn: Any, op: Op) -> tuple[Op, ...]:
     return (Op(query, [(), op.params, ()], lambda _, row: op.parse(int(row[0]), None)),)
 
 
+def run_guarded(conn: Any, op: Op) -> bool:
+    """Run the completion ``op`` on ``conn`` once the savepoint of
+    :func:`take_savepoint` is released: whether it landed. A driver error (1305 when the
+    block's transaction has ended: a deadlock, an implicit commit) is raised as is."""
+    for step in _guarded(conn, op):
+        rowcount, row = execute(conn, step)
+    return bool(step.parse(rowcount, row))
+
+
+async def arun_guarded(conn: Any, op: Op) -> bool:
+    """:func:`run_guarded` on an asyncmy connection."""
+    for step in _guarded(conn, op):
+        rowcount, row = await aexecute(conn, step)
+    return bool(step.parse(rowcount, row))
+
+
 def _runner(conn: Any) -> Transaction[Op]:
     def run(op: Op) -> bool:
         try:
-            for step in _guarded(conn, op):
-                rowcount, row = execute(conn, step)
+            return run_guarded(conn, op)
         except DRIVER_ERRORS as exc:
             raise completion_failed(exc) from exc
-        return bool(step.parse(rowcount, row))
 
     return Transaction(conn, run)
 
@@ -185,11 +208,9 @@ def _runner(conn: Any) -> Transaction[Op]:
 def _arunner(conn: Any) -> AsyncTransaction[Op]:
     async def run(op: Op) -> bool:
         try:
-            for step in _guarded(conn, op):
-                rowcount, row = await aexecute(conn, step)
+            return await arun_guarded(conn, op)
         except DRIVER_ERRORS as exc:
             raise completion_failed(exc) from exc
-        return bool(step.parse(rowcount, row))
 
     return AsyncTransaction(conn, run)
 
@@ -211,7 +232,7 @@ class MySQLTransactions(MySQLConnections):
         """``BEGIN`` and the savepoint; on the application's connection, after asking the
         server that it is idle (round trips of their own: the connection may not take
         several statements at once)."""
-        begin = _ops("BEGIN", _SAVEPOINT)
+        begin = _ops("BEGIN", _SAVEPOINT)  # (take_savepoint)
         return (begin,) if own else (_ops(_IDLE_CHECK), begin)
 
     @contextmanager
