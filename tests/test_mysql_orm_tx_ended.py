@@ -1,4 +1,4 @@
-"""The SQLAlchemy MySQL store (PyMySQL, asyncmy): a block whose transaction a deadlock
+"""The SQLAlchemy MySQL store (PyMySQL, asyncmy) and the Django one (mysqlclient): a block whose transaction a deadlock
 or an implicit commit ended inside it gets its completion refused, never committed on
 its own without the block's writes (the native store's case is in
 tests/test_mysql_transactions.py, whose helpers this reuses)."""
@@ -6,8 +6,12 @@ tests/test_mysql_transactions.py, whose helpers this reuses)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import threading
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,12 +21,16 @@ from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
+from test_django_mysql import project  # noqa: F401  (the fixture: a migrated database)
+from test_django_orm import Project
 from test_mysql_transactions import Orders, heavier_rival, new_orders, spec_on, two_rows
 
 from retrysafe import Engine, Outcome, StoreUnavailableError
 from retrysafe._model.hashing import key_hash
 from retrysafe._model.record import Status
 from retrysafe.sqlalchemy import SQLAlchemyStore
+
+SCRIPT = Path(__file__).resolve().parent / "_django_tx_ended.py"
 
 
 @pytest.fixture
@@ -106,3 +114,26 @@ def test_sqlalchemy_async_a_deadlock_refuses_the_completion(
 
     asyncio.run(main())
     assert orders.sql(f"SELECT v FROM {t} WHERE id = 1") == [(0,)]
+
+
+def test_django_a_deadlock_or_an_implicit_commit_refuses_the_completion(
+    project: Project,
+) -> None:
+    """The Django store (mysqlclient, in ``atomic()``): the same refusals."""
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), project.native_url],
+        env=project.env(),
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {
+        "caught": 1213,
+        "deadlock": "refused",
+        "deadlock_status": "failed",
+        "ddl": "refused",
+        "ddl_status": "failed",
+        "v": 0,
+    }
