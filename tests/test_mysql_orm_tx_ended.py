@@ -1,7 +1,7 @@
-"""The SQLAlchemy MySQL store (PyMySQL, asyncmy) and the Django one (mysqlclient): a block whose transaction a deadlock
-or an implicit commit ended inside it gets its completion refused, never committed on
-its own without the block's writes (the native store's case is in
-tests/test_mysql_transactions.py, whose helpers this reuses)."""
+"""The SQLAlchemy MySQL store (PyMySQL, asyncmy) and the Django one (mysqlclient): a
+block whose transaction a deadlock or an implicit commit ended inside it gets its
+completion refused, never committed on its own without the block's writes (the native
+store's case is in tests/test_mysql_transactions.py, whose helpers this reuses)."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_sqlalchemy_async_a_deadlock_refuses_the_completion(
 
 
 def test_django_a_deadlock_or_an_implicit_commit_refuses_the_completion(
-    project: Project,
+    project: Project,  # noqa: F811  (the fixture imported above)
 ) -> None:
     """The Django store (mysqlclient, in ``atomic()``): the same refusals."""
     done = subprocess.run(
