@@ -169,14 +169,16 @@ def take_savepoint() -> Op:
 
 
 def _guarded(conn: Any, op: Op) -> tuple[Op, ...]:
-    """The completion ``op`` (one statement), after the release of the savepoint
-    ``BEGIN`` took: an error (1305) stops it before the ``UPDATE`` when the block's
-    transaction has ended. One round trip on a connection that takes several statements
+    """The completion ``op``, after the release of the savepoint the block's transaction
+    began with: an error (1305) stops it before the ``UPDATE`` when that transaction has
+    ended. One round trip on a connection that takes several statements
     (``ROW_COUNT()`` then gives the ``UPDATE``'s count), else two."""
-    if not _multi(conn):
+    if not _multi(conn) or not isinstance(op.query, str):
         return _ops(_RELEASE), op
     query = (_RELEASE, op.query, "SELECT ROW_COUNT()")
-    return (Op(query, [(), op.params, ()], lambda _, row: op.parse(int(row[0]), None)),)
+    return (
+        Op(query, [(), op.params, ()], lambda _, row: op.parse(int(row[0]) if row else 0, None)),
+    )
 
 
 def run_guarded(conn: Any, op: Op) -> bool:
