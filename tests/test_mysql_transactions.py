@@ -695,6 +695,24 @@ SESSION = (
 )
 
 
+def spoiling_block(
+    engine: Engine, key: str, statements: list[str], fails: type[Exception] | None
+) -> None:
+    """A block on the store's pooled connection that runs ``statements`` and sets its
+    outcome; with ``fails`` (what the caller sees) KeyError, it raises after them."""
+    with (
+        pytest.raises(fails) if fails else contextlib.nullcontext(),
+        engine.attempt(key, operation="o") as att,
+        att.transaction() as conn,
+    ):
+        with conn.cursor() as cur:
+            for statement in statements:
+                cur.execute(statement)
+        att.outcome = Outcome.json(key)
+        if fails is KeyError:
+            raise KeyError("rolled back")
+
+
 def test_session_settings_do_not_outlive_the_block(
     spec: StoreSpec, orders: Orders, mysql_server: MySQLServer
 ) -> None:
@@ -720,17 +738,7 @@ def test_session_settings_do_not_outlive_the_block(
     for n, fails in enumerate([False, True]):
         if fails:  # (a completion outside the store's database would fail: see below)
             spoil.append("USE mysql")
-        with (
-            pytest.raises(KeyError) if fails else contextlib.nullcontext(),
-            engine.attempt(f"k{n}", operation="o") as att,
-            att.transaction() as conn,
-        ):
-            with conn.cursor() as cur:
-                for statement in spoil:
-                    cur.execute(statement)
-            att.outcome = Outcome.json(n)
-            if fails:
-                raise KeyError("rolled back")
+        spoiling_block(engine, f"k{n}", spoil, KeyError if fails else None)
         with engine.attempt(f"after{n}", operation="o") as att, att.transaction() as conn:
             with conn.cursor() as cur:
                 cur.execute(SESSION)
@@ -1041,17 +1049,7 @@ def test_locks_and_time_limits_do_not_outlive_the_block(spec: StoreSpec, orders:
     for n, (spoil, fails) in enumerate(
         [(hold, None), (tables, StoreUnavailableError), (tables, KeyError)]
     ):
-        with (
-            pytest.raises(fails) if fails else contextlib.nullcontext(),
-            engine.attempt(f"k{n}", operation="o") as att,
-            att.transaction() as conn,
-        ):
-            with conn.cursor() as cur:
-                for statement in spoil:
-                    cur.execute(statement)
-            att.outcome = Outcome.json(n)
-            if fails is KeyError:
-                raise KeyError("rolled back")
+        spoiling_block(engine, f"k{n}", spoil, KeyError if fails else None)
         assert orders.sql("SELECT IS_USED_LOCK('rs_held')") == [(None,)]
         assert store.get(key_hash("", "o", f"k{n}")) is not None  # no 1100: tables unlocked
         with engine.attempt(f"after{n}", operation="o") as att, att.transaction() as conn:
