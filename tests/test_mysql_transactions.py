@@ -695,6 +695,24 @@ SESSION = (
 )
 
 
+def spoiling_block(
+    engine: Engine, key: str, statements: list[str], fails: type[Exception] | None
+) -> None:
+    """A block on the store's pooled connection that runs ``statements`` and sets its
+    outcome; with ``fails`` (what the caller sees) KeyError, it raises after them."""
+    with (
+        pytest.raises(fails) if fails else contextlib.nullcontext(),
+        engine.attempt(key, operation="o") as att,
+        att.transaction() as conn,
+    ):
+        with conn.cursor() as cur:
+            for statement in statements:
+                cur.execute(statement)
+        att.outcome = Outcome.json(key)
+        if fails is KeyError:
+            raise KeyError("rolled back")
+
+
 def test_session_settings_do_not_outlive_the_block(
     spec: StoreSpec, orders: Orders, mysql_server: MySQLServer
 ) -> None:
@@ -720,17 +738,7 @@ def test_session_settings_do_not_outlive_the_block(
     for n, fails in enumerate([False, True]):
         if fails:  # (a completion outside the store's database would fail: see below)
             spoil.append("USE mysql")
-        with (
-            pytest.raises(KeyError) if fails else contextlib.nullcontext(),
-            engine.attempt(f"k{n}", operation="o") as att,
-            att.transaction() as conn,
-        ):
-            with conn.cursor() as cur:
-                for statement in spoil:
-                    cur.execute(statement)
-            att.outcome = Outcome.json(n)
-            if fails:
-                raise KeyError("rolled back")
+        spoiling_block(engine, f"k{n}", spoil, KeyError if fails else None)
         with engine.attempt(f"after{n}", operation="o") as att, att.transaction() as conn:
             with conn.cursor() as cur:
                 cur.execute(SESSION)
@@ -882,8 +890,12 @@ def test_a_cancelled_async_block_rolls_back(
     ],
 )
 def test_the_session_restore_names_the_servers_variables(server_info: str, prefix: str) -> None:
-    names, use, session = session_restore(server_info, "utf8mb4", "sh`op")
-    assert (names, use) == ("SET NAMES utf8mb4", "USE `sh``op`")
+    restore = session_restore(server_info, "utf8mb4", "sh`op")
+    assert restore[:3] == ("SET NAMES utf8mb4", "USE `sh``op`", "UNLOCK TABLES")
+    assert "SELECT RELEASE_ALL_LOCKS()" in restore[3:-1]
+    session = restore[-1]
+    limit = "max_statement_time" if "MariaDB" in server_info else "max_execution_time"
+    assert f"SESSION {limit} = DEFAULT" in session
     # One SET, last: it changes every variable or none, and turning autocommit back on
     # (which commits) comes after everything that could fail.
     assert session.startswith("SET SESSION sql_mode = 'STRICT_TRANS_TABLES")
@@ -904,3 +916,146 @@ def test_a_transactional_completion_sets_the_expiry_from_completion(
             att.outcome = Outcome.json("done")
     found = store.get(key_hash("", "order", "k"))
     assert found.status is Status.COMPLETED and found.expires_at == clock.now + 3600
+
+
+# -- a block whose transaction ended inside it ------------------------------------------
+
+
+def two_rows(orders: Orders) -> str:
+    t = f"{orders.table}_r"
+    orders.sql(f"CREATE TABLE {t} (id INT PRIMARY KEY, v INT NOT NULL) ENGINE=InnoDB")
+    orders.sql(f"INSERT INTO {t} VALUES (1, 0), (2, 0)")
+    return t
+
+
+def heavier_rival(orders: Orders, t: str, locked: threading.Event) -> threading.Thread:
+    """A transaction heavier than the block's (200 rows written) that locks row 2, then
+    asks for row 1, which the block holds: the block, asking for row 2, closes or meets
+    the cycle and is the victim (InnoDB rolls back the lighter transaction, whole)."""
+
+    def run() -> None:
+        conn = orders.connect(autocommit=False)
+        with conn.cursor() as cur:
+            cur.executemany(f"INSERT INTO {t} VALUES (%s, 0)", [(i,) for i in range(100, 300)])
+            cur.execute(f"SELECT v FROM {t} WHERE id = 2 FOR UPDATE")
+            locked.set()
+            cur.execute(f"SELECT v FROM {t} WHERE id = 1 FOR UPDATE")
+        conn.commit()
+        conn.close()
+
+    rival = threading.Thread(target=run)
+    rival.start()
+    return rival
+
+
+@pytest.mark.parametrize("connection", CONNECTIONS, indirect=True)
+def test_a_deadlock_in_the_block_refuses_the_completion(
+    store: Store[Any], orders: Orders, connection: Any
+) -> None:
+    """A block that catches its deadlock (1213) and goes on: its whole transaction was
+    rolled back, so the completion is refused (nothing committed, retryable), never
+    committed on its own without the block's writes."""
+    t, locked, caught = two_rows(orders), threading.Event(), []
+    with (
+        pytest.raises(StoreUnavailableError, match="nothing was committed"),
+        Engine(store).attempt("k", operation="order") as att,
+        att.transaction(connection) as conn,
+    ):
+        with conn.cursor() as cur:
+            cur.execute(f"UPDATE {t} SET v = 42 WHERE id = 1")  # the business write
+            rival = heavier_rival(orders, t, locked)
+            assert locked.wait(10)
+            try:
+                cur.execute(f"SELECT v FROM {t} WHERE id = 2 FOR UPDATE")
+            except pymysql.err.OperationalError as exc:
+                caught.append(exc.args[0])  # a statement-level "retry on deadlock" helper
+        rival.join()
+        att.outcome = Outcome.json(42)
+    assert caught == [1213]
+    assert orders.sql(f"SELECT v FROM {t} WHERE id = 1") == [(0,)]
+    assert store.get(key_hash("", "order", "k")).status is Status.FAILED
+
+
+@pytest.mark.parametrize("connection", CONNECTIONS, indirect=True)
+def test_an_implicit_commit_in_the_block_refuses_the_completion(
+    store: Store[Any], orders: Orders, connection: Any
+) -> None:
+    """DDL commits the block's transaction (so does ``LOCK TABLES`` or a ``BEGIN``): the
+    completion that follows is refused, not committed by itself."""
+    with (
+        pytest.raises(StoreUnavailableError, match="nothing was committed"),
+        Engine(store).attempt("k", operation="order") as att,
+        att.transaction(connection) as conn,
+    ):
+        with conn.cursor() as cur:
+            cur.execute(f"CREATE TABLE {orders.table}_ddl (id INT) ENGINE=InnoDB")
+        att.outcome = Outcome.json(1)
+    assert store.get(key_hash("", "order", "k")).status is Status.FAILED
+    assert create_order(Engine(store), orders, "m", "u", 1, connection=connection)["amount"] == 1
+
+
+def test_async_a_deadlock_or_an_implicit_commit_refuses_the_completion(
+    spec: StoreSpec, orders: Orders
+) -> None:
+    """``att.atransaction()``: the same refusals, on the store's asyncmy connection and
+    on the application's."""
+    store = spec.open()
+    engine = Engine(store)
+    t = two_rows(orders)
+
+    async def deadlocked(att: Any, tx: Any) -> None:
+        async with tx.cursor() as cur:
+            await cur.execute(f"UPDATE {t} SET v = 42 WHERE id = 1")
+            locked = threading.Event()
+            rival = heavier_rival(orders, t, locked)
+            assert await asyncio.to_thread(locked.wait, 10)
+            with pytest.raises(asyncmy.errors.OperationalError, match="1213"):
+                await cur.execute(f"SELECT v FROM {t} WHERE id = 2 FOR UPDATE")
+        await asyncio.to_thread(rival.join)
+        orders.sql(f"DELETE FROM {t} WHERE id >= 100")
+
+    async def ddl(att: Any, tx: Any) -> None:
+        async with tx.cursor() as cur:
+            await cur.execute(f"CREATE TABLE IF NOT EXISTS {orders.table}_ddl (id INT)")
+
+    async def main() -> None:
+        mine = await orders.aconnect(autocommit=False)
+        for n, (conn, block) in enumerate(
+            [(None, deadlocked), (mine, deadlocked), (None, ddl), (mine, ddl)]
+        ):
+            with pytest.raises(StoreUnavailableError, match="nothing was committed"):
+                async with (
+                    engine.attempt(f"k{n}", operation="order") as att,
+                    att.atransaction(conn) as tx,
+                ):
+                    await block(att, tx)
+                    att.outcome = Outcome.json(n)
+            assert store.get(key_hash("", "order", f"k{n}")).status is Status.FAILED
+        mine.close()
+        await store.aclose()
+
+    asyncio.run(main())
+    assert orders.sql(f"SELECT v FROM {t} WHERE id = 1") == [(0,)]
+    store.close()
+
+
+def test_locks_and_time_limits_do_not_outlive_the_block(spec: StoreSpec, orders: Orders) -> None:
+    """``LOCK TABLES``, ``GET_LOCK`` and a statement time limit that a block leaves on a
+    pooled connection are undone before it goes back: committed, refused or rolled back."""
+    store = open_one(spec)
+    engine = Engine(store)
+    hold = ["SELECT GET_LOCK('rs_held', 0)", "SET SESSION max_statement_time = 5"]
+    tables = [f"LOCK TABLES {orders.table} WRITE", *hold]
+    for n, (spoil, fails) in enumerate(
+        [(hold, None), (tables, StoreUnavailableError), (tables, KeyError)]
+    ):
+        spoiling_block(engine, f"k{n}", spoil, KeyError if fails else None)
+        assert orders.sql("SELECT IS_USED_LOCK('rs_held')") == [(None,)]
+        assert store.get(key_hash("", "o", f"k{n}")) is not None  # no 1100: tables unlocked
+        with engine.attempt(f"after{n}", operation="o") as att, att.transaction() as conn:
+            with conn.cursor() as cur:
+                cur.execute("SELECT @@session.max_statement_time")
+                assert cur.fetchone() == (0,)
+            att.outcome = Outcome.json(n)
+    assert store.get(key_hash("", "o", "k0")).status is Status.COMPLETED
+    store.close()

@@ -4,12 +4,15 @@ alias's settings; the completion on Django's own connection (mysqlclient)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from retrysafe.stores._base import Transaction
 from retrysafe.stores.django import DjangoStore, with_query
 from retrysafe.stores.mysql import SCHEMA_VERSION, MySQLStore
 from retrysafe.stores.mysql.connection import DRIVER_ERRORS, execute
-from retrysafe.stores.mysql.transactions import completion_failed
+from retrysafe.stores.mysql.transactions import completion_failed, run_guarded, take_savepoint
 from retrysafe.stores.mysql_borrowed import committed_migration, drive_migration, session_refusal
 
 __all__ = ["DjangoMySQLStore", "mysql_connect_kwargs"]
@@ -68,6 +71,18 @@ class DjangoMySQLStore(DjangoStore, MySQLStore):  # type: ignore[misc]  # (its a
         self._migrated = True
         return SCHEMA_VERSION
 
+    @contextmanager
+    def completion_transaction(self, connection: Any = None) -> Iterator[Transaction[Any]]:
+        """The base's, and, as the block begins, the savepoint the completion releases
+        first: a deadlock or an implicit commit in the block ends the transaction and the
+        savepoint, and the completion is refused (see retrysafe.stores.mysql.transactions)."""
+        with super().completion_transaction(connection) as tx:
+            try:
+                execute(tx.connection.connection, take_savepoint())
+            except self._errors as exc:
+                raise completion_failed(exc) from exc
+            yield tx
+
     def _in_transaction(self, raw: Any, op: Any) -> bool:
         from django.db import connections
 
@@ -83,12 +98,11 @@ class DjangoMySQLStore(DjangoStore, MySQLStore):  # type: ignore[misc]  # (its a
         prefix = raw._binary_prefix
         raw._binary_prefix = True
         try:
-            rowcount, _ = execute(raw, op)
+            return run_guarded(raw, op)
         except self._errors as exc:
             raise completion_failed(exc) from exc
         finally:
             raw._binary_prefix = prefix
-        return bool(op.parse(rowcount, None))
 
     def __repr__(self) -> str:
         return f"<DjangoStore django://{self.alias} mysql table={self.table}>"

@@ -8,6 +8,7 @@ MySQL or MariaDB, so that the other stores need no MySQL driver.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any
 
 from sqlalchemy.engine import Connection
@@ -17,7 +18,7 @@ from sqlalchemy.util import greenlet_spawn
 from retrysafe.errors import StoreUnavailableError
 from retrysafe.stores.mysql import SCHEMA_VERSION, MySQLStore
 from retrysafe.stores.mysql.connection import DRIVER_ERRORS, Op, aexecute, execute
-from retrysafe.stores.mysql.transactions import completion_failed
+from retrysafe.stores.mysql.transactions import completion_failed, run_guarded, take_savepoint
 from retrysafe.stores.mysql_borrowed import (
     SQL_MODE_QUERY,
     committed_migration,
@@ -39,6 +40,9 @@ _AUTOCOMMIT = 2
 #: Where a pooled connection's checked ``sql_mode`` is kept (its pool record's ``info``,
 #: which lives as long as the DB-API connection).
 _MODE = "retrysafe_sql_mode"
+#: The connection's transaction in which the completion's savepoint was taken (a weak
+#: reference, in the pool record's ``info``).
+_SAVEPOINT_OF = "retrysafe_savepoint_of"
 
 
 def _release(fairy: Any, broken: bool, ended: bool) -> None:
@@ -169,18 +173,34 @@ class SQLAlchemyMySQLStore(SQLAlchemyStore, MySQLStore):
 
     # -- the application transaction ------------------------------------------------------
 
+    def _joinable(self, session: Any) -> Connection:
+        """The base's, and, once per transaction of the connection (as the block begins),
+        the savepoint the completion releases first: a deadlock or an implicit commit in
+        the block ends the transaction and the savepoint, and the completion is refused
+        (see retrysafe.stores.mysql.transactions)."""
+        conn = super()._joinable(session)
+        fairy, tx = conn.connection, conn.get_transaction()
+        taken = fairy.info.get(_SAVEPOINT_OF)
+        if taken is None or taken() is not tx:
+            try:
+                execute(fairy.dbapi_connection, take_savepoint())
+            except DRIVER_ERRORS as exc:
+                raise completion_failed(exc) from exc
+            fairy.info[_SAVEPOINT_OF] = weakref.ref(tx)
+        return conn
+
     def _complete_in(self, conn: Connection, op: Any) -> bool:
         fairy = conn.connection
         dbapi = fairy.dbapi_connection
+        fairy.info.pop(_SAVEPOINT_OF, None)  # released below, or gone with the transaction
         try:
             if _MODE not in fairy.info:
                 self._refused(fairy.info, _first_cell(execute(dbapi, _mode_op())))
-            rowcount, _ = execute(dbapi, op)
+            return run_guarded(dbapi, op)
         except StoreUnavailableError:
             raise
         except DRIVER_ERRORS as exc:
             raise completion_failed(exc) from exc
-        return bool(op.parse(rowcount, None))
 
 
 def _mode_op() -> Op:

@@ -11,11 +11,18 @@ PostgreSQL:
   drivers' cached status flag cannot tell: a result set's status misses a read-only
   transaction, and asyncmy never records a status of 0 (autocommit off, idle);
 - the session is the connection's: what the block sets (``SET autocommit = 0``,
-  ``sql_mode``, ``time_zone``, the isolation level, ``SET NAMES``, ``USE``, ...) is undone,
-  in the round trip of the ``COMMIT`` or ``ROLLBACK``, before a pooled connection goes
-  back; a connection that cannot be restored is closed;
+  ``sql_mode``, ``time_zone``, the isolation level, ``SET NAMES``, ``USE``, a statement
+  time limit, ``LOCK TABLES``, ``GET_LOCK``, ...) is undone, in the round trip of the
+  ``COMMIT`` or ``ROLLBACK``, before a pooled connection goes back; a connection that
+  cannot be restored is closed. Temporary tables and ``@`` variables are not;
 - a failed ``ROLLBACK`` (the server dropped the connection, which rolls back) never
-  hides the block's own exception.
+  hides the block's own exception;
+- InnoDB rolls back a deadlock victim's whole transaction, and DDL, ``LOCK TABLES`` or a
+  ``BEGIN`` commit it: the session is then outside the block's transaction, and the
+  completion's ``UPDATE`` would commit on its own. ``BEGIN`` is followed by a savepoint,
+  released in the completion's round trip before the ``UPDATE``: once the transaction
+  has ended, the savepoint is gone, the release fails (1305) and the completion is
+  refused (everything rolled back, the attempt retryable).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from retrysafe.stores.mysql.connection import (
     UNAVAILABLE_ERRORS,
     MySQLConnections,
     Op,
+    _multi,
     aexecute,
     errno_of,
     execute,
@@ -43,16 +51,22 @@ from retrysafe.stores.mysql.connection import (
 
 __all__ = [
     "MySQLTransactions",
+    "arun_guarded",
     "checked_connection",
     "completion_failed",
     "opening_failed",
+    "run_guarded",
     "session_restore",
+    "take_savepoint",
 ]
 
 #: Sets the next transaction's access mode, which the server refuses inside a
 #: transaction (ER_CANT_CHANGE_TX_CHARACTERISTICS): the check that a connection is idle.
 _IDLE_CHECK = "SET TRANSACTION READ WRITE"
 _IN_TRANSACTION = 1568
+#: Taken right after ``BEGIN``: it exists as long as the transaction ``BEGIN`` opened.
+_SAVEPOINT = "SAVEPOINT retrysafe_tx"
+_RELEASE = "RELEASE SAVEPOINT retrysafe_tx"
 
 
 def opening_failed(exc: BaseException, store: MySQLConnections) -> Exception:
@@ -96,18 +110,35 @@ _MARIADB = re.compile(r"(\d+)\.(\d+)\.\d+-MariaDB")
 
 def session_restore(server_info: str, charset: str, database: str) -> tuple[str, ...]:
     """The statements that put a pooled connection's session back as the pool made it
-    (the store's statements rely on it): the character set, the database, and, last,
-    ``sql_mode``, ``time_zone``, autocommit, the server's default isolation, access
-    mode, lock wait and safe-updates mode in one ``SET`` (which changes all or none)."""
+    (the store's statements rely on it): the character set, the database, the table
+    locks and user-level locks (``GET_LOCK``) the block left, and, last, ``sql_mode``,
+    ``time_zone``, autocommit, the server's default isolation, access mode, lock wait,
+    safe-updates mode and statement time limit in one ``SET`` (which changes all or
+    none).
+
+    ``UNLOCK TABLES`` commits a transaction only under ``LOCK TABLES``, which has ended
+    the block's transaction already (its completion is refused): before the ``COMMIT``
+    of a completed block it holds no table lock and commits nothing."""
     mariadb = _MARIADB.search(server_info)
-    old_mariadb = mariadb is not None and (int(mariadb[1]), int(mariadb[2])) < (11, 1)
-    tx = "tx_" if old_mariadb else "transaction_"  # MariaDB before 11.1: tx_isolation
-    defaults = (f"{tx}isolation", f"{tx}read_only", "innodb_lock_wait_timeout", "sql_safe_updates")
+    version = (int(mariadb[1]), int(mariadb[2])) if mariadb else None
+    tx = "tx_" if version and version < (11, 1) else "transaction_"  # MariaDB < 11.1
+    limit = "max_statement_time" if version else "max_execution_time"  # MySQL's name
+    defaults = (
+        f"{tx}isolation",
+        f"{tx}read_only",
+        "innodb_lock_wait_timeout",
+        "sql_safe_updates",
+        limit,
+    )
     reset = "".join(f", SESSION {name} = DEFAULT" for name in defaults)
     quoted = database.replace("`", "``")
+    # RELEASE_ALL_LOCKS(): MariaDB 10.5 and MySQL 5.7 on.
+    locks = () if version and version < (10, 5) else ("SELECT RELEASE_ALL_LOCKS()",)
     return (
         f"SET NAMES {charset}",
         f"USE `{quoted}`",
+        "UNLOCK TABLES",
+        *locks,
         f"{SESSION_SETUP}, SESSION autocommit = 1{reset}",
     )
 
@@ -131,13 +162,47 @@ def _rollback(restore: tuple[str, ...]) -> Op:
     return _ops("ROLLBACK", *restore)
 
 
+def take_savepoint() -> Op:
+    """The savepoint taken as the block's transaction begins: it exists as long as that
+    transaction does, and :func:`run_guarded` releases it before the completion."""
+    return _ops(_SAVEPOINT)
+
+
+def _guarded(conn: Any, op: Op) -> tuple[Op, ...]:
+    """The completion ``op``, after the release of the savepoint the block's transaction
+    began with: an error (1305) stops it before the ``UPDATE`` when that transaction has
+    ended. One round trip on a connection that takes several statements
+    (``ROW_COUNT()`` then gives the ``UPDATE``'s count), else two."""
+    if not _multi(conn) or not isinstance(op.query, str):
+        return _ops(_RELEASE), op
+    query = (_RELEASE, op.query, "SELECT ROW_COUNT()")
+    return (
+        Op(query, [(), op.params, ()], lambda _, row: op.parse(int(row[0]) if row else 0, None)),
+    )
+
+
+def run_guarded(conn: Any, op: Op) -> bool:
+    """Run the completion ``op`` on ``conn`` once the savepoint of
+    :func:`take_savepoint` is released: whether it landed. A driver error (1305 when the
+    block's transaction has ended: a deadlock, an implicit commit) is raised as is."""
+    for step in _guarded(conn, op):
+        rowcount, row = execute(conn, step)
+    return bool(step.parse(rowcount, row))
+
+
+async def arun_guarded(conn: Any, op: Op) -> bool:
+    """:func:`run_guarded` on an asyncmy connection."""
+    for step in _guarded(conn, op):
+        rowcount, row = await aexecute(conn, step)
+    return bool(step.parse(rowcount, row))
+
+
 def _runner(conn: Any) -> Transaction[Op]:
     def run(op: Op) -> bool:
         try:
-            rowcount, _ = execute(conn, op)
+            return run_guarded(conn, op)
         except DRIVER_ERRORS as exc:
             raise completion_failed(exc) from exc
-        return bool(op.parse(rowcount, None))
 
     return Transaction(conn, run)
 
@@ -145,10 +210,9 @@ def _runner(conn: Any) -> Transaction[Op]:
 def _arunner(conn: Any) -> AsyncTransaction[Op]:
     async def run(op: Op) -> bool:
         try:
-            rowcount, _ = await aexecute(conn, op)
+            return await arun_guarded(conn, op)
         except DRIVER_ERRORS as exc:
             raise completion_failed(exc) from exc
-        return bool(op.parse(rowcount, None))
 
     return AsyncTransaction(conn, run)
 
@@ -167,9 +231,10 @@ class MySQLTransactions(MySQLConnections):
 
     @staticmethod
     def _opening(own: bool) -> tuple[Op, ...]:
-        """``BEGIN``; on the application's connection, after asking the server that it is
-        idle (two round trips: the connection may not take several statements at once)."""
-        begin = _ops("BEGIN")
+        """``BEGIN`` and the savepoint; on the application's connection, after asking the
+        server that it is idle (round trips of their own: the connection may not take
+        several statements at once)."""
+        begin = _ops("BEGIN", _SAVEPOINT)  # (take_savepoint)
         return (begin,) if own else (_ops(_IDLE_CHECK), begin)
 
     @contextmanager
