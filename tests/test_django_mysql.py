@@ -69,6 +69,16 @@ def test_binary_answers_and_a_session_that_is_not_strict(project: Project) -> No
     assert (seen["status"], seen["rows"]) == ("failed", 0)
 
 
+def test_an_answer_over_the_packet_is_refused_before_it_is_sent(project: Project) -> None:
+    """A completion over the Django connection's max_allowed_packet (16 MiB on MariaDB)
+    is refused before it is sent (the server would close the connection mid-write, an
+    outage to the engine): the attempt fails finally, the order is rolled back."""
+    size = str(32 * 2**20)
+    seen = project.run("scenario", "binary", project.native_url, "big", size)
+    assert "max_allowed_packet" in seen["refused"]
+    assert (seen["status"], seen["rows"]) == ("failed", 0)
+
+
 def test_the_stores_connections_take_the_aliass_address_not_its_session(
     project: Project,
 ) -> None:

@@ -440,12 +440,13 @@ def marked(native_url: str) -> dict[str, Any]:
     return seen
 
 
-def binary(native_url: str, name: str) -> dict[str, Any]:
-    """A 1 MiB answer of every byte value completed in ``att.transaction()`` (on Django's
-    own connection), read back through the native store; or the refusal of a Django
-    connection whose session the completion cannot run in."""
-    body = bytes(range(256)) * 4096
-    engine = Engine("django://default")
+def binary(native_url: str, name: str, size: str = "") -> dict[str, Any]:
+    """A 1 MiB answer of every byte value (or ``size`` zero bytes) completed in
+    ``att.transaction()`` (on Django's own connection), read back through the native
+    store; or the refusal of a Django connection whose session the completion cannot
+    run in, or of an answer over its max_allowed_packet."""
+    body = b"\0" * int(size) if size else bytes(range(256)) * 4096
+    engine = Engine("django://default", max_body=len(body))
     try:
         with engine.attempt(name, operation="o") as att, att.transaction():
             Order.objects.create(cart_mandate_id=name, user_id="u", total=1)
