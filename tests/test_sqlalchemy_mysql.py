@@ -253,6 +253,16 @@ def test_an_answer_over_the_packet_fails_finally_at_once(url: str) -> None:
             with pytest.raises(StoreUnavailableError, match="max_allowed_packet") as err:
                 await eng.acomplete(aclaim, Outcome(body=OVERSIZE))  # type: ignore[arg-type]
             took = time.monotonic() - started
+            with pytest.raises(StoreUnavailableError, match="max_allowed_packet"):
+                async with (
+                    eng.attempt("abig-session", operation="o") as att,
+                    AsyncSession(aengine) as session,
+                    att.atransaction(session),
+                ):
+                    session.add(Blob(name="abig-session", data=b"x"))
+                    att.outcome = Outcome(body=OVERSIZE)
+            in_session = await astore.aget(key_hash("", "o", "abig-session"))
+            assert in_session is not None and in_session.status is Status.FAILED
             return err.value.transient, took, await astore.aget(key_hash("", "o", "abig"))
         finally:
             await astore.aclose()
