@@ -69,6 +69,16 @@ def test_binary_answers_and_a_session_that_is_not_strict(project: Project) -> No
     assert (seen["status"], seen["rows"]) == ("failed", 0)
 
 
+def test_an_answer_over_the_packet_is_refused_before_it_is_sent(project: Project) -> None:
+    """A completion over the Django connection's max_allowed_packet (16 MiB on MariaDB)
+    is refused before it is sent (the server would close the connection mid-write, an
+    outage to the engine): the attempt fails finally, the order is rolled back."""
+    size = str(32 * 2**20)
+    seen = project.run("scenario", "binary", project.native_url, "big", size)
+    assert "max_allowed_packet" in seen["refused"]
+    assert (seen["status"], seen["rows"]) == ("failed", 0)
+
+
 def test_the_stores_connections_take_the_aliass_address_not_its_session(
     project: Project,
 ) -> None:
@@ -84,3 +94,27 @@ def test_the_stores_connections_take_the_aliass_address_not_its_session(
         "scenario", "mysql_params", "connect_timeout=3&table=idem", db_options=options
     )
     assert (by_url["timeout"], by_url["table"]) == (3.0, "idem")
+
+
+def test_a_failed_migration_frees_the_named_lock(mysql_server: MySQLServer) -> None:
+    """migrate by a user who may not CREATE fails with a typed error (not transient) and
+    releases the migration lock on Django's connection, which stays open: another
+    store's migration in the same process does not wait for it."""
+    name, user = f"dj_{uuid.uuid4().hex[:12]}", f"lim_{uuid.uuid4().hex[:8]}"
+    _admin(mysql_server, f"CREATE DATABASE {name}")
+    _admin(mysql_server, f"CREATE USER '{user}'@'127.0.0.1'")
+    _admin(
+        mysql_server, f"GRANT SELECT, INSERT, UPDATE, DELETE ON {name}.* TO '{user}'@'127.0.0.1'"
+    )
+    admin_url = mysql_server.url.rpartition("/")[0] + f"/{name}"
+    try:
+        Project(admin_url, admin_url, "mysql").run("manage", "migrate", "django_orm_app")
+        limited = Project(
+            admin_url.replace(f"//{mysql_server.user}@", f"//{user}@", 1), "", "mysql"
+        )
+        seen = limited.run("scenario", "failed_migration", admin_url)
+        assert seen["error"].startswith("StoreUnavailableError: ") and "CREATE" in seen["error"]
+        assert seen["transient"] is False and seen["waited"] < 5
+    finally:
+        _admin(mysql_server, f"DROP USER '{user}'@'127.0.0.1'")
+        _admin(mysql_server, f"DROP DATABASE {name}")

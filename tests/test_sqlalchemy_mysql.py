@@ -11,7 +11,9 @@ and the pool's reset ``ROLLBACK`` is skipped: the statements are counted on the 
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
+import ssl
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,7 +28,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from retrysafe import Engine, Outcome, Record, Status, StoreUnavailableError, open_store
 from retrysafe._model.hashing import key_hash
-from retrysafe.sqlalchemy import SQLAlchemyStore
+from retrysafe.sqlalchemy import SQLAlchemyStore, create_tables
 from retrysafe.stores.sqlalchemy_mysql import SQLAlchemyMySQLStore
 
 #: Every byte value, 1 MiB.
@@ -205,3 +207,158 @@ def test_a_session_that_is_not_strict_is_refused(url: str) -> None:
     strict.close()
     strict_db.dispose()
     lax_db.dispose()
+
+
+#: Twice MariaDB's default max_allowed_packet (16 MiB): the server would close the
+#: connection while the client still writes, which looks like an outage.
+OVERSIZE = b"\0" * (32 * 2**20)
+
+
+def test_an_answer_over_the_packet_fails_finally_at_once(url: str) -> None:
+    """A borrowed connection's max_allowed_packet is read with its sql_mode: an answer
+    over it is refused before it is sent (not transient), the attempt fails finally at
+    once (no resends for the lease), and so does one completed in a Session. Sync
+    Engine and AsyncEngine."""
+    table = _table()
+    db = sqlalchemy.create_engine(url)
+    store = SQLAlchemyStore(db, **table)
+    engine = Engine(store, max_body=len(OVERSIZE), lease=30)
+    claim = engine.begin("big", operation="o")
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailableError, match="max_allowed_packet") as refused:
+        engine.complete(claim, Outcome(body=OVERSIZE))  # type: ignore[arg-type]
+    assert refused.value.transient is False and time.monotonic() - started < 10
+    record = store.get(key_hash("", "o", "big"))
+    assert record is not None and record.status is Status.FAILED and record.final
+    with (
+        pytest.raises(StoreUnavailableError, match="max_allowed_packet"),
+        engine.attempt("big-session", operation="o") as att,
+        Session(db) as session,
+        att.transaction(session),
+    ):
+        session.add(Blob(name="big-session", data=b"x"))
+        att.outcome = Outcome(body=OVERSIZE)
+    record = store.get(key_hash("", "o", "big-session"))
+    assert record is not None and record.status is Status.FAILED
+    with Session(db) as session:
+        assert session.query(Blob).filter_by(name="big-session").count() == 0
+
+    async def main() -> tuple[bool, float, Any]:
+        aengine = create_async_engine(url.replace("+pymysql", "+asyncmy", 1))
+        astore = SQLAlchemyStore(aengine, **table)
+        try:
+            eng = Engine(astore, max_body=len(OVERSIZE), lease=30)
+            aclaim = await eng.abegin("abig", operation="o")
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailableError, match="max_allowed_packet") as err:
+                await eng.acomplete(aclaim, Outcome(body=OVERSIZE))  # type: ignore[arg-type]
+            took = time.monotonic() - started
+            with pytest.raises(StoreUnavailableError, match="max_allowed_packet"):
+                async with (
+                    eng.attempt("abig-session", operation="o") as att,
+                    AsyncSession(aengine) as session,
+                    att.atransaction(session),
+                ):
+                    session.add(Blob(name="abig-session", data=b"x"))
+                    att.outcome = Outcome(body=OVERSIZE)
+            in_session = await astore.aget(key_hash("", "o", "abig-session"))
+            assert in_session is not None and in_session.status is Status.FAILED
+            return err.value.transient, took, await astore.aget(key_hash("", "o", "abig"))
+        finally:
+            await astore.aclose()
+            await aengine.dispose()
+
+    transient, took, record = asyncio.run(main())
+    assert transient is False and took < 10
+    assert record is not None and record.status is Status.FAILED and record.final
+    store.close()
+    db.dispose()
+
+
+def test_an_engine_url_with_a_charset(url: str) -> None:
+    """``?charset=utf8mb4`` (as SQLAlchemy's MySQL docs advise) is the engine's: the
+    store takes the engine, and its own connections use utf8mb4 anyway."""
+    for charset in ("utf8mb4", "utf8mb3"):
+        db = sqlalchemy.create_engine(f"{url}?charset={charset}")
+        store = SQLAlchemyStore(db, **_table())
+        engine = Engine(store)
+        with engine.attempt("k", operation="o") as att:
+            att.outcome = Outcome.json({"text": "naïve ☃"})
+        replay = engine.begin("k", operation="o")
+        assert json.loads(replay.record.outcome.body) == {"text": "naïve ☃"}  # type: ignore[union-attr]
+        store.close()
+        db.dispose()
+
+
+@pytest.fixture
+def limited(mysql_server: MySQLServer) -> Iterator[tuple[str, str]]:
+    """A user with a password and SELECT, INSERT, UPDATE, DELETE only (no CREATE): the
+    (user, password) pair."""
+    user, password = f"lim_{uuid.uuid4().hex[:8]}", "pw-secret"
+    admin = sqlalchemy.create_engine(mysql_server.url.replace("mysql://", "mysql+pymysql://"))
+    with admin.begin() as conn:
+        for host in ("127.0.0.1", "localhost"):
+            conn.exec_driver_sql(f"CREATE USER '{user}'@'{host}' IDENTIFIED BY '{password}'")
+            conn.exec_driver_sql(
+                f"GRANT SELECT, INSERT, UPDATE, DELETE ON {mysql_server.database}.* "
+                f"TO '{user}'@'{host}'"
+            )
+    yield user, password
+    with admin.begin() as conn:
+        for host in ("127.0.0.1", "localhost"):
+            conn.exec_driver_sql(f"DROP USER '{user}'@'{host}'")
+    admin.dispose()
+
+
+def test_a_failed_migration_frees_the_named_lock(
+    url: str, mysql_server: MySQLServer, limited: tuple[str, str]
+) -> None:
+    """create_tables by a user who may not CREATE fails with a typed error (not
+    transient: a permission) and releases the migration lock on the application's
+    pooled connection: another store migrates at once, not after a 30 s wait."""
+    user, password = limited
+    table = _table()
+    db = sqlalchemy.create_engine(
+        url.replace(f"//{mysql_server.user}@", f"//{user}:{password}@", 1), pool_size=1
+    )
+    with pytest.raises(StoreUnavailableError, match="CREATE command denied") as refused:
+        create_tables(db, **table)
+    assert refused.value.transient is False
+    with db.connect() as conn:  # the pool's one connection, the one that failed
+        assert conn.exec_driver_sql("SELECT 1").scalar() == 1
+        other = open_store(mysql_server.url, **table)
+        started = time.monotonic()
+        other.migrate()
+        assert time.monotonic() - started < 5
+        other.close()
+    db.dispose()
+
+
+def test_an_async_engines_tls_and_password_reach_the_stores_own_connections(
+    url: str, mysql_server: MySQLServer, limited: tuple[str, str]
+) -> None:
+    """The sync calls of a store on an AsyncEngine use connections of the store's own:
+    they take the engine's password and TLS settings (connect_args, the URL's ssl
+    options), never connect in clear text without them (the test server has no TLS:
+    the connection is refused), and what they cannot carry is refused up front."""
+    user, password = limited
+    table = _table()
+    SQLAlchemyStore(sqlalchemy.create_engine(url), **table).migrate()
+    async_url = url.replace("+pymysql", "+asyncmy", 1)
+    no_password = async_url.replace(f"//{mysql_server.user}@", f"//{user}@", 1)
+    store = SQLAlchemyStore(
+        create_async_engine(no_password, connect_args={"password": password}), **table
+    )
+    assert store.get(key_hash("", "o", "none")) is None
+    store.close()
+    ca = ssl.get_default_verify_paths().cafile or "/etc/ssl/certs/ca-certificates.crt"
+    for engine in (
+        create_async_engine(async_url, connect_args={"ssl": ssl.create_default_context()}),
+        create_async_engine(f"{async_url}?ssl_ca={ca}"),
+    ):
+        tls = SQLAlchemyStore(engine, **table)
+        with pytest.raises(StoreUnavailableError, match="SSL"):
+            tls.get(key_hash("", "o", "none"))
+        tls.close()
+    with pytest.raises(ValueError, match="server_public_key"):
+        SQLAlchemyStore(create_async_engine(async_url, connect_args={"server_public_key": "k"}))

@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -440,12 +441,13 @@ def marked(native_url: str) -> dict[str, Any]:
     return seen
 
 
-def binary(native_url: str, name: str) -> dict[str, Any]:
-    """A 1 MiB answer of every byte value completed in ``att.transaction()`` (on Django's
-    own connection), read back through the native store; or the refusal of a Django
-    connection whose session the completion cannot run in."""
-    body = bytes(range(256)) * 4096
-    engine = Engine("django://default")
+def binary(native_url: str, name: str, size: str = "") -> dict[str, Any]:
+    """A 1 MiB answer of every byte value (or ``size`` zero bytes) completed in
+    ``att.transaction()`` (on Django's own connection), read back through the native
+    store; or the refusal of a Django connection whose session the completion cannot
+    run in, or of an answer over its max_allowed_packet."""
+    body = b"\0" * int(size) if size else bytes(range(256)) * 4096
+    engine = Engine("django://default", max_body=len(body))
     try:
         with engine.attempt(name, operation="o") as att, att.transaction():
             Order.objects.create(cart_mandate_id=name, user_id="u", total=1)
@@ -479,3 +481,27 @@ def mysql_params(query: str = "") -> dict[str, Any]:
         }
     finally:
         store.close()
+
+
+def failed_migration(native_url: str) -> dict[str, Any]:
+    """``migrate`` by a user who may not CREATE (the records' migration fails on Django's
+    connection, which stays open), then the native store's migration by one who may,
+    in this same process: how long it waited for the named migration lock."""
+    from django.core.management import call_command
+
+    try:
+        call_command("migrate", "retrysafe", verbosity=0)
+    except Exception as exc:
+        error = exc
+    else:  # pragma: no cover - the grants allow no CREATE
+        raise AssertionError("migrate succeeded without the CREATE privilege")
+    store = open_store(native_url)
+    started = time.monotonic()
+    store.migrate()
+    waited = time.monotonic() - started
+    store.close()
+    return {
+        "error": f"{type(error).__name__}: {error}",
+        "transient": getattr(error, "transient", None),
+        "waited": waited,
+    }

@@ -11,9 +11,14 @@ from typing import Any
 from retrysafe.stores._base import Transaction
 from retrysafe.stores.django import DjangoStore, with_query
 from retrysafe.stores.mysql import SCHEMA_VERSION, MySQLStore
-from retrysafe.stores.mysql.connection import DRIVER_ERRORS, execute
+from retrysafe.stores.mysql.connection import DRIVER_ERRORS, execute, packet_limit
 from retrysafe.stores.mysql.transactions import completion_failed, run_guarded, take_savepoint
-from retrysafe.stores.mysql_borrowed import committed_migration, drive_migration, session_refusal
+from retrysafe.stores.mysql_borrowed import (
+    accept_session,
+    committed_migration,
+    drive_migration,
+    session_op,
+)
 
 __all__ = ["DjangoMySQLStore", "mysql_connect_kwargs"]
 
@@ -47,7 +52,9 @@ class DjangoMySQLStore(DjangoStore, MySQLStore):  # type: ignore[misc]  # (its a
     database or socket, ``OPTIONS["ssl"]``), in the native store's own session mode.
     The completion runs on the thread's Django connection (mysqlclient) in its
     ``atomic()`` block, which must be strict (``sql_mode``, Django's recommended
-    setting: its check ``mysql.W002``)."""
+    setting: its check ``mysql.W002``); a completion over that connection's
+    ``max_allowed_packet`` is refused before it is sent (both read once per
+    connection)."""
 
     def __init__(self, using: str = "default", *, query: str = "", **options: Any) -> None:
         # The native options (table, pool sizes, ...) as the native store reads them; the
@@ -67,7 +74,9 @@ class DjangoMySQLStore(DjangoStore, MySQLStore):  # type: ignore[misc]  # (its a
         self._errors = _mysql_errors()
 
     def _migrate_raw(self, raw: Any) -> int:
-        drive_migration(raw, committed_migration(self._migration()))
+        drive_migration(
+            raw, committed_migration(self._migration()), self._errors, self._unavailable
+        )
         self._migrated = True
         return SCHEMA_VERSION
 
@@ -84,13 +93,12 @@ class DjangoMySQLStore(DjangoStore, MySQLStore):  # type: ignore[misc]  # (its a
             yield tx
 
     def _in_transaction(self, raw: Any, op: Any) -> bool:
-        from django.db import connections
-
-        refusal = session_refusal(
-            sorted(connections[self.alias].sql_mode), f"MySQL store at {self._where}"
-        )
-        if refusal is not None:
-            raise refusal
+        try:  # the session's sql_mode and packet limit, once per connection
+            if packet_limit(raw) is None:
+                accept_session(raw, execute(raw, session_op()), f"MySQL store at {self._where}")
+            self._check_size(raw, op)  # (before anything is sent)
+        except self._errors as exc:
+            raise completion_failed(exc) from exc
         # mysqlclient sends bytes as a quoted string in the connection's character set
         # unless told otherwise (a client-side flag: no statement). The bytes arrive
         # intact either way (the columns are binary); _binary'…' spares MySQL 8's

@@ -8,22 +8,24 @@ MySQL or MariaDB, so that the other stores need no MySQL driver.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.util import greenlet_spawn
 
 from retrysafe.errors import StoreUnavailableError
 from retrysafe.stores.mysql import SCHEMA_VERSION, MySQLStore
-from retrysafe.stores.mysql.connection import DRIVER_ERRORS, Op, aexecute, execute
+from retrysafe.stores.mysql.connection import DRIVER_ERRORS, aexecute, execute, packet_limit
 from retrysafe.stores.mysql.transactions import completion_failed, run_guarded, take_savepoint
 from retrysafe.stores.mysql_borrowed import (
-    SQL_MODE_QUERY,
+    accept_session,
     committed_migration,
     drive_migration,
-    session_refusal,
+    session_op,
 )
 from retrysafe.stores.sqlalchemy import (
     AnyEngine,
@@ -37,12 +39,62 @@ __all__ = ["SQLAlchemyMySQLStore"]
 
 #: The server's status flag for autocommit mode (SERVER_STATUS_AUTOCOMMIT).
 _AUTOCOMMIT = 2
-#: Where a pooled connection's checked ``sql_mode`` is kept (its pool record's ``info``,
-#: which lives as long as the DB-API connection).
-_MODE = "retrysafe_sql_mode"
 #: The connection's transaction in which the completion's savepoint was taken (a weak
 #: reference, in the pool record's ``info``).
 _SAVEPOINT_OF = "retrysafe_savepoint_of"
+
+#: What of an AsyncEngine's connect arguments (its URL's, with ``connect_args``) the
+#: store's own PyMySQL connections carry over: PyMySQL takes them as asyncmy does (``ssl``:
+#: an SSLContext or a dict of ``ca``, ``cert``, ``key``, ...).
+_CARRIED = {
+    **{name: name for name in ("host", "port", "user", "password", "unix_socket", "ssl")},
+    "db": "database",  # (asyncmy's name)
+    "database": "database",
+}
+#: What the store's own connections set themselves: their session (strict mode, UTC,
+#: utf8mb4, autocommit), their flags and timeouts.
+_OWN = frozenset(
+    [
+        "charset",
+        "client_flag",
+        "autocommit",
+        "init_command",
+        "sql_mode",
+        "connect_timeout",
+        "read_timeout",
+        "write_timeout",
+        "binary_prefix",
+        "conv",
+        "cursor_cls",
+        "cursorclass",
+    ]
+)
+
+
+def _own_connect_kwargs(sync: Engine) -> dict[str, Any]:
+    """PyMySQL's connect arguments for the store's own connections to an AsyncEngine's
+    server: the engine's own (URL and ``connect_args``: password, TLS, socket). A
+    ValueError for what cannot be carried over (an argument PyMySQL has no equivalent
+    for, a ``creator``/``async_creator``, a ``do_connect`` event): the store's sync
+    calls would otherwise connect without it (in clear text, for TLS)."""
+    creator = getattr(sync.pool, "_creator", None)
+    params = None if creator is None else inspect.getclosurevars(creator).nonlocals.get("cparams")
+    where = f"the AsyncEngine {sync.url!r}"
+    if not isinstance(params, Mapping) or sync.dialect.dispatch.do_connect:
+        raise ValueError(
+            f"{where} makes its connections itself (a creator or a do_connect event): the "
+            "MySQL store's sync calls (get, sweep, stats, list) use connections of their "
+            "own and could not make them alike; give the store a sync Engine, or use "
+            "MySQLStore with a mysql:// URL"
+        )
+    unknown = sorted(name for name in params if name not in _CARRIED and name not in _OWN)
+    if unknown:
+        raise ValueError(
+            f"{where} has connect arguments the MySQL store's own connections (its sync "
+            f"calls: get, sweep, stats, list) cannot carry over: {', '.join(unknown)}; "
+            f"they take {', '.join(sorted(set(_CARRIED)))}"
+        )
+    return {_CARRIED[name]: value for name, value in params.items() if name in _CARRIED}
 
 
 def _release(fairy: Any, broken: bool, ended: bool) -> None:
@@ -70,21 +122,24 @@ class SQLAlchemyMySQLStore(SQLAlchemyStore, MySQLStore):
     ``COMMIT`` before it goes back (skipped when the engine is in ``AUTOCOMMIT``): a
     claim is ``INSERT``, ``SELECT``, ``COMMIT``; a completion or a replay is its
     statement and ``COMMIT``. The session must be strict (see
-    :mod:`retrysafe.stores.mysql_borrowed`); its ``sql_mode`` is read once per pooled
-    connection. ``options`` are :class:`MySQLStore`'s (``table``, ``auto_migrate``,
-    ``max_size``, ``connect_timeout``). The sync methods of a store on an AsyncEngine
-    (sweeps, stats, ``get``) use a small pool of the store's own (PyMySQL) to the
-    same database.
+    :mod:`retrysafe.stores.mysql_borrowed`); its ``sql_mode`` and
+    ``max_allowed_packet`` are read once per pooled connection, and a statement over
+    the packet limit is refused before it is sent. ``options`` are
+    :class:`MySQLStore`'s (``table``, ``auto_migrate``, ``max_size``,
+    ``connect_timeout``). The sync methods of a store on an AsyncEngine (sweeps, stats,
+    ``get``) use a small pool of the store's own (PyMySQL) to the same database, with
+    the engine's connect arguments (password, TLS); an engine whose arguments it
+    cannot carry over is refused (ValueError).
     """
 
     def __init__(self, engine: AnyEngine, **options: Any) -> None:
         sync = lending_engine(engine, "mysql", "MySQL")
-        url = sync.url.set(drivername="mysql", query={})
-        charset = sync.url.query.get("charset")
-        native = url.render_as_string(hide_password=False)
-        if isinstance(charset, str):
-            native += f"?charset={charset}"
+        # The native store's options; its own connections always use utf8mb4, whatever
+        # the engine's ?charset= (the borrowed ones keep the application's).
+        native = sync.url.set(drivername="mysql", query={}).render_as_string(hide_password=False)
         super().__init__(native, **options)
+        if sync.dialect.is_async:  # the sync calls' connections are the store's own
+            self._connect_kwargs = _own_connect_kwargs(sync)
         self._on_engine(engine)
         self._where = f"{sync.url!r} (table {self.table})"
         self._borrowed: dict[int, Any] = {}
@@ -94,13 +149,8 @@ class SQLAlchemyMySQLStore(SQLAlchemyStore, MySQLStore):
 
     # -- connections: borrowed from the engine ------------------------------------------
 
-    def _refused(self, info: dict[str, Any], sql_mode: Any) -> None:
-        if isinstance(sql_mode, bytes):
-            sql_mode = sql_mode.decode()
-        refusal = session_refusal(str(sql_mode or ""), f"{type(self).__name__} at {self._where}")
-        if refusal is not None:
-            raise refusal
-        info[_MODE] = sql_mode
+    def _accept(self, conn: Any, answer: tuple[int, Any]) -> None:
+        accept_session(conn, answer, f"{type(self).__name__} at {self._where}")
 
     def _take(self) -> Any:
         if self.is_async:  # a pool of the store's own: a thread cannot await the driver
@@ -108,8 +158,8 @@ class SQLAlchemyMySQLStore(SQLAlchemyStore, MySQLStore):
         fairy = self._borrow(raw=True)
         try:
             conn = fairy.driver_connection
-            if _MODE not in fairy.info:
-                self._refused(fairy.info, _first_cell(execute(conn, _mode_op())))
+            if packet_limit(conn) is None:  # not checked yet
+                self._accept(conn, execute(conn, session_op()))
         except BaseException:
             _release(fairy, True, False)
             raise
@@ -137,8 +187,8 @@ class SQLAlchemyMySQLStore(SQLAlchemyStore, MySQLStore):
             raise _borrowed_error(self, exc) from exc
         try:
             conn = fairy.driver_connection
-            if _MODE not in fairy.info:
-                self._refused(fairy.info, _first_cell(await aexecute(conn, _mode_op())))
+            if packet_limit(conn) is None:  # not checked yet
+                self._accept(conn, await aexecute(conn, session_op()))
         except BaseException:
             await greenlet_spawn(_release, fairy, True, False)
             raise
@@ -167,7 +217,9 @@ class SQLAlchemyMySQLStore(SQLAlchemyStore, MySQLStore):
     def create_on(self, conn: Connection) -> int:
         """Create or upgrade the tables through ``conn`` (MySQL commits each DDL statement
         by itself, and what the connection's transaction held before it)."""
-        drive_migration(conn.connection.dbapi_connection, self._migration())
+        drive_migration(
+            conn.connection.dbapi_connection, self._migration(), DRIVER_ERRORS, self._unavailable
+        )
         self._migrated = True
         return SCHEMA_VERSION
 
@@ -191,22 +243,14 @@ class SQLAlchemyMySQLStore(SQLAlchemyStore, MySQLStore):
 
     def _complete_in(self, conn: Connection, op: Any) -> bool:
         fairy = conn.connection
-        dbapi = fairy.dbapi_connection
+        dbapi, driver = fairy.dbapi_connection, fairy.driver_connection
         fairy.info.pop(_SAVEPOINT_OF, None)  # released below, or gone with the transaction
         try:
-            if _MODE not in fairy.info:
-                self._refused(fairy.info, _first_cell(execute(dbapi, _mode_op())))
+            if packet_limit(driver) is None:  # not checked yet
+                self._accept(driver, execute(dbapi, session_op()))
+            self._check_size(driver, op)
             return run_guarded(dbapi, op)
         except StoreUnavailableError:
             raise
         except DRIVER_ERRORS as exc:
             raise completion_failed(exc) from exc
-
-
-def _mode_op() -> Op:
-    return Op(SQL_MODE_QUERY, (), lambda rowcount, row: row)
-
-
-def _first_cell(answer: tuple[int, Any]) -> Any:
-    row = answer[1]
-    return None if row is None else row[0]
