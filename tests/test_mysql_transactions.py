@@ -463,7 +463,9 @@ def test_racing_threads_create_one_order_per_mandate(isolated: tuple[str, StoreS
     store.close()
 
 
-def test_racing_tasks_create_one_order_per_mandate(store: Store[Any], orders: Orders) -> None:
+def test_racing_tasks_create_one_order_per_mandate(isolated: tuple[str, StoreSpec]) -> None:
+    orders = new_orders(isolated[1])
+    store = isolated[1].open()
     engine = Engine(store, wait=60)
 
     async def racer(i: int, start: asyncio.Event) -> Any:
@@ -493,7 +495,9 @@ def _setup_race(store: Store[Any], spec: StoreSpec, table: str) -> Any:
     return lambda who: race_once(engine, orders, int(who.rsplit("-", 1)[1]), os.getpid())
 
 
-def test_racing_processes_create_one_order_per_mandate(spec: StoreSpec, orders: Orders) -> None:
+def test_racing_processes_create_one_order_per_mandate(isolated: tuple[str, StoreSpec]) -> None:
+    spec = isolated[1]
+    orders = new_orders(spec)
     answers = race_processes(spec, _setup_race, spec, orders.table)
     assert len(answers) == 32
     check_race(orders, answers)

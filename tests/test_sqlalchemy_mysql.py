@@ -26,7 +26,7 @@ from sqlalchemy import Integer, LargeBinary, String
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from retrysafe import Engine, Outcome, Record, Status, StoreUnavailableError, open_store
+from retrysafe import Engine, Outcome, Record, Replay, Status, StoreUnavailableError, open_store
 from retrysafe._model.hashing import key_hash
 from retrysafe.sqlalchemy import SQLAlchemyStore, create_tables
 from retrysafe.stores.sqlalchemy_mysql import SQLAlchemyMySQLStore
@@ -98,7 +98,8 @@ def test_the_round_trips_of_a_borrowed_connection(url: str, isolation: Any, sent
     before = _questions(db)
     with engine.attempt("k", operation="o") as att:
         att.outcome = Outcome.json(1)
-    assert engine.begin("k", operation="o") is not None  # a replay
+    replay = engine.begin("k", operation="o")
+    assert isinstance(replay, Replay) and replay.outcome.value == 1
     assert _questions(db) - before - 3 == sent
     engine.store.close()
     db.dispose()
