@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import functools
 import os
-import re
 import select
 import ssl
 import threading
@@ -25,6 +24,7 @@ import pymysql
 from pymysql.constants import CLIENT
 
 from retrysafe.errors import MissingExtraError, StoreUnavailableError
+from retrysafe.stores._options import to_bool
 from retrysafe.stores._redact import redact, redact_in
 
 __all__ = [
@@ -206,32 +206,10 @@ async def aexecute(conn: Any, op: Op) -> tuple[int, Row | None]:
 
 # -- the URL -------------------------------------------------------------------------
 
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,47}")
 #: The store's own options in the URL's query; the rest are the connection's.
 OWN_OPTIONS = ("table", "min_size", "max_size", "auto_migrate", "connect_timeout")
 _SSL_OPTIONS = ("ssl", "ssl_ca", "ssl_cert", "ssl_key", "ssl_verify_cert")
 _CONNECT_OPTIONS = ("unix_socket", *_SSL_OPTIONS)
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def to_bool(text: str) -> bool:
-    if text.lower() in _TRUE:
-        return True
-    if text.lower() in _FALSE:
-        return False
-    raise ValueError(text)
-
-
-def table_parts(table: str) -> tuple[str, ...]:
-    """``[database.]name`` as its parts, each checked (it is quoted, never bound)."""
-    parts = tuple(table.split("."))
-    if len(parts) > 2 or not all(_NAME.fullmatch(p) for p in parts):
-        raise ValueError(
-            f"invalid table name {table!r}: use [database.]name, letters, digits and "
-            "underscores, at most 48 characters each"
-        )
-    return parts
 
 
 def parse_url(url: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -295,19 +273,6 @@ def _tls_context(options: dict[str, str]) -> ssl.SSLContext | None:
     if "ssl_cert" in options:
         context.load_cert_chain(options["ssl_cert"], options.get("ssl_key"))
     return context
-
-
-def option(name: str, given: Any, default: Any, url_value: str | None, convert: Any) -> Any:
-    """A store option from the URL or the keyword argument (not both, unless equal)."""
-    if url_value is None:
-        return given
-    try:
-        value = convert(url_value)
-    except ValueError as exc:
-        raise ValueError(f"invalid {name}={url_value!r} in the store URL") from exc
-    if given != default and given != value:
-        raise ValueError(f"{name} given both in the URL ({value!r}) and as an argument ({given!r})")
-    return value
 
 
 # -- pools -------------------------------------------------------------------------

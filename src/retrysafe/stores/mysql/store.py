@@ -20,17 +20,15 @@ from retrysafe._model.decide import claimable
 from retrysafe._model.record import ClaimResult, Outcome, Record
 from retrysafe.errors import SchemaVersionError, StoreUnavailableError
 from retrysafe.stores._base import Store
+from retrysafe.stores._options import option, table_parts, to_bool
 from retrysafe.stores._redact import redact
 from retrysafe.stores._sql import COLUMNS, outcome_params, record_params
 from retrysafe.stores.mysql.connection import (
     Op,
     Row,
     errno_of,
-    option,
     parse_url,
     retry_locked,
-    table_parts,
-    to_bool,
 )
 from retrysafe.stores.mysql.maintenance import MySQLMaintenance
 from retrysafe.stores.mysql.schema import (
@@ -128,7 +126,7 @@ class MySQLStore(MySQLTransactions, MySQLMaintenance, Store[Op]):
         where = connect.get("unix_socket") or f"{connect['host']}:{connect['port']}"
         self._where = f"{where}/{connect['database']} (table {table})"
         self._migrated = not auto_migrate
-        self._names = Names.of(table_parts(table))
+        self._names = Names.of(table_parts(table, "database"))
         self._build_sql(self._names)
         self._init_connections()
 

@@ -5,7 +5,6 @@ trip, and how a driver error becomes StoreUnavailableError."""
 from __future__ import annotations
 
 import asyncio
-import re
 import select
 import threading
 import weakref
@@ -46,7 +45,6 @@ class _Op(NamedTuple):
 _DEFAULT_INTERVAL = 86400.0
 _DEFAULT_AHEAD = 7 * 86400.0
 
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,47}")
 _OWN_OPTIONS = (
     "table",
     "min_size",
@@ -56,8 +54,6 @@ _OWN_OPTIONS = (
     "partition_interval",
     "partition_ahead",
 )
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
 
 
 def _split_url(url: str) -> tuple[str, dict[str, str]]:
@@ -74,37 +70,6 @@ def _split_url(url: str) -> tuple[str, dict[str, str]]:
             keep.append(item)
     conninfo = base + ("?" + "&".join(keep) if keep else "") + hash_ + fragment
     return conninfo, ours
-
-
-def _table_parts(table: str) -> tuple[str, ...]:
-    parts = tuple(table.split("."))
-    if len(parts) > 2 or not all(_NAME.fullmatch(p) for p in parts):
-        raise ValueError(
-            f"invalid table name {table!r}: use [schema.]name, letters, digits and "
-            "underscores, at most 48 characters each"
-        )
-    return parts
-
-
-def _option(name: str, given: Any, default: Any, url_value: str | None, convert: Any) -> Any:
-    """A store option from the URL or the keyword argument (not both, unless equal)."""
-    if url_value is None:
-        return given
-    try:
-        value = convert(url_value)
-    except ValueError as exc:
-        raise ValueError(f"invalid {name}={url_value!r} in the store URL") from exc
-    if given != default and given != value:
-        raise ValueError(f"{name} given both in the URL ({value!r}) and as an argument ({given!r})")
-    return value
-
-
-def _to_bool(text: str) -> bool:
-    if text.lower() in _TRUE:
-        return True
-    if text.lower() in _FALSE:
-        return False
-    raise ValueError(text)
 
 
 # -- the executors' helpers ---------------------------------------------------------

@@ -28,6 +28,7 @@ from retrysafe._model.duration import parse_duration
 from retrysafe._model.record import ClaimResult, Outcome, Record, Status
 from retrysafe.errors import SchemaModeError, SchemaVersionError, StoreUnavailableError
 from retrysafe.stores._base import Store
+from retrysafe.stores._options import option, table_parts, to_bool
 from retrysafe.stores._packing import tagged_token
 from retrysafe.stores._redact import redact, redact_in
 from retrysafe.stores._sql import ARCHIVE_COLUMNS, COLUMNS
@@ -40,10 +41,7 @@ from retrysafe.stores.postgres.connection import (
     _forget_pools,
     _LoopPool,
     _Op,
-    _option,
     _split_url,
-    _table_parts,
-    _to_bool,
 )
 from retrysafe.stores.postgres.maintenance import PostgresMaintenance
 from retrysafe.stores.postgres.rows import (
@@ -203,27 +201,25 @@ class PostgresStore(PostgresTransactions, PostgresMaintenance, Store[_Op]):
             )
         self.url = url
         conninfo, options = _split_url(url)
-        table = _option("table", table, "retrysafe_records", options.get("table"), str)
-        min_size = _option("min_size", min_size, 0, options.get("min_size"), int)
-        max_size = _option("max_size", max_size, 10, options.get("max_size"), int)
-        auto_migrate = _option(
-            "auto_migrate", auto_migrate, True, options.get("auto_migrate"), _to_bool
+        table = option("table", table, "retrysafe_records", options.get("table"), str)
+        min_size = option("min_size", min_size, 0, options.get("min_size"), int)
+        max_size = option("max_size", max_size, 10, options.get("max_size"), int)
+        auto_migrate = option(
+            "auto_migrate", auto_migrate, True, options.get("auto_migrate"), to_bool
         )
         interval = partial(parse_duration, field="partition_interval")
         ahead = partial(parse_duration, field="partition_ahead", allow_zero=True)
-        partitioned = _option(
-            "partitioned", partitioned, False, options.get("partitioned"), _to_bool
-        )
+        partitioned = option("partitioned", partitioned, False, options.get("partitioned"), to_bool)
         if partition_interval is not None:
             partition_interval = interval(partition_interval)
-        partition_interval = _option(
+        partition_interval = option(
             "partition_interval",
             partition_interval,
             None,
             options.get("partition_interval"),
             interval,
         )
-        partition_ahead = _option(
+        partition_ahead = option(
             "partition_ahead",
             ahead(partition_ahead),
             _DEFAULT_AHEAD,
@@ -292,7 +288,7 @@ class PostgresStore(PostgresTransactions, PostgresMaintenance, Store[_Op]):
         self._held: dict[str, tuple[str, bytes, bytes]] = {}
         #: How compare-and-set statements recover: only a partitioned table moves rows.
         self._moved = partial(_retry_moved, 0) if self.partitioned else None
-        self._build_sql(_table_parts(table))
+        self._build_sql(table_parts(table))
         # A pool must not cross a fork (gunicorn --preload, multiprocessing, Celery):
         # the child would share the parent's sockets (each reading the other's
         # replies) and wait on pool workers that did not survive the fork. The child
