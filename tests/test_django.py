@@ -468,7 +468,7 @@ def test_the_store_defaults_to_retrysafe_store(
         ({"stor": "memory://"}, "unknown option.*'stor'.*the options are store, methods"),
         ({"duplicate_response": "always"}, 'RETRYSAFE: duplicate_response must be "replay"'),
         ({"require_key": 1}, "RETRYSAFE: require_key must be a bool or a callable"),
-        ({"store": "mysql://db"}, "RETRYSAFE: unknown store URL"),
+        ({"store": "mongodb://db"}, "RETRYSAFE: unknown store URL"),
         ({"ttl": "1h"}, "RETRYSAFE: ttl must be a number of seconds"),
         ({"principal": "nowhere.who"}, "RETRYSAFE: principal 'nowhere.who' is not the dotted path"),
         (
@@ -495,7 +495,7 @@ def test_a_bad_setting_is_a_clear_error_when_django_loads(setting: Any, message:
 
 
 def test_keyword_options_take_precedence_over_settings(memory: Store[Any]) -> None:
-    with override_settings(RETRYSAFE={"store": "mysql://never-opened", "methods": ["PUT"]}):
+    with override_settings(RETRYSAFE={"store": "mongodb://never-opened", "methods": ["PUT"]}):
         middleware = IdempotencyMiddleware(lambda request: HttpResponse(b"ok"), store=memory)
     assert middleware.policy.methods == {"PUT"}
     assert middleware.policy.engine.store is memory
