@@ -195,7 +195,7 @@ async def test_the_store_down_is_retryable_and_runs_nothing(tmp_path: Path) -> N
     assert shop.count("down") == 0
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "redis", "postgres"])
+@pytest.mark.parametrize("kind", ["sqlite", "redis", "postgres", "mysql"])
 async def test_concurrent_duplicates_over_http_run_once(
     kind: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
@@ -354,7 +354,7 @@ def test_bad_options_are_refused() -> None:
         McpIdempotency("memory://", tll=5)
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "redis", "postgres"])
+@pytest.mark.parametrize("kind", ["sqlite", "redis", "postgres", "mysql"])
 async def test_a_client_that_drops_mid_call_gets_the_answer_on_retry(
     kind: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:

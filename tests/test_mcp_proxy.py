@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PLAIN = str(Path(__file__).resolve().parent / "mcp_servers" / "plain.py")
 META = "dev.retrysafe/idempotencyKey"
 EXT = "dev.retrysafe/idempotency"
-SHARED = ["sqlite", "redis", "postgres"]
+SHARED = ["sqlite", "redis", "postgres", "mysql"]
 #: The per-request fields of a 2026-07-28 request, as the SDK's client sends them.
 SESSION = {
     "io.modelcontextprotocol/protocolVersion": "2026-07-28",

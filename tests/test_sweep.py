@@ -216,7 +216,7 @@ def kill_sweeps_until_one_finishes(spec: StoreSpec, now: float, free: tuple[int,
 # Ten child processes at least (48 batches, 5 at most a run), 13 to 31 s beside two CPU
 # hogs: the default 120 s is under five times that.
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("store_spec", ["sqlite", "redis", "postgres"], indirect=True)
+@pytest.mark.parametrize("store_spec", ["sqlite", "redis", "postgres", "mysql"], indirect=True)
 def test_killed_sweeps_lose_and_duplicate_nothing(
     spec: StoreSpec, sstore: Store[Any], clock: Clock
 ) -> None:

@@ -1,6 +1,6 @@
 """``ttl_from="completion"``: an answer is kept ``ttl`` from when it is stored, not
 from its claim (the Mesh door's ``ttl`` is a cache duration). On every store, the
-Redis Cluster and the partitioned PostgreSQL table included, sync and async, with
+Redis Cluster, the partitioned PostgreSQL table and MySQL included, sync and async, with
 the engine's clock moved by hand."""
 
 from __future__ import annotations
@@ -22,7 +22,15 @@ OP = "reports.build"
 TTL = 3600.0
 RUN = 600.0  # the handler's time: the answer is stored this long after its claim
 
-ALL_STORES = ["memory", "sqlite", "redis", "postgres", "redis-cluster", "postgres-partitioned"]
+ALL_STORES = [
+    "memory",
+    "sqlite",
+    "redis",
+    "postgres",
+    "mysql",
+    "redis-cluster",
+    "postgres-partitioned",
+]
 
 
 @pytest.fixture(params=ALL_STORES)
@@ -222,7 +230,7 @@ def test_a_subclass_with_the_old_signature_keeps_the_claims_expiry(clock: Clock)
 def test_a_transactional_completion_moves_it_too(
     store_spec: StoreSpec, store: Store[Any], clock: Clock
 ) -> None:
-    if store_spec.name not in ("sqlite", "postgres", "postgres-partitioned"):
+    if store_spec.name not in ("sqlite", "postgres", "postgres-partitioned", "mysql"):
         pytest.skip("transactional completion: SQL stores only")
     engine = Engine(store, clock=clock, ttl=TTL, lease=2 * RUN)
     with engine.attempt("k", operation=OP, ttl_from="completion") as att:
