@@ -236,6 +236,31 @@ def test_takeover_races_a_stale_completion(isolation_server: MySQLServer) -> Non
     print(f"\nrounds where the completion landed / was fenced: {outcomes}")
 
 
+def test_a_deadlock_that_keeps_coming_back_is_given_up(mysql_server: MySQLServer) -> None:
+    """A statement InnoDB keeps choosing as a deadlock's victim runs again 10 times,
+    then the error is the caller's (a plain op, and a guard cell's first write, whose
+    own recover treats a duplicate key as lost): never an endless retry."""
+    from retrysafe.stores.mysql.connection import Op, play
+
+    store = _spec(mysql_server).open()
+    deadlock = pymysql.err.OperationalError(1213, "Deadlock found")
+    try:
+        for op in (
+            Op("DO 0", (), lambda rowcount, row: "done"),
+            store._cell_write("c", None, "{}", None, T0),
+        ):
+            flow = play(op)
+            next(flow)
+            sent = 0
+            with pytest.raises(pymysql.err.OperationalError):
+                while sent < 100:
+                    sent += 1
+                    flow.send(deadlock)
+            assert sent == 11, sent  # the first try and 10 more
+    finally:
+        store.close()
+
+
 # -- URLs, a server that is down, the schema -------------------------------------------
 
 

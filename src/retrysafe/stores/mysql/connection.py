@@ -108,10 +108,8 @@ def retry_locked(op: Op, exc: BaseException, tries: int = 0) -> Op:
     """``op`` again after a deadlock (InnoDB rolled its statement back), at most
     :data:`_MAX_LOCK_RETRIES` times; any other error is raised."""
     if errno_of(exc) in _LOCK_ERRORS and tries < _MAX_LOCK_RETRIES:
-        recover = op.recover
-        if recover is None:
-            return op._replace(recover=lambda o, e: retry_locked(o, e, tries + 1))
-        return op  # its own recover brought it here, and counts on
+        # (an op with a recover of its own replaces this one again, counting on)
+        return op._replace(recover=lambda o, e: retry_locked(o, e, tries + 1))
     raise exc
 
 
