@@ -319,7 +319,8 @@ def test_a_server_that_is_down(listener: socket.socket, mode: str, down: str) ->
             engine.begin("k", operation=OP)
         else:
             asyncio.run(asyncio.wait_for(engine.abegin("k", operation=OP), 30))
-    assert time.monotonic() - started < 1 + 1.5  # the timeout, and scheduling slack
+    # connect_timeout is 1 s; a caller that is not bounded waits 30 s (async) or forever
+    assert time.monotonic() - started < 10
     assert err.value.code == "idempotency_store_unavailable"
     assert "s3cret" not in str(err.value) and f"127.0.0.1:{port}/db" in str(err.value)
     store.close()
@@ -422,7 +423,7 @@ def test_an_answer_over_the_packet_fails_finally(mysql_server: MySQLServer, mode
     ((packet,),) = rows(mysql_server, "SELECT @@max_allowed_packet")
     body = b"\x00" * (int(packet) // 2 + 1)
     store = _spec(mysql_server).open()
-    api = Api(Engine(store, max_body=len(body), lease=60), mode)
+    api = Api(Engine(store, max_body=len(body), lease=300), mode)
     try:
         claim = api.begin("too-big", operation=OP)
         assert isinstance(claim, Claim)
@@ -431,7 +432,7 @@ def test_an_answer_over_the_packet_fails_finally(mysql_server: MySQLServer, mode
         with pytest.raises(StoreUnavailableError) as err:
             api.complete(claim, Outcome(body))
         assert not err.value.transient and "max_allowed_packet" in str(err.value)
-        assert time.monotonic() - started < 10  # not resent for the 60 s lease
+        assert time.monotonic() - started < 30  # not resent for the 300 s lease
         record = store.get(claim.key_hash)
         assert record is not None and record.status is Status.FAILED and record.final
         again = api.begin("too-big", operation=OP)

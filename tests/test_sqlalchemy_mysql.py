@@ -223,12 +223,12 @@ def test_an_answer_over_the_packet_fails_finally_at_once(url: str) -> None:
     table = _table()
     db = sqlalchemy.create_engine(url)
     store = SQLAlchemyStore(db, **table)
-    engine = Engine(store, max_body=len(OVERSIZE), lease=30)
+    engine = Engine(store, max_body=len(OVERSIZE), lease=300)
     claim = engine.begin("big", operation="o")
     started = time.monotonic()
     with pytest.raises(StoreUnavailableError, match="max_allowed_packet") as refused:
         engine.complete(claim, Outcome(body=OVERSIZE))  # type: ignore[arg-type]
-    assert refused.value.transient is False and time.monotonic() - started < 10
+    assert refused.value.transient is False and time.monotonic() - started < 30  # lease: 300 s
     record = store.get(key_hash("", "o", "big"))
     assert record is not None and record.status is Status.FAILED and record.final
     with (
@@ -248,7 +248,7 @@ def test_an_answer_over_the_packet_fails_finally_at_once(url: str) -> None:
         aengine = create_async_engine(url.replace("+pymysql", "+asyncmy", 1))
         astore = SQLAlchemyStore(aengine, **table)
         try:
-            eng = Engine(astore, max_body=len(OVERSIZE), lease=30)
+            eng = Engine(astore, max_body=len(OVERSIZE), lease=300)
             aclaim = await eng.abegin("abig", operation="o")
             started = time.monotonic()
             with pytest.raises(StoreUnavailableError, match="max_allowed_packet") as err:
@@ -270,7 +270,7 @@ def test_an_answer_over_the_packet_fails_finally_at_once(url: str) -> None:
             await aengine.dispose()
 
     transient, took, record = asyncio.run(main())
-    assert transient is False and took < 10
+    assert transient is False and took < 30  # not resent for the 300 s lease
     assert record is not None and record.status is Status.FAILED and record.final
     store.close()
     db.dispose()
@@ -330,7 +330,7 @@ def test_a_failed_migration_frees_the_named_lock(
         other = open_store(mysql_server.url, **table)
         started = time.monotonic()
         other.migrate()
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 20  # a held lock makes it wait 30 s
         other.close()
     db.dispose()
 
