@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import functools
 import os
-import select
 import ssl
 import threading
 import weakref
@@ -26,6 +25,7 @@ from pymysql.constants import CLIENT
 from retrysafe.errors import MissingExtraError, StoreUnavailableError
 from retrysafe.stores._options import to_bool
 from retrysafe.stores._redact import redact, redact_in
+from retrysafe.stores._sockets import has_input
 
 __all__ = [
     "CONNECTION_LOST",
@@ -299,11 +299,7 @@ def _idle_broken(conn: Any) -> bool:
         fd = sock.fileno()
     except OSError:
         return True
-    if fd < 0:
-        return True
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(0))
+    return fd < 0 or has_input(fd)
 
 
 class _SyncPool:

@@ -5,7 +5,6 @@ trip, and how a driver error becomes StoreUnavailableError."""
 from __future__ import annotations
 
 import asyncio
-import select
 import threading
 import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -18,6 +17,7 @@ from psycopg import pq, sql
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolClosed, PoolTimeout
 
 from retrysafe.errors import StoreUnavailableError
+from retrysafe.stores._sockets import has_input
 
 if TYPE_CHECKING:
     from retrysafe.stores.postgres.store import PostgresStore
@@ -87,14 +87,7 @@ def _closed_by_server(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[An
         fd = conn.pgconn.socket
     except psycopg.Error:
         return True
-    if _poll is None:  # pragma: no cover - platforms without poll()
-        return bool(fd < 1024 and select.select([fd], [], [], 0)[0])
-    poller = _poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(0))
-
-
-_poll = getattr(select, "poll", None)
+    return has_input(fd)
 
 
 def _has_rows(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> bool:
