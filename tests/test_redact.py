@@ -13,7 +13,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from retrysafe import open_store
@@ -101,6 +101,10 @@ def test_a_keyword_dsn_password_never_shows(password: str, name: str) -> None:
 @settings(max_examples=200, deadline=None)
 @given(password=_no_nested.filter(lambda p: len(p) >= 6))
 def test_a_nested_archive_password_never_shows(password: str) -> None:
+    # A password that is also a piece of what is shown ("postgr") is in it anyway.
+    masked = "postgresql://user:***@db.example/app"
+    around = f"redis://cache.example:6379/0?archive={masked} {quote(masked, safe='')}"
+    assume(password not in around and quote(password, safe="") not in around)
     archive = f"postgresql://user:{password}@db.example/app"
     for value in (archive, quote(archive, safe="")):
         shown = redact(f"redis://cache.example:6379/0?archive={value}")
